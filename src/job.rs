@@ -1,0 +1,273 @@
+//! What every request carries: who it is for, where it comes from, and what it costs.
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Who is billed for, and protected by, a request.
+///
+/// Cheap to clone (an `Arc<str>` inside). Any string is a valid tenant name: the Redis store
+/// escapes it before it goes into a key.
+#[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct TenantId(Arc<str>);
+
+impl TenantId {
+    /// Creates a tenant id from its name.
+    pub fn new(name: impl AsRef<str>) -> Self {
+        TenantId(Arc::from(name.as_ref()))
+    }
+
+    /// The tenant's name.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Debug for TenantId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Debug::fmt(&*self.0, f)
+    }
+}
+
+impl fmt::Display for TenantId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl From<&str> for TenantId {
+    fn from(name: &str) -> Self {
+        TenantId::new(name)
+    }
+}
+
+impl From<String> for TenantId {
+    fn from(name: String) -> Self {
+        TenantId(Arc::from(name))
+    }
+}
+
+/// A plan name such as `premium`, `pro`, `free` or `guest`, or any name the layers are
+/// configured with. Cheap to clone.
+#[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Tier(Arc<str>);
+
+impl Tier {
+    /// The highest of the reference plans.
+    pub const PREMIUM: &'static str = "premium";
+    /// A paid plan.
+    pub const PRO: &'static str = "pro";
+    /// The free plan.
+    pub const FREE: &'static str = "free";
+    /// Callers that are not signed in; the least privileged tier.
+    pub const GUEST: &'static str = "guest";
+
+    /// Creates a tier from its name.
+    pub fn new(name: impl AsRef<str>) -> Self {
+        Tier(Arc::from(name.as_ref()))
+    }
+
+    /// The tier's name.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Debug for Tier {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Debug::fmt(&*self.0, f)
+    }
+}
+
+impl fmt::Display for Tier {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl From<&str> for Tier {
+    fn from(name: &str) -> Self {
+        Tier::new(name)
+    }
+}
+
+impl From<String> for Tier {
+    fn from(name: String) -> Self {
+        Tier(Arc::from(name))
+    }
+}
+
+/// What caused a request: the only priority input a caller gives.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Origin {
+    /// A person is waiting for the answer (a chat message, a button).
+    UserAction,
+    /// Periodic work: review replies, summaries.
+    Scheduled,
+    /// Bulk work with no one waiting.
+    BatchJob,
+}
+
+/// The class a request is served in, decided centrally by
+/// [`PriorityClassify`](crate::PriorityClassify) and never by the caller.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Priority {
+    /// Someone is waiting: served first (but not exclusively, see `DrrFairness`).
+    Critical,
+    /// Needed soon.
+    Standard,
+    /// Needed whenever; also where demoted tenants go.
+    Batch,
+}
+
+impl Priority {
+    /// All priorities, highest first.
+    pub const ALL: [Priority; 3] = [Priority::Critical, Priority::Standard, Priority::Batch];
+
+    /// The lowercase name used in metric labels and logs.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Priority::Critical => "critical",
+            Priority::Standard => "standard",
+            Priority::Batch => "batch",
+        }
+    }
+}
+
+impl fmt::Display for Priority {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// The metadata every request carries through the layers.
+///
+/// Built by the caller (server-side code, never the end user), put into the request's
+/// extensions. The priority is read-only: only [`PriorityClassify`](crate::PriorityClassify)
+/// sets it, so a caller cannot label its own work critical.
+///
+/// ```
+/// use fairgate::{Job, Origin};
+/// use std::time::Duration;
+///
+/// let job = Job::new("tenant-42", Origin::Scheduled)
+///     .tier("pro")
+///     .sla(Duration::from_secs(600))
+///     .input_text("Summarise this week's reviews.");
+/// assert_eq!(job.tenant().as_str(), "tenant-42");
+/// assert_eq!(job.estimated_tokens(), 9); // ceil(30 chars / 3.5)
+/// assert_eq!(job.priority(), None);      // not classified yet
+/// ```
+///
+/// There is no way to set the priority from outside the crate:
+///
+/// ```compile_fail
+/// use fairgate::{Job, Origin, Priority};
+/// let mut job = Job::new("t", Origin::BatchJob);
+/// job.set_priority(Priority::Critical);
+/// ```
+#[derive(Clone, Debug)]
+pub struct Job {
+    tenant: TenantId,
+    origin: Origin,
+    sla: Option<Duration>,
+    tier: Option<Tier>,
+    cost: u32,
+    priority: Option<Priority>,
+}
+
+impl Job {
+    /// A job for `tenant` caused by `origin`, with no SLA, no tier and a cost of 1 token.
+    pub fn new(tenant: impl Into<TenantId>, origin: Origin) -> Self {
+        Job {
+            tenant: tenant.into(),
+            origin,
+            sla: None,
+            tier: None,
+            cost: 1,
+            priority: None,
+        }
+    }
+
+    /// Sets the plan the tenant is on (`premium`, `pro`, `free`, `guest`, ...).
+    pub fn tier(mut self, tier: impl Into<Tier>) -> Self {
+        self.tier = Some(tier.into());
+        self
+    }
+
+    /// Sets how soon an answer is needed.
+    pub fn sla(mut self, within: Duration) -> Self {
+        self.sla = Some(within);
+        self
+    }
+
+    /// Sets the estimated input tokens exactly (e.g. from a token-counting call). A cost of 0
+    /// counts as 1: every call costs something.
+    pub fn cost(mut self, tokens: u32) -> Self {
+        self.cost = tokens.max(1);
+        self
+    }
+
+    /// Estimates the input tokens from the prompt text: ceil(chars / 3.5), at least 1.
+    pub fn input_text(mut self, text: &str) -> Self {
+        let chars = text.chars().count() as u64;
+        let tokens = (chars * 2).div_ceil(7).max(1);
+        self.cost = u32::try_from(tokens).unwrap_or(u32::MAX);
+        self
+    }
+
+    /// Who the job is for.
+    pub fn tenant(&self) -> &TenantId {
+        &self.tenant
+    }
+
+    /// What caused the job.
+    pub fn origin(&self) -> Origin {
+        self.origin
+    }
+
+    /// How soon an answer is needed; `None` means whenever.
+    pub fn sla_window(&self) -> Option<Duration> {
+        self.sla
+    }
+
+    /// The tenant's plan, if the caller set one.
+    pub fn tier_name(&self) -> Option<&Tier> {
+        self.tier.as_ref()
+    }
+
+    /// Estimated input tokens (at least 1).
+    pub fn estimated_tokens(&self) -> u32 {
+        self.cost
+    }
+
+    /// The class decided by `PriorityClassify`; `None` before it ran.
+    pub fn priority(&self) -> Option<Priority> {
+        self.priority
+    }
+
+    pub(crate) fn set_priority(&mut self, priority: Priority) {
+        self.priority = Some(priority);
+    }
+}
+
+/// A request type that can carry a [`Job`].
+///
+/// Implemented for `http::Request<B>` (the job lives in its extensions); implement it for
+/// your own request type to use the layers with, say, a tonic or a custom client.
+pub trait JobRequest {
+    /// The job, if the request carries one.
+    fn job(&self) -> Option<&Job>;
+    /// The job, mutably, if the request carries one.
+    fn job_mut(&mut self) -> Option<&mut Job>;
+}
+
+impl<B> JobRequest for http::Request<B> {
+    fn job(&self) -> Option<&Job> {
+        self.extensions().get::<Job>()
+    }
+
+    fn job_mut(&mut self) -> Option<&mut Job> {
+        self.extensions_mut().get_mut::<Job>()
+    }
+}

@@ -1,0 +1,56 @@
+//! Fair, tier-aware admission control for calls to hosted LLM APIs (Anthropic Claude first),
+//! as tower layers that share one state handle.
+//!
+//! Multi-tenant applications put fairgate in front of the provider so that a paying user's
+//! chat never queues behind a free-tier flood, one runaway tenant cannot starve the others,
+//! the whole fleet of workers stays inside its provider budget, and a storm of 429s calms
+//! down instead of feeding itself.
+//!
+//! - [`PriorityClassify`]: critical / standard / batch, decided centrally from a request's
+//!   origin and SLA, never from a caller's label; runaway tenants demoted to batch for a
+//!   while.
+//!
+//! Every layer reads the [`Job`] a request carries (in `http::Request` extensions, or through
+//! [`JobRequest`] for other request types) and shares one [`Store`]: in memory by default,
+//! Redis (feature `redis`) when many processes share one budget.
+//!
+//! ```
+//! use fairgate::{Job, Origin, Priority, PriorityClassifyLayer, Store};
+//! use tower::{ServiceBuilder, ServiceExt, service_fn};
+//!
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() -> Result<(), fairgate::BoxError> {
+//! let store = Store::memory(); // or Store::redis("redis://127.0.0.1/").await? with feature "redis"
+//! let claude = ServiceBuilder::new()
+//!     .layer(PriorityClassifyLayer::new(store.clone()))
+//!     .service(service_fn(|req: http::Request<String>| async move {
+//!         Ok::<_, std::convert::Infallible>(req.extensions().get::<Job>().and_then(Job::priority))
+//!     }));
+//!
+//! let mut req = http::Request::post("https://api.anthropic.com/v1/messages").body("{}".to_owned())?;
+//! req.extensions_mut().insert(Job::new("tenant-42", Origin::UserAction).tier("pro").input_text("Hello"));
+//! assert_eq!(claude.oneshot(req).await?, Some(Priority::Critical));
+//! # Ok(())
+//! # }
+//! ```
+#![warn(
+    missing_docs,
+    missing_debug_implementations,
+    rust_2018_idioms,
+    unreachable_pub
+)]
+#![forbid(unsafe_code)]
+#![cfg_attr(docsrs, feature(doc_cfg))]
+
+pub mod error;
+mod job;
+pub mod metrics;
+pub mod priority_classify;
+pub mod store;
+
+pub use crate::error::{BoxError, ConfigError, MissingJob};
+pub use crate::job::{Job, JobRequest, Origin, Priority, TenantId, Tier};
+pub use crate::priority_classify::{
+    ClassifyRule, DefaultRule, DemotionPolicy, PriorityClassify, PriorityClassifyLayer,
+};
+pub use crate::store::{Demotion, Store, StoreBuilder, StoreFuture, StoreUnavailable};

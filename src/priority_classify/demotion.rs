@@ -1,0 +1,156 @@
+use std::time::Duration;
+
+use crate::error::ConfigError;
+
+/// When a runaway tenant is demoted to batch, and for how long.
+///
+/// Demotion is congestion control, not punishment: a tenant with at least `throttle_limit`
+/// throttles (429s attributed to it) inside the store's throttle window, or whose input
+/// tokens today exceed `budget_ratio` x its daily budget, is served as batch for
+/// `demote_for`, then the demotion expires by itself. A tenant still over its budget is
+/// demoted again the next time it is checked after that: the budget resets with the UTC day.
+///
+/// Defaults (from the reference): 5 throttles, 1.5x a daily budget of 100,000 tokens,
+/// 5 minutes. The throttle window (60 s) belongs to the [`Store`](crate::Store), because the
+/// layer that records throttles shares it.
+///
+/// ```
+/// use fairgate::DemotionPolicy;
+/// use std::time::Duration;
+///
+/// let policy = DemotionPolicy::builder()
+///     .throttle_limit(10)
+///     .budget_ratio(2.0)
+///     .demote_for(Duration::from_secs(120))
+///     .build()?;
+/// assert_eq!(policy.throttle_limit(), 10);
+/// assert!(DemotionPolicy::builder().throttle_limit(0).build().is_err());
+/// # Ok::<(), fairgate::ConfigError>(())
+/// ```
+#[derive(Clone, Debug, PartialEq)]
+pub struct DemotionPolicy {
+    throttle_limit: u32,
+    budget_ratio: f64,
+    /// `budget_ratio` in thousandths, so both stores compare integers the same way.
+    budget_permille: u64,
+    default_daily_budget: u64,
+    demote_for: Duration,
+}
+
+impl Default for DemotionPolicy {
+    fn default() -> Self {
+        DemotionPolicy {
+            throttle_limit: 5,
+            budget_ratio: 1.5,
+            budget_permille: 1500,
+            default_daily_budget: 100_000,
+            demote_for: Duration::from_secs(300),
+        }
+    }
+}
+
+impl DemotionPolicy {
+    /// Starts from the defaults.
+    pub fn builder() -> DemotionPolicyBuilder {
+        DemotionPolicyBuilder {
+            policy: DemotionPolicy::default(),
+        }
+    }
+
+    /// Throttles inside the window that demote a tenant.
+    pub fn throttle_limit(&self) -> u32 {
+        self.throttle_limit
+    }
+
+    /// Multiple of the daily budget past which a tenant is demoted.
+    pub fn budget_ratio(&self) -> f64 {
+        self.budget_ratio
+    }
+
+    pub(crate) fn budget_permille(&self) -> u64 {
+        self.budget_permille
+    }
+
+    /// Daily input-token budget of a tenant with none set in the store.
+    pub fn default_daily_budget(&self) -> u64 {
+        self.default_daily_budget
+    }
+
+    /// How long a demotion lasts.
+    pub fn demote_for(&self) -> Duration {
+        self.demote_for
+    }
+
+    /// The rule itself; `scripts/check_demotion.lua` computes the same.
+    pub(crate) fn should_demote(&self, throttles: u64, tokens_today: u64, budget: u64) -> bool {
+        throttles >= u64::from(self.throttle_limit)
+            || u128::from(tokens_today) * 1000
+                > u128::from(budget) * u128::from(self.budget_permille)
+    }
+}
+
+/// Builds a [`DemotionPolicy`]; [`build`](DemotionPolicyBuilder::build) refuses bad values.
+#[derive(Clone, Debug)]
+pub struct DemotionPolicyBuilder {
+    policy: DemotionPolicy,
+}
+
+impl DemotionPolicyBuilder {
+    /// Throttles inside the store's window that demote a tenant (at least 1).
+    pub fn throttle_limit(mut self, throttles: u32) -> Self {
+        self.policy.throttle_limit = throttles;
+        self
+    }
+
+    /// Multiple of the daily budget past which a tenant is demoted (finite, > 0; kept to
+    /// three decimals).
+    pub fn budget_ratio(mut self, ratio: f64) -> Self {
+        self.policy.budget_ratio = ratio;
+        self
+    }
+
+    /// Daily input-token budget of tenants with none set in the store (at least 1).
+    pub fn default_daily_budget(mut self, tokens: u64) -> Self {
+        self.policy.default_daily_budget = tokens;
+        self
+    }
+
+    /// How long a demotion lasts (at least 1 ms).
+    pub fn demote_for(mut self, duration: Duration) -> Self {
+        self.policy.demote_for = duration;
+        self
+    }
+
+    /// The policy, or what is wrong with it.
+    ///
+    /// # Errors
+    /// A zero throttle limit, budget or duration, or a ratio that is not a finite number
+    /// above zero.
+    pub fn build(self) -> Result<DemotionPolicy, ConfigError> {
+        let mut policy = self.policy;
+        if policy.throttle_limit == 0 {
+            return Err(ConfigError::new("throttle limit must be at least 1"));
+        }
+        if !policy.budget_ratio.is_finite() || policy.budget_ratio <= 0.0 {
+            return Err(ConfigError::new(
+                "budget ratio must be a finite number above 0",
+            ));
+        }
+        let permille = (policy.budget_ratio * 1000.0).round();
+        if !(1.0..=1e12).contains(&permille) {
+            return Err(ConfigError::new(
+                "budget ratio must be between 0.001 and 1e9",
+            ));
+        }
+        policy.budget_permille = permille as u64;
+        if policy.default_daily_budget == 0 {
+            return Err(ConfigError::new(
+                "default daily budget must be at least 1 token",
+            ));
+        }
+        if policy.demote_for < Duration::from_millis(1) {
+            return Err(ConfigError::new("demotion must last at least 1 ms"));
+        }
+        Ok(policy)
+    }
+}

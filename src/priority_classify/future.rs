@@ -1,0 +1,149 @@
+//! The future of [`PriorityClassify`](crate::PriorityClassify).
+
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+use std::task::{Context, Poll, ready};
+
+use pin_project_lite::pin_project;
+use tokio::time::Instant;
+use tower_service::Service;
+
+use crate::error::{BoxError, MissingJob};
+use crate::store::{Demotion, StoreFuture};
+use crate::{JobRequest, Priority, TenantId};
+
+pin_project! {
+    /// Response future of [`PriorityClassify`](crate::PriorityClassify): waits for the
+    /// demotion check when it needs a round trip, then calls the inner service, and records
+    /// the end-to-end latency under the request's priority.
+    pub struct ResponseFuture<F, S, Req> {
+        #[pin]
+        state: State<F, S, Req>,
+        started: Instant,
+        priority: Option<Priority>,
+    }
+}
+
+pin_project! {
+    #[project = StateProj]
+    enum State<F, S, Req> {
+        Checking {
+            check: StoreFuture<Demotion>,
+            call: Option<PendingCall<S, Req>>,
+        },
+        Calling {
+            #[pin]
+            fut: F,
+        },
+        MissingJob,
+    }
+}
+
+struct PendingCall<S, Req> {
+    inner: S,
+    req: Req,
+    by_rule: Priority,
+    tenant: TenantId,
+}
+
+impl<F, S, Req> ResponseFuture<F, S, Req> {
+    pub(super) fn missing_job() -> Self {
+        ResponseFuture {
+            state: State::MissingJob,
+            started: Instant::now(),
+            priority: None,
+        }
+    }
+
+    pub(super) fn calling(fut: F, priority: Priority, started: Instant) -> Self {
+        ResponseFuture {
+            state: State::Calling { fut },
+            started,
+            priority: Some(priority),
+        }
+    }
+
+    pub(super) fn checking(
+        check: StoreFuture<Demotion>,
+        inner: S,
+        req: Req,
+        by_rule: Priority,
+        tenant: TenantId,
+        started: Instant,
+    ) -> Self {
+        ResponseFuture {
+            state: State::Checking {
+                check,
+                call: Some(PendingCall {
+                    inner,
+                    req,
+                    by_rule,
+                    tenant,
+                }),
+            },
+            started,
+            priority: None,
+        }
+    }
+}
+
+impl<F, S, Req, T, E> Future for ResponseFuture<F, S, Req>
+where
+    F: Future<Output = Result<T, E>>,
+    E: Into<BoxError>,
+    S: Service<Req, Future = F, Response = T, Error = E>,
+    Req: JobRequest,
+{
+    type Output = Result<T, BoxError>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        loop {
+            let mut this = self.as_mut().project();
+            match this.state.as_mut().project() {
+                StateProj::Checking { check, call } => {
+                    let demotion = ready!(Pin::new(check).poll(cx));
+                    let Some(PendingCall {
+                        mut inner,
+                        mut req,
+                        by_rule,
+                        tenant,
+                    }) = call.take()
+                    else {
+                        // Only reachable by polling after completion.
+                        return Poll::Ready(Err(MissingJob.into()));
+                    };
+                    let priority = match req.job_mut() {
+                        Some(job) => super::service::decide(job, by_rule, demotion, &tenant),
+                        None => return Poll::Ready(Err(MissingJob.into())),
+                    };
+                    *this.priority = Some(priority);
+                    let fut = inner.call(req);
+                    this.state.set(State::Calling { fut });
+                }
+                StateProj::Calling { fut } => {
+                    let output = ready!(fut.poll(cx));
+                    if let Some(priority) = *this.priority {
+                        crate::metrics::request_latency(priority, this.started.elapsed());
+                    }
+                    return Poll::Ready(output.map_err(Into::into));
+                }
+                StateProj::MissingJob => return Poll::Ready(Err(MissingJob.into())),
+            }
+        }
+    }
+}
+
+impl<F, S, Req> fmt::Debug for ResponseFuture<F, S, Req> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let state = match &self.state {
+            State::Checking { .. } => "checking",
+            State::Calling { .. } => "calling",
+            State::MissingJob => "missing job",
+        };
+        f.debug_struct("ResponseFuture")
+            .field("state", &state)
+            .field("priority", &self.priority)
+            .finish()
+    }
+}

@@ -1,0 +1,52 @@
+//! Decide who goes first, centrally.
+//!
+//! [`PriorityClassify`] sets every request's [`Priority`](crate::Priority) from its
+//! [`Job`](crate::Job)'s origin and SLA — never from a label the caller chose (the caller has
+//! no way to set one) — and sends tenants that run away to batch for a while:
+//!
+//! - the rule ([`DefaultRule`], or any [`ClassifyRule`] or closure): a user action is
+//!   critical; no SLA, or an SLA of at least 24 h, is batch; anything else is standard;
+//! - demotion ([`DemotionPolicy`]): a tenant with at least 5 throttles in the last 60 s, or
+//!   more than 1.5x its daily token budget today, is batch for 5 minutes whatever it asked
+//!   for. The check and the demotion are one atomic step in the [`Store`](crate::Store), so
+//!   every worker agrees; each worker reuses an answer for a short while (the store's cache
+//!   TTL), so a busy tenant costs no Redis round trip per request;
+//! - each admitted job's estimated tokens are added to its tenant's total for the UTC day.
+//!
+//! It is meant to be the outermost layer: it records `claude_request_latency_seconds` per
+//! priority from its `call` to the response. A request with no `Job` fails with
+//! [`MissingJob`](crate::MissingJob).
+//!
+//! ```
+//! use fairgate::{Job, Origin, Priority, PriorityClassifyLayer, Store};
+//! use tower::{ServiceBuilder, ServiceExt, service_fn};
+//! use std::time::Duration;
+//!
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() -> Result<(), fairgate::BoxError> {
+//! let store = Store::memory();
+//! let service = ServiceBuilder::new()
+//!     .layer(PriorityClassifyLayer::new(store.clone()))
+//!     .service(service_fn(|req: http::Request<()>| async move {
+//!         // What the layers below see:
+//!         let priority = req.extensions().get::<Job>().and_then(|job| job.priority());
+//!         Ok::<_, std::convert::Infallible>(priority)
+//!     }));
+//!
+//! let mut req = http::Request::new(());
+//! req.extensions_mut().insert(Job::new("acme", Origin::Scheduled).sla(Duration::from_secs(60)));
+//! assert_eq!(service.oneshot(req).await?, Some(Priority::Standard));
+//! # Ok(())
+//! # }
+//! ```
+
+mod demotion;
+pub mod future;
+mod layer;
+mod rule;
+mod service;
+
+pub use self::demotion::{DemotionPolicy, DemotionPolicyBuilder};
+pub use self::layer::PriorityClassifyLayer;
+pub use self::rule::{ClassifyRule, DefaultRule};
+pub use self::service::PriorityClassify;

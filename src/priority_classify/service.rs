@@ -1,0 +1,127 @@
+use std::fmt;
+use std::task::{Context, Poll};
+
+use tokio::time::Instant;
+use tower_service::Service;
+
+use super::future::ResponseFuture;
+use super::layer::Shared;
+use super::{ClassifyRule, DefaultRule};
+use crate::error::BoxError;
+use crate::store::Demotion;
+use crate::{Job, JobRequest, Priority, TenantId};
+
+/// Sets each request's [`Priority`] centrally, from its job's origin and SLA, demoting runaway
+/// tenants to batch; see the [module docs](crate::priority_classify).
+pub struct PriorityClassify<S, R = DefaultRule> {
+    pub(super) inner: S,
+    pub(super) shared: Shared<R>,
+}
+
+impl<S, R> PriorityClassify<S, R> {
+    /// The wrapped service.
+    pub fn get_ref(&self) -> &S {
+        &self.inner
+    }
+
+    /// The wrapped service, mutably.
+    pub fn get_mut(&mut self) -> &mut S {
+        &mut self.inner
+    }
+
+    /// Unwraps the inner service.
+    pub fn into_inner(self) -> S {
+        self.inner
+    }
+}
+
+impl<S: Clone, R> Clone for PriorityClassify<S, R> {
+    fn clone(&self) -> Self {
+        PriorityClassify {
+            inner: self.inner.clone(),
+            shared: self.shared.clone(),
+        }
+    }
+}
+
+impl<S: fmt::Debug, R> fmt::Debug for PriorityClassify<S, R> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PriorityClassify")
+            .field("inner", &self.inner)
+            .field("rule", &std::any::type_name::<R>())
+            .field("policy", &self.shared.policy)
+            .finish()
+    }
+}
+
+impl<S, R, Req> Service<Req> for PriorityClassify<S, R>
+where
+    S: Service<Req> + Clone,
+    S::Error: Into<BoxError>,
+    R: ClassifyRule,
+    Req: JobRequest,
+{
+    type Response = S::Response;
+    type Error = BoxError;
+    type Future = ResponseFuture<S::Future, S, Req>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx).map_err(Into::into)
+    }
+
+    fn call(&mut self, mut req: Req) -> Self::Future {
+        let started = Instant::now();
+        let Some(job) = req.job_mut() else {
+            return ResponseFuture::missing_job();
+        };
+        let shared = &self.shared;
+        let by_rule = shared.rule.classify(job);
+        let tenant = job.tenant().clone();
+        // Checked before this job's tokens count, the same on every store: the job that
+        // crosses the budget goes out as classified, the next one is demoted.
+        let check = shared.store.check_demotion(&tenant, &shared.policy);
+        let tokens = u64::from(job.estimated_tokens());
+        shared.store.add_tokens(&tenant, tokens);
+        crate::metrics::input_tokens(&tenant, tokens);
+
+        match check.into_ready() {
+            Ok(demotion) => {
+                let priority = decide(job, by_rule, demotion, &tenant);
+                ResponseFuture::calling(self.inner.call(req), priority, started)
+            }
+            Err(check) => {
+                // The answer needs a round trip: take the service that is ready into the
+                // future and keep a fresh clone here (it will be polled ready again).
+                let clone = self.inner.clone();
+                let inner = std::mem::replace(&mut self.inner, clone);
+                ResponseFuture::checking(check, inner, req, by_rule, tenant, started)
+            }
+        }
+    }
+}
+
+/// Applies the demotion to the rule's answer and writes the priority into the job.
+pub(super) fn decide(
+    job: &mut Job,
+    by_rule: Priority,
+    demotion: Demotion,
+    tenant: &TenantId,
+) -> Priority {
+    let priority = match demotion {
+        Demotion::NotDemoted => by_rule,
+        Demotion::Demoted { left, newly } => {
+            if newly {
+                tracing::warn!(
+                    name: "tenant.demoted",
+                    tenant = %tenant,
+                    for_secs = left.as_secs_f64(),
+                    "tenant demoted to batch"
+                );
+            }
+            Priority::Batch
+        }
+    };
+    job.set_priority(priority);
+    crate::metrics::classified(priority, demotion.is_demoted());
+    priority
+}

@@ -1,0 +1,93 @@
+//! Redis key names.
+//!
+//! Every per-tenant key carries the tenant as a hash tag (`{t:...}`), so the keys one script
+//! touches share a Redis Cluster slot while different tenants spread across shards. Names go
+//! through [`escape`], so no tenant name can close the tag, add a `:` part or collide with
+//! another name.
+
+use std::fmt::Write;
+
+use crate::TenantId;
+use crate::error::ConfigError;
+
+/// Builds key names under one prefix.
+#[derive(Clone, Debug)]
+pub(crate) struct Keys {
+    prefix: String,
+}
+
+impl Keys {
+    /// # Errors
+    /// A prefix that is empty or holds anything but ASCII letters, digits, `_`, `-`, `.`
+    /// and `:` (a brace would break the hash tags).
+    pub(crate) fn new(prefix: &str) -> Result<Self, ConfigError> {
+        let allowed = |c: char| c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.' | ':');
+        if prefix.is_empty() || !prefix.chars().all(allowed) {
+            return Err(ConfigError::new(
+                "key prefix must be non-empty ASCII letters, digits, '_', '-', '.' or ':'",
+            ));
+        }
+        Ok(Keys {
+            prefix: prefix.to_owned(),
+        })
+    }
+
+    /// `prefix:{t:<escaped tenant>}:part`
+    pub(crate) fn tenant(&self, tenant: &TenantId, part: &str) -> String {
+        let name = tenant.as_str();
+        let mut key = String::with_capacity(self.prefix.len() + name.len() + part.len() + 8);
+        key.push_str(&self.prefix);
+        key.push_str(":{t:");
+        escape_into(&mut key, name);
+        key.push_str("}:");
+        key.push_str(part);
+        key
+    }
+}
+
+/// Percent-escapes every byte but ASCII letters, digits, `_`, `-` and `.`: injective, and the
+/// result holds no `{`, `}`, `:`, `*`, space or control character.
+pub(crate) fn escape_into(out: &mut String, name: &str) {
+    for byte in name.bytes() {
+        if byte.is_ascii_alphanumeric() || matches!(byte, b'_' | b'-' | b'.') {
+            out.push(char::from(byte));
+        } else {
+            // Writing to a String cannot fail.
+            let _ = write!(out, "%{byte:02X}");
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn key(name: &str) -> String {
+        Keys::new("fg").unwrap().tenant(&TenantId::new(name), "x")
+    }
+
+    #[test]
+    fn escaped_names_keep_one_hash_tag_and_three_parts() {
+        for name in ["a", "{b}", "a:b", "*", "a b", "new\nline", "ünï", "%41", ""] {
+            let key = key(name);
+            assert_eq!(key.matches('{').count(), 1, "{key}");
+            assert_eq!(key.matches('}').count(), 1, "{key}");
+            assert!(key.starts_with("fg:{t:") && key.ends_with("}:x"), "{key}");
+            assert!(!key.contains(' ') && !key.contains('\n') && !key.contains('*'));
+        }
+    }
+
+    #[test]
+    fn different_names_never_share_a_key() {
+        let names = ["a", "A", "%41", "a:x", "a}:x", "a%3Ax", "", " "];
+        let keys: std::collections::HashSet<_> = names.iter().map(|n| key(n)).collect();
+        assert_eq!(keys.len(), names.len());
+    }
+
+    #[test]
+    fn prefix_with_a_brace_is_refused() {
+        assert!(Keys::new("a{b").is_err());
+        assert!(Keys::new("").is_err());
+        assert!(Keys::new("app:fairgate").is_ok());
+    }
+}

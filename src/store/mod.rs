@@ -1,0 +1,391 @@
+//! The shared state handle every layer takes.
+//!
+//! One [`Store`] is created per process and cloned into each layer; clones share everything.
+//! Two backends sit behind the same operations:
+//!
+//! - **memory** ([`Store::memory`]): all state in this process. The default, for one worker,
+//!   for tests and for the simulator.
+//! - **redis** (`Store::redis`, feature `redis`): state shared by every worker on one Redis.
+//!   Every multi-key operation is one Lua script using the server's clock. When Redis is
+//!   unreachable the store degrades to in-process state at once (no request fails), logs
+//!   `queue.redis_unavailable` once per outage, and returns to Redis by itself.
+//!
+//! The operations are those the layers need, and are public so an application can read or
+//! feed the same state (set a tenant's budget, record a 429 it handled itself, show who is
+//! demoted). They return a [`StoreFuture`], which is ready at once when no round trip is
+//! needed (memory, a fresh cache entry, a degraded Redis store).
+//!
+//! ```
+//! use fairgate::{Store, TenantId};
+//!
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() {
+//! let store = Store::memory();
+//! let tenant = TenantId::new("acme");
+//! store.record_throttle(&tenant).await;
+//! assert_eq!(store.throttle_count(&tenant).await, 1);
+//! store.add_tokens(&tenant, 1_200);
+//! assert_eq!(store.tokens_today(&tenant).await, 1_200);
+//! # }
+//! ```
+
+mod keys;
+mod memory;
+#[cfg(feature = "redis")]
+mod redis;
+
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use crate::TenantId;
+use crate::error::ConfigError;
+use crate::priority_classify::DemotionPolicy;
+
+use memory::MemoryState;
+
+#[cfg(feature = "redis")]
+pub use self::redis::RedisStoreError;
+
+/// Whether a tenant is demoted, as a check found it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Demotion {
+    /// Served by the classification rule.
+    NotDemoted,
+    /// Served as batch for `left` more.
+    Demoted {
+        /// Time left on the demotion.
+        left: Duration,
+        /// This check is the one that demoted the tenant.
+        newly: bool,
+    },
+}
+
+impl Demotion {
+    /// Whether the tenant is demoted.
+    pub fn is_demoted(&self) -> bool {
+        matches!(self, Demotion::Demoted { .. })
+    }
+}
+
+/// The future of a store operation: ready at once when no round trip is needed.
+///
+/// Store operations never fail: when Redis cannot answer, the in-process fallback does.
+#[must_use = "futures do nothing unless polled"]
+pub struct StoreFuture<T> {
+    state: FutureState<T>,
+}
+
+enum FutureState<T> {
+    Ready(Option<T>),
+    Pending(Pin<Box<dyn Future<Output = T> + Send>>),
+}
+
+impl<T> StoreFuture<T> {
+    pub(crate) fn ready(value: T) -> Self {
+        StoreFuture {
+            state: FutureState::Ready(Some(value)),
+        }
+    }
+
+    #[cfg_attr(not(feature = "redis"), allow(dead_code))]
+    pub(crate) fn pending(fut: impl Future<Output = T> + Send + 'static) -> Self {
+        StoreFuture {
+            state: FutureState::Pending(Box::pin(fut)),
+        }
+    }
+}
+
+impl<T> StoreFuture<T> {
+    /// The value if it is already there, else the future itself (to poll later).
+    pub(crate) fn into_ready(self) -> Result<T, Self> {
+        match self.state {
+            FutureState::Ready(Some(value)) => Ok(value),
+            state => Err(StoreFuture { state }),
+        }
+    }
+}
+
+// The value is moved out, never pinned in place.
+impl<T> Unpin for StoreFuture<T> {}
+
+impl<T> Future for StoreFuture<T> {
+    type Output = T;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<T> {
+        match &mut self.get_mut().state {
+            FutureState::Ready(value) => match value.take() {
+                Some(value) => Poll::Ready(value),
+                None => panic!("StoreFuture polled after completion"),
+            },
+            FutureState::Pending(fut) => fut.as_mut().poll(cx),
+        }
+    }
+}
+
+impl<T> fmt::Debug for StoreFuture<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let state = match self.state {
+            FutureState::Ready(Some(_)) => "ready",
+            FutureState::Ready(None) => "done",
+            FutureState::Pending(_) => "pending",
+        };
+        f.debug_struct("StoreFuture")
+            .field("state", &state)
+            .finish()
+    }
+}
+
+/// The shared state handle.
+///
+/// # Clone
+/// Cheap (an `Arc` inside); every clone shares the same state, connection and caches.
+#[derive(Clone)]
+pub struct Store {
+    backend: Arc<Backend>,
+}
+
+enum Backend {
+    Memory(MemoryState),
+    #[cfg(feature = "redis")]
+    Redis(Arc<self::redis::RedisStore>),
+}
+
+impl fmt::Debug for Store {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Store")
+            .field("backend", &self.backend_name())
+            .field("degraded", &self.is_degraded())
+            .finish()
+    }
+}
+
+impl Default for Store {
+    fn default() -> Self {
+        Store::memory()
+    }
+}
+
+/// Configures a [`Store`]: start from [`Store::builder`], finish with
+/// [`memory`](StoreBuilder::memory) or `redis`.
+#[derive(Clone, Debug)]
+pub struct StoreBuilder {
+    pub(crate) throttle_window: Duration,
+    #[cfg_attr(not(feature = "redis"), allow(dead_code))]
+    pub(crate) redis: RedisOptions,
+}
+
+/// Options that only the Redis backend uses (kept here so the builder is one type).
+#[derive(Clone, Debug)]
+#[cfg_attr(not(feature = "redis"), allow(dead_code))]
+pub(crate) struct RedisOptions {
+    pub(crate) key_prefix: String,
+    pub(crate) op_timeout: Duration,
+    pub(crate) cache_ttl: Duration,
+    pub(crate) flush_interval: Duration,
+    pub(crate) probe_interval: Duration,
+}
+
+impl Default for StoreBuilder {
+    fn default() -> Self {
+        StoreBuilder {
+            throttle_window: Duration::from_secs(60),
+            redis: RedisOptions {
+                key_prefix: "fairgate".to_owned(),
+                op_timeout: Duration::from_millis(150),
+                cache_ttl: Duration::from_secs(1),
+                flush_interval: Duration::from_millis(250),
+                probe_interval: Duration::from_millis(250),
+            },
+        }
+    }
+}
+
+impl StoreBuilder {
+    /// The sliding window throttles are counted in (default 60 s).
+    pub fn throttle_window(mut self, window: Duration) -> Self {
+        self.throttle_window = window;
+        self
+    }
+
+    /// Builds an in-process store.
+    ///
+    /// # Errors
+    /// A throttle window under 1 ms.
+    pub fn memory(self) -> Result<Store, ConfigError> {
+        self.validate()?;
+        Ok(Store::from_backend(Backend::Memory(MemoryState::new(
+            self.throttle_window,
+            true,
+        ))))
+    }
+
+    pub(crate) fn validate(&self) -> Result<(), ConfigError> {
+        if self.throttle_window < Duration::from_millis(1) {
+            return Err(ConfigError::new("throttle window must be at least 1 ms"));
+        }
+        Ok(())
+    }
+}
+
+impl Store {
+    /// An in-process store with the default configuration.
+    pub fn memory() -> Store {
+        Store::from_backend(Backend::Memory(MemoryState::new(
+            StoreBuilder::default().throttle_window,
+            true,
+        )))
+    }
+
+    /// Configures a store.
+    pub fn builder() -> StoreBuilder {
+        StoreBuilder::default()
+    }
+
+    fn from_backend(backend: Backend) -> Store {
+        Store {
+            backend: Arc::new(backend),
+        }
+    }
+
+    /// `"memory"` or `"redis"`.
+    pub fn backend_name(&self) -> &'static str {
+        match &*self.backend {
+            Backend::Memory(_) => "memory",
+            #[cfg(feature = "redis")]
+            Backend::Redis(_) => "redis",
+        }
+    }
+
+    /// Whether the store is serving from in-process state because Redis is unreachable.
+    /// Always `false` for the memory store. Also published as the gauge
+    /// `claude_store_degraded`.
+    pub fn is_degraded(&self) -> bool {
+        match &*self.backend {
+            Backend::Memory(_) => false,
+            #[cfg(feature = "redis")]
+            Backend::Redis(redis) => redis.is_degraded(),
+        }
+    }
+
+    /// Records a throttle (a 429 attributed to `tenant`) and returns how many fall inside the
+    /// throttle window, this one included.
+    pub fn record_throttle(&self, tenant: &TenantId) -> StoreFuture<u32> {
+        match &*self.backend {
+            Backend::Memory(memory) => StoreFuture::ready(memory.record_throttle(tenant)),
+            #[cfg(feature = "redis")]
+            Backend::Redis(redis) => redis.record_throttle(tenant),
+        }
+    }
+
+    /// Throttles of `tenant` inside the throttle window.
+    pub fn throttle_count(&self, tenant: &TenantId) -> StoreFuture<u32> {
+        match &*self.backend {
+            Backend::Memory(memory) => StoreFuture::ready(memory.throttle_count(tenant)),
+            #[cfg(feature = "redis")]
+            Backend::Redis(redis) => redis.throttle_count(tenant),
+        }
+    }
+
+    /// Adds input tokens to `tenant`'s total for the current UTC day.
+    ///
+    /// Off the request path: the Redis store adds them up locally and sends them in the
+    /// background (every 250 ms by default, or on [`flush`](Store::flush)).
+    pub fn add_tokens(&self, tenant: &TenantId, tokens: u64) {
+        match &*self.backend {
+            Backend::Memory(memory) => {
+                memory.add_tokens(tenant, tokens);
+            }
+            #[cfg(feature = "redis")]
+            Backend::Redis(redis) => redis.add_tokens(tenant, tokens),
+        }
+    }
+
+    /// `tenant`'s input tokens for the current UTC day, as far as they were flushed.
+    pub fn tokens_today(&self, tenant: &TenantId) -> StoreFuture<u64> {
+        match &*self.backend {
+            Backend::Memory(memory) => StoreFuture::ready(memory.tokens_today(tenant)),
+            #[cfg(feature = "redis")]
+            Backend::Redis(redis) => redis.tokens_today(tenant),
+        }
+    }
+
+    /// Sets (`Some`) or clears (`None`, back to the policy's default) `tenant`'s daily
+    /// input-token budget.
+    ///
+    /// # Errors
+    /// [`StoreUnavailable`] when Redis did not take the write; the budget then holds in this
+    /// process only, until Redis returns.
+    pub fn set_daily_budget(
+        &self,
+        tenant: &TenantId,
+        tokens: Option<u64>,
+    ) -> StoreFuture<Result<(), StoreUnavailable>> {
+        match &*self.backend {
+            Backend::Memory(memory) => {
+                memory.set_daily_budget(tenant, tokens);
+                StoreFuture::ready(Ok(()))
+            }
+            #[cfg(feature = "redis")]
+            Backend::Redis(redis) => redis.set_daily_budget(tenant, tokens),
+        }
+    }
+
+    /// `tenant`'s own daily budget, if one was set.
+    pub fn daily_budget(&self, tenant: &TenantId) -> StoreFuture<Option<u64>> {
+        match &*self.backend {
+            Backend::Memory(memory) => StoreFuture::ready(memory.daily_budget(tenant)),
+            #[cfg(feature = "redis")]
+            Backend::Redis(redis) => redis.daily_budget(tenant),
+        }
+    }
+
+    /// Time left on `tenant`'s demotion, if it is demoted. Reads only; never demotes.
+    pub fn demoted_for(&self, tenant: &TenantId) -> StoreFuture<Option<Duration>> {
+        match &*self.backend {
+            Backend::Memory(memory) => StoreFuture::ready(memory.demoted_for(tenant)),
+            #[cfg(feature = "redis")]
+            Backend::Redis(redis) => redis.demoted_for(tenant),
+        }
+    }
+
+    /// Checks `tenant` against `policy` and demotes it if it crossed a threshold, atomically
+    /// (one Lua script on Redis). The Redis store caches the answer for its cache TTL
+    /// (default 1 s), so a busy tenant costs no round trip per request.
+    pub fn check_demotion(
+        &self,
+        tenant: &TenantId,
+        policy: &DemotionPolicy,
+    ) -> StoreFuture<Demotion> {
+        match &*self.backend {
+            Backend::Memory(memory) => StoreFuture::ready(memory.check_demotion(tenant, policy)),
+            #[cfg(feature = "redis")]
+            Backend::Redis(redis) => redis.check_demotion(tenant, policy),
+        }
+    }
+
+    /// Sends whatever is batched locally (token counts) now. Ready at once on the memory
+    /// store.
+    pub fn flush(&self) -> StoreFuture<()> {
+        match &*self.backend {
+            Backend::Memory(_) => StoreFuture::ready(()),
+            #[cfg(feature = "redis")]
+            Backend::Redis(redis) => redis.flush(),
+        }
+    }
+}
+
+/// Redis did not take a write; it holds in this process only.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct StoreUnavailable;
+
+impl fmt::Display for StoreUnavailable {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("shared store unavailable; the write holds in this process only")
+    }
+}
+
+impl std::error::Error for StoreUnavailable {}

@@ -1,0 +1,647 @@
+//! The Redis backend: state shared by every worker, one Lua script per multi-key operation,
+//! and an in-process fallback that answers whenever Redis cannot.
+//!
+//! Failing fast matters more here than anywhere: the connection manager is lazy (start-up
+//! never blocks on Redis), does at most one quick reconnect attempt, and every call sits
+//! under an outer timeout. After one failure the store is *degraded*: it stops calling Redis,
+//! answers from [`MemoryState`], and a background task pings Redis until it answers.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::future::Future;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::Duration;
+
+use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use redis::{RedisError, RedisResult, Script};
+use tokio::sync::Notify;
+use tokio::time::Instant;
+
+use super::keys::Keys;
+use super::memory::MemoryState;
+use super::{Backend, Demotion, RedisOptions, Store, StoreBuilder, StoreFuture, StoreUnavailable};
+use crate::TenantId;
+use crate::error::ConfigError;
+use crate::priority_classify::DemotionPolicy;
+
+/// Pending token counts past which a flush starts before its interval.
+const FLUSH_AT_TENANTS: usize = 1024;
+
+/// Why a Redis store could not be created. Redis being down is not one of them: the store
+/// then starts degraded.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum RedisStoreError {
+    /// A configuration value was refused.
+    Config(ConfigError),
+    /// The URL could not be parsed.
+    Url(RedisError),
+}
+
+impl fmt::Display for RedisStoreError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            RedisStoreError::Config(e) => fmt::Display::fmt(e, f),
+            RedisStoreError::Url(e) => write!(f, "invalid redis url: {e}"),
+        }
+    }
+}
+
+impl std::error::Error for RedisStoreError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            RedisStoreError::Config(e) => Some(e),
+            RedisStoreError::Url(e) => Some(e),
+        }
+    }
+}
+
+impl From<ConfigError> for RedisStoreError {
+    fn from(e: ConfigError) -> Self {
+        RedisStoreError::Config(e)
+    }
+}
+
+struct Scripts {
+    record_throttle: Script,
+    throttle_count: Script,
+    add_tokens: Script,
+    tokens_today: Script,
+    check_demotion: Script,
+}
+
+impl Scripts {
+    fn new() -> Self {
+        Scripts {
+            record_throttle: Script::new(include_str!("scripts/record_throttle.lua")),
+            throttle_count: Script::new(include_str!("scripts/throttle_count.lua")),
+            add_tokens: Script::new(include_str!("scripts/add_tokens.lua")),
+            tokens_today: Script::new(include_str!("scripts/tokens_today.lua")),
+            check_demotion: Script::new(include_str!("scripts/check_demotion.lua")),
+        }
+    }
+}
+
+/// A demotion check as this process last saw it.
+#[derive(Clone, Copy, Debug)]
+struct CachedDemotion {
+    checked: Instant,
+    until: Option<Instant>,
+}
+
+#[derive(Debug)]
+struct DemotionCache {
+    map: HashMap<TenantId, CachedDemotion>,
+    last_sweep: Instant,
+}
+
+pub(crate) struct RedisStore {
+    conn: ConnectionManager,
+    keys: Keys,
+    scripts: Scripts,
+    opts: RedisOptions,
+    throttle_window_ms: u64,
+    fallback: MemoryState,
+    degraded: AtomicBool,
+    /// Wakes the background task: a flush is due, or Redis just failed.
+    wake: Arc<Notify>,
+    pending_tokens: Mutex<HashMap<TenantId, u64>>,
+    cache: Mutex<DemotionCache>,
+    /// Makes throttle members unique across workers.
+    worker_id: String,
+    seq: AtomicU64,
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    // The data behind these locks is plain counters; a panic elsewhere leaves it usable.
+    mutex.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// An error that means "Redis is not there" rather than "Redis refused this call".
+fn is_outage(e: &RedisError) -> bool {
+    e.is_io_error()
+        || e.is_connection_dropped()
+        || e.is_connection_refusal()
+        || e.is_timeout()
+        || e.is_unrecoverable_error()
+}
+
+impl StoreBuilder {
+    /// Prefix of every Redis key (default `fairgate`; ASCII letters, digits, `_-.:`).
+    pub fn key_prefix(mut self, prefix: impl Into<String>) -> Self {
+        self.redis.key_prefix = prefix.into();
+        self
+    }
+
+    /// Outer timeout of every Redis call (default 150 ms). Past it the store degrades.
+    pub fn op_timeout(mut self, timeout: Duration) -> Self {
+        self.redis.op_timeout = timeout;
+        self
+    }
+
+    /// How long a demotion check is reused before Redis is asked again (default 1 s).
+    pub fn cache_ttl(mut self, ttl: Duration) -> Self {
+        self.redis.cache_ttl = ttl;
+        self
+    }
+
+    /// How often batched counts are sent (default 250 ms).
+    pub fn flush_interval(mut self, interval: Duration) -> Self {
+        self.redis.flush_interval = interval;
+        self
+    }
+
+    /// How often a degraded store pings Redis to come back (default 250 ms).
+    pub fn probe_interval(mut self, interval: Duration) -> Self {
+        self.redis.probe_interval = interval;
+        self
+    }
+
+    /// Builds a store on the Redis at `url` (`redis://host:port/db`).
+    ///
+    /// Never waits for Redis longer than one operation timeout: if Redis does not answer,
+    /// the store starts degraded and switches to Redis once it does.
+    ///
+    /// Must be called inside a tokio runtime (it starts a background task that flushes
+    /// batched counts and probes Redis; the task ends when the last clone of the store is
+    /// dropped).
+    ///
+    /// # Errors
+    /// A URL that cannot be parsed or a configuration value out of range.
+    pub async fn redis(self, url: &str) -> Result<Store, RedisStoreError> {
+        self.validate()?;
+        let opts = self.redis.clone();
+        for (name, value) in [
+            ("op timeout", opts.op_timeout),
+            ("cache ttl", opts.cache_ttl),
+            ("flush interval", opts.flush_interval),
+            ("probe interval", opts.probe_interval),
+        ] {
+            if value < Duration::from_millis(1) {
+                return Err(ConfigError::new(format!("{name} must be at least 1 ms")).into());
+            }
+        }
+        let keys = Keys::new(&opts.key_prefix)?;
+        let client = redis::Client::open(url).map_err(RedisStoreError::Url)?;
+        // Measured: the defaults wait ~9 s per command on a dead server. These make a call
+        // fail in under a millisecond while Redis is down and reconnect ~25 ms after it is back.
+        let config = ConnectionManagerConfig::new()
+            .set_number_of_retries(1)
+            .set_min_delay(Duration::from_millis(10))
+            .set_max_delay(Duration::from_millis(50))
+            .set_connection_timeout(Some(opts.op_timeout))
+            .set_response_timeout(Some(opts.op_timeout));
+        let conn = ConnectionManager::new_lazy_with_config(client, config)
+            .map_err(RedisStoreError::Url)?;
+        let now = Instant::now();
+        let redis = Arc::new(RedisStore {
+            conn,
+            keys,
+            scripts: Scripts::new(),
+            throttle_window_ms: duration_ms(self.throttle_window),
+            fallback: MemoryState::new(self.throttle_window, false),
+            degraded: AtomicBool::new(false),
+            wake: Arc::new(Notify::new()),
+            pending_tokens: Mutex::new(HashMap::new()),
+            cache: Mutex::new(DemotionCache {
+                map: HashMap::new(),
+                last_sweep: now,
+            }),
+            worker_id: worker_id(),
+            seq: AtomicU64::new(0),
+            opts,
+        });
+        crate::metrics::store_degraded(false);
+        if redis.ping().await {
+            redis.load_scripts().await;
+        } else {
+            redis.mark_degraded("no answer at start-up");
+        }
+        tokio::spawn(background(Arc::downgrade(&redis), redis.wake.clone()));
+        Ok(Store::from_backend(Backend::Redis(redis)))
+    }
+}
+
+impl Store {
+    /// A store on the Redis at `url` with the default configuration; see
+    /// [`StoreBuilder::redis`] for the options and what happens when Redis is down.
+    ///
+    /// # Errors
+    /// A URL that cannot be parsed.
+    pub async fn redis(url: &str) -> Result<Store, RedisStoreError> {
+        Store::builder().redis(url).await
+    }
+}
+
+fn duration_ms(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX).max(1)
+}
+
+fn worker_id() -> String {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default()
+        .subsec_nanos();
+    format!("{}-{nanos:x}", std::process::id())
+}
+
+/// Flushes batched counts while Redis is up; pings it while it is down. Holds the store only
+/// while working, so it ends when the last `Store` is dropped.
+async fn background(store: Weak<RedisStore>, wake: Arc<Notify>) {
+    loop {
+        let Some(redis) = store.upgrade() else { return };
+        let pause = if redis.is_degraded() {
+            if redis.ping().await {
+                // A restarted Redis has lost its scripts; `Script` would reload each on its
+                // first NOSCRIPT, but loading them now keeps that off the request path.
+                redis.load_scripts().await;
+                redis.recover();
+                redis.flush_pending().await;
+            }
+            redis.opts.probe_interval
+        } else {
+            redis.flush_pending().await;
+            redis.opts.flush_interval
+        };
+        drop(redis);
+        tokio::select! {
+            _ = tokio::time::sleep(pause) => {}
+            _ = wake.notified() => {}
+        }
+    }
+}
+
+impl RedisStore {
+    pub(crate) fn is_degraded(&self) -> bool {
+        self.degraded.load(Ordering::Acquire)
+    }
+
+    fn mark_degraded(&self, reason: &str) {
+        if !self.degraded.swap(true, Ordering::AcqRel) {
+            tracing::warn!(
+                name: "queue.redis_unavailable",
+                reason,
+                "redis unreachable; fairgate serves from in-process state until it returns"
+            );
+            crate::metrics::store_degraded(true);
+            self.wake.notify_one();
+        }
+    }
+
+    fn recover(&self) {
+        if self.degraded.swap(false, Ordering::AcqRel) {
+            tracing::info!(name: "queue.redis_recovered", "redis answers again; fairgate state is shared again");
+            crate::metrics::store_degraded(false);
+        }
+    }
+
+    async fn ping(&self) -> bool {
+        let mut conn = self.conn.clone();
+        let cmd = redis::cmd("PING");
+        let ping = cmd.query_async::<String>(&mut conn);
+        matches!(
+            tokio::time::timeout(self.opts.op_timeout, ping).await,
+            Ok(Ok(_))
+        )
+    }
+
+    async fn load_scripts(&self) {
+        let scripts = &self.scripts;
+        let all = [
+            &scripts.record_throttle,
+            &scripts.throttle_count,
+            &scripts.add_tokens,
+            &scripts.tokens_today,
+            &scripts.check_demotion,
+        ];
+        let loads = all.map(|script| {
+            let mut conn = self.conn.clone();
+            async move { script.load_async(&mut conn).await.map(drop) }
+        });
+        let all = async {
+            futures_util::future::join_all(loads)
+                .await
+                .into_iter()
+                .collect::<RedisResult<Vec<()>>>()
+        };
+        // Best effort: a failure here shows up again on the next call.
+        let _ = self.guard(all).await;
+    }
+
+    /// Runs one Redis call under the outer timeout; `None` means "answer locally".
+    async fn guard<T>(&self, call: impl Future<Output = RedisResult<T>>) -> Option<T> {
+        match tokio::time::timeout(self.opts.op_timeout, call).await {
+            Ok(Ok(value)) => Some(value),
+            Ok(Err(e)) if is_outage(&e) => {
+                self.mark_degraded(&e.to_string());
+                None
+            }
+            Ok(Err(e)) => {
+                tracing::error!(name: "store.redis_error", error = %e, "redis refused a fairgate call; answering from local state");
+                None
+            }
+            Err(_) => {
+                self.mark_degraded("timed out");
+                None
+            }
+        }
+    }
+
+    /// The shape of every operation: no round trip while degraded, one otherwise, and the
+    /// fallback's answer when that round trip fails.
+    fn op<T, Fut>(
+        self: &Arc<Self>,
+        fallback: impl FnOnce(&MemoryState) -> T + Send + 'static,
+        call: impl FnOnce(Arc<Self>) -> Fut + Send + 'static,
+    ) -> StoreFuture<T>
+    where
+        T: Send + 'static,
+        Fut: Future<Output = RedisResult<T>> + Send,
+    {
+        if self.is_degraded() {
+            return StoreFuture::ready(fallback(&self.fallback));
+        }
+        let this = self.clone();
+        StoreFuture::pending(async move {
+            match this.guard(call(this.clone())).await {
+                Some(value) => value,
+                None => fallback(&this.fallback),
+            }
+        })
+    }
+
+    pub(crate) fn record_throttle(self: &Arc<Self>, tenant: &TenantId) -> StoreFuture<u32> {
+        let key = self.keys.tenant(tenant, "throttles");
+        let member = format!(
+            "{}:{}",
+            self.worker_id,
+            self.seq.fetch_add(1, Ordering::Relaxed)
+        );
+        let tenant = tenant.clone();
+        self.op(
+            move |local| local.record_throttle(&tenant),
+            move |this| async move {
+                let mut conn = this.conn.clone();
+                this.scripts
+                    .record_throttle
+                    .key(key)
+                    .arg(this.throttle_window_ms)
+                    .arg(member)
+                    .invoke_async(&mut conn)
+                    .await
+            },
+        )
+    }
+
+    pub(crate) fn throttle_count(self: &Arc<Self>, tenant: &TenantId) -> StoreFuture<u32> {
+        let key = self.keys.tenant(tenant, "throttles");
+        let tenant = tenant.clone();
+        self.op(
+            move |local| local.throttle_count(&tenant),
+            move |this| async move {
+                let mut conn = this.conn.clone();
+                this.scripts
+                    .throttle_count
+                    .key(key)
+                    .arg(this.throttle_window_ms)
+                    .invoke_async(&mut conn)
+                    .await
+            },
+        )
+    }
+
+    pub(crate) fn add_tokens(&self, tenant: &TenantId, tokens: u64) {
+        if self.is_degraded() {
+            self.fallback.add_tokens(tenant, tokens);
+        }
+        let mut pending = lock(&self.pending_tokens);
+        let total = pending.entry(tenant.clone()).or_insert(0);
+        *total = total.saturating_add(tokens);
+        if pending.len() >= FLUSH_AT_TENANTS {
+            self.wake.notify_one();
+        }
+    }
+
+    /// Sends the batched token counts, one script per tenant over the multiplexed connection
+    /// (so they travel pipelined). Counts that Redis refused are kept for the next flush.
+    async fn flush_pending(&self) {
+        let batch = std::mem::take(&mut *lock(&self.pending_tokens));
+        if batch.is_empty() {
+            return;
+        }
+        let calls = batch.iter().map(|(tenant, &tokens)| {
+            let mut conn = self.conn.clone();
+            let key = self.keys.tenant(tenant, "tokens");
+            async move {
+                let sent: RedisResult<u64> = self
+                    .scripts
+                    .add_tokens
+                    .key(key)
+                    .arg(tokens)
+                    .invoke_async(&mut conn)
+                    .await;
+                sent.err()
+            }
+        });
+        let all = async { Ok::<_, RedisError>(futures_util::future::join_all(calls).await) };
+        let Some(errors) = self.guard(all).await else {
+            // Timed out as a whole: whether Redis applied them is unknown. Dropping them
+            // under-counts at most one flush; sending them again could count them twice.
+            return;
+        };
+        let mut refused = Vec::new();
+        for ((tenant, tokens), error) in batch.into_iter().zip(errors) {
+            if let Some(e) = error {
+                if is_outage(&e) {
+                    self.mark_degraded(&e.to_string());
+                }
+                refused.push((tenant, tokens));
+            }
+        }
+        if !refused.is_empty() {
+            let mut pending = lock(&self.pending_tokens);
+            for (tenant, tokens) in refused {
+                let total = pending.entry(tenant).or_insert(0);
+                *total = total.saturating_add(tokens);
+            }
+        }
+    }
+
+    pub(crate) fn flush(self: &Arc<Self>) -> StoreFuture<()> {
+        if self.is_degraded() {
+            return StoreFuture::ready(());
+        }
+        let this = self.clone();
+        StoreFuture::pending(async move { this.flush_pending().await })
+    }
+
+    pub(crate) fn tokens_today(self: &Arc<Self>, tenant: &TenantId) -> StoreFuture<u64> {
+        let key = self.keys.tenant(tenant, "tokens");
+        let tenant = tenant.clone();
+        self.op(
+            move |local| local.tokens_today(&tenant),
+            move |this| async move {
+                let mut conn = this.conn.clone();
+                this.scripts
+                    .tokens_today
+                    .key(key)
+                    .invoke_async(&mut conn)
+                    .await
+            },
+        )
+    }
+
+    pub(crate) fn set_daily_budget(
+        self: &Arc<Self>,
+        tenant: &TenantId,
+        tokens: Option<u64>,
+    ) -> StoreFuture<Result<(), StoreUnavailable>> {
+        // Held locally too, so it also applies while degraded.
+        self.fallback.set_daily_budget(tenant, tokens);
+        let key = self.keys.tenant(tenant, "budget");
+        self.op(
+            |_| Err(StoreUnavailable),
+            move |this| async move {
+                let mut conn = this.conn.clone();
+                let cmd = match tokens {
+                    Some(tokens) => {
+                        let mut cmd = redis::cmd("SET");
+                        cmd.arg(key).arg(tokens);
+                        cmd
+                    }
+                    None => {
+                        let mut cmd = redis::cmd("DEL");
+                        cmd.arg(key);
+                        cmd
+                    }
+                };
+                cmd.query_async::<()>(&mut conn).await.map(Ok)
+            },
+        )
+    }
+
+    pub(crate) fn daily_budget(self: &Arc<Self>, tenant: &TenantId) -> StoreFuture<Option<u64>> {
+        let key = self.keys.tenant(tenant, "budget");
+        let tenant = tenant.clone();
+        self.op(
+            move |local| local.daily_budget(&tenant),
+            move |this| async move {
+                let mut conn = this.conn.clone();
+                redis::cmd("GET").arg(key).query_async(&mut conn).await
+            },
+        )
+    }
+
+    pub(crate) fn demoted_for(
+        self: &Arc<Self>,
+        tenant: &TenantId,
+    ) -> StoreFuture<Option<Duration>> {
+        let key = self.keys.tenant(tenant, "demoted");
+        let tenant = tenant.clone();
+        self.op(
+            move |local| local.demoted_for(&tenant),
+            move |this| async move {
+                let mut conn = this.conn.clone();
+                let left: i64 = redis::cmd("PTTL").arg(key).query_async(&mut conn).await?;
+                Ok(u64::try_from(left)
+                    .ok()
+                    .filter(|&ms| ms > 0)
+                    .map(Duration::from_millis))
+            },
+        )
+    }
+
+    pub(crate) fn check_demotion(
+        self: &Arc<Self>,
+        tenant: &TenantId,
+        policy: &DemotionPolicy,
+    ) -> StoreFuture<Demotion> {
+        let now = Instant::now();
+        let cached = lock(&self.cache).map.get(tenant).copied();
+        if let Some(cached) = cached {
+            let fresh = now.saturating_duration_since(cached.checked) < self.opts.cache_ttl;
+            let running = cached.until.filter(|&until| until > now);
+            if let Some(until) = running {
+                // A demotion never ends early, so a known one needs no round trip at all.
+                return StoreFuture::ready(Demotion::Demoted {
+                    left: until.saturating_duration_since(now),
+                    newly: false,
+                });
+            }
+            if fresh {
+                return StoreFuture::ready(Demotion::NotDemoted);
+            }
+        }
+        let keys = [
+            self.keys.tenant(tenant, "throttles"),
+            self.keys.tenant(tenant, "tokens"),
+            self.keys.tenant(tenant, "budget"),
+            self.keys.tenant(tenant, "demoted"),
+        ];
+        let args = [
+            self.throttle_window_ms,
+            u64::from(policy.throttle_limit()),
+            policy.budget_permille(),
+            policy.default_daily_budget(),
+            duration_ms(policy.demote_for()),
+        ];
+        let fallback_tenant = tenant.clone();
+        let fallback_policy = policy.clone();
+        let tenant = tenant.clone();
+        self.op(
+            move |local| local.check_demotion(&fallback_tenant, &fallback_policy),
+            move |this| async move {
+                let mut conn = this.conn.clone();
+                let (left_ms, newly): (u64, u8) = this
+                    .scripts
+                    .check_demotion
+                    .key(&keys[..])
+                    .arg(&args[..])
+                    .invoke_async(&mut conn)
+                    .await?;
+                let demotion = if left_ms > 0 {
+                    Demotion::Demoted {
+                        left: Duration::from_millis(left_ms),
+                        newly: newly == 1,
+                    }
+                } else {
+                    Demotion::NotDemoted
+                };
+                this.remember(tenant, demotion);
+                Ok(demotion)
+            },
+        )
+    }
+
+    /// Caches a check, and now and then drops stale entries and publishes how many tenants
+    /// this worker knows to be demoted.
+    fn remember(&self, tenant: TenantId, demotion: Demotion) {
+        let now = Instant::now();
+        let until = match demotion {
+            Demotion::Demoted { left, .. } => Some(now + left),
+            Demotion::NotDemoted => None,
+        };
+        let mut cache = lock(&self.cache);
+        cache.map.insert(
+            tenant,
+            CachedDemotion {
+                checked: now,
+                until,
+            },
+        );
+        if now.saturating_duration_since(cache.last_sweep) >= self.opts.cache_ttl {
+            let ttl = self.opts.cache_ttl;
+            cache.map.retain(|_, c| {
+                now.saturating_duration_since(c.checked) < ttl || c.until.is_some_and(|u| u > now)
+            });
+            let demoted = cache
+                .map
+                .values()
+                .filter(|c| c.until.is_some_and(|u| u > now))
+                .count();
+            cache.last_sweep = now;
+            crate::metrics::demoted_tenants(demoted);
+        }
+    }
+}

@@ -1,0 +1,10 @@
+-- Adds input tokens to a tenant's total for the server's current UTC day.
+-- KEYS[1] the tenant's token hash {day, n}; ARGV[1] tokens to add
+local day = math.floor(tonumber(redis.call('TIME')[1]) / 86400)
+if tonumber(redis.call('HGET', KEYS[1], 'day')) ~= day then
+  redis.call('HSET', KEYS[1], 'day', day, 'n', 0)
+end
+local n = redis.call('HINCRBY', KEYS[1], 'n', ARGV[1])
+-- Two days, so a total is still readable around midnight and then vanishes.
+redis.call('EXPIRE', KEYS[1], 172800)
+return n

@@ -1,0 +1,187 @@
+//! Shared test helpers: throwaway Redis servers, a tracing event counter, request helpers.
+#![allow(dead_code, unreachable_pub)]
+
+use std::collections::HashMap;
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use fairgate::Job;
+
+/// A `redis-server` of the test's own on a free loopback port, stopped by its pid.
+/// Never the shared one on 6379.
+pub struct RedisServer {
+    port: u16,
+    child: Option<Child>,
+}
+
+impl RedisServer {
+    pub fn start() -> RedisServer {
+        for _ in 0..10 {
+            let port = free_port();
+            let mut server = RedisServer { port, child: None };
+            if server.spawn() {
+                return server;
+            }
+        }
+        panic!("could not start a throwaway redis-server");
+    }
+
+    /// A port nothing listens on, for "Redis down at start".
+    pub fn unused_port() -> u16 {
+        free_port()
+    }
+
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}/", self.port)
+    }
+
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+
+    /// Starts the server on its port again (after `kill`); its data and scripts are gone.
+    pub fn restart(&mut self) {
+        assert!(self.child.is_none(), "restart after kill");
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while !self.spawn() {
+            assert!(
+                Instant::now() < deadline,
+                "redis-server did not restart on {}",
+                self.port
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// SIGKILLs the server by its pid and waits for it to be gone.
+    pub fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// Sends one inline command and returns the raw reply.
+    pub fn command(&self, cmd: &str) -> String {
+        let mut stream = TcpStream::connect(("127.0.0.1", self.port)).expect("connect to redis");
+        stream
+            .set_read_timeout(Some(Duration::from_secs(2)))
+            .unwrap();
+        stream.write_all(format!("{cmd}\r\n").as_bytes()).unwrap();
+        let mut buf = vec![0u8; 1 << 20];
+        let mut out = Vec::new();
+        // Replies here are small; read until the socket has been quiet a moment.
+        stream
+            .set_read_timeout(Some(Duration::from_millis(200)))
+            .unwrap();
+        while let Ok(n) = stream.read(&mut buf) {
+            if n == 0 {
+                break;
+            }
+            out.extend_from_slice(&buf[..n]);
+        }
+        String::from_utf8_lossy(&out).into_owned()
+    }
+
+    fn spawn(&mut self) -> bool {
+        let child = Command::new("redis-server")
+            .args(["--port", &self.port.to_string()])
+            .args(["--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+            .args(["--daemonize", "no", "--loglevel", "warning"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn();
+        let mut child = match child {
+            Ok(child) => child,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => panic!(
+                "redis-server is not on PATH. The Redis tests start their own throwaway servers: \
+                 install it (Debian: `apt-get install -y redis-server`) or run `bash scripts/test`, \
+                 which does"
+            ),
+            Err(e) => panic!("could not start redis-server: {e}"),
+        };
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = child.try_wait() {
+                return false; // exited: port taken
+            }
+            if ping(self.port) {
+                self.child = Some(child);
+                return true;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        let _ = child.kill();
+        let _ = child.wait();
+        false
+    }
+}
+
+impl Drop for RedisServer {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+fn free_port() -> u16 {
+    let listener = TcpListener::bind("127.0.0.1:0").expect("bind a free port");
+    listener.local_addr().unwrap().port()
+}
+
+fn ping(port: u16) -> bool {
+    let Ok(mut stream) = TcpStream::connect(("127.0.0.1", port)) else {
+        return false;
+    };
+    let _ = stream.set_read_timeout(Some(Duration::from_millis(200)));
+    if stream.write_all(b"PING\r\n").is_err() {
+        return false;
+    }
+    let mut buf = [0u8; 7];
+    matches!(stream.read(&mut buf), Ok(n) if buf[..n].starts_with(b"+PONG"))
+}
+
+/// Counts tracing events by name (`tracing::warn!(name: "...")`) on the current thread.
+#[derive(Clone, Default)]
+pub struct EventCounter {
+    counts: Arc<Mutex<HashMap<String, usize>>>,
+}
+
+impl EventCounter {
+    /// Installs the counter for the current thread until the guard is dropped.
+    pub fn install() -> (EventCounter, tracing::subscriber::DefaultGuard) {
+        use tracing_subscriber::layer::SubscriberExt;
+        let counter = EventCounter::default();
+        let subscriber = tracing_subscriber::registry().with(counter.clone());
+        let guard = tracing::subscriber::set_default(subscriber);
+        (counter, guard)
+    }
+
+    pub fn count(&self, name: &str) -> usize {
+        self.counts.lock().unwrap().get(name).copied().unwrap_or(0)
+    }
+}
+
+impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for EventCounter {
+    fn on_event(&self, event: &tracing::Event<'_>, _: tracing_subscriber::layer::Context<'_, S>) {
+        *self
+            .counts
+            .lock()
+            .unwrap()
+            .entry(event.metadata().name().to_owned())
+            .or_insert(0) += 1;
+    }
+}
+
+/// An `http::Request` carrying `job`.
+pub fn request(job: Job) -> http::Request<()> {
+    let mut req = http::Request::new(());
+    req.extensions_mut().insert(job);
+    req
+}
