@@ -1,0 +1,172 @@
+//! The Redis store across workers and through outages, against real throwaway servers.
+#![cfg(feature = "redis")]
+
+mod support;
+
+use std::convert::Infallible;
+use std::time::Duration;
+
+use fairgate::{Job, Origin, Priority, PriorityClassifyLayer, Store, TenantId};
+use support::{EventCounter, RedisServer, request};
+use tokio::time::{Instant, timeout};
+use tower::{Layer, ServiceExt, service_fn};
+
+const CACHE_TTL: Duration = Duration::from_millis(100);
+
+async fn worker(url: &str) -> Store {
+    Store::builder()
+        .cache_ttl(CACHE_TTL)
+        .op_timeout(Duration::from_millis(100))
+        .probe_interval(Duration::from_millis(20))
+        .redis(url)
+        .await
+        .expect("a valid url always gives a store")
+}
+
+async fn classify(store: &Store, job: Job) -> Priority {
+    let inner = service_fn(|req: http::Request<()>| async move {
+        Ok::<_, Infallible>(req.extensions().get::<Job>().and_then(Job::priority))
+    });
+    let service = PriorityClassifyLayer::new(store.clone()).layer(inner);
+    // Bounded: classify must answer whatever state Redis is in.
+    timeout(Duration::from_secs(2), service.oneshot(request(job)))
+        .await
+        .expect("classify answered in time")
+        .expect("classify never fails because of the store")
+        .expect("a priority is set")
+}
+
+fn chat(tenant: &str) -> Job {
+    Job::new(tenant, Origin::UserAction)
+}
+
+async fn wait_until(what: &str, mut done: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !done() {
+        assert!(Instant::now() < deadline, "timed out waiting until {what}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+#[tokio::test]
+async fn a_demotion_through_one_worker_holds_on_another_within_the_cache_time() {
+    let server = RedisServer::start();
+    let (one, two) = (worker(&server.url()).await, worker(&server.url()).await);
+    let tenant = TenantId::new("runaway");
+
+    // Worker two has a fresh "not demoted" answer cached.
+    assert_eq!(classify(&two, chat("runaway")).await, Priority::Critical);
+    for _ in 0..5 {
+        one.record_throttle(&tenant).await;
+    }
+    assert_eq!(classify(&one, chat("runaway")).await, Priority::Batch);
+
+    tokio::time::sleep(CACHE_TTL).await;
+    assert_eq!(classify(&two, chat("runaway")).await, Priority::Batch);
+    assert!(two.demoted_for(&tenant).await.is_some());
+}
+
+#[tokio::test]
+async fn redis_killed_mid_run_classify_keeps_answering_and_the_store_comes_back() {
+    let (events, _guard) = EventCounter::install();
+    let mut server = RedisServer::start();
+    let store = worker(&server.url()).await;
+    let tenant = TenantId::new("steady");
+
+    assert_eq!(classify(&store, chat("steady")).await, Priority::Critical);
+    assert!(!store.is_degraded());
+
+    server.kill();
+    // Every request is still answered, from in-process state; the outage is logged once.
+    for i in 0..50 {
+        let job = if i % 2 == 0 { chat("steady") } else { chat(&format!("t{i}")) };
+        assert_eq!(classify(&store, job).await, Priority::Critical);
+    }
+    assert!(store.is_degraded());
+    assert_eq!(events.count("queue.redis_unavailable"), 1);
+    // Local rules still hold while degraded: five throttles demote here.
+    for _ in 0..5 {
+        store.record_throttle(&TenantId::new("local-runaway")).await;
+    }
+    assert_eq!(classify(&store, chat("local-runaway")).await, Priority::Batch);
+
+    // Back on Redis by itself once it answers; the restarted server has no scripts.
+    server.restart();
+    wait_until("the store is back on redis", || !store.is_degraded()).await;
+    assert_eq!(events.count("queue.redis_recovered"), 1);
+    for _ in 0..5 {
+        store.record_throttle(&tenant).await;
+    }
+    // A brand-new worker sees what went through the scripts on the restarted server.
+    let other = worker(&server.url()).await;
+    assert_eq!(other.throttle_count(&tenant).await, 5);
+    assert_eq!(classify(&other, chat("steady")).await, Priority::Batch);
+
+    // A second outage is a second log line, not one per call.
+    server.kill();
+    for i in 0..10 {
+        classify(&store, chat(&format!("second-{i}"))).await;
+    }
+    assert_eq!(events.count("queue.redis_unavailable"), 2);
+}
+
+#[tokio::test]
+async fn redis_down_at_start_gives_a_working_degraded_store_without_blocking() {
+    let url = format!("redis://127.0.0.1:{}/", RedisServer::unused_port());
+    let started = Instant::now();
+    let store = timeout(Duration::from_secs(2), worker(&url))
+        .await
+        .expect("creating the store does not wait for redis");
+    assert!(started.elapsed() < Duration::from_secs(1));
+    assert!(store.is_degraded());
+    assert_eq!(store.backend_name(), "redis");
+
+    let tenant = TenantId::new("early");
+    assert_eq!(classify(&store, chat("early")).await, Priority::Critical);
+    for _ in 0..5 {
+        assert!(store.record_throttle(&tenant).await >= 1);
+    }
+    assert_eq!(classify(&store, chat("early")).await, Priority::Batch);
+    store.add_tokens(&tenant, 10);
+    assert_eq!(store.tokens_today(&tenant).await, 10 + 1 + 1);
+    // A budget written while degraded holds here and says it did not reach Redis.
+    assert!(store.set_daily_budget(&tenant, Some(5)).await.is_err());
+}
+
+#[tokio::test]
+async fn token_counts_batched_during_an_outage_reach_redis_after_it() {
+    let mut server = RedisServer::start();
+    let store = worker(&server.url()).await;
+    let tenant = TenantId::new("counted");
+    store.add_tokens(&tenant, 100);
+    store.flush().await;
+    assert_eq!(store.tokens_today(&tenant).await, 100);
+
+    server.kill();
+    store.record_throttle(&tenant).await; // notices the outage
+    assert!(store.is_degraded());
+    store.add_tokens(&tenant, 50);
+    server.restart();
+    wait_until("the store is back on redis", || !store.is_degraded()).await;
+    store.flush().await;
+    // The server lost its data (no persistence); what was batched during the outage arrives.
+    assert_eq!(store.tokens_today(&tenant).await, 50);
+}
+
+#[tokio::test]
+async fn a_bad_url_or_prefix_is_refused_with_a_message() {
+    let err = Store::redis("not a url").await.expect_err("bad url");
+    assert!(err.to_string().starts_with("invalid redis url"), "{err}");
+    let err = Store::builder()
+        .key_prefix("a{b")
+        .redis("redis://127.0.0.1:1/")
+        .await
+        .expect_err("bad prefix");
+    assert!(err.to_string().contains("key prefix"), "{err}");
+    let err = Store::builder()
+        .op_timeout(Duration::ZERO)
+        .redis("redis://127.0.0.1:1/")
+        .await
+        .expect_err("zero timeout");
+    assert!(err.to_string().contains("op timeout"), "{err}");
+}
