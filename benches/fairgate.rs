@@ -1,1 +1,12 @@
-fn main() {}
+//! Criterion benchmarks: each layer against a baseline in the same run.
+//!
+//! `cargo bench --all-features --bench fairgate`; the Redis cases use the server at
+//! `FAIRGATE_BENCH_REDIS` (default `redis://127.0.0.1:6379/`) and are skipped when it does
+//! not answer.
+
+use criterion::{criterion_group, criterion_main};
+
+mod classify;
+
+criterion_group!(benches, classify::bench);
+criterion_main!(benches);

@@ -79,7 +79,11 @@ async fn redis_killed_mid_run_classify_keeps_answering_and_the_store_comes_back(
     server.kill();
     // Every request is still answered, from in-process state; the outage is logged once.
     for i in 0..50 {
-        let job = if i % 2 == 0 { chat("steady") } else { chat(&format!("t{i}")) };
+        let job = if i % 2 == 0 {
+            chat("steady")
+        } else {
+            chat(&format!("t{i}"))
+        };
         assert_eq!(classify(&store, job).await, Priority::Critical);
     }
     assert!(store.is_degraded());
@@ -88,7 +92,10 @@ async fn redis_killed_mid_run_classify_keeps_answering_and_the_store_comes_back(
     for _ in 0..5 {
         store.record_throttle(&TenantId::new("local-runaway")).await;
     }
-    assert_eq!(classify(&store, chat("local-runaway")).await, Priority::Batch);
+    assert_eq!(
+        classify(&store, chat("local-runaway")).await,
+        Priority::Batch
+    );
 
     // Back on Redis by itself once it answers; the restarted server has no scripts.
     server.restart();

@@ -67,6 +67,7 @@ impl DemotionPolicy {
         self.budget_ratio
     }
 
+    #[cfg_attr(not(feature = "redis"), allow(dead_code))]
     pub(crate) fn budget_permille(&self) -> u64 {
         self.budget_permille
     }

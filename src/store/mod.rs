@@ -29,6 +29,7 @@
 //! # }
 //! ```
 
+#[cfg(feature = "redis")]
 mod keys;
 mod memory;
 #[cfg(feature = "redis")]
