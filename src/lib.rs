@@ -42,10 +42,12 @@
 #![forbid(unsafe_code)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
+pub mod body;
 pub mod error;
 mod job;
 pub mod metrics;
 pub mod priority_classify;
+pub mod rng;
 pub mod store;
 
 pub use crate::error::{BoxError, ConfigError, MissingJob};
