@@ -9,6 +9,8 @@
 //! - [`PriorityClassify`]: critical / standard / batch, decided centrally from a request's
 //!   origin and SLA, never from a caller's label; runaway tenants demoted to batch for a
 //!   while.
+//! - [`TierSlotLimit`]: a global cap on calls in flight plus a cap per tier, shared by every
+//!   worker through the store; free tiers fail fast with [`Busy`], paid ones wait longer.
 //!
 //! Every layer reads the [`Job`] a request carries (in `http::Request` extensions, or through
 //! [`JobRequest`] for other request types) and shares one [`Store`]: in memory by default,
@@ -49,10 +51,16 @@ pub mod metrics;
 pub mod priority_classify;
 pub mod rng;
 pub mod store;
+pub mod tier_slot_limit;
 
 pub use crate::error::{BoxError, ConfigError, MissingJob};
 pub use crate::job::{Job, JobRequest, Origin, Priority, TenantId, Tier};
 pub use crate::priority_classify::{
     ClassifyRule, DefaultRule, DemotionPolicy, PriorityClassify, PriorityClassifyLayer,
 };
-pub use crate::store::{Demotion, Store, StoreBuilder, StoreFuture, StoreUnavailable};
+pub use crate::store::{
+    Demotion, SlotLease, SlotLimits, Store, StoreBuilder, StoreFuture, StoreUnavailable,
+};
+pub use crate::tier_slot_limit::{
+    Busy, SlotPermit, SlotPolicy, SlotPolicyBuilder, TierLimit, TierSlotLimit, TierSlotLimitLayer,
+};

@@ -76,3 +76,31 @@ pub(crate) fn demoted_tenants(count: usize) {
 pub(crate) fn store_degraded(degraded: bool) {
     metrics::gauge!(STORE_DEGRADED).set(if degraded { 1.0 } else { 0.0 });
 }
+
+/// Gauge, slots this worker holds now, label `tier`.
+pub const SLOTS_IN_USE: &str = "claude_slots_in_use";
+/// Histogram, seconds a request waited for its slot, label `tier`.
+pub const SLOT_WAIT: &str = "claude_slot_wait_seconds";
+/// Counter, requests refused with `Busy` (`SERVER_BUSY`), label `tier`.
+pub const SERVER_BUSY: &str = "claude_server_busy_total";
+/// Counter, slots taken from the in-process fallback because Redis was away, label `tier`.
+pub const SLOTS_FALLBACK: &str = "claude_slots_fallback_total";
+
+pub(crate) fn slot_taken(tier: &crate::Tier, fallback: bool) {
+    metrics::gauge!(SLOTS_IN_USE, "tier" => tier.as_str().to_owned()).increment(1.0);
+    if fallback {
+        metrics::counter!(SLOTS_FALLBACK, "tier" => tier.as_str().to_owned()).increment(1);
+    }
+}
+
+pub(crate) fn slot_given_back(tier: &crate::Tier) {
+    metrics::gauge!(SLOTS_IN_USE, "tier" => tier.as_str().to_owned()).decrement(1.0);
+}
+
+pub(crate) fn slot_wait(tier: &crate::Tier, waited: Duration) {
+    metrics::histogram!(SLOT_WAIT, "tier" => tier.as_str().to_owned()).record(waited.as_secs_f64());
+}
+
+pub(crate) fn server_busy(tier: &crate::Tier) {
+    metrics::counter!(SERVER_BUSY, "tier" => tier.as_str().to_owned()).increment(1);
+}

@@ -358,7 +358,7 @@ async fn odd_tenant_names_neither_break_keys_nor_collide(rig: Rig) {
         let keys = server.command("KEYS *");
         let names: Vec<&str> = keys
             .lines()
-            .filter(|l| l.starts_with("fairgate:"))
+            .filter(|l| l.starts_with("fairgate:{t:"))
             .collect();
         assert_eq!(names.len(), 12, "one throttle set per tenant:\n{keys}");
         for key in names {

@@ -45,6 +45,21 @@ impl Keys {
     }
 }
 
+impl Keys {
+    /// `prefix:{slots}:part` — every slot key shares one hash tag, so the acquire script's
+    /// global and tier sets live in one Cluster slot.
+    pub(crate) fn slots(&self, part: &str) -> String {
+        format!("{}:{{slots}}:{part}", self.prefix)
+    }
+
+    /// `prefix:{slots}:tier:<escaped tier>`
+    pub(crate) fn slots_tier(&self, tier: &crate::Tier) -> String {
+        let mut key = self.slots("tier:");
+        escape_into(&mut key, tier.as_str());
+        key
+    }
+}
+
 /// Percent-escapes every byte but ASCII letters, digits, `_`, `-` and `.`: injective, and the
 /// result holds no `{`, `}`, `:`, `*`, space or control character.
 pub(crate) fn escape_into(out: &mut String, name: &str) {

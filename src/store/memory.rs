@@ -2,12 +2,13 @@
 //! while Redis is unreachable.
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use tokio::time::Instant;
 
 use super::Demotion;
+use super::slots::LocalSlots;
 use crate::TenantId;
 use crate::priority_classify::DemotionPolicy;
 
@@ -71,6 +72,7 @@ pub(crate) struct MemoryState {
     tenants: Mutex<Tenants>,
     /// Whether this state publishes `claude_demoted_tenants` (not when it is a fallback).
     reports_gauges: bool,
+    pub(crate) slots: Arc<LocalSlots>,
 }
 
 impl MemoryState {
@@ -87,6 +89,7 @@ impl MemoryState {
                 last_sweep: now,
             }),
             reports_gauges,
+            slots: Arc::new(LocalSlots::default()),
         }
     }
 

@@ -34,6 +34,7 @@ mod keys;
 mod memory;
 #[cfg(feature = "redis")]
 mod redis;
+mod slots;
 
 use std::fmt;
 use std::future::Future;
@@ -42,14 +43,15 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-use crate::TenantId;
 use crate::error::ConfigError;
 use crate::priority_classify::DemotionPolicy;
+use crate::{TenantId, Tier};
 
 use memory::MemoryState;
 
 #[cfg(feature = "redis")]
 pub use self::redis::RedisStoreError;
+pub use self::slots::{SlotLease, SlotLimits};
 
 /// Whether a tenant is demoted, as a check found it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -375,6 +377,52 @@ impl Store {
             Backend::Memory(_) => StoreFuture::ready(()),
             #[cfg(feature = "redis")]
             Backend::Redis(redis) => redis.flush(),
+        }
+    }
+}
+
+impl Store {
+    /// Takes a slot for `tier` if the global and the tier counts are under `limits`; `None`
+    /// when a cap is reached. One round trip on Redis (one script); while Redis is away, a
+    /// slot from this worker's share of the caps (the caps divided by the workers last seen
+    /// alive, at least 1 each).
+    pub fn try_acquire_slot(
+        &self,
+        tier: &Tier,
+        limits: SlotLimits,
+    ) -> StoreFuture<Option<SlotLease>> {
+        match &*self.backend {
+            Backend::Memory(memory) => StoreFuture::ready(memory.slots.try_acquire(tier, limits)),
+            #[cfg(feature = "redis")]
+            Backend::Redis(redis) => redis.try_acquire_slot(tier, limits),
+        }
+    }
+
+    /// Slots held now: all tiers (`None`) or one. On Redis, across every worker.
+    pub fn slots_in_use(&self, tier: Option<&Tier>) -> StoreFuture<u32> {
+        match &*self.backend {
+            Backend::Memory(memory) => StoreFuture::ready(memory.slots.in_use(tier)),
+            #[cfg(feature = "redis")]
+            Backend::Redis(redis) => redis.slots_in_use(tier),
+        }
+    }
+
+    /// Workers that said they were alive at the last heartbeat (this one included); 1 on the
+    /// memory store.
+    pub fn alive_workers(&self) -> u32 {
+        match &*self.backend {
+            Backend::Memory(_) => 1,
+            #[cfg(feature = "redis")]
+            Backend::Redis(redis) => redis.alive_workers(),
+        }
+    }
+
+    /// Notified whenever a slot may have come free in this process or, on Redis, anywhere.
+    pub(crate) fn slot_released(&self) -> &tokio::sync::Notify {
+        match &*self.backend {
+            Backend::Memory(memory) => &memory.slots.released,
+            #[cfg(feature = "redis")]
+            Backend::Redis(redis) => redis.slot_released(),
         }
     }
 }

@@ -25,6 +25,11 @@ use crate::TenantId;
 use crate::error::ConfigError;
 use crate::priority_classify::DemotionPolicy;
 
+mod slots;
+
+pub(crate) use self::slots::RedisLease;
+use self::slots::{SlotScripts, SlotState};
+
 /// Pending token counts past which a flush starts before its interval.
 const FLUSH_AT_TENANTS: usize = 1024;
 
@@ -100,6 +105,8 @@ pub(crate) struct RedisStore {
     conn: ConnectionManager,
     keys: Keys,
     scripts: Scripts,
+    slot_scripts: SlotScripts,
+    slots: SlotState,
     opts: RedisOptions,
     throttle_window_ms: u64,
     fallback: MemoryState,
@@ -184,6 +191,7 @@ impl StoreBuilder {
         }
         let keys = Keys::new(&opts.key_prefix)?;
         let client = redis::Client::open(url).map_err(RedisStoreError::Url)?;
+        let listener_client = client.clone();
         // Measured: the defaults wait ~9 s per command on a dead server. These make a call
         // fail in under a millisecond while Redis is down and reconnect ~25 ms after it is back.
         let config = ConnectionManagerConfig::new()
@@ -199,6 +207,8 @@ impl StoreBuilder {
             conn,
             keys,
             scripts: Scripts::new(),
+            slot_scripts: SlotScripts::new(),
+            slots: SlotState::new(),
             throttle_window_ms: duration_ms(self.throttle_window),
             fallback: MemoryState::new(self.throttle_window, false),
             degraded: AtomicBool::new(false),
@@ -219,6 +229,12 @@ impl StoreBuilder {
             redis.mark_degraded("no answer at start-up");
         }
         tokio::spawn(background(Arc::downgrade(&redis), redis.wake.clone()));
+        let channel = redis.keys.slots("released");
+        tokio::spawn(slots::listen_for_releases(
+            Arc::downgrade(&redis),
+            listener_client,
+            channel,
+        ));
         Ok(Store::from_backend(Backend::Redis(redis)))
     }
 }
@@ -262,6 +278,7 @@ async fn background(store: Weak<RedisStore>, wake: Arc<Notify>) {
             redis.opts.probe_interval
         } else {
             redis.flush_pending().await;
+            redis.slot_heartbeat().await;
             redis.opts.flush_interval
         };
         drop(redis);
@@ -315,10 +332,13 @@ impl RedisStore {
             &scripts.tokens_today,
             &scripts.check_demotion,
         ];
-        let loads = all.map(|script| {
-            let mut conn = self.conn.clone();
-            async move { script.load_async(&mut conn).await.map(drop) }
-        });
+        let loads = all
+            .into_iter()
+            .chain(self.slot_scripts.all())
+            .map(|script| {
+                let mut conn = self.conn.clone();
+                async move { script.load_async(&mut conn).await.map(drop) }
+            });
         let all = async {
             futures_util::future::join_all(loads)
                 .await

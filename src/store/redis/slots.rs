@@ -1,0 +1,263 @@
+//! Slot leases on Redis: acquire and release are one script each, held leases are renewed
+//! by the background task, releases are announced on a pub/sub channel.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::Duration;
+
+use futures_util::StreamExt;
+use redis::{RedisResult, Script};
+use tokio::time::Instant;
+
+use super::{RedisStore, duration_ms, lock};
+use crate::Tier;
+use crate::store::StoreFuture;
+use crate::store::slots::{Holder, SlotLease, SlotLimits};
+
+/// How often a worker says it is alive, and how long that lasts.
+const WORKER_HEARTBEAT: Duration = Duration::from_secs(1);
+const WORKER_TTL: Duration = Duration::from_secs(3);
+
+pub(super) struct SlotScripts {
+    acquire: Script,
+    release: Script,
+    heartbeat: Script,
+    in_use: Script,
+}
+
+impl SlotScripts {
+    pub(super) fn new() -> Self {
+        SlotScripts {
+            acquire: Script::new(include_str!("../scripts/slot_acquire.lua")),
+            release: Script::new(include_str!("../scripts/slot_release.lua")),
+            heartbeat: Script::new(include_str!("../scripts/slot_heartbeat.lua")),
+            in_use: Script::new(include_str!("../scripts/slots_in_use.lua")),
+        }
+    }
+
+    pub(super) fn all(&self) -> [&Script; 4] {
+        [&self.acquire, &self.release, &self.heartbeat, &self.in_use]
+    }
+}
+
+/// A lease this worker holds, for the heartbeat.
+struct Held {
+    tier_key: String,
+    ttl: Duration,
+    renewed: Instant,
+}
+
+/// This worker's side of the shared slots.
+pub(super) struct SlotState {
+    held: Mutex<HashMap<String, Held>>,
+    last_heartbeat: Mutex<Option<Instant>>,
+    /// Workers alive at the last heartbeat (this one included): the fallback's divisor.
+    alive_workers: AtomicU32,
+}
+
+impl SlotState {
+    pub(super) fn new() -> Self {
+        SlotState {
+            held: Mutex::new(HashMap::new()),
+            last_heartbeat: Mutex::new(None),
+            alive_workers: AtomicU32::new(1),
+        }
+    }
+}
+
+/// The Redis half of a [`SlotLease`].
+pub(crate) struct RedisLease {
+    store: Arc<RedisStore>,
+    id: String,
+}
+
+impl RedisLease {
+    /// Forgets the lease locally and releases it in Redis in the background; if no runtime
+    /// is there to do it, the lease expires within its TTL.
+    pub(crate) fn release(&self, tier: &Tier) {
+        lock(&self.store.slots.held).remove(&self.id);
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let store = self.store.clone();
+        let id = self.id.clone();
+        let tier_key = store.keys.slots_tier(tier);
+        runtime.spawn(async move {
+            if !store.is_degraded() {
+                let mut conn = store.conn.clone();
+                let mut release = store.slot_scripts.release.prepare_invoke();
+                release
+                    .key(store.keys.slots("global"))
+                    .key(tier_key)
+                    .arg(id)
+                    .arg(store.keys.slots("released"));
+                let _ = store.guard(release.invoke_async::<u32>(&mut conn)).await;
+            }
+            // Local waiters first: they need not wait for the announcement to come back.
+            store.fallback.slots.released.notify_waiters();
+        });
+    }
+}
+
+impl RedisStore {
+    pub(crate) fn try_acquire_slot(
+        self: &Arc<Self>,
+        tier: &Tier,
+        limits: SlotLimits,
+    ) -> StoreFuture<Option<SlotLease>> {
+        if self.is_degraded() {
+            return StoreFuture::ready(self.acquire_fallback(tier, limits));
+        }
+        let this = self.clone();
+        let tier = tier.clone();
+        StoreFuture::pending(async move {
+            let id = format!(
+                "{}:{}",
+                this.worker_id,
+                this.seq.fetch_add(1, Ordering::Relaxed)
+            );
+            let tier_key = this.keys.slots_tier(&tier);
+            let mut conn = this.conn.clone();
+            let mut acquire = this.slot_scripts.acquire.prepare_invoke();
+            acquire
+                .key(this.keys.slots("global"))
+                .key(&tier_key)
+                .arg(limits.global)
+                .arg(limits.tier)
+                .arg(duration_ms(limits.lease_ttl))
+                .arg(&id);
+            match this.guard(acquire.invoke_async::<u32>(&mut conn)).await {
+                Some(1) => {
+                    let held = Held {
+                        tier_key,
+                        ttl: limits.lease_ttl,
+                        renewed: Instant::now(),
+                    };
+                    lock(&this.slots.held).insert(id.clone(), held);
+                    let lease = RedisLease { store: this, id };
+                    Some(SlotLease::new(tier, Holder::Redis(lease)))
+                }
+                Some(_) => None,
+                None => this.acquire_fallback(&tier, limits),
+            }
+        })
+    }
+
+    /// While Redis is away: an in-process slot, from this worker's share of the caps.
+    fn acquire_fallback(&self, tier: &Tier, limits: SlotLimits) -> Option<SlotLease> {
+        let workers = self.slots.alive_workers.load(Ordering::Relaxed);
+        self.fallback
+            .slots
+            .try_acquire(tier, limits.share_of(workers))
+    }
+
+    pub(crate) fn slots_in_use(self: &Arc<Self>, tier: Option<&Tier>) -> StoreFuture<u32> {
+        let key = match tier {
+            Some(tier) => self.keys.slots_tier(tier),
+            None => self.keys.slots("global"),
+        };
+        let tier = tier.cloned();
+        self.op(
+            move |local| local.slots.in_use(tier.as_ref()),
+            move |this| async move {
+                let mut conn = this.conn.clone();
+                this.slot_scripts
+                    .in_use
+                    .key(key)
+                    .invoke_async(&mut conn)
+                    .await
+            },
+        )
+    }
+
+    pub(crate) fn slot_released(&self) -> &tokio::sync::Notify {
+        &self.fallback.slots.released
+    }
+
+    pub(crate) fn alive_workers(&self) -> u32 {
+        self.slots.alive_workers.load(Ordering::Relaxed)
+    }
+
+    /// Renews held leases that reached a third of their TTL, and says this worker is alive,
+    /// in one script call. Run by the background task while Redis is up.
+    pub(super) async fn slot_heartbeat(&self) {
+        let now = Instant::now();
+        let leases: Vec<(String, String, u64)> = {
+            let held = lock(&self.slots.held);
+            let lease_due = held
+                .values()
+                .any(|h| now.saturating_duration_since(h.renewed) >= h.ttl / 3);
+            let worker_due = lock(&self.slots.last_heartbeat)
+                .is_none_or(|at| now.saturating_duration_since(at) >= WORKER_HEARTBEAT);
+            if !lease_due && !worker_due {
+                return;
+            }
+            held.iter()
+                .map(|(id, h)| (id.clone(), h.tier_key.clone(), duration_ms(h.ttl)))
+                .collect()
+        };
+        let mut invocation = self.slot_scripts.heartbeat.prepare_invoke();
+        invocation
+            .key(self.keys.slots("global"))
+            .key(self.keys.slots("workers"))
+            .arg(&self.worker_id)
+            .arg(duration_ms(WORKER_TTL));
+        for (id, tier_key, ttl_ms) in &leases {
+            invocation.key(tier_key).arg(id).arg(*ttl_ms);
+        }
+        let mut conn = self.conn.clone();
+        if let Some(alive) = self.guard(invocation.invoke_async::<u32>(&mut conn)).await {
+            self.slots
+                .alive_workers
+                .store(alive.max(1), Ordering::Relaxed);
+            *lock(&self.slots.last_heartbeat) = Some(now);
+            let mut held = lock(&self.slots.held);
+            for (id, _, _) in &leases {
+                if let Some(h) = held.get_mut(id) {
+                    h.renewed = now;
+                }
+            }
+        }
+    }
+}
+
+/// Listens for releases announced by any worker and wakes this worker's waiters.
+/// Reconnects on its own; ends when the store is dropped.
+pub(super) async fn listen_for_releases(
+    store: Weak<RedisStore>,
+    client: redis::Client,
+    channel: String,
+) {
+    loop {
+        let Some(redis) = store.upgrade() else { return };
+        let (op_timeout, probe) = (redis.opts.op_timeout, redis.opts.probe_interval);
+        drop(redis);
+        let subscribe = async {
+            let mut pubsub = client.get_async_pubsub().await?;
+            pubsub.subscribe(&channel).await?;
+            RedisResult::Ok(pubsub)
+        };
+        let pubsub = tokio::time::timeout(op_timeout * 4, subscribe).await;
+        if let Ok(Ok(pubsub)) = pubsub {
+            let mut messages = pubsub.into_on_message();
+            loop {
+                tokio::select! {
+                    message = messages.next() => match message {
+                        Some(_) => match store.upgrade() {
+                            Some(redis) => redis.fallback.slots.released.notify_waiters(),
+                            None => return,
+                        },
+                        None => break, // connection lost: subscribe again
+                    },
+                    _ = tokio::time::sleep(Duration::from_secs(1)) => {
+                        if store.strong_count() == 0 {
+                            return;
+                        }
+                    }
+                }
+            }
+        }
+        tokio::time::sleep(probe).await;
+    }
+}

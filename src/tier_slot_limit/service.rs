@@ -1,0 +1,101 @@
+use std::fmt;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use tokio::time::Instant;
+use tower_service::Service;
+
+use super::future::ResponseFuture;
+use super::wait::{Shared, SlotPermit, wait_for_slot};
+use crate::JobRequest;
+use crate::body::GuardResponse;
+use crate::error::BoxError;
+
+/// Holds every call to a slot: a global cap and a cap per tier, shared by every worker on
+/// the store; see the [module docs](crate::tier_slot_limit).
+pub struct TierSlotLimit<S> {
+    pub(super) inner: S,
+    pub(super) shared: Arc<Shared>,
+}
+
+impl<S> TierSlotLimit<S> {
+    /// The wrapped service.
+    pub fn get_ref(&self) -> &S {
+        &self.inner
+    }
+
+    /// The wrapped service, mutably.
+    pub fn get_mut(&mut self) -> &mut S {
+        &mut self.inner
+    }
+
+    /// Unwraps the inner service.
+    pub fn into_inner(self) -> S {
+        self.inner
+    }
+}
+
+impl<S: Clone> Clone for TierSlotLimit<S> {
+    fn clone(&self) -> Self {
+        TierSlotLimit {
+            inner: self.inner.clone(),
+            shared: self.shared.clone(),
+        }
+    }
+}
+
+impl<S: fmt::Debug> fmt::Debug for TierSlotLimit<S> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("TierSlotLimit")
+            .field("inner", &self.inner)
+            .field("policy", &self.shared.policy)
+            .finish()
+    }
+}
+
+impl<S, Req> Service<Req> for TierSlotLimit<S>
+where
+    S: Service<Req> + Clone + Send + 'static,
+    S::Error: Into<BoxError>,
+    S::Response: GuardResponse<SlotPermit>,
+    Req: JobRequest,
+{
+    type Response = <S::Response as GuardResponse<SlotPermit>>::Output;
+    type Error = BoxError;
+    type Future = ResponseFuture<S, Req>;
+
+    /// Always ready: the tier is only known in `call`, so the wait for a slot (and then for
+    /// the inner service) happens in the response future, as in tower's `Buffer`. Holding
+    /// the inner service's readiness through a wait of up to a minute would starve others.
+    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, req: Req) -> Self::Future {
+        let started = Instant::now();
+        let Some(job) = req.job() else {
+            return ResponseFuture::missing_job();
+        };
+        let shared = &self.shared;
+        let (tier, limit) = shared.resolve(job.tier_name());
+        let state = shared.tier_state(&tier);
+        let inner = self.inner.clone();
+
+        if shared.hopeless(&state, limit) {
+            return ResponseFuture::busy(shared.busy(tier, started));
+        }
+        // Fast path: nobody of this tier waits here and the store answers at once (memory).
+        let turn = state.turnstile.clone().try_acquire_owned().ok();
+        if turn.is_some()
+            && let Ok(Some(lease)) = shared
+                .store
+                .try_acquire_slot(&tier, shared.limits(limit))
+                .into_ready()
+        {
+            let permit = SlotPermit::new(lease, state, &shared.store);
+            return ResponseFuture::acquired(permit, inner, req);
+        }
+        let wait = wait_for_slot(shared.clone(), tier, limit, state, started, turn);
+        ResponseFuture::waiting(Box::pin(wait), inner, req)
+    }
+}

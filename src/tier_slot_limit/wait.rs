@@ -1,0 +1,272 @@
+//! Waiting for a slot: in arrival order per tier, woken by releases, bounded by max wait.
+
+use std::collections::{HashMap, HashSet};
+use std::fmt;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::time::{Instant, sleep_until, timeout_at};
+
+use super::{Busy, SlotPolicy, TierLimit};
+use crate::rng::Rng;
+use crate::store::{SlotLease, SlotLimits, Store};
+use crate::{Tier, metrics};
+
+/// What one layer (and its clones) shares.
+pub(super) struct Shared {
+    pub(super) store: Store,
+    pub(super) policy: SlotPolicy,
+    tiers: Mutex<HashMap<Tier, Arc<TierState>>>,
+    unknown_logged: Mutex<HashSet<Tier>>,
+    rng: Mutex<Rng>,
+}
+
+/// Per tier, in this process.
+pub(super) struct TierState {
+    /// One permit: the waiter holding it is the only one of its tier trying for a slot, so
+    /// local waiters of a tier get slots in arrival order (tokio's semaphore is FIFO).
+    pub(super) turnstile: Arc<Semaphore>,
+    /// Requests of this tier waiting here now.
+    waiting: AtomicUsize,
+    /// Moving average of how long a slot is held, in nanoseconds (0: not seen yet).
+    avg_hold_ns: AtomicU64,
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl Shared {
+    pub(super) fn new(store: Store, policy: SlotPolicy) -> Self {
+        let rng = policy.seed.map_or_else(Rng::from_entropy, Rng::seeded);
+        Shared {
+            store,
+            policy,
+            tiers: Mutex::new(HashMap::new()),
+            unknown_logged: Mutex::new(HashSet::new()),
+            rng: Mutex::new(rng),
+        }
+    }
+
+    /// The tier a request counts under, logging an unknown tier name once.
+    pub(super) fn resolve(&self, asked: Option<&Tier>) -> (Tier, TierLimit) {
+        let (tier, limit, known) = self.policy.limit(asked);
+        if let (false, Some(asked)) = (known, asked)
+            && lock(&self.unknown_logged).insert(asked.clone())
+        {
+            tracing::warn!(
+                name: "tier.unknown",
+                tier = %asked,
+                served_as = %tier,
+                "unknown tier; served as the default tier"
+            );
+        }
+        (tier, limit)
+    }
+
+    pub(super) fn tier_state(&self, tier: &Tier) -> Arc<TierState> {
+        lock(&self.tiers)
+            .entry(tier.clone())
+            .or_insert_with(|| {
+                Arc::new(TierState {
+                    turnstile: Arc::new(Semaphore::new(1)),
+                    waiting: AtomicUsize::new(0),
+                    avg_hold_ns: AtomicU64::new(0),
+                })
+            })
+            .clone()
+    }
+
+    pub(super) fn limits(&self, limit: TierLimit) -> SlotLimits {
+        SlotLimits {
+            global: self.policy.global_max,
+            tier: limit.cap,
+            lease_ttl: self.policy.lease_ttl,
+        }
+    }
+
+    pub(super) fn busy(&self, tier: Tier, started: Instant) -> Busy {
+        metrics::server_busy(&tier);
+        Busy::new(tier, started.elapsed(), self.policy.retry_after)
+    }
+
+    /// Early rejection: the wait this request can expect already exceeds its max wait.
+    pub(super) fn hopeless(&self, state: &TierState, limit: TierLimit) -> bool {
+        if !self.policy.early_reject {
+            return false;
+        }
+        let hold = Duration::from_nanos(state.avg_hold_ns.load(Ordering::Relaxed));
+        let ahead = state.waiting.load(Ordering::Relaxed) as u32 + 1;
+        !hold.is_zero() && hold * ahead / limit.cap.max(1) > limit.max_wait
+    }
+
+    /// A poll interval jittered by +/-50%, so waiters across workers do not poll in step.
+    fn poll_interval(&self) -> Duration {
+        let unit = lock(&self.rng).unit();
+        self.policy.poll_interval.mul_f64(0.5 + unit)
+    }
+}
+
+/// A held slot plus the bookkeeping of this layer: the hold-time average and the gauge.
+///
+/// Moved into an `http::Response`'s body (see [`GuardResponse`](crate::body::GuardResponse)),
+/// so a streaming answer keeps its slot until the body ends, fails or is dropped.
+pub struct SlotPermit {
+    lease: SlotLease,
+    state: Arc<TierState>,
+    acquired: Instant,
+}
+
+impl SlotPermit {
+    pub(super) fn new(lease: SlotLease, state: Arc<TierState>, store: &Store) -> Self {
+        // A local lease from a Redis store is the fallback at work.
+        let fallback = !lease.is_shared() && store.backend_name() == "redis";
+        metrics::slot_taken(lease.tier(), fallback);
+        SlotPermit {
+            lease,
+            state,
+            acquired: Instant::now(),
+        }
+    }
+
+    /// The tier the slot counts against.
+    pub fn tier(&self) -> &Tier {
+        self.lease.tier()
+    }
+}
+
+impl Drop for SlotPermit {
+    fn drop(&mut self) {
+        let held = self.acquired.elapsed().as_nanos().min(u128::from(u64::MAX)) as u64;
+        // An exponential moving average with weight 1/8: cheap, and follows a shift within
+        // a few dozen calls.
+        let _ = self
+            .state
+            .avg_hold_ns
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |avg| {
+                Some(if avg == 0 {
+                    held
+                } else {
+                    avg - avg / 8 + held / 8
+                })
+            });
+        metrics::slot_given_back(self.lease.tier());
+    }
+}
+
+impl fmt::Debug for SlotPermit {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SlotPermit")
+            .field("lease", &self.lease)
+            .field("held_for", &self.acquired.elapsed())
+            .finish()
+    }
+}
+
+/// Counts a waiter for the early-rejection estimate while it waits.
+struct Waiting<'a>(&'a TierState);
+
+impl<'a> Waiting<'a> {
+    fn enter(state: &'a TierState) -> Self {
+        state.waiting.fetch_add(1, Ordering::Relaxed);
+        Waiting(state)
+    }
+}
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        self.0.waiting.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// Waits for a slot until the tier's max wait has passed since `started`.
+///
+/// Takes the tier's turnstile first (arrival order), then tries the store each time a slot
+/// may have come free: a local release or one announced by another worker wakes it at once,
+/// and a jittered poll catches anything missed.
+pub(super) async fn wait_for_slot(
+    shared: Arc<Shared>,
+    tier: Tier,
+    limit: TierLimit,
+    state: Arc<TierState>,
+    started: Instant,
+    turn: Option<OwnedSemaphorePermit>,
+) -> Result<SlotPermit, Busy> {
+    let deadline = started + limit.max_wait;
+    let mut slow = SlowWait {
+        at: started + shared.policy.slow_wait,
+        warned: false,
+        started,
+    };
+    let _waiting = Waiting::enter(&state);
+
+    let _turn = match turn {
+        Some(turn) => turn,
+        None => loop {
+            let wake = slow.next().map_or(deadline, |at| deadline.min(at));
+            match timeout_at(wake, state.turnstile.clone().acquire_owned()).await {
+                Ok(Ok(turn)) => break turn,
+                // Never closed; treat as a timeout rather than panic.
+                Ok(Err(_)) => return Err(shared.busy(tier.clone(), started)),
+                Err(_) if Instant::now() >= deadline => {
+                    return Err(shared.busy(tier.clone(), started));
+                }
+                Err(_) => slow.check(&tier),
+            }
+        },
+    };
+
+    let limits = shared.limits(limit);
+    loop {
+        // Registered before trying, so a release between the try and the wait is not missed.
+        let released = shared.store.slot_released().notified();
+        tokio::pin!(released);
+        released.as_mut().enable();
+        if let Some(lease) = shared.store.try_acquire_slot(&tier, limits).await {
+            metrics::slot_wait(&tier, started.elapsed());
+            return Ok(SlotPermit::new(lease, state.clone(), &shared.store));
+        }
+        let now = Instant::now();
+        if now >= deadline {
+            return Err(shared.busy(tier.clone(), started));
+        }
+        let mut wake = deadline.min(now + shared.poll_interval());
+        if let Some(at) = slow.next() {
+            wake = wake.min(at.max(now));
+        }
+        tokio::select! {
+            _ = released => {}
+            _ = sleep_until(wake) => {}
+        }
+        slow.check(&tier);
+    }
+}
+
+/// Logs `queue.slow_wait` once, when a wait passes the policy's threshold.
+struct SlowWait {
+    at: Instant,
+    warned: bool,
+    started: Instant,
+}
+
+impl SlowWait {
+    /// When the warning is due, if it has not been given.
+    fn next(&self) -> Option<Instant> {
+        (!self.warned).then_some(self.at)
+    }
+
+    fn check(&mut self, tier: &Tier) {
+        let now = Instant::now();
+        if !self.warned && now >= self.at {
+            self.warned = true;
+            tracing::warn!(
+                name: "queue.slow_wait",
+                tier = %tier,
+                waited_secs = now.saturating_duration_since(self.started).as_secs_f64(),
+                "request still waiting for a slot"
+            );
+        }
+    }
+}
