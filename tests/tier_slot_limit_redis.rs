@@ -1,0 +1,345 @@
+//! TierSlotLimit on a real Redis: several OS processes sharing one budget, a worker killed
+//! while holding slots, Redis killed mid-load, and a stream outliving its lease TTL.
+#![cfg(feature = "redis")]
+
+mod support;
+
+use std::convert::Infallible;
+use std::io::{BufRead, BufReader};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use fairgate::{Job, Origin, SlotLimits, SlotPolicy, Store, Tier, TierSlotLimitLayer};
+use support::{RedisServer, request};
+use tokio::time::Instant;
+use tower::{Layer, ServiceExt, service_fn};
+
+/// The `slot_worker` example, built by `cargo test` next to the test binaries.
+fn worker_binary() -> PathBuf {
+    let deps = std::env::current_exe()
+        .unwrap()
+        .parent()
+        .unwrap()
+        .to_path_buf();
+    let path = deps.parent().unwrap().join("examples").join("slot_worker");
+    assert!(
+        path.exists(),
+        "{} missing: run the tests with --all-features",
+        path.display()
+    );
+    path
+}
+
+fn spawn_worker(args: &[&str]) -> Child {
+    Command::new(worker_binary())
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("start a slot_worker process")
+}
+
+fn get(server: &RedisServer, key: &str) -> u32 {
+    let reply = server.command(&format!("GET {key}"));
+    // "$1\r\n7\r\n" or "$-1" for a missing key
+    reply
+        .lines()
+        .nth(1)
+        .and_then(|n| n.trim().parse().ok())
+        .unwrap_or(0)
+}
+
+#[test]
+fn four_processes_of_fifty_callers_never_exceed_the_caps() {
+    let server = RedisServer::start();
+    let url = server.url();
+    let workers: Vec<Child> = (0..4)
+        .map(|_| spawn_worker(&["load", &url, "50", "12"]))
+        .collect();
+    let mut ok = 0;
+    for worker in workers {
+        let output = worker.wait_with_output().unwrap();
+        assert!(output.status.success(), "worker failed: {output:?}");
+        let line = String::from_utf8_lossy(&output.stdout).trim().to_owned();
+        assert!(line.ends_with("busy=0 failed=0"), "{line}");
+        ok += line
+            .trim_start_matches("ok=")
+            .split(' ')
+            .next()
+            .unwrap()
+            .parse::<u32>()
+            .unwrap();
+    }
+    assert_eq!(ok, 4 * 50 * 12);
+    let max = get(&server, "probe:max");
+    let tiers = [("premium", 8), ("pro", 6), ("free", 4), ("guest", 2)];
+    let tier_max: Vec<(&str, u32, u32)> = tiers
+        .iter()
+        .map(|&(t, cap)| (t, get(&server, &format!("probe:max:{t}")), cap))
+        .collect();
+    println!("4 processes x 50 callers: max in flight {max} (cap 12); per tier {tier_max:?}");
+    assert!(max <= 12, "global cap broken across processes: {max}");
+    assert!(
+        max >= 10,
+        "the budget was barely used ({max}): the probe is not measuring"
+    );
+    for (tier, seen, cap) in tier_max {
+        assert!(seen <= cap, "{tier}: {seen} > {cap}");
+        assert!(seen >= 1, "{tier} never ran");
+    }
+}
+
+#[tokio::test]
+async fn a_sigkilled_workers_slots_come_back_within_the_lease_ttl_and_not_before() {
+    let server = RedisServer::start();
+    let mut holder = spawn_worker(&["hold", &server.url(), "10"]);
+    let mut line = String::new();
+    BufReader::new(holder.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    assert_eq!(line.trim(), "HOLDING");
+
+    let store = Store::redis(&server.url()).await.unwrap();
+    assert_eq!(store.slots_in_use(None).await, 10);
+    holder.kill().unwrap(); // SIGKILL: no release, no more heartbeats
+    holder.wait().unwrap();
+    let killed = Instant::now();
+
+    // The worker's caps are global 12; ask for all of them back, one slot at a time.
+    let limits = SlotLimits {
+        global: 10,
+        tier: 10,
+        lease_ttl: Duration::from_secs(2),
+    };
+    let premium = Tier::new("premium");
+    let back = loop {
+        if let Some(lease) = store.try_acquire_slot(&premium, limits).await {
+            break (killed.elapsed(), lease);
+        }
+        assert!(
+            killed.elapsed() < Duration::from_secs(4),
+            "slots never came back"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    let lease_ttl = Duration::from_secs(2);
+    println!(
+        "slots of a killed worker back after {:?} (lease ttl {lease_ttl:?})",
+        back.0
+    );
+    // Renewed at most a third of a TTL before the kill, so they expire no earlier than 2/3 TTL.
+    assert!(
+        back.0 >= lease_ttl * 2 / 3 - Duration::from_millis(100),
+        "taken back too early: {:?}",
+        back.0
+    );
+    assert!(
+        back.0 <= lease_ttl + Duration::from_millis(300),
+        "too late: {:?}",
+        back.0
+    );
+    assert_eq!(
+        store.slots_in_use(None).await,
+        1,
+        "all ten expired together"
+    );
+}
+
+/// Concurrency seen by an upstream, overall.
+#[derive(Default)]
+struct Probe {
+    now: u32,
+    max: u32,
+}
+
+async fn run_load(
+    store: Store,
+    policy: SlotPolicy,
+    probe: Arc<Mutex<Probe>>,
+    callers: usize,
+    calls: usize,
+) -> usize {
+    let upstream = service_fn(move |_: http::Request<()>| {
+        let probe = probe.clone();
+        async move {
+            {
+                let mut p = probe.lock().unwrap();
+                p.now += 1;
+                p.max = p.max.max(p.now);
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+            probe.lock().unwrap().now -= 1;
+            Ok::<_, Infallible>(http::Response::new(()))
+        }
+    });
+    let service = TierSlotLimitLayer::new(store, policy).layer(upstream);
+    let tasks = (0..callers).map(|c| {
+        let service = service.clone();
+        tokio::spawn(async move {
+            let mut failed = 0;
+            for _ in 0..calls {
+                let job = Job::new(format!("t{c}"), Origin::UserAction).tier("premium");
+                if service.clone().oneshot(request(job)).await.is_err() {
+                    failed += 1;
+                }
+            }
+            failed
+        })
+    });
+    futures_util::future::join_all(tasks)
+        .await
+        .into_iter()
+        .map(|r| r.unwrap())
+        .sum()
+}
+
+async fn worker(url: &str) -> Store {
+    Store::builder()
+        .probe_interval(Duration::from_millis(20))
+        .flush_interval(Duration::from_millis(20))
+        .redis(url)
+        .await
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_killed_mid_load_no_request_fails_and_each_worker_keeps_to_its_share() {
+    let mut server = RedisServer::start();
+    let (one, two) = (worker(&server.url()).await, worker(&server.url()).await);
+    let policy = SlotPolicy::builder()
+        .global_max(8)
+        .tier("premium", 8, Duration::from_secs(60))
+        .build()
+        .unwrap();
+    // Both workers have said they are alive.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while one.alive_workers() < 2 || two.alive_workers() < 2 {
+        assert!(Instant::now() < deadline, "workers never saw each other");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+
+    let shared_probe = Arc::new(Mutex::new(Probe::default()));
+    let load = |store: &Store, probe: &Arc<Mutex<Probe>>| {
+        tokio::spawn(run_load(
+            store.clone(),
+            policy.clone(),
+            probe.clone(),
+            20,
+            40,
+        ))
+    };
+    let (a, b) = (load(&one, &shared_probe), load(&two, &shared_probe));
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    server.kill();
+    assert_eq!(
+        a.await.unwrap() + b.await.unwrap(),
+        0,
+        "no request failed across the outage"
+    );
+
+    // Degraded: each worker keeps to global / workers alive = 4.
+    assert!(one.is_degraded() && two.is_degraded());
+    let (probe_one, probe_two) = (
+        Arc::new(Mutex::new(Probe::default())),
+        Arc::new(Mutex::new(Probe::default())),
+    );
+    let (a, b) = (load(&one, &probe_one), load(&two, &probe_two));
+    assert_eq!(a.await.unwrap() + b.await.unwrap(), 0);
+    let (max_one, max_two) = (probe_one.lock().unwrap().max, probe_two.lock().unwrap().max);
+    println!("fallback: worker one max {max_one}, worker two max {max_two} (share 4 each)");
+    assert_eq!(
+        (max_one, max_two),
+        (4, 4),
+        "each worker uses exactly its share"
+    );
+
+    // Back on Redis (its scripts reloaded): the shared cap of 8 holds across both again.
+    server.restart();
+    while one.is_degraded() || two.is_degraded() {
+        assert!(
+            Instant::now() < deadline + Duration::from_secs(10),
+            "never back on redis"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let after = Arc::new(Mutex::new(Probe::default()));
+    let (a, b) = (load(&one, &after), load(&two, &after));
+    assert_eq!(a.await.unwrap() + b.await.unwrap(), 0);
+    let max = after.lock().unwrap().max;
+    println!("after recovery: max in flight across both workers {max} (cap 8)");
+    assert!(max <= 8 && max >= 6, "shared cap after recovery: {max}");
+    assert!(
+        server.command("SCRIPT EXISTS x").contains(':'),
+        "redis answers"
+    );
+}
+
+#[tokio::test]
+async fn a_stream_longer_than_the_lease_ttl_keeps_its_slot_until_it_ends() {
+    let server = RedisServer::start();
+    let store = Store::builder()
+        .flush_interval(Duration::from_millis(50))
+        .redis(&server.url())
+        .await
+        .unwrap();
+    let policy = SlotPolicy::builder()
+        .global_max(1)
+        .tier("pro", 1, Duration::ZERO)
+        .lease_ttl(Duration::from_millis(600))
+        .build()
+        .unwrap();
+    let (tx, rx) =
+        tokio::sync::mpsc::channel::<Result<http_body::Frame<bytes::Bytes>, Infallible>>(16);
+    let rx = Arc::new(Mutex::new(Some(rx)));
+    let upstream = service_fn(move |_: http::Request<()>| {
+        // The first call streams from the test; later ones get an empty body.
+        let rx = rx
+            .lock()
+            .unwrap()
+            .take()
+            .unwrap_or_else(|| tokio::sync::mpsc::channel(1).1);
+        async move {
+            let stream = tokio_stream_from(rx);
+            Ok::<_, Infallible>(http::Response::new(http_body_util::StreamBody::new(stream)))
+        }
+    });
+    let service = TierSlotLimitLayer::new(store.clone(), policy).layer(upstream);
+    let job = || Job::new("acme", Origin::UserAction).tier("pro");
+    let response = service.clone().oneshot(request(job())).await.unwrap();
+
+    // Three TTLs of streaming: the heartbeat keeps the lease, nobody else gets the slot.
+    for _ in 0..6 {
+        tx.send(Ok(http_body::Frame::data(bytes::Bytes::from_static(
+            b"data: x\n\n",
+        ))))
+        .await
+        .unwrap();
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert_eq!(store.slots_in_use(None).await, 1);
+        match service.clone().oneshot(request(job())).await {
+            Err(err) => assert!(err.is::<fairgate::Busy>(), "{err}"),
+            Ok(_) => panic!("a second stream got the only slot"),
+        }
+    }
+    drop(tx); // the stream ends
+    use http_body_util::BodyExt;
+    let body = response.into_body().collect().await.unwrap().to_bytes();
+    assert_eq!(body.len(), 6 * 9);
+    let deadline = Instant::now() + Duration::from_secs(2);
+    while store.slots_in_use(None).await != 0 {
+        assert!(Instant::now() < deadline, "the slot was not given back");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    service
+        .oneshot(request(job()))
+        .await
+        .expect("the slot is free again");
+}
+
+fn tokio_stream_from<T: Send + 'static>(
+    mut rx: tokio::sync::mpsc::Receiver<T>,
+) -> impl futures_util::Stream<Item = T> + Send {
+    futures_util::stream::poll_fn(move |cx| rx.poll_recv(cx))
+}
