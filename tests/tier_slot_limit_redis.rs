@@ -271,8 +271,15 @@ async fn redis_killed_mid_load_no_request_fails_and_each_worker_keeps_to_its_sha
     println!("after recovery: max in flight across both workers {max} (cap 8)");
     assert!((6..=8).contains(&max), "shared cap after recovery: {max}");
     // The lease went through the acquire script on the restarted server, not the fallback.
-    let limits = SlotLimits { global: 8, tier: 8, lease_ttl: Duration::from_secs(30) };
-    let lease = one.try_acquire_slot(&Tier::new("premium"), limits).await.expect("a slot");
+    let limits = SlotLimits {
+        global: 8,
+        tier: 8,
+        lease_ttl: Duration::from_secs(30),
+    };
+    let lease = one
+        .try_acquire_slot(&Tier::new("premium"), limits)
+        .await
+        .expect("a slot");
     assert!(lease.is_shared());
     assert_eq!(server.command("ZCARD fairgate:{slots}:global").trim(), ":1");
 }

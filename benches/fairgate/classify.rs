@@ -7,7 +7,7 @@ use criterion::{BenchmarkId, Criterion, Throughput};
 use fairgate::{Job, Origin, PriorityClassifyLayer, Store};
 use tower::{Layer, Service, ServiceExt, service_fn};
 
-fn runtime() -> tokio::runtime::Runtime {
+pub(crate) fn runtime() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()

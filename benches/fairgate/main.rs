@@ -7,6 +7,7 @@
 use criterion::{criterion_group, criterion_main};
 
 mod classify;
+mod slots;
 
-criterion_group!(benches, classify::bench);
+criterion_group!(benches, classify::bench, slots::bench);
 criterion_main!(benches);
