@@ -32,6 +32,11 @@ impl<B, G> GuardedBody<B, G> {
         }
     }
 
+    /// The wrapped body.
+    pub fn inner(&self) -> &B {
+        &self.inner
+    }
+
     /// Whether the guard is still held.
     pub fn is_holding(&self) -> bool {
         self.guard.is_some()

@@ -27,6 +27,7 @@ pub struct SlotLimits {
 
 impl SlotLimits {
     /// The caps shrunk for one of `workers` processes sharing them (at least 1 each).
+    #[cfg_attr(not(feature = "redis"), allow(dead_code))]
     pub(crate) fn share_of(self, workers: u32) -> SlotLimits {
         let workers = workers.max(1);
         SlotLimits {
