@@ -71,6 +71,8 @@ pub(crate) struct MemoryState {
     tenants: Mutex<Tenants>,
     /// Whether this state publishes `claude_demoted_tenants` (not when it is a fallback).
     reports_gauges: bool,
+    /// Served cost per tenant (`served.rs`).
+    pub(super) served: super::served::ServedCost,
 }
 
 impl MemoryState {
@@ -87,6 +89,7 @@ impl MemoryState {
                 last_sweep: now,
             }),
             reports_gauges,
+            served: super::served::ServedCost::new(),
         }
     }
 

@@ -34,6 +34,9 @@ mod keys;
 mod memory;
 #[cfg(feature = "redis")]
 mod redis;
+#[cfg(feature = "redis")]
+mod redis_served;
+mod served;
 
 use std::fmt;
 use std::future::Future;
@@ -50,6 +53,7 @@ use memory::MemoryState;
 
 #[cfg(feature = "redis")]
 pub use self::redis::RedisStoreError;
+pub use self::served::SERVED_WINDOW;
 
 /// Whether a tenant is demoted, as a check found it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
