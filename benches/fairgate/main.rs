@@ -7,6 +7,7 @@
 use criterion::{criterion_group, criterion_main};
 
 mod classify;
+mod drr;
 
-criterion_group!(benches, classify::bench);
+criterion_group!(benches, classify::bench, drr::bench);
 criterion_main!(benches);

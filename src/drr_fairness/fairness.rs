@@ -30,15 +30,22 @@ pub(super) struct FairnessWindow {
     tenants: HashMap<TenantId, Served>,
     /// The bucket of the last sweep and publish.
     last_publish: u64,
+    /// The current bucket and when it ends, so a record needs no division.
+    current: u64,
+    current_end: Instant,
 }
 
 impl FairnessWindow {
     pub(super) fn new(window: Duration) -> Self {
+        let started = Instant::now();
+        let bucket = (window / BUCKETS).max(Duration::from_millis(1));
         FairnessWindow {
-            started: Instant::now(),
-            bucket: (window / BUCKETS).max(Duration::from_millis(1)),
+            started,
+            bucket,
             tenants: HashMap::new(),
             last_publish: 0,
+            current: 0,
+            current_end: started + bucket,
         }
     }
 
@@ -57,7 +64,15 @@ impl FairnessWindow {
         queued: bool,
         now: Instant,
     ) -> Option<Option<f64>> {
-        let bucket = self.bucket_at(now);
+        if now >= self.current_end {
+            self.current = self.bucket_at(now);
+            let next = u32::try_from(self.current.saturating_add(1)).unwrap_or(u32::MAX);
+            self.current_end = self
+                .started
+                .checked_add(self.bucket.saturating_mul(next))
+                .unwrap_or(now);
+        }
+        let bucket = self.current;
         let served = match self.tenants.get_mut(tenant) {
             Some(served) => served,
             None => self.tenants.entry(tenant.clone()).or_insert(Served {

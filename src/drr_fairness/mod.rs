@@ -26,7 +26,7 @@
 //!
 //! # How a request goes through
 //! `poll_ready` cannot know the tenant, so it is always ready and reserves nothing. `call`
-//! reads the request's [`Job`](crate::Job) — its priority (set by
+//! reads the request's [`Job`] — its priority (set by
 //! [`PriorityClassify`](crate::PriorityClassify); a job without one is served as standard),
 //! tier and estimated tokens — and either dispatches at once (room in the window, nobody
 //! waiting) or queues it. The response future waits for its turn (woken exactly when a
