@@ -805,3 +805,74 @@ async fn streaming_body_holds_its_permit_until_it_ends() {
     drop(response);
     assert_eq!(drr.in_flight(), 0);
 }
+
+// ---------- metrics ----------
+
+fn gauge(
+    snapshot: &[(String, Vec<(String, String)>, f64)],
+    name: &str,
+    label: Option<&str>,
+) -> Option<f64> {
+    snapshot
+        .iter()
+        .find(|(n, labels, _)| {
+            n == name && label.is_none_or(|l| labels.iter().any(|(_, v)| v == l))
+        })
+        .map(|(_, _, value)| *value)
+}
+
+fn gauges(
+    snapshotter: &metrics_util::debugging::Snapshotter,
+) -> Vec<(String, Vec<(String, String)>, f64)> {
+    use metrics_util::debugging::DebugValue;
+    snapshotter
+        .snapshot()
+        .into_vec()
+        .into_iter()
+        .filter_map(|(key, _, _, value)| match value {
+            DebugValue::Gauge(v) => Some((
+                key.key().name().to_owned(),
+                key.key()
+                    .labels()
+                    .map(|l| (l.key().to_owned(), l.value().to_owned()))
+                    .collect(),
+                v.0,
+            )),
+            _ => None,
+        })
+        .collect()
+}
+
+#[tokio::test(start_paused = true)]
+async fn queue_depth_and_fairness_index_are_published() {
+    use fairgate::drr_fairness::{FAIRNESS_INDEX, QUEUE_DEPTH};
+    let recorder = metrics_util::debugging::DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    let _guard = metrics::set_default_local_recorder(&recorder);
+
+    let drr = DrrFairnessLayer::builder(Store::memory(), 1)
+        .fairness_window(Duration::from_secs(10))
+        .build()
+        .unwrap();
+    let (upstream, mut handle) = mock::pair::<http::Request<()>, ()>();
+    let mut service = drr.layer(upstream);
+    let mut running = service.call(job("a"));
+    assert!((&mut running).now_or_never().is_none());
+    let mut b = service.call(job("b"));
+    let _c = service.call(job("c"));
+    assert!((&mut b).now_or_never().is_none());
+    assert_eq!(
+        gauge(&gauges(&snapshotter), QUEUE_DEPTH, Some("standard")),
+        Some(2.0)
+    );
+
+    // Into the window's next bucket: the next dispatch publishes the index.
+    tokio::time::advance(Duration::from_secs(2)).await;
+    handle.next_request().await.unwrap().1.send_response(());
+    running.await.unwrap();
+    let published = gauges(&snapshotter);
+    assert_eq!(gauge(&published, QUEUE_DEPTH, Some("standard")), Some(1.0));
+    // Only b was backlogged so far: perfectly fair.
+    assert_eq!(gauge(&published, FAIRNESS_INDEX, None), Some(1.0));
+    assert_eq!(drr.fairness_index(), Some(1.0));
+}
