@@ -808,11 +808,10 @@ async fn streaming_body_holds_its_permit_until_it_ends() {
 
 // ---------- metrics ----------
 
-fn gauge(
-    snapshot: &[(String, Vec<(String, String)>, f64)],
-    name: &str,
-    label: Option<&str>,
-) -> Option<f64> {
+/// A gauge as the debugging recorder saw it: name, labels, value.
+type Gauge = (String, Vec<(String, String)>, f64);
+
+fn gauge(snapshot: &[Gauge], name: &str, label: Option<&str>) -> Option<f64> {
     snapshot
         .iter()
         .find(|(n, labels, _)| {
@@ -821,9 +820,7 @@ fn gauge(
         .map(|(_, _, value)| *value)
 }
 
-fn gauges(
-    snapshotter: &metrics_util::debugging::Snapshotter,
-) -> Vec<(String, Vec<(String, String)>, f64)> {
+fn gauges(snapshotter: &metrics_util::debugging::Snapshotter) -> Vec<Gauge> {
     use metrics_util::debugging::DebugValue;
     snapshotter
         .snapshot()
