@@ -20,7 +20,9 @@
 //!   tenant's single request goes out at the next freed permit instead of behind a whole
 //!   round of the heavy tenant's work. One request is charged at most 4 quanta, so a giant
 //!   prompt cannot stall its class. Each pick is O(1) amortised, whatever the number of
-//!   tenants.
+//!   tenants. Every dispatch is charged to its tenant's deficit; one that goes out at once
+//!   because the window had room finds nobody waiting, so its tenant has no deficit to
+//!   charge (DRR forgets idle tenants) and only its served cost is recorded.
 //!
 //! The scheduler is a sans-IO core, public as [`scheduler`] for simulations.
 //!
