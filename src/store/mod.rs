@@ -372,8 +372,8 @@ impl Store {
         }
     }
 
-    /// Sends whatever is batched locally (token counts) now. Ready at once on the memory
-    /// store.
+    /// Sends whatever is batched locally (token and served-cost counts) now. Ready at once
+    /// on the memory store.
     pub fn flush(&self) -> StoreFuture<()> {
         match &*self.backend {
             Backend::Memory(_) => StoreFuture::ready(()),
