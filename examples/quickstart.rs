@@ -35,10 +35,24 @@ async fn main() -> Result<(), BoxError> {
     println!("1. Priority is decided centrally, from origin and SLA:");
     let hour = Duration::from_secs(3600);
     let requests = [
-        ("chat message", Job::new("acme", Origin::UserAction).tier("pro")),
-        ("review reply, due in 1 h", Job::new("acme", Origin::Scheduled).tier("pro").sla(hour)),
-        ("weekly digest, due in 48 h", Job::new("globex", Origin::Scheduled).tier("pro").sla(48 * hour)),
-        ("bulk re-tagging, no SLA", Job::new("globex", Origin::BatchJob).tier("pro")),
+        (
+            "chat message",
+            Job::new("acme", Origin::UserAction).tier("pro"),
+        ),
+        (
+            "review reply, due in 1 h",
+            Job::new("acme", Origin::Scheduled).tier("pro").sla(hour),
+        ),
+        (
+            "weekly digest, due in 48 h",
+            Job::new("globex", Origin::Scheduled)
+                .tier("pro")
+                .sla(48 * hour),
+        ),
+        (
+            "bulk re-tagging, no SLA",
+            Job::new("globex", Origin::BatchJob).tier("pro"),
+        ),
     ];
     for (what, job) in requests {
         let response = send(&claude, what, job).await?;
@@ -63,7 +77,12 @@ async fn main() -> Result<(), BoxError> {
             },
         }
     }
-    let response = send(&claude, "chat message", Job::new("acme", Origin::UserAction).tier("pro")).await?;
+    let response = send(
+        &claude,
+        "chat message",
+        Job::new("acme", Origin::UserAction).tier("pro"),
+    )
+    .await?;
     drop((response, held));
 
     println!("\n3. A tenant drawing five 429s within a minute is demoted to batch for 5 minutes:");
@@ -90,7 +109,11 @@ where
     let mut req = http::Request::post("https://api.anthropic.com/v1/messages").body(prompt)?;
     req.extensions_mut().insert(job);
     let response = claude.clone().oneshot(req).await?;
-    let seen = response.body().inner().clone().ok_or("the upstream saw no job")?;
+    let seen = response
+        .body()
+        .inner()
+        .clone()
+        .ok_or("the upstream saw no job")?;
     println!(
         "{:<12} {:<28} {:>4} tokens  {:<8} tier {}",
         seen.tenant().as_str(),

@@ -9,6 +9,9 @@
 //! - [`PriorityClassify`]: critical / standard / batch, decided centrally from a request's
 //!   origin and SLA, never from a caller's label; runaway tenants demoted to batch for a
 //!   while.
+//! - [`DrrFairness`]: at most N requests in flight, and when the window is full the waiting
+//!   ones go out in a fair order — Deficit Round Robin across tenants (paid tiers weigh
+//!   more), weighted across priorities — instead of first come, first served.
 //! - [`TierSlotLimit`]: a global cap on calls in flight plus a cap per tier, shared by every
 //!   worker through the store; free tiers fail fast with [`Busy`], paid ones wait longer.
 //!
@@ -45,6 +48,7 @@
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 pub mod body;
+pub mod drr_fairness;
 pub mod error;
 mod job;
 pub mod metrics;
@@ -53,6 +57,8 @@ pub mod rng;
 pub mod store;
 pub mod tier_slot_limit;
 
+pub use crate::drr_fairness::error::QueueFull;
+pub use crate::drr_fairness::{DrrFairness, DrrFairnessLayer};
 pub use crate::error::{BoxError, ConfigError, MissingJob};
 pub use crate::job::{Job, JobRequest, Origin, Priority, TenantId, Tier};
 pub use crate::priority_classify::{

@@ -7,7 +7,8 @@
 use criterion::{criterion_group, criterion_main};
 
 mod classify;
+mod drr;
 mod slots;
 
-criterion_group!(benches, classify::bench, slots::bench);
+criterion_group!(benches, classify::bench, drr::bench, slots::bench);
 criterion_main!(benches);

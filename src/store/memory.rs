@@ -73,6 +73,8 @@ pub(crate) struct MemoryState {
     /// Whether this state publishes `claude_demoted_tenants` (not when it is a fallback).
     reports_gauges: bool,
     pub(crate) slots: Arc<LocalSlots>,
+    /// Served cost per tenant (`served.rs`).
+    pub(super) served: super::served::ServedCost,
 }
 
 impl MemoryState {
@@ -90,6 +92,7 @@ impl MemoryState {
             }),
             reports_gauges,
             slots: Arc::new(LocalSlots::default()),
+            served: super::served::ServedCost::new(),
         }
     }
 

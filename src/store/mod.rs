@@ -34,6 +34,7 @@ mod keys;
 mod memory;
 #[cfg(feature = "redis")]
 mod redis;
+mod served;
 mod slots;
 
 use std::fmt;
@@ -51,6 +52,7 @@ use memory::MemoryState;
 
 #[cfg(feature = "redis")]
 pub use self::redis::RedisStoreError;
+pub use self::served::SERVED_WINDOW;
 pub use self::slots::{SlotLease, SlotLimits};
 
 /// Whether a tenant is demoted, as a check found it.
@@ -151,6 +153,8 @@ pub struct Store {
     backend: Arc<Backend>,
 }
 
+// Lives behind the store's one `Arc`, so the size of a variant costs nothing per clone.
+#[allow(clippy::large_enum_variant)]
 enum Backend {
     Memory(MemoryState),
     #[cfg(feature = "redis")]
@@ -370,8 +374,8 @@ impl Store {
         }
     }
 
-    /// Sends whatever is batched locally (token counts) now. Ready at once on the memory
-    /// store.
+    /// Sends whatever is batched locally (token and served-cost counts) now. Ready at once
+    /// on the memory store.
     pub fn flush(&self) -> StoreFuture<()> {
         match &*self.backend {
             Backend::Memory(_) => StoreFuture::ready(()),

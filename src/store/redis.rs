@@ -25,6 +25,7 @@ use crate::TenantId;
 use crate::error::ConfigError;
 use crate::priority_classify::DemotionPolicy;
 
+mod served;
 mod slots;
 
 pub(crate) use self::slots::RedisLease;
@@ -102,31 +103,33 @@ struct DemotionCache {
 }
 
 pub(crate) struct RedisStore {
-    conn: ConnectionManager,
-    keys: Keys,
+    pub(super) conn: ConnectionManager,
+    pub(super) keys: Keys,
     scripts: Scripts,
     slot_scripts: SlotScripts,
     slots: SlotState,
     opts: RedisOptions,
     throttle_window_ms: u64,
-    fallback: MemoryState,
+    pub(super) fallback: MemoryState,
     degraded: AtomicBool,
     /// Wakes the background task: a flush is due, or Redis just failed.
-    wake: Arc<Notify>,
+    pub(super) wake: Arc<Notify>,
     pending_tokens: Mutex<HashMap<TenantId, u64>>,
     cache: Mutex<DemotionCache>,
     /// Makes throttle members unique across workers.
     worker_id: String,
     seq: AtomicU64,
+    /// Served cost (`redis/served.rs`).
+    pub(super) served: served::ServedRedis,
 }
 
-fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+pub(super) fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     // The data behind these locks is plain counters; a panic elsewhere leaves it usable.
     mutex.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 /// An error that means "Redis is not there" rather than "Redis refused this call".
-fn is_outage(e: &RedisError) -> bool {
+pub(super) fn is_outage(e: &RedisError) -> bool {
     e.is_io_error()
         || e.is_connection_dropped()
         || e.is_connection_refusal()
@@ -220,6 +223,7 @@ impl StoreBuilder {
             }),
             worker_id: worker_id(),
             seq: AtomicU64::new(0),
+            served: served::ServedRedis::new(),
             opts,
         });
         crate::metrics::store_degraded(false);
@@ -294,7 +298,7 @@ impl RedisStore {
         self.degraded.load(Ordering::Acquire)
     }
 
-    fn mark_degraded(&self, reason: &str) {
+    pub(super) fn mark_degraded(&self, reason: &str) {
         if !self.degraded.swap(true, Ordering::AcqRel) {
             tracing::warn!(
                 name: "queue.redis_unavailable",
@@ -350,7 +354,7 @@ impl RedisStore {
     }
 
     /// Runs one Redis call under the outer timeout; `None` means "answer locally".
-    async fn guard<T>(&self, call: impl Future<Output = RedisResult<T>>) -> Option<T> {
+    pub(super) async fn guard<T>(&self, call: impl Future<Output = RedisResult<T>>) -> Option<T> {
         match tokio::time::timeout(self.opts.op_timeout, call).await {
             Ok(Ok(value)) => Some(value),
             Ok(Err(e)) if is_outage(&e) => {
@@ -370,7 +374,7 @@ impl RedisStore {
 
     /// The shape of every operation: no round trip while degraded, one otherwise, and the
     /// fallback's answer when that round trip fails.
-    fn op<T, Fut>(
+    pub(super) fn op<T, Fut>(
         self: &Arc<Self>,
         fallback: impl FnOnce(&MemoryState) -> T + Send + 'static,
         call: impl FnOnce(Arc<Self>) -> Fut + Send + 'static,
@@ -446,6 +450,7 @@ impl RedisStore {
     /// Sends the batched token counts, one script per tenant over the multiplexed connection
     /// (so they travel pipelined). Counts that Redis refused are kept for the next flush.
     async fn flush_pending(&self) {
+        self.flush_served().await;
         let batch = std::mem::take(&mut *lock(&self.pending_tokens));
         if batch.is_empty() {
             return;

@@ -1,0 +1,201 @@
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tower_layer::Layer;
+
+use super::scheduler::{ClassSelection, ClassWeights, SchedulerConfig};
+use super::state::{Shared, TierWeights};
+use super::{DrrFairness, Settler};
+use crate::error::ConfigError;
+use crate::{Priority, Store, Tier};
+
+/// Applies [`DrrFairness`] to a service: at most `max_in_flight` requests below it at once,
+/// the waiting ones dispatched in fair order. See the [module docs](crate::drr_fairness).
+///
+/// # Clone
+/// Cloning this layer does **not** create a new window or queue: every clone, and every
+/// service it builds, shares the one state created by [`new`](DrrFairnessLayer::new) /
+/// [`build`](DrrFairnessBuilder::build). Wrap the whole client or router with it, not a
+/// per-route clone built from a fresh layer each time, or each gets its own window.
+#[derive(Clone)]
+pub struct DrrFairnessLayer {
+    shared: Arc<Shared>,
+}
+
+impl DrrFairnessLayer {
+    /// At most `max_in_flight` requests in flight below the layer, with the defaults:
+    /// quantum 5,000 tokens, one request charged at most 4 quanta, class weights
+    /// critical:standard:batch = 270:25:5 by smooth weighted round robin, tiers `pro` and
+    /// `premium` weighing 3 and the rest 1, no queue limits, a 60 s fairness window.
+    ///
+    /// # Panics
+    /// If `max_in_flight` is 0; use [`builder`](DrrFairnessLayer::builder) to get a
+    /// [`ConfigError`] instead.
+    pub fn new(store: Store, max_in_flight: usize) -> Self {
+        match DrrFairnessLayer::builder(store, max_in_flight).build() {
+            Ok(layer) => layer,
+            Err(e) => panic!("{e}"),
+        }
+    }
+
+    /// Configures a layer; see [`DrrFairnessBuilder`].
+    pub fn builder(store: Store, max_in_flight: usize) -> DrrFairnessBuilder {
+        DrrFairnessBuilder {
+            store,
+            max_in_flight,
+            config: SchedulerConfig::default(),
+            weights: TierWeights::default(),
+            fairness_window: Duration::from_secs(60),
+        }
+    }
+
+    /// A handle to settle requests' real usage against their tenants' deficits; see
+    /// [`Settler`].
+    pub fn settler(&self) -> Settler {
+        Settler {
+            shared: self.shared.clone(),
+        }
+    }
+
+    /// Requests dispatched and not finished (their permits held).
+    pub fn in_flight(&self) -> usize {
+        self.shared.in_flight()
+    }
+
+    /// Requests waiting, in `priority` or (`None`) in all classes.
+    pub fn queued(&self, priority: Option<Priority>) -> usize {
+        self.shared.queued(priority)
+    }
+
+    /// Jain's index over the weight-normalised served cost of the tenants that were
+    /// backlogged in the fairness window, as published in `claude_drr_fairness_index`;
+    /// `None` when no tenant was backlogged.
+    pub fn fairness_index(&self) -> Option<f64> {
+        self.shared.fairness_index()
+    }
+}
+
+impl fmt::Debug for DrrFairnessLayer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("DrrFairnessLayer")
+            .field("state", &self.shared)
+            .field("scheduler", &self.shared.scheduler_config())
+            .field("tier_weights", self.shared.weights())
+            .finish()
+    }
+}
+
+impl<S> Layer<S> for DrrFairnessLayer {
+    type Service = DrrFairness<S>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        DrrFairness {
+            inner,
+            shared: self.shared.clone(),
+        }
+    }
+}
+
+/// Configures a [`DrrFairnessLayer`]; start from [`DrrFairnessLayer::builder`].
+///
+/// ```
+/// use fairgate::{DrrFairnessLayer, Store};
+/// use fairgate::drr_fairness::ClassWeights;
+///
+/// let layer = DrrFairnessLayer::builder(Store::memory(), 32)
+///     .quantum(8_000)
+///     .tier_weight("enterprise", 5)
+///     .class_weights(ClassWeights { critical: 80, standard: 15, batch: 5 })
+///     .max_queued_per_tenant(100)
+///     .build()?;
+/// # Ok::<(), fairgate::ConfigError>(())
+/// ```
+#[derive(Clone, Debug)]
+pub struct DrrFairnessBuilder {
+    store: Store,
+    max_in_flight: usize,
+    config: SchedulerConfig,
+    weights: TierWeights,
+    fairness_window: Duration,
+}
+
+impl DrrFairnessBuilder {
+    /// Credit in tokens a tenant of weight 1 gets per round (default 5,000: about one
+    /// typical request, so a visit is short and a newcomer waits little).
+    pub fn quantum(mut self, tokens: u64) -> Self {
+        self.config.quantum = tokens;
+        self
+    }
+
+    /// One request is charged at most `quanta` x quantum (default 4), so one giant prompt
+    /// cannot stall its class.
+    pub fn max_charge_quanta(mut self, quanta: u32) -> Self {
+        self.config.max_charge_quanta = quanta;
+        self
+    }
+
+    /// Weights of the priority classes (default 270:25:5: critical takes 90% of the
+    /// dispatches while it has work, standard:batch share the rest 5:1).
+    pub fn class_weights(mut self, weights: ClassWeights) -> Self {
+        self.config.class_weights = weights;
+        self
+    }
+
+    /// How the next class is picked (default deterministic smooth weighted round robin;
+    /// [`ClassSelection::Probabilistic`] is the reference's random choice, seeded).
+    pub fn class_selection(mut self, selection: ClassSelection) -> Self {
+        self.config.selection = selection;
+        self
+    }
+
+    /// At most `limit` requests of one tenant waiting in one class; past it
+    /// [`QueueFull`](super::error::QueueFull). Default: no limit.
+    pub fn max_queued_per_tenant(mut self, limit: usize) -> Self {
+        self.config.max_per_tenant = Some(limit);
+        self
+    }
+
+    /// At most `limit` requests waiting in one class; past it
+    /// [`QueueFull`](super::error::QueueFull). Default: no limit.
+    pub fn max_queued_per_class(mut self, limit: usize) -> Self {
+        self.config.max_per_class = Some(limit);
+        self
+    }
+
+    /// The DRR weight of a tier (default `pro` and `premium` 3).
+    pub fn tier_weight(mut self, tier: impl Into<Tier>, weight: u32) -> Self {
+        self.weights.by_tier.insert(tier.into(), weight);
+        self
+    }
+
+    /// The weight of any other tier, and of a job without one (default 1).
+    pub fn default_tier_weight(mut self, weight: u32) -> Self {
+        self.weights.default = weight;
+        self
+    }
+
+    /// The sliding window of `claude_drr_fairness_index` (default 60 s, in ten buckets).
+    pub fn fairness_window(mut self, window: Duration) -> Self {
+        self.fairness_window = window;
+        self
+    }
+
+    /// Builds the layer and its shared state.
+    ///
+    /// # Errors
+    /// `max_in_flight`, the quantum, `max_charge_quanta`, a class or tier weight, or a queue
+    /// limit of 0; a fairness window under 10 ms.
+    pub fn build(self) -> Result<DrrFairnessLayer, ConfigError> {
+        let shared = Shared::new(
+            self.store,
+            self.max_in_flight,
+            self.config,
+            self.weights,
+            self.fairness_window,
+        )?;
+        Ok(DrrFairnessLayer {
+            shared: Arc::new(shared),
+        })
+    }
+}

@@ -1,0 +1,117 @@
+use std::fmt;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use tower_service::Service;
+
+use super::Settler;
+use super::future::ResponseFuture;
+use super::state::{Admission, Permit, Shared};
+use crate::body::GuardResponse;
+use crate::error::{BoxError, MissingJob};
+use crate::{JobRequest, Priority};
+
+/// A concurrency limiter that dispatches waiting requests in fair order (Deficit Round
+/// Robin across tenants, weighted across priorities); see the
+/// [module docs](crate::drr_fairness).
+///
+/// # Clone
+/// Clones share the layer's window and queues (and clone the inner service).
+pub struct DrrFairness<S> {
+    pub(super) inner: S,
+    pub(super) shared: Arc<Shared>,
+}
+
+impl<S> DrrFairness<S> {
+    /// The wrapped service.
+    pub fn get_ref(&self) -> &S {
+        &self.inner
+    }
+
+    /// The wrapped service, mutably.
+    pub fn get_mut(&mut self) -> &mut S {
+        &mut self.inner
+    }
+
+    /// Unwraps the inner service.
+    pub fn into_inner(self) -> S {
+        self.inner
+    }
+
+    /// A handle to settle requests' real usage; see [`Settler`].
+    pub fn settler(&self) -> Settler {
+        Settler {
+            shared: self.shared.clone(),
+        }
+    }
+
+    /// Requests dispatched and not finished.
+    pub fn in_flight(&self) -> usize {
+        self.shared.in_flight()
+    }
+
+    /// Requests waiting, in `priority` or (`None`) in all classes.
+    pub fn queued(&self, priority: Option<Priority>) -> usize {
+        self.shared.queued(priority)
+    }
+
+    /// The window size this service shares.
+    pub fn max_in_flight(&self) -> usize {
+        self.shared.max_in_flight()
+    }
+}
+
+impl<S: Clone> Clone for DrrFairness<S> {
+    fn clone(&self) -> Self {
+        DrrFairness {
+            inner: self.inner.clone(),
+            shared: self.shared.clone(),
+        }
+    }
+}
+
+impl<S: fmt::Debug> fmt::Debug for DrrFairness<S> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("DrrFairness")
+            .field("inner", &self.inner)
+            .field("state", &self.shared)
+            .finish()
+    }
+}
+
+impl<S, Req> Service<Req> for DrrFairness<S>
+where
+    S: Service<Req> + Clone,
+    S::Error: Into<BoxError>,
+    S::Response: GuardResponse<Permit>,
+    Req: JobRequest,
+{
+    type Response = <S::Response as GuardResponse<Permit>>::Output;
+    type Error = BoxError;
+    type Future = ResponseFuture<S::Future, S, Req>;
+
+    /// Always ready: the tenant is not known before `call`, so a request takes its place
+    /// in the queue there, and its response future waits for its turn and then for the
+    /// inner service's readiness. Nothing is reserved here, so a service dropped after
+    /// `poll_ready` holds nothing.
+    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, req: Req) -> Self::Future {
+        let Some(job) = req.job() else {
+            return ResponseFuture::failed(MissingJob.into());
+        };
+        let (class, weight, cost) = self.shared.classify(job);
+        let tenant = job.tenant().clone();
+        // The future drives its own clone's readiness once dispatched (as tower's Buffer
+        // worker does); `self.inner` is never polled, so no readiness is moved or lost.
+        match self.shared.admit(class, &tenant, weight, cost) {
+            Ok(Admission::Now(permit)) => ResponseFuture::ready(permit, self.inner.clone(), req),
+            Ok(Admission::Queued(ticket)) => {
+                ResponseFuture::waiting(ticket, self.inner.clone(), req)
+            }
+            Err(full) => ResponseFuture::failed(full.into()),
+        }
+    }
+}
