@@ -1,18 +1,20 @@
 //! fairgate's layers on the in-memory store, in front of a stand-in for the Claude API.
 //!
 //! Run with `cargo run --example quickstart`. It sends requests from a few tenants and prints
-//! what happened to each: the priority it was given, whether it got a slot, and why.
+//! what happened to each: the priority it was given, whether it got a slot, and why. It runs
+//! in tokio's paused time, so the minutes of simulated upstream calls take no wall time.
 
 use std::convert::Infallible;
 use std::time::Duration;
 
 use fairgate::{
-    BoxError, Busy, Job, Origin, PriorityClassifyLayer, SlotPolicy, Store, TenantId,
-    TierSlotLimitLayer,
+    BoxError, Busy, DrrFairnessLayer, Job, Origin, PriorityClassifyLayer, SlotPolicy, Store,
+    TenantId, TierSlotLimitLayer,
 };
+use tower::util::BoxCloneService;
 use tower::{ServiceBuilder, ServiceExt, service_fn};
 
-#[tokio::main(flavor = "current_thread")]
+#[tokio::main(flavor = "current_thread", start_paused = true)]
 async fn main() -> Result<(), BoxError> {
     let store = Store::memory();
     // Small caps so the demonstration fills them: 4 calls in flight at most, free users 2
@@ -24,12 +26,16 @@ async fn main() -> Result<(), BoxError> {
         .build()?;
     let claude = ServiceBuilder::new()
         .layer(PriorityClassifyLayer::new(store.clone())) // who goes first
+        .layer(DrrFairnessLayer::new(store.clone(), 32)) // fair order, 32 in flight here
         .layer(TierSlotLimitLayer::new(store.clone(), slots)) // global + per-tier caps
         // Stand-in for the HTTP client that calls https://api.anthropic.com/v1/messages:
-        // it answers with the job it saw, as the response body.
+        // it answers with the job it saw, in the response's extensions.
         .service(service_fn(|req: http::Request<String>| async move {
-            let job = req.extensions().get::<Job>().cloned();
-            Ok::<_, Infallible>(http::Response::new(job))
+            let mut response = http::Response::new(());
+            if let Some(job) = req.extensions().get::<Job>() {
+                response.extensions_mut().insert(job.clone());
+            }
+            Ok::<_, Infallible>(response)
         }));
 
     println!("1. Priority is decided centrally, from origin and SLA:");
@@ -95,14 +101,68 @@ async fn main() -> Result<(), BoxError> {
     if let Some(left) = store.demoted_for(&initech).await {
         println!("initech is demoted to batch for {} s more", left.as_secs());
     }
+
+    println!("\n4. Tenant A queues 100 chats, tenant B sends one; 4 calls in flight, 1.5 s each:");
+    let fifo = ServiceBuilder::new()
+        .layer(PriorityClassifyLayer::new(Store::memory()))
+        .concurrency_limit(4)
+        .service(slow_upstream());
+    let fifo = tenant_b_waits(BoxCloneService::new(fifo.map_response(drop))).await;
+    println!("   first come, first served (tower's ConcurrencyLimit): B waits {fifo:>5.1} s");
+    let store = Store::memory();
+    let fair = ServiceBuilder::new()
+        .layer(PriorityClassifyLayer::new(store.clone()))
+        .layer(DrrFairnessLayer::new(store, 4))
+        .service(slow_upstream());
+    let fair = tenant_b_waits(BoxCloneService::new(fair.map_response(drop))).await;
+    println!("   DrrFairness:                                         B waits {fair:>5.1} s");
     Ok(())
 }
 
-type Response = http::Response<fairgate::body::GuardedBody<Option<Job>, fairgate::SlotPermit>>;
+/// A stand-in for the API that takes 1.5 s per call.
+fn slow_upstream() -> impl tower::Service<
+    http::Request<()>,
+    Response = http::Response<()>,
+    Error = Infallible,
+    Future: Send + 'static,
+> + Clone
++ Send
++ 'static {
+    service_fn(|_: http::Request<()>| async {
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        Ok::<_, Infallible>(http::Response::new(()))
+    })
+}
 
-async fn send<S>(claude: &S, what: &str, job: Job) -> Result<Response, BoxError>
+/// How long tenant B's one chat waits (before its own call) behind tenant A's 100.
+async fn tenant_b_waits(service: BoxCloneService<http::Request<()>, (), BoxError>) -> f64 {
+    let call = |tenant: &str| {
+        let mut req = http::Request::new(());
+        req.extensions_mut()
+            .insert(Job::new(tenant, Origin::UserAction).cost(5_000));
+        let service = service.clone();
+        tokio::spawn(async move { service.oneshot(req).await })
+    };
+    let a: Vec<_> = (0..100).map(|_| call("A")).collect();
+    tokio::task::yield_now().await;
+    let started = tokio::time::Instant::now();
+    let b = call("B").await;
+    let waited = started.elapsed().as_secs_f64() - 1.5;
+    for job in a {
+        let _ = job.await;
+    }
+    match b {
+        Ok(Ok(())) => waited,
+        _ => f64::NAN,
+    }
+}
+
+/// Sends one request and prints what the upstream saw. The response holds the request's
+/// slot and window permit in its body until it is dropped.
+async fn send<S, B>(claude: &S, what: &str, job: Job) -> Result<http::Response<B>, BoxError>
 where
-    S: tower::Service<http::Request<String>, Response = Response, Error = BoxError> + Clone,
+    S: tower::Service<http::Request<String>, Response = http::Response<B>, Error = BoxError>
+        + Clone,
 {
     let prompt = format!("{what}: please answer briefly.");
     let job = job.input_text(&prompt);
@@ -110,9 +170,8 @@ where
     req.extensions_mut().insert(job);
     let response = claude.clone().oneshot(req).await?;
     let seen = response
-        .body()
-        .inner()
-        .clone()
+        .extensions()
+        .get::<Job>()
         .ok_or("the upstream saw no job")?;
     println!(
         "{:<12} {:<28} {:>4} tokens  {:<8} tier {}",
