@@ -9,6 +9,10 @@
 //! - [`PriorityClassify`]: critical / standard / batch, decided centrally from a request's
 //!   origin and SLA, never from a caller's label; runaway tenants demoted to batch for a
 //!   while.
+//! - [`RetryAfterBackoff`]: retries "try later" answers by the server's `retry-after` with
+//!   jitter and a budget, counts every 429 against its tenant, and holds every worker's
+//!   calls behind one shared cooldown gate per upstream; optional pacing under provider
+//!   limits.
 //!
 //! Every layer reads the [`Job`] a request carries (in `http::Request` extensions, or through
 //! [`JobRequest`] for other request types) and shares one [`Store`]: in memory by default,
@@ -47,6 +51,7 @@ pub mod error;
 mod job;
 pub mod metrics;
 pub mod priority_classify;
+pub mod retry_after_backoff;
 pub mod rng;
 pub mod store;
 
@@ -55,4 +60,5 @@ pub use crate::job::{Job, JobRequest, Origin, Priority, TenantId, Tier};
 pub use crate::priority_classify::{
     ClassifyRule, DefaultRule, DemotionPolicy, PriorityClassify, PriorityClassifyLayer,
 };
+pub use crate::retry_after_backoff::{BackoffPolicy, RetryAfterBackoff, RetryAfterBackoffLayer};
 pub use crate::store::{Demotion, Store, StoreBuilder, StoreFuture, StoreUnavailable};

@@ -71,6 +71,8 @@ pub(crate) struct MemoryState {
     tenants: Mutex<Tenants>,
     /// Whether this state publishes `claude_demoted_tenants` (not when it is a fallback).
     reports_gauges: bool,
+    /// Upstream cooldown gates (on the Redis store: this worker's copy of the shared ones).
+    pub(crate) cooldowns: super::cooldown::CooldownGates,
 }
 
 impl MemoryState {
@@ -87,6 +89,7 @@ impl MemoryState {
                 last_sweep: now,
             }),
             reports_gauges,
+            cooldowns: Default::default(),
         }
     }
 

@@ -29,11 +29,14 @@
 //! # }
 //! ```
 
+mod cooldown;
 #[cfg(feature = "redis")]
 mod keys;
 mod memory;
 #[cfg(feature = "redis")]
 mod redis;
+#[cfg(feature = "redis")]
+mod redis_cooldown;
 
 use std::fmt;
 use std::future::Future;
@@ -365,6 +368,32 @@ impl Store {
             Backend::Memory(memory) => StoreFuture::ready(memory.check_demotion(tenant, policy)),
             #[cfg(feature = "redis")]
             Backend::Redis(redis) => redis.check_demotion(tenant, policy),
+        }
+    }
+
+    /// Closes the cooldown gate of `upstream` (any name: a host, a model) for at least
+    /// `delay` from now, for every worker on this store, and returns how long it stays closed.
+    ///
+    /// A gate only moves later: a longer delay extends it, a shorter one never shortens it.
+    /// On Redis the gate lives in one hash (server time) and every worker's local copy is
+    /// updated through pub/sub, so [`cooldown`](Store::cooldown) stays a local read.
+    pub fn extend_cooldown(&self, upstream: &str, delay: Duration) -> StoreFuture<Duration> {
+        match &*self.backend {
+            Backend::Memory(memory) => StoreFuture::ready(memory.cooldowns.extend(upstream, delay)),
+            #[cfg(feature = "redis")]
+            Backend::Redis(redis) => redis.extend_cooldown(upstream, delay),
+        }
+    }
+
+    /// How long `upstream`'s cooldown gate stays closed; `None` when it is open.
+    ///
+    /// Never a round trip: on Redis this reads the worker's copy, which pub/sub keeps
+    /// current (and a resync on every reconnect).
+    pub fn cooldown(&self, upstream: &str) -> Option<Duration> {
+        match &*self.backend {
+            Backend::Memory(memory) => memory.cooldowns.remaining(upstream),
+            #[cfg(feature = "redis")]
+            Backend::Redis(redis) => redis.fallback.cooldowns.remaining(upstream),
         }
     }
 

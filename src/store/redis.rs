@@ -97,12 +97,14 @@ struct DemotionCache {
 }
 
 pub(crate) struct RedisStore {
-    conn: ConnectionManager,
+    pub(super) conn: ConnectionManager,
     keys: Keys,
     scripts: Scripts,
-    opts: RedisOptions,
+    pub(super) opts: RedisOptions,
     throttle_window_ms: u64,
-    fallback: MemoryState,
+    pub(super) fallback: MemoryState,
+    /// For the pub/sub connection that keeps the local cooldown gates current.
+    pub(super) client: redis::Client,
     degraded: AtomicBool,
     /// Wakes the background task: a flush is due, or Redis just failed.
     wake: Arc<Notify>,
@@ -192,7 +194,7 @@ impl StoreBuilder {
             .set_max_delay(Duration::from_millis(50))
             .set_connection_timeout(Some(opts.op_timeout))
             .set_response_timeout(Some(opts.op_timeout));
-        let conn = ConnectionManager::new_lazy_with_config(client, config)
+        let conn = ConnectionManager::new_lazy_with_config(client.clone(), config)
             .map_err(RedisStoreError::Url)?;
         let now = Instant::now();
         let redis = Arc::new(RedisStore {
@@ -208,6 +210,7 @@ impl StoreBuilder {
                 map: HashMap::new(),
                 last_sweep: now,
             }),
+            client,
             worker_id: worker_id(),
             seq: AtomicU64::new(0),
             opts,
@@ -219,6 +222,7 @@ impl StoreBuilder {
             redis.mark_degraded("no answer at start-up");
         }
         tokio::spawn(background(Arc::downgrade(&redis), redis.wake.clone()));
+        tokio::spawn(super::redis_cooldown::listen(Arc::downgrade(&redis)));
         Ok(Store::from_backend(Backend::Redis(redis)))
     }
 }
@@ -330,7 +334,7 @@ impl RedisStore {
     }
 
     /// Runs one Redis call under the outer timeout; `None` means "answer locally".
-    async fn guard<T>(&self, call: impl Future<Output = RedisResult<T>>) -> Option<T> {
+    pub(super) async fn guard<T>(&self, call: impl Future<Output = RedisResult<T>>) -> Option<T> {
         match tokio::time::timeout(self.opts.op_timeout, call).await {
             Ok(Ok(value)) => Some(value),
             Ok(Err(e)) if is_outage(&e) => {
@@ -350,7 +354,7 @@ impl RedisStore {
 
     /// The shape of every operation: no round trip while degraded, one otherwise, and the
     /// fallback's answer when that round trip fails.
-    fn op<T, Fut>(
+    pub(super) fn op<T, Fut>(
         self: &Arc<Self>,
         fallback: impl FnOnce(&MemoryState) -> T + Send + 'static,
         call: impl FnOnce(Arc<Self>) -> Fut + Send + 'static,
