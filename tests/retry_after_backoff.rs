@@ -18,18 +18,21 @@ use tokio::time::Instant;
 use tower::{Layer, Service, ServiceExt, service_fn};
 
 type Response = http::Response<String>;
+type Arrivals = Arc<Mutex<Vec<(Instant, Option<Priority>)>>>;
 type Answer = Box<dyn Fn(&http::Request<String>, usize) -> Response + Send + Sync>;
 
 /// An upstream that records when each attempt arrived (and the job's priority), and answers
 /// with `answer(request, attempt number)`.
 #[derive(Clone)]
 struct Mock {
-    arrivals: Arc<Mutex<Vec<(Instant, Option<Priority>)>>>,
+    arrivals: Arrivals,
     answer: Arc<Answer>,
 }
 
 impl Mock {
-    fn new(answer: impl Fn(&http::Request<String>, usize) -> Response + Send + Sync + 'static) -> Self {
+    fn new(
+        answer: impl Fn(&http::Request<String>, usize) -> Response + Send + Sync + 'static,
+    ) -> Self {
         Mock {
             arrivals: Arc::default(),
             answer: Arc::new(Box::new(answer)),
@@ -132,21 +135,36 @@ async fn four_retries_then_the_last_429_is_returned() {
     let elapsed = started.elapsed();
     assert_eq!(response.status(), 429);
     assert_eq!(mock.attempts(), 5, "one attempt and four retries");
-    assert_eq!(body_text(response).await, "attempt 4", "the last 429 comes back");
+    assert_eq!(
+        body_text(response).await,
+        "attempt 4",
+        "the last 429 comes back"
+    );
     // Each wait is retry-after x [0.96, 1.44], and never before the gate reopens.
     assert!(elapsed >= Duration::from_secs(4), "{elapsed:?}");
-    assert!(elapsed <= Duration::from_millis(4 * (1440 + 300)), "{elapsed:?}");
+    assert!(
+        elapsed <= Duration::from_millis(4 * (1440 + 300)),
+        "{elapsed:?}"
+    );
     assert_eq!(store.throttle_count(&TenantId::new("t")).await, 5);
 }
 
 #[tokio::test(start_paused = true)]
 async fn a_retry_after_a_server_delay_waits_within_its_jitter_window() {
     let mock = Mock::new(|_, n| match n {
-        0 => status(429, &[("retry-after-ms", "2000"), ("retry-after", "30")], ""),
+        0 => status(
+            429,
+            &[("retry-after-ms", "2000"), ("retry-after", "30")],
+            "",
+        ),
         _ => ok(),
     });
     let layer = RetryAfterBackoffLayer::new(Store::memory(), policy().build().unwrap());
-    let response = layer.layer(mock.service()).oneshot(request(job("t"))).await.unwrap();
+    let response = layer
+        .layer(mock.service())
+        .oneshot(request(job("t")))
+        .await
+        .unwrap();
     assert_eq!(response.status(), 200);
     let times = mock.times();
     let waited = times[1] - times[0];
@@ -157,9 +175,19 @@ async fn a_retry_after_a_server_delay_waits_within_its_jitter_window() {
 
 #[tokio::test(start_paused = true)]
 async fn x_should_retry_false_is_not_retried() {
-    let mock = Mock::new(|_, _| status(429, &[("x-should-retry", "false"), ("retry-after", "1")], ""));
+    let mock = Mock::new(|_, _| {
+        status(
+            429,
+            &[("x-should-retry", "false"), ("retry-after", "1")],
+            "",
+        )
+    });
     let layer = RetryAfterBackoffLayer::new(Store::memory(), policy().build().unwrap());
-    let response = layer.layer(mock.service()).oneshot(request(job("t"))).await.unwrap();
+    let response = layer
+        .layer(mock.service())
+        .oneshot(request(job("t")))
+        .await
+        .unwrap();
     assert_eq!(response.status(), 429);
     assert_eq!(mock.attempts(), 1);
 }
@@ -171,7 +199,11 @@ async fn the_spend_limit_body_is_not_retried_and_reaches_the_caller_intact() {
     let store = Store::memory();
     let layer = RetryAfterBackoffLayer::new(store.clone(), policy().build().unwrap());
     let started = Instant::now();
-    let response = layer.layer(mock.service()).oneshot(request(job("t"))).await.unwrap();
+    let response = layer
+        .layer(mock.service())
+        .oneshot(request(job("t")))
+        .await
+        .unwrap();
     assert_eq!(response.status(), 429);
     assert_eq!(mock.attempts(), 1);
     assert_eq!(started.elapsed(), Duration::ZERO);
@@ -184,11 +216,19 @@ async fn the_spend_limit_body_is_not_retried_and_reaches_the_caller_intact() {
 #[tokio::test(start_paused = true)]
 async fn a_plain_429_body_is_read_ahead_only_when_it_is_retried() {
     let mock = Mock::new(|_, n| match n {
-        0 => status(429, &[("retry-after", "1")], r#"{"error":{"type":"rate_limit_error"}}"#),
+        0 => status(
+            429,
+            &[("retry-after", "1")],
+            r#"{"error":{"type":"rate_limit_error"}}"#,
+        ),
         _ => status(500, &[], "boom"),
     });
     let layer = RetryAfterBackoffLayer::new(Store::memory(), policy().build().unwrap());
-    let response = layer.layer(mock.service()).oneshot(request(job("t"))).await.unwrap();
+    let response = layer
+        .layer(mock.service())
+        .oneshot(request(job("t")))
+        .await
+        .unwrap();
     assert_eq!(mock.attempts(), 2, "a rate-limit body is retried");
     assert_eq!(response.status(), 500, "500 is not in the default set");
     assert!(!response.body().was_peeked());
@@ -203,7 +243,11 @@ async fn a_delay_over_the_maximum_returns_at_once() {
         policy().max_delay(Duration::from_secs(60)).build().unwrap(),
     );
     let started = Instant::now();
-    let response = layer.layer(mock.service()).oneshot(request(job("t"))).await.unwrap();
+    let response = layer
+        .layer(mock.service())
+        .oneshot(request(job("t")))
+        .await
+        .unwrap();
     assert_eq!(response.status(), 429);
     assert_eq!(mock.attempts(), 1);
     assert_eq!(started.elapsed(), Duration::ZERO);
@@ -216,13 +260,20 @@ async fn no_usable_retry_after_falls_back_to_jittered_exponential_backoff() {
         _ => ok(),
     });
     let layer = RetryAfterBackoffLayer::new(Store::memory(), policy().build().unwrap());
-    let response = layer.layer(mock.service()).oneshot(request(job("t"))).await.unwrap();
+    let response = layer
+        .layer(mock.service())
+        .oneshot(request(job("t")))
+        .await
+        .unwrap();
     assert_eq!(response.status(), 200);
     let t = mock.times();
     for (i, cap_ms) in [500u64, 1000, 2000].into_iter().enumerate() {
         let waited = t[i + 1] - t[i];
         let cap = Duration::from_millis(cap_ms);
-        assert!(waited >= cap * 3 / 4 && waited <= cap, "retry {i}: {waited:?}");
+        assert!(
+            waited >= cap * 3 / 4 && waited <= cap,
+            "retry {i}: {waited:?}"
+        );
     }
 }
 
@@ -232,10 +283,18 @@ async fn a_request_that_cannot_be_cloned_is_sent_once() {
     let store = Store::memory();
     let layer = RetryAfterBackoffLayer::new(store.clone(), policy().build().unwrap())
         .clone_requests_with(SendOnce);
-    let response = layer.layer(mock.service()).oneshot(request(job("t"))).await.unwrap();
+    let response = layer
+        .layer(mock.service())
+        .oneshot(request(job("t")))
+        .await
+        .unwrap();
     assert_eq!(response.status(), 429);
     assert_eq!(mock.attempts(), 1);
-    assert_eq!(store.throttle_count(&TenantId::new("t")).await, 1, "still recorded");
+    assert_eq!(
+        store.throttle_count(&TenantId::new("t")).await,
+        1,
+        "still recorded"
+    );
 }
 
 #[tokio::test(start_paused = true)]
@@ -339,7 +398,13 @@ async fn five_429s_within_a_minute_make_the_tenants_next_job_batch(rig: Rig) {
     let x_attempts = Arc::new(Mutex::new(0));
     let seen = x_attempts.clone();
     let mock = Mock::new(move |req, _| {
-        let tenant = req.extensions().get::<Job>().unwrap().tenant().as_str().to_owned();
+        let tenant = req
+            .extensions()
+            .get::<Job>()
+            .unwrap()
+            .tenant()
+            .as_str()
+            .to_owned();
         let mut n = seen.lock().unwrap();
         if tenant == "x" && *n < 5 {
             *n += 1;
@@ -364,7 +429,10 @@ async fn five_429s_within_a_minute_make_the_tenants_next_job_batch(rig: Rig) {
     assert_eq!(neighbour.status(), 200);
     let seen = mock.priorities();
     assert_eq!(seen.len(), 7);
-    assert!(seen[..5].iter().all(|p| *p == Some(Priority::Standard)), "{seen:?}");
+    assert!(
+        seen[..5].iter().all(|p| *p == Some(Priority::Standard)),
+        "{seen:?}"
+    );
     assert_eq!(seen[5], Some(Priority::Batch), "x is demoted: {seen:?}");
     assert_eq!(seen[6], Some(Priority::Standard), "y is not: {seen:?}");
 }
@@ -381,7 +449,11 @@ async fn gate_holds_other_workers_and_releases_them_spread(
     retry_after: Duration,
 ) {
     let told = Mock::new(move |_, _| {
-        status(429, &[("retry-after-ms", &retry_after.as_millis().to_string())], "")
+        status(
+            429,
+            &[("retry-after-ms", &retry_after.as_millis().to_string())],
+            "",
+        )
     });
     let no_retry = policy().max_retries(0).build().unwrap();
     let one = RetryAfterBackoffLayer::new(worker1.clone(), no_retry).layer(told.service());
@@ -398,7 +470,10 @@ async fn gate_holds_other_workers_and_releases_them_spread(
     let mock = Mock::new(|_, _| ok());
     let two = RetryAfterBackoffLayer::new(worker2, policy().seed(11).build().unwrap());
     let calls: Vec<_> = (0..20)
-        .map(|i| two.layer(mock.service()).oneshot(request(job(&format!("b{i}")))))
+        .map(|i| {
+            two.layer(mock.service())
+                .oneshot(request(job(&format!("b{i}"))))
+        })
         .collect();
     for response in futures_util::future::join_all(calls).await {
         assert_eq!(response.unwrap().status(), 200);
@@ -408,15 +483,26 @@ async fn gate_holds_other_workers_and_releases_them_spread(
     let first = *times.iter().min().unwrap();
     let last = *times.iter().max().unwrap();
     // Relative delays cross the pub/sub hop, so allow its few milliseconds.
-    assert!(first + Duration::from_millis(20) >= reopen, "a call went before the gate reopened");
+    assert!(
+        first + Duration::from_millis(20) >= reopen,
+        "a call went before the gate reopened"
+    );
     let window = Duration::from_millis(250).max(retry_after / 5);
-    assert!(last <= reopen + window + Duration::from_millis(100), "released too late");
-    let distinct: std::collections::HashSet<u128> = times
-        .iter()
-        .map(|t| (*t - closed_at).as_millis())
-        .collect();
-    assert!(distinct.len() >= 15, "held calls went out together: {distinct:?}");
-    assert!(last - first >= window / 2, "spread over {:?} only", last - first);
+    assert!(
+        last <= reopen + window + Duration::from_millis(100),
+        "released too late"
+    );
+    let distinct: std::collections::HashSet<u128> =
+        times.iter().map(|t| (*t - closed_at).as_millis()).collect();
+    assert!(
+        distinct.len() >= 15,
+        "held calls went out together: {distinct:?}"
+    );
+    assert!(
+        last - first >= window / 2,
+        "spread over {:?} only",
+        last - first
+    );
 }
 
 #[tokio::test(start_paused = true)]
@@ -451,9 +537,16 @@ async fn a_gate_moves_only_later_and_every_worker_sees_it() {
         .extend_cooldown("api", Duration::from_millis(2000))
         .await;
     assert!(left > Duration::from_millis(1900), "{left:?}");
-    let shorter = worker2.extend_cooldown("api", Duration::from_millis(100)).await;
-    assert!(shorter > Duration::from_millis(1800), "a shorter 429 shortened it: {shorter:?}");
-    let longer = worker2.extend_cooldown("api", Duration::from_millis(4000)).await;
+    let shorter = worker2
+        .extend_cooldown("api", Duration::from_millis(100))
+        .await;
+    assert!(
+        shorter > Duration::from_millis(1800),
+        "a shorter 429 shortened it: {shorter:?}"
+    );
+    let longer = worker2
+        .extend_cooldown("api", Duration::from_millis(4000))
+        .await;
     assert!(longer > Duration::from_millis(3900), "{longer:?}");
     tokio::time::sleep(Duration::from_millis(50)).await;
     let seen = worker1.cooldown("api").expect("worker 1 sees the gate");
@@ -462,7 +555,10 @@ async fn a_gate_moves_only_later_and_every_worker_sees_it() {
     // A worker that starts late reads the gates that are still closed.
     let late = redis_store(&server.url()).await;
     tokio::time::sleep(Duration::from_millis(100)).await;
-    assert!(late.cooldown("api").is_some_and(|l| l > Duration::from_millis(3500)));
+    assert!(
+        late.cooldown("api")
+            .is_some_and(|l| l > Duration::from_millis(3500))
+    );
 }
 
 // ---------------------------------------------------------------------------------------
@@ -580,7 +676,11 @@ async fn naive_call(provider: &Provider) {
         if response.status() != 429 {
             return;
         }
-        delay = if delay.is_zero() { Duration::from_millis(100) } else { delay * 2 };
+        delay = if delay.is_zero() {
+            Duration::from_millis(100)
+        } else {
+            delay * 2
+        };
     }
 }
 
@@ -604,7 +704,8 @@ async fn a_429_storm_reoccurs_less_with_this_layer_than_with_naive_retries() {
     // This layer: one per worker, all on one store (as on one Redis); then the same with
     // each worker pacing itself at its share of the provider's 50 RPM.
     let ours = storm_with_layer(None).await;
-    let paced = storm_with_layer(Some(Pacing::new().requests_per_minute(50 / WORKERS as u32))).await;
+    let paced =
+        storm_with_layer(Some(Pacing::new().requests_per_minute(50 / WORKERS as u32))).await;
 
     let (naive_share, naive_all, naive_429) = naive.share_429();
     let (our_share, our_all, our_429) = ours.share_429();
@@ -618,8 +719,14 @@ async fn a_429_storm_reoccurs_less_with_this_layer_than_with_naive_retries() {
         our_share * 100.0,
         paced_share * 100.0,
     );
-    assert!(our_share < naive_share, "ours {our_share} vs naive {naive_share}");
-    assert!(paced_share < our_share, "paced {paced_share} vs ours {our_share}");
+    assert!(
+        our_share < naive_share,
+        "ours {our_share} vs naive {naive_share}"
+    );
+    assert!(
+        paced_share < our_share,
+        "paced {paced_share} vs ours {our_share}"
+    );
 }
 
 async fn storm_with_layer(pacing: Option<Pacing>) -> Provider {
@@ -637,7 +744,11 @@ async fn storm_with_layer(pacing: Option<Pacing>) -> Provider {
             tasks.push(tokio::spawn(async move {
                 for _ in 0..JOBS {
                     let tenant = format!("w{worker}-c{caller}");
-                    service.clone().oneshot(request(job(&tenant))).await.unwrap();
+                    service
+                        .clone()
+                        .oneshot(request(job(&tenant)))
+                        .await
+                        .unwrap();
                 }
             }));
         }
@@ -664,7 +775,11 @@ async fn pacing_at_50_rpm_sends_200_queued_calls_at_most_50_per_rolling_minute()
     );
     let started = Instant::now();
     let calls: Vec<_> = (0..200)
-        .map(|i| layer.layer(mock.service()).oneshot(request(job(&format!("t{}", i % 7)))))
+        .map(|i| {
+            layer
+                .layer(mock.service())
+                .oneshot(request(job(&format!("t{}", i % 7))))
+        })
         .collect();
     for response in futures_util::future::join_all(calls).await {
         assert_eq!(response.unwrap().status(), 200);
@@ -675,7 +790,10 @@ async fn pacing_at_50_rpm_sends_200_queued_calls_at_most_50_per_rolling_minute()
     let minute = Duration::from_secs(60);
     let mut worst = 0;
     for (i, start) in times.iter().enumerate() {
-        let in_window = times[i..].iter().take_while(|t| **t < *start + minute).count();
+        let in_window = times[i..]
+            .iter()
+            .take_while(|t| **t < *start + minute)
+            .count();
         worst = worst.max(in_window);
     }
     assert!(worst <= 50, "{worst} calls in one rolling minute");
@@ -698,4 +816,3 @@ async fn pacing_at_50_rpm_sends_200_queued_calls_at_most_50_per_rolling_minute()
     assert!(*times.last().unwrap() >= Duration::from_millis(199 * 1200 - 10));
     assert!(var.sqrt() < 1.0);
 }
-

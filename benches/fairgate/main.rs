@@ -7,6 +7,7 @@
 use criterion::{criterion_group, criterion_main};
 
 mod classify;
+mod retry;
 
-criterion_group!(benches, classify::bench);
+criterion_group!(benches, classify::bench, retry::bench);
 criterion_main!(benches);

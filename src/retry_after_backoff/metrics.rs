@@ -1,5 +1,5 @@
 //! Names of the metrics [`RetryAfterBackoff`](super::RetryAfterBackoff) publishes through the
-//! [`metrics`](::metrics) facade.
+//! `metrics` facade.
 
 /// Gauge, 429s of a tenant inside the store's throttle window (rolling 60 s by default), as
 /// of its latest throttle; label `tenant_id` (capped, see
