@@ -334,7 +334,7 @@ impl RedisStore {
     }
 
     /// Runs one Redis call under the outer timeout; `None` means "answer locally".
-    pub(super) async fn guard<T>(&self, call: impl Future<Output = RedisResult<T>>) -> Option<T> {
+    async fn guard<T>(&self, call: impl Future<Output = RedisResult<T>>) -> Option<T> {
         match tokio::time::timeout(self.opts.op_timeout, call).await {
             Ok(Ok(value)) => Some(value),
             Ok(Err(e)) if is_outage(&e) => {

@@ -68,12 +68,13 @@ impl RedisStore {
         )
     }
 
-    /// Reads every closed gate into the local copy.
+    /// Reads every closed gate into the local copy. A side channel: a failure here is left
+    /// to the listener's next reconnect and never marks the store degraded.
     async fn resync_cooldowns(&self) {
         let mut conn = self.conn.clone();
         let invocation = READ.key(gates_key(&self.opts.key_prefix));
         let read = invocation.invoke_async::<Vec<(String, u64)>>(&mut conn);
-        if let Some(gates) = self.guard(read).await {
+        if let Ok(Ok(gates)) = tokio::time::timeout(self.opts.op_timeout, read).await {
             for (upstream, left_ms) in gates {
                 self.fallback
                     .cooldowns
