@@ -16,7 +16,7 @@ use tower_service::Service;
 
 use super::body::{Peeked, ResponseBody};
 use super::decide::{self, Verdict};
-use super::layer::Shared;
+use super::layer::{Probe, Shared};
 use super::request::CloneRequest;
 use super::telemetry;
 use crate::TenantId;
@@ -81,6 +81,8 @@ pub(super) struct Call<S, Req, C> {
     pub(super) retries: u32,
     /// Pacing dimensions already taken for the next attempt.
     pub(super) pace_step: usize,
+    /// The probe slot, while this call is the one probing a throttled upstream.
+    pub(super) probe: Option<Probe>,
 }
 
 /// What a response means, decided as soon as its head arrives.
@@ -200,11 +202,17 @@ impl<S, Req, C> Call<S, Req, C> {
             outcome.retry = None;
         }
         let status = outcome.status;
+        // At its limit until an answer says otherwise (see `Core::probing`).
+        let at_limit =
+            !spend_limit && (matches!(status.as_u16(), 429 | 529) || outcome.gate.is_some());
+        core.probing
+            .store(at_limit, std::sync::atomic::Ordering::Release);
         let throttle = (status == StatusCode::TOO_MANY_REQUESTS)
             .then(|| core.store.record_throttle(&self.tenant));
-        let gate = outcome
-            .gate
-            .map(|delay| core.store.extend_cooldown(&core.policy.upstream, delay));
+        let gate = outcome.gate.map(|delay| {
+            core.note_reopen(delay);
+            core.store.extend_cooldown(&core.policy.upstream, delay)
+        });
         if matches!(status.as_u16(), 429 | 529) {
             let delay = outcome.retry.or(outcome.server_delay).unwrap_or_default();
             tracing::warn!(
@@ -256,16 +264,38 @@ where
                     }
                     let core = &call.shared.core;
                     if let Some(left) = core.store.cooldown(&core.policy.upstream) {
-                        // Held behind the gate, released at a random point of a window
-                        // after it reopens so the held calls do not all go at once.
-                        let spread = core.policy.spread_for(left).mul_f64(core.unit());
-                        telemetry::cooldown_wait(left + spread);
-                        *sleep = sleep_for(left + spread);
-                        if sleep.is_none() {
-                            // A zero wait: yield instead of spinning on the same answer.
-                            *sleep = Some(Box::pin(tokio::time::sleep(Duration::from_millis(1))));
-                        }
+                        // Held behind the gate. After it reopens the calls go at random
+                        // points of a window (each worker from its own offset into it), and
+                        // one at a time until an answer shows the upstream has room.
+                        core.probing
+                            .store(true, std::sync::atomic::Ordering::Release);
+                        let wait = core.release_after(left);
+                        telemetry::cooldown_wait(wait);
+                        *sleep = sleep_for(wait.max(Duration::from_millis(1)));
                         continue;
+                    }
+                    if core.is_probing() && call.probe.is_none() {
+                        // One call at a time, and not before this worker's release after the
+                        // last reopening (retries included, not only the calls held).
+                        let busy = match core.release_in() {
+                            Some(wait) => Some(wait),
+                            None => match core.try_probe() {
+                                Some(probe) => {
+                                    call.probe = Some(probe);
+                                    None
+                                }
+                                // Another call is finding out whether the upstream has room;
+                                // look again a random moment later.
+                                None => Some(
+                                    (core.policy.spread_for(Duration::ZERO) / 4)
+                                        .mul_f64(core.unit()),
+                                ),
+                            },
+                        };
+                        if let Some(wait) = busy {
+                            *sleep = sleep_for(wait.max(Duration::from_millis(1)));
+                            continue;
+                        }
                     }
                     if let Some(pacer) = &core.pacer
                         && let Some(wait) = pacer.admit(&mut call.pace_step, call.cost)
@@ -290,6 +320,7 @@ where
                     let response = match ready!(fut.poll(cx)) {
                         Ok(response) => response,
                         Err(e) => {
+                            call.probe = None;
                             this.state.set(State::Done);
                             return Poll::Ready(Err(e.into()));
                         }
@@ -342,6 +373,8 @@ where
                         ready!(Pin::new(reopen).poll(cx));
                         *gate = None;
                     }
+                    // The gate and the probing flag now say what this answer taught.
+                    call.probe = None;
                     match then.take() {
                         Some(Then::Retry(delay)) => {
                             call.retries += 1;

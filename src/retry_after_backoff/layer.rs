@@ -1,5 +1,9 @@
 use std::fmt;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio::time::Instant;
 
 use tower::retry::budget::TpsBudget;
 use tower_layer::Layer;
@@ -32,10 +36,74 @@ pub(super) struct Core {
     pub(super) budget: Option<TpsBudget>,
     pub(super) pacer: Option<Pacer>,
     rng: Mutex<Rng>,
+    /// Set while the upstream is known to be at its limit (a throttle, or a limit reported
+    /// exhausted) and no answer since said otherwise: calls then go one at a time (a probe),
+    /// so the calls released when a gate reopens do not all meet an empty bucket.
+    pub(super) probing: AtomicBool,
+    /// Held by the one call in flight while probing.
+    probe: AtomicBool,
+    /// The gate's last known reopening and this worker's release after it (see
+    /// `note_reopen`).
+    release: Mutex<Option<(Instant, Instant)>>,
+}
+
+/// The probe slot, released when dropped.
+pub(super) struct Probe(Arc<Core>);
+
+impl Drop for Probe {
+    fn drop(&mut self) {
+        self.0.probe.store(false, Ordering::Release);
+    }
 }
 
 impl Core {
     /// A uniform draw in [0, 1) from the layer's seeded source.
+    /// Takes the probe slot if it is free.
+    pub(super) fn try_probe(self: &Arc<Self>) -> Option<Probe> {
+        self.probe
+            .compare_exchange(false, true, Ordering::AcqRel, Ordering::Acquire)
+            .ok()
+            .map(|_| Probe(self.clone()))
+    }
+
+    /// Notes that the gate reopens in `left` and returns when this worker's first call may
+    /// go after it: the reopening plus the worker's own random offset into the release
+    /// window (one draw per reopening, so the workers' first calls are spread out).
+    pub(super) fn note_reopen(&self, left: Duration) -> Instant {
+        let now = Instant::now();
+        let reopen = now + left;
+        let mut release = self.release.lock().unwrap_or_else(|e| e.into_inner());
+        match *release {
+            // The same reopening (give or take a millisecond of clock reading), or an
+            // earlier one than already known: the release stands.
+            Some((known, at)) if reopen <= known + Duration::from_millis(1) => at,
+            _ => {
+                let at = reopen + self.policy.spread_for(left).mul_f64(self.unit());
+                *release = Some((reopen, at));
+                at
+            }
+        }
+    }
+
+    /// How long a call held by a gate reopening in `left` waits: until this worker's release,
+    /// plus a draw of its own over the window.
+    pub(super) fn release_after(&self, left: Duration) -> Duration {
+        let at = self.note_reopen(left);
+        let window = self.policy.spread_for(left);
+        at.saturating_duration_since(Instant::now()) + window.mul_f64(self.unit())
+    }
+
+    /// How long until this worker's release after the last reopening, if it is still ahead.
+    pub(super) fn release_in(&self) -> Option<Duration> {
+        let release = self.release.lock().unwrap_or_else(|e| e.into_inner());
+        let (_, at) = (*release)?;
+        Some(at.saturating_duration_since(Instant::now())).filter(|d| !d.is_zero())
+    }
+
+    pub(super) fn is_probing(&self) -> bool {
+        self.probing.load(Ordering::Acquire)
+    }
+
     pub(super) fn unit(&self) -> f64 {
         self.rng.lock().unwrap_or_else(|e| e.into_inner()).unit()
     }
@@ -59,6 +127,9 @@ impl RetryAfterBackoffLayer {
                     budget,
                     pacer,
                     rng: Mutex::new(rng),
+                    probing: AtomicBool::new(false),
+                    probe: AtomicBool::new(false),
+                    release: Mutex::new(None),
                 }),
                 cloner: ByClone,
             }),

@@ -20,8 +20,11 @@
 //!   demotes a runaway tenant in [`PriorityClassify`](crate::PriorityClassify); and the
 //!   server's delay closes the upstream's **cooldown gate**
 //!   ([`Store::extend_cooldown`](crate::Store::extend_cooldown)): every worker on the store
-//!   holds new calls to that upstream until it reopens, then releases them at random points
-//!   of a window (a fifth of the wait, at least 250 ms), not all at once. A later, longer
+//!   holds new calls to that upstream until it reopens. Then they do not all go at once:
+//!   each worker starts at its own random point of a release window (a fifth of the wait,
+//!   at least 1 s), each held call adds a draw of its own, and while the upstream is known
+//!   to be at its limit a worker sends one call at a time (a probe, like a circuit breaker
+//!   half-open) until an answer shows room again. A later, longer
 //!   delay extends the gate, a shorter one never shortens it; checking it is a local read
 //!   (pub/sub keeps each worker's copy current on Redis). A response reporting an exhausted
 //!   limit (`anthropic-ratelimit-*-remaining: 0` with its `-reset`) closes the gate until

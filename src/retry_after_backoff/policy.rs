@@ -12,7 +12,8 @@ use crate::error::ConfigError;
 /// retries; wait `retry-after` x 1.2 +/- 20%, else 0.5 s doubling up to 8 s minus up to 25%;
 /// never sleep more than 60 s (a longer delay returns the response at once); a retry budget
 /// of 20% of calls plus 10 retries a second over a 10 s window (tower's `TpsBudget`); held
-/// calls released over at least 250 ms (or a fifth of the remaining cooldown, if longer);
+/// calls released over a window of at least 1 s (or a fifth of the remaining cooldown, if
+/// longer);
 /// upstream name `"default"`; no pacing; a random seed.
 ///
 /// ```
@@ -65,7 +66,7 @@ impl Default for BackoffPolicy {
                 min_per_sec: 10,
                 retry_percent: 0.2,
             }),
-            release_spread: Duration::from_millis(250),
+            release_spread: Duration::from_secs(1),
             upstream: Arc::from("default"),
             pacing: None,
             seed: None,
@@ -112,8 +113,7 @@ impl BackoffPolicy {
         self.pacing.as_ref()
     }
 
-    /// How long a call held by the gate waits past the reopening, at most: `unit x
-    /// max(release_spread, left / 5)`.
+    /// The release window after a reopening `left` away: `max(release_spread, left / 5)`.
     pub(super) fn spread_for(&self, left: Duration) -> Duration {
         self.release_spread.max(left / 5)
     }
@@ -171,8 +171,11 @@ impl BackoffPolicyBuilder {
         self
     }
 
-    /// The least time over which calls held by a closed gate are released after it reopens
-    /// (default 250 ms; the window is a fifth of the remaining cooldown when that is longer).
+    /// The least width of the window over which calls held by a closed gate are released
+    /// after it reopens (default 1 s; the window is a fifth of the remaining cooldown when
+    /// that is longer). Each worker starts at a random point of the window and each call
+    /// adds a draw of its own, so the last call goes at most two windows after the
+    /// reopening.
     pub fn release_spread(mut self, spread: Duration) -> Self {
         self.policy.release_spread = spread;
         self

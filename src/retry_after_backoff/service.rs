@@ -87,7 +87,8 @@ where
         let spare = shared.cloner.clone_request(&req);
         let mut pace_step = 0;
         // Fast path: the gate is open (a local read) and pacing lets the call go now.
-        let go_now = core.store.cooldown(&core.policy.upstream).is_none()
+        let go_now = !core.is_probing()
+            && core.store.cooldown(&core.policy.upstream).is_none()
             && core
                 .pacer
                 .as_ref()
@@ -104,6 +105,7 @@ where
             cost,
             retries: 0,
             pace_step,
+            probe: None,
         };
         if go_now {
             call.pace_step = 0;
