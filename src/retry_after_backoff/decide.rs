@@ -20,7 +20,11 @@
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+use http::header::{AsHeaderName, HeaderName};
 use http::{HeaderMap, StatusCode, header};
+
+const RETRY_AFTER_MS: HeaderName = HeaderName::from_static("retry-after-ms");
+const X_SHOULD_RETRY: HeaderName = HeaderName::from_static("x-should-retry");
 
 const NANOS_PER_SEC: u128 = 1_000_000_000;
 
@@ -56,22 +60,22 @@ const NANOS_PER_SEC: u128 = 1_000_000_000;
 ///
 /// Only the first value of each header is consulted.
 pub fn retry_after(headers: &HeaderMap, now: SystemTime) -> Option<Duration> {
-    if let Some(d) = header_str(headers, "retry-after-ms").and_then(parse_millis) {
+    if let Some(d) = header_str(headers, RETRY_AFTER_MS).and_then(parse_millis) {
         return Some(d);
     }
-    let value = header_str(headers, header::RETRY_AFTER.as_str())?;
+    let value = header_str(headers, header::RETRY_AFTER)?;
     if let Some(d) = parse_seconds(value) {
         return Some(d);
     }
     let at = httpdate::parse_http_date(value).ok()?;
-    let base = header_str(headers, header::DATE.as_str())
+    let base = header_str(headers, header::DATE)
         .and_then(|d| httpdate::parse_http_date(d).ok())
         .unwrap_or(now);
     Some(at.duration_since(base).unwrap_or(Duration::ZERO))
 }
 
 /// First value of `name` as trimmed visible ASCII, or `None`.
-fn header_str<'a>(headers: &'a HeaderMap, name: &str) -> Option<&'a str> {
+fn header_str(headers: &HeaderMap, name: impl AsHeaderName) -> Option<&str> {
     headers
         .get(name)
         .and_then(|v| v.to_str().ok())
@@ -335,7 +339,7 @@ pub fn should_retry(status: StatusCode, headers: &HeaderMap, retry_on: &StatusSe
     if status.as_u16() < 400 {
         return Verdict::DontRetry;
     }
-    let hint = header_str(headers, "x-should-retry");
+    let hint = header_str(headers, X_SHOULD_RETRY);
     let retry = match hint {
         Some(v) if v.eq_ignore_ascii_case("false") => false,
         Some(v) if v.eq_ignore_ascii_case("true") => true,
@@ -406,6 +410,17 @@ const RATELIMIT_HEADERS: [(&str, &str); 4] = [
     ),
 ];
 
+/// [`RATELIMIT_HEADERS`] as header names, so a lookup parses nothing.
+const RATELIMIT_NAMES: [(HeaderName, HeaderName); 4] = {
+    const fn pair(i: usize) -> (HeaderName, HeaderName) {
+        (
+            HeaderName::from_static(RATELIMIT_HEADERS[i].0),
+            HeaderName::from_static(RATELIMIT_HEADERS[i].1),
+        )
+    }
+    [pair(0), pair(1), pair(2), pair(3)]
+};
+
 /// How long until the provider's exhausted rate limits reset.
 ///
 /// Reads `anthropic-ratelimit-{requests,tokens,input-tokens,output-tokens}-
@@ -419,8 +434,14 @@ const RATELIMIT_HEADERS: [(&str, &str); 4] = [
 /// `retry-after` header or backoff covers it); a remaining count that is not
 /// a plain non-negative integer counts as not exhausted.
 pub fn ratelimit_wait(headers: &HeaderMap, now: SystemTime) -> Option<Duration> {
+    ratelimit_reset(headers).map(|at| at.duration_since(now).unwrap_or(Duration::ZERO))
+}
+
+/// The latest reset among exhausted dimensions, as [`ratelimit_wait`] finds it, without a
+/// clock: the shell reads the clock only when a limit is exhausted.
+pub(super) fn ratelimit_reset(headers: &HeaderMap) -> Option<SystemTime> {
     let mut latest: Option<SystemTime> = None;
-    for (remaining, reset) in RATELIMIT_HEADERS {
+    for (remaining, reset) in &RATELIMIT_NAMES {
         let exhausted = header_str(headers, remaining)
             .filter(|s| is_digits(s))
             .is_some_and(|s| s.bytes().all(|b| b == b'0'));
@@ -431,7 +452,7 @@ pub fn ratelimit_wait(headers: &HeaderMap, now: SystemTime) -> Option<Duration> 
             latest = Some(latest.map_or(at, |l| l.max(at)));
         }
     }
-    latest.map(|at| at.duration_since(now).unwrap_or(Duration::ZERO))
+    latest
 }
 
 /// Strict RFC 3339 timestamp parser:

@@ -134,14 +134,18 @@ impl<S, Req, C> Call<S, Req, C> {
     fn judge(&self, status: StatusCode, headers: &http::HeaderMap) -> Outcome {
         let core = &self.shared.core;
         let policy = &core.policy;
-        let wall = SystemTime::now();
-        // The provider says a limit is exhausted until its reset: slow down before a 429.
-        let limits = decide::ratelimit_wait(headers, wall).filter(|d| !d.is_zero());
+        // The clock is read only when the head says something about time.
         let slow_down = matches!(status.as_u16(), 429 | 529);
-        let server_delay = if slow_down {
-            decide::retry_after(headers, wall)
-        } else {
-            None
+        let reset = decide::ratelimit_reset(headers);
+        let wall = (slow_down || reset.is_some()).then(SystemTime::now);
+        // The provider says a limit is exhausted until its reset: slow down before a 429.
+        let limits = reset
+            .zip(wall)
+            .map(|(at, now)| at.duration_since(now).unwrap_or(Duration::ZERO))
+            .filter(|d| !d.is_zero());
+        let server_delay = match wall {
+            Some(now) if slow_down => decide::retry_after(headers, now),
+            _ => None,
         };
         // A gate never stays closed longer than the longest sleep this layer allows.
         let gate = server_delay

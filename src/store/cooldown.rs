@@ -10,14 +10,29 @@
 
 use std::collections::HashMap;
 use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use tokio::time::Instant;
 
 /// Reopen times per upstream.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(crate) struct CooldownGates {
     gates: Mutex<HashMap<String, Instant>>,
+    /// The furthest reopening of any gate, in ns after `base`: while it is past, every gate
+    /// is open and a check takes no lock (the common case, on the hot path).
+    latest: AtomicU64,
+    base: Instant,
+}
+
+impl Default for CooldownGates {
+    fn default() -> Self {
+        CooldownGates {
+            gates: Mutex::default(),
+            latest: AtomicU64::new(0),
+            base: Instant::now(),
+        }
+    }
 }
 
 impl CooldownGates {
@@ -46,12 +61,21 @@ impl CooldownGates {
                 want
             }
         };
+        let since_base = reopen.saturating_duration_since(self.base).as_nanos();
+        self.latest.fetch_max(
+            u64::try_from(since_base).unwrap_or(u64::MAX),
+            Ordering::AcqRel,
+        );
         reopen.saturating_duration_since(now)
     }
 
     /// How long `upstream` stays closed; `None` when it is open.
     pub(crate) fn remaining(&self, upstream: &str) -> Option<Duration> {
         let now = Instant::now();
+        let since_base = now.saturating_duration_since(self.base).as_nanos();
+        if u128::from(self.latest.load(Ordering::Acquire)) <= since_base {
+            return None;
+        }
         let gates = self.lock();
         let reopen = *gates.get(upstream)?;
         Some(reopen.saturating_duration_since(now)).filter(|left| !left.is_zero())
