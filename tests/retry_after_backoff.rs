@@ -709,18 +709,23 @@ async fn a_429_storm_reoccurs_less_with_this_layer_than_with_naive_retries() {
     let ours = storm_with_layer(None).await;
     let paced =
         storm_with_layer(Some(Pacing::new().requests_per_minute(50 / WORKERS as u32))).await;
+    // And with the provider's 50 RPM paced once for all workers, through the store.
+    let shared = storm_with_layer(Some(Pacing::new().requests_per_minute(50).shared())).await;
 
     let (naive_share, naive_all, naive_429) = naive.share_429();
     let (our_share, our_all, our_429) = ours.share_429();
     let (paced_share, paced_all, paced_429) = paced.share_429();
+    let (shared_share, shared_all, shared_429) = shared.share_429();
     println!(
         "429 storm, {WORKERS} workers x {CALLERS} callers x {JOBS} jobs, 50 RPM upstream, share of \
          attempts answered 429: naive immediate exponential retries {:.1}% ({naive_429}/{naive_all}); \
          RetryAfterBackoff {:.1}% ({our_429}/{our_all}); with pacing at 6 RPM per worker {:.1}% \
-         ({paced_429}/{paced_all})",
+         ({paced_429}/{paced_all}); with 50 RPM pacing shared through the store {:.1}% \
+         ({shared_429}/{shared_all})",
         naive_share * 100.0,
         our_share * 100.0,
         paced_share * 100.0,
+        shared_share * 100.0,
     );
     assert!(
         our_share < naive_share,
@@ -818,4 +823,107 @@ async fn pacing_at_50_rpm_sends_200_queued_calls_at_most_50_per_rolling_minute()
     // 199 intervals of 1.2 s.
     assert!(*times.last().unwrap() >= Duration::from_millis(199 * 1200 - 10));
     assert!(var.sqrt() < 1.0);
+}
+
+/// The most calls inside any window of `window` starting at a call.
+fn rolling_max(times: &[Instant], window: Duration) -> usize {
+    let mut times = times.to_vec();
+    times.sort();
+    (0..times.len())
+        .map(|i| {
+            times[i..]
+                .iter()
+                .take_while(|t| **t < times[i] + window)
+                .count()
+        })
+        .max()
+        .unwrap_or(0)
+}
+
+#[tokio::test(start_paused = true)]
+async fn shared_pacing_holds_two_layers_on_one_store_to_one_limit() {
+    let store = Store::memory();
+    let mock = Mock::new(|_, _| ok());
+    let pacing = Pacing::new().requests_per_minute(50).shared();
+    let layers: Vec<_> = (0..2)
+        .map(|seed| {
+            RetryAfterBackoffLayer::new(
+                store.clone(),
+                policy().seed(seed).pacing(pacing.clone()).build().unwrap(),
+            )
+        })
+        .collect();
+    let calls: Vec<_> = (0..200)
+        .map(|i| {
+            layers[i % 2]
+                .layer(mock.service())
+                .oneshot(request(job("t")))
+        })
+        .collect();
+    for response in futures_util::future::join_all(calls).await {
+        assert_eq!(response.unwrap().status(), 200);
+    }
+    let times = mock.times();
+    assert_eq!(times.len(), 200);
+    assert!(rolling_max(&times, Duration::from_secs(60)) <= 50);
+    let span = *times.iter().max().unwrap() - *times.iter().min().unwrap();
+    assert!(span >= Duration::from_millis(199 * 1200 - 10), "{span:?}");
+}
+
+#[cfg(feature = "redis")]
+#[tokio::test]
+async fn shared_pacing_holds_two_workers_on_one_redis_to_one_limit() {
+    let server = support::RedisServer::start();
+    let mock = Mock::new(|_, _| ok());
+    // 1,200 RPM (20 a second): the 50 RPM rule scaled to real time.
+    let pacing = Pacing::new().requests_per_minute(1_200).shared();
+    let mut calls = Vec::new();
+    for seed in 0..2 {
+        let store = redis_store(&server.url()).await;
+        let layer = RetryAfterBackoffLayer::new(
+            store,
+            policy().seed(seed).pacing(pacing.clone()).build().unwrap(),
+        );
+        for _ in 0..20 {
+            calls.push(layer.layer(mock.service()).oneshot(request(job("t"))));
+        }
+    }
+    for response in futures_util::future::join_all(calls).await {
+        assert_eq!(response.unwrap().status(), 200);
+    }
+    let times = mock.times();
+    assert_eq!(times.len(), 40);
+    // One per 50 ms, whichever worker sent it (a millisecond of slack per sleep).
+    let in_a_second = rolling_max(&times, Duration::from_millis(990));
+    assert!(in_a_second <= 20, "{in_a_second} calls in one second");
+    let span = *times.iter().max().unwrap() - *times.iter().min().unwrap();
+    assert!(span >= Duration::from_millis(39 * 50 - 20), "{span:?}");
+}
+
+#[cfg(feature = "redis")]
+#[tokio::test]
+async fn store_pacing_on_redis_reserves_every_dimension_at_once() {
+    use fairgate::store::PaceLimit;
+    let server = support::RedisServer::start();
+    let one = redis_store(&server.url()).await;
+    let two = redis_store(&server.url()).await;
+    let requests = PaceLimit {
+        per_minute: 60,
+        burst: 1,
+        cells: 1,
+    };
+    let tokens = PaceLimit {
+        per_minute: 600,
+        burst: 600,
+        cells: 400,
+    };
+    assert_eq!(one.pace("api", &[requests, tokens]).await, Duration::ZERO);
+    // Worker two: the request dimension wants 1 s, the token one 20 s (200 tokens short at
+    // 10 a second); the later one wins.
+    let wait = two.pace("api", &[requests, tokens]).await;
+    assert!(
+        wait > Duration::from_millis(19_900) && wait <= Duration::from_secs(20),
+        "{wait:?}"
+    );
+    assert_eq!(two.pace("elsewhere", &[requests]).await, Duration::ZERO);
 }

@@ -46,6 +46,7 @@ pin_project! {
         // Waiting (a backoff, the gate, the pacing), then the inner service's readiness.
         Admitting {
             sleep: Option<Pin<Box<Sleep>>>,
+            reserve: Option<StoreFuture<Duration>>,
         },
         Calling {
             #[pin]
@@ -83,6 +84,8 @@ pub(super) struct Call<S, Req, C> {
     pub(super) pace_step: usize,
     /// The probe slot, while this call is the one probing a throttled upstream.
     pub(super) probe: Option<Probe>,
+    /// The next attempt holds its reservation in the store's shared pacing.
+    pub(super) reserved: bool,
 }
 
 /// What a response means, decided as soon as its head arrives.
@@ -119,7 +122,10 @@ impl<F, S, Req, B: Body, C> ResponseFuture<F, S, Req, B, C> {
 
     pub(super) fn admitting(call: Call<S, Req, C>) -> Self {
         ResponseFuture {
-            state: State::Admitting { sleep: None },
+            state: State::Admitting {
+                sleep: None,
+                reserve: None,
+            },
             call: Some(call),
         }
     }
@@ -261,10 +267,19 @@ where
                 return Poll::Ready(Err(MissingJob.into()));
             };
             match this.state.as_mut().project() {
-                StateProj::Admitting { sleep } => {
+                StateProj::Admitting { sleep, reserve } => {
                     if let Some(timer) = sleep.as_mut() {
                         ready!(timer.as_mut().poll(cx));
                         *sleep = None;
+                    }
+                    if let Some(reservation) = reserve.as_mut() {
+                        let wait = ready!(Pin::new(reservation).poll(cx));
+                        *reserve = None;
+                        call.reserved = true;
+                        if !wait.is_zero() {
+                            *sleep = sleep_for(wait);
+                            continue;
+                        }
                     }
                     let core = &call.shared.core;
                     if let Some(left) = core.store.cooldown(&core.policy.upstream) {
@@ -301,6 +316,13 @@ where
                             continue;
                         }
                     }
+                    if let Some(pacing) = core.shared_pacing()
+                        && !call.reserved
+                    {
+                        let (limits, n) = pacing.limits(call.cost);
+                        *reserve = Some(core.store.pace(&core.policy.upstream, &limits[..n]));
+                        continue;
+                    }
                     if let Some(pacer) = &core.pacer
                         && let Some(wait) = pacer.admit(&mut call.pace_step, call.cost)
                     {
@@ -317,6 +339,7 @@ where
                         return Poll::Ready(Err(MissingJob.into()));
                     };
                     call.pace_step = 0;
+                    call.reserved = false;
                     let fut = call.service.call(req);
                     this.state.set(State::Calling { fut });
                 }
@@ -389,6 +412,7 @@ where
                                 .and_then(|req| call.shared.cloner.clone_request(req));
                             this.state.set(State::Admitting {
                                 sleep: sleep_for(delay),
+                                reserve: None,
                             });
                         }
                         Some(Then::Return(response)) => {

@@ -100,6 +100,14 @@ impl Core {
         Some(at.saturating_duration_since(Instant::now())).filter(|d| !d.is_zero())
     }
 
+    /// The pacing that goes through the store, if any.
+    pub(super) fn shared_pacing(&self) -> Option<&super::Pacing> {
+        self.policy
+            .pacing
+            .as_ref()
+            .filter(|pacing| pacing.is_shared())
+    }
+
     pub(super) fn is_probing(&self) -> bool {
         self.probing.load(Ordering::Acquire)
     }
@@ -117,7 +125,11 @@ impl RetryAfterBackoffLayer {
         let budget = policy
             .budget
             .map(|b| TpsBudget::new(b.ttl, b.min_per_sec, b.retry_percent));
-        let pacer = policy.pacing.as_ref().map(Pacer::new);
+        let pacer = policy
+            .pacing
+            .as_ref()
+            .filter(|pacing| !pacing.is_shared())
+            .map(Pacer::new);
         let rng = policy.seed.map_or_else(Rng::from_entropy, Rng::seeded);
         RetryAfterBackoffLayer {
             shared: Arc::new(Shared {

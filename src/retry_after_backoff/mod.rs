@@ -30,7 +30,9 @@
 //!   limit (`anthropic-ratelimit-*-remaining: 0` with its `-reset`) closes the gate until
 //!   the reset, before any 429.
 //! - **Pacing** ([`Pacing`], optional): GCRA limits on requests, input tokens and output
-//!   tokens per minute, in process.
+//!   tokens per minute, before any 429 — per layer in process (`governor`), or
+//!   [shared](Pacing::shared) by every worker through the store (one GCRA script on Redis
+//!   that reserves all dimensions at once, server time).
 //!
 //! Requests are copied for a retry with `Clone` by default ([`CloneRequest`]: [`SendOnce`]
 //! or a closure for other types); a request that cannot be copied is sent once. Responses

@@ -16,6 +16,7 @@ use governor::state::{InMemoryState, NotKeyed};
 use governor::{Quota, RateLimiter};
 
 use crate::error::ConfigError;
+use crate::store::PaceLimit;
 
 /// Limits to stay under before any 429: requests, input tokens and output tokens per minute.
 ///
@@ -43,6 +44,7 @@ pub struct Pacing {
     output_tokens_per_minute: Option<u32>,
     request_burst: u32,
     expected_output_tokens: u32,
+    shared: bool,
 }
 
 impl Pacing {
@@ -95,6 +97,53 @@ impl Pacing {
     pub fn expected_output_tokens(mut self, n: u32) -> Self {
         self.expected_output_tokens = n;
         self
+    }
+
+    /// Paces through the [`Store`](crate::Store) ([`Store::pace`](crate::Store::pace)), so
+    /// every layer and worker on the store shares the limits: one GCRA script on Redis
+    /// (server time), reserving all dimensions at once. Default: each layer paces alone, in
+    /// process (`governor`), and the limits are that layer's.
+    pub fn shared(mut self) -> Self {
+        self.shared = true;
+        self
+    }
+
+    /// Whether the pacing goes through the store.
+    pub fn is_shared(&self) -> bool {
+        self.shared
+    }
+
+    /// The store-side limits of a call with `input_tokens` (`PaceLimit`s, in the order
+    /// requests, input tokens, output tokens; only those configured).
+    pub(crate) fn limits(&self, input_tokens: u32) -> ([PaceLimit; 3], usize) {
+        let mut out = [PaceLimit {
+            per_minute: 1,
+            burst: 1,
+            cells: 1,
+        }; 3];
+        let mut n = 0;
+        let dims = [
+            (self.requests_per_minute, self.request_burst, 1),
+            (self.input_tokens_per_minute, 0, input_tokens),
+            (
+                self.output_tokens_per_minute,
+                0,
+                self.expected_output_tokens,
+            ),
+        ];
+        for (limit, burst, cells) in dims {
+            if let Some(per_minute) = limit {
+                // Token dimensions burst their whole minute, as the provider's buckets do.
+                let burst = if burst == 0 { per_minute } else { burst };
+                out[n] = PaceLimit {
+                    per_minute,
+                    burst,
+                    cells,
+                };
+                n += 1;
+            }
+        }
+        (out, n)
     }
 
     /// The request limit, if set.

@@ -88,6 +88,7 @@ where
         let mut pace_step = 0;
         // Fast path: the gate is open (a local read) and pacing lets the call go now.
         let go_now = !core.is_probing()
+            && core.shared_pacing().is_none()
             && core.store.cooldown(&core.policy.upstream).is_none()
             && core
                 .pacer
@@ -106,6 +107,7 @@ where
             retries: 0,
             pace_step,
             probe: None,
+            reserved: false,
         };
         if go_now {
             call.pace_step = 0;

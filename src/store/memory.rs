@@ -72,7 +72,10 @@ pub(crate) struct MemoryState {
     /// Whether this state publishes `claude_demoted_tenants` (not when it is a fallback).
     reports_gauges: bool,
     /// Upstream cooldown gates (on the Redis store: this worker's copy of the shared ones).
-    pub(crate) cooldowns: super::cooldown::CooldownGates,
+    /// Boxed, like `pacers`, to keep the store's backend enum small.
+    pub(crate) cooldowns: Box<super::cooldown::CooldownGates>,
+    /// Shared pacing (on the Redis store: the fallback while Redis is down).
+    pub(crate) pacers: Box<super::pacing::Pacers>,
 }
 
 impl MemoryState {
@@ -90,6 +93,7 @@ impl MemoryState {
             }),
             reports_gauges,
             cooldowns: Default::default(),
+            pacers: Default::default(),
         }
     }
 

@@ -33,10 +33,13 @@ mod cooldown;
 #[cfg(feature = "redis")]
 mod keys;
 mod memory;
+mod pacing;
 #[cfg(feature = "redis")]
 mod redis;
 #[cfg(feature = "redis")]
 mod redis_cooldown;
+#[cfg(feature = "redis")]
+mod redis_pacing;
 
 use std::fmt;
 use std::future::Future;
@@ -51,6 +54,7 @@ use crate::priority_classify::DemotionPolicy;
 
 use memory::MemoryState;
 
+pub use self::pacing::PaceLimit;
 #[cfg(feature = "redis")]
 pub use self::redis::RedisStoreError;
 
@@ -394,6 +398,21 @@ impl Store {
             Backend::Memory(memory) => memory.cooldowns.remaining(upstream),
             #[cfg(feature = "redis")]
             Backend::Redis(redis) => redis.fallback.cooldowns.remaining(upstream),
+        }
+    }
+
+    /// Reserves a call's cells under the pacing `key` in every dimension of `limits` (GCRA:
+    /// requests, input tokens, output tokens per minute) and returns how long the call must
+    /// wait before it goes (zero: now). The reservation is made at once, so waiters go in
+    /// the order they asked, each woken once.
+    ///
+    /// Shared by every worker on the store (one Lua script on Redis, server time). While
+    /// Redis is down each worker paces alone against the same limits.
+    pub fn pace(&self, key: &str, limits: &[PaceLimit]) -> StoreFuture<Duration> {
+        match &*self.backend {
+            Backend::Memory(memory) => StoreFuture::ready(memory.pacers.reserve(key, limits)),
+            #[cfg(feature = "redis")]
+            Backend::Redis(redis) => redis.pace(key, limits),
         }
     }
 
