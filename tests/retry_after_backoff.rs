@@ -3,6 +3,7 @@
 
 mod support;
 
+use std::collections::HashMap;
 use std::convert::Infallible;
 use std::future::Future;
 use std::pin::Pin;
@@ -123,6 +124,7 @@ where
 
 #[tokio::test(start_paused = true)]
 async fn four_retries_then_the_last_429_is_returned() {
+    let (events, _guard) = support::EventCounter::install();
     let store = Store::memory();
     let mock = Mock::new(|_, n| status(429, &[("retry-after", "1")], &format!("attempt {n}")));
     let layer = RetryAfterBackoffLayer::new(store.clone(), policy().build().unwrap());
@@ -147,6 +149,66 @@ async fn four_retries_then_the_last_429_is_returned() {
         "{elapsed:?}"
     );
     assert_eq!(store.throttle_count(&TenantId::new("t")).await, 5);
+    assert_eq!(events.count("upstream.throttled"), 5, "one event per 429");
+}
+
+#[test]
+fn throttles_retries_and_cooldown_waits_are_counted() {
+    use fairgate::retry_after_backoff::metrics::{
+        COOLDOWN_WAITS, GAVE_UP, RETRIES, THROTTLE_COUNT,
+    };
+    use metrics_util::debugging::{DebugValue, DebuggingRecorder};
+
+    let recorder = DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    metrics::with_local_recorder(&recorder, || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .start_paused(true)
+            .build()
+            .unwrap();
+        rt.block_on(async {
+            let store = Store::memory();
+            let mock = Mock::new(|_, n| match n {
+                0 | 1 => status(429, &[("retry-after", "1")], ""),
+                _ => ok(),
+            });
+            let layer =
+                RetryAfterBackoffLayer::new(store, policy().max_retries(1).build().unwrap());
+            let gave_up = layer
+                .layer(mock.service())
+                .oneshot(request(job("acme")))
+                .await;
+            assert_eq!(gave_up.unwrap().status(), 429);
+            // The gate is still closed: the next call waits for it, then succeeds.
+            let served = layer
+                .layer(mock.service())
+                .oneshot(request(job("acme")))
+                .await;
+            assert_eq!(served.unwrap().status(), 200);
+        });
+    });
+    let mut seen = HashMap::new();
+    for (key, _, _, value) in snapshotter.snapshot().into_vec() {
+        let key = key.key();
+        let labels: Vec<String> = key
+            .labels()
+            .map(|l| format!("{}={}", l.key(), l.value()))
+            .collect();
+        seen.insert((key.name().to_owned(), labels.join(",")), value);
+    }
+    let get = |name: &str, labels: &str| seen.get(&(name.to_owned(), labels.to_owned()));
+    assert_eq!(
+        get(THROTTLE_COUNT, "tenant_id=acme"),
+        Some(&DebugValue::Gauge(2.0.into())),
+        "{seen:?}"
+    );
+    assert_eq!(get(RETRIES, "status=429"), Some(&DebugValue::Counter(1)));
+    assert_eq!(
+        get(GAVE_UP, "reason=max_retries"),
+        Some(&DebugValue::Counter(1))
+    );
+    assert!(matches!(get(COOLDOWN_WAITS, ""), Some(DebugValue::Counter(n)) if *n >= 1));
 }
 
 #[tokio::test(start_paused = true)]

@@ -183,3 +183,83 @@ impl<B: Body> fmt::Debug for ResponseBody<B> {
         f.debug_struct("ResponseBody").field("kind", &kind).finish()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use bytes::Bytes;
+
+    /// A body that yields prepared frames (and maybe an error), one per poll.
+    struct Frames(VecDeque<Result<Frame<Bytes>, &'static str>>);
+
+    impl Body for Frames {
+        type Data = Bytes;
+        type Error = &'static str;
+
+        fn poll_frame(
+            mut self: Pin<&mut Self>,
+            _: &mut Context<'_>,
+        ) -> Poll<Option<Result<Frame<Bytes>, &'static str>>> {
+            Poll::Ready(self.0.pop_front())
+        }
+    }
+
+    fn frames(items: &[Result<&'static str, &'static str>]) -> Frames {
+        Frames(
+            items
+                .iter()
+                .map(|item| item.map(|data| Frame::data(Bytes::from_static(data.as_bytes()))))
+                .collect(),
+        )
+    }
+
+    /// Everything the body yields: data as text, errors as `!error`.
+    async fn drain<B: Body<Data = Bytes, Error = &'static str>>(body: B) -> Vec<String> {
+        let mut body = std::pin::pin!(body);
+        let mut out = Vec::new();
+        while let Some(frame) = std::future::poll_fn(|cx| body.as_mut().poll_frame(cx)).await {
+            match frame {
+                Ok(frame) => out.push(String::from_utf8_lossy(&frame.into_data().unwrap()).into()),
+                Err(e) => out.push(format!("!{e}")),
+            }
+        }
+        out
+    }
+
+    async fn peek(body: Frames, limit: usize) -> Peeked<Frames> {
+        let mut peeked = Peeked::new(body);
+        std::future::poll_fn(|cx| peeked.poll_fill(cx, limit)).await;
+        peeked
+    }
+
+    #[tokio::test]
+    async fn a_peeked_body_replays_every_byte_then_the_rest() {
+        let body = frames(&[Ok("0123456789"), Ok("abcdefghij"), Ok("tail")]);
+        let peeked = peek(body, 15).await;
+        assert_eq!(
+            peeked.bytes(),
+            b"0123456789abcde",
+            "only up to the limit is copied"
+        );
+        let replay = ResponseBody::replay(peeked);
+        assert!(replay.was_peeked());
+        assert_eq!(drain(replay).await, ["0123456789", "abcdefghij", "tail"]);
+    }
+
+    #[tokio::test]
+    async fn an_error_while_peeking_is_replayed_where_it_happened() {
+        let peeked = peek(frames(&[Ok("head"), Err("reset"), Ok("never")]), 1024).await;
+        assert_eq!(peeked.bytes(), b"head");
+        assert_eq!(
+            drain(ResponseBody::replay(peeked)).await,
+            ["head", "!reset"]
+        );
+    }
+
+    #[tokio::test]
+    async fn passthrough_is_the_body_itself() {
+        let body = ResponseBody::passthrough(frames(&[Ok("a"), Ok("b")]));
+        assert!(!body.was_peeked());
+        assert_eq!(drain(body).await, ["a", "b"]);
+    }
+}
