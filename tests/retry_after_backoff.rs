@@ -989,3 +989,120 @@ async fn store_pacing_on_redis_reserves_every_dimension_at_once() {
     );
     assert_eq!(two.pace("elsewhere", &[requests]).await, Duration::ZERO);
 }
+
+/// Calls in flight at the upstream, over time: (start, end) of each.
+#[derive(Clone, Default)]
+struct Spans(Arc<Mutex<Vec<(Instant, Option<Instant>)>>>);
+
+impl Spans {
+    /// An upstream that answers 429 (retry-after 1 s) to its first call and then 200 after
+    /// `latency`.
+    fn upstream(
+        &self,
+        latency: Duration,
+    ) -> impl Service<
+        http::Request<String>,
+        Response = Response,
+        Error = Infallible,
+        Future = Pin<Box<dyn Future<Output = Result<Response, Infallible>> + Send>>,
+    > + Clone
+    + Send
+    + 'static {
+        let spans = self.0.clone();
+        service_fn(move |_req: http::Request<String>| {
+            let spans = spans.clone();
+            Box::pin(async move {
+                let i = {
+                    let mut spans = spans.lock().unwrap();
+                    spans.push((Instant::now(), None));
+                    spans.len() - 1
+                };
+                if i == 0 {
+                    spans.lock().unwrap()[0].1 = Some(Instant::now());
+                    return Ok(status(429, &[("retry-after", "1")], ""));
+                }
+                tokio::time::sleep(latency).await;
+                spans.lock().unwrap()[i].1 = Some(Instant::now());
+                Ok::<_, Infallible>(ok())
+            }) as Pin<Box<dyn Future<Output = _> + Send>>
+        })
+    }
+
+    fn starts(&self) -> Vec<Instant> {
+        let mut starts: Vec<_> = self.0.lock().unwrap().iter().map(|s| s.0).collect();
+        starts.sort();
+        starts
+    }
+
+    fn end_of_first_success(&self) -> Instant {
+        self.0.lock().unwrap()[1].1.expect("answered")
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn after_a_throttle_one_call_probes_before_the_others_follow() {
+    let spans = Spans::default();
+    let layer =
+        RetryAfterBackoffLayer::new(Store::memory(), policy().max_retries(0).build().unwrap());
+    let upstream = spans.upstream(Duration::from_millis(300));
+    let first = layer
+        .layer(upstream.clone())
+        .oneshot(request(job("a")))
+        .await;
+    assert_eq!(first.unwrap().status(), 429);
+    let calls: Vec<_> = (0..10)
+        .map(|i| {
+            layer
+                .layer(upstream.clone())
+                .oneshot(request(job(&format!("b{i}"))))
+        })
+        .collect();
+    for response in futures_util::future::join_all(calls).await {
+        assert_eq!(response.unwrap().status(), 200);
+    }
+    let starts = spans.starts();
+    // The first released call went alone; the rest only once its answer showed room.
+    let answered = spans.end_of_first_success();
+    assert!(
+        starts[2] >= answered,
+        "a second call went before the probe's answer"
+    );
+    // ...and then they did not wait for one another.
+    let last = *starts.last().unwrap();
+    assert!(
+        last - starts[2] < Duration::from_secs(1),
+        "{:?}",
+        last - starts[2]
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_slow_probe_does_not_stop_the_worker_for_longer_than_the_release_spread() {
+    let spans = Spans::default();
+    let layer =
+        RetryAfterBackoffLayer::new(Store::memory(), policy().max_retries(0).build().unwrap());
+    // Answers take 30 s (a long call that is not streamed).
+    let upstream = spans.upstream(Duration::from_secs(30));
+    let first = layer
+        .layer(upstream.clone())
+        .oneshot(request(job("a")))
+        .await;
+    assert_eq!(first.unwrap().status(), 429);
+    let calls: Vec<_> = (0..3)
+        .map(|i| {
+            layer
+                .layer(upstream.clone())
+                .oneshot(request(job(&format!("b{i}"))))
+        })
+        .collect();
+    for response in futures_util::future::join_all(calls).await {
+        assert_eq!(response.unwrap().status(), 200);
+    }
+    let starts = spans.starts();
+    // One call per release spread (1 s) while no answer has come.
+    for pair in starts[1..].windows(2) {
+        let gap = pair[1] - pair[0];
+        assert!(gap >= Duration::from_secs(1), "{gap:?}");
+        assert!(gap < Duration::from_millis(1300), "{gap:?}");
+    }
+}

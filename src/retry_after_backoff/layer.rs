@@ -1,5 +1,5 @@
 use std::fmt;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -40,30 +40,44 @@ pub(super) struct Core {
     /// exhausted) and no answer since said otherwise: calls then go one at a time (a probe),
     /// so the calls released when a gate reopens do not all meet an empty bucket.
     pub(super) probing: AtomicBool,
-    /// Held by the one call in flight while probing.
-    probe: AtomicBool,
+    /// The one call in flight while probing: its ticket and when it took the slot. A slot
+    /// older than the release spread is free again, so a slow answer (a long call that is
+    /// not streamed) cannot stop the worker: it then sends one call per spread.
+    probe: Mutex<Option<(u64, Instant)>>,
+    tickets: AtomicU64,
     /// The gate's last known reopening and this worker's release after it (see
     /// `note_reopen`).
     release: Mutex<Option<(Instant, Instant)>>,
 }
 
-/// The probe slot, released when dropped.
-pub(super) struct Probe(Arc<Core>);
+/// The probe slot, released when dropped (unless it expired and another call took it).
+pub(super) struct Probe(Arc<Core>, u64);
 
 impl Drop for Probe {
     fn drop(&mut self) {
-        self.0.probe.store(false, Ordering::Release);
+        let mut slot = self.0.probe.lock().unwrap_or_else(|e| e.into_inner());
+        if slot.is_some_and(|(ticket, _)| ticket == self.1) {
+            *slot = None;
+        }
     }
 }
 
 impl Core {
     /// A uniform draw in [0, 1) from the layer's seeded source.
-    /// Takes the probe slot if it is free.
+    /// Takes the probe slot if it is free (or its holder has had it longer than the release
+    /// spread).
     pub(super) fn try_probe(self: &Arc<Self>) -> Option<Probe> {
-        self.probe
-            .compare_exchange(false, true, Ordering::AcqRel, Ordering::Acquire)
-            .ok()
-            .map(|_| Probe(self.clone()))
+        let now = Instant::now();
+        let mut slot = self.probe.lock().unwrap_or_else(|e| e.into_inner());
+        let free = slot.is_none_or(|(_, taken)| {
+            now.saturating_duration_since(taken) >= self.policy.release_spread
+        });
+        if !free {
+            return None;
+        }
+        let ticket = self.tickets.fetch_add(1, Ordering::Relaxed);
+        *slot = Some((ticket, now));
+        Some(Probe(self.clone(), ticket))
     }
 
     /// Notes that the gate reopens in `left` and returns when this worker's first call may
@@ -140,7 +154,8 @@ impl RetryAfterBackoffLayer {
                     pacer,
                     rng: Mutex::new(rng),
                     probing: AtomicBool::new(false),
-                    probe: AtomicBool::new(false),
+                    probe: Mutex::new(None),
+                    tickets: AtomicU64::new(0),
                     release: Mutex::new(None),
                 }),
                 cloner: ByClone,
