@@ -992,7 +992,9 @@ async fn store_pacing_on_redis_reserves_every_dimension_at_once() {
 
 /// Calls in flight at the upstream, over time: (start, end) of each.
 #[derive(Clone, Default)]
-struct Spans(Arc<Mutex<Vec<(Instant, Option<Instant>)>>>);
+struct Spans(Arc<Mutex<Vec<Span>>>);
+
+type Span = (Instant, Option<Instant>);
 
 impl Spans {
     /// An upstream that answers 429 (retry-after 1 s) to its first call and then 200 after
