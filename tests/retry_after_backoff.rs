@@ -340,6 +340,42 @@ async fn no_usable_retry_after_falls_back_to_jittered_exponential_backoff() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn an_exhausted_limit_reported_by_a_success_holds_the_next_call_until_its_reset() {
+    let mock = Mock::new(|_, n| match n {
+        0 => {
+            let reset = rfc3339(SystemTime::now() + Duration::from_secs(3));
+            status(
+                200,
+                &[
+                    ("anthropic-ratelimit-input-tokens-remaining", "0"),
+                    ("anthropic-ratelimit-input-tokens-reset", &reset),
+                ],
+                "ok",
+            )
+        }
+        _ => ok(),
+    });
+    let store = Store::memory();
+    let layer = RetryAfterBackoffLayer::new(store.clone(), policy().build().unwrap());
+    let first = layer.layer(mock.service()).oneshot(request(job("t"))).await;
+    assert_eq!(first.unwrap().status(), 200, "a success is never retried");
+    assert!(
+        store.cooldown("default").is_some(),
+        "the gate closed before any 429"
+    );
+    let second = layer.layer(mock.service()).oneshot(request(job("t"))).await;
+    assert_eq!(second.unwrap().status(), 200);
+    let t = mock.times();
+    // The reset has a millisecond resolution and counts from the wall clock.
+    assert!(
+        t[1] - t[0] >= Duration::from_millis(2990),
+        "{:?}",
+        t[1] - t[0]
+    );
+    assert_eq!(store.throttle_count(&TenantId::new("t")).await, 0);
+}
+
+#[tokio::test(start_paused = true)]
 async fn a_request_that_cannot_be_cloned_is_sent_once() {
     let mock = Mock::new(|_, _| status(429, &[("retry-after", "1")], ""));
     let store = Store::memory();
