@@ -14,6 +14,10 @@
 //!   more), weighted across priorities — instead of first come, first served.
 //! - [`TierSlotLimit`]: a global cap on calls in flight plus a cap per tier, shared by every
 //!   worker through the store; free tiers fail fast with [`Busy`], paid ones wait longer.
+//! - [`RetryAfterBackoff`]: retries "try later" answers by the server's `retry-after` with
+//!   jitter and a budget, counts every 429 against its tenant, and holds every worker's
+//!   calls behind one shared cooldown gate per upstream; optional pacing under provider
+//!   limits.
 //!
 //! Every layer reads the [`Job`] a request carries (in `http::Request` extensions, or through
 //! [`JobRequest`] for other request types) and shares one [`Store`]: in memory by default,
@@ -53,6 +57,7 @@ pub mod error;
 mod job;
 pub mod metrics;
 pub mod priority_classify;
+pub mod retry_after_backoff;
 pub mod rng;
 pub mod store;
 pub mod tier_slot_limit;
@@ -64,6 +69,7 @@ pub use crate::job::{Job, JobRequest, Origin, Priority, TenantId, Tier};
 pub use crate::priority_classify::{
     ClassifyRule, DefaultRule, DemotionPolicy, PriorityClassify, PriorityClassifyLayer,
 };
+pub use crate::retry_after_backoff::{BackoffPolicy, RetryAfterBackoff, RetryAfterBackoffLayer};
 pub use crate::store::{
     Demotion, SlotLease, SlotLimits, Store, StoreBuilder, StoreFuture, StoreUnavailable,
 };

@@ -8,7 +8,14 @@ use criterion::{criterion_group, criterion_main};
 
 mod classify;
 mod drr;
+mod retry;
 mod slots;
 
-criterion_group!(benches, classify::bench, drr::bench, slots::bench);
+criterion_group!(
+    benches,
+    classify::bench,
+    drr::bench,
+    slots::bench,
+    retry::bench
+);
 criterion_main!(benches);

@@ -75,6 +75,11 @@ pub(crate) struct MemoryState {
     pub(crate) slots: Arc<LocalSlots>,
     /// Served cost per tenant (`served.rs`).
     pub(super) served: super::served::ServedCost,
+    /// Upstream cooldown gates (on the Redis store: this worker's copy of the shared ones).
+    /// Boxed, like `pacers`, to keep the store's backend enum small.
+    pub(crate) cooldowns: Box<super::cooldown::CooldownGates>,
+    /// Shared pacing (on the Redis store: the fallback while Redis is down).
+    pub(crate) pacers: Box<super::pacing::Pacers>,
 }
 
 impl MemoryState {
@@ -93,6 +98,8 @@ impl MemoryState {
             reports_gauges,
             slots: Arc::new(LocalSlots::default()),
             served: super::served::ServedCost::new(),
+            cooldowns: Default::default(),
+            pacers: Default::default(),
         }
     }
 

@@ -29,9 +29,11 @@
 //! # }
 //! ```
 
+mod cooldown;
 #[cfg(feature = "redis")]
 mod keys;
 mod memory;
+mod pacing;
 #[cfg(feature = "redis")]
 mod redis;
 mod served;
@@ -50,6 +52,7 @@ use crate::{TenantId, Tier};
 
 use memory::MemoryState;
 
+pub use self::pacing::PaceLimit;
 #[cfg(feature = "redis")]
 pub use self::redis::RedisStoreError;
 pub use self::served::SERVED_WINDOW;
@@ -371,6 +374,47 @@ impl Store {
             Backend::Memory(memory) => StoreFuture::ready(memory.check_demotion(tenant, policy)),
             #[cfg(feature = "redis")]
             Backend::Redis(redis) => redis.check_demotion(tenant, policy),
+        }
+    }
+
+    /// Closes the cooldown gate of `upstream` (any name: a host, a model) for at least
+    /// `delay` from now, for every worker on this store, and returns how long it stays closed.
+    ///
+    /// A gate only moves later: a longer delay extends it, a shorter one never shortens it.
+    /// On Redis the gate lives in one hash (server time) and every worker's local copy is
+    /// updated through pub/sub, so [`cooldown`](Store::cooldown) stays a local read.
+    pub fn extend_cooldown(&self, upstream: &str, delay: Duration) -> StoreFuture<Duration> {
+        match &*self.backend {
+            Backend::Memory(memory) => StoreFuture::ready(memory.cooldowns.extend(upstream, delay)),
+            #[cfg(feature = "redis")]
+            Backend::Redis(redis) => redis.extend_cooldown(upstream, delay),
+        }
+    }
+
+    /// How long `upstream`'s cooldown gate stays closed; `None` when it is open.
+    ///
+    /// Never a round trip: on Redis this reads the worker's copy, which pub/sub keeps
+    /// current (and a resync on every reconnect).
+    pub fn cooldown(&self, upstream: &str) -> Option<Duration> {
+        match &*self.backend {
+            Backend::Memory(memory) => memory.cooldowns.remaining(upstream),
+            #[cfg(feature = "redis")]
+            Backend::Redis(redis) => redis.fallback.cooldowns.remaining(upstream),
+        }
+    }
+
+    /// Reserves a call's cells under the pacing `key` in every dimension of `limits` (GCRA:
+    /// requests, input tokens, output tokens per minute) and returns how long the call must
+    /// wait before it goes (zero: now). The reservation is made at once, so waiters go in
+    /// the order they asked, each woken once.
+    ///
+    /// Shared by every worker on the store (one Lua script on Redis, server time). While
+    /// Redis is down each worker paces alone against the same limits.
+    pub fn pace(&self, key: &str, limits: &[PaceLimit]) -> StoreFuture<Duration> {
+        match &*self.backend {
+            Backend::Memory(memory) => StoreFuture::ready(memory.pacers.reserve(key, limits)),
+            #[cfg(feature = "redis")]
+            Backend::Redis(redis) => redis.pace(key, limits),
         }
     }
 

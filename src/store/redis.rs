@@ -25,6 +25,8 @@ use crate::TenantId;
 use crate::error::ConfigError;
 use crate::priority_classify::DemotionPolicy;
 
+mod cooldown;
+mod pacing;
 mod served;
 mod slots;
 
@@ -108,9 +110,11 @@ pub(crate) struct RedisStore {
     scripts: Scripts,
     slot_scripts: SlotScripts,
     slots: SlotState,
-    opts: RedisOptions,
+    pub(super) opts: RedisOptions,
     throttle_window_ms: u64,
     pub(super) fallback: MemoryState,
+    /// For the pub/sub connection that keeps the local cooldown gates current.
+    pub(super) client: redis::Client,
     degraded: AtomicBool,
     /// Wakes the background task: a flush is due, or Redis just failed.
     pub(super) wake: Arc<Notify>,
@@ -194,7 +198,6 @@ impl StoreBuilder {
         }
         let keys = Keys::new(&opts.key_prefix)?;
         let client = redis::Client::open(url).map_err(RedisStoreError::Url)?;
-        let listener_client = client.clone();
         // Measured: the defaults wait ~9 s per command on a dead server. These make a call
         // fail in under a millisecond while Redis is down and reconnect ~25 ms after it is back.
         let config = ConnectionManagerConfig::new()
@@ -203,7 +206,7 @@ impl StoreBuilder {
             .set_max_delay(Duration::from_millis(50))
             .set_connection_timeout(Some(opts.op_timeout))
             .set_response_timeout(Some(opts.op_timeout));
-        let conn = ConnectionManager::new_lazy_with_config(client, config)
+        let conn = ConnectionManager::new_lazy_with_config(client.clone(), config)
             .map_err(RedisStoreError::Url)?;
         let now = Instant::now();
         let redis = Arc::new(RedisStore {
@@ -221,6 +224,7 @@ impl StoreBuilder {
                 map: HashMap::new(),
                 last_sweep: now,
             }),
+            client,
             worker_id: worker_id(),
             seq: AtomicU64::new(0),
             served: served::ServedRedis::new(),
@@ -236,9 +240,10 @@ impl StoreBuilder {
         let channel = redis.keys.slots("released");
         tokio::spawn(slots::listen_for_releases(
             Arc::downgrade(&redis),
-            listener_client,
+            redis.client.clone(),
             channel,
         ));
+        tokio::spawn(cooldown::listen(Arc::downgrade(&redis)));
         Ok(Store::from_backend(Backend::Redis(redis)))
     }
 }

@@ -1,0 +1,453 @@
+//! The future of [`RetryAfterBackoff`](crate::RetryAfterBackoff).
+
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll, ready};
+use std::time::{Duration, SystemTime};
+
+use http::StatusCode;
+use http_body::Body;
+use pin_project_lite::pin_project;
+use tokio::time::Sleep;
+use tower::retry::budget::Budget;
+use tower_service::Service;
+
+use super::body::{Peeked, ResponseBody};
+use super::decide::{self, Verdict};
+use super::layer::{Probe, Shared};
+use super::request::CloneRequest;
+use super::telemetry;
+use crate::TenantId;
+use crate::error::{BoxError, MissingJob};
+use crate::store::StoreFuture;
+
+pin_project! {
+    /// Response future of [`RetryAfterBackoff`](crate::RetryAfterBackoff): waits for the
+    /// cooldown gate and the pacing, calls the inner service, and on a "try later" answer
+    /// records it, waits and calls again, until the answer is final.
+    pub struct ResponseFuture<F, S, Req, B, C>
+    where
+        B: Body,
+    {
+        #[pin]
+        state: State<F, B>,
+        call: Option<Call<S, Req, C>>,
+    }
+}
+
+pin_project! {
+    #[project = StateProj]
+    enum State<F, B>
+    where
+        B: Body,
+    {
+        // Waiting (a backoff, the gate, the pacing), then the inner service's readiness.
+        Admitting {
+            sleep: Option<Pin<Box<Sleep>>>,
+            reserve: Option<StoreFuture<Duration>>,
+        },
+        Calling {
+            #[pin]
+            fut: F,
+        },
+        // Reading a 429's body ahead for the spend-limit code.
+        Peeking {
+            head: Option<http::response::Parts>,
+            peeked: Option<Peeked<B>>,
+            outcome: Outcome,
+        },
+        // Waiting for the store to take the throttle and the gate.
+        Recording {
+            throttle: Option<StoreFuture<u32>>,
+            gate: Option<StoreFuture<Duration>>,
+            then: Option<Then<B>>,
+        },
+        MissingJob,
+        Done,
+    }
+}
+
+/// Everything one call carries from attempt to attempt.
+pub(super) struct Call<S, Req, C> {
+    pub(super) shared: Arc<Shared<C>>,
+    pub(super) service: S,
+    /// The request of the next attempt, while admitting it.
+    pub(super) next: Option<Req>,
+    /// A copy kept for a retry; `None` once it could not be cloned.
+    pub(super) spare: Option<Req>,
+    pub(super) tenant: TenantId,
+    pub(super) cost: u32,
+    pub(super) retries: u32,
+    /// Pacing dimensions already taken for the next attempt.
+    pub(super) pace_step: usize,
+    /// The probe slot, while this call is the one probing a throttled upstream.
+    pub(super) probe: Option<Probe>,
+    /// The next attempt holds its reservation in the store's shared pacing.
+    pub(super) reserved: bool,
+}
+
+/// What a response means, decided as soon as its head arrives.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Outcome {
+    status: StatusCode,
+    /// How long the server said to wait, for a 429 / 529.
+    server_delay: Option<Duration>,
+    /// How long to close the upstream's gate for.
+    gate: Option<Duration>,
+    /// The delay before the retry, when it is retried.
+    retry: Option<Duration>,
+}
+
+enum Then<B: Body> {
+    Retry(Duration),
+    Return(http::Response<ResponseBody<B>>),
+}
+
+impl<F, S, Req, B: Body, C> ResponseFuture<F, S, Req, B, C> {
+    pub(super) fn missing_job() -> Self {
+        ResponseFuture {
+            state: State::MissingJob,
+            call: None,
+        }
+    }
+
+    pub(super) fn calling(fut: F, call: Call<S, Req, C>) -> Self {
+        ResponseFuture {
+            state: State::Calling { fut },
+            call: Some(call),
+        }
+    }
+
+    pub(super) fn admitting(call: Call<S, Req, C>) -> Self {
+        ResponseFuture {
+            state: State::Admitting {
+                sleep: None,
+                reserve: None,
+            },
+            call: Some(call),
+        }
+    }
+}
+
+fn sleep_for(delay: Duration) -> Option<Pin<Box<Sleep>>> {
+    (!delay.is_zero()).then(|| Box::pin(tokio::time::sleep(delay)))
+}
+
+impl<S, Req, C> Call<S, Req, C> {
+    /// Reads a response head: whether to retry and after how long, and what to tell the gate.
+    fn judge(&self, status: StatusCode, headers: &http::HeaderMap) -> Outcome {
+        let core = &self.shared.core;
+        let policy = &core.policy;
+        // The clock is read only when the head says something about time.
+        let slow_down = matches!(status.as_u16(), 429 | 529);
+        let reset = decide::ratelimit_reset(headers);
+        let wall = (slow_down || reset.is_some()).then(SystemTime::now);
+        // The provider says a limit is exhausted until its reset: slow down before a 429.
+        let limits = reset
+            .zip(wall)
+            .map(|(at, now)| at.duration_since(now).unwrap_or(Duration::ZERO))
+            .filter(|d| !d.is_zero());
+        let server_delay = match wall {
+            Some(now) if slow_down => decide::retry_after(headers, now),
+            _ => None,
+        };
+        // A gate never stays closed longer than the longest sleep this layer allows.
+        let gate = server_delay
+            .filter(|d| !d.is_zero())
+            .or(limits)
+            .map(|d| d.min(policy.max_delay));
+        let retry = match decide::should_retry(status, headers, &policy.retry_on) {
+            Verdict::DontRetry => None,
+            Verdict::Retry { .. } if self.retries >= policy.max_retries => {
+                telemetry::gave_up("max_retries");
+                None
+            }
+            Verdict::Retry { .. } if self.spare.is_none() => {
+                telemetry::gave_up("not_clonable");
+                None
+            }
+            Verdict::Retry { .. } => {
+                let unit = core.unit();
+                let delay = match server_delay.or(limits) {
+                    Some(told) => decide::throttle_delay(told, unit),
+                    None => policy.backoff.delay(self.retries, unit),
+                };
+                if delay > policy.max_delay {
+                    telemetry::gave_up("over_max_delay");
+                    None
+                } else {
+                    Some(delay)
+                }
+            }
+        };
+        Outcome {
+            status,
+            server_delay,
+            gate,
+            retry,
+        }
+    }
+
+    /// Settles an outcome: spends the budget, records the throttle and the gate.
+    fn settle<F, B: Body>(
+        &self,
+        mut outcome: Outcome,
+        response: http::Response<ResponseBody<B>>,
+        spend_limit: bool,
+    ) -> State<F, B> {
+        let core = &self.shared.core;
+        if spend_limit {
+            // Waiting does not lift a spend limit: neither retry nor hold anyone back.
+            telemetry::gave_up("spend_limit");
+            outcome.retry = None;
+            outcome.gate = None;
+        }
+        if outcome.retry.is_some()
+            && let Some(budget) = &core.budget
+            && !budget.withdraw()
+        {
+            telemetry::gave_up("budget");
+            outcome.retry = None;
+        }
+        let status = outcome.status;
+        // At its limit until an answer says otherwise (see `Core::probing`).
+        let at_limit =
+            !spend_limit && (matches!(status.as_u16(), 429 | 529) || outcome.gate.is_some());
+        core.probing
+            .store(at_limit, std::sync::atomic::Ordering::Release);
+        let throttle = (status == StatusCode::TOO_MANY_REQUESTS)
+            .then(|| core.store.record_throttle(&self.tenant));
+        let gate = outcome.gate.map(|delay| {
+            core.note_reopen(delay);
+            core.store.extend_cooldown(&core.policy.upstream, delay)
+        });
+        if matches!(status.as_u16(), 429 | 529) {
+            let delay = outcome.retry.or(outcome.server_delay).unwrap_or_default();
+            tracing::warn!(
+                name: "upstream.throttled",
+                tenant = %self.tenant,
+                status = status.as_u16(),
+                delay_secs = delay.as_secs_f64(),
+                retried = outcome.retry.is_some(),
+                "upstream said to slow down"
+            );
+        }
+        let then = match outcome.retry {
+            Some(delay) => {
+                telemetry::retry(status);
+                Then::Retry(delay)
+            }
+            None => Then::Return(response),
+        };
+        State::Recording {
+            throttle,
+            gate,
+            then: Some(then),
+        }
+    }
+}
+
+impl<F, S, Req, B, C, E> Future for ResponseFuture<F, S, Req, B, C>
+where
+    S: Service<Req, Future = F, Response = http::Response<B>, Error = E>,
+    F: Future<Output = Result<http::Response<B>, E>>,
+    E: Into<BoxError>,
+    B: Body,
+    C: CloneRequest<Req>,
+{
+    type Output = Result<http::Response<ResponseBody<B>>, BoxError>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        loop {
+            let mut this = self.as_mut().project();
+            let Some(call) = this.call.as_mut() else {
+                this.state.set(State::Done);
+                return Poll::Ready(Err(MissingJob.into()));
+            };
+            match this.state.as_mut().project() {
+                StateProj::Admitting { sleep, reserve } => {
+                    if let Some(timer) = sleep.as_mut() {
+                        ready!(timer.as_mut().poll(cx));
+                        *sleep = None;
+                    }
+                    if let Some(reservation) = reserve.as_mut() {
+                        let wait = ready!(Pin::new(reservation).poll(cx));
+                        *reserve = None;
+                        call.reserved = true;
+                        if !wait.is_zero() {
+                            *sleep = sleep_for(wait);
+                            continue;
+                        }
+                    }
+                    let core = &call.shared.core;
+                    if let Some(left) = core.store.cooldown(&core.policy.upstream) {
+                        // Held behind the gate. After it reopens the calls go at random
+                        // points of a window (each worker from its own offset into it), and
+                        // one at a time until an answer shows the upstream has room.
+                        core.probing
+                            .store(true, std::sync::atomic::Ordering::Release);
+                        let wait = core.release_after(left);
+                        telemetry::cooldown_wait(wait);
+                        *sleep = sleep_for(wait.max(Duration::from_millis(1)));
+                        continue;
+                    }
+                    if core.is_probing() && call.probe.is_none() {
+                        // One call at a time, and not before this worker's release after the
+                        // last reopening (retries included, not only the calls held).
+                        let busy = match core.release_in() {
+                            Some(wait) => Some(wait),
+                            None => match core.try_probe() {
+                                Some(probe) => {
+                                    call.probe = Some(probe);
+                                    None
+                                }
+                                // Another call is finding out whether the upstream has room;
+                                // look again a random moment later.
+                                None => Some(
+                                    (core.policy.spread_for(Duration::ZERO) / 4)
+                                        .mul_f64(core.unit()),
+                                ),
+                            },
+                        };
+                        if let Some(wait) = busy {
+                            *sleep = sleep_for(wait.max(Duration::from_millis(1)));
+                            continue;
+                        }
+                    }
+                    if let Some(pacing) = core.shared_pacing()
+                        && !call.reserved
+                    {
+                        let (limits, n) = pacing.limits(call.cost);
+                        *reserve = Some(core.store.pace(&core.policy.upstream, &limits[..n]));
+                        continue;
+                    }
+                    if let Some(pacer) = &core.pacer
+                        && let Some(wait) = pacer.admit(&mut call.pace_step, call.cost)
+                    {
+                        *sleep = sleep_for(wait);
+                        continue;
+                    }
+                    if let Err(e) = ready!(call.service.poll_ready(cx)) {
+                        this.state.set(State::Done);
+                        return Poll::Ready(Err(e.into()));
+                    }
+                    let Some(req) = call.next.take() else {
+                        // Only reachable by polling after completion.
+                        this.state.set(State::Done);
+                        return Poll::Ready(Err(MissingJob.into()));
+                    };
+                    call.pace_step = 0;
+                    call.reserved = false;
+                    let fut = call.service.call(req);
+                    this.state.set(State::Calling { fut });
+                }
+                StateProj::Calling { fut } => {
+                    let response = match ready!(fut.poll(cx)) {
+                        Ok(response) => response,
+                        Err(e) => {
+                            call.probe = None;
+                            this.state.set(State::Done);
+                            return Poll::Ready(Err(e.into()));
+                        }
+                    };
+                    let outcome = call.judge(response.status(), response.headers());
+                    let (head, body) = response.into_parts();
+                    if outcome.retry.is_some() && outcome.status == StatusCode::TOO_MANY_REQUESTS {
+                        // Only a 429 about to be retried is read ahead: it may be the spend
+                        // limit, which must go back to the caller (with every byte).
+                        this.state.set(State::Peeking {
+                            head: Some(head),
+                            peeked: Some(Peeked::new(body)),
+                            outcome,
+                        });
+                    } else {
+                        let response =
+                            http::Response::from_parts(head, ResponseBody::passthrough(body));
+                        this.state.set(call.settle(outcome, response, false));
+                    }
+                }
+                StateProj::Peeking {
+                    head,
+                    peeked,
+                    outcome,
+                } => {
+                    let limit = call.shared.core.policy.peek_limit;
+                    if let Some(body) = peeked.as_mut() {
+                        ready!(body.poll_fill(cx, limit));
+                    }
+                    let (Some(head), Some(body)) = (head.take(), peeked.take()) else {
+                        this.state.set(State::Done);
+                        return Poll::Ready(Err(MissingJob.into()));
+                    };
+                    let spend_limit = decide::is_spend_limit_body(body.bytes());
+                    let response = http::Response::from_parts(head, ResponseBody::replay(body));
+                    let outcome = *outcome;
+                    this.state.set(call.settle(outcome, response, spend_limit));
+                }
+                StateProj::Recording {
+                    throttle,
+                    gate,
+                    then,
+                } => {
+                    if let Some(count) = throttle.as_mut() {
+                        let count = ready!(Pin::new(count).poll(cx));
+                        telemetry::throttle_count(&call.tenant, count);
+                        *throttle = None;
+                    }
+                    if let Some(reopen) = gate.as_mut() {
+                        ready!(Pin::new(reopen).poll(cx));
+                        *gate = None;
+                    }
+                    // The gate and the probing flag now say what this answer taught.
+                    call.probe = None;
+                    match then.take() {
+                        Some(Then::Retry(delay)) => {
+                            call.retries += 1;
+                            call.next = call.spare.take();
+                            call.spare = call
+                                .next
+                                .as_ref()
+                                .and_then(|req| call.shared.cloner.clone_request(req));
+                            this.state.set(State::Admitting {
+                                sleep: sleep_for(delay),
+                                reserve: None,
+                            });
+                        }
+                        Some(Then::Return(response)) => {
+                            this.state.set(State::Done);
+                            return Poll::Ready(Ok(response));
+                        }
+                        None => {
+                            this.state.set(State::Done);
+                            return Poll::Ready(Err(MissingJob.into()));
+                        }
+                    }
+                }
+                StateProj::MissingJob | StateProj::Done => {
+                    this.state.set(State::Done);
+                    return Poll::Ready(Err(MissingJob.into()));
+                }
+            }
+        }
+    }
+}
+
+impl<F, S, Req, B: Body, C> fmt::Debug for ResponseFuture<F, S, Req, B, C> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let state = match &self.state {
+            State::Admitting { .. } => "admitting",
+            State::Calling { .. } => "calling",
+            State::Peeking { .. } => "peeking",
+            State::Recording { .. } => "recording",
+            State::MissingJob => "missing job",
+            State::Done => "done",
+        };
+        let retries = self.call.as_ref().map(|call| call.retries);
+        f.debug_struct("ResponseFuture")
+            .field("state", &state)
+            .field("retries", &retries)
+            .finish()
+    }
+}

@@ -1,0 +1,213 @@
+use std::fmt;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+use tower::retry::budget::TpsBudget;
+use tower_layer::Layer;
+
+use super::pacing::Pacer;
+use super::request::{ByClone, TypeName};
+use super::{BackoffPolicy, RetryAfterBackoff};
+use crate::Store;
+use crate::rng::Rng;
+
+/// Applies [`RetryAfterBackoff`] to a service.
+///
+/// # Clone
+/// Cloning shares everything: the store, the retry budget, the pacing limiters and the
+/// jitter source. Build the layer once per upstream and wrap the one client with it; a
+/// layer built per route would give each route its own budget and pacing.
+pub struct RetryAfterBackoffLayer<C = ByClone> {
+    pub(super) shared: Arc<Shared<C>>,
+}
+
+/// What every service and future of one layer shares.
+pub(super) struct Shared<C> {
+    pub(super) core: Arc<Core>,
+    pub(super) cloner: C,
+}
+
+pub(super) struct Core {
+    pub(super) store: Store,
+    pub(super) policy: BackoffPolicy,
+    pub(super) budget: Option<TpsBudget>,
+    pub(super) pacer: Option<Pacer>,
+    rng: Mutex<Rng>,
+    /// Set while the upstream is known to be at its limit (a throttle, or a limit reported
+    /// exhausted) and no answer since said otherwise: calls then go one at a time (a probe),
+    /// so the calls released when a gate reopens do not all meet an empty bucket.
+    pub(super) probing: AtomicBool,
+    /// The one call in flight while probing: its ticket and when it took the slot. A slot
+    /// older than the release spread is free again, so a slow answer (a long call that is
+    /// not streamed) cannot stop the worker: it then sends one call per spread.
+    probe: Mutex<Option<(u64, Instant)>>,
+    tickets: AtomicU64,
+    /// The gate's last known reopening and this worker's release after it (see
+    /// `note_reopen`).
+    release: Mutex<Option<(Instant, Instant)>>,
+}
+
+/// The probe slot, released when dropped (unless it expired and another call took it).
+pub(super) struct Probe(Arc<Core>, u64);
+
+impl Drop for Probe {
+    fn drop(&mut self) {
+        let mut slot = self.0.probe.lock().unwrap_or_else(|e| e.into_inner());
+        if slot.is_some_and(|(ticket, _)| ticket == self.1) {
+            *slot = None;
+        }
+    }
+}
+
+impl Core {
+    /// A uniform draw in [0, 1) from the layer's seeded source.
+    /// Takes the probe slot if it is free (or its holder has had it longer than the release
+    /// spread).
+    pub(super) fn try_probe(self: &Arc<Self>) -> Option<Probe> {
+        let now = Instant::now();
+        let mut slot = self.probe.lock().unwrap_or_else(|e| e.into_inner());
+        let free = slot.is_none_or(|(_, taken)| {
+            now.saturating_duration_since(taken) >= self.policy.release_spread
+        });
+        if !free {
+            return None;
+        }
+        let ticket = self.tickets.fetch_add(1, Ordering::Relaxed);
+        *slot = Some((ticket, now));
+        Some(Probe(self.clone(), ticket))
+    }
+
+    /// Notes that the gate reopens in `left` and returns when this worker's first call may
+    /// go after it: the reopening plus the worker's own random offset into the release
+    /// window (one draw per reopening, so the workers' first calls are spread out).
+    pub(super) fn note_reopen(&self, left: Duration) -> Instant {
+        let now = Instant::now();
+        let reopen = now + left;
+        let mut release = self.release.lock().unwrap_or_else(|e| e.into_inner());
+        match *release {
+            // The same reopening (give or take a millisecond of clock reading), or an
+            // earlier one than already known: the release stands.
+            Some((known, at)) if reopen <= known + Duration::from_millis(1) => at,
+            _ => {
+                let at = reopen + self.policy.spread_for(left).mul_f64(self.unit());
+                *release = Some((reopen, at));
+                at
+            }
+        }
+    }
+
+    /// How long a call held by a gate reopening in `left` waits: until this worker's release,
+    /// plus a draw of its own over the window.
+    pub(super) fn release_after(&self, left: Duration) -> Duration {
+        let at = self.note_reopen(left);
+        let window = self.policy.spread_for(left);
+        at.saturating_duration_since(Instant::now()) + window.mul_f64(self.unit())
+    }
+
+    /// How long until this worker's release after the last reopening, if it is still ahead.
+    pub(super) fn release_in(&self) -> Option<Duration> {
+        let release = self.release.lock().unwrap_or_else(|e| e.into_inner());
+        let (_, at) = (*release)?;
+        Some(at.saturating_duration_since(Instant::now())).filter(|d| !d.is_zero())
+    }
+
+    /// The pacing that goes through the store, if any.
+    pub(super) fn shared_pacing(&self) -> Option<&super::Pacing> {
+        self.policy
+            .pacing
+            .as_ref()
+            .filter(|pacing| pacing.is_shared())
+    }
+
+    pub(super) fn is_probing(&self) -> bool {
+        self.probing.load(Ordering::Acquire)
+    }
+
+    pub(super) fn unit(&self) -> f64 {
+        self.rng.lock().unwrap_or_else(|e| e.into_inner()).unit()
+    }
+}
+
+impl RetryAfterBackoffLayer {
+    /// A layer retrying by `policy`, recording throttles and the cooldown gate in `store`.
+    /// Requests are cloned with `Clone` for a retry (see
+    /// [`clone_requests_with`](RetryAfterBackoffLayer::clone_requests_with)).
+    pub fn new(store: Store, policy: BackoffPolicy) -> Self {
+        let budget = policy
+            .budget
+            .map(|b| TpsBudget::new(b.ttl, b.min_per_sec, b.retry_percent));
+        let pacer = policy
+            .pacing
+            .as_ref()
+            .filter(|pacing| !pacing.is_shared())
+            .map(Pacer::new);
+        let rng = policy.seed.map_or_else(Rng::from_entropy, Rng::seeded);
+        RetryAfterBackoffLayer {
+            shared: Arc::new(Shared {
+                core: Arc::new(Core {
+                    store,
+                    policy,
+                    budget,
+                    pacer,
+                    rng: Mutex::new(rng),
+                    probing: AtomicBool::new(false),
+                    probe: Mutex::new(None),
+                    tickets: AtomicU64::new(0),
+                    release: Mutex::new(None),
+                }),
+                cloner: ByClone,
+            }),
+        }
+    }
+}
+
+impl<C> RetryAfterBackoffLayer<C> {
+    /// Replaces how requests are copied for a retry (a [`CloneRequest`](super::CloneRequest):
+    /// [`SendOnce`](super::SendOnce), or a closure `Fn(&Req) -> Option<Req>`). Keeps the
+    /// budget and pacing state.
+    pub fn clone_requests_with<C2>(self, cloner: C2) -> RetryAfterBackoffLayer<C2> {
+        RetryAfterBackoffLayer {
+            shared: Arc::new(Shared {
+                core: self.shared.core.clone(),
+                cloner,
+            }),
+        }
+    }
+
+    /// The policy.
+    pub fn policy(&self) -> &BackoffPolicy {
+        &self.shared.core.policy
+    }
+}
+
+impl<C> Clone for RetryAfterBackoffLayer<C> {
+    fn clone(&self) -> Self {
+        RetryAfterBackoffLayer {
+            shared: self.shared.clone(),
+        }
+    }
+}
+
+impl<C> fmt::Debug for RetryAfterBackoffLayer<C> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RetryAfterBackoffLayer")
+            .field("store", &self.shared.core.store)
+            .field("policy", &self.shared.core.policy)
+            .field("cloner", &TypeName::<C>::new())
+            .finish()
+    }
+}
+
+impl<S, C> Layer<S> for RetryAfterBackoffLayer<C> {
+    type Service = RetryAfterBackoff<S, C>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        RetryAfterBackoff {
+            inner,
+            shared: self.shared.clone(),
+        }
+    }
+}

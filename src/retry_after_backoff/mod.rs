@@ -1,0 +1,101 @@
+//! 429 hygiene: retry when the server says "try later", by its word, with jitter and a
+//! budget; attribute every throttle to its tenant; hold every worker's calls behind one
+//! cooldown gate per upstream; optionally pace calls under the provider's limits.
+//!
+//! [`RetryAfterBackoff`] wraps the client that calls the provider (the innermost layer):
+//!
+//! - **What is retried**: 429 and 529 by default (a [`StatusSet`]; e.g. add 408, 409, 5xx),
+//!   unless the response says `x-should-retry: false` (`true` forces a retry). A 429 whose
+//!   body carries `"error_code":"enforced_spend_limit_reached"` is never retried: waiting
+//!   does not lift a spend cap. At most 4 retries, and a retry budget (tower's `TpsBudget`:
+//!   20% of calls plus 10 a second) so retries cannot multiply the load in a storm — tower
+//!   explains why budgets beat a bare retry count; this layer keeps both.
+//! - **How long to wait**: the server's delay (`retry-after-ms`, else `retry-after` in
+//!   seconds or as an HTTP date; see [`decide::retry_after`]) x 1.2 +/- 20%; with none, the
+//!   SDKs' jittered exponential backoff (0.5 s doubling up to 8 s, minus up to 25%). A delay
+//!   over the policy's maximum (60 s) is not slept: the response goes back at once, so the
+//!   caller can decide. Never panics on any header.
+//! - **Who is told**: every 429 counts against the request's tenant in the store's sliding
+//!   window ([`Store::record_throttle`](crate::Store::record_throttle)), which is what
+//!   demotes a runaway tenant in [`PriorityClassify`](crate::PriorityClassify); and the
+//!   server's delay closes the upstream's **cooldown gate**
+//!   ([`Store::extend_cooldown`](crate::Store::extend_cooldown)): every worker on the store
+//!   holds new calls to that upstream until it reopens. Then they do not all go at once:
+//!   each worker starts at its own random point of a release window (a fifth of the wait,
+//!   at least 1 s), each held call adds a draw of its own, and while the upstream is known
+//!   to be at its limit a worker sends one call at a time (a probe, like a circuit breaker
+//!   half-open) until an answer shows room again. A later, longer
+//!   delay extends the gate, a shorter one never shortens it; checking it is a local read
+//!   (pub/sub keeps each worker's copy current on Redis). A response reporting an exhausted
+//!   limit (`anthropic-ratelimit-*-remaining: 0` with its `-reset`) closes the gate until
+//!   the reset, before any 429.
+//! - **Pacing** ([`Pacing`], optional): GCRA limits on requests, input tokens and output
+//!   tokens per minute, before any 429 — per layer in process (`governor`), or
+//!   [shared](Pacing::shared) by every worker through the store (one GCRA script on Redis
+//!   that reserves all dimensions at once, server time).
+//!
+//! Requests are copied for a retry with `Clone` by default ([`CloneRequest`]: [`SendOnce`]
+//! or a closure for other types); a request that cannot be copied is sent once. Responses
+//! must be `http::Response<B>` (any `http_body::Body`): the layer returns them with a
+//! [`ResponseBody`], which is the upstream body untouched except for a retryable 429, whose
+//! first 64 KiB are read ahead to look for the spend-limit code and then replayed — the
+//! caller gets every byte. A request without a [`Job`](crate::Job) fails with
+//! [`MissingJob`](crate::MissingJob).
+//!
+//! ```
+//! use fairgate::{Job, Origin, RetryAfterBackoffLayer, Store};
+//! use fairgate::retry_after_backoff::BackoffPolicy;
+//! use std::sync::atomic::{AtomicU32, Ordering};
+//! use std::sync::Arc;
+//! use tower::{ServiceBuilder, ServiceExt, service_fn};
+//!
+//! # #[tokio::main(flavor = "current_thread", start_paused = true)]
+//! # async fn main() -> Result<(), fairgate::BoxError> {
+//! let store = Store::memory();
+//! let attempts = Arc::new(AtomicU32::new(0));
+//! let seen = attempts.clone();
+//! // An upstream that says "slow down, come back in 2 s" once, then answers.
+//! let upstream = service_fn(move |_req: http::Request<String>| {
+//!     let n = seen.fetch_add(1, Ordering::SeqCst);
+//!     async move {
+//!         let response = if n == 0 {
+//!             http::Response::builder().status(429).header("retry-after", "2").body(String::new())?
+//!         } else {
+//!             http::Response::new("hello".to_owned())
+//!         };
+//!         Ok::<_, http::Error>(response)
+//!     }
+//! });
+//! let claude = ServiceBuilder::new()
+//!     .layer(RetryAfterBackoffLayer::new(store.clone(), BackoffPolicy::default()))
+//!     .service(upstream);
+//!
+//! let mut req = http::Request::new("{}".to_owned());
+//! req.extensions_mut().insert(Job::new("tenant-42", Origin::UserAction));
+//! let response = claude.oneshot(req).await?;
+//! assert_eq!(response.status(), 200);
+//! assert_eq!(attempts.load(Ordering::SeqCst), 2);
+//! // The 429 counted against the tenant (this feeds demotion).
+//! assert_eq!(store.throttle_count(&"tenant-42".into()).await, 1);
+//! # Ok(())
+//! # }
+//! ```
+
+mod body;
+pub mod decide;
+pub mod future;
+mod layer;
+pub mod metrics;
+mod pacing;
+mod policy;
+mod request;
+mod service;
+mod telemetry;
+
+pub use self::body::ResponseBody;
+pub use self::decide::{Backoff, StatusSet};
+pub use self::layer::RetryAfterBackoffLayer;
+pub use self::pacing::Pacing;
+pub use self::policy::{BackoffPolicy, BackoffPolicyBuilder};
+pub use self::request::{ByClone, CloneRequest, SendOnce};
+pub use self::service::RetryAfterBackoff;

@@ -1,0 +1,326 @@
+//! Proactive pacing under provider limits, in process: GCRA through `governor`, on tokio's
+//! clock (so paused-time tests drive it).
+//!
+//! Each configured dimension (requests, input tokens, output tokens per minute) is one GCRA
+//! limiter. A call takes its cells from the dimensions in order and keeps what it took while
+//! it waits for the next one, so nothing is charged twice and no cell is lost.
+
+use std::num::NonZeroU32;
+use std::ops::Add;
+use std::time::Duration;
+
+use governor::clock::{Clock, Reference};
+use governor::middleware::NoOpMiddleware;
+use governor::nanos::Nanos;
+use governor::state::{InMemoryState, NotKeyed};
+use governor::{Quota, RateLimiter};
+
+use crate::error::ConfigError;
+use crate::store::PaceLimit;
+
+/// Limits to stay under before any 429: requests, input tokens and output tokens per minute.
+///
+/// Requests go out evenly (GCRA with a burst of 1 by default, so no rolling minute ever sees
+/// more than the limit); token dimensions allow a burst of their whole per-minute limit, as
+/// the provider's own token buckets do. Output tokens are not known before a call: each call
+/// is charged [`expected_output_tokens`](Pacing::expected_output_tokens).
+///
+/// The pacing is per layer (per process). For several workers, give each its share of the
+/// provider's limits.
+///
+/// ```
+/// use fairgate::retry_after_backoff::Pacing;
+///
+/// // The reference's tier: 50 RPM, 40,000 ITPM, 8,000 OTPM.
+/// let pacing = Pacing::reference();
+/// assert_eq!(pacing.requests_per_minute_limit(), Some(50));
+/// let mine = Pacing::new().requests_per_minute(50);
+/// assert_eq!(mine.input_tokens_per_minute_limit(), None);
+/// ```
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Pacing {
+    requests_per_minute: Option<u32>,
+    input_tokens_per_minute: Option<u32>,
+    output_tokens_per_minute: Option<u32>,
+    request_burst: u32,
+    expected_output_tokens: u32,
+    shared: bool,
+}
+
+impl Pacing {
+    /// No limit yet; add them with the setters.
+    pub fn new() -> Self {
+        Pacing {
+            request_burst: 1,
+            expected_output_tokens: 1,
+            ..Pacing::default()
+        }
+    }
+
+    /// The reference's tier: 50 requests, 40,000 input tokens and 8,000 output tokens per
+    /// minute.
+    pub fn reference() -> Self {
+        Pacing::new()
+            .requests_per_minute(50)
+            .input_tokens_per_minute(40_000)
+            .output_tokens_per_minute(8_000)
+    }
+
+    /// At most `n` requests per minute (at least 1).
+    pub fn requests_per_minute(mut self, n: u32) -> Self {
+        self.requests_per_minute = Some(n);
+        self
+    }
+
+    /// At most `n` estimated input tokens ([`Job::estimated_tokens`](crate::Job::estimated_tokens))
+    /// per minute (at least 1).
+    pub fn input_tokens_per_minute(mut self, n: u32) -> Self {
+        self.input_tokens_per_minute = Some(n);
+        self
+    }
+
+    /// At most `n` output tokens per minute (at least 1), each call charged
+    /// [`expected_output_tokens`](Pacing::expected_output_tokens).
+    pub fn output_tokens_per_minute(mut self, n: u32) -> Self {
+        self.output_tokens_per_minute = Some(n);
+        self
+    }
+
+    /// How many requests may go back to back before the even pace applies (default 1; at
+    /// least 1). More than 1 lets a rolling minute see up to `limit + burst - 1` requests.
+    pub fn request_burst(mut self, n: u32) -> Self {
+        self.request_burst = n;
+        self
+    }
+
+    /// Output tokens charged per call when output tokens are paced (default 1; at least 1).
+    pub fn expected_output_tokens(mut self, n: u32) -> Self {
+        self.expected_output_tokens = n;
+        self
+    }
+
+    /// Paces through the [`Store`](crate::Store) ([`Store::pace`](crate::Store::pace)), so
+    /// every layer and worker on the store shares the limits: one GCRA script on Redis
+    /// (server time), reserving all dimensions at once. Default: each layer paces alone, in
+    /// process (`governor`), and the limits are that layer's.
+    pub fn shared(mut self) -> Self {
+        self.shared = true;
+        self
+    }
+
+    /// Whether the pacing goes through the store.
+    pub fn is_shared(&self) -> bool {
+        self.shared
+    }
+
+    /// The store-side limits of a call with `input_tokens` (`PaceLimit`s, in the order
+    /// requests, input tokens, output tokens; only those configured).
+    pub(crate) fn limits(&self, input_tokens: u32) -> ([PaceLimit; 3], usize) {
+        let mut out = [PaceLimit {
+            per_minute: 1,
+            burst: 1,
+            cells: 1,
+        }; 3];
+        let mut n = 0;
+        let dims = [
+            (self.requests_per_minute, self.request_burst, 1),
+            (self.input_tokens_per_minute, 0, input_tokens),
+            (
+                self.output_tokens_per_minute,
+                0,
+                self.expected_output_tokens,
+            ),
+        ];
+        for (limit, burst, cells) in dims {
+            if let Some(per_minute) = limit {
+                // Token dimensions burst their whole minute, as the provider's buckets do.
+                let burst = if burst == 0 { per_minute } else { burst };
+                out[n] = PaceLimit {
+                    per_minute,
+                    burst,
+                    cells,
+                };
+                n += 1;
+            }
+        }
+        (out, n)
+    }
+
+    /// The request limit, if set.
+    pub fn requests_per_minute_limit(&self) -> Option<u32> {
+        self.requests_per_minute
+    }
+
+    /// The input-token limit, if set.
+    pub fn input_tokens_per_minute_limit(&self) -> Option<u32> {
+        self.input_tokens_per_minute
+    }
+
+    /// The output-token limit, if set.
+    pub fn output_tokens_per_minute_limit(&self) -> Option<u32> {
+        self.output_tokens_per_minute
+    }
+
+    pub(crate) fn validate(&self) -> Result<(), ConfigError> {
+        for (name, value) in [
+            ("requests per minute", self.requests_per_minute),
+            ("input tokens per minute", self.input_tokens_per_minute),
+            ("output tokens per minute", self.output_tokens_per_minute),
+            ("request burst", Some(self.request_burst)),
+            ("expected output tokens", Some(self.expected_output_tokens)),
+        ] {
+            if value == Some(0) {
+                return Err(ConfigError::new(format!(
+                    "pacing {name} must be at least 1"
+                )));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// tokio's clock for governor (paused time moves it).
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct TokioClock;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub(crate) struct TokioInstant(tokio::time::Instant);
+
+impl Add<Nanos> for TokioInstant {
+    type Output = TokioInstant;
+
+    fn add(self, other: Nanos) -> TokioInstant {
+        TokioInstant(self.0 + Duration::from(other))
+    }
+}
+
+impl Reference for TokioInstant {
+    fn duration_since(&self, earlier: Self) -> Nanos {
+        self.0.saturating_duration_since(earlier.0).into()
+    }
+
+    fn saturating_sub(&self, duration: Nanos) -> Self {
+        self.0
+            .checked_sub(duration.into())
+            .map_or(*self, TokioInstant)
+    }
+}
+
+impl Clock for TokioClock {
+    type Instant = TokioInstant;
+
+    fn now(&self) -> TokioInstant {
+        TokioInstant(tokio::time::Instant::now())
+    }
+}
+
+type Limiter = RateLimiter<NotKeyed, InMemoryState, TokioClock, NoOpMiddleware<TokioInstant>>;
+
+#[derive(Clone, Copy, Debug)]
+enum Dimension {
+    Requests,
+    InputTokens,
+    OutputTokens,
+}
+
+/// The running limiters of one layer.
+pub(crate) struct Pacer {
+    limiters: Vec<(Dimension, Limiter, u32)>,
+    expected_output_tokens: u32,
+}
+
+impl std::fmt::Debug for Pacer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let dims: Vec<_> = self.limiters.iter().map(|(d, _, _)| d).collect();
+        f.debug_struct("Pacer").field("dimensions", &dims).finish()
+    }
+}
+
+fn per_minute(n: u32, burst: u32) -> (Quota, u32) {
+    let rate = NonZeroU32::new(n).unwrap_or(NonZeroU32::MIN);
+    let burst = NonZeroU32::new(burst).unwrap_or(NonZeroU32::MIN);
+    (Quota::per_minute(rate).allow_burst(burst), burst.get())
+}
+
+impl Pacer {
+    pub(crate) fn new(pacing: &Pacing) -> Self {
+        let mut limiters = Vec::new();
+        let mut add = |dim, (quota, burst)| {
+            limiters.push((dim, Limiter::direct_with_clock(quota, TokioClock), burst));
+        };
+        if let Some(n) = pacing.requests_per_minute {
+            add(Dimension::Requests, per_minute(n, pacing.request_burst));
+        }
+        if let Some(n) = pacing.input_tokens_per_minute {
+            add(Dimension::InputTokens, per_minute(n, n));
+        }
+        if let Some(n) = pacing.output_tokens_per_minute {
+            add(Dimension::OutputTokens, per_minute(n, n));
+        }
+        Pacer {
+            limiters,
+            expected_output_tokens: pacing.expected_output_tokens,
+        }
+    }
+
+    /// Takes the cells of a call with `input_tokens` from dimension `*step` on; `None` once
+    /// all are taken, else how long to wait before trying dimension `*step` again.
+    pub(crate) fn admit(&self, step: &mut usize, input_tokens: u32) -> Option<Duration> {
+        while let Some((dim, limiter, burst)) = self.limiters.get(*step) {
+            let cells = match dim {
+                Dimension::Requests => 1,
+                Dimension::InputTokens => input_tokens,
+                Dimension::OutputTokens => self.expected_output_tokens,
+            };
+            // A call larger than the whole burst could never pass: it takes the full burst.
+            let cells = NonZeroU32::new(cells.min(*burst)).unwrap_or(NonZeroU32::MIN);
+            match limiter.check_n(cells) {
+                Ok(Ok(())) => *step += 1,
+                Ok(Err(not_until)) => {
+                    let wait = not_until.wait_time_from(TokioClock.now());
+                    // Never a zero wait: that would spin.
+                    return Some(wait.max(Duration::from_millis(1)));
+                }
+                Err(_) => *step += 1,
+            }
+        }
+        None
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test(start_paused = true)]
+    async fn requests_go_out_evenly_and_tokens_in_bursts() {
+        let pacer = Pacer::new(&Pacing::new().requests_per_minute(60));
+        let mut step = 0;
+        assert_eq!(pacer.admit(&mut step, 1), None);
+        let mut step = 0;
+        let wait = pacer.admit(&mut step, 1).expect("second request waits");
+        assert_eq!(wait, Duration::from_secs(1));
+        tokio::time::advance(wait).await;
+        assert_eq!(pacer.admit(&mut step, 1), None);
+
+        let tokens = Pacer::new(&Pacing::new().input_tokens_per_minute(1_000));
+        let mut step = 0;
+        assert_eq!(tokens.admit(&mut step, 600), None);
+        let mut step = 0;
+        assert!(
+            tokens.admit(&mut step, 600).is_some(),
+            "over the minute's tokens"
+        );
+        // A call larger than the whole minute still goes, taking all of it.
+        tokio::time::advance(Duration::from_secs(60)).await;
+        let mut step = 0;
+        assert_eq!(tokens.admit(&mut step, 5_000), None);
+    }
+
+    #[test]
+    fn zero_limits_are_refused() {
+        assert!(Pacing::new().requests_per_minute(0).validate().is_err());
+        assert!(Pacing::new().request_burst(0).validate().is_err());
+        assert!(Pacing::reference().validate().is_ok());
+    }
+}

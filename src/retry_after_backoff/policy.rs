@@ -1,0 +1,257 @@
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::decide::{Backoff, StatusSet};
+use super::pacing::Pacing;
+use crate::error::ConfigError;
+
+/// What [`RetryAfterBackoff`](super::RetryAfterBackoff) retries, how long it waits, and what
+/// it shares.
+///
+/// Defaults (from the reference and the official SDKs): retry 429 and 529; at most 4
+/// retries; wait `retry-after` x 1.2 +/- 20%, else 0.5 s doubling up to 8 s minus up to 25%;
+/// never sleep more than 60 s (a longer delay returns the response at once); a retry budget
+/// of 20% of calls plus 10 retries a second over a 10 s window (tower's `TpsBudget`); held
+/// calls released over a window of at least 1 s (or a fifth of the remaining cooldown, if
+/// longer);
+/// upstream name `"default"`; no pacing; a random seed.
+///
+/// ```
+/// use fairgate::retry_after_backoff::{BackoffPolicy, Pacing, StatusSet};
+/// use http::StatusCode;
+/// use std::time::Duration;
+///
+/// let policy = BackoffPolicy::builder()
+///     .retry_on(StatusSet::default().with(StatusCode::SERVICE_UNAVAILABLE))
+///     .max_retries(3)
+///     .max_delay(Duration::from_secs(30))
+///     .upstream("api.anthropic.com")
+///     .pacing(Pacing::reference())
+///     .build()?;
+/// assert_eq!(policy.max_retries(), 3);
+/// assert!(BackoffPolicy::builder().max_delay(Duration::ZERO).build().is_err());
+/// # Ok::<(), fairgate::ConfigError>(())
+/// ```
+#[derive(Clone, Debug, PartialEq)]
+pub struct BackoffPolicy {
+    pub(super) retry_on: StatusSet,
+    pub(super) max_retries: u32,
+    pub(super) max_delay: Duration,
+    pub(super) backoff: Backoff,
+    pub(super) budget: Option<RetryBudget>,
+    pub(super) release_spread: Duration,
+    pub(super) upstream: Arc<str>,
+    pub(super) pacing: Option<Pacing>,
+    pub(super) seed: Option<u64>,
+    pub(super) peek_limit: usize,
+}
+
+/// The retry budget's settings, as tower's `TpsBudget` takes them.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(super) struct RetryBudget {
+    pub(super) ttl: Duration,
+    pub(super) min_per_sec: u32,
+    pub(super) retry_percent: f32,
+}
+
+impl Default for BackoffPolicy {
+    fn default() -> Self {
+        BackoffPolicy {
+            retry_on: StatusSet::default(),
+            max_retries: 4,
+            max_delay: Duration::from_secs(60),
+            backoff: Backoff::default(),
+            budget: Some(RetryBudget {
+                ttl: Duration::from_secs(10),
+                min_per_sec: 10,
+                retry_percent: 0.2,
+            }),
+            release_spread: Duration::from_secs(1),
+            upstream: Arc::from("default"),
+            pacing: None,
+            seed: None,
+            peek_limit: 64 * 1024,
+        }
+    }
+}
+
+impl BackoffPolicy {
+    /// Starts from the defaults.
+    pub fn builder() -> BackoffPolicyBuilder {
+        BackoffPolicyBuilder {
+            policy: BackoffPolicy::default(),
+        }
+    }
+
+    /// The statuses retried.
+    pub fn retry_on(&self) -> StatusSet {
+        self.retry_on
+    }
+
+    /// Retries after the first attempt, at most.
+    pub fn max_retries(&self) -> u32 {
+        self.max_retries
+    }
+
+    /// The longest delay slept; a longer one returns the response at once.
+    pub fn max_delay(&self) -> Duration {
+        self.max_delay
+    }
+
+    /// The backoff used when the server named no delay.
+    pub fn backoff(&self) -> Backoff {
+        self.backoff
+    }
+
+    /// The name of the upstream whose cooldown gate this layer shares.
+    pub fn upstream(&self) -> &str {
+        &self.upstream
+    }
+
+    /// The pacing, if any.
+    pub fn pacing(&self) -> Option<&Pacing> {
+        self.pacing.as_ref()
+    }
+
+    /// The release window after a reopening `left` away: `max(release_spread, left / 5)`.
+    pub(super) fn spread_for(&self, left: Duration) -> Duration {
+        self.release_spread.max(left / 5)
+    }
+}
+
+/// Builds a [`BackoffPolicy`]; [`build`](BackoffPolicyBuilder::build) refuses bad values.
+#[derive(Clone, Debug)]
+pub struct BackoffPolicyBuilder {
+    policy: BackoffPolicy,
+}
+
+impl BackoffPolicyBuilder {
+    /// The statuses to retry (default 429 and 529; see [`StatusSet::sdk`] for what the
+    /// official SDKs retry). `x-should-retry` overrides it either way.
+    pub fn retry_on(mut self, statuses: StatusSet) -> Self {
+        self.policy.retry_on = statuses;
+        self
+    }
+
+    /// Retries after the first attempt, at most (default 4; at most 100).
+    pub fn max_retries(mut self, retries: u32) -> Self {
+        self.policy.max_retries = retries;
+        self
+    }
+
+    /// The longest delay the layer sleeps before a retry (default 60 s; at least 1 ms). A
+    /// longer delay (say `retry-after: 3600`) returns the response to the caller at once.
+    pub fn max_delay(mut self, delay: Duration) -> Self {
+        self.policy.max_delay = delay;
+        self
+    }
+
+    /// The backoff when the server named no delay: `min(initial x 2^n, max)` minus up to
+    /// 25% (default 0.5 s and 8 s; initial at least 1 ms, max at least initial).
+    pub fn backoff(mut self, initial: Duration, max: Duration) -> Self {
+        self.policy.backoff = Backoff { initial, max };
+        self
+    }
+
+    /// The retry budget (tower's `TpsBudget`): retries allowed are `retry_percent` of the
+    /// calls seen over `ttl`, plus `min_per_sec` a second. `ttl` between 1 and 60 s,
+    /// `retry_percent` between 0 and 1000.
+    pub fn retry_budget(mut self, ttl: Duration, min_per_sec: u32, retry_percent: f32) -> Self {
+        self.policy.budget = Some(RetryBudget {
+            ttl,
+            min_per_sec,
+            retry_percent,
+        });
+        self
+    }
+
+    /// No retry budget: only `max_retries` bounds the retries.
+    pub fn no_retry_budget(mut self) -> Self {
+        self.policy.budget = None;
+        self
+    }
+
+    /// The least width of the window over which calls held by a closed gate are released
+    /// after it reopens (default 1 s; the window is a fifth of the remaining cooldown when
+    /// that is longer). Each worker starts at a random point of the window and each call
+    /// adds a draw of its own, so the last call goes at most two windows after the
+    /// reopening.
+    pub fn release_spread(mut self, spread: Duration) -> Self {
+        self.policy.release_spread = spread;
+        self
+    }
+
+    /// The upstream's name in the shared cooldown gate (default `"default"`). Layers in front
+    /// of different upstreams (hosts, API keys, models with their own limits) that share one
+    /// store need different names.
+    pub fn upstream(mut self, name: impl AsRef<str>) -> Self {
+        self.policy.upstream = Arc::from(name.as_ref());
+        self
+    }
+
+    /// Proactive pacing under provider limits (default none).
+    pub fn pacing(mut self, pacing: Pacing) -> Self {
+        self.policy.pacing = Some(pacing);
+        self
+    }
+
+    /// Seeds the jitter (default: from the clock), so a test is deterministic.
+    pub fn seed(mut self, seed: u64) -> Self {
+        self.policy.seed = Some(seed);
+        self
+    }
+
+    /// How many bytes of a 429's body are read to look for the spend-limit error code
+    /// (default 64 KiB; at least 64).
+    pub fn peek_limit(mut self, bytes: usize) -> Self {
+        self.policy.peek_limit = bytes;
+        self
+    }
+
+    /// The policy, or what is wrong with it.
+    ///
+    /// # Errors
+    /// More than 100 retries, a zero maximum delay, a backoff that starts at 0 or whose
+    /// maximum is below its start, a budget out of tower's ranges, a zero pacing limit or a
+    /// peek limit under 64 bytes.
+    pub fn build(self) -> Result<BackoffPolicy, ConfigError> {
+        let policy = self.policy;
+        if policy.max_retries > 100 {
+            return Err(ConfigError::new("max retries must be at most 100"));
+        }
+        if policy.max_delay < Duration::from_millis(1) {
+            return Err(ConfigError::new("max delay must be at least 1 ms"));
+        }
+        if policy.backoff.initial < Duration::from_millis(1)
+            || policy.backoff.max < policy.backoff.initial
+        {
+            return Err(ConfigError::new(
+                "backoff must start at 1 ms or more and its maximum must not be below its start",
+            ));
+        }
+        if let Some(budget) = policy.budget {
+            if !(Duration::from_secs(1)..=Duration::from_secs(60)).contains(&budget.ttl) {
+                return Err(ConfigError::new(
+                    "retry budget ttl must be between 1 s and 60 s",
+                ));
+            }
+            if !(0.0..=1000.0).contains(&budget.retry_percent) {
+                return Err(ConfigError::new(
+                    "retry budget percent must be between 0 and 1000",
+                ));
+            }
+            if budget.min_per_sec >= i32::MAX as u32 {
+                return Err(ConfigError::new(
+                    "retry budget min per second must be below 2^31 - 1",
+                ));
+            }
+        }
+        if let Some(pacing) = &policy.pacing {
+            pacing.validate()?;
+        }
+        if policy.peek_limit < 64 {
+            return Err(ConfigError::new("peek limit must be at least 64 bytes"));
+        }
+        Ok(policy)
+    }
+}

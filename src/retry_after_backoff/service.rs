@@ -1,0 +1,120 @@
+use std::fmt;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use http_body::Body;
+use tower::retry::budget::Budget;
+use tower_service::Service;
+
+use super::body::ResponseBody;
+use super::future::{Call, ResponseFuture};
+use super::layer::Shared;
+use super::request::{ByClone, CloneRequest, TypeName};
+use crate::JobRequest;
+use crate::error::BoxError;
+
+/// Retries "try later" answers by the server's word, records throttles, and holds calls
+/// behind the upstream's shared cooldown gate; see the
+/// [module docs](crate::retry_after_backoff).
+pub struct RetryAfterBackoff<S, C = ByClone> {
+    pub(super) inner: S,
+    pub(super) shared: Arc<Shared<C>>,
+}
+
+impl<S, C> RetryAfterBackoff<S, C> {
+    /// The wrapped service.
+    pub fn get_ref(&self) -> &S {
+        &self.inner
+    }
+
+    /// The wrapped service, mutably.
+    pub fn get_mut(&mut self) -> &mut S {
+        &mut self.inner
+    }
+
+    /// Unwraps the inner service.
+    pub fn into_inner(self) -> S {
+        self.inner
+    }
+}
+
+impl<S: Clone, C> Clone for RetryAfterBackoff<S, C> {
+    fn clone(&self) -> Self {
+        RetryAfterBackoff {
+            inner: self.inner.clone(),
+            shared: self.shared.clone(),
+        }
+    }
+}
+
+impl<S: fmt::Debug, C> fmt::Debug for RetryAfterBackoff<S, C> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RetryAfterBackoff")
+            .field("inner", &self.inner)
+            .field("policy", &self.shared.core.policy)
+            .field("cloner", &TypeName::<C>::new())
+            .finish()
+    }
+}
+
+impl<S, C, Req, B> Service<Req> for RetryAfterBackoff<S, C>
+where
+    S: Service<Req, Response = http::Response<B>> + Clone,
+    S::Error: Into<BoxError>,
+    B: Body,
+    Req: JobRequest,
+    C: CloneRequest<Req>,
+{
+    type Response = http::Response<ResponseBody<B>>;
+    type Error = BoxError;
+    type Future = ResponseFuture<S::Future, S, Req, B, C>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx).map_err(Into::into)
+    }
+
+    fn call(&mut self, req: Req) -> Self::Future {
+        let Some(job) = req.job() else {
+            return ResponseFuture::missing_job();
+        };
+        let tenant = job.tenant().clone();
+        let cost = job.estimated_tokens();
+        let shared = self.shared.clone();
+        let core = &shared.core;
+        if let Some(budget) = &core.budget {
+            budget.deposit();
+        }
+        let spare = shared.cloner.clone_request(&req);
+        let mut pace_step = 0;
+        // Fast path: the gate is open (a local read) and pacing lets the call go now.
+        let go_now = !core.is_probing()
+            && core.shared_pacing().is_none()
+            && core.store.cooldown(&core.policy.upstream).is_none()
+            && core
+                .pacer
+                .as_ref()
+                .is_none_or(|pacer| pacer.admit(&mut pace_step, cost).is_none());
+        // The future keeps a clone for retries; the ready one is used now, or stays here
+        // (still ready) when the call must wait.
+        let service = self.inner.clone();
+        let mut call = Call {
+            shared,
+            service,
+            next: None,
+            spare,
+            tenant,
+            cost,
+            retries: 0,
+            pace_step,
+            probe: None,
+            reserved: false,
+        };
+        if go_now {
+            call.pace_step = 0;
+            ResponseFuture::calling(self.inner.call(req), call)
+        } else {
+            call.next = Some(req);
+            ResponseFuture::admitting(call)
+        }
+    }
+}
