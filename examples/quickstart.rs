@@ -5,11 +5,13 @@
 //! in tokio's paused time, so the minutes of simulated upstream calls take no wall time.
 
 use std::convert::Infallible;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use fairgate::{
-    BoxError, Busy, DrrFairnessLayer, Job, Origin, PriorityClassifyLayer, SlotPolicy, Store,
-    TenantId, TierSlotLimitLayer,
+    BackoffPolicy, BoxError, Busy, DrrFairnessLayer, Job, Origin, PriorityClassifyLayer,
+    RetryAfterBackoffLayer, SlotPolicy, Store, TenantId, TierSlotLimitLayer,
 };
 use tower::util::BoxCloneService;
 use tower::{ServiceBuilder, ServiceExt, service_fn};
@@ -28,14 +30,37 @@ async fn main() -> Result<(), BoxError> {
         .layer(PriorityClassifyLayer::new(store.clone())) // who goes first
         .layer(DrrFairnessLayer::new(store.clone(), 32)) // fair order, 32 in flight here
         .layer(TierSlotLimitLayer::new(store.clone(), slots)) // global + per-tier caps
+        .layer(RetryAfterBackoffLayer::new(
+            store.clone(),
+            BackoffPolicy::default(),
+        )) // 429 hygiene
         // Stand-in for the HTTP client that calls https://api.anthropic.com/v1/messages:
-        // it answers with the job it saw, in the response's extensions.
-        .service(service_fn(|req: http::Request<String>| async move {
-            let mut response = http::Response::new(());
-            if let Some(job) = req.extensions().get::<Job>() {
-                response.extensions_mut().insert(job.clone());
+        // it answers with the job it saw, in the response's extensions; tenant "umbrella"'s
+        // first call is refused with a 429 and `retry-after: 2`.
+        .service(service_fn({
+            let refused = Arc::new(AtomicBool::new(false));
+            move |req: http::Request<String>| {
+                let refused = refused.clone();
+                async move {
+                    let job = req.extensions().get::<Job>().cloned();
+                    let umbrella = job
+                        .as_ref()
+                        .is_some_and(|j| j.tenant().as_str() == "umbrella");
+                    if umbrella && !refused.swap(true, Ordering::SeqCst) {
+                        let response = http::Response::builder()
+                            .status(429)
+                            .header("retry-after", "2")
+                            .body(String::new())
+                            .expect("a valid response");
+                        return Ok::<_, Infallible>(response);
+                    }
+                    let mut response = http::Response::new("{\"content\":[]}".to_owned());
+                    if let Some(job) = job {
+                        response.extensions_mut().insert(job);
+                    }
+                    Ok(response)
+                }
             }
-            Ok::<_, Infallible>(response)
         }));
 
     println!("1. Priority is decided centrally, from origin and SLA:");
@@ -102,7 +127,19 @@ async fn main() -> Result<(), BoxError> {
         println!("initech is demoted to batch for {} s more", left.as_secs());
     }
 
-    println!("\n4. Tenant A queues 100 chats, tenant B sends one; 4 calls in flight, 1.5 s each:");
+    println!("\n4. A 429 with retry-after: 2 s is retried after 2 s x 1.2 +/- 20%, not at once:");
+    let started = tokio::time::Instant::now();
+    drop(
+        send(
+            &claude,
+            "chat message",
+            Job::new("umbrella", Origin::UserAction).tier("pro"),
+        )
+        .await?,
+    );
+    println!("   answered after {:.2} s", started.elapsed().as_secs_f64());
+
+    println!("\n5. Tenant A queues 100 chats, tenant B sends one; 4 calls in flight, 1.5 s each:");
     let fifo = ServiceBuilder::new()
         .layer(PriorityClassifyLayer::new(Store::memory()))
         .concurrency_limit(4)

@@ -24,21 +24,32 @@
 //! Redis (feature `redis`) when many processes share one budget.
 //!
 //! ```
-//! use fairgate::{Job, Origin, Priority, PriorityClassifyLayer, Store};
+//! use fairgate::{
+//!     BackoffPolicy, DrrFairnessLayer, Job, Origin, PriorityClassifyLayer,
+//!     RetryAfterBackoffLayer, SlotPolicy, Store, TierSlotLimitLayer,
+//! };
 //! use tower::{ServiceBuilder, ServiceExt, service_fn};
 //!
 //! # #[tokio::main(flavor = "current_thread")]
 //! # async fn main() -> Result<(), fairgate::BoxError> {
-//! let store = Store::memory(); // or Store::redis("redis://127.0.0.1/").await? with feature "redis"
-//! let claude = ServiceBuilder::new()
-//!     .layer(PriorityClassifyLayer::new(store.clone()))
-//!     .service(service_fn(|req: http::Request<String>| async move {
-//!         Ok::<_, std::convert::Infallible>(req.extensions().get::<Job>().and_then(Job::priority))
-//!     }));
+//! // Any tower Service taking http::Request<B>: hyper, a reqwest adapter, ...
+//! let http_client = service_fn(|_req: http::Request<String>| async {
+//!     Ok::<_, std::convert::Infallible>(http::Response::new("{\"content\":[]}".to_owned()))
+//! });
 //!
-//! let mut req = http::Request::post("https://api.anthropic.com/v1/messages").body("{}".to_owned())?;
-//! req.extensions_mut().insert(Job::new("tenant-42", Origin::UserAction).tier("pro").input_text("Hello"));
-//! assert_eq!(claude.oneshot(req).await?, Some(Priority::Critical));
+//! let store = Store::memory(); // or Store::redis("redis://127.0.0.1/").await? (feature "redis")
+//! let claude = ServiceBuilder::new()
+//!     .layer(PriorityClassifyLayer::new(store.clone())) // who goes first
+//!     .layer(DrrFairnessLayer::new(store.clone(), 32)) // fair order, 32 in flight here
+//!     .layer(TierSlotLimitLayer::new(store.clone(), SlotPolicy::default())) // global + per-tier caps
+//!     .layer(RetryAfterBackoffLayer::new(store.clone(), BackoffPolicy::default())) // 429 hygiene
+//!     .service(http_client);
+//!
+//! let prompt = "Summarise this thread.";
+//! let mut req = http::Request::post("https://api.anthropic.com/v1/messages").body(prompt.to_owned())?;
+//! req.extensions_mut().insert(Job::new("tenant-42", Origin::UserAction).tier("pro").input_text(prompt));
+//! let response = claude.oneshot(req).await?;
+//! assert_eq!(response.status(), 200);
 //! # Ok(())
 //! # }
 //! ```
