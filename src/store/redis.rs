@@ -118,7 +118,7 @@ pub(crate) struct RedisStore {
     degraded: AtomicBool,
     /// Wakes the background task: a flush is due, or Redis just failed.
     pub(super) wake: Arc<Notify>,
-    pending_tokens: Mutex<HashMap<TenantId, u64>>,
+    pending_tokens: Batch,
     cache: Mutex<DemotionCache>,
     /// Makes throttle members unique across workers.
     worker_id: String,
@@ -126,6 +126,10 @@ pub(crate) struct RedisStore {
     /// Served cost (`redis/served.rs`).
     pub(super) served: served::ServedRedis,
 }
+
+/// Per-tenant counts batched off the request path until the background flush sends them.
+#[derive(Default)]
+pub(super) struct Batch(Mutex<HashMap<TenantId, u64>>);
 
 pub(super) fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     // The data behind these locks is plain counters; a panic elsewhere leaves it usable.
@@ -219,7 +223,7 @@ impl StoreBuilder {
             fallback: MemoryState::new(self.throttle_window, false),
             degraded: AtomicBool::new(false),
             wake: Arc::new(Notify::new()),
-            pending_tokens: Mutex::new(HashMap::new()),
+            pending_tokens: Batch::default(),
             cache: Mutex::new(DemotionCache {
                 map: HashMap::new(),
                 last_sweep: now,
@@ -444,35 +448,50 @@ impl RedisStore {
         if self.is_degraded() {
             self.fallback.add_tokens(tenant, tokens);
         }
-        let mut pending = lock(&self.pending_tokens);
+        self.batch_add(&self.pending_tokens, tenant, tokens);
+    }
+
+    /// Adds to a batch of per-tenant counts, waking the flush early when many tenants wait.
+    pub(super) fn batch_add(&self, batch: &Batch, tenant: &TenantId, n: u64) {
+        let mut pending = lock(&batch.0);
         let total = pending.entry(tenant.clone()).or_insert(0);
-        *total = total.saturating_add(tokens);
+        *total = total.saturating_add(n);
         if pending.len() >= FLUSH_AT_TENANTS {
             self.wake.notify_one();
         }
     }
 
-    /// Sends the batched token counts, one script per tenant over the multiplexed connection
-    /// (so they travel pipelined). Counts that Redis refused are kept for the next flush.
+    /// Sends every batch of counts.
     async fn flush_pending(&self) {
+        self.flush_batch(
+            &self.pending_tokens,
+            "tokens",
+            &self.scripts.add_tokens,
+            &[],
+        )
+        .await;
         self.flush_served().await;
-        let batch = std::mem::take(&mut *lock(&self.pending_tokens));
-        if batch.is_empty() {
+    }
+
+    /// Sends one batch: one script call per tenant (`KEYS[1]` = the tenant's `part` key,
+    /// `ARGV` = its count, then `args`), pipelined over the multiplexed connection. Counts
+    /// Redis refused are kept for the next flush.
+    pub(super) async fn flush_batch(
+        &self,
+        batch: &Batch,
+        part: &str,
+        script: &Script,
+        args: &[u64],
+    ) {
+        let sending = std::mem::take(&mut *lock(&batch.0));
+        if sending.is_empty() {
             return;
         }
-        let calls = batch.iter().map(|(tenant, &tokens)| {
+        let calls = sending.iter().map(|(tenant, &n)| {
             let mut conn = self.conn.clone();
-            let key = self.keys.tenant(tenant, "tokens");
-            async move {
-                let sent: RedisResult<u64> = self
-                    .scripts
-                    .add_tokens
-                    .key(key)
-                    .arg(tokens)
-                    .invoke_async(&mut conn)
-                    .await;
-                sent.err()
-            }
+            let mut call = script.prepare_invoke();
+            call.key(self.keys.tenant(tenant, part)).arg(n).arg(args);
+            async move { call.invoke_async::<u64>(&mut conn).await.err() }
         });
         let all = async { Ok::<_, RedisError>(futures_util::future::join_all(calls).await) };
         let Some(errors) = self.guard(all).await else {
@@ -480,20 +499,14 @@ impl RedisStore {
             // under-counts at most one flush; sending them again could count them twice.
             return;
         };
-        let mut refused = Vec::new();
-        for ((tenant, tokens), error) in batch.into_iter().zip(errors) {
+        let mut pending = lock(&batch.0);
+        for ((tenant, n), error) in sending.into_iter().zip(errors) {
             if let Some(e) = error {
                 if is_outage(&e) {
                     self.mark_degraded(&e.to_string());
                 }
-                refused.push((tenant, tokens));
-            }
-        }
-        if !refused.is_empty() {
-            let mut pending = lock(&self.pending_tokens);
-            for (tenant, tokens) in refused {
                 let total = pending.entry(tenant).or_insert(0);
-                *total = total.saturating_add(tokens);
+                *total = total.saturating_add(n);
             }
         }
     }
