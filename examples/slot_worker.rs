@@ -1,4 +1,4 @@
-//! One worker process of the multi-process slot tests (`tests/tier_slot_limit_processes.rs`):
+//! One worker process of the multi-process slot tests (`tests/tier_slot_limit_redis.rs`):
 //! many callers sharing one Redis budget through `TierSlotLimit`.
 //!
 //! ```sh

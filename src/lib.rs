@@ -69,9 +69,10 @@ mod job;
 pub mod metrics;
 pub mod priority_classify;
 pub mod retry_after_backoff;
-pub mod rng;
+mod rng;
 pub mod store;
 pub mod tier_slot_limit;
+mod time;
 
 pub use crate::drr_fairness::error::QueueFull;
 pub use crate::drr_fairness::{DrrFairness, DrrFairnessLayer};

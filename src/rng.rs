@@ -8,18 +8,18 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 /// A seedable pseudo-random generator (SplitMix64).
 #[derive(Clone, Debug)]
-pub struct Rng {
+pub(crate) struct Rng {
     state: u64,
 }
 
 impl Rng {
     /// A generator that yields the same sequence for the same seed.
-    pub fn seeded(seed: u64) -> Self {
+    pub(crate) fn seeded(seed: u64) -> Self {
         Rng { state: seed }
     }
 
     /// A generator seeded from the clock and the process id, for production use.
-    pub fn from_entropy() -> Self {
+    pub(crate) fn from_entropy() -> Self {
         let nanos = SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .unwrap_or_default()
@@ -28,7 +28,7 @@ impl Rng {
     }
 
     /// The next 64 random bits.
-    pub fn next_u64(&mut self) -> u64 {
+    pub(crate) fn next_u64(&mut self) -> u64 {
         self.state = self.state.wrapping_add(0x9E37_79B9_7F4A_7C15);
         let mut z = self.state;
         z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
@@ -37,7 +37,7 @@ impl Rng {
     }
 
     /// A uniform number in [0, 1).
-    pub fn unit(&mut self) -> f64 {
+    pub(crate) fn unit(&mut self) -> f64 {
         // The top 53 bits fill an f64 mantissa exactly.
         (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
     }

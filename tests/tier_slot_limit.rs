@@ -244,7 +244,7 @@ async fn cancelled_waiters_and_holders_give_their_slots_back(rig: Rig) {
         .build()
         .unwrap();
     let (seen, inner) = upstream(rig.call * 1000);
-    let mut service = TierSlotLimitLayer::new(rig.store.clone(), policy).layer(inner);
+    let service = TierSlotLimitLayer::new(rig.store.clone(), policy).layer(inner);
     // Two holders mid-call, one waiter queued behind them.
     let holder_a = tokio::spawn(service.clone().oneshot(request(job("guest"))));
     let holder_b = tokio::spawn(service.clone().oneshot(request(job("guest"))));
@@ -258,11 +258,8 @@ async fn cancelled_waiters_and_holders_give_their_slots_back(rig: Rig) {
     let _ = (waiter.await, holder_a.await);
     wait_for_slots(&rig.store, 1).await;
 
-    // A service made ready and dropped before `call` holds nothing.
-    ServiceExt::<http::Request<()>>::ready(&mut service)
-        .await
-        .unwrap();
-    drop(service);
+    // (A service made ready and dropped before `call` holds nothing by construction:
+    // `poll_ready` reserves no slot; the wait happens in the response future.)
     holder_b.abort();
     let _ = holder_b.await;
     wait_for_slots(&rig.store, 0).await;
@@ -484,6 +481,26 @@ async fn early_rejection_refuses_at_once_when_the_expected_wait_is_too_long() {
     first_waiter.await.unwrap().unwrap();
 }
 
+#[tokio::test(start_paused = true)]
+async fn early_rejection_never_refuses_a_request_with_nobody_ahead() {
+    let policy = SlotPolicy::builder()
+        .global_max(2)
+        .tier("free", 2, Duration::ZERO)
+        .early_reject(true)
+        .build()
+        .unwrap();
+    let (_, inner) = upstream(Duration::from_secs(60));
+    let service = TierSlotLimitLayer::new(Store::memory(), policy).layer(inner);
+    // Calls hold their slot 60 s, far beyond the tier's max wait of zero...
+    service.clone().oneshot(request(job("free"))).await.unwrap();
+    // ...yet with a slot free and nobody waiting, the next one is admitted.
+    service
+        .clone()
+        .oneshot(request(job("free")))
+        .await
+        .expect("an idle tier admits");
+}
+
 #[tokio::test]
 async fn a_request_without_a_job_is_refused_with_a_typed_error() {
     let service =
@@ -513,7 +530,7 @@ fn invalid_policies_are_refused_with_a_message() {
         ),
         (
             SlotPolicy::builder().poll_interval(Duration::ZERO),
-            "poll interval must be at least 1 ms",
+            "poll interval must be between 1 ms and 60 s",
         ),
     ];
     for (builder, message) in cases {

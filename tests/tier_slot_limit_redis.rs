@@ -379,3 +379,77 @@ fn tokio_stream_from<T: Send + 'static>(
 ) -> impl futures_util::Stream<Item = T> + Send {
     futures_util::stream::poll_fn(move |cx| rx.poll_recv(cx))
 }
+
+async fn leases_in_redis(server: &RedisServer) -> u32 {
+    // No answer yet (the server is stalled) reads as "not there yet".
+    let reply = server.command("ZCARD fairgate:{slots}:global");
+    reply.trim().trim_start_matches(':').parse().unwrap_or(u32::MAX)
+}
+
+async fn wait_for_leases(server: &RedisServer, n: u32, within: Duration) {
+    let deadline = Instant::now() + within;
+    while leases_in_redis(server).await != n {
+        assert!(
+            Instant::now() < deadline,
+            "leases in redis stayed at {}, not {n}",
+            leases_in_redis(server).await
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+async fn stalling_worker(url: &str) -> Store {
+    Store::builder()
+        .op_timeout(Duration::from_millis(100))
+        .probe_interval(Duration::from_millis(20))
+        .flush_interval(Duration::from_millis(20))
+        .redis(url)
+        .await
+        .unwrap()
+}
+
+#[tokio::test]
+async fn an_acquire_that_timed_out_does_not_leave_its_lease_taken() {
+    let server = RedisServer::start();
+    let store = stalling_worker(&server.url()).await;
+    let limits = SlotLimits {
+        global: 5,
+        tier: 5,
+        lease_ttl: Duration::from_secs(30),
+    };
+    server.stall(0.4);
+    // The script waits behind the stall, the call times out, the store falls back...
+    let lease = store
+        .try_acquire_slot(&Tier::new("pro"), limits)
+        .await
+        .expect("a fallback slot");
+    assert!(!lease.is_shared());
+    assert!(store.is_degraded());
+    // ...and Redis runs the script after the stall, granting a lease nobody holds.
+    // Released once Redis answers again: long before its 30 s TTL.
+    wait_for_leases(&server, 0, Duration::from_secs(3)).await;
+    assert!(!store.is_degraded());
+}
+
+#[tokio::test]
+async fn a_lease_given_back_while_redis_is_away_is_released_when_it_returns() {
+    let server = RedisServer::start();
+    let store = stalling_worker(&server.url()).await;
+    let limits = SlotLimits {
+        global: 5,
+        tier: 5,
+        lease_ttl: Duration::from_secs(30),
+    };
+    let lease = store
+        .try_acquire_slot(&Tier::new("pro"), limits)
+        .await
+        .expect("a slot");
+    assert!(lease.is_shared());
+    assert_eq!(leases_in_redis(&server).await, 1);
+
+    server.stall(0.4);
+    assert!(store.throttle_count(&fairgate::TenantId::new("t")).await == 0); // times out
+    assert!(store.is_degraded());
+    drop(lease); // while degraded: queued, not lost
+    wait_for_leases(&server, 0, Duration::from_secs(3)).await;
+}

@@ -312,9 +312,8 @@ impl Ticket {
     /// registered otherwise.
     pub(super) fn poll_turn(&mut self, cx: &mut Context<'_>) -> Poll<Permit> {
         let Some(shared) = &self.shared else {
-            // Polled after it was turned into a permit: the future's state machine never
-            // does this.
-            return Poll::Pending;
+            // Turned into a permit already; the future's state machine never polls again.
+            panic!("DrrFairness ticket polled after completion");
         };
         {
             let mut state = shared.lock();

@@ -116,7 +116,7 @@ impl DemotionPolicyBuilder {
         self
     }
 
-    /// How long a demotion lasts (at least 1 ms).
+    /// How long a demotion lasts (1 ms to 30 days).
     pub fn demote_for(mut self, duration: Duration) -> Self {
         self.policy.demote_for = duration;
         self
@@ -149,8 +149,12 @@ impl DemotionPolicyBuilder {
                 "default daily budget must be at least 1 token",
             ));
         }
-        if policy.demote_for < Duration::from_millis(1) {
-            return Err(ConfigError::new("demotion must last at least 1 ms"));
+        if policy.demote_for < Duration::from_millis(1)
+            || policy.demote_for > Duration::from_secs(30 * 86_400)
+        {
+            return Err(ConfigError::new(
+                "demotion must last between 1 ms and 30 days",
+            ));
         }
         Ok(policy)
     }

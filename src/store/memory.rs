@@ -204,7 +204,7 @@ impl MemoryState {
             let tokens = state.tokens_on(self.utc_day(now));
             let budget = state.budget.unwrap_or(policy.default_daily_budget());
             if policy.should_demote(throttles, tokens, budget) {
-                state.demoted_until = Some(now + policy.demote_for());
+                state.demoted_until = Some(crate::time::after(now, policy.demote_for()));
                 Demotion::Demoted {
                     left: policy.demote_for(),
                     newly: true,

@@ -224,7 +224,7 @@ impl StoreBuilder {
     /// Builds an in-process store.
     ///
     /// # Errors
-    /// A throttle window under 1 ms.
+    /// A throttle window under 1 ms or over 30 days.
     pub fn memory(self) -> Result<Store, ConfigError> {
         self.validate()?;
         Ok(Store::from_backend(Backend::Memory(MemoryState::new(
@@ -234,8 +234,12 @@ impl StoreBuilder {
     }
 
     pub(crate) fn validate(&self) -> Result<(), ConfigError> {
-        if self.throttle_window < Duration::from_millis(1) {
-            return Err(ConfigError::new("throttle window must be at least 1 ms"));
+        if self.throttle_window < Duration::from_millis(1)
+            || self.throttle_window > Duration::from_secs(30 * 86_400)
+        {
+            return Err(ConfigError::new(
+                "throttle window must be between 1 ms and 30 days",
+            ));
         }
         Ok(())
     }

@@ -196,8 +196,10 @@ impl StoreBuilder {
             ("flush interval", opts.flush_interval),
             ("probe interval", opts.probe_interval),
         ] {
-            if value < Duration::from_millis(1) {
-                return Err(ConfigError::new(format!("{name} must be at least 1 ms")).into());
+            if value < Duration::from_millis(1) || value > Duration::from_secs(3600) {
+                return Err(
+                    ConfigError::new(format!("{name} must be between 1 ms and 1 h")).into(),
+                );
             }
         }
         let keys = Keys::new(&opts.key_prefix)?;
@@ -242,10 +244,12 @@ impl StoreBuilder {
         }
         tokio::spawn(background(Arc::downgrade(&redis), redis.wake.clone()));
         let channel = redis.keys.slots("released");
+        let resubscribe = redis.slots.resubscribe.clone();
         tokio::spawn(slots::listen_for_releases(
             Arc::downgrade(&redis),
             redis.client.clone(),
             channel,
+            resubscribe,
         ));
         tokio::spawn(cooldown::listen(Arc::downgrade(&redis)));
         Ok(Store::from_backend(Backend::Redis(redis)))
@@ -267,12 +271,16 @@ fn duration_ms(d: Duration) -> u64 {
     u64::try_from(d.as_millis()).unwrap_or(u64::MAX).max(1)
 }
 
+/// A worker id unlikely to repeat across a fleet: 128 bits from the OS-seeded keys of std's
+/// `RandomState` (in containers every worker may be pid 1), plus the pid for the reader.
 fn worker_id() -> String {
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap_or_default()
-        .subsec_nanos();
-    format!("{}-{nanos:x}", std::process::id())
+    use std::hash::{BuildHasher, Hasher};
+    let random = || {
+        std::collections::hash_map::RandomState::new()
+            .build_hasher()
+            .finish()
+    };
+    format!("{}-{:016x}{:016x}", std::process::id(), random(), random())
 }
 
 /// Flushes batched counts while Redis is up; pings it while it is down. Holds the store only
@@ -291,8 +299,11 @@ async fn background(store: Weak<RedisStore>, wake: Arc<Notify>) {
             redis.opts.probe_interval
         } else {
             redis.flush_pending().await;
+            redis.release_unreleased().await;
             redis.slot_heartbeat().await;
-            redis.opts.flush_interval
+            // Tick often enough to renew the shortest lease held in time.
+            let renew = redis.heartbeat_pause().unwrap_or(Duration::MAX);
+            redis.opts.flush_interval.min(renew)
         };
         drop(redis);
         tokio::select! {
@@ -321,6 +332,7 @@ impl RedisStore {
 
     fn recover(&self) {
         if self.degraded.swap(false, Ordering::AcqRel) {
+            self.slots.resubscribe.notify_one();
             tracing::info!(name: "queue.redis_recovered", "redis answers again; fairgate state is shared again");
             crate::metrics::store_degraded(false);
         }
@@ -493,12 +505,27 @@ impl RedisStore {
             call.key(self.keys.tenant(tenant, part)).arg(n).arg(args);
             async move { call.invoke_async::<u64>(&mut conn).await.err() }
         });
-        let all = async { Ok::<_, RedisError>(futures_util::future::join_all(calls).await) };
-        let Some(errors) = self.guard(all).await else {
-            // Timed out as a whole: whether Redis applied them is unknown. Dropping them
-            // under-counts at most one flush; sending them again could count them twice.
-            return;
-        };
+        // Background work gets more time than a request's call, and a slow flush does not
+        // by itself mean Redis is gone (connection errors below do).
+        let patience = self
+            .opts
+            .op_timeout
+            .saturating_mul(10)
+            .max(Duration::from_secs(1));
+        let errors =
+            match tokio::time::timeout(patience, futures_util::future::join_all(calls)).await {
+                Ok(errors) => errors,
+                Err(_) => {
+                    // Whether Redis applied them is unknown: keep them. A count sent twice is a
+                    // smaller error than a flush lost.
+                    let mut pending = lock(&batch.0);
+                    for (tenant, n) in sending {
+                        let total = pending.entry(tenant).or_insert(0);
+                        *total = total.saturating_add(n);
+                    }
+                    return;
+                }
+            };
         let mut pending = lock(&batch.0);
         for ((tenant, n), error) in sending.into_iter().zip(errors) {
             if let Some(e) = error {
@@ -662,7 +689,7 @@ impl RedisStore {
     fn remember(&self, tenant: TenantId, demotion: Demotion) {
         let now = Instant::now();
         let until = match demotion {
-            Demotion::Demoted { left, .. } => Some(now + left),
+            Demotion::Demoted { left, .. } => Some(crate::time::after(now, left)),
             Demotion::NotDemoted => None,
         };
         let mut cache = lock(&self.cache);

@@ -168,7 +168,7 @@ impl SlotPolicyBuilder {
         self
     }
 
-    /// The safety-net poll of waiters, jittered by +/-50% (default 100 ms, at least 1 ms).
+    /// The safety-net poll of waiters, jittered by +/-50% (default 100 ms; 1 ms to 60 s).
     pub fn poll_interval(mut self, interval: Duration) -> Self {
         self.policy.poll_interval = interval;
         self
@@ -191,7 +191,8 @@ impl SlotPolicyBuilder {
     ///
     /// # Errors
     /// A zero global or tier cap, a default tier that is not configured, a lease TTL under
-    /// 100 ms or a poll interval under 1 ms.
+    /// 100 ms or over a day, or a poll interval outside 1 ms - 60 s. Waits may be as long as
+    /// you like: `Duration::MAX` means \"forever\".
     pub fn build(self) -> Result<SlotPolicy, ConfigError> {
         let policy = self.policy;
         if policy.global_max == 0 {
@@ -211,8 +212,15 @@ impl SlotPolicyBuilder {
         if policy.lease_ttl < Duration::from_millis(100) {
             return Err(ConfigError::new("lease ttl must be at least 100 ms"));
         }
-        if policy.poll_interval < Duration::from_millis(1) {
-            return Err(ConfigError::new("poll interval must be at least 1 ms"));
+        if policy.poll_interval < Duration::from_millis(1)
+            || policy.poll_interval > Duration::from_secs(60)
+        {
+            return Err(ConfigError::new(
+                "poll interval must be between 1 ms and 60 s",
+            ));
+        }
+        if policy.lease_ttl > Duration::from_secs(24 * 3600) {
+            return Err(ConfigError::new("lease ttl must be at most a day"));
         }
         Ok(policy)
     }

@@ -55,7 +55,7 @@ impl<S: fmt::Debug> fmt::Debug for TierSlotLimit<S> {
 
 impl<S, Req> Service<Req> for TierSlotLimit<S>
 where
-    S: Service<Req> + Clone + Send + 'static,
+    S: Service<Req> + Clone,
     S::Error: Into<BoxError>,
     S::Response: GuardResponse<SlotPermit>,
     Req: JobRequest,
@@ -81,9 +81,6 @@ where
         let state = shared.tier_state(&tier);
         let inner = self.inner.clone();
 
-        if shared.hopeless(&state, limit) {
-            return ResponseFuture::busy(shared.busy(tier, started));
-        }
         // Fast path: nobody of this tier waits here and the store answers at once (memory).
         let turn = state.turnstile.clone().try_acquire_owned().ok();
         if turn.is_some()
@@ -94,6 +91,9 @@ where
         {
             let permit = SlotPermit::new(lease, state, &shared.store);
             return ResponseFuture::acquired(permit, inner, req);
+        }
+        if shared.hopeless(&state, limit) {
+            return ResponseFuture::busy(shared.busy(tier, started));
         }
         let wait = wait_for_slot(shared.clone(), tier, limit, state, started, turn);
         ResponseFuture::waiting(Box::pin(wait), inner, req)

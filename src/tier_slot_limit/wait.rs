@@ -92,14 +92,17 @@ impl Shared {
         Busy::new(tier, started.elapsed(), self.policy.retry_after)
     }
 
-    /// Early rejection: the wait this request can expect already exceeds its max wait.
+    /// Early rejection: requests of this tier already wait here, and the wait this one can
+    /// expect behind them (its place x the observed hold time / the tier's cap) exceeds its
+    /// max wait. A request with nobody ahead always gets its own try.
     pub(super) fn hopeless(&self, state: &TierState, limit: TierLimit) -> bool {
-        if !self.policy.early_reject {
+        let ahead = u32::try_from(state.waiting.load(Ordering::Relaxed)).unwrap_or(u32::MAX);
+        if !self.policy.early_reject || ahead == 0 {
             return false;
         }
         let hold = Duration::from_nanos(state.avg_hold_ns.load(Ordering::Relaxed));
-        let ahead = state.waiting.load(Ordering::Relaxed) as u32 + 1;
-        !hold.is_zero() && hold * ahead / limit.cap.max(1) > limit.max_wait
+        let expected = hold.saturating_mul(ahead.saturating_add(1)) / limit.cap.max(1);
+        expected > limit.max_wait
     }
 
     /// A poll interval jittered by +/-50%, so waiters across workers do not poll in step.
@@ -194,9 +197,9 @@ pub(super) async fn wait_for_slot(
     started: Instant,
     turn: Option<OwnedSemaphorePermit>,
 ) -> Result<SlotPermit, Busy> {
-    let deadline = started + limit.max_wait;
+    let deadline = crate::time::after(started, limit.max_wait);
     let mut slow = SlowWait {
-        at: started + shared.policy.slow_wait,
+        at: crate::time::after(started, shared.policy.slow_wait),
         warned: false,
         started,
     };
@@ -232,7 +235,7 @@ pub(super) async fn wait_for_slot(
         if now >= deadline {
             return Err(shared.busy(tier.clone(), started));
         }
-        let mut wake = deadline.min(now + shared.poll_interval());
+        let mut wake = deadline.min(crate::time::after(now, shared.poll_interval()));
         if let Some(at) = slow.next() {
             wake = wake.min(at.max(now));
         }

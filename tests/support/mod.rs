@@ -68,6 +68,21 @@ impl RedisServer {
         }
     }
 
+    /// Stalls the server for `secs` (DEBUG SLEEP) from another thread, returning at once.
+    pub fn stall(&self, secs: f64) {
+        let port = self.port;
+        std::thread::spawn(move || {
+            let mut stream = TcpStream::connect(("127.0.0.1", port)).expect("connect to redis");
+            stream
+                .write_all(format!("DEBUG SLEEP {secs}\r\n").as_bytes())
+                .unwrap();
+            let mut buf = [0u8; 16];
+            let _ = stream.read(&mut buf);
+        });
+        // Let the command reach the server before the caller goes on.
+        std::thread::sleep(Duration::from_millis(30));
+    }
+
     /// Sends one inline command and returns the raw reply.
     pub fn command(&self, cmd: &str) -> String {
         let mut stream = TcpStream::connect(("127.0.0.1", self.port)).expect("connect to redis");
@@ -95,6 +110,8 @@ impl RedisServer {
             .args(["--port", &self.port.to_string()])
             .args(["--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
             .args(["--daemonize", "no", "--loglevel", "warning"])
+            // DEBUG SLEEP stalls the server, for tests of calls that time out.
+            .args(["--enable-debug-command", "yes"])
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn();

@@ -35,10 +35,11 @@ fn channel(prefix: &str) -> String {
 }
 
 fn millis_ceil(d: Duration) -> u64 {
+    // At most a day: the script turns the delay into a key TTL, and Redis refuses an
+    // absurd one only after the gate was written, leaving it closed with no expiry.
+    const DAY_MS: u64 = 24 * 60 * 60 * 1000;
     let ms = d.as_nanos().div_ceil(1_000_000);
-    u64::try_from(ms)
-        .unwrap_or(u64::MAX / 4)
-        .clamp(1, u64::MAX / 4)
+    u64::try_from(ms).unwrap_or(DAY_MS).clamp(1, DAY_MS)
 }
 
 impl RedisStore {

@@ -51,17 +51,49 @@ struct Held {
 /// This worker's side of the shared slots.
 pub(super) struct SlotState {
     held: Mutex<HashMap<String, Held>>,
+    /// Leases that may be in Redis with nobody holding them: released while Redis was away,
+    /// or taken by an acquire whose answer never arrived (timed out, or its caller gone).
+    /// The background task releases them once Redis answers; their TTL is the backstop.
+    unreleased: Mutex<Vec<(String, String)>>,
     last_heartbeat: Mutex<Option<Instant>>,
     /// Workers alive at the last heartbeat (this one included): the fallback's divisor.
     alive_workers: AtomicU32,
+    /// Tells the release listener to subscribe again (after an outage the old connection
+    /// may be half-open and silent).
+    pub(super) resubscribe: Arc<tokio::sync::Notify>,
 }
 
 impl SlotState {
     pub(super) fn new() -> Self {
         SlotState {
             held: Mutex::new(HashMap::new()),
+            unreleased: Mutex::new(Vec::new()),
             last_heartbeat: Mutex::new(None),
             alive_workers: AtomicU32::new(1),
+            resubscribe: Arc::new(tokio::sync::Notify::new()),
+        }
+    }
+}
+
+/// A lease id sent to Redis whose answer is not in yet. Dropped unclaimed (the acquire timed
+/// out, failed, or its future was dropped mid round trip), it queues the id for release, so
+/// a lease Redis may have granted is not left taken until its TTL runs out.
+struct Unclaimed<'a> {
+    store: &'a RedisStore,
+    lease: Option<(String, String)>,
+}
+
+impl Unclaimed<'_> {
+    /// The answer arrived: the lease is held (or was never granted).
+    fn claim(mut self) -> (String, String) {
+        self.lease.take().unwrap_or_default()
+    }
+}
+
+impl Drop for Unclaimed<'_> {
+    fn drop(&mut self) {
+        if let Some(lease) = self.lease.take() {
+            lock(&self.store.slots.unreleased).push(lease);
         }
     }
 }
@@ -73,30 +105,18 @@ pub(crate) struct RedisLease {
 }
 
 impl RedisLease {
-    /// Forgets the lease locally and releases it in Redis in the background; if no runtime
-    /// is there to do it, the lease expires within its TTL.
+    /// Forgets the lease locally and releases it in Redis in the background (or, with no
+    /// runtime to do it, on the next background tick); its TTL is the backstop.
     pub(crate) fn release(&self, tier: &Tier) {
         lock(&self.store.slots.held).remove(&self.id);
-        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-            return;
-        };
-        let store = self.store.clone();
-        let id = self.id.clone();
-        let tier_key = store.keys.slots_tier(tier);
-        runtime.spawn(async move {
-            if !store.is_degraded() {
-                let mut conn = store.conn.clone();
-                let mut release = store.slot_scripts.release.prepare_invoke();
-                release
-                    .key(store.keys.slots("global"))
-                    .key(tier_key)
-                    .arg(id)
-                    .arg(store.keys.slots("released"));
-                let _ = store.guard(release.invoke_async::<u32>(&mut conn)).await;
+        let lease = (self.id.clone(), self.store.keys.slots_tier(tier));
+        match tokio::runtime::Handle::try_current() {
+            Ok(runtime) => {
+                let store = self.store.clone();
+                runtime.spawn(async move { store.release_leases(vec![lease]).await });
             }
-            // Local waiters first: they need not wait for the announcement to come back.
-            store.fallback.slots.released.notify_waiters();
-        });
+            Err(_) => lock(&self.store.slots.unreleased).push(lease),
+        }
     }
 }
 
@@ -118,6 +138,10 @@ impl RedisStore {
                 this.seq.fetch_add(1, Ordering::Relaxed)
             );
             let tier_key = this.keys.slots_tier(&tier);
+            let unclaimed = Unclaimed {
+                store: &this,
+                lease: Some((id.clone(), tier_key.clone())),
+            };
             let mut conn = this.conn.clone();
             let mut acquire = this.slot_scripts.acquire.prepare_invoke();
             acquire
@@ -127,21 +151,73 @@ impl RedisStore {
                 .arg(limits.tier)
                 .arg(duration_ms(limits.lease_ttl))
                 .arg(&id);
-            match this.guard(acquire.invoke_async::<u32>(&mut conn)).await {
-                Some(1) => {
-                    let held = Held {
-                        tier_key,
-                        ttl: limits.lease_ttl,
-                        renewed: Instant::now(),
-                    };
-                    lock(&this.slots.held).insert(id.clone(), held);
-                    let lease = RedisLease { store: this, id };
-                    Some(SlotLease::new(tier, Holder::Redis(lease)))
-                }
-                Some(_) => None,
-                None => this.acquire_fallback(&tier, limits),
+            let answer = this.guard(acquire.invoke_async::<u32>(&mut conn)).await;
+            if answer.is_none() {
+                drop(unclaimed); // maybe granted, surely not held: release it later
+                return this.acquire_fallback(&tier, limits);
             }
+            let (id, tier_key) = unclaimed.claim();
+            if answer != Some(1) {
+                return None;
+            }
+            let held = Held {
+                tier_key,
+                ttl: limits.lease_ttl,
+                renewed: Instant::now(),
+            };
+            lock(&this.slots.held).insert(id.clone(), held);
+            let lease = RedisLease {
+                store: this.clone(),
+                id,
+            };
+            Some(SlotLease::new(tier, Holder::Redis(lease)))
         })
+    }
+
+    /// Releases leases in Redis (one script each, pipelined), keeping for later those Redis
+    /// did not take, then wakes this worker's waiters.
+    async fn release_leases(&self, leases: Vec<(String, String)>) {
+        if self.is_degraded() {
+            lock(&self.slots.unreleased).extend(leases);
+        } else {
+            let calls = leases.iter().map(|(id, tier_key)| {
+                let mut conn = self.conn.clone();
+                let mut release = self.slot_scripts.release.prepare_invoke();
+                release
+                    .key(self.keys.slots("global"))
+                    .key(tier_key)
+                    .arg(id)
+                    .arg(self.keys.slots("released"));
+                async move { release.invoke_async::<u32>(&mut conn).await.is_ok() }
+            });
+            let all = async { Ok(futures_util::future::join_all(calls).await) };
+            let done = self.guard(all).await.unwrap_or_default();
+            let mut unreleased = lock(&self.slots.unreleased);
+            for (i, lease) in leases.into_iter().enumerate() {
+                if !done.get(i).copied().unwrap_or(false) {
+                    unreleased.push(lease);
+                }
+            }
+        }
+        // Local waiters first: they need not wait for the announcement to come back.
+        self.fallback.slots.released.notify_waiters();
+    }
+
+    /// Retries the releases that could not be made when they happened.
+    pub(super) async fn release_unreleased(&self) {
+        let leases = std::mem::take(&mut *lock(&self.slots.unreleased));
+        if !leases.is_empty() {
+            self.release_leases(leases).await;
+        }
+    }
+
+    /// How often the background task must tick for the shortest held lease to be renewed in
+    /// time (a quarter of its TTL), if any lease is held.
+    pub(super) fn heartbeat_pause(&self) -> Option<Duration> {
+        lock(&self.slots.held)
+            .values()
+            .map(|held| held.ttl / 4)
+            .min()
     }
 
     /// While Redis is away: an in-process slot, from this worker's share of the caps.
@@ -228,17 +304,19 @@ pub(super) async fn listen_for_releases(
     store: Weak<RedisStore>,
     client: redis::Client,
     channel: String,
+    resubscribe: Arc<tokio::sync::Notify>,
 ) {
     loop {
         let Some(redis) = store.upgrade() else { return };
         let (op_timeout, probe) = (redis.opts.op_timeout, redis.opts.probe_interval);
         drop(redis);
+
         let subscribe = async {
             let mut pubsub = client.get_async_pubsub().await?;
             pubsub.subscribe(&channel).await?;
             RedisResult::Ok(pubsub)
         };
-        let pubsub = tokio::time::timeout(op_timeout * 4, subscribe).await;
+        let pubsub = tokio::time::timeout(op_timeout.saturating_mul(4), subscribe).await;
         if let Ok(Ok(pubsub)) = pubsub {
             let mut messages = pubsub.into_on_message();
             loop {
@@ -250,6 +328,7 @@ pub(super) async fn listen_for_releases(
                         },
                         None => break, // connection lost: subscribe again
                     },
+                    _ = resubscribe.notified() => break,
                     _ = tokio::time::sleep(Duration::from_secs(1)) => {
                         if store.strong_count() == 0 {
                             return;
