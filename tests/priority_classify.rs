@@ -42,14 +42,15 @@ impl Rig {
     #[cfg(feature = "redis")]
     async fn redis() -> Rig {
         let server = support::RedisServer::start();
-        let window = Duration::from_millis(1000);
+        // Scaled down from 60 s / 5 min, with room for a loaded machine's delays.
+        let window = Duration::from_millis(2000);
         let cache_ttl = Duration::from_millis(50);
         let store = Rig::redis_store(&server.url(), window, cache_ttl).await;
         Rig {
             store,
             window,
             policy: DemotionPolicy::builder()
-                .demote_for(Duration::from_millis(2000))
+                .demote_for(Duration::from_millis(3000))
                 .build()
                 .unwrap(),
             cache_ttl,

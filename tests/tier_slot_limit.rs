@@ -104,7 +104,8 @@ impl Rig {
             .unwrap();
         Rig {
             store,
-            call: Duration::from_millis(40),
+            // Long enough that a loaded machine's scheduling and round trips fit in one.
+            call: Duration::from_millis(200),
             _server: Some(server),
         }
     }
@@ -168,13 +169,14 @@ async fn caps_hold_globally_and_per_tier(rig: Rig) {
 }
 
 async fn five_hundred_guests_leave_twenty_five_slots_for_paying_tiers(rig: Rig) {
-    let (seen, inner) = upstream(rig.call * 100);
+    let hold = rig.call * 20;
+    let (seen, inner) = upstream(hold);
     let service = TierSlotLimitLayer::new(rig.store.clone(), SlotPolicy::default()).layer(inner);
     let guests: Vec<_> = (0..500)
         .map(|_| spawn_call(&service, job("guest")))
         .collect();
-    // Every guest has tried once (the first five hold their slots, the rest wait or gave up).
-    tokio::time::sleep(rig.call).await;
+    // The first five guests hold their slots; the rest wait (or give up at 8 s).
+    eventually("five guests hold slots", || seen.lock().unwrap().now == 5).await;
     assert_eq!(rig.store.slots_in_use(Some(&Tier::new("guest"))).await, 5);
     // 25 paying requests all get a slot without waiting for a guest to finish.
     let started = Instant::now();
@@ -184,7 +186,7 @@ async fn five_hundred_guests_leave_twenty_five_slots_for_paying_tiers(rig: Rig) 
             spawn_call(&service, job(tier))
         })
         .collect();
-    tokio::time::sleep(rig.call).await;
+    eventually("all 30 slots are in use", || seen.lock().unwrap().now == 30).await;
     assert_eq!(rig.store.slots_in_use(None).await, 30);
     {
         let seen = seen.lock().unwrap();
@@ -197,9 +199,10 @@ async fn five_hundred_guests_leave_twenty_five_slots_for_paying_tiers(rig: Rig) 
     for call in paying {
         call.await.unwrap().expect("a paying request gets a slot");
     }
+    // Queued behind a guest, a paying call would have taken two holds.
     assert!(
-        started.elapsed() < rig.call * 100 + rig.call * 10,
-        "paying requests never queued behind guests"
+        started.elapsed() < hold + hold / 2,
+        "paying requests queued behind guests"
     );
     for guest in guests {
         guest.abort();
@@ -248,10 +251,13 @@ async fn cancelled_waiters_and_holders_give_their_slots_back(rig: Rig) {
     // Two holders mid-call, one waiter queued behind them.
     let holder_a = tokio::spawn(service.clone().oneshot(request(job("guest"))));
     let holder_b = tokio::spawn(service.clone().oneshot(request(job("guest"))));
-    tokio::time::sleep(rig.call).await;
+    eventually("both holders are mid-call", || {
+        seen.lock().unwrap().now == 2
+    })
+    .await;
     let waiter = tokio::spawn(service.clone().oneshot(request(job("guest"))));
     tokio::time::sleep(rig.call).await;
-    assert_eq!(seen.lock().unwrap().now, 2);
+    assert_eq!(seen.lock().unwrap().now, 2, "the waiter waits");
 
     waiter.abort(); // dropped while queued
     holder_a.abort(); // dropped mid-call
@@ -274,6 +280,15 @@ where
 {
     let service = service.clone();
     tokio::spawn(async move { service.oneshot(request(job)).await.map(drop) })
+}
+
+/// Polls `done` until it holds (paused time moves on by itself; real time has 5 s).
+async fn eventually(what: &str, mut done: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !done() {
+        assert!(Instant::now() < deadline, "timed out waiting until {what}");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
 }
 
 /// Waits until `n` slots are held (a Redis release is a background round trip).

@@ -383,7 +383,11 @@ fn tokio_stream_from<T: Send + 'static>(
 async fn leases_in_redis(server: &RedisServer) -> u32 {
     // No answer yet (the server is stalled) reads as "not there yet".
     let reply = server.command("ZCARD fairgate:{slots}:global");
-    reply.trim().trim_start_matches(':').parse().unwrap_or(u32::MAX)
+    reply
+        .trim()
+        .trim_start_matches(':')
+        .parse()
+        .unwrap_or(u32::MAX)
 }
 
 async fn wait_for_leases(server: &RedisServer, n: u32, within: Duration) {
