@@ -71,6 +71,7 @@ pub mod priority_classify;
 pub mod retry_after_backoff;
 mod rng;
 pub mod store;
+mod sync;
 pub mod tier_slot_limit;
 mod time;
 

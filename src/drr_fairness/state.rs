@@ -133,7 +133,7 @@ impl Shared {
     fn lock(&self) -> MutexGuard<'_, State> {
         // Counts and queues stay consistent between statements that could panic (none
         // should); refusing every later request would be worse than going on.
-        self.state.lock().unwrap_or_else(|e| e.into_inner())
+        crate::sync::lock(&self.state)
     }
 
     pub(super) fn max_in_flight(&self) -> usize {

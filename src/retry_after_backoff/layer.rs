@@ -55,7 +55,7 @@ pub(super) struct Probe(Arc<Core>, u64);
 
 impl Drop for Probe {
     fn drop(&mut self) {
-        let mut slot = self.0.probe.lock().unwrap_or_else(|e| e.into_inner());
+        let mut slot = crate::sync::lock(&self.0.probe);
         if slot.is_some_and(|(ticket, _)| ticket == self.1) {
             *slot = None;
         }
@@ -68,7 +68,7 @@ impl Core {
     /// spread).
     pub(super) fn try_probe(self: &Arc<Self>) -> Option<Probe> {
         let now = Instant::now();
-        let mut slot = self.probe.lock().unwrap_or_else(|e| e.into_inner());
+        let mut slot = crate::sync::lock(&self.probe);
         let free = slot.is_none_or(|(_, taken)| {
             now.saturating_duration_since(taken) >= self.policy.release_spread
         });
@@ -86,7 +86,7 @@ impl Core {
     pub(super) fn note_reopen(&self, left: Duration) -> Instant {
         let now = Instant::now();
         let reopen = now + left;
-        let mut release = self.release.lock().unwrap_or_else(|e| e.into_inner());
+        let mut release = crate::sync::lock(&self.release);
         match *release {
             // The same reopening (give or take a millisecond of clock reading), or an
             // earlier one than already known: the release stands.
@@ -109,7 +109,7 @@ impl Core {
 
     /// How long until this worker's release after the last reopening, if it is still ahead.
     pub(super) fn release_in(&self) -> Option<Duration> {
-        let release = self.release.lock().unwrap_or_else(|e| e.into_inner());
+        let release = crate::sync::lock(&self.release);
         let (_, at) = (*release)?;
         Some(at.saturating_duration_since(Instant::now())).filter(|d| !d.is_zero())
     }
@@ -127,7 +127,7 @@ impl Core {
     }
 
     pub(super) fn unit(&self) -> f64 {
-        self.rng.lock().unwrap_or_else(|e| e.into_inner()).unit()
+        crate::sync::lock(&self.rng).unit()
     }
 }
 

@@ -38,7 +38,7 @@ impl Default for CooldownGates {
 impl CooldownGates {
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Instant>> {
         // Plain instants: a panic elsewhere leaves them usable.
-        self.gates.lock().unwrap_or_else(|e| e.into_inner())
+        crate::sync::lock(&self.gates)
     }
 
     /// Closes `upstream` for at least `delay` from now and returns how long it stays

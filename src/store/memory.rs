@@ -115,9 +115,7 @@ impl MemoryState {
         f: impl FnOnce(&mut TenantState, Instant) -> T,
     ) -> T {
         let now = Instant::now();
-        // A poisoned lock only means another thread panicked mid-update of plain counters;
-        // the data is still usable, and refusing to serve would be worse.
-        let mut tenants = self.tenants.lock().unwrap_or_else(|e| e.into_inner());
+        let mut tenants = crate::sync::lock(&self.tenants);
         let state = match tenants.map.get_mut(tenant) {
             Some(state) => state,
             None => tenants.map.entry(tenant.clone()).or_default(),

@@ -48,7 +48,7 @@ impl Pacers {
     /// Reserves the cells of `limits` under `key`; returns how long to wait before going.
     pub(crate) fn reserve(&self, key: &str, limits: &[PaceLimit]) -> Duration {
         let now = Instant::now();
-        let mut tats = self.tats.lock().unwrap_or_else(|e| e.into_inner());
+        let mut tats = crate::sync::lock(&self.tats);
         if tats.len() > 1024 {
             tats.retain(|_, dims| dims.iter().any(|tat| *tat > now));
         }

@@ -131,10 +131,7 @@ pub(crate) struct RedisStore {
 #[derive(Default)]
 pub(super) struct Batch(Mutex<HashMap<TenantId, u64>>);
 
-pub(super) fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    // The data behind these locks is plain counters; a panic elsewhere leaves it usable.
-    mutex.lock().unwrap_or_else(|e| e.into_inner())
-}
+pub(super) use crate::sync::lock;
 
 /// An error that means "Redis is not there" rather than "Redis refused this call".
 pub(super) fn is_outage(e: &RedisError) -> bool {
@@ -291,7 +288,7 @@ async fn background(store: Weak<RedisStore>, wake: Arc<Notify>) {
         let pause = if redis.is_degraded() {
             if redis.ping().await {
                 // A restarted Redis has lost its scripts; `Script` would reload each on its
-                // first NOSCRIPT, but loading them now keeps that off the request path.
+                // first NOSCRIPT, but loading them all now keeps that off the request path.
                 redis.load_scripts().await;
                 redis.recover();
                 redis.flush_pending().await;
@@ -357,9 +354,12 @@ impl RedisStore {
             &scripts.tokens_today,
             &scripts.check_demotion,
         ];
+        let shared = [&*cooldown::EXTEND, &*cooldown::READ, &*pacing::PACE];
         let loads = all
             .into_iter()
             .chain(self.slot_scripts.all())
+            .chain(self.served.scripts())
+            .chain(shared)
             .map(|script| {
                 let mut conn = self.conn.clone();
                 async move { script.load_async(&mut conn).await.map(drop) }

@@ -57,7 +57,7 @@ impl ServedCost {
 
     pub(crate) fn add(&self, tenant: &TenantId, cost: u64) {
         let now = self.second();
-        let mut tenants = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        let mut tenants = crate::sync::lock(&self.inner);
         let buckets = match tenants.map.get_mut(tenant) {
             Some(buckets) => buckets,
             None => tenants.map.entry(tenant.clone()).or_default(),
@@ -80,7 +80,7 @@ impl ServedCost {
 
     pub(crate) fn total(&self, tenant: &TenantId) -> u64 {
         let oldest = Self::oldest(self.second());
-        let tenants = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        let tenants = crate::sync::lock(&self.inner);
         tenants.map.get(tenant).map_or(0, |buckets| {
             buckets
                 .iter()

@@ -44,6 +44,7 @@ impl SlotLimits {
 pub struct SlotLease {
     tier: Tier,
     holder: Holder,
+    fallback: bool,
 }
 
 pub(crate) enum Holder {
@@ -54,7 +55,23 @@ pub(crate) enum Holder {
 
 impl SlotLease {
     pub(crate) fn new(tier: Tier, holder: Holder) -> Self {
-        SlotLease { tier, holder }
+        SlotLease {
+            tier,
+            holder,
+            fallback: false,
+        }
+    }
+
+    /// Marks a local lease taken because Redis was away.
+    #[cfg_attr(not(feature = "redis"), allow(dead_code))]
+    pub(crate) fn mark_fallback(mut self) -> Self {
+        self.fallback = true;
+        self
+    }
+
+    /// Whether the slot came from the in-process fallback of a Redis store that was away.
+    pub fn is_fallback(&self) -> bool {
+        self.fallback
     }
 
     /// The tier the slot counts against.
@@ -113,7 +130,7 @@ impl LocalSlots {
         tier: &Tier,
         limits: SlotLimits,
     ) -> Option<SlotLease> {
-        let mut counts = self.counts.lock().unwrap_or_else(|e| e.into_inner());
+        let mut counts = crate::sync::lock(&self.counts);
         let held = counts.tiers.get(tier).copied().unwrap_or(0);
         if counts.global >= limits.global || held >= limits.tier {
             return None;
@@ -124,7 +141,7 @@ impl LocalSlots {
     }
 
     fn release(&self, tier: &Tier) {
-        let mut counts = self.counts.lock().unwrap_or_else(|e| e.into_inner());
+        let mut counts = crate::sync::lock(&self.counts);
         counts.global = counts.global.saturating_sub(1);
         if let Some(held) = counts.tiers.get_mut(tier) {
             *held = held.saturating_sub(1);
@@ -138,7 +155,7 @@ impl LocalSlots {
 
     /// Slots held in this process: all tiers (`None`) or one.
     pub(crate) fn in_use(&self, tier: Option<&Tier>) -> u32 {
-        let counts = self.counts.lock().unwrap_or_else(|e| e.into_inner());
+        let counts = crate::sync::lock(&self.counts);
         match tier {
             None => counts.global,
             Some(tier) => counts.tiers.get(tier).copied().unwrap_or(0),

@@ -89,7 +89,7 @@ where
                 .try_acquire_slot(&tier, shared.limits(limit))
                 .into_ready()
         {
-            let permit = SlotPermit::new(lease, state, &shared.store);
+            let permit = SlotPermit::new(lease, state);
             return ResponseFuture::acquired(permit, inner, req);
         }
         if shared.hopeless(&state, limit) {

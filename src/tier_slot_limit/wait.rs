@@ -12,6 +12,7 @@ use tokio::time::{Instant, sleep_until, timeout_at};
 use super::{Busy, SlotPolicy, TierLimit};
 use crate::rng::Rng;
 use crate::store::{SlotLease, SlotLimits, Store};
+use crate::sync::lock;
 use crate::{Tier, metrics};
 
 /// What one layer (and its clones) shares.
@@ -32,10 +33,6 @@ pub(super) struct TierState {
     waiting: AtomicUsize,
     /// Moving average of how long a slot is held, in nanoseconds (0: not seen yet).
     avg_hold_ns: AtomicU64,
-}
-
-fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    mutex.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 impl Shared {
@@ -123,10 +120,8 @@ pub struct SlotPermit {
 }
 
 impl SlotPermit {
-    pub(super) fn new(lease: SlotLease, state: Arc<TierState>, store: &Store) -> Self {
-        // A local lease from a Redis store is the fallback at work.
-        let fallback = !lease.is_shared() && store.backend_name() == "redis";
-        metrics::slot_taken(lease.tier(), fallback);
+    pub(super) fn new(lease: SlotLease, state: Arc<TierState>) -> Self {
+        metrics::slot_taken(lease.tier(), lease.is_fallback());
         SlotPermit {
             lease,
             state,
@@ -229,7 +224,7 @@ pub(super) async fn wait_for_slot(
         released.as_mut().enable();
         if let Some(lease) = shared.store.try_acquire_slot(&tier, limits).await {
             metrics::slot_wait(&tier, started.elapsed());
-            return Ok(SlotPermit::new(lease, state.clone(), &shared.store));
+            return Ok(SlotPermit::new(lease, state.clone()));
         }
         let now = Instant::now();
         if now >= deadline {

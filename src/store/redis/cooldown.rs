@@ -17,9 +17,9 @@ use redis::Script;
 use super::RedisStore;
 use crate::store::StoreFuture;
 
-static EXTEND: LazyLock<Script> =
+pub(super) static EXTEND: LazyLock<Script> =
     LazyLock::new(|| Script::new(include_str!("../scripts/extend_cooldown.lua")));
-static READ: LazyLock<Script> =
+pub(super) static READ: LazyLock<Script> =
     LazyLock::new(|| Script::new(include_str!("../scripts/read_cooldowns.lua")));
 
 /// How often an idle listener checks that its store still exists.

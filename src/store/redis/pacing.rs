@@ -10,7 +10,8 @@ use crate::store::StoreFuture;
 use crate::store::keys::escape_into;
 use crate::store::pacing::PaceLimit;
 
-static PACE: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("../scripts/pace.lua")));
+pub(super) static PACE: LazyLock<Script> =
+    LazyLock::new(|| Script::new(include_str!("../scripts/pace.lua")));
 
 impl RedisStore {
     pub(crate) fn pace(self: &Arc<Self>, key: &str, limits: &[PaceLimit]) -> StoreFuture<Duration> {

@@ -28,6 +28,12 @@ impl ServedRedis {
     }
 }
 
+impl ServedRedis {
+    pub(super) fn scripts(&self) -> [&Script; 2] {
+        [&self.add, &self.read]
+    }
+}
+
 impl RedisStore {
     pub(crate) fn add_served_cost(&self, tenant: &TenantId, cost: u64) {
         if self.is_degraded() {

@@ -223,9 +223,11 @@ impl RedisStore {
     /// While Redis is away: an in-process slot, from this worker's share of the caps.
     fn acquire_fallback(&self, tier: &Tier, limits: SlotLimits) -> Option<SlotLease> {
         let workers = self.slots.alive_workers.load(Ordering::Relaxed);
-        self.fallback
+        let lease = self
+            .fallback
             .slots
-            .try_acquire(tier, limits.share_of(workers))
+            .try_acquire(tier, limits.share_of(workers));
+        lease.map(SlotLease::mark_fallback)
     }
 
     pub(crate) fn slots_in_use(self: &Arc<Self>, tier: Option<&Tier>) -> StoreFuture<u32> {
