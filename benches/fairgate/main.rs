@@ -10,12 +10,14 @@ mod classify;
 mod drr;
 mod retry;
 mod slots;
+mod stack;
 
 criterion_group!(
     benches,
     classify::bench,
     drr::bench,
     slots::bench,
-    retry::bench
+    retry::bench,
+    stack::bench
 );
 criterion_main!(benches);

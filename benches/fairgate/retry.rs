@@ -23,14 +23,14 @@ fn runtime() -> tokio::runtime::Runtime {
         .expect("a tokio runtime")
 }
 
-fn request(i: u64) -> http::Request<String> {
+pub(crate) fn request(i: u64) -> http::Request<String> {
     let mut req = http::Request::new(String::new());
     let job = Job::new(format!("tenant-{}", i % 100), Origin::UserAction).cost(800);
     req.extensions_mut().insert(job);
     req
 }
 
-fn upstream() -> impl Service<
+pub(crate) fn upstream() -> impl Service<
     http::Request<String>,
     Response = http::Response<String>,
     Error = Infallible,
@@ -45,9 +45,18 @@ fn upstream() -> impl Service<
 /// tower's retry with what this layer does on the same statuses: 429/529, at most 4
 /// retries, a 10 s / 10 per s / 20% `TpsBudget`, 0.5 s backoff.
 #[derive(Clone)]
-struct Equivalent {
+pub(crate) struct Equivalent {
     budget: Arc<TpsBudget>,
     retries: u32,
+}
+
+impl Equivalent {
+    pub(crate) fn new() -> Self {
+        Equivalent {
+            budget: Arc::new(TpsBudget::new(Duration::from_secs(10), 10, 0.2)),
+            retries: 0,
+        }
+    }
 }
 
 impl<E> Policy<http::Request<String>, http::Response<String>, E> for Equivalent {
@@ -80,7 +89,7 @@ impl<E> Policy<http::Request<String>, http::Response<String>, E> for Equivalent 
     }
 }
 
-async fn drive<S>(service: &S, n: u64)
+pub(crate) async fn drive<S>(service: &S, n: u64)
 where
     S: Service<http::Request<String>> + Clone,
     S::Error: std::fmt::Debug,
@@ -106,11 +115,7 @@ pub(crate) fn bench(c: &mut Criterion) {
         b.to_async(&rt).iter(|| drive(&service, 1));
     });
 
-    let tower_retry = RetryLayer::new(Equivalent {
-        budget: Arc::new(TpsBudget::new(Duration::from_secs(10), 10, 0.2)),
-        retries: 0,
-    })
-    .layer(upstream());
+    let tower_retry = RetryLayer::new(Equivalent::new()).layer(upstream());
     group.bench_function(BenchmarkId::new("tower_retry", "first_success"), |b| {
         b.to_async(&rt).iter(|| drive(&tower_retry, 1));
     });

@@ -1,0 +1,46 @@
+//! The whole recommended stack against the tower baseline doing less: one request through
+//! PriorityClassify + DrrFairness + TierSlotLimit + RetryAfterBackoff (memory store) vs
+//! `ConcurrencyLimit` + `Retry` with an equivalent retry policy.
+
+use criterion::{BenchmarkId, Criterion, Throughput};
+use fairgate::{
+    BackoffPolicy, DrrFairnessLayer, PriorityClassifyLayer, RetryAfterBackoffLayer, SlotPolicy,
+    Store, TierSlotLimitLayer,
+};
+use tower::ServiceBuilder;
+use tower::retry::RetryLayer;
+
+use crate::classify::runtime;
+use crate::retry::{Equivalent, drive, upstream};
+
+pub(crate) fn bench(c: &mut Criterion) {
+    let rt = runtime();
+    let mut group = c.benchmark_group("stack");
+    group.throughput(Throughput::Elements(1));
+
+    let baseline = ServiceBuilder::new()
+        .concurrency_limit(32)
+        .layer(RetryLayer::new(Equivalent::new()))
+        .service(upstream());
+    group.bench_function(
+        BenchmarkId::new("baseline", "concurrency_limit_and_retry"),
+        |b| {
+            b.to_async(&rt).iter(|| drive(&baseline, 1));
+        },
+    );
+
+    let store = Store::memory();
+    let fairgate = ServiceBuilder::new()
+        .layer(PriorityClassifyLayer::new(store.clone()))
+        .layer(DrrFairnessLayer::new(store.clone(), 32))
+        .layer(TierSlotLimitLayer::new(
+            store.clone(),
+            SlotPolicy::default(),
+        ))
+        .layer(RetryAfterBackoffLayer::new(store, BackoffPolicy::default()))
+        .service(upstream());
+    group.bench_function(BenchmarkId::new("fairgate", "memory"), |b| {
+        b.to_async(&rt).iter(|| drive(&fairgate, 1));
+    });
+    group.finish();
+}
