@@ -13,12 +13,15 @@
 //! - **inside a priority**, Deficit Round Robin over the tenants with waiting work
 //!   (Shreedhar & Varghese, 1995): on its turn a tenant's deficit grows by
 //!   `quantum x weight(tier)` and it dispatches while its head request's cost (estimated
-//!   tokens) fits. Tiers `pro` and `premium` weigh 3. A tenant whose queue empties is
-//!   forgotten, deficit included, so idle time banks no credit and a tenant with nothing
-//!   waiting costs no memory. As in fq_codel (RFC 8290, "DRR++"), a tenant that becomes
-//!   active first joins a list of new tenants served before the old ones, so a light
-//!   tenant's single request goes out at the next freed permit instead of behind a whole
-//!   round of the heavy tenant's work. One request is charged at most 4 quanta, so a giant
+//!   tokens) fits. Tiers `pro` and `premium` weigh 3. As in fq_codel (RFC 8290,
+//!   "DRR++"), a tenant that becomes active first joins a list of new tenants served
+//!   before the old ones, so a light tenant's single request goes out at the next freed
+//!   permit instead of behind a whole round of the heavy tenant's work. A tenant whose
+//!   queue empties keeps its place in the round (and its leftover deficit) until its turn
+//!   comes and finds it still empty; only then is it forgotten, deficit included. So idle
+//!   time banks no credit, a tenant that stays idle costs no memory, and light tenants
+//!   that keep coming back get no newcomer priority over a backlogged one, which they
+//!   could otherwise starve. One request is charged at most 4 quanta, so a giant
 //!   prompt cannot stall its class. Each pick is O(1) amortised, whatever the number of
 //!   tenants. Every dispatch is charged to its tenant's deficit; one that goes out at once
 //!   because the window had room finds nobody waiting, so its tenant has no deficit to
@@ -46,8 +49,9 @@
 //! # Settling real usage
 //! The cost charged at dispatch is the job's estimate. When the real usage is known (the
 //! response's `usage`, or the app's own count), report it through a [`Settler`]: the
-//! difference is charged to or refunded from the tenant's deficit, if the tenant still has
-//! work waiting in that class (an idle tenant has no deficit to settle).
+//! difference is charged to or refunded from the tenant's deficit, if that class still
+//! knows the tenant (work waiting, or emptied less than a round ago; a forgotten tenant
+//! has no deficit to settle).
 //!
 //! # Observability
 //! Gauges [`QUEUE_DEPTH`] (`claude_queue_depth{priority}`) and [`FAIRNESS_INDEX`]

@@ -17,29 +17,82 @@
 //!   refilling, a backlogged class can wait up to ~1.5 × total/weight
 //!   dispatches; the tests assert < 2 × ⌈total/weight⌉ for any weights.)
 //! * **Inside a class**: Deficit Round Robin over tenants (Shreedhar &
-//!   Varghese 1995) with the sparse-flow `new`/`old` lists of RFC 8290 §4.2.
-//!   A tenant that gets its first waiting item joins the back of `new` with
-//!   a deficit of `quantum × weight`. The head tenant (of `new`, else `old`)
-//!   is either served (deficit -= charged cost, stays at the head while its
-//!   deficit lasts) or topped up by `quantum × weight` and moved to the back
-//!   of `old`. A tenant whose queue empties is forgotten (no banked credit).
-//!   Costs are charged as `min(max(cost, 1), quantum × max_charge_quanta)` so
-//!   one giant prompt cannot stall its class.
+//!   Varghese 1995) with the sparse-flow `new`/`old` lists of RFC 8290 §4.2
+//!   (fq_codel's "DRR++"). A tenant that is not listed and gets a waiting
+//!   item joins the back of `new` with a deficit of `quantum × weight`. The
+//!   head tenant (of `new`, else `old`) is either served (deficit -= charged
+//!   cost, stays at the head while its deficit lasts) or topped up by
+//!   `quantum × weight` and moved to the back of `old`. Costs are charged as
+//!   `min(max(cost, 1), quantum × max_charge_quanta)` so one giant prompt
+//!   cannot stall its class. A tenant whose queue empties is not forgotten
+//!   at once; see the next section.
+//!
+//! # Newcomers: when a tenant empties (DRR++)
+//!
+//! A tenant whose queue empties, by a dispatch or by [`Scheduler::remove`],
+//! stays listed with its deficit:
+//!
+//! * on `new`, it moves at once to the back of `old` (so `new` only ever
+//!   holds tenants with waiting items);
+//! * on `old`, it keeps its place.
+//!
+//! A push for a listed tenant, empty or not, only appends to its queue: no
+//! grant, no move to `new`. [`Scheduler::pop`] forgets a tenant (frees its
+//! state, deficit included) only when it finds it empty at the head of
+//! `old`, that is in its turn; and a class that drains forgets all its
+//! tenants. So a tenant regains newcomer priority only by staying away
+//! through a whole turn of the `old` list, as in RFC 8290, where only a
+//! flow found empty on the old list becomes inactive.
+//!
+//! Why: if an emptied tenant were forgotten at once, a tenant that keeps at
+//! most one request waiting would re-enter `new` with a fresh grant on every
+//! push, and so be served before the whole `old` list every time. Light
+//! tenants arriving as fast as requests are dispatched would then starve a
+//! backlogged tenant on `old` completely (newcomer starvation).
+//!
+//! Bound: take one backlogged tenant `h` and `n` light tenants that each
+//! keep at most one item waiting, every item costing exactly its tenant's
+//! `quantum × weight`, so a deficit is always 0 or one grant. Between two
+//! dispatches of `h`, `h` is topped up once and moves from the head of `old`
+//! to its back and forward again. A light tenant reaches the head of `old`
+//! only while it is ahead of `h`, and that turn ends with a top-up (it
+//! moves behind `h`) or with it being forgotten. Once forgotten it can come
+//! back once through `new`, which leaves it behind `h` on `old`. So each
+//! light tenant gets at most one grant (top-up or activation) and at most
+//! two dispatches (a banked grant and a fresh one) between two dispatches
+//! of `h`. Hence `h` is served at least once in every `2n + 1` consecutive
+//! pops, and after `P` pops it has had at least `(P - 2n) / (n + 1)` of
+//! them, its fair share `1 / (n + 1)` less a constant. The proptest
+//! `old_tenant_is_not_starved_by_a_stream_of_newcomers` checks both bounds
+//! (with immediate forgetting, `h` got nothing). A stream of genuinely new,
+//! distinct tenants still goes first, each once, as in fq_codel.
+//!
+//! An emptied tenant on `old` keeps only its leftover deficit, and only
+//! until its turn. A deficit is always below `max_charge + quantum ×
+//! weight`: a top-up happens only below the head's cost, and refunds stop
+//! at one grant. [`Scheduler::settle`] still reaches such a tenant, so if it
+//! comes back before its turn it pays for an underestimate.
 //!
 //! # Cost of an operation
 //!
 //! `push`, `remove` and `settle` are O(1) (one hash lookup plus intrusive
-//! list splices). `pop` is O(1) plus one step per deficit top-up. A tenant's
-//! deficit never drops below `-max_charge` (settlement charges are floored
-//! there) and no charged cost exceeds `max_charge`, so one item needs at most
-//! `2 × max_charge_quanta` top-ups of its tenant (`max_charge_quanta` without
-//! settlement). A single pop can top up every tenant of a round, but each
-//! top-up hands out at least one quantum of credit, and credit is only
-//! consumed by dispatches (≤ `max_charge` each), settlements (≤ `max_charge`
-//! each) or forfeited when a tenant empties (< one quantum × weight, which
-//! was itself a top-up or the activation grant). Hence the number of
-//! top-ups is amortised O(`max_charge_quanta`) per operation, independent of
-//! the number of tenants.
+//! list splices). `pop` is O(1) plus one step per deficit top-up plus one
+//! step per empty tenant it forgets. Each dispatch or removal empties at
+//! most one tenant, and [`Scheduler::pop`] visits each empty tenant once (it
+//! is forgotten then) unless a push revives it first. So forgetting is
+//! amortised O(1) per earlier dispatch or removal, and `pop` never loops
+//! over empty tenants. A tenant's deficit never drops below `-max_charge`
+//! (settlement charges are floored there) and no charged cost exceeds
+//! `max_charge`, so one item needs at most `2 × max_charge_quanta` top-ups
+//! of its tenant (`max_charge_quanta` without settlement). A single pop can
+//! top up every tenant of a round, but each top-up hands out one
+//! `quantum × weight` of credit. Credit is only consumed by dispatches (≤
+//! `max_charge` each), settlements (≤ `max_charge` each), or forfeited when
+//! a tenant is forgotten (its leftover deficit, less than
+//! `max_charge + quantum × weight`, charged to the one dispatch or removal
+//! that emptied it). Hence the number of top-ups is amortised
+//! O(`max_charge_quanta`) per operation, independent of the number of
+//! tenants.
 //!
 //! # Removal and memory
 //!
@@ -48,12 +101,18 @@
 //! slab, and each class's `new`/`old` lists are intrusive doubly linked
 //! lists threaded through a per-class tenant slab (`HashMap<TenantId, slot>`
 //! finds the slot). So [`Scheduler::remove`] unlinks the entry in O(1), and
-//! if that empties the tenant, unlinks and frees the tenant at once: there
-//! are no tombstones, counts are exact, and a tenant exists in the active
-//! lists if and only if it has a waiting item. Vacant slab slots hold no
-//! item; slab capacity is the high-water mark of waiting entries (resp.
-//! active tenants of a class) since that slab last drained, and is given
-//! back (above a small retained capacity) whenever it drains.
+//! if that empties the tenant, applies the DRR++ rule above (one splice at
+//! most). There are no item tombstones and counts are exact:
+//! [`Scheduler::len`] and [`Scheduler::class_len`] count waiting items, and
+//! [`Scheduler::active_tenants`] counts tenants with waiting items (an
+//! emptied tenant still listed is not active). [`Scheduler::is_empty`] means
+//! no item is waiting. The tenants listed in a class are those with waiting
+//! items plus those that emptied and whose turn on `old` has not come yet;
+//! each of the latter holds no item, only its deficit and links. A class
+//! that drains forgets all its tenants. Vacant slab slots hold no item;
+//! slab capacity is the high-water mark of waiting entries (resp. listed
+//! tenants of a class) since that slab last drained, and is given back
+//! (above a small retained capacity) whenever it drains.
 //!
 //! Every push draws a fresh 64-bit generation from a scheduler-wide
 //! counter and the [`Key`] carries it, so a stale key never matches a reused
@@ -380,11 +439,13 @@ struct Tenant {
     id: TenantId,
     weight: u32,
     deficit: i64,
-    /// FIFO of this tenant's entries in this class.
+    /// FIFO of this tenant's entries in this class. Empty only while the
+    /// tenant waits on `old` to be found empty in its turn (DRR++).
     head: Option<usize>,
     tail: Option<usize>,
     len: usize,
-    /// Position in the class's `new` or `old` list.
+    /// Position in the class's `new` or `old` list. A tenant on `new` always
+    /// has waiting items.
     list: ListKind,
     prev: Option<usize>,
     next: Option<usize>,
@@ -395,6 +456,8 @@ struct Tenant {
 enum Visit {
     TopUp(TenantId),
     Dispatch(TenantId),
+    /// Found empty at the head of `old`: state freed.
+    Forget(TenantId),
 }
 
 #[derive(Debug)]
@@ -404,7 +467,10 @@ struct Class {
     free: Vec<usize>,
     new: TenantList,
     old: TenantList,
+    /// Waiting items.
     len: usize,
+    /// Listed tenants with at least one waiting item.
+    busy: usize,
     /// Smooth weighted round robin credit.
     current: i64,
     #[cfg(test)]
@@ -420,6 +486,7 @@ impl Class {
             new: TenantList::default(),
             old: TenantList::default(),
             len: 0,
+            busy: 0,
             current: 0,
             #[cfg(test)]
             trace: Vec::new(),
@@ -470,7 +537,8 @@ impl Class {
         }
     }
 
-    /// A tenant gets its first waiting item: back of `new`, one quantum.
+    /// A tenant not listed in the class gets a waiting item: back of `new`,
+    /// one quantum × weight.
     fn activate(&mut self, id: TenantId, weight: u32, grant: i64) -> usize {
         let tenant = Tenant {
             id: id.clone(),
@@ -498,18 +566,24 @@ impl Class {
         t
     }
 
-    /// The tenant has nothing waiting: forget it, deficit included.
-    fn release(&mut self, t: usize) -> Option<Tenant> {
+    /// The tenant was found empty at the head of `old`: forget it, deficit
+    /// included.
+    fn release(&mut self, t: usize) {
         self.unlink(t);
-        let tenant = self.tenants.get_mut(t)?.take()?;
+        let Some(tenant) = self.tenants.get_mut(t).and_then(Option::take) else {
+            return;
+        };
         self.free.push(t);
         self.index.remove(&tenant.id);
-        Some(tenant)
+        #[cfg(test)]
+        self.trace.push(Visit::Forget(tenant.id));
     }
 
     /// Unlinks an entry already taken out of the slab from its tenant's
-    /// FIFO. Returns the tenant if this emptied (and so released) it.
-    fn detach<T>(&mut self, entries: &mut Entries<T>, entry: &Entry<T>) -> Option<Tenant> {
+    /// FIFO. A tenant this empties stays listed with its deficit (DRR++): one
+    /// on `new` moves to the back of `old`, one on `old` keeps its place
+    /// until [`Class::pop`] finds it empty there.
+    fn detach<T>(&mut self, entries: &mut Entries<T>, entry: &Entry<T>) {
         match entry.prev.and_then(|p| entries.get_mut(p)) {
             Some(prev) => prev.next = entry.next,
             None => {
@@ -527,23 +601,41 @@ impl Class {
             }
         }
         self.len = self.len.saturating_sub(1);
-        let tenant = self.tenant_mut(entry.tenant)?;
+        let Some(tenant) = self.tenant_mut(entry.tenant) else {
+            return;
+        };
         tenant.len = tenant.len.saturating_sub(1);
-        if tenant.len == 0 {
-            self.release(entry.tenant)
-        } else {
-            None
+        if tenant.len > 0 {
+            return;
+        }
+        let on_new = tenant.list == ListKind::New;
+        self.busy = self.busy.saturating_sub(1);
+        if on_new {
+            self.unlink(entry.tenant);
+            self.link_back(ListKind::Old, entry.tenant);
         }
     }
 
-    /// DRR++ dispatch inside the class. Each loop iteration either returns
-    /// or tops up one tenant by at least 1, and no cost exceeds max_charge,
-    /// so the loop ends (bounds in the module doc).
+    /// DRR++ dispatch inside the class. Each loop iteration either returns,
+    /// forgets an empty tenant (each at most once), or tops up one tenant by
+    /// at least 1 while no cost exceeds max_charge, so the loop ends (bounds
+    /// in the module doc).
     fn pop<T>(&mut self, entries: &mut Entries<T>, quantum: i64) -> Option<(T, TenantId, i64)> {
         loop {
             let t = self.new.head.or(self.old.head)?;
             let tenant = self.tenant_mut(t)?;
-            let head = tenant.head?;
+            let Some(head) = tenant.head else {
+                // Empty: on `old` (its turn came) it is forgotten. `detach`
+                // never leaves an empty tenant on `new`; were one there, it
+                // would move to `old` as RFC 8290 says.
+                if tenant.list == ListKind::New {
+                    self.unlink(t);
+                    self.link_back(ListKind::Old, t);
+                } else {
+                    self.release(t);
+                }
+                continue;
+            };
             let cost = entries.get(head)?.cost;
             if tenant.deficit < cost {
                 let grant = quantum.saturating_mul(i64::from(tenant.weight));
@@ -563,19 +655,21 @@ impl Class {
                 index: head,
                 generation,
             })?;
-            let id = match self.detach(entries, &entry) {
-                Some(released) => released.id,
-                None => self.tenant(t)?.id.clone(),
-            };
+            self.detach(entries, &entry);
+            let id = self.tenant(t)?.id.clone();
             #[cfg(test)]
             self.trace.push(Visit::Dispatch(id.clone()));
             return Some((entry.item, id, cost));
         }
     }
 
-    /// Called when the class has nothing waiting (so no tenants either).
+    /// Called when the class has nothing waiting: every tenant still listed
+    /// is empty, and all of them are forgotten at once (a drained class has
+    /// no backlogged tenant a returning one could overtake).
     fn reset(&mut self) {
         self.current = 0;
+        self.busy = 0;
+        self.index.clear();
         self.new = TenantList::default();
         self.old = TenantList::default();
         self.tenants.clear();
@@ -656,6 +750,8 @@ impl<T> Scheduler<T> {
         if max_per_class.is_some_and(|limit| queue.len >= limit) {
             return Err(Rejected::ClassFull(item));
         }
+        // A listed tenant, even an empty one waiting on `old` for its turn,
+        // keeps its place and deficit: no fresh grant, no move to `new`.
         let t = match existing {
             Some(t) => t,
             None => queue.activate(tenant, weight, grant),
@@ -664,6 +760,7 @@ impl<T> Scheduler<T> {
             // Unreachable: `t` was just found or created.
             return Err(Rejected::ClassFull(item));
         };
+        let was_empty = owner.len == 0;
         owner.weight = weight;
         let prev = owner.tail;
         let key = self.entries.insert(Entry {
@@ -682,6 +779,7 @@ impl<T> Scheduler<T> {
         owner.tail = Some(key.index);
         owner.len += 1;
         queue.len += 1;
+        queue.busy += usize::from(was_empty);
         self.len += 1;
         Ok(key)
     }
@@ -723,9 +821,11 @@ impl<T> Scheduler<T> {
 
     /// Settles a dispatched request once its real usage is known: charges
     /// (`actual > estimated`) or refunds the difference of the charged costs
-    /// to the tenant's deficit, if the tenant is still active in `class`.
-    /// Refunds never lift the deficit above one `quantum × weight`; charges
-    /// never push it below `-max_charge`. Inactive tenants are ignored.
+    /// to the tenant's deficit, if the tenant is still listed in `class`
+    /// (items waiting, or emptied less than a round ago; see the module
+    /// doc). Refunds never lift the deficit above one `quantum × weight`;
+    /// charges never push it below `-max_charge`. Forgotten tenants are
+    /// ignored.
     pub fn settle(&mut self, class: Priority, tenant: &TenantId, estimated: u64, actual: u64) {
         let (estimated, actual) = (self.charge(estimated), self.charge(actual));
         let (quantum, floor) = (self.quantum, self.max_charge.saturating_neg());
@@ -761,9 +861,11 @@ impl<T> Scheduler<T> {
         self.classes[class_index(class)].len
     }
 
-    /// Number of tenants with waiting items in `class`.
+    /// Number of tenants with waiting items in `class`. A tenant that emptied
+    /// less than a round ago is still listed (with its deficit, see the
+    /// module doc) but is not counted: it has nothing waiting.
     pub fn active_tenants(&self, class: Priority) -> usize {
-        self.classes[class_index(class)].index.len()
+        self.classes[class_index(class)].busy
     }
 
     fn after_removal(&mut self, ci: usize) {
@@ -862,19 +964,29 @@ mod tests {
             std::mem::take(&mut self.classes[class_index(class)].trace)
         }
 
+        /// The list `tenant` is on in `class`, `None` if it is not listed.
+        fn list_of(&self, class: Priority, tenant: &TenantId) -> Option<ListKind> {
+            let queue = &self.classes[class_index(class)];
+            queue.tenant(*queue.index.get(tenant)?).map(|x| x.list)
+        }
+
         /// Internal consistency: lists, slabs and counts agree.
         fn check_invariants(&self) {
             let mut total = 0;
             for queue in &self.classes {
-                let mut seen = 0;
-                let mut items = 0;
-                for list in [queue.new, queue.old] {
+                let (mut seen, mut busy, mut items) = (0, 0, 0);
+                for (kind, list) in [(ListKind::New, queue.new), (ListKind::Old, queue.old)] {
                     let mut cursor = list.head;
                     let mut prev = None;
                     while let Some(t) = cursor {
                         let tenant = queue.tenant(t).expect("listed tenant exists");
                         assert_eq!(tenant.prev, prev);
-                        assert!(tenant.len > 0, "listed tenant has items");
+                        assert_eq!(tenant.list, kind);
+                        assert!(
+                            tenant.len > 0 || kind == ListKind::Old,
+                            "only `old` holds empty tenants"
+                        );
+                        busy += usize::from(tenant.len > 0);
                         assert_eq!(queue.index.get(&tenant.id), Some(&t));
                         let mut e = tenant.head;
                         let mut count = 0;
@@ -892,7 +1004,11 @@ mod tests {
                 }
                 assert_eq!(seen, queue.index.len());
                 assert_eq!(seen, queue.tenants.iter().flatten().count());
+                assert_eq!(busy, queue.busy);
                 assert_eq!(items, queue.len);
+                if queue.len == 0 {
+                    assert_eq!(seen, 0, "a drained class forgets everyone");
+                }
                 total += items;
             }
             assert_eq!(total, self.len);
@@ -971,6 +1087,7 @@ mod tests {
                         self.topups[t] = 0;
                         self.fresh[t] = false;
                     }
+                    Visit::Forget(_) => {}
                 }
             }
             Ok(())
@@ -1107,8 +1224,10 @@ mod tests {
                 if push {
                     let t = who.index(n);
                     if state.waiting[t] == 0 {
+                        // Fresh grant only if forgotten; a tenant that emptied
+                        // less than a round ago keeps its deficit (>= 0 here).
                         state.topups[t] = 0;
-                        state.fresh[t] = true;
+                        state.fresh[t] = s.deficit_of(Priority::Standard, &tid(&format!("t{t}"))).is_none();
                     }
                     state.waiting[t] += 1;
                     s.push(Priority::Standard, tid(&format!("t{t}")), weights[t], cost, ()).ok();
@@ -1148,6 +1267,64 @@ mod tests {
                             waited += 1;
                             prop_assert!(waited < limit, "batch waited {waited}");
                         }
+                    }
+                }
+            }
+        }
+
+        /// Newcomer starvation (module doc, "Newcomers"). Tenant `h` is
+        /// backlogged; after every pop one of `n` light tenants with nothing
+        /// waiting (brand-new on its first push, else one that emptied
+        /// earlier and may still be listed) pushes one item, unless the
+        /// script skips. Every item costs exactly its tenant's
+        /// `quantum × weight`, so a deficit is always 0 or one grant. Proven
+        /// bounds: `h` is served at least once in every `2n + 1` consecutive
+        /// pops, and after `P` pops it has had at least `(P - 2n) / (n + 1)`
+        /// of them. (With newcomer priority on every return, `h` got none.)
+        #[test]
+        fn old_tenant_is_not_starved_by_a_stream_of_newcomers(
+            light_weights in prop::collection::vec(1..=4u32, 1..=6),
+            heavy_weight in 1..=4u32,
+            script in prop::collection::vec(
+                prop::option::weighted(0.9, any::<prop::sample::Index>()),
+                1..400,
+            ),
+            quantum in prop_oneof![Just(1_000u64), Just(5_000)],
+        ) {
+            let class = Priority::Standard;
+            let n = light_weights.len();
+            let n64 = n as u64;
+            let mut s = scheduler(SchedulerConfig::default().with_quantum(quantum));
+            let heavy = tid("h");
+            for _ in 0..=script.len() {
+                s.push(class, heavy.clone(), heavy_weight, quantum * u64::from(heavy_weight), ())
+                    .ok();
+            }
+            let mut waiting = vec![false; n];
+            let (mut pops, mut heavy_pops, mut since_heavy) = (0u64, 0u64, 0u64);
+            for choice in script {
+                let d = s.pop().ok_or_else(|| TestCaseError::fail("h is backlogged"))?;
+                pops += 1;
+                if d.tenant == heavy {
+                    heavy_pops += 1;
+                    since_heavy = 0;
+                } else {
+                    waiting[tenant_number(&d.tenant)] = false;
+                    since_heavy += 1;
+                }
+                prop_assert!(since_heavy <= 2 * n64, "h waited {since_heavy} pops, n = {n}");
+                prop_assert!(
+                    (n64 + 1) * heavy_pops + 2 * n64 >= pops,
+                    "h served {heavy_pops} of {pops} pops, n = {n}"
+                );
+                if let Some(index) = choice {
+                    let idle: Vec<usize> = (0..n).filter(|&i| !waiting[i]).collect();
+                    if !idle.is_empty() {
+                        let x = idle[index.index(idle.len())];
+                        let weight = light_weights[x];
+                        s.push(class, tid(&format!("l{x}")), weight, quantum * u64::from(weight), ())
+                            .ok();
+                        waiting[x] = true;
                     }
                 }
             }
@@ -1312,6 +1489,138 @@ mod tests {
         assert_eq!(s.pop().expect("waiting").tenant, tid("b"));
     }
 
+    /// `h` backlogged on `old` with its deficit spent; `l` then pushes one
+    /// item, goes out at once from `new` as a genuine newcomer, and empties.
+    fn heavy_on_old_after_light_served_once() -> Scheduler<()> {
+        let class = Priority::Standard;
+        let mut s = scheduler(SchedulerConfig::default());
+        for _ in 0..10 {
+            s.push(class, tid("h"), 1, 5_000, ()).ok();
+        }
+        // From `new`, then topped up, moved to `old` and served again.
+        assert_eq!(s.pop().expect("waiting").tenant, tid("h"));
+        assert_eq!(s.pop().expect("waiting").tenant, tid("h"));
+        assert_eq!(s.list_of(class, &tid("h")), Some(ListKind::Old));
+        s.push(class, tid("l"), 1, 5_000, ()).ok();
+        assert_eq!(s.list_of(class, &tid("l")), Some(ListKind::New));
+        assert_eq!(s.pop().expect("waiting").tenant, tid("l"));
+        s.take_trace(class);
+        s
+    }
+
+    #[test]
+    fn tenant_that_empties_and_returns_within_the_round_gets_no_newcomer_priority() {
+        let class = Priority::Standard;
+        let mut s = heavy_on_old_after_light_served_once();
+        // Emptied from `new`: back of `old`, behind h, deficit (0) kept; it
+        // is listed but not active.
+        assert_eq!(s.list_of(class, &tid("l")), Some(ListKind::Old));
+        assert_eq!(s.deficit_of(class, &tid("l")), Some(0));
+        assert_eq!(s.active_tenants(class), 1);
+        s.check_invariants();
+        // Back before its turn: joins its own queue, no grant, no `new`.
+        s.push(class, tid("l"), 1, 5_000, ()).ok();
+        assert_eq!(s.list_of(class, &tid("l")), Some(ListKind::Old));
+        assert_eq!(s.deficit_of(class, &tid("l")), Some(0));
+        assert_eq!(s.active_tenants(class), 2);
+        // So h goes first (a newcomer would have), then l in its turn.
+        assert_eq!(s.pop().expect("waiting").tenant, tid("h"));
+        assert_eq!(s.pop().expect("waiting").tenant, tid("l"));
+        assert!(
+            !s.take_trace(class)
+                .iter()
+                .any(|v| matches!(v, Visit::Forget(_)))
+        );
+        s.check_invariants();
+    }
+
+    #[test]
+    fn tenant_absent_for_a_full_round_regains_newcomer_priority() {
+        let class = Priority::Standard;
+        let mut s = heavy_on_old_after_light_served_once();
+        // h's turn: topped up and moved behind l, which is found empty at
+        // the head of `old` and forgotten, then h is served.
+        assert_eq!(s.pop().expect("waiting").tenant, tid("h"));
+        assert_eq!(
+            s.take_trace(class),
+            vec![
+                Visit::TopUp(tid("h")),
+                Visit::Forget(tid("l")),
+                Visit::Dispatch(tid("h"))
+            ]
+        );
+        assert_eq!(s.deficit_of(class, &tid("l")), None);
+        s.check_invariants();
+        // Newcomer again: fresh grant, `new`, out at the next pop.
+        s.push(class, tid("l"), 1, 5_000, ()).ok();
+        assert_eq!(s.list_of(class, &tid("l")), Some(ListKind::New));
+        assert_eq!(s.deficit_of(class, &tid("l")), Some(5_000));
+        assert_eq!(s.pop().expect("waiting").tenant, tid("l"));
+    }
+
+    #[test]
+    fn each_emptied_tenant_is_visited_once_then_forgotten() {
+        let class = Priority::Standard;
+        let mut s = scheduler(SchedulerConfig::default());
+        for _ in 0..10 {
+            s.push(class, tid("h"), 1, 5_000, ()).ok();
+        }
+        s.pop().expect("waiting");
+        s.pop().expect("waiting");
+        for i in 0..100 {
+            s.push(class, tid(&format!("l{i}")), 1, 5_000, ()).ok();
+        }
+        for _ in 0..100 {
+            assert_ne!(s.pop().expect("waiting").tenant, tid("h"));
+        }
+        // 101 listed tenants, one of them active.
+        assert_eq!(s.classes[1].index.len(), 101);
+        assert_eq!(s.active_tenants(class), 1);
+        s.take_trace(class);
+        // One pop walks past all 100 once, forgetting each, then serves h.
+        assert_eq!(s.pop().expect("waiting").tenant, tid("h"));
+        let trace = s.take_trace(class);
+        let forgotten: HashSet<_> = trace
+            .iter()
+            .filter_map(|v| match v {
+                Visit::Forget(t) => Some(t.clone()),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(forgotten.len(), 100);
+        assert_eq!(trace.len(), 102, "top-up h, 100 forgets, dispatch h");
+        assert_eq!(s.classes[1].index.len(), 1);
+        assert_eq!(s.classes[1].tenants.iter().flatten().count(), 1);
+        assert_eq!(s.pop().expect("waiting").tenant, tid("h"));
+        assert_eq!(s.take_trace(class).len(), 2, "top-up h, dispatch h");
+        s.check_invariants();
+    }
+
+    #[test]
+    fn removal_that_empties_a_tenant_keeps_its_place_like_a_dispatch() {
+        let class = Priority::Standard;
+        let mut s = heavy_on_old_after_light_served_once();
+        // On `new`: a removal moves it to the back of `old`, deficit kept,
+        // so cancelling and pushing again does not jump the queue.
+        let key = s.push(class, tid("m"), 1, 5_000, ()).expect("no limit");
+        assert_eq!(s.list_of(class, &tid("m")), Some(ListKind::New));
+        assert_eq!(s.remove(key), Some(()));
+        assert_eq!(s.list_of(class, &tid("m")), Some(ListKind::Old));
+        assert_eq!(s.deficit_of(class, &tid("m")), Some(5_000));
+        s.push(class, tid("m"), 1, 5_000, ()).ok();
+        assert_eq!(s.list_of(class, &tid("m")), Some(ListKind::Old));
+        s.check_invariants();
+        // On `old`: stays until its turn, then is forgotten.
+        let key = s.push(class, tid("l"), 1, 5_000, ()).expect("no limit");
+        assert_eq!(s.remove(key), Some(()));
+        assert_eq!(s.list_of(class, &tid("l")), Some(ListKind::Old));
+        assert_eq!(s.active_tenants(class), 2, "h and m");
+        // old = [h, l, m]: h topped up and moved back, l forgotten, m served.
+        assert_eq!(s.pop().expect("waiting").tenant, tid("m"));
+        assert_eq!(s.list_of(class, &tid("l")), None);
+        s.check_invariants();
+    }
+
     #[test]
     fn giant_request_is_not_stuck() {
         let config = SchedulerConfig::default();
@@ -1345,7 +1654,7 @@ mod tests {
     }
 
     #[test]
-    fn deficit_resets_when_queue_empties() {
+    fn deficit_resets_when_the_class_drains_or_the_tenant_is_found_empty() {
         let mut s = scheduler(SchedulerConfig::default());
         s.push(Priority::Batch, tid("a"), 2, 1_000, ()).ok();
         assert_eq!(s.deficit_of(Priority::Batch, &tid("a")), Some(10_000));
@@ -1355,6 +1664,18 @@ mod tests {
         // No banked 9,000: a fresh quantum × weight.
         s.push(Priority::Batch, tid("a"), 2, 1_000, ()).ok();
         assert_eq!(s.deficit_of(Priority::Batch, &tid("a")), Some(10_000));
+
+        // With b backlogged the class does not drain: a keeps its 9,000
+        // until its turn on `old` finds it empty, then it is forgotten.
+        s.push(Priority::Batch, tid("b"), 1, 5_000, ()).ok();
+        s.push(Priority::Batch, tid("b"), 1, 5_000, ()).ok();
+        assert_eq!(s.pop().expect("waiting").tenant, tid("a"));
+        assert_eq!(s.deficit_of(Priority::Batch, &tid("a")), Some(9_000));
+        assert_eq!(s.pop().expect("waiting").tenant, tid("b"));
+        assert_eq!(s.deficit_of(Priority::Batch, &tid("a")), Some(9_000));
+        // old = [a, b]: a is forgotten, b (deficit 0) topped up and served.
+        assert_eq!(s.pop().expect("waiting").tenant, tid("b"));
+        assert_eq!(s.deficit_of(Priority::Batch, &tid("a")), None);
     }
 
     // ---------- removal ----------
