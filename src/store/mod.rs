@@ -10,9 +10,10 @@
 //!   unreachable the store degrades to in-process state at once (no request fails), logs
 //!   `queue.redis_unavailable` once per outage, and returns to Redis by itself.
 //!
-//! The operations are those the layers need, and are public so an application can read or
-//! feed the same state (set a tenant's budget, record a 429 it handled itself, show who is
-//! demoted). They return a [`StoreFuture`], which is ready at once when no round trip is
+//! The operations are those the layers need — throttles, daily tokens, budgets and demotion
+//! (PriorityClassify); served cost (DrrFairness); slot leases (TierSlotLimit); cooldown gates
+//! and pacing (RetryAfterBackoff) — and are public so an application can read or feed the
+//! same state (set a tenant's budget, record a 429 it handled itself, show who is demoted). They return a [`StoreFuture`], which is ready at once when no round trip is
 //! needed (memory, a fresh cache entry, a degraded Redis store).
 //!
 //! ```
