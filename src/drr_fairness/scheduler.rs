@@ -193,7 +193,7 @@ pub enum ClassSelection {
     #[default]
     SmoothWeighted,
     /// Random choice weighted by the non-empty classes' weights, from a
-    /// [`Rng`] seeded with `seed` (reproducible per seed).
+    /// SplitMix64 generator seeded with `seed` (reproducible per seed).
     Probabilistic {
         /// Initial generator state.
         seed: u64,
