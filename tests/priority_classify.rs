@@ -384,3 +384,107 @@ async fn missing_job_is_a_typed_error(rig: Rig) {
     assert!(err.is::<MissingJob>(), "{err}");
     assert_eq!(err.to_string(), "request carries no fairgate job");
 }
+
+/// What the debugging recorder saw: (name, labels, value) for counters, gauges and the
+/// number of histogram samples.
+fn recorded(
+    snapshotter: &metrics_util::debugging::Snapshotter,
+) -> Vec<(String, Vec<(String, String)>, f64)> {
+    use metrics_util::debugging::DebugValue;
+    snapshotter
+        .snapshot()
+        .into_vec()
+        .into_iter()
+        .map(|(key, _, _, value)| {
+            let labels = key
+                .key()
+                .labels()
+                .map(|l| (l.key().to_owned(), l.value().to_owned()))
+                .collect();
+            let value = match value {
+                DebugValue::Counter(n) => n as f64,
+                DebugValue::Gauge(g) => g.0,
+                DebugValue::Histogram(samples) => samples.len() as f64,
+            };
+            (key.key().name().to_owned(), labels, value)
+        })
+        .collect()
+}
+
+fn metric(
+    seen: &[(String, Vec<(String, String)>, f64)],
+    name: &str,
+    label: Option<(&str, &str)>,
+) -> Option<f64> {
+    seen.iter()
+        .find(|(n, labels, _)| {
+            n == name && label.is_none_or(|(k, v)| labels.iter().any(|(lk, lv)| lk == k && lv == v))
+        })
+        .map(|(_, _, value)| *value)
+}
+
+#[tokio::test(start_paused = true)]
+async fn latency_tokens_and_demotions_are_published() {
+    use fairgate::metrics::{DEMOTED_TENANTS, INPUT_TOKENS, REQUEST_LATENCY};
+    let recorder = metrics_util::debugging::DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    let _metrics = metrics::set_default_local_recorder(&recorder);
+    let (events, _tracing) = support::EventCounter::install();
+
+    let rig = Rig::memory();
+    let slow = service_fn(|req: http::Request<()>| async move {
+        tokio::time::sleep(Duration::from_millis(250)).await;
+        Ok::<_, Infallible>(req.extensions().get::<Job>().and_then(Job::priority))
+    });
+    let service = rig.layer().layer(slow);
+    service
+        .clone()
+        .oneshot(request(Job::new("acme", Origin::UserAction).cost(1_200)))
+        .await
+        .unwrap();
+    service
+        .clone()
+        .oneshot(request(scheduled("acme").cost(300)))
+        .await
+        .unwrap();
+
+    rig.throttle(&TenantId::new("runaway"), 5).await;
+    service
+        .clone()
+        .oneshot(request(scheduled("runaway")))
+        .await
+        .unwrap();
+    assert_eq!(events.count("tenant.demoted"), 1, "logged when it happens");
+    service
+        .clone()
+        .oneshot(request(scheduled("runaway")))
+        .await
+        .unwrap();
+    assert_eq!(
+        events.count("tenant.demoted"),
+        1,
+        "not again while it lasts"
+    );
+    // The demoted gauge is refreshed by the store's sweep, at most once a second.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    rig.store.throttle_count(&TenantId::new("anyone")).await;
+
+    let seen = recorded(&snapshotter);
+    assert_eq!(
+        metric(&seen, INPUT_TOKENS, Some(("tenant_id", "acme"))),
+        Some(1_500.0)
+    );
+    assert_eq!(
+        metric(&seen, REQUEST_LATENCY, Some(("priority", "critical"))),
+        Some(1.0)
+    );
+    assert_eq!(
+        metric(&seen, REQUEST_LATENCY, Some(("priority", "standard"))),
+        Some(1.0)
+    );
+    assert_eq!(
+        metric(&seen, REQUEST_LATENCY, Some(("priority", "batch"))),
+        Some(2.0)
+    );
+    assert_eq!(metric(&seen, DEMOTED_TENANTS, None), Some(1.0));
+}
