@@ -385,11 +385,11 @@ async fn missing_job_is_a_typed_error(rig: Rig) {
     assert_eq!(err.to_string(), "request carries no fairgate job");
 }
 
-/// What the debugging recorder saw: (name, labels, value) for counters, gauges and the
-/// number of histogram samples.
-fn recorded(
-    snapshotter: &metrics_util::debugging::Snapshotter,
-) -> Vec<(String, Vec<(String, String)>, f64)> {
+/// A metric as the debugging recorder saw it: name, labels, and the value of a counter or a
+/// gauge, or the number of samples of a histogram.
+type Recorded = (String, Vec<(String, String)>, f64);
+
+fn recorded(snapshotter: &metrics_util::debugging::Snapshotter) -> Vec<Recorded> {
     use metrics_util::debugging::DebugValue;
     snapshotter
         .snapshot()
@@ -411,11 +411,7 @@ fn recorded(
         .collect()
 }
 
-fn metric(
-    seen: &[(String, Vec<(String, String)>, f64)],
-    name: &str,
-    label: Option<(&str, &str)>,
-) -> Option<f64> {
+fn metric(seen: &[Recorded], name: &str, label: Option<(&str, &str)>) -> Option<f64> {
     seen.iter()
         .find(|(n, labels, _)| {
             n == name && label.is_none_or(|(k, v)| labels.iter().any(|(lk, lv)| lk == k && lv == v))
