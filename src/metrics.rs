@@ -17,8 +17,6 @@ pub const REQUEST_LATENCY: &str = "claude_request_latency_seconds";
 pub const DEMOTED_TENANTS: &str = "claude_demoted_tenants";
 /// Counter, estimated input tokens admitted, label `tenant_id`.
 pub const INPUT_TOKENS: &str = "claude_input_tokens_total";
-/// Counter, jobs classified, labels `priority` and `demoted` (`true`/`false`).
-pub const CLASSIFIED: &str = "claude_classified_total";
 /// Gauge, 1 while the store serves from in-process state because Redis is unreachable.
 pub const STORE_DEGRADED: &str = "claude_store_degraded";
 
@@ -34,34 +32,29 @@ pub fn limit_tenant_labels(max: usize) {
     TENANT_LABEL_LIMIT.store(max, Ordering::Relaxed);
 }
 
-/// The label value for `tenant`: its name, or [`OTHER_TENANTS`] past the cap.
-pub(crate) fn tenant_label(tenant: &TenantId) -> String {
+/// The label value for `tenant`: its name (shared with the `TenantId`, no copy), or
+/// [`OTHER_TENANTS`] past the cap.
+pub(crate) fn tenant_label(tenant: &TenantId) -> metrics::SharedString {
     let labels = TENANT_LABELS.get_or_init(Default::default);
     let known = labels
         .read()
         .unwrap_or_else(|e| e.into_inner())
         .contains(tenant);
     if known {
-        return tenant.as_str().to_owned();
+        return metrics::SharedString::from(tenant.shared_name());
     }
     let mut labels = labels.write().unwrap_or_else(|e| e.into_inner());
     if labels.len() < TENANT_LABEL_LIMIT.load(Ordering::Relaxed) {
         labels.insert(tenant.clone());
-        tenant.as_str().to_owned()
+        metrics::SharedString::from(tenant.shared_name())
     } else {
-        OTHER_TENANTS.to_owned()
+        metrics::SharedString::const_str(OTHER_TENANTS)
     }
 }
 
 pub(crate) fn request_latency(priority: Priority, elapsed: Duration) {
     metrics::histogram!(REQUEST_LATENCY, "priority" => priority.as_str())
         .record(elapsed.as_secs_f64());
-}
-
-pub(crate) fn classified(priority: Priority, demoted: bool) {
-    let demoted = if demoted { "true" } else { "false" };
-    metrics::counter!(CLASSIFIED, "priority" => priority.as_str(), "demoted" => demoted)
-        .increment(1);
 }
 
 pub(crate) fn input_tokens(tenant: &TenantId, tokens: u64) {

@@ -79,9 +79,8 @@ where
         let tenant = job.tenant().clone();
         // Checked before this job's tokens count, the same on every store: the job that
         // crosses the budget goes out as classified, the next one is demoted.
-        let check = shared.store.check_demotion(&tenant, &shared.policy);
         let tokens = u64::from(job.estimated_tokens());
-        shared.store.add_tokens(&tenant, tokens);
+        let check = shared.store.admit(&tenant, &shared.policy, tokens);
         crate::metrics::input_tokens(&tenant, tokens);
 
         match check.into_ready() {
@@ -122,6 +121,5 @@ pub(super) fn decide(
         }
     };
     job.set_priority(priority);
-    crate::metrics::classified(priority, demotion.is_demoted());
     priority
 }

@@ -164,14 +164,17 @@ impl MemoryState {
 
     pub(crate) fn add_tokens(&self, tenant: &TenantId, tokens: u64) -> u64 {
         self.with_tenant(tenant, |state, now| {
-            let today = self.utc_day(now);
-            if state.day != today {
-                state.day = today;
-                state.tokens = 0;
-            }
-            state.tokens = state.tokens.saturating_add(tokens);
-            state.tokens
+            Self::count_tokens(state, self.utc_day(now), tokens)
         })
+    }
+
+    fn count_tokens(state: &mut TenantState, today: u64, tokens: u64) -> u64 {
+        if state.day != today {
+            state.day = today;
+            state.tokens = 0;
+        }
+        state.tokens = state.tokens.saturating_add(tokens);
+        state.tokens
     }
 
     pub(crate) fn tokens_today(&self, tenant: &TenantId) -> u64 {
@@ -192,24 +195,38 @@ impl MemoryState {
 
     /// The same rule as `scripts/check_demotion.lua`, under one lock.
     pub(crate) fn check_demotion(&self, tenant: &TenantId, policy: &DemotionPolicy) -> Demotion {
-        let window = self.throttle_window;
+        self.with_tenant(tenant, |state, now| self.demotion(state, now, policy))
+    }
+
+    /// A classification in one lock: the demotion check, then the job's tokens.
+    pub(crate) fn admit(
+        &self,
+        tenant: &TenantId,
+        policy: &DemotionPolicy,
+        tokens: u64,
+    ) -> Demotion {
         self.with_tenant(tenant, |state, now| {
-            if let Some(left) = state.demoted_for(now) {
-                return Demotion::Demoted { left, newly: false };
-            }
-            state.trim_throttles(now, window);
-            let throttles = u64::try_from(state.throttles.len()).unwrap_or(u64::MAX);
-            let tokens = state.tokens_on(self.utc_day(now));
-            let budget = state.budget.unwrap_or(policy.default_daily_budget());
-            if policy.should_demote(throttles, tokens, budget) {
-                state.demoted_until = Some(crate::time::after(now, policy.demote_for()));
-                Demotion::Demoted {
-                    left: policy.demote_for(),
-                    newly: true,
-                }
-            } else {
-                Demotion::NotDemoted
-            }
+            let demotion = self.demotion(state, now, policy);
+            Self::count_tokens(state, self.utc_day(now), tokens);
+            demotion
         })
+    }
+
+    fn demotion(&self, state: &mut TenantState, now: Instant, policy: &DemotionPolicy) -> Demotion {
+        if let Some(left) = state.demoted_for(now) {
+            return Demotion::Demoted { left, newly: false };
+        }
+        state.trim_throttles(now, self.throttle_window);
+        let throttles = u64::try_from(state.throttles.len()).unwrap_or(u64::MAX);
+        let tokens = state.tokens_on(self.utc_day(now));
+        let budget = state.budget.unwrap_or(policy.default_daily_budget());
+        if !policy.should_demote(throttles, tokens, budget) {
+            return Demotion::NotDemoted;
+        }
+        state.demoted_until = Some(crate::time::after(now, policy.demote_for()));
+        Demotion::Demoted {
+            left: policy.demote_for(),
+            newly: true,
+        }
     }
 }

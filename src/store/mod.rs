@@ -423,6 +423,25 @@ impl Store {
         }
     }
 
+    /// What PriorityClassify does per request: [`check_demotion`](Store::check_demotion), then
+    /// [`add_tokens`](Store::add_tokens) — in one lock on the memory store.
+    pub(crate) fn admit(
+        &self,
+        tenant: &TenantId,
+        policy: &DemotionPolicy,
+        tokens: u64,
+    ) -> StoreFuture<Demotion> {
+        match &*self.backend {
+            Backend::Memory(memory) => StoreFuture::ready(memory.admit(tenant, policy, tokens)),
+            #[cfg(feature = "redis")]
+            Backend::Redis(redis) => {
+                let check = redis.check_demotion(tenant, policy);
+                redis.add_tokens(tenant, tokens);
+                check
+            }
+        }
+    }
+
     /// Sends whatever is batched locally (token and served-cost counts) now. Ready at once
     /// on the memory store.
     pub fn flush(&self) -> StoreFuture<()> {
