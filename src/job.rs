@@ -76,6 +76,11 @@ impl Tier {
     pub fn as_str(&self) -> &str {
         &self.0
     }
+
+    /// The name itself, shared (for metric labels: no copy per request).
+    pub(crate) fn shared_name(&self) -> Arc<str> {
+        self.0.clone()
+    }
 }
 
 impl fmt::Debug for Tier {
