@@ -80,20 +80,24 @@ pub const SERVER_BUSY: &str = "claude_server_busy_total";
 pub const SLOTS_FALLBACK: &str = "claude_slots_fallback_total";
 
 pub(crate) fn slot_taken(tier: &crate::Tier, fallback: bool) {
-    metrics::gauge!(SLOTS_IN_USE, "tier" => metrics::SharedString::from(tier.shared_name())).increment(1.0);
+    metrics::gauge!(SLOTS_IN_USE, "tier" => metrics::SharedString::from(tier.shared_name()))
+        .increment(1.0);
     if fallback {
         metrics::counter!(SLOTS_FALLBACK, "tier" => metrics::SharedString::from(tier.shared_name())).increment(1);
     }
 }
 
 pub(crate) fn slot_given_back(tier: &crate::Tier) {
-    metrics::gauge!(SLOTS_IN_USE, "tier" => metrics::SharedString::from(tier.shared_name())).decrement(1.0);
+    metrics::gauge!(SLOTS_IN_USE, "tier" => metrics::SharedString::from(tier.shared_name()))
+        .decrement(1.0);
 }
 
 pub(crate) fn slot_wait(tier: &crate::Tier, waited: Duration) {
-    metrics::histogram!(SLOT_WAIT, "tier" => metrics::SharedString::from(tier.shared_name())).record(waited.as_secs_f64());
+    metrics::histogram!(SLOT_WAIT, "tier" => metrics::SharedString::from(tier.shared_name()))
+        .record(waited.as_secs_f64());
 }
 
 pub(crate) fn server_busy(tier: &crate::Tier) {
-    metrics::counter!(SERVER_BUSY, "tier" => metrics::SharedString::from(tier.shared_name())).increment(1);
+    metrics::counter!(SERVER_BUSY, "tier" => metrics::SharedString::from(tier.shared_name()))
+        .increment(1);
 }

@@ -457,3 +457,42 @@ async fn a_lease_given_back_while_redis_is_away_is_released_when_it_returns() {
     drop(lease); // while degraded: queued, not lost
     wait_for_leases(&server, 0, Duration::from_secs(3)).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_release_in_one_worker_wakes_a_waiter_in_another_at_once() {
+    let server = RedisServer::start();
+    let (one, two) = (worker(&server.url()).await, worker(&server.url()).await);
+    // A one-minute safety-net poll: only the pub/sub announcement can wake the waiter soon.
+    let policy = SlotPolicy::builder()
+        .global_max(1)
+        .tier("pro", 1, Duration::from_secs(30))
+        .poll_interval(Duration::from_secs(60))
+        .build()
+        .unwrap();
+    let upstream =
+        service_fn(|_: http::Request<()>| async { Ok::<_, Infallible>(http::Response::new(())) });
+    let holder = TierSlotLimitLayer::new(one, policy.clone()).layer(upstream);
+    let waiter = TierSlotLimitLayer::new(two, policy).layer(upstream);
+    let job = || Job::new("acme", Origin::UserAction).tier("pro");
+
+    let held = holder.oneshot(request(job())).await.unwrap();
+    let waiting = tokio::spawn(async move {
+        let response = waiter.oneshot(request(job())).await;
+        (response.map(drop), Instant::now())
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(
+        !waiting.is_finished(),
+        "the waiter waits while the slot is held"
+    );
+    let released = Instant::now();
+    drop(held);
+    let (result, got) = waiting.await.unwrap();
+    result.expect("the waiter gets the slot");
+    let after = got.saturating_duration_since(released);
+    println!("a release in worker one reached worker two's waiter after {after:?}");
+    assert!(
+        after < Duration::from_secs(2),
+        "woken by the poll, not the announcement: {after:?}"
+    );
+}
