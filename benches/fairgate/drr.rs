@@ -143,12 +143,16 @@ fn pick(c: &mut Criterion) {
         // Each tenant with one request waiting: every pick empties a tenant and every push
         // brings one back, the churn of many light tenants.
         let mut scheduler = backlog(&ids, 1);
-        group.bench_with_input(BenchmarkId::new("pop_push_one_each", tenants), &tenants, |b, _| {
-            b.iter(|| {
-                let next = scheduler.pop().expect("tenants are waiting");
-                let _ = scheduler.push(next.class, next.tenant, 1, 2_000, next.item);
-            });
-        });
+        group.bench_with_input(
+            BenchmarkId::new("pop_push_one_each", tenants),
+            &tenants,
+            |b, _| {
+                b.iter(|| {
+                    let next = scheduler.pop().expect("tenants are waiting");
+                    let _ = scheduler.push(next.class, next.tenant, 1, 2_000, next.item);
+                });
+            },
+        );
     }
     group.finish();
 }
