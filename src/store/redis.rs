@@ -40,6 +40,7 @@ const FLUSH_AT_TENANTS: usize = 1024;
 /// then starts degraded.
 #[derive(Debug)]
 #[non_exhaustive]
+#[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
 pub enum RedisStoreError {
     /// A configuration value was refused.
     Config(ConfigError),
@@ -142,6 +143,7 @@ pub(super) fn is_outage(e: &RedisError) -> bool {
         || e.is_unrecoverable_error()
 }
 
+#[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
 impl StoreBuilder {
     /// Prefix of every Redis key (default `fairgate`; ASCII letters, digits, `_-.:`).
     pub fn key_prefix(mut self, prefix: impl Into<String>) -> Self {
@@ -253,6 +255,7 @@ impl StoreBuilder {
     }
 }
 
+#[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
 impl Store {
     /// A store on the Redis at `url` with the default configuration; see
     /// [`StoreBuilder::redis`] for the options and what happens when Redis is down.

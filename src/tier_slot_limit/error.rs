@@ -62,6 +62,7 @@ impl fmt::Display for Busy {
 impl std::error::Error for Busy {}
 
 #[cfg(feature = "axum")]
+#[cfg_attr(docsrs, doc(cfg(feature = "axum")))]
 impl axum::response::IntoResponse for Busy {
     fn into_response(self) -> axum::response::Response {
         let secs = self.retry_after_secs();
