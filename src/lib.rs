@@ -23,6 +23,12 @@
 //! [`JobRequest`] for other request types) and shares one [`Store`]: in memory by default,
 //! Redis (feature `redis`) when many processes share one budget.
 //!
+//! Features: none by default (the in-memory store); `redis` adds the Redis store; `axum`
+//! turns [`Busy`] into a `503 SERVER_BUSY` response; `full` is both. The order below is the
+//! recommended one (classify first: the others read the priority); every layer also works
+//! alone and in any order. Every clone of a layer shares its limits: wrap the whole client
+//! or router, not each route.
+//!
 //! ```
 //! use fairgate::{
 //!     BackoffPolicy, DrrFairnessLayer, Job, Origin, PriorityClassifyLayer,
