@@ -9,6 +9,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use fairgate::{Busy, Job, MissingJob, Origin, SlotPolicy, Store, Tier, TierSlotLimitLayer};
+use futures_util::FutureExt;
 use http_body_util::BodyExt;
 use support::{EventCounter, request};
 use tokio::sync::oneshot;
@@ -415,6 +416,46 @@ async fn waiters_of_a_tier_get_slots_in_arrival_order() {
         call.await.unwrap().unwrap();
     }
     assert_eq!(*order.lock().unwrap(), ["t0", "t1", "t2", "t3", "t4"]);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_new_arrival_never_barges_past_a_waiter_of_its_tier() {
+    let policy = SlotPolicy::builder().global_max(1).build().unwrap();
+    let order = Arc::new(Mutex::new(Vec::new()));
+    let log = order.clone();
+    let inner = service_fn(move |req: http::Request<()>| {
+        let log = log.clone();
+        async move {
+            let tenant = req.extensions().get::<Job>().unwrap().tenant().to_string();
+            log.lock().unwrap().push(tenant);
+            Ok::<_, Infallible>(http::Response::new(()))
+        }
+    });
+    let mut service = TierSlotLimitLayer::new(Store::memory(), policy).layer(inner);
+    let premium = |tenant: &str| Job::new(tenant, Origin::UserAction).tier("premium");
+    let held = service
+        .clone()
+        .oneshot(request(premium("a")))
+        .await
+        .unwrap();
+    let waiter = tokio::spawn(
+        service
+            .clone()
+            .oneshot(request(premium("b")))
+            .map(|r| r.map(drop)),
+    );
+    tokio::time::sleep(Duration::from_millis(10)).await; // b is waiting
+
+    // The slot frees and, before b's task runs again, c arrives and tries at once.
+    drop(held);
+    ServiceExt::<http::Request<()>>::ready(&mut service)
+        .await
+        .unwrap();
+    let late = service.call(request(premium("c")));
+    let late = tokio::spawn(late.map(|r| r.map(drop)));
+    waiter.await.unwrap().unwrap();
+    late.await.unwrap().unwrap();
+    assert_eq!(*order.lock().unwrap(), ["a", "b", "c"], "c went ahead of b");
 }
 
 #[tokio::test(start_paused = true)]
