@@ -102,6 +102,14 @@
 //! lists threaded through a per-class tenant slab (`HashMap<TenantId, slot>`
 //! finds the slot). So [`Scheduler::remove`] unlinks the entry in O(1), and
 //! if that empties the tenant, applies the DRR++ rule above (one splice at
+//! most). Links and slot indices are `u32` (`u32::MAX` meaning none): on a
+//! 64-bit target a slab slot is 40 bytes for an 8-byte item and a listed
+//! tenant 56 bytes, so a large backlog touches fewer cache lines per pick.
+//! Hence the capacity: at most `u32::MAX - 1` waiting items, and as many
+//! listed tenants per class; a push beyond that is refused with
+//! [`Rejected::ClassFull`], never a panic. Popping a tenant's head does not
+//! touch the next entry: a head's `prev` link is left stale and only read
+//! once the entry is no longer its tenant's head.
 //! most). There are no item tombstones and counts are exact:
 //! [`Scheduler::len`] and [`Scheduler::class_len`] count waiting items, and
 //! [`Scheduler::active_tenants`] counts tenants with waiting items (an
@@ -305,7 +313,9 @@ impl SchedulerConfig {
 pub enum Rejected<T> {
     /// The tenant already has `max_per_tenant` items waiting in this class.
     TenantFull(T),
-    /// The class already has `max_per_class` items waiting.
+    /// The class already has `max_per_class` items waiting, or the
+    /// scheduler is at capacity (`u32::MAX - 1` waiting items, or as many
+    /// listed tenants in the class; see the module doc).
     ClassFull(T),
 }
 
@@ -333,7 +343,7 @@ impl<T: fmt::Debug> std::error::Error for Rejected<T> {}
 /// different item, even after its slot is reused.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Key {
-    index: usize,
+    index: u32,
     generation: u64,
 }
 
@@ -351,22 +361,36 @@ pub struct Dispatched<T> {
     pub cost: u64,
 }
 
+/// "No slot" in the `u32` links and indices of the slabs.
+const NONE: u32 = u32::MAX;
+
+/// Most slots a slab (entries, or the tenants of one class) may hold, so
+/// every index stays below [`NONE`].
+const MAX_SLOTS: usize = (u32::MAX - 1) as usize;
+
+/// `u32` links and a `Priority` (whose spare values give `Option<Entry>` its
+/// discriminant): 40 bytes for an 8-byte item on a 64-bit target.
 #[derive(Debug)]
 struct Entry<T> {
     item: T,
     generation: u64,
-    class: usize,
-    tenant: usize,
     cost: i64,
-    prev: Option<usize>,
-    next: Option<usize>,
+    tenant: u32,
+    /// Previous entry of the tenant's FIFO. Left stale once the entry is its
+    /// tenant's head (popping the head does not touch its successor): read
+    /// only for an entry that is not the head.
+    prev: u32,
+    next: u32,
+    class: Priority,
 }
 
 #[derive(Debug)]
 struct Entries<T> {
     slots: Vec<Option<Entry<T>>>,
-    free: Vec<usize>,
+    free: Vec<u32>,
     next_generation: u64,
+    /// [`MAX_SLOTS`], lowered by tests.
+    limit: usize,
 }
 
 impl<T> Entries<T> {
@@ -375,42 +399,57 @@ impl<T> Entries<T> {
             slots: Vec::new(),
             free: Vec::new(),
             next_generation: 0,
+            limit: MAX_SLOTS,
         }
     }
 
-    fn insert(&mut self, mut entry: Entry<T>) -> Key {
+    /// Whether [`Entries::insert`] will find a slot.
+    fn has_room(&self) -> bool {
+        !self.free.is_empty() || self.slots.len() < self.limit
+    }
+
+    /// Stores `entry`, or hands its item back when the slab is full.
+    fn insert(&mut self, mut entry: Entry<T>) -> Result<Key, T> {
         let generation = self.next_generation;
-        self.next_generation = generation.wrapping_add(1);
         entry.generation = generation;
         if let Some(index) = self.free.pop()
-            && let Some(slot) = self.slots.get_mut(index)
+            && let Some(slot) = self.slots.get_mut(index as usize)
         {
+            self.next_generation = generation.wrapping_add(1);
             *slot = Some(entry);
-            return Key { index, generation };
+            return Ok(Key { index, generation });
         }
+        let Some(index) = u32::try_from(self.slots.len())
+            .ok()
+            .filter(|_| self.slots.len() < self.limit)
+        else {
+            return Err(entry.item);
+        };
+        self.next_generation = generation.wrapping_add(1);
         self.slots.push(Some(entry));
-        Key {
-            index: self.slots.len() - 1,
-            generation,
-        }
+        Ok(Key { index, generation })
     }
 
-    fn get(&self, index: usize) -> Option<&Entry<T>> {
-        self.slots.get(index).and_then(Option::as_ref)
+    fn get(&self, index: u32) -> Option<&Entry<T>> {
+        self.slots.get(index as usize)?.as_ref()
     }
 
-    fn get_mut(&mut self, index: usize) -> Option<&mut Entry<T>> {
-        self.slots.get_mut(index).and_then(Option::as_mut)
+    fn get_mut(&mut self, index: u32) -> Option<&mut Entry<T>> {
+        self.slots.get_mut(index as usize)?.as_mut()
     }
 
+    /// Takes the entry at `index`, if it is `key`'s.
     fn take(&mut self, key: Key) -> Option<Entry<T>> {
-        let slot = self.slots.get_mut(key.index)?;
-        if slot.as_ref()?.generation != key.generation {
+        if self.get(key.index)?.generation != key.generation {
             return None;
         }
-        let entry = slot.take();
-        self.free.push(key.index);
-        entry
+        self.take_at(key.index)
+    }
+
+    fn take_at(&mut self, index: u32) -> Option<Entry<T>> {
+        let entry = self.slots.get_mut(index as usize)?.take()?;
+        self.free.push(index);
+        Some(entry)
     }
 
     /// Called when nothing is waiting: drop the vacant slots.
@@ -428,27 +467,36 @@ enum ListKind {
     Old,
 }
 
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(Clone, Copy, Debug)]
 struct TenantList {
-    head: Option<usize>,
-    tail: Option<usize>,
+    head: u32,
+    tail: u32,
 }
 
+impl TenantList {
+    const EMPTY: TenantList = TenantList {
+        head: NONE,
+        tail: NONE,
+    };
+}
+
+/// `u32` links, and a `ListKind` whose spare values give `Option<Tenant>`
+/// its discriminant: 56 bytes on a 64-bit target.
 #[derive(Debug)]
 struct Tenant {
+    deficit: i64,
     id: TenantId,
     weight: u32,
-    deficit: i64,
     /// FIFO of this tenant's entries in this class. Empty only while the
     /// tenant waits on `old` to be found empty in its turn (DRR++).
-    head: Option<usize>,
-    tail: Option<usize>,
-    len: usize,
+    head: u32,
+    tail: u32,
+    len: u32,
     /// Position in the class's `new` or `old` list. A tenant on `new` always
     /// has waiting items.
+    prev: u32,
+    next: u32,
     list: ListKind,
-    prev: Option<usize>,
-    next: Option<usize>,
 }
 
 #[cfg(test)]
@@ -462,9 +510,11 @@ enum Visit {
 
 #[derive(Debug)]
 struct Class {
-    index: HashMap<TenantId, usize>,
+    index: HashMap<TenantId, u32>,
     tenants: Vec<Option<Tenant>>,
-    free: Vec<usize>,
+    free: Vec<u32>,
+    /// [`MAX_SLOTS`], lowered by tests.
+    limit: usize,
     new: TenantList,
     old: TenantList,
     /// Waiting items.
@@ -483,8 +533,9 @@ impl Class {
             index: HashMap::new(),
             tenants: Vec::new(),
             free: Vec::new(),
-            new: TenantList::default(),
-            old: TenantList::default(),
+            limit: MAX_SLOTS,
+            new: TenantList::EMPTY,
+            old: TenantList::EMPTY,
             len: 0,
             busy: 0,
             current: 0,
@@ -493,12 +544,17 @@ impl Class {
         }
     }
 
-    fn tenant(&self, t: usize) -> Option<&Tenant> {
-        self.tenants.get(t).and_then(Option::as_ref)
+    fn tenant(&self, t: u32) -> Option<&Tenant> {
+        self.tenants.get(t as usize)?.as_ref()
     }
 
-    fn tenant_mut(&mut self, t: usize) -> Option<&mut Tenant> {
-        self.tenants.get_mut(t).and_then(Option::as_mut)
+    fn tenant_mut(&mut self, t: u32) -> Option<&mut Tenant> {
+        self.tenants.get_mut(t as usize)?.as_mut()
+    }
+
+    /// Whether [`Class::activate`] will find a slot.
+    fn has_room(&self) -> bool {
+        !self.free.is_empty() || self.tenants.len() < self.limit
     }
 
     fn list_mut(&mut self, kind: ListKind) -> &mut TenantList {
@@ -508,69 +564,74 @@ impl Class {
         }
     }
 
-    fn link_back(&mut self, kind: ListKind, t: usize) {
+    fn link_back(&mut self, kind: ListKind, t: u32) {
         let tail = self.list_mut(kind).tail;
         if let Some(tenant) = self.tenant_mut(t) {
             tenant.list = kind;
             tenant.prev = tail;
-            tenant.next = None;
+            tenant.next = NONE;
         }
-        match tail.and_then(|p| self.tenant_mut(p)) {
-            Some(prev) => prev.next = Some(t),
-            None => self.list_mut(kind).head = Some(t),
+        match self.tenant_mut(tail) {
+            Some(prev) => prev.next = t,
+            None => self.list_mut(kind).head = t,
         }
-        self.list_mut(kind).tail = Some(t);
+        self.list_mut(kind).tail = t;
     }
 
-    fn unlink(&mut self, t: usize) {
+    fn unlink(&mut self, t: u32) {
         let Some(tenant) = self.tenant_mut(t) else {
             return;
         };
-        let (kind, prev, next) = (tenant.list, tenant.prev.take(), tenant.next.take());
-        match prev.and_then(|p| self.tenant_mut(p)) {
+        let (kind, prev, next) = (tenant.list, tenant.prev, tenant.next);
+        tenant.prev = NONE;
+        tenant.next = NONE;
+        match self.tenant_mut(prev) {
             Some(p) => p.next = next,
             None => self.list_mut(kind).head = next,
         }
-        match next.and_then(|n| self.tenant_mut(n)) {
+        match self.tenant_mut(next) {
             Some(n) => n.prev = prev,
             None => self.list_mut(kind).tail = prev,
         }
     }
 
     /// A tenant not listed in the class gets a waiting item: back of `new`,
-    /// one quantum × weight.
-    fn activate(&mut self, id: TenantId, weight: u32, grant: i64) -> usize {
+    /// one quantum × weight. `None` if the tenant slab is full.
+    fn activate(&mut self, id: TenantId, weight: u32, grant: i64) -> Option<u32> {
         let tenant = Tenant {
+            deficit: grant,
             id: id.clone(),
             weight,
-            deficit: grant,
-            head: None,
-            tail: None,
+            head: NONE,
+            tail: NONE,
             len: 0,
+            prev: NONE,
+            next: NONE,
             list: ListKind::New,
-            prev: None,
-            next: None,
         };
         let t = match self.free.pop() {
-            Some(t) if t < self.tenants.len() => {
-                self.tenants[t] = Some(tenant);
+            Some(t) if (t as usize) < self.tenants.len() => {
+                self.tenants[t as usize] = Some(tenant);
                 t
             }
             _ => {
+                let t = u32::try_from(self.tenants.len())
+                    .ok()
+                    .filter(|_| self.tenants.len() < self.limit)?;
                 self.tenants.push(Some(tenant));
-                self.tenants.len() - 1
+                t
             }
         };
         self.index.insert(id, t);
         self.link_back(ListKind::New, t);
-        t
+        Some(t)
     }
 
     /// The tenant was found empty at the head of `old`: forget it, deficit
     /// included.
-    fn release(&mut self, t: usize) {
+    fn release(&mut self, t: u32) {
         self.unlink(t);
-        let Some(tenant) = self.tenants.get_mut(t).and_then(Option::take) else {
+        let Some(tenant) = self.tenants.get_mut(t as usize).and_then(Option::take) else {
             return;
         };
         self.free.push(t);
@@ -579,31 +640,28 @@ impl Class {
         self.trace.push(Visit::Forget(tenant.id));
     }
 
-    /// Unlinks an entry already taken out of the slab from its tenant's
-    /// FIFO. A tenant this empties stays listed with its deficit (DRR++): one
-    /// on `new` moves to the back of `old`, one on `old` keeps its place
-    /// until [`Class::pop`] finds it empty there.
-    fn detach<T>(&mut self, entries: &mut Entries<T>, entry: &Entry<T>) {
-        match entry.prev.and_then(|p| entries.get_mut(p)) {
-            Some(prev) => prev.next = entry.next,
-            None => {
-                if let Some(tenant) = self.tenant_mut(entry.tenant) {
-                    tenant.head = entry.next;
-                }
-            }
-        }
-        match entry.next.and_then(|n| entries.get_mut(n)) {
-            Some(next) => next.prev = entry.prev,
-            None => {
-                if let Some(tenant) = self.tenant_mut(entry.tenant) {
-                    tenant.tail = entry.prev;
-                }
-            }
-        }
+    /// Unlinks `entry`, already taken out of the slab from `index`, from its
+    /// tenant's FIFO. Taking the head does not touch its successor (whose
+    /// `prev` goes stale; a head's `prev` is never read). A tenant this
+    /// empties stays listed with its deficit (DRR++): one on `new` moves to
+    /// the back of `old`, one on `old` keeps its place until [`Class::pop`]
+    /// finds it empty there.
+    fn detach<T>(&mut self, entries: &mut Entries<T>, index: u32, entry: &Entry<T>) {
         self.len = self.len.saturating_sub(1);
         let Some(tenant) = self.tenant_mut(entry.tenant) else {
             return;
         };
+        let was_head = tenant.head == index;
+        if was_head {
+            tenant.head = entry.next;
+        } else if let Some(prev) = entries.get_mut(entry.prev) {
+            prev.next = entry.next;
+        }
+        if entry.next == NONE {
+            tenant.tail = if was_head { NONE } else { entry.prev };
+        } else if !was_head && let Some(next) = entries.get_mut(entry.next) {
+            next.prev = entry.prev;
+        }
         tenant.len = tenant.len.saturating_sub(1);
         if tenant.len > 0 {
             return;
@@ -622,9 +680,14 @@ impl Class {
     /// in the module doc).
     fn pop<T>(&mut self, entries: &mut Entries<T>, quantum: i64) -> Option<(T, TenantId, i64)> {
         loop {
-            let t = self.new.head.or(self.old.head)?;
+            let t = if self.new.head == NONE {
+                self.old.head
+            } else {
+                self.new.head
+            };
             let tenant = self.tenant_mut(t)?;
-            let Some(head) = tenant.head else {
+            let head = tenant.head;
+            if head == NONE {
                 // Empty: on `old` (its turn came) it is forgotten. `detach`
                 // never leaves an empty tenant on `new`; were one there, it
                 // would move to `old` as RFC 8290 says.
@@ -635,7 +698,7 @@ impl Class {
                     self.release(t);
                 }
                 continue;
-            };
+            }
             let cost = entries.get(head)?.cost;
             if tenant.deficit < cost {
                 let grant = quantum.saturating_mul(i64::from(tenant.weight));
@@ -650,13 +713,9 @@ impl Class {
             }
             // deficit >= cost >= 1, so this cannot overflow.
             tenant.deficit -= cost;
-            let generation = entries.get(head)?.generation;
-            let entry = entries.take(Key {
-                index: head,
-                generation,
-            })?;
-            self.detach(entries, &entry);
-            let id = self.tenant(t)?.id.clone();
+            let id = tenant.id.clone();
+            let entry = entries.take_at(head)?;
+            self.detach(entries, head, &entry);
             #[cfg(test)]
             self.trace.push(Visit::Dispatch(id.clone()));
             return Some((entry.item, id, cost));
@@ -670,8 +729,8 @@ impl Class {
         self.current = 0;
         self.busy = 0;
         self.index.clear();
-        self.new = TenantList::default();
-        self.old = TenantList::default();
+        self.new = TenantList::EMPTY;
+        self.old = TenantList::EMPTY;
         self.tenants.clear();
         self.free.clear();
         self.tenants.shrink_to(RETAINED_CAPACITY);
@@ -725,7 +784,8 @@ impl<T> Scheduler<T> {
     /// Queues `item` for `tenant` in `class`. `weight` is the tenant's tier
     /// weight (0 is treated as 1; the latest push's weight applies to later
     /// top-ups); `cost` the estimated tokens (0 is treated as 1). A queue
-    /// limit refuses the incoming item and hands it back unchanged.
+    /// limit, or the scheduler's capacity (see the module doc), refuses the
+    /// incoming item and hands it back unchanged.
     pub fn push(
         &mut self,
         class: Priority,
@@ -743,41 +803,53 @@ impl<T> Scheduler<T> {
         let queue = &mut self.classes[ci];
         let existing = queue.index.get(&tenant).copied();
         if let (Some(limit), Some(t)) = (max_per_tenant, existing)
-            && queue.tenant(t).is_some_and(|x| x.len >= limit)
+            && queue.tenant(t).is_some_and(|x| x.len as usize >= limit)
         {
             return Err(Rejected::TenantFull(item));
         }
         if max_per_class.is_some_and(|limit| queue.len >= limit) {
             return Err(Rejected::ClassFull(item));
         }
+        // Slab capacity (about 4.3 billion entries, resp. listed tenants of
+        // a class): refused like a full class, checked before any change.
+        if !self.entries.has_room() || (existing.is_none() && !queue.has_room()) {
+            return Err(Rejected::ClassFull(item));
+        }
         // A listed tenant, even an empty one waiting on `old` for its turn,
         // keeps its place and deficit: no fresh grant, no move to `new`.
-        let t = match existing {
+        let t = match existing.or_else(|| queue.activate(tenant, weight, grant)) {
             Some(t) => t,
-            None => queue.activate(tenant, weight, grant),
+            // Unreachable: room was checked above.
+            None => return Err(Rejected::ClassFull(item)),
         };
         let Some(owner) = queue.tenant_mut(t) else {
             // Unreachable: `t` was just found or created.
             return Err(Rejected::ClassFull(item));
         };
-        let was_empty = owner.len == 0;
-        owner.weight = weight;
         let prev = owner.tail;
-        let key = self.entries.insert(Entry {
+        let key = match self.entries.insert(Entry {
             item,
             generation: 0,
-            class: ci,
-            tenant: t,
             cost,
+            tenant: t,
             prev,
-            next: None,
-        });
-        match prev.and_then(|p| self.entries.get_mut(p)) {
-            Some(last) => last.next = Some(key.index),
-            None => owner.head = Some(key.index),
-        }
-        owner.tail = Some(key.index);
+            next: NONE,
+            class,
+        }) {
+            Ok(key) => key,
+            // Unreachable: room was checked above. A tenant activated for
+            // this push is on `new` with nothing waiting; `pop` moves it on.
+            Err(item) => return Err(Rejected::ClassFull(item)),
+        };
+        let was_empty = owner.len == 0;
+        owner.weight = weight;
+        owner.tail = key.index;
         owner.len += 1;
+        if was_empty {
+            owner.head = key.index;
+        } else if let Some(last) = self.entries.get_mut(prev) {
+            last.next = key.index;
+        }
         queue.len += 1;
         queue.busy += usize::from(was_empty);
         self.len += 1;
@@ -802,9 +874,9 @@ impl<T> Scheduler<T> {
     /// key's item was already popped or removed.
     pub fn remove(&mut self, key: Key) -> Option<T> {
         let entry = self.entries.take(key)?;
-        let ci = entry.class;
+        let ci = class_index(entry.class);
         let queue = self.classes.get_mut(ci)?;
-        queue.detach(&mut self.entries, &entry);
+        queue.detach(&mut self.entries, key.index, &entry);
         self.len = self.len.saturating_sub(1);
         self.after_removal(ci);
         Some(entry.item)
@@ -973,12 +1045,13 @@ mod tests {
         /// Internal consistency: lists, slabs and counts agree.
         fn check_invariants(&self) {
             let mut total = 0;
-            for queue in &self.classes {
+            for (class, queue) in self.classes.iter().enumerate() {
                 let (mut seen, mut busy, mut items) = (0, 0, 0);
                 for (kind, list) in [(ListKind::New, queue.new), (ListKind::Old, queue.old)] {
                     let mut cursor = list.head;
-                    let mut prev = None;
-                    while let Some(t) = cursor {
+                    let mut prev = NONE;
+                    while cursor != NONE {
+                        let t = cursor;
                         let tenant = queue.tenant(t).expect("listed tenant exists");
                         assert_eq!(tenant.prev, prev);
                         assert_eq!(tenant.list, kind);
@@ -988,13 +1061,22 @@ mod tests {
                         );
                         busy += usize::from(tenant.len > 0);
                         assert_eq!(queue.index.get(&tenant.id), Some(&t));
-                        let mut e = tenant.head;
+                        let (mut e, mut last) = (tenant.head, NONE);
                         let mut count = 0;
-                        while let Some(i) = e {
+                        while e != NONE {
+                            let entry = self.entries.get(e).expect("entry exists");
+                            assert_eq!(entry.tenant, t);
+                            assert_eq!(entry.class, CLASSES[class]);
+                            if e != tenant.head {
+                                // A head's `prev` may be stale; no other's.
+                                assert_eq!(entry.prev, last);
+                            }
                             count += 1;
-                            e = self.entries.get(i).expect("entry exists").next;
+                            last = e;
+                            e = entry.next;
                         }
-                        assert_eq!(count, tenant.len);
+                        assert_eq!(tenant.tail, last);
+                        assert_eq!(count, tenant.len as usize);
                         items += count;
                         seen += 1;
                         prev = cursor;
@@ -1705,12 +1787,55 @@ mod tests {
         for class in CLASSES {
             assert_eq!(s.active_tenants(class), 0);
             let queue = &s.classes[class_index(class)];
-            assert!(queue.new.head.is_none() && queue.old.head.is_none());
+            assert!(queue.new.head == NONE && queue.old.head == NONE);
             assert!(queue.tenants.is_empty());
         }
         assert!(s.entries.slots.is_empty());
         assert!(s.pop().is_none());
         s.check_invariants();
+    }
+
+    #[cfg(target_pointer_width = "64")]
+    #[test]
+    fn slab_slots_stay_compact() {
+        assert_eq!(std::mem::size_of::<Option<Entry<u64>>>(), 40);
+        assert_eq!(std::mem::size_of::<Option<Tenant>>(), 56);
+    }
+
+    #[test]
+    fn push_beyond_capacity_is_refused_without_change() {
+        let class = Priority::Standard;
+        let mut s = scheduler(SchedulerConfig::default());
+        s.entries.limit = 3;
+        s.classes[1].limit = 2;
+        s.push(class, tid("a"), 1, 1, 1).expect("room");
+        s.push(class, tid("b"), 1, 1, 2).expect("room");
+        // Tenant slab full: a third tenant is refused, a listed one is not.
+        assert_eq!(
+            s.push(class, tid("c"), 1, 1, 3),
+            Err(Rejected::ClassFull(3))
+        );
+        s.push(class, tid("a"), 1, 1, 4).expect("room");
+        s.check_invariants();
+        // Entry slab full: refused for any tenant, in any class.
+        assert_eq!(
+            s.push(class, tid("b"), 1, 1, 5),
+            Err(Rejected::ClassFull(5))
+        );
+        assert_eq!(
+            s.push(Priority::Batch, tid("d"), 1, 1, 6),
+            Err(Rejected::ClassFull(6))
+        );
+        assert_eq!(s.len(), 3);
+        s.check_invariants();
+        // A freed slot is reused.
+        let first = s.pop().expect("waiting");
+        assert_eq!(first.item, 1);
+        s.push(class, tid("b"), 1, 1, 7).expect("a slot was freed");
+        s.check_invariants();
+        let order: Vec<u32> = std::iter::from_fn(|| s.pop().map(|d| d.item)).collect();
+        assert_eq!(order.len(), 3);
+        assert!(s.is_empty());
     }
 
     #[test]
