@@ -114,25 +114,7 @@ fn scheduled(tenant: &str) -> Job {
     Job::new(tenant, Origin::Scheduled).sla(HOUR)
 }
 
-/// Runs one scenario on the memory store (paused time) and on Redis (real time, scaled).
-macro_rules! on_both_stores {
-    ($($scenario:ident),* $(,)?) => {$(
-        mod $scenario {
-            #[tokio::test(start_paused = true)]
-            async fn memory() {
-                super::$scenario(super::Rig::memory()).await;
-            }
-
-            #[cfg(feature = "redis")]
-            #[tokio::test]
-            async fn redis() {
-                super::$scenario(super::Rig::redis().await).await;
-            }
-        }
-    )*};
-}
-
-on_both_stores!(
+support::on_both_stores!(
     classification_follows_origin_and_sla,
     a_priority_set_earlier_is_never_trusted,
     five_throttles_within_the_window_demote,

@@ -472,24 +472,7 @@ async fn redis_store(url: &str) -> Store {
         .unwrap()
 }
 
-macro_rules! on_both_stores {
-    ($($scenario:ident),* $(,)?) => {$(
-        mod $scenario {
-            #[tokio::test(start_paused = true)]
-            async fn memory() {
-                super::$scenario(super::Rig::memory()).await;
-            }
-
-            #[cfg(feature = "redis")]
-            #[tokio::test]
-            async fn redis() {
-                super::$scenario(super::Rig::redis().await).await;
-            }
-        }
-    )*};
-}
-
-on_both_stores!(five_429s_within_a_minute_make_the_tenants_next_job_batch);
+support::on_both_stores!(five_429s_within_a_minute_make_the_tenants_next_job_batch);
 
 async fn five_429s_within_a_minute_make_the_tenants_next_job_batch(rig: Rig) {
     // Tenant x's first five attempts are throttled; everyone else is served.

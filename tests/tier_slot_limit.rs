@@ -112,24 +112,7 @@ impl Rig {
     }
 }
 
-macro_rules! on_both_stores {
-    ($($scenario:ident),* $(,)?) => {$(
-        mod $scenario {
-            #[tokio::test(start_paused = true)]
-            async fn memory() {
-                super::$scenario(super::Rig::memory()).await;
-            }
-
-            #[cfg(feature = "redis")]
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn redis() {
-                super::$scenario(super::Rig::redis().await).await;
-            }
-        }
-    )*};
-}
-
-on_both_stores!(
+support::on_both_stores!(
     caps_hold_globally_and_per_tier,
     five_hundred_guests_leave_twenty_five_slots_for_paying_tiers,
     free_flood_cannot_keep_premium_out_for_a_call_time,

@@ -196,6 +196,30 @@ impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for EventCounter {
     }
 }
 
+/// Runs each scenario `async fn scenario(rig: Rig)` of the calling file twice: on the memory
+/// store in tokio's paused time (`Rig::memory()`), and, with feature `redis`, on a throwaway
+/// Redis in real time with the time rules scaled down (`Rig::redis().await`). One rule, one
+/// scenario, both stores.
+#[allow(unused_macros)]
+macro_rules! on_both_stores {
+    ($($scenario:ident),* $(,)?) => {$(
+        mod $scenario {
+            #[tokio::test(start_paused = true)]
+            async fn memory() {
+                super::$scenario(super::Rig::memory()).await;
+            }
+
+            #[cfg(feature = "redis")]
+            #[tokio::test]
+            async fn redis() {
+                super::$scenario(super::Rig::redis().await).await;
+            }
+        }
+    )*};
+}
+#[allow(unused_imports)]
+pub(crate) use on_both_stores;
+
 /// An `http::Request` carrying `job`.
 pub fn request(job: Job) -> http::Request<()> {
     let mut req = http::Request::new(());
