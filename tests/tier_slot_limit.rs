@@ -373,21 +373,37 @@ async fn free_gives_up_at_12_s_guest_at_8_s_premium_waits_and_gets_a_slot_freed_
     assert_eq!(events.count("queue.slow_wait"), 3);
 }
 
-#[tokio::test(start_paused = true)]
-async fn waiters_of_a_tier_get_slots_in_arrival_order() {
-    let policy = SlotPolicy::builder().global_max(1).build().unwrap();
-    let order = Arc::new(Mutex::new(Vec::new()));
+/// The tenants of the calls an upstream saw, in the order they started.
+type CallLog = Arc<Mutex<Vec<String>>>;
+
+/// An upstream that logs the tenant of each call as it starts, then takes `hold`.
+fn logging_upstream(
+    hold: Duration,
+) -> (
+    CallLog,
+    impl Service<http::Request<()>, Response = http::Response<()>, Error = Infallible, Future: Send>
+    + Clone
+    + Send
+    + 'static,
+) {
+    let order = CallLog::default();
     let log = order.clone();
-    let inner = service_fn(move |req: http::Request<()>| {
+    let service = service_fn(move |req: http::Request<()>| {
         let log = log.clone();
         async move {
-            log.lock()
-                .unwrap()
-                .push(req.extensions().get::<Job>().unwrap().tenant().to_string());
-            tokio::time::sleep(Duration::from_secs(1)).await;
+            let tenant = req.extensions().get::<Job>().unwrap().tenant().to_string();
+            log.lock().unwrap().push(tenant);
+            tokio::time::sleep(hold).await;
             Ok::<_, Infallible>(http::Response::new(()))
         }
     });
+    (order, service)
+}
+
+#[tokio::test(start_paused = true)]
+async fn waiters_of_a_tier_get_slots_in_arrival_order() {
+    let policy = SlotPolicy::builder().global_max(1).build().unwrap();
+    let (order, inner) = logging_upstream(Duration::from_secs(1));
     let service = TierSlotLimitLayer::new(Store::memory(), policy).layer(inner);
     let mut calls = Vec::new();
     for i in 0..5 {
@@ -404,16 +420,7 @@ async fn waiters_of_a_tier_get_slots_in_arrival_order() {
 #[tokio::test(start_paused = true)]
 async fn a_new_arrival_never_barges_past_a_waiter_of_its_tier() {
     let policy = SlotPolicy::builder().global_max(1).build().unwrap();
-    let order = Arc::new(Mutex::new(Vec::new()));
-    let log = order.clone();
-    let inner = service_fn(move |req: http::Request<()>| {
-        let log = log.clone();
-        async move {
-            let tenant = req.extensions().get::<Job>().unwrap().tenant().to_string();
-            log.lock().unwrap().push(tenant);
-            Ok::<_, Infallible>(http::Response::new(()))
-        }
-    });
+    let (order, inner) = logging_upstream(Duration::ZERO);
     let mut service = TierSlotLimitLayer::new(Store::memory(), policy).layer(inner);
     let premium = |tenant: &str| Job::new(tenant, Origin::UserAction).tier("premium");
     let held = service

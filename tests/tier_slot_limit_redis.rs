@@ -111,11 +111,7 @@ async fn a_sigkilled_workers_slots_come_back_within_the_lease_ttl_and_not_before
     assert_eq!(expiries.len(), 10);
     let (first, last) = (expiries[0], expiries[9]);
 
-    let limits = SlotLimits {
-        global: 10,
-        tier: 10,
-        lease_ttl: Duration::from_secs(30),
-    };
+    let limits = limits(10);
     let premium = Tier::new("premium");
     let (back_after, server_ms, _lease) = loop {
         if let Some(lease) = store.try_acquire_slot(&premium, limits).await {
@@ -299,11 +295,7 @@ async fn redis_killed_mid_load_no_request_fails_and_each_worker_keeps_to_its_sha
     println!("after recovery: max in flight across both workers {max} (cap 8)");
     assert!((6..=8).contains(&max), "shared cap after recovery: {max}");
     // The lease went through the acquire script on the restarted server, not the fallback.
-    let limits = SlotLimits {
-        global: 8,
-        tier: 8,
-        lease_ttl: Duration::from_secs(30),
-    };
+    let limits = limits(8);
     let lease = one
         .try_acquire_slot(&Tier::new("premium"), limits)
         .await
@@ -380,6 +372,15 @@ fn tokio_stream_from<T: Send + 'static>(
     futures_util::stream::poll_fn(move |cx| rx.poll_recv(cx))
 }
 
+/// Caps of `slots` for the global count and the tier, with a lease that outlives any test.
+fn limits(slots: u32) -> SlotLimits {
+    SlotLimits {
+        global: slots,
+        tier: slots,
+        lease_ttl: Duration::from_secs(30),
+    }
+}
+
 async fn leases_in_redis(server: &RedisServer) -> u32 {
     // No answer yet (the server is stalled) reads as "not there yet".
     let reply = server.command("ZCARD fairgate:{slots}:global");
@@ -416,11 +417,7 @@ async fn stalling_worker(url: &str) -> Store {
 async fn an_acquire_that_timed_out_does_not_leave_its_lease_taken() {
     let server = RedisServer::start();
     let store = stalling_worker(&server.url()).await;
-    let limits = SlotLimits {
-        global: 5,
-        tier: 5,
-        lease_ttl: Duration::from_secs(30),
-    };
+    let limits = limits(5);
     server.stall(0.4);
     // The script waits behind the stall, the call times out, the store falls back...
     let lease = store
@@ -439,11 +436,7 @@ async fn an_acquire_that_timed_out_does_not_leave_its_lease_taken() {
 async fn a_lease_given_back_while_redis_is_away_is_released_when_it_returns() {
     let server = RedisServer::start();
     let store = stalling_worker(&server.url()).await;
-    let limits = SlotLimits {
-        global: 5,
-        tier: 5,
-        lease_ttl: Duration::from_secs(30),
-    };
+    let limits = limits(5);
     let lease = store
         .try_acquire_slot(&Tier::new("pro"), limits)
         .await
