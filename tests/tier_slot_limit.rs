@@ -497,6 +497,16 @@ async fn an_unknown_tier_is_served_as_guest_and_logged_once() {
     }
     assert_eq!(store.slots_in_use(Some(&Tier::new("guest"))).await, 3);
     assert_eq!(events.count("tier.unknown"), 1);
+    drop(held);
+    // Tier names come from callers: a flood of made-up ones is logged for the first 100 only.
+    for i in 0..150 {
+        let response = service
+            .clone()
+            .oneshot(request(job(&format!("made-up-{i}"))))
+            .await;
+        drop(response.unwrap());
+    }
+    assert_eq!(events.count("tier.unknown"), 100);
 }
 
 #[tokio::test(start_paused = true)]

@@ -77,8 +77,7 @@ where
             return ResponseFuture::missing_job();
         };
         let shared = &self.shared;
-        let (tier, limit) = shared.resolve(job.tier_name());
-        let state = shared.tier_state(&tier);
+        let (tier, limit, state) = shared.resolve(job.tier_name());
         let inner = self.inner.clone();
 
         // Fast path: nobody of this tier waits here and the store answers at once (memory).

@@ -19,10 +19,16 @@ use crate::{Tier, metrics};
 pub(super) struct Shared {
     pub(super) store: Store,
     pub(super) policy: SlotPolicy,
-    tiers: Mutex<HashMap<Tier, Arc<TierState>>>,
+    /// Every configured tier's state, built once: the tiers are fixed by the policy, so the
+    /// request path looks them up without a lock.
+    tiers: HashMap<Tier, Arc<TierState>>,
+    /// Unknown tier names already logged (bounded: the names come from callers).
     unknown_logged: Mutex<HashSet<Tier>>,
     rng: Mutex<Rng>,
 }
+
+/// Distinct unknown tier names logged one by one; past that they are served silently.
+const UNKNOWN_TIERS_LOGGED: usize = 100;
 
 /// Per tier, in this process.
 pub(super) struct TierState {
@@ -35,45 +41,56 @@ pub(super) struct TierState {
     avg_hold_ns: AtomicU64,
 }
 
+impl TierState {
+    fn new() -> Self {
+        TierState {
+            turnstile: Arc::new(Semaphore::new(1)),
+            waiting: AtomicUsize::new(0),
+            avg_hold_ns: AtomicU64::new(0),
+        }
+    }
+}
+
 impl Shared {
     pub(super) fn new(store: Store, policy: SlotPolicy) -> Self {
         let rng = policy.seed.map_or_else(Rng::from_entropy, Rng::seeded);
+        let tiers = policy
+            .tiers
+            .keys()
+            .map(|tier| (tier.clone(), Arc::new(TierState::new())))
+            .collect();
         Shared {
             store,
             policy,
-            tiers: Mutex::new(HashMap::new()),
+            tiers,
             unknown_logged: Mutex::new(HashSet::new()),
             rng: Mutex::new(rng),
         }
     }
 
-    /// The tier a request counts under, logging an unknown tier name once.
-    pub(super) fn resolve(&self, asked: Option<&Tier>) -> (Tier, TierLimit) {
+    /// The tier a request counts under, its limit and its state, logging an unknown tier
+    /// name once.
+    pub(super) fn resolve(&self, asked: Option<&Tier>) -> (Tier, TierLimit, Arc<TierState>) {
         let (tier, limit, known) = self.policy.limit(asked);
-        if let (false, Some(asked)) = (known, asked)
-            && lock(&self.unknown_logged).insert(asked.clone())
-        {
-            tracing::warn!(
-                name: "tier.unknown",
-                tier = %asked,
-                served_as = %tier,
-                "unknown tier; served as the default tier"
-            );
+        if let (false, Some(asked)) = (known, asked) {
+            let mut logged = lock(&self.unknown_logged);
+            if logged.len() < UNKNOWN_TIERS_LOGGED && logged.insert(asked.clone()) {
+                tracing::warn!(
+                    name: "tier.unknown",
+                    tier = %asked,
+                    served_as = %tier,
+                    "unknown tier; served as the default tier"
+                );
+            }
         }
-        (tier, limit)
-    }
-
-    pub(super) fn tier_state(&self, tier: &Tier) -> Arc<TierState> {
-        lock(&self.tiers)
-            .entry(tier.clone())
-            .or_insert_with(|| {
-                Arc::new(TierState {
-                    turnstile: Arc::new(Semaphore::new(1)),
-                    waiting: AtomicUsize::new(0),
-                    avg_hold_ns: AtomicU64::new(0),
-                })
-            })
-            .clone()
+        // Built from the policy's tiers, and `limit` only names configured ones; a missing
+        // entry cannot happen, but would only cost a fresh (unshared) state.
+        let state = self
+            .tiers
+            .get(&tier)
+            .cloned()
+            .unwrap_or_else(|| Arc::new(TierState::new()));
+        (tier, limit, state)
     }
 
     pub(super) fn limits(&self, limit: TierLimit) -> SlotLimits {
