@@ -251,10 +251,14 @@ async fn paid_tier_tenant_is_served_three_to_one_against_free() {
         jobs.push(send(&service, standard("paid").tier("pro")));
         jobs.push(send(&service, standard("free").tier("free")));
     }
-    tokio::time::sleep(Duration::from_millis(80_500)).await;
+    tokio::time::sleep(Duration::from_millis(85_500)).await;
     let calls = upstream.calls();
-    // Both backlogged the whole time; skip the first call, made before anyone waited.
-    let window = &calls[1..81];
+    // Both backlogged the whole time. The first call went out at once (room, nobody
+    // waiting) and was charged like the rest, so the free tenant goes twice before the
+    // rounds settle into free, pro, pro, pro; 80 calls from there.
+    let order: String = calls.iter().map(|c| &c.tenant[..1]).collect();
+    assert!(order.starts_with("pffppfpppfppp"), "{order}");
+    let window = &calls[5..85];
     let paid = window.iter().filter(|c| c.tenant == "paid").count();
     let free = window.len() - paid;
     assert_eq!((paid, free), (60, 20), "paid {paid} free {free}");
@@ -491,6 +495,34 @@ async fn settled_overuse_moves_the_tenant_back_in_line() {
     }
     assert_eq!(order(false).await, ["a", "b", "a", "b"]);
     assert_eq!(order(true).await, ["b", "b", "a", "a"]);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_tenant_that_filled_the_window_with_room_queues_behind_a_newcomer() {
+    // A's first two jobs find room and go out at once. They are charged all the same, so
+    // when A and then B queue, the freed permit goes to B. (Were dispatches with room free,
+    // A's third job would be a newcomer queued ahead of B: a, a, a, b.)
+    let drr = DrrFairnessLayer::new(Store::memory(), 2);
+    let (upstream, mut handle) = mock::pair::<http::Request<()>, ()>();
+    let service = drr.layer(upstream);
+    let mut futures = Vec::new();
+    for tenant in ["a", "a", "a", "b"] {
+        let job = Job::new(tenant, Origin::Scheduled).cost(1_000);
+        futures.push(tokio::spawn(service.clone().oneshot(request(job))));
+        tokio::task::yield_now().await;
+    }
+    assert_eq!((drr.in_flight(), drr.queued(None)), (2, 2));
+    let mut order = Vec::new();
+    for _ in 0..4 {
+        let (req, respond) = handle.next_request().await.unwrap();
+        order.push(req.extensions().get::<Job>().unwrap().tenant().to_string());
+        respond.send_response(());
+    }
+    for f in futures {
+        f.await.unwrap().unwrap();
+    }
+    assert_eq!(order, ["a", "a", "b", "a"]);
+    assert_eq!((drr.in_flight(), drr.queued(None)), (0, 0));
 }
 
 #[tokio::test(start_paused = true)]

@@ -18,14 +18,16 @@
 //!   before the old ones, so a light tenant's single request goes out at the next freed
 //!   permit instead of behind a whole round of the heavy tenant's work. A tenant whose
 //!   queue empties keeps its place in the round (and its leftover deficit) until its turn
-//!   comes and finds it still empty; only then is it forgotten, deficit included. So idle
-//!   time banks no credit, a tenant that stays idle costs no memory, and light tenants
-//!   that keep coming back get no newcomer priority over a backlogged one, which they
-//!   could otherwise starve. One request is charged at most 4 quanta, so a giant
-//!   prompt cannot stall its class. Each pick is O(1) amortised, whatever the number of
-//!   tenants. Every dispatch is charged to its tenant's deficit; one that goes out at once
-//!   because the window had room finds nobody waiting, so its tenant has no deficit to
-//!   charge (DRR forgets idle tenants) and only its served cost is recorded.
+//!   comes and finds it still empty; then it is forgotten, deficit included, or, while
+//!   requests of it are still in flight, set aside with its debt (its credit forfeited)
+//!   until they complete. So idle time banks no credit, a tenant with nothing waiting or
+//!   in flight costs no memory, and light tenants that keep coming back get no newcomer
+//!   priority over a backlogged one, which they could otherwise starve. One request is
+//!   charged at most 4 quanta, so a giant prompt cannot stall its class. Each pick is O(1)
+//!   amortised, whatever the number of tenants. Every dispatch is charged to its tenant's
+//!   deficit, also one that goes out at once because the window had room: a tenant that
+//!   filled the window while nobody waited starts in debt, so when others arrive it
+//!   queues behind the newcomers.
 //!
 //! The scheduler is a sans-IO core, public as [`scheduler`] for simulations.
 //!
@@ -50,8 +52,9 @@
 //! The cost charged at dispatch is the job's estimate. When the real usage is known (the
 //! response's `usage`, or the app's own count), report it through a [`Settler`]: the
 //! difference is charged to or refunded from the tenant's deficit, if that class still
-//! knows the tenant (work waiting, or emptied less than a round ago; a forgotten tenant
-//! has no deficit to settle).
+//! knows the tenant: always while the request is in flight (the permit is held until the
+//! response body ends), or while the tenant has work waiting; a forgotten tenant has no
+//! deficit to settle.
 //!
 //! # Observability
 //! Gauges [`QUEUE_DEPTH`] (`claude_queue_depth{priority}`) and [`FAIRNESS_INDEX`]
@@ -117,8 +120,8 @@ use crate::Job;
 /// clone and shares the layer's state. Call [`settle`](Settler::settle) with the request's
 /// job and the tokens it really used (e.g. `usage.input_tokens` of the response, or a
 /// count the app made): the difference to the job's estimate is charged to the tenant's
-/// deficit (it used more) or refunded (less), if the tenant still has requests waiting in
-/// that class. Refunds never bank more than one quantum x weight; charges never go below
+/// deficit (it used more) or refunded (less), if the tenant still has requests waiting or
+/// in flight in that class. Refunds never bank more than one quantum x weight; charges never go below
 /// minus one maximum charge. Only the scheduling order changes: the served cost already
 /// recorded stays the estimate.
 ///

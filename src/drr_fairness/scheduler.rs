@@ -2,7 +2,8 @@
 //!
 //! Pure data structure: no IO, no clocks, no async. The layer pushes waiting
 //! requests in, pops the next one to dispatch, removes requests whose waiter
-//! went away, and settles real usage after the fact.
+//! went away, charges requests that went out without waiting, reports each
+//! dispatched request's completion, and settles real usage after the fact.
 //!
 //! # Scheduling
 //!
@@ -39,10 +40,11 @@
 //! A push for a listed tenant, empty or not, only appends to its queue: no
 //! grant, no move to `new`. [`Scheduler::pop`] forgets a tenant (frees its
 //! state, deficit included) only when it finds it empty at the head of
-//! `old`, that is in its turn; and a class that drains forgets all its
-//! tenants. So a tenant regains newcomer priority only by staying away
-//! through a whole turn of the `old` list, as in RFC 8290, where only a
-//! flow found empty on the old list becomes inactive.
+//! `old`, that is in its turn, with nothing in flight (next section); and a
+//! class that drains forgets all its tenants with nothing in flight. So a
+//! tenant regains newcomer priority only by staying away through a whole
+//! turn of the `old` list, as in RFC 8290, where only a flow found empty on
+//! the old list becomes inactive.
 //!
 //! Why: if an emptied tenant were forgotten at once, a tenant that keeps at
 //! most one request waiting would re-enter `new` with a fresh grant on every
@@ -73,16 +75,41 @@
 //! at one grant. [`Scheduler::settle`] still reaches such a tenant, so if it
 //! comes back before its turn it pays for an underestimate.
 //!
+//! # In flight: every dispatch is charged
+//!
+//! A tenant is known while it has items waiting or in flight: [`Scheduler::pop`]
+//! counts the item it returns in flight for its tenant until the caller
+//! reports it done with [`Scheduler::complete`]. A request that went out
+//! without queueing (room in the window, nothing waiting) is charged with
+//! [`Scheduler::dispatch_direct`], which also counts it in flight; a tenant
+//! the class does not know starts that charge from a deficit of 0, so it
+//! ends in debt.
+//!
+//! A tenant found empty in its turn (or listed when its class drains) while
+//! items of it are in flight is *parked*: off both lists, credit forfeited
+//! (its deficit becomes `min(deficit, 0)`), debt kept. A push for a parked
+//! tenant joins the back of `old`, not `new`: a tenant with work in flight
+//! is no newcomer. When its last item completes while it is parked, it is
+//! forgotten. So a tenant that filled the window while nobody waited, then
+//! queues more, goes behind a tenant that just arrived, and a settlement
+//! made while the request is in flight always reaches its tenant. Parked
+//! tenants cost memory only while their items are in flight (a caller
+//! bounding what is in flight, as the layer does, bounds them), and every
+//! dispatch must be completed exactly once, or its tenant stays known.
+//!
 //! # Cost of an operation
 //!
-//! `push`, `remove` and `settle` are O(1) (one hash lookup plus intrusive
-//! list splices). `pop` is O(1) plus one step per deficit top-up plus one
-//! step per empty tenant it forgets. Each dispatch or removal empties at
-//! most one tenant, and [`Scheduler::pop`] visits each empty tenant once (it
-//! is forgotten then) unless a push revives it first. So forgetting is
+//! `push`, `remove`, `settle`, `dispatch_direct` and `complete` are O(1)
+//! (one hash lookup plus intrusive list splices); a drain visits each
+//! still-listed tenant once, each put there by an earlier push. `pop` is O(1) plus one step per deficit top-up plus one
+//! step per empty tenant it forgets or parks. Each dispatch or removal
+//! empties at most one tenant, and [`Scheduler::pop`] visits each empty
+//! tenant once (it is forgotten or parked then, off the lists) unless a
+//! push revives it first. So forgetting is
 //! amortised O(1) per earlier dispatch or removal, and `pop` never loops
 //! over empty tenants. A tenant's deficit never drops below `-max_charge`
-//! (settlement charges are floored there) and no charged cost exceeds
+//! (settlement charges and direct dispatches are floored there) and no
+//! charged cost exceeds
 //! `max_charge`, so one item needs at most `2 × max_charge_quanta` top-ups
 //! of its tenant (`max_charge_quanta` without settlement). A single pop can
 //! top up every tenant of a round, but each top-up hands out one
@@ -110,17 +137,20 @@
 //! [`Rejected::ClassFull`], never a panic. Popping a tenant's head does not
 //! touch the next entry: a head's `prev` link is left stale and only read
 //! once the entry is no longer its tenant's head.
-//! most). There are no item tombstones and counts are exact:
+//!
+//! There are no item tombstones and counts are exact:
 //! [`Scheduler::len`] and [`Scheduler::class_len`] count waiting items, and
 //! [`Scheduler::active_tenants`] counts tenants with waiting items (an
 //! emptied tenant still listed is not active). [`Scheduler::is_empty`] means
 //! no item is waiting. The tenants listed in a class are those with waiting
 //! items plus those that emptied and whose turn on `old` has not come yet;
-//! each of the latter holds no item, only its deficit and links. A class
-//! that drains forgets all its tenants. Vacant slab slots hold no item;
-//! slab capacity is the high-water mark of waiting entries (resp. listed
-//! tenants of a class) since that slab last drained, and is given back
-//! (above a small retained capacity) whenever it drains.
+//! each of the latter holds no item, only its deficit and links. Besides
+//! them a class knows only its parked tenants (work in flight). A class
+//! that drains parks those and forgets the rest. Vacant slab slots hold no
+//! item; slab capacity is the high-water mark of waiting entries (resp.
+//! known tenants of a class) since that slab last drained (resp. since the
+//! class last had nothing waiting and nothing in flight), and is given
+//! back (above a small retained capacity) then.
 //!
 //! Every push draws a fresh 64-bit generation from a scheduler-wide
 //! counter and the [`Key`] carries it, so a stale key never matches a reused
@@ -480,8 +510,8 @@ impl TenantList {
     };
 }
 
-/// `u32` links, and a `ListKind` whose spare values give `Option<Tenant>`
-/// its discriminant: 56 bytes on a 64-bit target.
+/// `u32` links, and an `Option<ListKind>` whose spare values give
+/// `Option<Tenant>` its discriminant: 56 bytes on a 64-bit target.
 #[derive(Debug)]
 struct Tenant {
     deficit: i64,
@@ -492,11 +522,14 @@ struct Tenant {
     head: u32,
     tail: u32,
     len: u32,
+    /// Dispatched items not yet [completed](Scheduler::complete).
+    in_flight: u32,
     /// Position in the class's `new` or `old` list. A tenant on `new` always
     /// has waiting items.
     prev: u32,
     next: u32,
-    list: ListKind,
+    /// `None`: parked, on neither list (nothing waiting, items in flight).
+    list: Option<ListKind>,
 }
 
 #[cfg(test)]
@@ -521,6 +554,8 @@ struct Class {
     len: usize,
     /// Listed tenants with at least one waiting item.
     busy: usize,
+    /// Tenants with nothing waiting but items in flight, on neither list.
+    parked: usize,
     /// Smooth weighted round robin credit.
     current: i64,
     #[cfg(test)]
@@ -538,6 +573,7 @@ impl Class {
             old: TenantList::EMPTY,
             len: 0,
             busy: 0,
+            parked: 0,
             current: 0,
             #[cfg(test)]
             trace: Vec::new(),
@@ -567,7 +603,7 @@ impl Class {
     fn link_back(&mut self, kind: ListKind, t: u32) {
         let tail = self.list_mut(kind).tail;
         if let Some(tenant) = self.tenant_mut(t) {
-            tenant.list = kind;
+            tenant.list = Some(kind);
             tenant.prev = tail;
             tenant.next = NONE;
         }
@@ -578,11 +614,15 @@ impl Class {
         self.list_mut(kind).tail = t;
     }
 
+    /// Takes `t` off its list (a parked tenant is on none).
     fn unlink(&mut self, t: u32) {
         let Some(tenant) = self.tenant_mut(t) else {
             return;
         };
-        let (kind, prev, next) = (tenant.list, tenant.prev, tenant.next);
+        let Some(kind) = tenant.list else {
+            return;
+        };
+        let (prev, next) = (tenant.prev, tenant.next);
         tenant.prev = NONE;
         tenant.next = NONE;
         match self.tenant_mut(prev) {
@@ -595,19 +635,27 @@ impl Class {
         }
     }
 
-    /// A tenant not listed in the class gets a waiting item: back of `new`,
+    /// A tenant the class does not know gets a waiting item: back of `new`,
     /// one quantum × weight. `None` if the tenant slab is full.
     fn activate(&mut self, id: TenantId, weight: u32, grant: i64) -> Option<u32> {
+        let t = self.insert(id, weight, grant)?;
+        self.link_back(ListKind::New, t);
+        Some(t)
+    }
+
+    /// A new tenant state, on no list yet. `None` if the tenant slab is full.
+    fn insert(&mut self, id: TenantId, weight: u32, deficit: i64) -> Option<u32> {
         let tenant = Tenant {
-            deficit: grant,
+            deficit,
             id: id.clone(),
             weight,
             head: NONE,
             tail: NONE,
             len: 0,
+            in_flight: 0,
             prev: NONE,
             next: NONE,
-            list: ListKind::New,
+            list: None,
         };
         let t = match self.free.pop() {
             Some(t) if (t as usize) < self.tenants.len() => {
@@ -623,11 +671,31 @@ impl Class {
             }
         };
         self.index.insert(id, t);
-        self.link_back(ListKind::New, t);
         Some(t)
     }
 
-    /// The tenant was found empty at the head of `old`: forget it, deficit
+    /// The tenant was found empty at the head of `old` while items of it are
+    /// in flight: off the lists, credit forfeited (debt kept), until it gets
+    /// a waiting item (back of `old`) or its last item completes (forgotten).
+    fn park(&mut self, t: u32) {
+        self.unlink(t);
+        if let Some(tenant) = self.tenant_mut(t) {
+            tenant.list = None;
+            tenant.deficit = tenant.deficit.min(0);
+            self.parked += 1;
+        }
+    }
+
+    /// A parked tenant gets a waiting item: back of `old`, deficit kept.
+    fn unpark(&mut self, t: u32) {
+        if self.tenant(t).is_some_and(|x| x.list.is_none()) {
+            self.parked = self.parked.saturating_sub(1);
+            self.link_back(ListKind::Old, t);
+        }
+    }
+
+    /// The tenant was found empty at the head of `old` with nothing in
+    /// flight, or its last item completed while parked: forget it, deficit
     /// included.
     fn release(&mut self, t: u32) {
         self.unlink(t);
@@ -666,7 +734,7 @@ impl Class {
         if tenant.len > 0 {
             return;
         }
-        let on_new = tenant.list == ListKind::New;
+        let on_new = tenant.list == Some(ListKind::New);
         self.busy = self.busy.saturating_sub(1);
         if on_new {
             self.unlink(entry.tenant);
@@ -688,12 +756,15 @@ impl Class {
             let tenant = self.tenant_mut(t)?;
             let head = tenant.head;
             if head == NONE {
-                // Empty: on `old` (its turn came) it is forgotten. `detach`
-                // never leaves an empty tenant on `new`; were one there, it
-                // would move to `old` as RFC 8290 says.
-                if tenant.list == ListKind::New {
+                // Empty: on `old` (its turn came) it is forgotten, or parked
+                // while items of it are in flight. `detach` never leaves an
+                // empty tenant on `new`; were one there, it would move to
+                // `old` as RFC 8290 says.
+                if tenant.list == Some(ListKind::New) {
                     self.unlink(t);
                     self.link_back(ListKind::Old, t);
+                } else if tenant.in_flight > 0 {
+                    self.park(t);
                 } else {
                     self.release(t);
                 }
@@ -713,6 +784,7 @@ impl Class {
             }
             // deficit >= cost >= 1, so this cannot overflow.
             tenant.deficit -= cost;
+            tenant.in_flight = tenant.in_flight.saturating_add(1);
             let id = tenant.id.clone();
             let entry = entries.take_at(head)?;
             self.detach(entries, head, &entry);
@@ -722,12 +794,52 @@ impl Class {
         }
     }
 
+    /// A dispatched item of `id` completed. A parked tenant whose last item
+    /// this was is forgotten.
+    fn complete(&mut self, id: &TenantId) {
+        let Some(&t) = self.index.get(id) else {
+            return;
+        };
+        let Some(tenant) = self.tenant_mut(t) else {
+            return;
+        };
+        tenant.in_flight = tenant.in_flight.saturating_sub(1);
+        if tenant.in_flight > 0 || tenant.list.is_some() {
+            return;
+        }
+        self.parked = self.parked.saturating_sub(1);
+        self.release(t);
+        if self.len == 0 && self.parked == 0 {
+            self.reset();
+        }
+    }
+
     /// Called when the class has nothing waiting: every tenant still listed
-    /// is empty, and all of them are forgotten at once (a drained class has
-    /// no backlogged tenant a returning one could overtake).
-    fn reset(&mut self) {
+    /// is empty (on `old`). Each is parked if items of it are in flight,
+    /// else forgotten at once (a drained class has no backlogged tenant a
+    /// returning one could overtake).
+    fn drained(&mut self) {
         self.current = 0;
         self.busy = 0;
+        for list in [self.new, self.old] {
+            let mut cursor = list.head;
+            while let Some(tenant) = self.tenant(cursor) {
+                let (t, next, in_flight) = (cursor, tenant.next, tenant.in_flight);
+                if in_flight > 0 {
+                    self.park(t);
+                } else {
+                    self.release(t);
+                }
+                cursor = next;
+            }
+        }
+        if self.parked == 0 {
+            self.reset();
+        }
+    }
+
+    /// Frees every tenant slot: nothing waits and nothing is in flight.
+    fn reset(&mut self) {
         self.index.clear();
         self.new = TenantList::EMPTY;
         self.old = TenantList::EMPTY;
@@ -816,12 +928,14 @@ impl<T> Scheduler<T> {
             return Err(Rejected::ClassFull(item));
         }
         // A listed tenant, even an empty one waiting on `old` for its turn,
-        // keeps its place and deficit: no fresh grant, no move to `new`.
+        // keeps its place and deficit: no fresh grant, no move to `new`. A
+        // parked one (items in flight) joins the back of `old` with its debt.
         let t = match existing.or_else(|| queue.activate(tenant, weight, grant)) {
             Some(t) => t,
             // Unreachable: room was checked above.
             None => return Err(Rejected::ClassFull(item)),
         };
+        queue.unpark(t);
         let Some(owner) = queue.tenant_mut(t) else {
             // Unreachable: `t` was just found or created.
             return Err(Rejected::ClassFull(item));
@@ -870,6 +984,49 @@ impl<T> Scheduler<T> {
         })
     }
 
+    /// Charges a request that went out without waiting in the queue (there
+    /// was room and nothing waited) to its tenant, and counts it in flight
+    /// until [`Scheduler::complete`]: a tenant the class does not know
+    /// starts from a deficit of 0, so it ends in debt and, if it queues
+    /// while that request is in flight, it joins `old`, not `new`. Returns
+    /// the charged cost. The deficit never goes below `-max_charge`.
+    ///
+    /// Nothing is recorded if the class is at its tenant capacity (see the
+    /// module doc).
+    pub fn dispatch_direct(
+        &mut self,
+        class: Priority,
+        tenant: TenantId,
+        weight: u32,
+        cost: u64,
+    ) -> u64 {
+        let weight = weight.max(1);
+        let cost = self.charge(cost);
+        let floor = self.max_charge.saturating_neg();
+        let queue = &mut self.classes[class_index(class)];
+        let t = match queue.index.get(&tenant) {
+            Some(&t) => Some(t),
+            None => queue
+                .insert(tenant, weight, 0)
+                .inspect(|_| queue.parked += 1),
+        };
+        if let Some(owner) = t.and_then(|t| queue.tenant_mut(t)) {
+            owner.weight = weight;
+            owner.deficit = owner.deficit.saturating_sub(cost).max(floor);
+            owner.in_flight = owner.in_flight.saturating_add(1);
+        }
+        cost.unsigned_abs()
+    }
+
+    /// A request of `tenant` in `class`, dispatched by [`Scheduler::pop`] or
+    /// [`Scheduler::dispatch_direct`], completed. A tenant is remembered, with
+    /// its deficit, while it has items waiting or in flight, so every
+    /// dispatch and settlement reaches it; each dispatch must be completed
+    /// exactly once, or its tenant stays in memory.
+    pub fn complete(&mut self, class: Priority, tenant: &TenantId) {
+        self.classes[class_index(class)].complete(tenant);
+    }
+
     /// Takes out a still-waiting item (its waiter went away). `None` if the
     /// key's item was already popped or removed.
     pub fn remove(&mut self, key: Key) -> Option<T> {
@@ -893,11 +1050,11 @@ impl<T> Scheduler<T> {
 
     /// Settles a dispatched request once its real usage is known: charges
     /// (`actual > estimated`) or refunds the difference of the charged costs
-    /// to the tenant's deficit, if the tenant is still listed in `class`
-    /// (items waiting, or emptied less than a round ago; see the module
-    /// doc). Refunds never lift the deficit above one `quantum × weight`;
-    /// charges never push it below `-max_charge`. Forgotten tenants are
-    /// ignored.
+    /// to the tenant's deficit, if `class` still knows the tenant (items
+    /// waiting or in flight, or emptied less than a round ago; see the module
+    /// doc). Refunds never lift the deficit above one `quantum × weight`, nor
+    /// a parked tenant's above 0 (it banks no credit); charges never push it
+    /// below `-max_charge`. Forgotten tenants are ignored.
     pub fn settle(&mut self, class: Priority, tenant: &TenantId, estimated: u64, actual: u64) {
         let (estimated, actual) = (self.charge(estimated), self.charge(actual));
         let (quantum, floor) = (self.quantum, self.max_charge.saturating_neg());
@@ -911,7 +1068,10 @@ impl<T> Scheduler<T> {
         if actual > estimated {
             tenant.deficit = tenant.deficit.saturating_sub(actual - estimated).max(floor);
         } else {
-            let cap = quantum.saturating_mul(i64::from(tenant.weight));
+            let cap = match tenant.list {
+                Some(_) => quantum.saturating_mul(i64::from(tenant.weight)),
+                None => 0,
+            };
             if tenant.deficit < cap {
                 tenant.deficit = tenant.deficit.saturating_add(estimated - actual).min(cap);
             }
@@ -944,7 +1104,7 @@ impl<T> Scheduler<T> {
         if let Some(queue) = self.classes.get_mut(ci)
             && queue.len == 0
         {
-            queue.reset();
+            queue.drained();
         }
         if self.len == 0 {
             self.entries.reset();
@@ -1039,7 +1199,29 @@ mod tests {
         /// The list `tenant` is on in `class`, `None` if it is not listed.
         fn list_of(&self, class: Priority, tenant: &TenantId) -> Option<ListKind> {
             let queue = &self.classes[class_index(class)];
-            queue.tenant(*queue.index.get(tenant)?).map(|x| x.list)
+            queue.tenant(*queue.index.get(tenant)?)?.list
+        }
+
+        fn in_flight_of(&self, class: Priority, tenant: &TenantId) -> Option<u32> {
+            let queue = &self.classes[class_index(class)];
+            queue.tenant(*queue.index.get(tenant)?).map(|x| x.in_flight)
+        }
+
+        /// Whether `tenant` is known in `class` but on no list (parked).
+        fn is_parked(&self, class: Priority, tenant: &TenantId) -> bool {
+            let queue = &self.classes[class_index(class)];
+            queue
+                .index
+                .get(tenant)
+                .and_then(|&t| queue.tenant(t))
+                .is_some_and(|x| x.list.is_none())
+        }
+
+        /// Pops and completes at once, as if every request finished instantly.
+        fn pop_done(&mut self) -> Option<Dispatched<T>> {
+            let d = self.pop()?;
+            self.complete(d.class, &d.tenant);
+            Some(d)
         }
 
         /// Internal consistency: lists, slabs and counts agree.
@@ -1054,7 +1236,7 @@ mod tests {
                         let t = cursor;
                         let tenant = queue.tenant(t).expect("listed tenant exists");
                         assert_eq!(tenant.prev, prev);
-                        assert_eq!(tenant.list, kind);
+                        assert_eq!(tenant.list, Some(kind));
                         assert!(
                             tenant.len > 0 || kind == ListKind::Old,
                             "only `old` holds empty tenants"
@@ -1084,12 +1266,24 @@ mod tests {
                     }
                     assert_eq!(list.tail, prev);
                 }
-                assert_eq!(seen, queue.index.len());
-                assert_eq!(seen, queue.tenants.iter().flatten().count());
+                let parked: Vec<&Tenant> = queue
+                    .tenants
+                    .iter()
+                    .flatten()
+                    .filter(|x| x.list.is_none())
+                    .collect();
+                for tenant in &parked {
+                    assert_eq!(tenant.len, 0, "a parked tenant has nothing waiting");
+                    assert!(tenant.in_flight > 0, "a parked tenant has work in flight");
+                    assert!(tenant.deficit <= 0, "a parked tenant banks no credit");
+                }
+                assert_eq!(parked.len(), queue.parked);
+                assert_eq!(seen + parked.len(), queue.index.len());
+                assert_eq!(seen + parked.len(), queue.tenants.iter().flatten().count());
                 assert_eq!(busy, queue.busy);
                 assert_eq!(items, queue.len);
                 if queue.len == 0 {
-                    assert_eq!(seen, 0, "a drained class forgets everyone");
+                    assert_eq!(seen, 0, "a drained class lists nobody");
                 }
                 total += items;
             }
@@ -1113,6 +1307,16 @@ mod tests {
         },
         Pop,
         Remove(prop::sample::Index),
+        /// One dispatched request completes.
+        Complete(prop::sample::Index),
+        /// One dispatched request is settled at `actual` tokens.
+        Settle(prop::sample::Index, u64),
+        /// A request goes out without queueing.
+        Direct {
+            class: usize,
+            tenant: usize,
+            cost: u64,
+        },
     }
 
     fn ops(tenants: usize) -> impl Strategy<Value = Vec<Op>> {
@@ -1122,6 +1326,11 @@ mod tests {
                     .prop_map(|(class, tenant, cost)| Op::Push { class, tenant, cost }),
                 3 => Just(Op::Pop),
                 2 => any::<prop::sample::Index>().prop_map(Op::Remove),
+                2 => any::<prop::sample::Index>().prop_map(Op::Complete),
+                1 => (any::<prop::sample::Index>(), 1..=100_000u64)
+                    .prop_map(|(index, actual)| Op::Settle(index, actual)),
+                1 => (0..3usize, 0..tenants, 1..=40_000u64)
+                    .prop_map(|(class, tenant, cost)| Op::Direct { class, tenant, cost }),
             ],
             1..250,
         )
@@ -1186,6 +1395,7 @@ mod tests {
             let mut model: HashMap<(usize, usize), VecDeque<(u64, u64)>> = HashMap::new();
             let mut keys: Vec<(Key, u64, usize, usize)> = Vec::new();
             let (mut popped, mut removed) = (HashSet::new(), HashSet::new());
+            let mut flights: Vec<(Priority, TenantId, u64)> = Vec::new();
             let mut check = |s: &mut Scheduler<u64>, d: Dispatched<u64>,
                              model: &mut HashMap<(usize, usize), VecDeque<(u64, u64)>>| {
                 let slot = (class_index(d.class), tenant_number(&d.tenant));
@@ -1207,9 +1417,32 @@ mod tests {
                         keys.push((key, next_id, class, tenant));
                     }
                     Op::Pop => match s.pop() {
-                        Some(d) => check(&mut s, d, &mut model)?,
+                        Some(d) => {
+                            flights.push((d.class, d.tenant.clone(), d.cost));
+                            check(&mut s, d, &mut model)?;
+                        }
                         None => prop_assert!(model.values().all(VecDeque::is_empty)),
                     },
+                    Op::Complete(index) => {
+                        if !flights.is_empty() {
+                            let (class, tenant, _) = flights.swap_remove(index.index(flights.len()));
+                            s.complete(class, &tenant);
+                        }
+                    }
+                    Op::Settle(index, actual) => {
+                        if !flights.is_empty() {
+                            let (class, tenant, cost) = &flights[index.index(flights.len())];
+                            s.settle(*class, tenant, *cost, actual);
+                        }
+                    }
+                    Op::Direct { class, tenant, cost } => {
+                        let id = tid(&format!("t{tenant}"));
+                        let charged = s.dispatch_direct(CLASSES[class], id.clone(), weights[tenant], cost);
+                        prop_assert_eq!(charged, cost.min(max_charge));
+                        let deficit = s.deficit_of(CLASSES[class], &id);
+                        prop_assert!(deficit.is_some_and(|d| d >= -i64::try_from(max_charge).unwrap_or(i64::MAX)));
+                        flights.push((CLASSES[class], id, charged));
+                    }
                     Op::Remove(index) => {
                         if keys.is_empty() {
                             continue;
@@ -1229,6 +1462,11 @@ mod tests {
                     }
                 }
                 s.check_invariants();
+                // A tenant with requests in flight is known, with its exact count.
+                for (class, tenant, _) in &flights {
+                    let expected = flights.iter().filter(|f| (&f.0, &f.1) == (class, tenant)).count();
+                    prop_assert_eq!(s.in_flight_of(*class, tenant), Some(expected as u32));
+                }
                 let waiting: usize = model.values().map(VecDeque::len).sum();
                 prop_assert_eq!(s.len(), waiting);
                 for (ci, class) in CLASSES.into_iter().enumerate() {
@@ -1239,6 +1477,7 @@ mod tests {
                 }
             }
             while let Some(d) = s.pop() {
+                flights.push((d.class, d.tenant.clone(), d.cost));
                 check(&mut s, d, &mut model)?;
             }
             prop_assert!(s.is_empty());
@@ -1246,6 +1485,15 @@ mod tests {
             prop_assert_eq!(popped.len() + removed.len(), keys.len());
             for class in CLASSES {
                 prop_assert_eq!(s.active_tenants(class), 0);
+            }
+            // Nothing waiting and, once every dispatch completed, nothing in
+            // flight: no tenant state is left.
+            for (class, tenant, _) in flights {
+                s.complete(class, &tenant);
+                s.check_invariants();
+            }
+            for queue in &s.classes {
+                prop_assert!(queue.index.is_empty() && queue.tenants.is_empty());
             }
         }
 
@@ -1580,12 +1828,12 @@ mod tests {
             s.push(class, tid("h"), 1, 5_000, ()).ok();
         }
         // From `new`, then topped up, moved to `old` and served again.
-        assert_eq!(s.pop().expect("waiting").tenant, tid("h"));
-        assert_eq!(s.pop().expect("waiting").tenant, tid("h"));
+        assert_eq!(s.pop_done().expect("waiting").tenant, tid("h"));
+        assert_eq!(s.pop_done().expect("waiting").tenant, tid("h"));
         assert_eq!(s.list_of(class, &tid("h")), Some(ListKind::Old));
         s.push(class, tid("l"), 1, 5_000, ()).ok();
         assert_eq!(s.list_of(class, &tid("l")), Some(ListKind::New));
-        assert_eq!(s.pop().expect("waiting").tenant, tid("l"));
+        assert_eq!(s.pop_done().expect("waiting").tenant, tid("l"));
         s.take_trace(class);
         s
     }
@@ -1606,8 +1854,8 @@ mod tests {
         assert_eq!(s.deficit_of(class, &tid("l")), Some(0));
         assert_eq!(s.active_tenants(class), 2);
         // So h goes first (a newcomer would have), then l in its turn.
-        assert_eq!(s.pop().expect("waiting").tenant, tid("h"));
-        assert_eq!(s.pop().expect("waiting").tenant, tid("l"));
+        assert_eq!(s.pop_done().expect("waiting").tenant, tid("h"));
+        assert_eq!(s.pop_done().expect("waiting").tenant, tid("l"));
         assert!(
             !s.take_trace(class)
                 .iter()
@@ -1622,7 +1870,7 @@ mod tests {
         let mut s = heavy_on_old_after_light_served_once();
         // h's turn: topped up and moved behind l, which is found empty at
         // the head of `old` and forgotten, then h is served.
-        assert_eq!(s.pop().expect("waiting").tenant, tid("h"));
+        assert_eq!(s.pop_done().expect("waiting").tenant, tid("h"));
         assert_eq!(
             s.take_trace(class),
             vec![
@@ -1637,7 +1885,7 @@ mod tests {
         s.push(class, tid("l"), 1, 5_000, ()).ok();
         assert_eq!(s.list_of(class, &tid("l")), Some(ListKind::New));
         assert_eq!(s.deficit_of(class, &tid("l")), Some(5_000));
-        assert_eq!(s.pop().expect("waiting").tenant, tid("l"));
+        assert_eq!(s.pop_done().expect("waiting").tenant, tid("l"));
     }
 
     #[test]
@@ -1647,20 +1895,20 @@ mod tests {
         for _ in 0..10 {
             s.push(class, tid("h"), 1, 5_000, ()).ok();
         }
-        s.pop().expect("waiting");
-        s.pop().expect("waiting");
+        s.pop_done().expect("waiting");
+        s.pop_done().expect("waiting");
         for i in 0..100 {
             s.push(class, tid(&format!("l{i}")), 1, 5_000, ()).ok();
         }
         for _ in 0..100 {
-            assert_ne!(s.pop().expect("waiting").tenant, tid("h"));
+            assert_ne!(s.pop_done().expect("waiting").tenant, tid("h"));
         }
         // 101 listed tenants, one of them active.
         assert_eq!(s.classes[1].index.len(), 101);
         assert_eq!(s.active_tenants(class), 1);
         s.take_trace(class);
         // One pop walks past all 100 once, forgetting each, then serves h.
-        assert_eq!(s.pop().expect("waiting").tenant, tid("h"));
+        assert_eq!(s.pop_done().expect("waiting").tenant, tid("h"));
         let trace = s.take_trace(class);
         let forgotten: HashSet<_> = trace
             .iter()
@@ -1673,7 +1921,7 @@ mod tests {
         assert_eq!(trace.len(), 102, "top-up h, 100 forgets, dispatch h");
         assert_eq!(s.classes[1].index.len(), 1);
         assert_eq!(s.classes[1].tenants.iter().flatten().count(), 1);
-        assert_eq!(s.pop().expect("waiting").tenant, tid("h"));
+        assert_eq!(s.pop_done().expect("waiting").tenant, tid("h"));
         assert_eq!(s.take_trace(class).len(), 2, "top-up h, dispatch h");
         s.check_invariants();
     }
@@ -1698,7 +1946,7 @@ mod tests {
         assert_eq!(s.list_of(class, &tid("l")), Some(ListKind::Old));
         assert_eq!(s.active_tenants(class), 2, "h and m");
         // old = [h, l, m]: h topped up and moved back, l forgotten, m served.
-        assert_eq!(s.pop().expect("waiting").tenant, tid("m"));
+        assert_eq!(s.pop_done().expect("waiting").tenant, tid("m"));
         assert_eq!(s.list_of(class, &tid("l")), None);
         s.check_invariants();
     }
@@ -1740,7 +1988,7 @@ mod tests {
         let mut s = scheduler(SchedulerConfig::default());
         s.push(Priority::Batch, tid("a"), 2, 1_000, ()).ok();
         assert_eq!(s.deficit_of(Priority::Batch, &tid("a")), Some(10_000));
-        s.pop().expect("waiting");
+        s.pop_done().expect("waiting");
         assert_eq!(s.deficit_of(Priority::Batch, &tid("a")), None);
         assert_eq!(s.active_tenants(Priority::Batch), 0);
         // No banked 9,000: a fresh quantum × weight.
@@ -1751,13 +1999,114 @@ mod tests {
         // until its turn on `old` finds it empty, then it is forgotten.
         s.push(Priority::Batch, tid("b"), 1, 5_000, ()).ok();
         s.push(Priority::Batch, tid("b"), 1, 5_000, ()).ok();
-        assert_eq!(s.pop().expect("waiting").tenant, tid("a"));
+        assert_eq!(s.pop_done().expect("waiting").tenant, tid("a"));
         assert_eq!(s.deficit_of(Priority::Batch, &tid("a")), Some(9_000));
-        assert_eq!(s.pop().expect("waiting").tenant, tid("b"));
+        assert_eq!(s.pop_done().expect("waiting").tenant, tid("b"));
         assert_eq!(s.deficit_of(Priority::Batch, &tid("a")), Some(9_000));
         // old = [a, b]: a is forgotten, b (deficit 0) topped up and served.
-        assert_eq!(s.pop().expect("waiting").tenant, tid("b"));
+        assert_eq!(s.pop_done().expect("waiting").tenant, tid("b"));
         assert_eq!(s.deficit_of(Priority::Batch, &tid("a")), None);
+    }
+
+    // ---------- in flight ----------
+
+    #[test]
+    fn direct_dispatches_are_charged_so_a_newcomer_goes_first() {
+        // `a` filled the window without queueing: 4 × 1,000 charged from a
+        // deficit of 0. Then `a` and `b` queue, `a` first: `b`, a newcomer
+        // with a fresh quantum, goes out before `a`, whose debt (and work in
+        // flight) puts it on `old`.
+        let class = Priority::Standard;
+        let mut s = scheduler(SchedulerConfig::default());
+        for _ in 0..4 {
+            assert_eq!(s.dispatch_direct(class, tid("a"), 1, 1_000), 1_000);
+        }
+        assert_eq!(s.deficit_of(class, &tid("a")), Some(-4_000));
+        assert!(s.is_parked(class, &tid("a")));
+        assert!(s.is_empty());
+        s.check_invariants();
+        s.push(class, tid("a"), 1, 1_000, ()).ok();
+        s.push(class, tid("b"), 1, 1_000, ()).ok();
+        assert_eq!(s.list_of(class, &tid("a")), Some(ListKind::Old));
+        assert_eq!(s.list_of(class, &tid("b")), Some(ListKind::New));
+        assert_eq!(s.pop().expect("waiting").tenant, tid("b"));
+        assert_eq!(s.pop().expect("waiting").tenant, tid("a"));
+        s.check_invariants();
+        // A debt never goes below -max_charge (20,000), so a tenant that had
+        // the window to itself waits at most max_charge_quanta extra rounds.
+        for _ in 0..100 {
+            s.dispatch_direct(class, tid("c"), 1, 5_000);
+        }
+        assert_eq!(s.deficit_of(class, &tid("c")), Some(-20_000));
+        s.check_invariants();
+    }
+
+    #[test]
+    fn a_tenant_found_empty_with_work_in_flight_is_parked_not_forgotten() {
+        let class = Priority::Standard;
+        let mut s = scheduler(SchedulerConfig::default());
+        for _ in 0..10 {
+            s.push(class, tid("h"), 1, 5_000, ()).ok();
+        }
+        s.pop_done().expect("waiting");
+        s.pop_done().expect("waiting");
+        s.push(class, tid("l"), 1, 5_000, ()).ok();
+        // Out from `new`, still in flight: moves to `old` behind `h`.
+        assert_eq!(s.pop().expect("waiting").tenant, tid("l"));
+        s.take_trace(class);
+        // h's turn, then l's: found empty with work in flight, it is parked
+        // (credit forfeited), not forgotten.
+        assert_eq!(s.pop_done().expect("waiting").tenant, tid("h"));
+        assert!(
+            !s.take_trace(class)
+                .iter()
+                .any(|v| matches!(v, Visit::Forget(_)))
+        );
+        assert!(s.is_parked(class, &tid("l")));
+        assert_eq!(s.deficit_of(class, &tid("l")), Some(0));
+        assert_eq!(s.active_tenants(class), 1);
+        s.check_invariants();
+        // Back while in flight: no newcomer priority, `old` behind h.
+        s.push(class, tid("l"), 1, 5_000, ()).ok();
+        assert_eq!(s.list_of(class, &tid("l")), Some(ListKind::Old));
+        assert_eq!(s.pop_done().expect("waiting").tenant, tid("h"));
+        assert_eq!(s.pop().expect("waiting").tenant, tid("l"));
+        s.check_invariants();
+        // Its two requests complete; its next turn finds it empty with
+        // nothing in flight, and it is forgotten.
+        s.complete(class, &tid("l"));
+        s.complete(class, &tid("l"));
+        assert_eq!(s.pop_done().expect("waiting").tenant, tid("h"));
+        assert_eq!(s.pop_done().expect("waiting").tenant, tid("h"));
+        assert_eq!(s.deficit_of(class, &tid("l")), None);
+        s.check_invariants();
+    }
+
+    #[test]
+    fn settlement_reaches_a_tenant_in_flight_and_completion_forgets_it() {
+        let class = Priority::Standard;
+        let mut s = scheduler(SchedulerConfig::default());
+        s.push(class, tid("x"), 1, 1_000, ()).ok();
+        s.pop().expect("waiting");
+        // The class drained; x is parked with its credit forfeited.
+        assert!(s.is_parked(class, &tid("x")));
+        assert_eq!(s.deficit_of(class, &tid("x")), Some(0));
+        // It really used 3,000 tokens: charged while still in flight.
+        s.settle(class, &tid("x"), 1_000, 3_000);
+        assert_eq!(s.deficit_of(class, &tid("x")), Some(-2_000));
+        // So when x and a newcomer y queue, y goes first.
+        s.push(class, tid("x"), 1, 1_000, ()).ok();
+        s.push(class, tid("y"), 1, 1_000, ()).ok();
+        assert_eq!(s.pop_done().expect("waiting").tenant, tid("y"));
+        assert_eq!(s.pop_done().expect("waiting").tenant, tid("x"));
+        // x's first request completes: nothing waits, nothing in flight, no
+        // state left. Completions of unknown tenants change nothing.
+        s.complete(class, &tid("x"));
+        s.complete(class, &tid("x"));
+        s.complete(Priority::Batch, &tid("nobody"));
+        assert_eq!(s.deficit_of(class, &tid("x")), None);
+        assert!(s.classes[1].index.is_empty() && s.classes[1].tenants.is_empty());
+        s.check_invariants();
     }
 
     // ---------- removal ----------

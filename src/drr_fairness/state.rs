@@ -186,16 +186,20 @@ impl Shared {
         let admission = {
             let mut state = self.lock();
             if state.scheduler.is_empty() && state.in_flight < self.max_in_flight {
-                // Nothing waits, so the tenant has no deficit a charge could change (DRR
-                // forgets an idle tenant's deficit); only the served cost is recorded.
+                // Room and nobody waiting: out at once, still charged to the tenant, so a
+                // tenant that filled the window queues behind those that did not.
                 state.in_flight += 1;
-                let cost = state.scheduler.config().max_charge().min(cost.max(1));
+                let cost = state
+                    .scheduler
+                    .dispatch_direct(class, tenant.clone(), weight, cost);
                 after.index = state
                     .fairness
                     .record(tenant, weight, cost, false, Instant::now());
                 after.served = Some((tenant.clone(), cost));
                 Admission::Now(Permit {
                     shared: self.clone(),
+                    class,
+                    tenant: tenant.clone(),
                 })
             } else {
                 let waiter = Waiter {
@@ -212,6 +216,7 @@ impl Shared {
                             shared: Some(self.clone()),
                             key,
                             class,
+                            tenant: tenant.clone(),
                         })
                     }
                     Err(rejected) => {
@@ -225,11 +230,13 @@ impl Shared {
         Ok(admission)
     }
 
-    /// A permit came back: hand it to the next request in fair order, if one waits.
-    fn release(&self) {
+    /// A permit came back: its request is no longer in flight; hand the permit to the next
+    /// request in fair order, if one waits.
+    fn release(&self, class: Priority, tenant: &TenantId) {
         let after = {
             let mut state = self.lock();
             state.in_flight = state.in_flight.saturating_sub(1);
+            state.scheduler.complete(class, tenant);
             Self::dispatch_next(&mut state, self.max_in_flight)
         };
         after.run(&self.store);
@@ -285,11 +292,13 @@ impl fmt::Debug for Shared {
 /// created outside the crate.
 pub struct Permit {
     shared: Arc<Shared>,
+    class: Priority,
+    tenant: TenantId,
 }
 
 impl Drop for Permit {
     fn drop(&mut self) {
-        self.shared.release();
+        self.shared.release(self.class, &self.tenant);
     }
 }
 
@@ -305,6 +314,7 @@ pub(super) struct Ticket {
     shared: Option<Arc<Shared>>,
     key: Key,
     class: Priority,
+    tenant: TenantId,
 }
 
 impl Ticket {
@@ -328,7 +338,11 @@ impl Ticket {
         // Only this ticket removes its own entry, so a missing entry was popped: the
         // releasing side already counted the permit for us.
         match self.shared.take() {
-            Some(shared) => Poll::Ready(Permit { shared }),
+            Some(shared) => Poll::Ready(Permit {
+                shared,
+                class: self.class,
+                tenant: self.tenant.clone(),
+            }),
             None => Poll::Pending,
         }
     }
@@ -353,7 +367,7 @@ impl Drop for Ticket {
             }
             .run(&shared.store),
             // Dispatched but never claimed: the permit is ours to give back.
-            None => shared.release(),
+            None => shared.release(self.class, &self.tenant),
         }
     }
 }
