@@ -22,6 +22,12 @@ impl TenantId {
         &self.0
     }
 
+    /// Whether both name the same tenant; a clone of the same id is recognised without
+    /// reading the name.
+    pub(crate) fn same(&self, other: &TenantId) -> bool {
+        Arc::ptr_eq(&self.0, &other.0) || self.0 == other.0
+    }
+
     /// The name itself, shared (for metric labels: no copy per request).
     pub(crate) fn shared_name(&self) -> Arc<str> {
         self.0.clone()

@@ -126,8 +126,8 @@
 //! Entries live in a slab (`Vec<Option<Entry>>` plus a free list). Each
 //! tenant's FIFO is an intrusive doubly linked list threaded through the
 //! slab, and each class's `new`/`old` lists are intrusive doubly linked
-//! lists threaded through a per-class tenant slab (`HashMap<TenantId, slot>`
-//! finds the slot). So [`Scheduler::remove`] unlinks the entry in O(1), and
+//! lists threaded through a per-class tenant slab (a hash index of `u32`
+//! slots, compared by name through the slab, finds a tenant's slot). So [`Scheduler::remove`] unlinks the entry in O(1), and
 //! if that empties the tenant, applies the DRR++ rule above (one splice at
 //! most). Links and slot indices are `u32` (`u32::MAX` meaning none): on a
 //! 64-bit target a slab slot is 40 bytes for an 8-byte item and a listed
@@ -156,8 +156,10 @@
 //! counter and the [`Key`] carries it, so a stale key never matches a reused
 //! slot, even after the slab was truncated.
 
-use std::collections::HashMap;
 use std::fmt;
+use std::hash::{BuildHasher, RandomState};
+
+use hashbrown::HashTable;
 
 use crate::error::ConfigError;
 use crate::rng::Rng;
@@ -541,9 +543,62 @@ enum Visit {
     Forget(TenantId),
 }
 
+/// Tenant name -> slot in its class's tenant slab. A bucket holds only the
+/// `u32` slot (a `HashMap<TenantId, u32>` bucket is 24 bytes), so the index
+/// of 100,000 tenants stays within a core's L2 cache; names are compared
+/// through the slab. Each operation hashes a name once (SipHash with random
+/// keys, as `HashMap`: tenant names come from callers).
+#[derive(Debug, Default)]
+struct TenantIndex {
+    slots: HashTable<u32>,
+    hasher: RandomState,
+}
+
+impl TenantIndex {
+    fn hash(&self, id: &TenantId) -> u64 {
+        self.hasher.hash_one(id)
+    }
+
+    fn find(&self, hash: u64, id: &TenantId, tenants: &[Option<Tenant>]) -> Option<u32> {
+        self.slots
+            .find(hash, |&t| {
+                Self::id_at(tenants, t).is_some_and(|x| x.same(id))
+            })
+            .copied()
+    }
+
+    fn insert(&mut self, hash: u64, t: u32, tenants: &[Option<Tenant>]) {
+        let hasher = &self.hasher;
+        self.slots.insert_unique(hash, t, |&x| {
+            Self::id_at(tenants, x).map_or(0, |id| hasher.hash_one(id))
+        });
+    }
+
+    fn remove(&mut self, hash: u64, t: u32) {
+        if let Ok(entry) = self.slots.find_entry(hash, |&x| x == t) {
+            entry.remove();
+        }
+    }
+
+    #[cfg(test)]
+    fn len(&self) -> usize {
+        self.slots.len()
+    }
+
+    fn clear(&mut self) {
+        self.slots.clear();
+        // Empty: the rehash function is never called.
+        self.slots.shrink_to(RETAINED_CAPACITY, |_| 0);
+    }
+
+    fn id_at(tenants: &[Option<Tenant>], t: u32) -> Option<&TenantId> {
+        tenants.get(t as usize)?.as_ref().map(|x| &x.id)
+    }
+}
+
 #[derive(Debug)]
 struct Class {
-    index: HashMap<TenantId, u32>,
+    index: TenantIndex,
     tenants: Vec<Option<Tenant>>,
     free: Vec<u32>,
     /// [`MAX_SLOTS`], lowered by tests.
@@ -565,7 +620,7 @@ struct Class {
 impl Class {
     fn new() -> Self {
         Class {
-            index: HashMap::new(),
+            index: TenantIndex::default(),
             tenants: Vec::new(),
             free: Vec::new(),
             limit: MAX_SLOTS,
@@ -578,6 +633,12 @@ impl Class {
             #[cfg(test)]
             trace: Vec::new(),
         }
+    }
+
+    /// The hash of `id` for this class's index, and its slot if it is known.
+    fn lookup(&self, id: &TenantId) -> (u64, Option<u32>) {
+        let hash = self.index.hash(id);
+        (hash, self.index.find(hash, id, &self.tenants))
     }
 
     fn tenant(&self, t: u32) -> Option<&Tenant> {
@@ -637,17 +698,18 @@ impl Class {
 
     /// A tenant the class does not know gets a waiting item: back of `new`,
     /// one quantum × weight. `None` if the tenant slab is full.
-    fn activate(&mut self, id: TenantId, weight: u32, grant: i64) -> Option<u32> {
-        let t = self.insert(id, weight, grant)?;
+    fn activate(&mut self, hash: u64, id: TenantId, weight: u32, grant: i64) -> Option<u32> {
+        let t = self.insert(hash, id, weight, grant)?;
         self.link_back(ListKind::New, t);
         Some(t)
     }
 
-    /// A new tenant state, on no list yet. `None` if the tenant slab is full.
-    fn insert(&mut self, id: TenantId, weight: u32, deficit: i64) -> Option<u32> {
+    /// A new tenant state (`hash` is its id's), on no list yet. `None` if the
+    /// tenant slab is full.
+    fn insert(&mut self, hash: u64, id: TenantId, weight: u32, deficit: i64) -> Option<u32> {
         let tenant = Tenant {
             deficit,
-            id: id.clone(),
+            id,
             weight,
             head: NONE,
             tail: NONE,
@@ -670,7 +732,7 @@ impl Class {
                 t
             }
         };
-        self.index.insert(id, t);
+        self.index.insert(hash, t, &self.tenants);
         Some(t)
     }
 
@@ -696,14 +758,15 @@ impl Class {
 
     /// The tenant was found empty at the head of `old` with nothing in
     /// flight, or its last item completed while parked: forget it, deficit
-    /// included.
-    fn release(&mut self, t: u32) {
+    /// included. `hash` is its id's, if the caller has it.
+    fn release(&mut self, t: u32, hash: Option<u64>) {
         self.unlink(t);
         let Some(tenant) = self.tenants.get_mut(t as usize).and_then(Option::take) else {
             return;
         };
         self.free.push(t);
-        self.index.remove(&tenant.id);
+        let hash = hash.unwrap_or_else(|| self.index.hash(&tenant.id));
+        self.index.remove(hash, t);
         #[cfg(test)]
         self.trace.push(Visit::Forget(tenant.id));
     }
@@ -766,7 +829,7 @@ impl Class {
                 } else if tenant.in_flight > 0 {
                     self.park(t);
                 } else {
-                    self.release(t);
+                    self.release(t, None);
                 }
                 continue;
             }
@@ -797,7 +860,7 @@ impl Class {
     /// A dispatched item of `id` completed. A parked tenant whose last item
     /// this was is forgotten.
     fn complete(&mut self, id: &TenantId) {
-        let Some(&t) = self.index.get(id) else {
+        let (hash, Some(t)) = self.lookup(id) else {
             return;
         };
         let Some(tenant) = self.tenant_mut(t) else {
@@ -808,9 +871,11 @@ impl Class {
             return;
         }
         self.parked = self.parked.saturating_sub(1);
-        self.release(t);
         if self.len == 0 && self.parked == 0 {
+            // The last tenant the class knew: free everything at once.
             self.reset();
+        } else {
+            self.release(t, Some(hash));
         }
     }
 
@@ -828,7 +893,7 @@ impl Class {
                 if in_flight > 0 {
                     self.park(t);
                 } else {
-                    self.release(t);
+                    self.release(t, None);
                 }
                 cursor = next;
             }
@@ -847,7 +912,6 @@ impl Class {
         self.free.clear();
         self.tenants.shrink_to(RETAINED_CAPACITY);
         self.free.shrink_to(RETAINED_CAPACITY);
-        self.index.shrink_to(RETAINED_CAPACITY);
     }
 }
 
@@ -913,7 +977,7 @@ impl<T> Scheduler<T> {
         let (max_per_tenant, max_per_class) =
             (self.config.max_per_tenant, self.config.max_per_class);
         let queue = &mut self.classes[ci];
-        let existing = queue.index.get(&tenant).copied();
+        let (hash, existing) = queue.lookup(&tenant);
         if let (Some(limit), Some(t)) = (max_per_tenant, existing)
             && queue.tenant(t).is_some_and(|x| x.len as usize >= limit)
         {
@@ -930,7 +994,7 @@ impl<T> Scheduler<T> {
         // A listed tenant, even an empty one waiting on `old` for its turn,
         // keeps its place and deficit: no fresh grant, no move to `new`. A
         // parked one (items in flight) joins the back of `old` with its debt.
-        let t = match existing.or_else(|| queue.activate(tenant, weight, grant)) {
+        let t = match existing.or_else(|| queue.activate(hash, tenant, weight, grant)) {
             Some(t) => t,
             // Unreachable: room was checked above.
             None => return Err(Rejected::ClassFull(item)),
@@ -1004,10 +1068,10 @@ impl<T> Scheduler<T> {
         let cost = self.charge(cost);
         let floor = self.max_charge.saturating_neg();
         let queue = &mut self.classes[class_index(class)];
-        let t = match queue.index.get(&tenant) {
-            Some(&t) => Some(t),
-            None => queue
-                .insert(tenant, weight, 0)
+        let t = match queue.lookup(&tenant) {
+            (_, Some(t)) => Some(t),
+            (hash, None) => queue
+                .insert(hash, tenant, weight, 0)
                 .inspect(|_| queue.parked += 1),
         };
         if let Some(owner) = t.and_then(|t| queue.tenant_mut(t)) {
@@ -1059,7 +1123,7 @@ impl<T> Scheduler<T> {
         let (estimated, actual) = (self.charge(estimated), self.charge(actual));
         let (quantum, floor) = (self.quantum, self.max_charge.saturating_neg());
         let queue = &mut self.classes[class_index(class)];
-        let Some(&t) = queue.index.get(tenant) else {
+        let (_, Some(t)) = queue.lookup(tenant) else {
             return;
         };
         let Some(tenant) = queue.tenant_mut(t) else {
@@ -1171,7 +1235,7 @@ pub fn jain_index(values: impl IntoIterator<Item = f64>) -> Option<f64> {
 mod tests {
     use super::*;
     use proptest::prelude::*;
-    use std::collections::{HashSet, VecDeque};
+    use std::collections::{HashMap, HashSet, VecDeque};
 
     fn tid(name: &str) -> TenantId {
         TenantId::new(name)
@@ -1188,7 +1252,7 @@ mod tests {
     impl<T> Scheduler<T> {
         fn deficit_of(&self, class: Priority, tenant: &TenantId) -> Option<i64> {
             let queue = &self.classes[class_index(class)];
-            let t = *queue.index.get(tenant)?;
+            let t = queue.lookup(tenant).1?;
             queue.tenant(t).map(|x| x.deficit)
         }
 
@@ -1199,21 +1263,21 @@ mod tests {
         /// The list `tenant` is on in `class`, `None` if it is not listed.
         fn list_of(&self, class: Priority, tenant: &TenantId) -> Option<ListKind> {
             let queue = &self.classes[class_index(class)];
-            queue.tenant(*queue.index.get(tenant)?)?.list
+            queue.tenant(queue.lookup(tenant).1?)?.list
         }
 
         fn in_flight_of(&self, class: Priority, tenant: &TenantId) -> Option<u32> {
             let queue = &self.classes[class_index(class)];
-            queue.tenant(*queue.index.get(tenant)?).map(|x| x.in_flight)
+            queue.tenant(queue.lookup(tenant).1?).map(|x| x.in_flight)
         }
 
         /// Whether `tenant` is known in `class` but on no list (parked).
         fn is_parked(&self, class: Priority, tenant: &TenantId) -> bool {
             let queue = &self.classes[class_index(class)];
             queue
-                .index
-                .get(tenant)
-                .and_then(|&t| queue.tenant(t))
+                .lookup(tenant)
+                .1
+                .and_then(|t| queue.tenant(t))
                 .is_some_and(|x| x.list.is_none())
         }
 
@@ -1242,7 +1306,7 @@ mod tests {
                             "only `old` holds empty tenants"
                         );
                         busy += usize::from(tenant.len > 0);
-                        assert_eq!(queue.index.get(&tenant.id), Some(&t));
+                        assert_eq!(queue.lookup(&tenant.id).1, Some(t));
                         let (mut e, mut last) = (tenant.head, NONE);
                         let mut count = 0;
                         while e != NONE {
@@ -1493,7 +1557,7 @@ mod tests {
                 s.check_invariants();
             }
             for queue in &s.classes {
-                prop_assert!(queue.index.is_empty() && queue.tenants.is_empty());
+                prop_assert!(queue.index.len() == 0 && queue.tenants.is_empty());
             }
         }
 
@@ -2105,7 +2169,7 @@ mod tests {
         s.complete(class, &tid("x"));
         s.complete(Priority::Batch, &tid("nobody"));
         assert_eq!(s.deficit_of(class, &tid("x")), None);
-        assert!(s.classes[1].index.is_empty() && s.classes[1].tenants.is_empty());
+        assert!(s.classes[1].index.len() == 0 && s.classes[1].tenants.is_empty());
         s.check_invariants();
     }
 
