@@ -1428,13 +1428,22 @@ mod tests {
                         let t = tenant_number(&t);
                         prop_assert_eq!(t, x);
                         let per_visit = quantum * u64::from(weights[t]);
-                        // A fresh tenant starts with one quantum; later
-                        // items may start from a deficit of 0.
-                        let allowed = ceil_div(d.cost, per_visit) + u64::from(!self.fresh[t]);
-                        let visits = self.topups[t] + 1;
+                        // A top-up ends a turn of the tenant at the head of
+                        // its list. From a deficit >= 0 the item needs at
+                        // most ceil(c / (quantum × weight)) top-ups, each one
+                        // turn: an item that reached its tenant's head as
+                        // its predecessor went out leaves within that many
+                        // new turns. A newcomer's grant is its first top-up,
+                        // so its first item needs one fewer. A tenant that
+                        // came back to its listed, empty queue gets no fresh
+                        // grant (DRR++), so its first turn may be spent on
+                        // that top-up: ceil(c / (quantum × weight)) + 1 turns.
+                        let needed = ceil_div(d.cost, per_visit);
+                        let allowed = needed - u64::from(self.fresh[t]);
                         prop_assert!(
-                            visits <= allowed,
-                            "visits {visits} > {allowed} (cost {}, fresh {})",
+                            self.topups[t] <= allowed,
+                            "{} top-ups > {allowed} (cost {}, fresh {})",
+                            self.topups[t],
                             d.cost,
                             self.fresh[t]
                         );
