@@ -77,9 +77,9 @@
 //!
 //! # In flight: every dispatch is charged
 //!
-//! A tenant is known while it has items waiting or in flight: [`Scheduler::pop`]
-//! counts the item it returns in flight for its tenant until the caller
-//! reports it done with [`Scheduler::complete`]. A request that went out
+//! A tenant is known while it has items waiting or in flight:
+//! [`Scheduler::pop`] counts the item it returns in flight for its tenant
+//! until the caller reports it done with [`Scheduler::complete`]. A request that went out
 //! without queueing (room in the window, nothing waiting) is charged with
 //! [`Scheduler::dispatch_direct`], which also counts it in flight; a tenant
 //! the class does not know starts that charge from a deficit of 0, so it
@@ -101,42 +101,42 @@
 //!
 //! `push`, `remove`, `settle`, `dispatch_direct` and `complete` are O(1)
 //! (one hash lookup plus intrusive list splices); a drain visits each
-//! still-listed tenant once, each put there by an earlier push. `pop` is O(1) plus one step per deficit top-up plus one
-//! step per empty tenant it forgets or parks. Each dispatch or removal
-//! empties at most one tenant, and [`Scheduler::pop`] visits each empty
-//! tenant once (it is forgotten or parked then, off the lists) unless a
-//! push revives it first. So forgetting is
-//! amortised O(1) per earlier dispatch or removal, and `pop` never loops
+//! still-listed tenant once, each put there by an earlier push. `pop` is
+//! O(1) plus one step per deficit top-up plus one step per empty tenant it
+//! forgets or parks. Each dispatch or removal empties at most one tenant,
+//! and [`Scheduler::pop`] visits each empty tenant once (it is forgotten or
+//! parked then, off the lists) unless a push revives it first. So forgetting
+//! is amortised O(1) per earlier dispatch or removal, and `pop` never loops
 //! over empty tenants. A tenant's deficit never drops below `-max_charge`
 //! (settlement charges and direct dispatches are floored there) and no
-//! charged cost exceeds
-//! `max_charge`, so one item needs at most `2 × max_charge_quanta` top-ups
-//! of its tenant (`max_charge_quanta` without settlement). A single pop can
-//! top up every tenant of a round, but each top-up hands out one
-//! `quantum × weight` of credit. Credit is only consumed by dispatches (≤
-//! `max_charge` each), settlements (≤ `max_charge` each), or forfeited when
-//! a tenant is forgotten (its leftover deficit, less than
-//! `max_charge + quantum × weight`, charged to the one dispatch or removal
-//! that emptied it). Hence the number of top-ups is amortised
-//! O(`max_charge_quanta`) per operation, independent of the number of
-//! tenants.
+//! charged cost exceeds `max_charge`, so one item needs at most `2 ×
+//! max_charge_quanta` top-ups of its tenant (`max_charge_quanta` without
+//! settlement or direct dispatches). A single pop can top up every tenant of
+//! a round, but each top-up hands out one `quantum × weight` of credit.
+//! Credit is only consumed by dispatches, direct or not, and settlements (≤
+//! `max_charge` each), or forfeited when a tenant is forgotten or parked
+//! (its leftover deficit, less than `max_charge + quantum × weight`, charged
+//! to the one dispatch or removal that emptied it). Hence the number of
+//! top-ups is amortised O(`max_charge_quanta`) per operation, independent of
+//! the number of tenants.
 //!
 //! # Removal and memory
 //!
 //! Entries live in a slab (`Vec<Option<Entry>>` plus a free list). Each
 //! tenant's FIFO is an intrusive doubly linked list threaded through the
 //! slab, and each class's `new`/`old` lists are intrusive doubly linked
-//! lists threaded through a per-class tenant slab (a hash index of `u32`
-//! slots, compared by name through the slab, finds a tenant's slot). So [`Scheduler::remove`] unlinks the entry in O(1), and
-//! if that empties the tenant, applies the DRR++ rule above (one splice at
-//! most). Links and slot indices are `u32` (`u32::MAX` meaning none): on a
-//! 64-bit target a slab slot is 40 bytes for an 8-byte item and a listed
-//! tenant 56 bytes, so a large backlog touches fewer cache lines per pick.
-//! Hence the capacity: at most `u32::MAX - 1` waiting items, and as many
-//! listed tenants per class; a push beyond that is refused with
-//! [`Rejected::ClassFull`], never a panic. Popping a tenant's head does not
-//! touch the next entry: a head's `prev` link is left stale and only read
-//! once the entry is no longer its tenant's head.
+//! lists threaded through a per-class tenant slab; a hash index of `u32`
+//! slots finds a tenant's slot (names compared through the slab, by pointer
+//! first). So [`Scheduler::remove`] unlinks the entry in O(1), and if that
+//! empties the tenant, applies the DRR++ rule above (one splice at most).
+//! Links and slot indices are `u32` (`u32::MAX` meaning none): on a 64-bit
+//! target a slab slot is 40 bytes for an 8-byte item and a known tenant 56
+//! bytes, so a large backlog touches fewer cache lines per pick. Hence the
+//! capacity: at most `u32::MAX - 1` waiting items, and as many known tenants
+//! per class; a push beyond that is refused with [`Rejected::ClassFull`],
+//! never a panic. Popping a tenant's head does not touch the next entry: a
+//! head's `prev` link is left stale and only read once the entry is no
+//! longer its tenant's head.
 //!
 //! There are no item tombstones and counts are exact:
 //! [`Scheduler::len`] and [`Scheduler::class_len`] count waiting items, and
