@@ -347,7 +347,7 @@ pub enum Rejected<T> {
     TenantFull(T),
     /// The class already has `max_per_class` items waiting, or the
     /// scheduler is at capacity (`u32::MAX - 1` waiting items, or as many
-    /// listed tenants in the class; see the module doc).
+    /// known tenants in the class, listed or parked; see the module doc).
     ClassFull(T),
 }
 
@@ -520,7 +520,8 @@ struct Tenant {
     id: TenantId,
     weight: u32,
     /// FIFO of this tenant's entries in this class. Empty only while the
-    /// tenant waits on `old` to be found empty in its turn (DRR++).
+    /// tenant waits on `old` to be found empty in its turn (DRR++), or while
+    /// it is parked.
     head: u32,
     tail: u32,
     len: u32,
@@ -611,6 +612,9 @@ struct Class {
     busy: usize,
     /// Tenants with nothing waiting but items in flight, on neither list.
     parked: usize,
+    /// Tenant slab length above which a drain compacts it
+    /// ([`RETAINED_CAPACITY`], lowered by tests).
+    compact_above: usize,
     /// Smooth weighted round robin credit.
     current: i64,
     #[cfg(test)]
@@ -629,6 +633,7 @@ impl Class {
             len: 0,
             busy: 0,
             parked: 0,
+            compact_above: RETAINED_CAPACITY,
             current: 0,
             #[cfg(test)]
             trace: Vec::new(),
@@ -806,7 +811,7 @@ impl Class {
     }
 
     /// DRR++ dispatch inside the class. Each loop iteration either returns,
-    /// forgets an empty tenant (each at most once), or tops up one tenant by
+    /// forgets or parks an empty tenant (each at most once), or tops up one tenant by
     /// at least 1 while no cost exceeds max_charge, so the loop ends (bounds
     /// in the module doc).
     fn pop<T>(&mut self, entries: &mut Entries<T>, quantum: i64) -> Option<(T, TenantId, i64)> {
@@ -900,10 +905,35 @@ impl Class {
         }
         if self.parked == 0 {
             self.reset();
+        } else if self.tenants.len() > self.compact_above
+            && self.free.len() >= self.tenants.len() / 2
+        {
+            self.compact();
         }
     }
 
-    /// Frees every tenant slot: nothing waits and nothing is in flight.
+    /// Called when nothing waits and the parked tenants are the only ones
+    /// left: moves them into a fresh, small slab and index, so a class that
+    /// once knew many tenants gives the memory back even while some requests
+    /// are in flight. No entry or list refers to a tenant slot then. The scan
+    /// is paid for by the at least `RETAINED_CAPACITY / 2` tenants forgotten
+    /// since the slab last had this size.
+    fn compact(&mut self) {
+        let parked: Vec<Tenant> = self.tenants.drain(..).flatten().collect();
+        self.reset();
+        for tenant in parked {
+            let hash = self.index.hash(&tenant.id);
+            let Ok(t) = u32::try_from(self.tenants.len()) else {
+                // Unreachable: fewer parked tenants than slots before.
+                break;
+            };
+            self.tenants.push(Some(tenant));
+            self.index.insert(hash, t, &self.tenants);
+        }
+    }
+
+    /// Frees every tenant slot and the index: nothing waits, and nothing is
+    /// in flight (or [`Class::compact`] puts the parked tenants back).
     fn reset(&mut self) {
         self.index.clear();
         self.new = TenantList::EMPTY;
@@ -986,8 +1016,8 @@ impl<T> Scheduler<T> {
         if max_per_class.is_some_and(|limit| queue.len >= limit) {
             return Err(Rejected::ClassFull(item));
         }
-        // Slab capacity (about 4.3 billion entries, resp. listed tenants of
-        // a class): refused like a full class, checked before any change.
+        // Slab capacity (about 4.3 billion entries, resp. known tenants of a
+        // class): refused like a full class, checked before any change.
         if !self.entries.has_room() || (existing.is_none() && !queue.has_room()) {
             return Err(Rejected::ClassFull(item));
         }
@@ -1055,15 +1085,15 @@ impl<T> Scheduler<T> {
     /// while that request is in flight, it joins `old`, not `new`. Returns
     /// the charged cost. The deficit never goes below `-max_charge`.
     ///
-    /// Nothing is recorded if the class is at its tenant capacity (see the
-    /// module doc).
+    /// `None` if the class is at its tenant capacity (see the module doc):
+    /// then nothing is recorded, and the request must not be completed.
     pub fn dispatch_direct(
         &mut self,
         class: Priority,
         tenant: TenantId,
         weight: u32,
         cost: u64,
-    ) -> u64 {
+    ) -> Option<u64> {
         let weight = weight.max(1);
         let cost = self.charge(cost);
         let floor = self.max_charge.saturating_neg();
@@ -1074,12 +1104,11 @@ impl<T> Scheduler<T> {
                 .insert(hash, tenant, weight, 0)
                 .inspect(|_| queue.parked += 1),
         };
-        if let Some(owner) = t.and_then(|t| queue.tenant_mut(t)) {
-            owner.weight = weight;
-            owner.deficit = owner.deficit.saturating_sub(cost).max(floor);
-            owner.in_flight = owner.in_flight.saturating_add(1);
-        }
-        cost.unsigned_abs()
+        let owner = t.and_then(|t| queue.tenant_mut(t))?;
+        owner.weight = weight;
+        owner.deficit = owner.deficit.saturating_sub(cost).max(floor);
+        owner.in_flight = owner.in_flight.saturating_add(1);
+        Some(cost.unsigned_abs())
     }
 
     /// A request of `tenant` in `class`, dispatched by [`Scheduler::pop`] or
@@ -1408,6 +1437,8 @@ mod tests {
         waiting: Vec<usize>,
         topups: Vec<u64>,
         fresh: Vec<bool>,
+        /// Tenants of the requests popped and not completed yet.
+        in_flight: Vec<usize>,
     }
 
     impl VisitState {
@@ -1421,6 +1452,7 @@ mod tests {
             let Some(d) = s.pop() else { return Ok(()) };
             let x = tenant_number(&d.tenant);
             self.waiting[x] -= 1;
+            self.in_flight.push(x);
             for visit in s.take_trace(Priority::Standard) {
                 match visit {
                     Visit::TopUp(t) => self.topups[tenant_number(&t)] += 1,
@@ -1464,6 +1496,10 @@ mod tests {
             (weights, ops) in tenants_and_ops()
         ) {
             let mut s = scheduler(SchedulerConfig::default());
+            // Compact on (nearly) every drain, to check it against the model.
+            for queue in &mut s.classes {
+                queue.compact_above = 1;
+            }
             let max_charge = s.config().max_charge();
             let mut model: HashMap<(usize, usize), VecDeque<(u64, u64)>> = HashMap::new();
             let mut keys: Vec<(Key, u64, usize, usize)> = Vec::new();
@@ -1510,7 +1546,8 @@ mod tests {
                     }
                     Op::Direct { class, tenant, cost } => {
                         let id = tid(&format!("t{tenant}"));
-                        let charged = s.dispatch_direct(CLASSES[class], id.clone(), weights[tenant], cost);
+                        let charged = s.dispatch_direct(CLASSES[class], id.clone(), weights[tenant], cost)
+                            .ok_or_else(|| TestCaseError::fail("no capacity limit"))?;
                         prop_assert_eq!(charged, cost.min(max_charge));
                         let deficit = s.deficit_of(CLASSES[class], &id);
                         prop_assert!(deficit.is_some_and(|d| d >= -i64::try_from(max_charge).unwrap_or(i64::MAX)));
@@ -1615,27 +1652,40 @@ mod tests {
         #[test]
         fn item_is_dispatched_within_its_top_up_bound(
             weights in prop::collection::vec(1..=4u32, 2..=5),
-            steps in prop::collection::vec((any::<bool>(), any::<prop::sample::Index>(), 1..=40_000u64), 1..300),
+            steps in prop::collection::vec((0..3u8, any::<prop::sample::Index>(), 1..=40_000u64), 1..300),
             quantum in prop_oneof![Just(1_000u64), Just(5_000)],
             quanta in 1..=4u32,
         ) {
             let config = SchedulerConfig::default().with_quantum(quantum).with_max_charge_quanta(quanta);
             let mut s = scheduler(config);
             let n = weights.len();
-            let mut state = VisitState { waiting: vec![0; n], topups: vec![0; n], fresh: vec![false; n] };
-            for (push, who, cost) in steps {
-                if push {
-                    let t = who.index(n);
-                    if state.waiting[t] == 0 {
-                        // Fresh grant only if forgotten; a tenant that emptied
-                        // less than a round ago keeps its deficit (>= 0 here).
-                        state.topups[t] = 0;
-                        state.fresh[t] = s.deficit_of(Priority::Standard, &tid(&format!("t{t}"))).is_none();
+            let mut state = VisitState {
+                waiting: vec![0; n],
+                topups: vec![0; n],
+                fresh: vec![false; n],
+                in_flight: Vec::new(),
+            };
+            for (op, who, cost) in steps {
+                match op {
+                    0 => {
+                        let t = who.index(n);
+                        if state.waiting[t] == 0 {
+                            // Fresh grant only if forgotten; a tenant that emptied
+                            // less than a round ago, or is parked with requests in
+                            // flight, keeps its deficit (>= 0 here).
+                            state.topups[t] = 0;
+                            state.fresh[t] = s.deficit_of(Priority::Standard, &tid(&format!("t{t}"))).is_none();
+                        }
+                        state.waiting[t] += 1;
+                        s.push(Priority::Standard, tid(&format!("t{t}")), weights[t], cost, ()).ok();
                     }
-                    state.waiting[t] += 1;
-                    s.push(Priority::Standard, tid(&format!("t{t}")), weights[t], cost, ()).ok();
-                } else {
-                    state.pop_and_check(&mut s, &weights, quantum, quanta)?;
+                    1 => state.pop_and_check(&mut s, &weights, quantum, quanta)?,
+                    _ => {
+                        if !state.in_flight.is_empty() {
+                            let t = state.in_flight.swap_remove(who.index(state.in_flight.len()));
+                            s.complete(Priority::Standard, &tid(&format!("t{t}")));
+                        }
+                    }
                 }
             }
             while !s.is_empty() {
@@ -1689,12 +1739,16 @@ mod tests {
             light_weights in prop::collection::vec(1..=4u32, 1..=6),
             heavy_weight in 1..=4u32,
             script in prop::collection::vec(
-                prop::option::weighted(0.9, any::<prop::sample::Index>()),
+                (prop::option::weighted(0.9, any::<prop::sample::Index>()), any::<bool>()),
                 1..400,
             ),
             quantum in prop_oneof![Just(1_000u64), Just(5_000)],
         ) {
             let class = Priority::Standard;
+            // Requests in flight; the script completes them all at some steps,
+            // so light tenants are forgotten and come back through `new`, and
+            // at others leaves them running, so they are parked.
+            let mut in_flight: Vec<TenantId> = Vec::new();
             let n = light_weights.len();
             let n64 = n as u64;
             let mut s = scheduler(SchedulerConfig::default().with_quantum(quantum));
@@ -1705,8 +1759,14 @@ mod tests {
             }
             let mut waiting = vec![false; n];
             let (mut pops, mut heavy_pops, mut since_heavy) = (0u64, 0u64, 0u64);
-            for choice in script {
+            for (choice, complete) in script {
                 let d = s.pop().ok_or_else(|| TestCaseError::fail("h is backlogged"))?;
+                in_flight.push(d.tenant.clone());
+                if complete {
+                    for tenant in in_flight.drain(..) {
+                        s.complete(class, &tenant);
+                    }
+                }
                 pops += 1;
                 if d.tenant == heavy {
                     heavy_pops += 1;
@@ -2092,7 +2152,7 @@ mod tests {
         let class = Priority::Standard;
         let mut s = scheduler(SchedulerConfig::default());
         for _ in 0..4 {
-            assert_eq!(s.dispatch_direct(class, tid("a"), 1, 1_000), 1_000);
+            assert_eq!(s.dispatch_direct(class, tid("a"), 1, 1_000), Some(1_000));
         }
         assert_eq!(s.deficit_of(class, &tid("a")), Some(-4_000));
         assert!(s.is_parked(class, &tid("a")));
@@ -2258,6 +2318,52 @@ mod tests {
         let order: Vec<u32> = std::iter::from_fn(|| s.pop().map(|d| d.item)).collect();
         assert_eq!(order.len(), 3);
         assert!(s.is_empty());
+    }
+
+    #[test]
+    fn a_drained_class_gives_back_memory_while_a_few_requests_are_in_flight() {
+        let class = Priority::Standard;
+        let mut s: Scheduler<()> = scheduler(SchedulerConfig::default());
+        // One request stays in flight throughout, as on a busy service.
+        s.dispatch_direct(class, tid("keeper"), 1, 1_000);
+        for i in 0..5_000 {
+            s.push(class, tid(&format!("t{i}")), 1, 1_000, ()).ok();
+        }
+        assert!(s.classes[1].tenants.len() > 5_000);
+        while s.pop_done().is_some() {}
+        // Drained: only the keeper is left, in a slab of the retained size
+        // (the last tenant served was parked with it, then completed).
+        let queue = &s.classes[1];
+        assert_eq!(queue.tenants.iter().flatten().count(), 1);
+        assert!(queue.tenants.len() <= 2);
+        assert_eq!(queue.index.len(), 1);
+        assert!(queue.tenants.capacity() <= RETAINED_CAPACITY);
+        assert!(s.is_parked(class, &tid("keeper")));
+        assert_eq!(s.deficit_of(class, &tid("keeper")), Some(-1_000));
+        s.check_invariants();
+        // Still found and charged as before, and forgotten when done.
+        s.push(class, tid("keeper"), 1, 1_000, ()).ok();
+        assert_eq!(s.list_of(class, &tid("keeper")), Some(ListKind::Old));
+        assert!(s.pop_done().is_some());
+        s.complete(class, &tid("keeper"));
+        assert!(s.classes[1].tenants.is_empty());
+        s.check_invariants();
+    }
+
+    #[test]
+    fn direct_dispatch_beyond_tenant_capacity_is_not_recorded() {
+        let class = Priority::Standard;
+        let mut s: Scheduler<()> = scheduler(SchedulerConfig::default());
+        s.classes[1].limit = 1;
+        assert_eq!(s.dispatch_direct(class, tid("a"), 1, 1_000), Some(1_000));
+        // No slot for b: nothing recorded, so its caller must not complete it.
+        assert_eq!(s.dispatch_direct(class, tid("b"), 1, 1_000), None);
+        assert_eq!(s.deficit_of(class, &tid("b")), None);
+        s.check_invariants();
+        s.complete(class, &tid("a"));
+        assert_eq!(s.deficit_of(class, &tid("a")), None);
+        assert_eq!(s.dispatch_direct(class, tid("b"), 1, 1_000), Some(1_000));
+        s.check_invariants();
     }
 
     #[test]

@@ -189,9 +189,12 @@ impl Shared {
                 // Room and nobody waiting: out at once, still charged to the tenant, so a
                 // tenant that filled the window queues behind those that did not.
                 state.in_flight += 1;
-                let cost = state
+                let charged = state
                     .scheduler
                     .dispatch_direct(class, tenant.clone(), weight, cost);
+                // `None`: the class is at its tenant capacity (billions); served, not charged.
+                let cost = charged
+                    .unwrap_or_else(|| state.scheduler.config().max_charge().min(cost.max(1)));
                 after.index = state
                     .fairness
                     .record(tenant, weight, cost, false, Instant::now());
@@ -199,7 +202,7 @@ impl Shared {
                 Admission::Now(Permit {
                     shared: self.clone(),
                     class,
-                    tenant: tenant.clone(),
+                    charged: charged.map(|_| tenant.clone()),
                 })
             } else {
                 let waiter = Waiter {
@@ -230,13 +233,15 @@ impl Shared {
         Ok(admission)
     }
 
-    /// A permit came back: its request is no longer in flight; hand the permit to the next
-    /// request in fair order, if one waits.
-    fn release(&self, class: Priority, tenant: &TenantId) {
+    /// A permit came back: its request, if the scheduler counted it (`tenant`), is no longer
+    /// in flight; hand the permit to the next request in fair order, if one waits.
+    fn release(&self, class: Priority, tenant: Option<&TenantId>) {
         let after = {
             let mut state = self.lock();
             state.in_flight = state.in_flight.saturating_sub(1);
-            state.scheduler.complete(class, tenant);
+            if let Some(tenant) = tenant {
+                state.scheduler.complete(class, tenant);
+            }
             Self::dispatch_next(&mut state, self.max_in_flight)
         };
         after.run(&self.store);
@@ -293,12 +298,13 @@ impl fmt::Debug for Shared {
 pub struct Permit {
     shared: Arc<Shared>,
     class: Priority,
-    tenant: TenantId,
+    /// The tenant the scheduler counts this request in flight for, to report its completion.
+    charged: Option<TenantId>,
 }
 
 impl Drop for Permit {
     fn drop(&mut self) {
-        self.shared.release(self.class, &self.tenant);
+        self.shared.release(self.class, self.charged.as_ref());
     }
 }
 
@@ -341,7 +347,7 @@ impl Ticket {
             Some(shared) => Poll::Ready(Permit {
                 shared,
                 class: self.class,
-                tenant: self.tenant.clone(),
+                charged: Some(self.tenant.clone()),
             }),
             None => Poll::Pending,
         }
@@ -367,7 +373,7 @@ impl Drop for Ticket {
             }
             .run(&shared.store),
             // Dispatched but never claimed: the permit is ours to give back.
-            None => shared.release(self.class, &self.tenant),
+            None => shared.release(self.class, Some(&self.tenant)),
         }
     }
 }
