@@ -1,15 +1,137 @@
 //! The metrics fairgate publishes, through the [`metrics`] facade (install any exporter;
 //! with none installed they cost next to nothing).
 //!
-//! Names follow the reference dashboards. Labels that carry a tenant are capped (see
-//! [`limit_tenant_labels`]) so a million tenants cannot explode a time-series database.
+//! Names follow the reference dashboards: the constants here and in the layers' modules
+//! are the names under the default prefix `claude_`; [`set_metric_prefix`] chooses another
+//! (`set_metric_prefix("llm_")` publishes `llm_queue_depth`). Labels that carry a tenant are
+//! capped (see [`limit_tenant_labels`]) so a million tenants cannot explode a time-series
+//! database.
 
 use std::collections::HashSet;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{OnceLock, RwLock};
 use std::time::Duration;
 
+use crate::error::ConfigError;
 use crate::{Priority, TenantId};
+
+/// The prefix of every metric name unless [`set_metric_prefix`] chose another.
+pub const DEFAULT_PREFIX: &str = "claude_";
+
+/// Every metric fairgate publishes; the index into the names in force.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Metric {
+    RequestLatency,
+    DemotedTenants,
+    InputTokens,
+    StoreDegraded,
+    SlotsInUse,
+    SlotWait,
+    ServerBusy,
+    SlotsFallback,
+    QueueDepth,
+    FairnessIndex,
+    ThrottleCount,
+    Retries,
+    GaveUp,
+    CooldownWaits,
+    CooldownWaitSeconds,
+}
+
+const METRICS: usize = 15;
+
+impl Metric {
+    const ALL: [Metric; METRICS] = [
+        Metric::RequestLatency,
+        Metric::DemotedTenants,
+        Metric::InputTokens,
+        Metric::StoreDegraded,
+        Metric::SlotsInUse,
+        Metric::SlotWait,
+        Metric::ServerBusy,
+        Metric::SlotsFallback,
+        Metric::QueueDepth,
+        Metric::FairnessIndex,
+        Metric::ThrottleCount,
+        Metric::Retries,
+        Metric::GaveUp,
+        Metric::CooldownWaits,
+        Metric::CooldownWaitSeconds,
+    ];
+
+    /// The name under [`DEFAULT_PREFIX`]: the public constant.
+    fn default_name(self) -> &'static str {
+        use crate::drr_fairness::{FAIRNESS_INDEX, QUEUE_DEPTH};
+        use crate::retry_after_backoff::metrics::{
+            COOLDOWN_WAIT_SECONDS, COOLDOWN_WAITS, GAVE_UP, RETRIES, THROTTLE_COUNT,
+        };
+        match self {
+            Metric::RequestLatency => REQUEST_LATENCY,
+            Metric::DemotedTenants => DEMOTED_TENANTS,
+            Metric::InputTokens => INPUT_TOKENS,
+            Metric::StoreDegraded => STORE_DEGRADED,
+            Metric::SlotsInUse => SLOTS_IN_USE,
+            Metric::SlotWait => SLOT_WAIT,
+            Metric::ServerBusy => SERVER_BUSY,
+            Metric::SlotsFallback => SLOTS_FALLBACK,
+            Metric::QueueDepth => QUEUE_DEPTH,
+            Metric::FairnessIndex => FAIRNESS_INDEX,
+            Metric::ThrottleCount => THROTTLE_COUNT,
+            Metric::Retries => RETRIES,
+            Metric::GaveUp => GAVE_UP,
+            Metric::CooldownWaits => COOLDOWN_WAITS,
+            Metric::CooldownWaitSeconds => COOLDOWN_WAIT_SECONDS,
+        }
+    }
+
+    /// The name to publish under: fixed by [`set_metric_prefix`], or by the first metric
+    /// published (then with the default prefix).
+    pub(crate) fn name(self) -> &'static str {
+        let names = NAMES.get_or_init(|| Metric::ALL.map(|m| Box::from(m.default_name())));
+        &names[self as usize]
+    }
+}
+
+static NAMES: OnceLock<[Box<str>; METRICS]> = OnceLock::new();
+
+/// Publishes every metric under `prefix` instead of [`DEFAULT_PREFIX`], process wide:
+/// `set_metric_prefix("llm_")` turns `claude_queue_depth` into `llm_queue_depth`.
+///
+/// Call it once, at start-up, before any layer publishes a metric: the names are fixed by
+/// the first metric published (or the first successful call) and later calls are refused.
+/// A prefix must be a valid start of a Prometheus metric name: ASCII letters, digits, `_`
+/// and `:`, not starting with a digit (it may be empty).
+///
+/// ```no_run
+/// // In main, before building the layers (process wide, so not run here).
+/// fairgate::metrics::set_metric_prefix("llm_gateway_")?;
+/// assert!(fairgate::metrics::set_metric_prefix("other_").is_err());
+/// # Ok::<(), fairgate::ConfigError>(())
+/// ```
+pub fn set_metric_prefix(prefix: &str) -> Result<(), ConfigError> {
+    let valid = prefix
+        .chars()
+        .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == ':')
+        && !prefix.starts_with(|c: char| c.is_ascii_digit());
+    if !valid {
+        return Err(ConfigError::new(format!(
+            "metric prefix {prefix:?} may hold only ASCII letters, digits, '_' and ':', and not start with a digit"
+        )));
+    }
+    let names = Metric::ALL.map(|m| {
+        let suffix = m
+            .default_name()
+            .strip_prefix(DEFAULT_PREFIX)
+            .unwrap_or(m.default_name());
+        format!("{prefix}{suffix}").into_boxed_str()
+    });
+    NAMES.set(names).map_err(|_| {
+        ConfigError::new(format!(
+            "metric names are already fixed (as {}...): set the prefix once, before any layer publishes a metric",
+            Metric::RequestLatency.name()
+        ))
+    })
+}
 
 /// Histogram, seconds from the outermost layer's `call` to the response, label `priority`.
 pub const REQUEST_LATENCY: &str = "claude_request_latency_seconds";
@@ -53,21 +175,22 @@ pub(crate) fn tenant_label(tenant: &TenantId) -> metrics::SharedString {
 }
 
 pub(crate) fn request_latency(priority: Priority, elapsed: Duration) {
-    metrics::histogram!(REQUEST_LATENCY, "priority" => priority.as_str())
+    metrics::histogram!(Metric::RequestLatency.name(), "priority" => priority.as_str())
         .record(elapsed.as_secs_f64());
 }
 
 pub(crate) fn input_tokens(tenant: &TenantId, tokens: u64) {
-    metrics::counter!(INPUT_TOKENS, "tenant_id" => tenant_label(tenant)).increment(tokens);
+    metrics::counter!(Metric::InputTokens.name(), "tenant_id" => tenant_label(tenant))
+        .increment(tokens);
 }
 
 pub(crate) fn demoted_tenants(count: usize) {
-    metrics::gauge!(DEMOTED_TENANTS).set(count as f64);
+    metrics::gauge!(Metric::DemotedTenants.name()).set(count as f64);
 }
 
 #[cfg_attr(not(feature = "redis"), allow(dead_code))]
 pub(crate) fn store_degraded(degraded: bool) {
-    metrics::gauge!(STORE_DEGRADED).set(if degraded { 1.0 } else { 0.0 });
+    metrics::gauge!(Metric::StoreDegraded.name()).set(if degraded { 1.0 } else { 0.0 });
 }
 
 /// Gauge, slots this worker holds now, label `tier`.
@@ -80,24 +203,24 @@ pub const SERVER_BUSY: &str = "claude_server_busy_total";
 pub const SLOTS_FALLBACK: &str = "claude_slots_fallback_total";
 
 pub(crate) fn slot_taken(tier: &crate::Tier, fallback: bool) {
-    metrics::gauge!(SLOTS_IN_USE, "tier" => metrics::SharedString::from(tier.shared_name()))
+    metrics::gauge!(Metric::SlotsInUse.name(), "tier" => metrics::SharedString::from(tier.shared_name()))
         .increment(1.0);
     if fallback {
-        metrics::counter!(SLOTS_FALLBACK, "tier" => metrics::SharedString::from(tier.shared_name())).increment(1);
+        metrics::counter!(Metric::SlotsFallback.name(), "tier" => metrics::SharedString::from(tier.shared_name())).increment(1);
     }
 }
 
 pub(crate) fn slot_given_back(tier: &crate::Tier) {
-    metrics::gauge!(SLOTS_IN_USE, "tier" => metrics::SharedString::from(tier.shared_name()))
+    metrics::gauge!(Metric::SlotsInUse.name(), "tier" => metrics::SharedString::from(tier.shared_name()))
         .decrement(1.0);
 }
 
 pub(crate) fn slot_wait(tier: &crate::Tier, waited: Duration) {
-    metrics::histogram!(SLOT_WAIT, "tier" => metrics::SharedString::from(tier.shared_name()))
+    metrics::histogram!(Metric::SlotWait.name(), "tier" => metrics::SharedString::from(tier.shared_name()))
         .record(waited.as_secs_f64());
 }
 
 pub(crate) fn server_busy(tier: &crate::Tier) {
-    metrics::counter!(SERVER_BUSY, "tier" => metrics::SharedString::from(tier.shared_name()))
+    metrics::counter!(Metric::ServerBusy.name(), "tier" => metrics::SharedString::from(tier.shared_name()))
         .increment(1);
 }

@@ -62,7 +62,8 @@
 //! tenants that were backlogged in a sliding window, 60 s by default). Every dispatch also
 //! adds its cost to the tenant's served cost in the [`Store`](crate::Store)
 //! ([`Store::add_served_cost`](crate::Store::add_served_cost), batched off the request path),
-//! so the index can be computed across workers.
+//! so the index can be computed across workers. The names shown carry the default prefix
+//! (see [`set_metric_prefix`](crate::metrics::set_metric_prefix)).
 //!
 //! # Clone
 //! The window and the queues are created once, in [`DrrFairnessLayer::new`]; every clone of

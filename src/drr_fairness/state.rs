@@ -13,6 +13,7 @@ use super::error::QueueFull;
 use super::fairness::FairnessWindow;
 use super::scheduler::{Key, Rejected, Scheduler, SchedulerConfig};
 use crate::error::ConfigError;
+use crate::metrics::Metric;
 use crate::{Job, Priority, Store, TenantId, Tier};
 
 /// Metric: gauge, requests waiting in the queue, label `priority`.
@@ -81,11 +82,12 @@ impl AfterUnlock {
             store.add_served_cost(&tenant, cost);
         }
         if let Some((priority, depth)) = self.depth {
-            metrics::gauge!(QUEUE_DEPTH, "priority" => priority.as_str()).set(depth as f64);
+            metrics::gauge!(Metric::QueueDepth.name(), "priority" => priority.as_str())
+                .set(depth as f64);
         }
         if let Some(index) = self.index {
             // No backlogged tenant in the window: nothing was unfair.
-            metrics::gauge!(FAIRNESS_INDEX).set(index.unwrap_or(1.0));
+            metrics::gauge!(Metric::FairnessIndex.name()).set(index.unwrap_or(1.0));
         }
         if let Some(waker) = self.wake {
             waker.wake();

@@ -1,5 +1,6 @@
 //! Names of the metrics [`RetryAfterBackoff`](super::RetryAfterBackoff) publishes through the
-//! `metrics` facade.
+//! `metrics` facade, under the default prefix (see
+//! [`set_metric_prefix`](crate::metrics::set_metric_prefix)).
 
 /// Gauge, 429s of a tenant inside the store's throttle window (rolling 60 s by default), as
 /// of its latest throttle; label `tenant_id` (capped, see
