@@ -1009,6 +1009,43 @@ async fn store_pacing_on_redis_reserves_every_dimension_at_once() {
     assert_eq!(two.pace("elsewhere", &[requests]).await, Duration::ZERO);
 }
 
+#[cfg(feature = "redis")]
+#[tokio::test]
+async fn with_redis_down_each_worker_paces_against_its_share_of_the_limit() {
+    use fairgate::store::PaceLimit;
+    let mut server = support::RedisServer::start();
+    let one = redis_store(&server.url()).await;
+    let two = redis_store(&server.url()).await;
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while one.alive_workers() < 2 || two.alive_workers() < 2 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "workers never saw each other"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    server.kill();
+    // 600 a minute shared by two workers: 300 each, one every 200 ms (not every 100 ms).
+    let rpm = PaceLimit {
+        per_minute: 600,
+        burst: 1,
+        cells: 1,
+    };
+    let mut waits = Vec::new();
+    for _ in 0..3 {
+        waits.push(one.pace("api", &[rpm]).await);
+    }
+    assert!(one.is_degraded());
+    assert_eq!(waits[0], Duration::ZERO, "{waits:?}");
+    for (i, wait) in waits.iter().enumerate().skip(1) {
+        let expected = Duration::from_millis(200) * i as u32;
+        assert!(
+            *wait <= expected && *wait > expected - Duration::from_millis(50),
+            "{waits:?}"
+        );
+    }
+}
+
 /// Calls in flight at the upstream, over time: (start, end) of each.
 #[derive(Clone, Default)]
 struct Spans(Arc<Mutex<Vec<Span>>>);

@@ -414,7 +414,9 @@ impl Store {
     /// the order they asked, each woken once.
     ///
     /// Shared by every worker on the store (one Lua script on Redis, server time). While
-    /// Redis is down each worker paces alone against the same limits.
+    /// Redis is down each worker paces alone against its share: every rate and burst
+    /// divided by the workers last seen alive (at least 1), as TierSlotLimit divides its
+    /// caps.
     pub fn pace(&self, key: &str, limits: &[PaceLimit]) -> StoreFuture<Duration> {
         match &*self.backend {
             Backend::Memory(memory) => StoreFuture::ready(memory.pacers.reserve(key, limits)),

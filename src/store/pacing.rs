@@ -36,6 +36,18 @@ impl PaceLimit {
     pub(crate) fn cells(&self) -> u64 {
         u64::from(self.cells.clamp(1, self.burst.max(1)))
     }
+
+    /// One worker's share of the limit when `workers` pace alone (Redis away): rate and
+    /// burst divided, at least 1 each.
+    #[cfg_attr(not(feature = "redis"), allow(dead_code))]
+    pub(crate) fn share(self, workers: u32) -> PaceLimit {
+        let workers = workers.max(1);
+        PaceLimit {
+            per_minute: (self.per_minute / workers).max(1),
+            burst: (self.burst / workers).max(1),
+            cells: self.cells,
+        }
+    }
 }
 
 /// Theoretical arrival times per pacing key and dimension.
@@ -80,6 +92,21 @@ mod tests {
         burst: 1,
         cells: 1,
     };
+
+    #[test]
+    fn a_workers_share_divides_rate_and_burst_and_never_reaches_zero() {
+        let limit = PaceLimit {
+            per_minute: 600,
+            burst: 10,
+            cells: 4,
+        };
+        let half = limit.share(2);
+        assert_eq!((half.per_minute, half.burst, half.cells), (300, 5, 4));
+        assert_eq!(limit.share(0), limit);
+        assert_eq!(limit.share(1), limit);
+        let tiny = limit.share(10_000);
+        assert_eq!((tiny.per_minute, tiny.burst), (1, 1));
+    }
 
     #[tokio::test(start_paused = true)]
     async fn reservations_go_one_interval_apart_and_every_dimension_must_conform() {

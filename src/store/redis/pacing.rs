@@ -18,8 +18,11 @@ impl RedisStore {
         // A global key (one shared hash tag); the name is escaped like a tenant's.
         let mut redis_key = format!("{}:{{g}}:pace:", self.opts.key_prefix);
         escape_into(&mut redis_key, key);
+        // While Redis is away each worker paces alone: against its share of the limits, split
+        // among the workers last seen alive, as the slot caps are.
         let local_key = key.to_owned();
-        let local_limits = limits.to_vec();
+        let workers = self.alive_workers();
+        let local_limits: Vec<PaceLimit> = limits.iter().map(|l| l.share(workers)).collect();
         let args: Vec<u64> = limits
             .iter()
             .flat_map(|limit| {
