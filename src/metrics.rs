@@ -115,7 +115,7 @@ pub fn set_metric_prefix(prefix: &str) -> Result<(), ConfigError> {
         && !prefix.starts_with(|c: char| c.is_ascii_digit());
     if !valid {
         return Err(ConfigError::new(format!(
-            "metric prefix {prefix:?} may hold only ASCII letters, digits, '_' and ':', and not start with a digit"
+            "metric prefix {prefix:?}: only ASCII letters, digits, '_' and ':', no leading digit"
         )));
     }
     let names = Metric::ALL.map(|m| {
@@ -127,7 +127,7 @@ pub fn set_metric_prefix(prefix: &str) -> Result<(), ConfigError> {
     });
     NAMES.set(names).map_err(|_| {
         ConfigError::new(format!(
-            "metric names are already fixed (as {}...): set the prefix once, before any layer publishes a metric",
+            "metric names are already fixed (e.g. {}): set the prefix once, before any metric",
             Metric::RequestLatency.name()
         ))
     })
@@ -202,25 +202,27 @@ pub const SERVER_BUSY: &str = "claude_server_busy_total";
 /// Counter, slots taken from the in-process fallback because Redis was away, label `tier`.
 pub const SLOTS_FALLBACK: &str = "claude_slots_fallback_total";
 
+/// The `tier` label: the tier's name, shared (no copy).
+fn tier_label(tier: &crate::Tier) -> metrics::SharedString {
+    metrics::SharedString::from(tier.shared_name())
+}
+
 pub(crate) fn slot_taken(tier: &crate::Tier, fallback: bool) {
-    metrics::gauge!(Metric::SlotsInUse.name(), "tier" => metrics::SharedString::from(tier.shared_name()))
-        .increment(1.0);
+    metrics::gauge!(Metric::SlotsInUse.name(), "tier" => tier_label(tier)).increment(1.0);
     if fallback {
-        metrics::counter!(Metric::SlotsFallback.name(), "tier" => metrics::SharedString::from(tier.shared_name())).increment(1);
+        metrics::counter!(Metric::SlotsFallback.name(), "tier" => tier_label(tier)).increment(1);
     }
 }
 
 pub(crate) fn slot_given_back(tier: &crate::Tier) {
-    metrics::gauge!(Metric::SlotsInUse.name(), "tier" => metrics::SharedString::from(tier.shared_name()))
-        .decrement(1.0);
+    metrics::gauge!(Metric::SlotsInUse.name(), "tier" => tier_label(tier)).decrement(1.0);
 }
 
 pub(crate) fn slot_wait(tier: &crate::Tier, waited: Duration) {
-    metrics::histogram!(Metric::SlotWait.name(), "tier" => metrics::SharedString::from(tier.shared_name()))
+    metrics::histogram!(Metric::SlotWait.name(), "tier" => tier_label(tier))
         .record(waited.as_secs_f64());
 }
 
 pub(crate) fn server_busy(tier: &crate::Tier) {
-    metrics::counter!(Metric::ServerBusy.name(), "tier" => metrics::SharedString::from(tier.shared_name()))
-        .increment(1);
+    metrics::counter!(Metric::ServerBusy.name(), "tier" => tier_label(tier)).increment(1);
 }

@@ -1534,7 +1534,8 @@ mod tests {
                     },
                     Op::Complete(index) => {
                         if !flights.is_empty() {
-                            let (class, tenant, _) = flights.swap_remove(index.index(flights.len()));
+                            let picked = index.index(flights.len());
+                            let (class, tenant, _) = flights.swap_remove(picked);
                             s.complete(class, &tenant);
                         }
                     }
@@ -1546,11 +1547,13 @@ mod tests {
                     }
                     Op::Direct { class, tenant, cost } => {
                         let id = tid(&format!("t{tenant}"));
-                        let charged = s.dispatch_direct(CLASSES[class], id.clone(), weights[tenant], cost)
+                        let charged = s
+                            .dispatch_direct(CLASSES[class], id.clone(), weights[tenant], cost)
                             .ok_or_else(|| TestCaseError::fail("no capacity limit"))?;
                         prop_assert_eq!(charged, cost.min(max_charge));
                         let deficit = s.deficit_of(CLASSES[class], &id);
-                        prop_assert!(deficit.is_some_and(|d| d >= -i64::try_from(max_charge).unwrap_or(i64::MAX)));
+                        let floor = -i64::try_from(max_charge).unwrap_or(i64::MAX);
+                        prop_assert!(deficit.is_some_and(|d| d >= floor));
                         flights.push((CLASSES[class], id, charged));
                     }
                     Op::Remove(index) => {
@@ -1574,7 +1577,8 @@ mod tests {
                 s.check_invariants();
                 // A tenant with requests in flight is known, with its exact count.
                 for (class, tenant, _) in &flights {
-                    let expected = flights.iter().filter(|f| (&f.0, &f.1) == (class, tenant)).count();
+                    let expected =
+                        flights.iter().filter(|f| (&f.0, &f.1) == (class, tenant)).count();
                     prop_assert_eq!(s.in_flight_of(*class, tenant), Some(expected as u32));
                 }
                 let waiting: usize = model.values().map(VecDeque::len).sum();
@@ -1674,7 +1678,8 @@ mod tests {
                             // less than a round ago, or is parked with requests in
                             // flight, keeps its deficit (>= 0 here).
                             state.topups[t] = 0;
-                            state.fresh[t] = s.deficit_of(Priority::Standard, &tid(&format!("t{t}"))).is_none();
+                            let id = tid(&format!("t{t}"));
+                            state.fresh[t] = s.deficit_of(Priority::Standard, &id).is_none();
                         }
                         state.waiting[t] += 1;
                         s.push(Priority::Standard, tid(&format!("t{t}")), weights[t], cost, ()).ok();

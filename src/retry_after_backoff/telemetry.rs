@@ -8,12 +8,13 @@ use crate::TenantId;
 use crate::metrics::Metric;
 
 pub(super) fn throttle_count(tenant: &TenantId, count: u32) {
-    metrics::gauge!(Metric::ThrottleCount.name(), "tenant_id" => crate::metrics::tenant_label(tenant))
-        .set(f64::from(count));
+    let label = crate::metrics::tenant_label(tenant);
+    metrics::gauge!(Metric::ThrottleCount.name(), "tenant_id" => label).set(f64::from(count));
 }
 
 pub(super) fn retry(status: StatusCode) {
-    metrics::counter!(Metric::Retries.name(), "status" => status.as_str().to_owned()).increment(1);
+    let label = status.as_str().to_owned();
+    metrics::counter!(Metric::Retries.name(), "status" => label).increment(1);
 }
 
 pub(super) fn gave_up(reason: &'static str) {
