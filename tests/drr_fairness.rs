@@ -463,6 +463,18 @@ async fn clones_of_the_layer_and_its_services_share_one_window() {
     assert_eq!((drr.in_flight(), drr.queued(None)), (0, 0));
 }
 
+/// Answers the next `n` requests the mock upstream receives, one at a time; their tenants in
+/// the order they arrived.
+async fn answer_in_turn(handle: &mut mock::Handle<http::Request<()>, ()>, n: usize) -> Vec<String> {
+    let mut order = Vec::new();
+    for _ in 0..n {
+        let (req, respond) = handle.next_request().await.unwrap();
+        order.push(req.extensions().get::<Job>().unwrap().tenant().to_string());
+        respond.send_response(());
+    }
+    order
+}
+
 #[tokio::test(start_paused = true)]
 async fn settled_overuse_moves_the_tenant_back_in_line() {
     // Without settlement A and B alternate (A, B, A, B); A's first job turned out to use
@@ -482,12 +494,7 @@ async fn settled_overuse_moves_the_tenant_back_in_line() {
         if settle {
             drr.settler().settle(&job("a"), 3 * u64::from(TYPICAL));
         }
-        let mut order = Vec::new();
-        for _ in 0..5 {
-            let (req, respond) = handle.next_request().await.unwrap();
-            order.push(req.extensions().get::<Job>().unwrap().tenant().to_string());
-            respond.send_response(());
-        }
+        let mut order = answer_in_turn(&mut handle, 5).await;
         for f in futures {
             f.await.unwrap().unwrap();
         }
@@ -512,12 +519,7 @@ async fn a_tenant_that_filled_the_window_with_room_queues_behind_a_newcomer() {
         tokio::task::yield_now().await;
     }
     assert_eq!((drr.in_flight(), drr.queued(None)), (2, 2));
-    let mut order = Vec::new();
-    for _ in 0..4 {
-        let (req, respond) = handle.next_request().await.unwrap();
-        order.push(req.extensions().get::<Job>().unwrap().tenant().to_string());
-        respond.send_response(());
-    }
+    let order = answer_in_turn(&mut handle, 4).await;
     for f in futures {
         f.await.unwrap().unwrap();
     }

@@ -1957,18 +1957,25 @@ mod tests {
         assert_eq!(s.pop().expect("waiting").tenant, tid("b"));
     }
 
-    /// `h` backlogged on `old` with its deficit spent; `l` then pushes one
-    /// item, goes out at once from `new` as a genuine newcomer, and empties.
-    fn heavy_on_old_after_light_served_once() -> Scheduler<()> {
+    /// `h` backlogged (10 items of one quantum), served twice: from `new`,
+    /// then topped up, moved to `old` and served again; its deficit is spent.
+    fn heavy_on_old() -> Scheduler<()> {
         let class = Priority::Standard;
         let mut s = scheduler(SchedulerConfig::default());
         for _ in 0..10 {
             s.push(class, tid("h"), 1, 5_000, ()).ok();
         }
-        // From `new`, then topped up, moved to `old` and served again.
         assert_eq!(s.pop_done().expect("waiting").tenant, tid("h"));
         assert_eq!(s.pop_done().expect("waiting").tenant, tid("h"));
         assert_eq!(s.list_of(class, &tid("h")), Some(ListKind::Old));
+        s
+    }
+
+    /// `h` backlogged on `old` with its deficit spent; `l` then pushes one
+    /// item, goes out at once from `new` as a genuine newcomer, and empties.
+    fn heavy_on_old_after_light_served_once() -> Scheduler<()> {
+        let class = Priority::Standard;
+        let mut s = heavy_on_old();
         s.push(class, tid("l"), 1, 5_000, ()).ok();
         assert_eq!(s.list_of(class, &tid("l")), Some(ListKind::New));
         assert_eq!(s.pop_done().expect("waiting").tenant, tid("l"));
@@ -2029,12 +2036,7 @@ mod tests {
     #[test]
     fn each_emptied_tenant_is_visited_once_then_forgotten() {
         let class = Priority::Standard;
-        let mut s = scheduler(SchedulerConfig::default());
-        for _ in 0..10 {
-            s.push(class, tid("h"), 1, 5_000, ()).ok();
-        }
-        s.pop_done().expect("waiting");
-        s.pop_done().expect("waiting");
+        let mut s = heavy_on_old();
         for i in 0..100 {
             s.push(class, tid(&format!("l{i}")), 1, 5_000, ()).ok();
         }
@@ -2182,12 +2184,7 @@ mod tests {
     #[test]
     fn a_tenant_found_empty_with_work_in_flight_is_parked_not_forgotten() {
         let class = Priority::Standard;
-        let mut s = scheduler(SchedulerConfig::default());
-        for _ in 0..10 {
-            s.push(class, tid("h"), 1, 5_000, ()).ok();
-        }
-        s.pop_done().expect("waiting");
-        s.pop_done().expect("waiting");
+        let mut s = heavy_on_old();
         s.push(class, tid("l"), 1, 5_000, ()).ok();
         // Out from `new`, still in flight: moves to `old` behind `h`.
         assert_eq!(s.pop().expect("waiting").tenant, tid("l"));
