@@ -59,6 +59,13 @@ pub use self::redis::RedisStoreError;
 pub use self::served::SERVED_WINDOW;
 pub use self::slots::{SlotLease, SlotLimits};
 
+/// One worker's share of a limit that `workers` processes keep alone while Redis is away:
+/// divided among them, at least 1.
+#[cfg_attr(not(feature = "redis"), allow(dead_code))]
+fn per_worker(limit: u32, workers: u32) -> u32 {
+    (limit / workers.max(1)).max(1)
+}
+
 /// Whether a tenant is demoted, as a check found it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Demotion {

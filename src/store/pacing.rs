@@ -40,11 +40,10 @@ impl PaceLimit {
     /// One worker's share of the limit when `workers` pace alone (Redis away): rate and
     /// burst divided, at least 1 each.
     #[cfg_attr(not(feature = "redis"), allow(dead_code))]
-    pub(crate) fn share(self, workers: u32) -> PaceLimit {
-        let workers = workers.max(1);
+    pub(crate) fn share_of(self, workers: u32) -> PaceLimit {
         PaceLimit {
-            per_minute: (self.per_minute / workers).max(1),
-            burst: (self.burst / workers).max(1),
+            per_minute: super::per_worker(self.per_minute, workers),
+            burst: super::per_worker(self.burst, workers),
             cells: self.cells,
         }
     }
@@ -100,11 +99,11 @@ mod tests {
             burst: 10,
             cells: 4,
         };
-        let half = limit.share(2);
+        let half = limit.share_of(2);
         assert_eq!((half.per_minute, half.burst, half.cells), (300, 5, 4));
-        assert_eq!(limit.share(0), limit);
-        assert_eq!(limit.share(1), limit);
-        let tiny = limit.share(10_000);
+        assert_eq!(limit.share_of(0), limit);
+        assert_eq!(limit.share_of(1), limit);
+        let tiny = limit.share_of(10_000);
         assert_eq!((tiny.per_minute, tiny.burst), (1, 1));
     }
 

@@ -29,10 +29,9 @@ impl SlotLimits {
     /// The caps shrunk for one of `workers` processes sharing them (at least 1 each).
     #[cfg_attr(not(feature = "redis"), allow(dead_code))]
     pub(crate) fn share_of(self, workers: u32) -> SlotLimits {
-        let workers = workers.max(1);
         SlotLimits {
-            global: (self.global / workers).max(1),
-            tier: (self.tier / workers).max(1),
+            global: super::per_worker(self.global, workers),
+            tier: super::per_worker(self.tier, workers),
             lease_ttl: self.lease_ttl,
         }
     }

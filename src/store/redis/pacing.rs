@@ -22,7 +22,7 @@ impl RedisStore {
         // among the workers last seen alive, as the slot caps are.
         let local_key = key.to_owned();
         let workers = self.alive_workers();
-        let local_limits: Vec<PaceLimit> = limits.iter().map(|l| l.share(workers)).collect();
+        let local_limits: Vec<PaceLimit> = limits.iter().map(|l| l.share_of(workers)).collect();
         let args: Vec<u64> = limits
             .iter()
             .flat_map(|limit| {
