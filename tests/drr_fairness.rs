@@ -362,9 +362,7 @@ async fn batch_is_not_starved_under_steady_standard_inflow() {
 
 #[tokio::test(start_paused = true)]
 async fn a_job_without_priority_is_served_as_standard() {
-    let drr = DrrFairnessLayer::new(Store::memory(), 1);
-    let (upstream, handle) = mock::pair::<http::Request<()>, ()>();
-    let mut service = drr.layer(upstream);
+    let (drr, mut service, handle) = window(1);
     let first = service.call(request(Job::new("a", Origin::UserAction)));
     let _second = service.call(request(Job::new("b", Origin::UserAction)));
     assert_eq!(drr.queued(Some(Priority::Standard)), 1);
@@ -465,7 +463,7 @@ async fn clones_of_the_layer_and_its_services_share_one_window() {
 
 /// Answers the next `n` requests the mock upstream receives, one at a time; their tenants in
 /// the order they arrived.
-async fn answer_in_turn(handle: &mut mock::Handle<http::Request<()>, ()>, n: usize) -> Vec<String> {
+async fn answer_in_turn(handle: &mut MockHandle, n: usize) -> Vec<String> {
     let mut order = Vec::new();
     for _ in 0..n {
         let (req, respond) = handle.next_request().await.unwrap();
@@ -480,9 +478,7 @@ async fn settled_overuse_moves_the_tenant_back_in_line() {
     // Without settlement A and B alternate (A, B, A, B); A's first job turned out to use
     // three times its estimate, so B goes first twice.
     async fn order(settle: bool) -> Vec<String> {
-        let drr = DrrFairnessLayer::new(Store::memory(), 1);
-        let (upstream, mut handle) = mock::pair::<http::Request<()>, ()>();
-        let service = drr.layer(upstream);
+        let (drr, service, mut handle) = window(1);
         let job = |tenant: &str| Job::new(tenant, Origin::Scheduled).cost(TYPICAL);
         let mut futures = vec![tokio::spawn(service.clone().oneshot(request(job("x"))))];
         tokio::task::yield_now().await;
@@ -509,9 +505,7 @@ async fn a_tenant_that_filled_the_window_with_room_queues_behind_a_newcomer() {
     // A's first two jobs find room and go out at once. They are charged all the same, so
     // when A and then B queue, the freed permit goes to B. (Were dispatches with room free,
     // A's third job would be a newcomer queued ahead of B: a, a, a, b.)
-    let drr = DrrFairnessLayer::new(Store::memory(), 2);
-    let (upstream, mut handle) = mock::pair::<http::Request<()>, ()>();
-    let service = drr.layer(upstream);
+    let (drr, service, mut handle) = window(2);
     let mut futures = Vec::new();
     for tenant in ["a", "a", "a", "b"] {
         let job = Job::new(tenant, Origin::Scheduled).cost(1_000);
@@ -602,15 +596,30 @@ async fn served_cost_is_shared_through_redis_and_survives_an_outage() {
 
 // ---------- cancellation: no permit and no queue entry leaks ----------
 
+type MockUpstream = mock::Mock<http::Request<()>, ()>;
+type MockHandle = mock::Handle<http::Request<()>, ()>;
+
+/// A DrrFairness window of `max_in_flight` in front of a mock upstream the test answers.
+fn window(
+    max_in_flight: usize,
+) -> (
+    DrrFairnessLayer,
+    fairgate::DrrFairness<MockUpstream>,
+    MockHandle,
+) {
+    let drr = DrrFairnessLayer::new(Store::memory(), max_in_flight);
+    let (upstream, handle) = mock::pair();
+    let service = drr.layer(upstream);
+    (drr, service, handle)
+}
+
 fn job(tenant: &str) -> http::Request<()> {
     request(Job::new(tenant, Origin::UserAction))
 }
 
 #[tokio::test(start_paused = true)]
 async fn doesnt_leak_permits() {
-    let drr = DrrFairnessLayer::new(Store::memory(), 2);
-    let (upstream, mut handle) = mock::pair::<http::Request<()>, ()>();
-    let mut service = drr.layer(upstream);
+    let (drr, mut service, mut handle) = window(2);
     // Readiness polled twice reserves nothing; one call takes one permit.
     service.ready().await.unwrap();
     service.ready().await.unwrap();
@@ -669,9 +678,7 @@ async fn service_drop_frees_capacity() {
 
 #[tokio::test(start_paused = true)]
 async fn response_future_drop_releases_capacity() {
-    let drr = DrrFairnessLayer::new(Store::memory(), 1);
-    let (upstream, mut handle) = mock::pair::<http::Request<()>, ()>();
-    let mut service = drr.layer(upstream);
+    let (drr, mut service, mut handle) = window(1);
     let mut running = service.call(job("a"));
     assert!((&mut running).now_or_never().is_none());
     let _in_upstream = handle.next_request().await.unwrap();
@@ -692,9 +699,7 @@ async fn response_future_drop_releases_capacity() {
 
 #[tokio::test(start_paused = true)]
 async fn response_error_releases_capacity() {
-    let drr = DrrFairnessLayer::new(Store::memory(), 1);
-    let (upstream, mut handle) = mock::pair::<http::Request<()>, ()>();
-    let mut service = drr.layer(upstream);
+    let (drr, mut service, mut handle) = window(1);
     let mut failing = service.call(job("a"));
     assert!((&mut failing).now_or_never().is_none());
     let mut waiting = service.call(job("b"));
@@ -716,9 +721,7 @@ async fn response_error_releases_capacity() {
 
 #[tokio::test(start_paused = true)]
 async fn inner_readiness_error_releases_capacity() {
-    let drr = DrrFairnessLayer::new(Store::memory(), 1);
-    let (upstream, mut handle) = mock::pair::<http::Request<()>, ()>();
-    let mut service = drr.layer(upstream);
+    let (drr, mut service, mut handle) = window(1);
     handle.send_error("dead upstream");
     let err = service.call(job("a")).await.expect_err("not ready");
     assert_eq!(err.to_string(), "dead upstream");
@@ -727,9 +730,7 @@ async fn inner_readiness_error_releases_capacity() {
 
 #[tokio::test(start_paused = true)]
 async fn waiting_future_dropped_leaves_no_queue_entry() {
-    let drr = DrrFairnessLayer::new(Store::memory(), 1);
-    let (upstream, mut handle) = mock::pair::<http::Request<()>, ()>();
-    let mut service = drr.layer(upstream);
+    let (drr, mut service, mut handle) = window(1);
     let mut running = service.call(job("a"));
     assert!((&mut running).now_or_never().is_none());
     let mut gone = service.call(job("b"));
@@ -758,9 +759,7 @@ async fn waiting_future_dropped_leaves_no_queue_entry() {
 
 #[tokio::test(start_paused = true)]
 async fn dispatched_future_dropped_before_it_noticed_returns_its_permit() {
-    let drr = DrrFairnessLayer::new(Store::memory(), 1);
-    let (upstream, mut handle) = mock::pair::<http::Request<()>, ()>();
-    let mut service = drr.layer(upstream);
+    let (drr, mut service, mut handle) = window(1);
     let mut running = service.call(job("a"));
     assert!((&mut running).now_or_never().is_none());
     let granted = service.call(job("b"));

@@ -1097,18 +1097,19 @@ impl Spans {
     }
 }
 
-#[tokio::test(start_paused = true)]
-async fn after_a_throttle_one_call_probes_before_the_others_follow() {
+/// One call is throttled (no retries), then `calls` more are sent at once behind the closed
+/// gate against an upstream answering in `answer_time`; all of them succeed.
+async fn released_after_a_throttle(answer_time: Duration, calls: usize) -> Spans {
     let spans = Spans::default();
     let layer =
         RetryAfterBackoffLayer::new(Store::memory(), policy().max_retries(0).build().unwrap());
-    let upstream = spans.upstream(Duration::from_millis(300));
+    let upstream = spans.upstream(answer_time);
     let first = layer
         .layer(upstream.clone())
         .oneshot(request(job("a")))
         .await;
     assert_eq!(first.unwrap().status(), 429);
-    let calls: Vec<_> = (0..10)
+    let calls: Vec<_> = (0..calls)
         .map(|i| {
             layer
                 .layer(upstream.clone())
@@ -1118,6 +1119,12 @@ async fn after_a_throttle_one_call_probes_before_the_others_follow() {
     for response in futures_util::future::join_all(calls).await {
         assert_eq!(response.unwrap().status(), 200);
     }
+    spans
+}
+
+#[tokio::test(start_paused = true)]
+async fn after_a_throttle_one_call_probes_before_the_others_follow() {
+    let spans = released_after_a_throttle(Duration::from_millis(300), 10).await;
     let starts = spans.starts();
     // The first released call went alone; the rest only once its answer showed room.
     let answered = spans.end_of_first_success();
@@ -1136,26 +1143,8 @@ async fn after_a_throttle_one_call_probes_before_the_others_follow() {
 
 #[tokio::test(start_paused = true)]
 async fn a_slow_probe_does_not_stop_the_worker_for_longer_than_the_release_spread() {
-    let spans = Spans::default();
-    let layer =
-        RetryAfterBackoffLayer::new(Store::memory(), policy().max_retries(0).build().unwrap());
     // Answers take 30 s (a long call that is not streamed).
-    let upstream = spans.upstream(Duration::from_secs(30));
-    let first = layer
-        .layer(upstream.clone())
-        .oneshot(request(job("a")))
-        .await;
-    assert_eq!(first.unwrap().status(), 429);
-    let calls: Vec<_> = (0..3)
-        .map(|i| {
-            layer
-                .layer(upstream.clone())
-                .oneshot(request(job(&format!("b{i}"))))
-        })
-        .collect();
-    for response in futures_util::future::join_all(calls).await {
-        assert_eq!(response.unwrap().status(), 200);
-    }
+    let spans = released_after_a_throttle(Duration::from_secs(30), 3).await;
     let starts = spans.starts();
     // One call per release spread (1 s) while no answer has come.
     for pair in starts[1..].windows(2) {
