@@ -1011,6 +1011,36 @@ async fn store_pacing_on_redis_reserves_every_dimension_at_once() {
 
 #[cfg(feature = "redis")]
 #[tokio::test]
+async fn a_throttle_and_its_gate_go_to_redis_side_by_side() {
+    // A 429 both records a throttle and closes the gate: two store calls. Behind a stalled
+    // server each times out after `op_timeout`; side by side the answer comes back after
+    // one timeout, one after the other it would take two.
+    let server = support::RedisServer::start();
+    let op_timeout = Duration::from_millis(300);
+    let store = Store::builder()
+        .op_timeout(op_timeout)
+        .probe_interval(Duration::from_millis(20))
+        .redis(&server.url())
+        .await
+        .unwrap();
+    let layer = RetryAfterBackoffLayer::new(store, policy().max_retries(0).build().unwrap());
+    let mock = Mock::new(|_, _| status(429, &[("retry-after", "1")], ""));
+    let service = layer.layer(mock.service());
+    server.stall(3.0);
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let started = Instant::now();
+    let response = service.oneshot(request(job("t"))).await.unwrap();
+    let took = started.elapsed();
+    assert_eq!(response.status(), 429);
+    assert!(took >= op_timeout, "{took:?}: the store calls did not wait");
+    assert!(
+        took < op_timeout * 5 / 3,
+        "{took:?}: the two store calls ran one after the other"
+    );
+}
+
+#[cfg(feature = "redis")]
+#[tokio::test]
 async fn with_redis_down_each_worker_paces_against_its_share_of_the_limit() {
     use fairgate::store::PaceLimit;
     let mut server = support::RedisServer::start();

@@ -92,6 +92,8 @@ pub(super) struct Call<S, Req, C> {
 #[derive(Clone, Copy, Debug)]
 pub(super) struct Outcome {
     status: StatusCode,
+    /// A 429 or 529: the upstream said to slow down.
+    slow_down: bool,
     /// How long the server said to wait, for a 429 / 529.
     server_delay: Option<Duration>,
     /// How long to close the upstream's gate for.
@@ -184,6 +186,7 @@ impl<S, Req, C> Call<S, Req, C> {
         };
         Outcome {
             status,
+            slow_down,
             server_delay,
             gate,
             retry,
@@ -213,8 +216,7 @@ impl<S, Req, C> Call<S, Req, C> {
         }
         let status = outcome.status;
         // At its limit until an answer says otherwise (see `Core::probing`).
-        let at_limit =
-            !spend_limit && (matches!(status.as_u16(), 429 | 529) || outcome.gate.is_some());
+        let at_limit = !spend_limit && (outcome.slow_down || outcome.gate.is_some());
         core.probing
             .store(at_limit, std::sync::atomic::Ordering::Release);
         let throttle = (status == StatusCode::TOO_MANY_REQUESTS)
@@ -223,7 +225,7 @@ impl<S, Req, C> Call<S, Req, C> {
             core.note_reopen(delay);
             core.store.extend_cooldown(&core.policy.upstream, delay)
         });
-        if matches!(status.as_u16(), 429 | 529) {
+        if outcome.slow_down {
             let delay = outcome.retry.or(outcome.server_delay).unwrap_or_default();
             tracing::warn!(
                 name: "upstream.throttled",
@@ -391,14 +393,21 @@ where
                     gate,
                     then,
                 } => {
-                    if let Some(count) = throttle.as_mut() {
-                        let count = ready!(Pin::new(count).poll(cx));
+                    // Both go to the store at once (one round trip each on Redis, side
+                    // by side): wait until neither is pending.
+                    if let Some(count) = throttle.as_mut()
+                        && let Poll::Ready(count) = Pin::new(count).poll(cx)
+                    {
                         telemetry::throttle_count(&call.tenant, count);
                         *throttle = None;
                     }
-                    if let Some(reopen) = gate.as_mut() {
-                        ready!(Pin::new(reopen).poll(cx));
+                    if let Some(reopen) = gate.as_mut()
+                        && Pin::new(reopen).poll(cx).is_ready()
+                    {
                         *gate = None;
+                    }
+                    if throttle.is_some() || gate.is_some() {
+                        return Poll::Pending;
                     }
                     // The gate and the probing flag now say what this answer taught.
                     call.probe = None;
