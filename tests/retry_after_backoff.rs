@@ -645,6 +645,40 @@ async fn a_gate_moves_only_later_and_every_worker_sees_it() {
     );
 }
 
+#[cfg(feature = "redis")]
+#[tokio::test]
+async fn after_redis_restarts_every_worker_hears_gate_moves_again() {
+    let mut server = support::RedisServer::start();
+    let worker1 = redis_store(&server.url()).await;
+    let worker2 = redis_store(&server.url()).await;
+    server.kill();
+    server.restart();
+    // Worker 1 closes the gate once Redis takes the write again (the first tries may find
+    // it still restarting, or be answered locally while the store is degraded).
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        assert!(
+            Instant::now() < deadline,
+            "worker 1 never reached Redis again"
+        );
+        worker1.extend_cooldown("api", Duration::from_secs(5)).await;
+        if !worker1.is_degraded() && server.command("HLEN fairgate:{g}:cooldowns") == ":1\r\n" {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // Worker 2's listener lost its connection with the old server: it subscribed again
+    // (and caught up), so the move reaches its local copy.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while worker2.cooldown("api").is_none() {
+        assert!(
+            Instant::now() < deadline,
+            "worker 2 never heard of the gate"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 // ---------------------------------------------------------------------------------------
 // The 429 storm
 // ---------------------------------------------------------------------------------------

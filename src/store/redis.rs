@@ -27,6 +27,7 @@ use crate::priority_classify::DemotionPolicy;
 
 mod cooldown;
 mod pacing;
+mod pubsub;
 mod served;
 mod slots;
 
@@ -119,6 +120,8 @@ pub(crate) struct RedisStore {
     degraded: AtomicBool,
     /// Wakes the background task: a flush is due, or Redis just failed.
     pub(super) wake: Arc<Notify>,
+    /// Bumped on each return from an outage: the pub/sub listeners subscribe again.
+    recovered: tokio::sync::watch::Sender<u64>,
     pending_tokens: Batch,
     cache: Mutex<DemotionCache>,
     /// Makes throttle members unique across workers.
@@ -224,6 +227,7 @@ impl StoreBuilder {
             fallback: MemoryState::new(self.throttle_window, false),
             degraded: AtomicBool::new(false),
             wake: Arc::new(Notify::new()),
+            recovered: tokio::sync::watch::Sender::new(0),
             pending_tokens: Batch::default(),
             cache: Mutex::new(DemotionCache {
                 map: HashMap::new(),
@@ -242,15 +246,9 @@ impl StoreBuilder {
             redis.mark_degraded("no answer at start-up");
         }
         tokio::spawn(background(Arc::downgrade(&redis), redis.wake.clone()));
-        let channel = redis.keys.slots("released");
-        let resubscribe = redis.slots.resubscribe.clone();
-        tokio::spawn(slots::listen_for_releases(
-            Arc::downgrade(&redis),
-            redis.client.clone(),
-            channel,
-            resubscribe,
-        ));
-        tokio::spawn(cooldown::listen(Arc::downgrade(&redis)));
+        for feed in [pubsub::Feed::SlotReleases, pubsub::Feed::CooldownMoves] {
+            tokio::spawn(pubsub::listen(Arc::downgrade(&redis), feed));
+        }
         Ok(Store::from_backend(Backend::Redis(redis)))
     }
 }
@@ -332,7 +330,7 @@ impl RedisStore {
 
     fn recover(&self) {
         if self.degraded.swap(false, Ordering::AcqRel) {
-            self.slots.resubscribe.notify_one();
+            self.recovered.send_modify(|generation| *generation += 1);
             tracing::info!(name: "queue.redis_recovered", "redis answers again; fairgate state is shared again");
             crate::metrics::store_degraded(false);
         }

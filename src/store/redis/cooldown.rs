@@ -1,5 +1,5 @@
 //! The shared cooldown gate on Redis: one hash of reopen times (server clock), a script to
-//! move a gate, and a pub/sub listener that keeps every worker's local copy current.
+//! move a gate, and the messages (see `pubsub.rs`) that keep every worker's local copy current.
 //!
 //! A worker checks its local copy ([`CooldownGates`](crate::store::cooldown::CooldownGates) in the
 //! fallback state), so holding calls behind a gate costs no round trip. Moving a gate is one
@@ -8,10 +8,9 @@
 //! each (re)subscription the worker reads every gate once, so a move published while it was
 //! disconnected is not lost. While Redis is down a gate moves only in this worker.
 
-use std::sync::{Arc, LazyLock, Weak};
+use std::sync::{Arc, LazyLock};
 use std::time::Duration;
 
-use futures_util::StreamExt;
 use redis::Script;
 
 use super::RedisStore;
@@ -21,9 +20,6 @@ pub(super) static EXTEND: LazyLock<Script> =
     LazyLock::new(|| Script::new(include_str!("../scripts/extend_cooldown.lua")));
 pub(super) static READ: LazyLock<Script> =
     LazyLock::new(|| Script::new(include_str!("../scripts/read_cooldowns.lua")));
-
-/// How often an idle listener checks that its store still exists.
-const LIVENESS: Duration = Duration::from_millis(500);
 
 fn gates_key(prefix: &str) -> String {
     // A global key: one shared hash tag (the prefix was validated: no braces).
@@ -69,9 +65,14 @@ impl RedisStore {
         )
     }
 
+    /// The channel gate moves are published on.
+    pub(super) fn cooldown_channel(&self) -> String {
+        channel(&self.opts.key_prefix)
+    }
+
     /// Reads every closed gate into the local copy. A side channel: a failure here is left
     /// to the listener's next reconnect and never marks the store degraded.
-    async fn resync_cooldowns(&self) {
+    pub(super) async fn resync_cooldowns(&self) {
         let mut conn = self.conn.clone();
         let invocation = READ.key(gates_key(&self.opts.key_prefix));
         let read = invocation.invoke_async::<Vec<(String, u64)>>(&mut conn);
@@ -84,7 +85,7 @@ impl RedisStore {
         }
     }
 
-    fn apply_cooldown_message(&self, payload: &[u8]) {
+    pub(super) fn apply_cooldown_message(&self, payload: &[u8]) {
         let Ok(text) = std::str::from_utf8(payload) else {
             return;
         };
@@ -96,45 +97,5 @@ impl RedisStore {
                 .cooldowns
                 .extend(upstream, Duration::from_millis(ms));
         }
-    }
-}
-
-/// Subscribes to gate moves for as long as the store exists, reconnecting (and resyncing)
-/// after every loss of the connection.
-pub(super) async fn listen(store: Weak<RedisStore>) {
-    loop {
-        let Some(redis) = store.upgrade() else { return };
-        let client = redis.client.clone();
-        let channel = channel(&redis.opts.key_prefix);
-        let timeout = redis.opts.op_timeout;
-        let pause = redis.opts.probe_interval;
-        drop(redis);
-        let subscribed = tokio::time::timeout(timeout, async {
-            let mut pubsub = client.get_async_pubsub().await?;
-            pubsub.subscribe(&channel).await?;
-            Ok::<_, redis::RedisError>(pubsub)
-        })
-        .await;
-        if let Ok(Ok(pubsub)) = subscribed {
-            // Subscribed first, read second: a move in between arrives as a message.
-            match store.upgrade() {
-                Some(redis) => redis.resync_cooldowns().await,
-                None => return,
-            }
-            let mut messages = pubsub.into_on_message();
-            loop {
-                match tokio::time::timeout(LIVENESS, messages.next()).await {
-                    Ok(Some(msg)) => match store.upgrade() {
-                        Some(redis) => redis.apply_cooldown_message(msg.get_payload_bytes()),
-                        None => return,
-                    },
-                    // The connection is gone: subscribe again.
-                    Ok(None) => break,
-                    Err(_) if store.strong_count() == 0 => return,
-                    Err(_) => {}
-                }
-            }
-        }
-        tokio::time::sleep(pause).await;
     }
 }

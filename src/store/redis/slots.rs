@@ -3,11 +3,10 @@
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use futures_util::StreamExt;
-use redis::{RedisResult, Script};
+use redis::Script;
 use tokio::time::Instant;
 
 use super::{RedisStore, duration_ms, lock};
@@ -58,9 +57,6 @@ pub(super) struct SlotState {
     last_heartbeat: Mutex<Option<Instant>>,
     /// Workers alive at the last heartbeat (this one included): the fallback's divisor.
     alive_workers: AtomicU32,
-    /// Tells the release listener to subscribe again (after an outage the old connection
-    /// may be half-open and silent).
-    pub(super) resubscribe: Arc<tokio::sync::Notify>,
 }
 
 impl SlotState {
@@ -70,7 +66,6 @@ impl SlotState {
             unreleased: Mutex::new(Vec::new()),
             last_heartbeat: Mutex::new(None),
             alive_workers: AtomicU32::new(1),
-            resubscribe: Arc::new(tokio::sync::Notify::new()),
         }
     }
 }
@@ -297,48 +292,5 @@ impl RedisStore {
                 }
             }
         }
-    }
-}
-
-/// Listens for releases announced by any worker and wakes this worker's waiters.
-/// Reconnects on its own; ends when the store is dropped.
-pub(super) async fn listen_for_releases(
-    store: Weak<RedisStore>,
-    client: redis::Client,
-    channel: String,
-    resubscribe: Arc<tokio::sync::Notify>,
-) {
-    loop {
-        let Some(redis) = store.upgrade() else { return };
-        let (op_timeout, probe) = (redis.opts.op_timeout, redis.opts.probe_interval);
-        drop(redis);
-
-        let subscribe = async {
-            let mut pubsub = client.get_async_pubsub().await?;
-            pubsub.subscribe(&channel).await?;
-            RedisResult::Ok(pubsub)
-        };
-        let pubsub = tokio::time::timeout(op_timeout.saturating_mul(4), subscribe).await;
-        if let Ok(Ok(pubsub)) = pubsub {
-            let mut messages = pubsub.into_on_message();
-            loop {
-                tokio::select! {
-                    message = messages.next() => match message {
-                        Some(_) => match store.upgrade() {
-                            Some(redis) => redis.fallback.slots.released.notify_waiters(),
-                            None => return,
-                        },
-                        None => break, // connection lost: subscribe again
-                    },
-                    _ = resubscribe.notified() => break,
-                    _ = tokio::time::sleep(Duration::from_secs(1)) => {
-                        if store.strong_count() == 0 {
-                            return;
-                        }
-                    }
-                }
-            }
-        }
-        tokio::time::sleep(probe).await;
     }
 }
