@@ -45,7 +45,7 @@ impl CooldownGates {
     /// closed (longer when an earlier gate reaches further).
     pub(crate) fn extend(&self, upstream: &str, delay: Duration) -> Duration {
         let now = Instant::now();
-        let want = now.checked_add(delay).unwrap_or(now + YEAR);
+        let want = now + delay.min(MAX_GATE);
         let mut gates = self.lock();
         // Forget gates long open again, so names seen once do not pile up.
         if gates.len() > 64 {
@@ -83,7 +83,8 @@ impl CooldownGates {
 }
 
 /// Gates further away than this are capped (a year is "closed" for any caller).
-const YEAR: Duration = Duration::from_secs(365 * 24 * 3600);
+/// The longest a gate closes for, on every store (Redis turns it into a key TTL).
+pub(crate) const MAX_GATE: Duration = Duration::from_secs(24 * 3600);
 
 #[cfg(test)]
 mod tests {
@@ -110,6 +111,6 @@ mod tests {
         assert_eq!(gates.remaining("other"), None);
         tokio::time::advance(Duration::from_secs(20)).await;
         assert_eq!(gates.remaining("up"), None);
-        assert_eq!(gates.extend("up", Duration::MAX), YEAR);
+        assert_eq!(gates.extend("up", Duration::MAX), MAX_GATE);
     }
 }

@@ -10,10 +10,20 @@ use std::fmt::Write;
 use crate::TenantId;
 use crate::error::ConfigError;
 
-/// Builds key names under one prefix.
+/// Builds key names under one prefix; the fixed ones are built once.
 #[derive(Clone, Debug)]
 pub(crate) struct Keys {
     prefix: String,
+    /// `prefix:{slots}:global`: every lease.
+    pub(crate) slots_global: String,
+    /// `prefix:{slots}:workers`: the workers alive.
+    pub(crate) slots_workers: String,
+    /// `prefix:{slots}:released`: the channel releases are announced on.
+    pub(crate) slots_released: String,
+    /// `prefix:{g}:cooldowns`: the reopen time of every gate.
+    pub(crate) cooldowns: String,
+    /// `prefix:cooldowns`: the channel gate moves are announced on.
+    pub(crate) cooldowns_channel: String,
 }
 
 impl Keys {
@@ -27,9 +37,26 @@ impl Keys {
                 "key prefix must be non-empty ASCII letters, digits, '_', '-', '.' or ':'",
             ));
         }
+        let slots = |part: &str| format!("{prefix}:{{slots}}:{part}");
         Ok(Keys {
             prefix: prefix.to_owned(),
+            slots_global: slots("global"),
+            slots_workers: slots("workers"),
+            slots_released: slots("released"),
+            cooldowns: format!("{prefix}:{{g}}:cooldowns"),
+            cooldowns_channel: format!("{prefix}:cooldowns"),
         })
+    }
+
+    /// `prefix:{g}:part:<escaped name>` — global keys share one hash tag.
+    pub(crate) fn global(&self, part: &str, name: &str) -> String {
+        let mut key = String::with_capacity(self.prefix.len() + part.len() + name.len() + 6);
+        key.push_str(&self.prefix);
+        key.push_str(":{g}:");
+        key.push_str(part);
+        key.push(':');
+        escape_into(&mut key, name);
+        key
     }
 
     /// `prefix:{t:<escaped tenant>}:part`
@@ -46,15 +73,10 @@ impl Keys {
 }
 
 impl Keys {
-    /// `prefix:{slots}:part` — every slot key shares one hash tag, so the acquire script's
-    /// global and tier sets live in one Cluster slot.
-    pub(crate) fn slots(&self, part: &str) -> String {
-        format!("{}:{{slots}}:{part}", self.prefix)
-    }
-
-    /// `prefix:{slots}:tier:<escaped tier>`
+    /// `prefix:{slots}:tier:<escaped tier>` — every slot key shares one hash tag, so the
+    /// acquire script's global and tier sets live in one Cluster slot.
     pub(crate) fn slots_tier(&self, tier: &crate::Tier) -> String {
-        let mut key = self.slots("tier:");
+        let mut key = format!("{}:{{slots}}:tier:", self.prefix);
         escape_into(&mut key, tier.as_str());
         key
     }
@@ -97,6 +119,21 @@ mod tests {
         let names = ["a", "A", "%41", "a:x", "a}:x", "a%3Ax", "", " "];
         let keys: std::collections::HashSet<_> = names.iter().map(|n| key(n)).collect();
         assert_eq!(keys.len(), names.len());
+    }
+
+    #[test]
+    fn global_and_slot_keys_share_their_hash_tags() {
+        let keys = Keys::new("fg").unwrap();
+        assert_eq!(keys.slots_global, "fg:{slots}:global");
+        assert_eq!(keys.slots_workers, "fg:{slots}:workers");
+        assert_eq!(keys.slots_released, "fg:{slots}:released");
+        assert_eq!(
+            keys.slots_tier(&crate::Tier::new("a b")),
+            "fg:{slots}:tier:a%20b"
+        );
+        assert_eq!(keys.cooldowns, "fg:{g}:cooldowns");
+        assert_eq!(keys.cooldowns_channel, "fg:cooldowns");
+        assert_eq!(keys.global("pace", "api}:x"), "fg:{g}:pace:api%7D%3Ax");
     }
 
     #[test]

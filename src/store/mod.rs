@@ -393,7 +393,7 @@ impl Store {
     /// `delay` from now, for every worker on this store, and returns how long it stays closed.
     ///
     /// A gate only moves later: a longer delay extends it, a shorter one never shortens it.
-    /// On Redis the gate lives in one hash (server time) and every worker's local copy is
+    /// It closes for at most a day (a longer delay counts as a day), on every store. On Redis the gate lives in one hash (server time) and every worker's local copy is
     /// updated through pub/sub, so [`cooldown`](Store::cooldown) stays a local read.
     pub fn extend_cooldown(&self, upstream: &str, delay: Duration) -> StoreFuture<Duration> {
         match &*self.backend {

@@ -63,7 +63,13 @@ impl Pacers {
         if tats.len() > 1024 {
             tats.retain(|_, dims| dims.iter().any(|tat| *tat > now));
         }
-        let dims = tats.entry(key.to_owned()).or_default();
+        // The key is copied only the first time it is seen.
+        if !tats.contains_key(key) {
+            tats.insert(key.to_owned(), Vec::new());
+        }
+        let Some(dims) = tats.get_mut(key) else {
+            return Duration::ZERO; // unreachable: inserted above
+        };
         dims.resize(limits.len().max(dims.len()), now);
         let mut send = now;
         for (limit, tat) in limits.iter().zip(dims.iter()) {

@@ -15,27 +15,19 @@ use redis::Script;
 
 use super::RedisStore;
 use crate::store::StoreFuture;
+use crate::store::cooldown::MAX_GATE;
 
 pub(super) static EXTEND: LazyLock<Script> =
     LazyLock::new(|| Script::new(include_str!("../scripts/extend_cooldown.lua")));
 pub(super) static READ: LazyLock<Script> =
     LazyLock::new(|| Script::new(include_str!("../scripts/read_cooldowns.lua")));
 
-fn gates_key(prefix: &str) -> String {
-    // A global key: one shared hash tag (the prefix was validated: no braces).
-    format!("{prefix}:{{g}}:cooldowns")
-}
-
-fn channel(prefix: &str) -> String {
-    format!("{prefix}:cooldowns")
-}
-
 fn millis_ceil(d: Duration) -> u64 {
-    // At most a day: the script turns the delay into a key TTL, and Redis refuses an
+    // At most MAX_GATE: the script turns the delay into a key TTL, and Redis refuses an
     // absurd one only after the gate was written, leaving it closed with no expiry.
-    const DAY_MS: u64 = 24 * 60 * 60 * 1000;
+    let max = MAX_GATE.as_millis() as u64;
     let ms = d.as_nanos().div_ceil(1_000_000);
-    u64::try_from(ms).unwrap_or(DAY_MS).clamp(1, DAY_MS)
+    u64::try_from(ms).unwrap_or(max).clamp(1, max)
 }
 
 impl RedisStore {
@@ -50,12 +42,11 @@ impl RedisStore {
             move |fallback| fallback.cooldowns.extend(&local, delay),
             move |this| async move {
                 let mut conn = this.conn.clone();
-                let prefix = &this.opts.key_prefix;
                 let left_ms: u64 = EXTEND
-                    .key(gates_key(prefix))
+                    .key(&this.keys.cooldowns)
                     .arg(&upstream)
                     .arg(millis_ceil(delay))
-                    .arg(channel(prefix))
+                    .arg(&this.keys.cooldowns_channel)
                     .invoke_async(&mut conn)
                     .await?;
                 let left = Duration::from_millis(left_ms);
@@ -65,16 +56,11 @@ impl RedisStore {
         )
     }
 
-    /// The channel gate moves are published on.
-    pub(super) fn cooldown_channel(&self) -> String {
-        channel(&self.opts.key_prefix)
-    }
-
     /// Reads every closed gate into the local copy. A side channel: a failure here is left
     /// to the listener's next reconnect and never marks the store degraded.
     pub(super) async fn resync_cooldowns(&self) {
         let mut conn = self.conn.clone();
-        let invocation = READ.key(gates_key(&self.opts.key_prefix));
+        let invocation = READ.key(&self.keys.cooldowns);
         let read = invocation.invoke_async::<Vec<(String, u64)>>(&mut conn);
         if let Ok(Ok(gates)) = tokio::time::timeout(self.opts.op_timeout, read).await {
             for (upstream, left_ms) in gates {

@@ -7,7 +7,6 @@ use redis::Script;
 
 use super::RedisStore;
 use crate::store::StoreFuture;
-use crate::store::keys::escape_into;
 use crate::store::pacing::PaceLimit;
 
 pub(super) static PACE: LazyLock<Script> =
@@ -15,14 +14,7 @@ pub(super) static PACE: LazyLock<Script> =
 
 impl RedisStore {
     pub(crate) fn pace(self: &Arc<Self>, key: &str, limits: &[PaceLimit]) -> StoreFuture<Duration> {
-        // A global key (one shared hash tag); the name is escaped like a tenant's.
-        let mut redis_key = format!("{}:{{g}}:pace:", self.opts.key_prefix);
-        escape_into(&mut redis_key, key);
-        // While Redis is away each worker paces alone: against its share of the limits, split
-        // among the workers last seen alive, as the slot caps are.
-        let local_key = key.to_owned();
-        let workers = self.alive_workers();
-        let local_limits: Vec<PaceLimit> = limits.iter().map(|l| l.share_of(workers)).collect();
+        let redis_key = self.keys.global("pace", key);
         let args: Vec<u64> = limits
             .iter()
             .flat_map(|limit| {
@@ -30,8 +22,17 @@ impl RedisStore {
                 [interval, tolerance, limit.cells()]
             })
             .collect();
+        let local_key = key.to_owned();
+        let local_limits = limits.to_vec();
+        let workers = self.alive_workers();
         self.op(
-            move |fallback| fallback.pacers.reserve(&local_key, &local_limits),
+            move |fallback| {
+                // Pacing alone while Redis is away: against this worker's share of the
+                // limits, split among the workers last seen alive, as the slot caps are.
+                let share: Vec<PaceLimit> =
+                    local_limits.iter().map(|l| l.share_of(workers)).collect();
+                fallback.pacers.reserve(&local_key, &share)
+            },
             move |this| async move {
                 let mut conn = this.conn.clone();
                 let wait_us: i64 = PACE

@@ -26,8 +26,8 @@ pub(super) enum Feed {
 impl Feed {
     fn channel(self, redis: &RedisStore) -> String {
         match self {
-            Feed::SlotReleases => redis.keys.slots("released"),
-            Feed::CooldownMoves => redis.cooldown_channel(),
+            Feed::SlotReleases => redis.keys.slots_released.clone(),
+            Feed::CooldownMoves => redis.keys.cooldowns_channel.clone(),
         }
     }
 

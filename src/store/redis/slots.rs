@@ -103,8 +103,9 @@ impl RedisLease {
     /// Forgets the lease locally and releases it in Redis in the background (or, with no
     /// runtime to do it, on the next background tick); its TTL is the backstop.
     pub(crate) fn release(&self, tier: &Tier) {
-        lock(&self.store.slots.held).remove(&self.id);
-        let lease = (self.id.clone(), self.store.keys.slots_tier(tier));
+        let held = lock(&self.store.slots.held).remove(&self.id);
+        let tier_key = held.map_or_else(|| self.store.keys.slots_tier(tier), |h| h.tier_key);
+        let lease = (self.id.clone(), tier_key);
         match tokio::runtime::Handle::try_current() {
             Ok(runtime) => {
                 let store = self.store.clone();
@@ -140,7 +141,7 @@ impl RedisStore {
             let mut conn = this.conn.clone();
             let mut acquire = this.slot_scripts.acquire.prepare_invoke();
             acquire
-                .key(this.keys.slots("global"))
+                .key(&this.keys.slots_global)
                 .key(&tier_key)
                 .arg(limits.global)
                 .arg(limits.tier)
@@ -179,10 +180,10 @@ impl RedisStore {
                 let mut conn = self.conn.clone();
                 let mut release = self.slot_scripts.release.prepare_invoke();
                 release
-                    .key(self.keys.slots("global"))
+                    .key(&self.keys.slots_global)
                     .key(tier_key)
                     .arg(id)
-                    .arg(self.keys.slots("released"));
+                    .arg(&self.keys.slots_released);
                 async move { release.invoke_async::<u32>(&mut conn).await.is_ok() }
             });
             let all = async { Ok(futures_util::future::join_all(calls).await) };
@@ -228,7 +229,7 @@ impl RedisStore {
     pub(crate) fn slots_in_use(self: &Arc<Self>, tier: Option<&Tier>) -> StoreFuture<u32> {
         let key = match tier {
             Some(tier) => self.keys.slots_tier(tier),
-            None => self.keys.slots("global"),
+            None => self.keys.slots_global.clone(),
         };
         let tier = tier.cloned();
         self.op(
@@ -272,8 +273,8 @@ impl RedisStore {
         };
         let mut invocation = self.slot_scripts.heartbeat.prepare_invoke();
         invocation
-            .key(self.keys.slots("global"))
-            .key(self.keys.slots("workers"))
+            .key(&self.keys.slots_global)
+            .key(&self.keys.slots_workers)
             .arg(&self.worker_id)
             .arg(duration_ms(WORKER_TTL));
         for (id, tier_key, ttl_ms) in &leases {
