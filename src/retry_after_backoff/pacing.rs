@@ -216,73 +216,58 @@ impl Clock for TokioClock {
 
 type Limiter = RateLimiter<NotKeyed, InMemoryState, TokioClock, NoOpMiddleware<TokioInstant>>;
 
-#[derive(Clone, Copy, Debug)]
-enum Dimension {
-    Requests,
-    InputTokens,
-    OutputTokens,
-}
-
-/// The running limiters of one layer.
+/// The running limiters of one layer: one per dimension of [`Pacing::limits`], in its order.
 pub(crate) struct Pacer {
-    limiters: Vec<(Dimension, Limiter, u32)>,
-    expected_output_tokens: u32,
+    pacing: Pacing,
+    limiters: Vec<Limiter>,
 }
 
 impl std::fmt::Debug for Pacer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let dims: Vec<_> = self.limiters.iter().map(|(d, _, _)| d).collect();
-        f.debug_struct("Pacer").field("dimensions", &dims).finish()
+        f.debug_struct("Pacer")
+            .field("pacing", &self.pacing)
+            .finish_non_exhaustive()
     }
 }
 
-fn per_minute(n: u32, burst: u32) -> (Quota, u32) {
-    let rate = NonZeroU32::new(n).unwrap_or(NonZeroU32::MIN);
-    let burst = NonZeroU32::new(burst).unwrap_or(NonZeroU32::MIN);
-    (Quota::per_minute(rate).allow_burst(burst), burst.get())
+fn nonzero(n: u64) -> NonZeroU32 {
+    u32::try_from(n)
+        .ok()
+        .and_then(NonZeroU32::new)
+        .unwrap_or(NonZeroU32::MIN)
 }
 
 impl Pacer {
     pub(crate) fn new(pacing: &Pacing) -> Self {
-        let mut limiters = Vec::new();
-        let mut add = |dim, (quota, burst)| {
-            limiters.push((dim, Limiter::direct_with_clock(quota, TokioClock), burst));
-        };
-        if let Some(n) = pacing.requests_per_minute {
-            add(Dimension::Requests, per_minute(n, pacing.request_burst));
-        }
-        if let Some(n) = pacing.input_tokens_per_minute {
-            add(Dimension::InputTokens, per_minute(n, n));
-        }
-        if let Some(n) = pacing.output_tokens_per_minute {
-            add(Dimension::OutputTokens, per_minute(n, n));
-        }
+        // Rate and burst do not depend on the call's tokens.
+        let (limits, n) = pacing.limits(0);
+        let limiters = limits[..n]
+            .iter()
+            .map(|limit| {
+                let quota = Quota::per_minute(nonzero(limit.per_minute.into()))
+                    .allow_burst(nonzero(limit.burst.into()));
+                Limiter::direct_with_clock(quota, TokioClock)
+            })
+            .collect();
         Pacer {
+            pacing: pacing.clone(),
             limiters,
-            expected_output_tokens: pacing.expected_output_tokens,
         }
     }
 
     /// Takes the cells of a call with `input_tokens` from dimension `*step` on; `None` once
     /// all are taken, else how long to wait before trying dimension `*step` again.
     pub(crate) fn admit(&self, step: &mut usize, input_tokens: u32) -> Option<Duration> {
-        while let Some((dim, limiter, burst)) = self.limiters.get(*step) {
-            let cells = match dim {
-                Dimension::Requests => 1,
-                Dimension::InputTokens => input_tokens,
-                Dimension::OutputTokens => self.expected_output_tokens,
-            };
-            // A call larger than the whole burst could never pass: it takes the full burst.
-            let cells = NonZeroU32::new(cells.min(*burst)).unwrap_or(NonZeroU32::MIN);
-            match limiter.check_n(cells) {
-                Ok(Ok(())) => *step += 1,
-                Ok(Err(not_until)) => {
-                    let wait = not_until.wait_time_from(TokioClock.now());
-                    // Never a zero wait: that would spin.
-                    return Some(wait.max(Duration::from_millis(1)));
-                }
-                Err(_) => *step += 1,
+        let (limits, n) = self.pacing.limits(input_tokens);
+        for (limiter, limit) in self.limiters.iter().zip(&limits[..n]).skip(*step) {
+            // `cells()` is clamped to the burst (a call larger than the whole burst takes it
+            // all), so governor never refuses it as too large.
+            if let Ok(Err(not_until)) = limiter.check_n(nonzero(limit.cells())) {
+                let wait = not_until.wait_time_from(TokioClock.now());
+                // Never a zero wait: that would spin.
+                return Some(wait.max(Duration::from_millis(1)));
             }
+            *step += 1;
         }
         None
     }
