@@ -103,10 +103,9 @@ where
             return ResponseFuture::failed(MissingJob.into());
         };
         let (class, weight, cost) = self.shared.classify(job);
-        let tenant = job.tenant().clone();
         // The future drives its own clone's readiness once dispatched (as tower's Buffer
         // worker does); `self.inner` is never polled, so no readiness is moved or lost.
-        match self.shared.admit(class, &tenant, weight, cost) {
+        match self.shared.admit(class, job.tenant(), weight, cost) {
             Ok(Admission::Now(permit)) => ResponseFuture::ready(permit, self.inner.clone(), req),
             Ok(Admission::Queued(ticket)) => {
                 ResponseFuture::waiting(ticket, self.inner.clone(), req)

@@ -30,8 +30,7 @@ use crate::error::ConfigError;
 #[derive(Clone, Debug, PartialEq)]
 pub struct DemotionPolicy {
     throttle_limit: u32,
-    budget_ratio: f64,
-    /// `budget_ratio` in thousandths, so both stores compare integers the same way.
+    /// The budget ratio in thousandths, so both stores compare integers the same way.
     budget_permille: u64,
     default_daily_budget: u64,
     demote_for: Duration,
@@ -41,7 +40,6 @@ impl Default for DemotionPolicy {
     fn default() -> Self {
         DemotionPolicy {
             throttle_limit: 5,
-            budget_ratio: 1.5,
             budget_permille: 1500,
             default_daily_budget: 100_000,
             demote_for: Duration::from_secs(300),
@@ -52,8 +50,10 @@ impl Default for DemotionPolicy {
 impl DemotionPolicy {
     /// Starts from the defaults.
     pub fn builder() -> DemotionPolicyBuilder {
+        let policy = DemotionPolicy::default();
         DemotionPolicyBuilder {
-            policy: DemotionPolicy::default(),
+            budget_ratio: policy.budget_ratio(),
+            policy,
         }
     }
 
@@ -62,9 +62,9 @@ impl DemotionPolicy {
         self.throttle_limit
     }
 
-    /// Multiple of the daily budget past which a tenant is demoted.
+    /// Multiple of the daily budget past which a tenant is demoted (to three decimals).
     pub fn budget_ratio(&self) -> f64 {
-        self.budget_ratio
+        self.budget_permille as f64 / 1000.0
     }
 
     #[cfg_attr(not(feature = "redis"), allow(dead_code))]
@@ -94,6 +94,7 @@ impl DemotionPolicy {
 #[derive(Clone, Debug)]
 pub struct DemotionPolicyBuilder {
     policy: DemotionPolicy,
+    budget_ratio: f64,
 }
 
 impl DemotionPolicyBuilder {
@@ -106,7 +107,7 @@ impl DemotionPolicyBuilder {
     /// Multiple of the daily budget past which a tenant is demoted (finite, > 0; kept to
     /// three decimals).
     pub fn budget_ratio(mut self, ratio: f64) -> Self {
-        self.policy.budget_ratio = ratio;
+        self.budget_ratio = ratio;
         self
     }
 
@@ -132,12 +133,12 @@ impl DemotionPolicyBuilder {
         if policy.throttle_limit == 0 {
             return Err(ConfigError::new("throttle limit must be at least 1"));
         }
-        if !policy.budget_ratio.is_finite() || policy.budget_ratio <= 0.0 {
+        if !self.budget_ratio.is_finite() || self.budget_ratio <= 0.0 {
             return Err(ConfigError::new(
                 "budget ratio must be a finite number above 0",
             ));
         }
-        let permille = (policy.budget_ratio * 1000.0).round();
+        let permille = (self.budget_ratio * 1000.0).round();
         if !(1.0..=1e12).contains(&permille) {
             return Err(ConfigError::new(
                 "budget ratio must be between 0.001 and 1e9",

@@ -11,7 +11,7 @@ use tower_service::Service;
 
 use crate::error::{BoxError, MissingJob};
 use crate::store::{Demotion, StoreFuture};
-use crate::{JobRequest, Priority, TenantId};
+use crate::{JobRequest, Priority};
 
 pin_project! {
     /// Response future of [`PriorityClassify`](crate::PriorityClassify): waits for the
@@ -44,7 +44,6 @@ struct PendingCall<S, Req> {
     inner: S,
     req: Req,
     by_rule: Priority,
-    tenant: TenantId,
 }
 
 impl<F, S, Req> ResponseFuture<F, S, Req> {
@@ -69,7 +68,6 @@ impl<F, S, Req> ResponseFuture<F, S, Req> {
         inner: S,
         req: Req,
         by_rule: Priority,
-        tenant: TenantId,
         started: Instant,
     ) -> Self {
         ResponseFuture {
@@ -79,7 +77,6 @@ impl<F, S, Req> ResponseFuture<F, S, Req> {
                     inner,
                     req,
                     by_rule,
-                    tenant,
                 }),
             },
             started,
@@ -107,14 +104,13 @@ where
                         mut inner,
                         mut req,
                         by_rule,
-                        tenant,
                     }) = call.take()
                     else {
                         // Only reachable by polling after completion.
                         return Poll::Ready(Err(MissingJob.into()));
                     };
                     let priority = match req.job_mut() {
-                        Some(job) => super::service::decide(job, by_rule, demotion, &tenant),
+                        Some(job) => super::service::decide(job, by_rule, demotion),
                         None => return Poll::Ready(Err(MissingJob.into())),
                     };
                     *this.priority = Some(priority);

@@ -9,7 +9,7 @@ use super::layer::Shared;
 use super::{ClassifyRule, DefaultRule};
 use crate::error::BoxError;
 use crate::store::Demotion;
-use crate::{Job, JobRequest, Priority, TenantId};
+use crate::{Job, JobRequest, Priority};
 
 /// Sets each request's [`Priority`] centrally, from its job's origin and SLA, demoting runaway
 /// tenants to batch; see the [module docs](crate::priority_classify).
@@ -76,16 +76,15 @@ where
         };
         let shared = &self.shared;
         let by_rule = shared.rule.classify(job);
-        let tenant = job.tenant().clone();
         // Checked before this job's tokens count, the same on every store: the job that
         // crosses the budget goes out as classified, the next one is demoted.
         let tokens = u64::from(job.estimated_tokens());
-        let check = shared.store.admit(&tenant, &shared.policy, tokens);
-        crate::metrics::input_tokens(&tenant, tokens);
+        let check = shared.store.admit(job.tenant(), &shared.policy, tokens);
+        crate::metrics::input_tokens(job.tenant(), tokens);
 
         match check.into_ready() {
             Ok(demotion) => {
-                let priority = decide(job, by_rule, demotion, &tenant);
+                let priority = decide(job, by_rule, demotion);
                 ResponseFuture::calling(self.inner.call(req), priority, started)
             }
             Err(check) => {
@@ -93,26 +92,21 @@ where
                 // future and keep a fresh clone here (it will be polled ready again).
                 let clone = self.inner.clone();
                 let inner = std::mem::replace(&mut self.inner, clone);
-                ResponseFuture::checking(check, inner, req, by_rule, tenant, started)
+                ResponseFuture::checking(check, inner, req, by_rule, started)
             }
         }
     }
 }
 
 /// Applies the demotion to the rule's answer and writes the priority into the job.
-pub(super) fn decide(
-    job: &mut Job,
-    by_rule: Priority,
-    demotion: Demotion,
-    tenant: &TenantId,
-) -> Priority {
+pub(super) fn decide(job: &mut Job, by_rule: Priority, demotion: Demotion) -> Priority {
     let priority = match demotion {
         Demotion::NotDemoted => by_rule,
         Demotion::Demoted { left, newly } => {
             if newly {
                 tracing::warn!(
                     name: "tenant.demoted",
-                    tenant = %tenant,
+                    tenant = %job.tenant(),
                     for_secs = left.as_secs_f64(),
                     "tenant demoted to batch"
                 );

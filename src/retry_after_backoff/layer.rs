@@ -63,7 +63,6 @@ impl Drop for Probe {
 }
 
 impl Core {
-    /// A uniform draw in [0, 1) from the layer's seeded source.
     /// Takes the probe slot if it is free (or its holder has had it longer than the release
     /// spread).
     pub(super) fn try_probe(self: &Arc<Self>) -> Option<Probe> {
@@ -126,6 +125,7 @@ impl Core {
         self.probing.load(Ordering::Acquire)
     }
 
+    /// A uniform draw in [0, 1) from the layer's seeded source.
     pub(super) fn unit(&self) -> f64 {
         crate::sync::lock(&self.rng).unit()
     }

@@ -235,10 +235,7 @@ impl StoreBuilder {
     /// A throttle window under 1 ms or over 30 days.
     pub fn memory(self) -> Result<Store, ConfigError> {
         self.validate()?;
-        Ok(Store::from_backend(Backend::Memory(MemoryState::new(
-            self.throttle_window,
-            true,
-        ))))
+        Ok(Store::in_process(self.throttle_window))
     }
 
     pub(crate) fn validate(&self) -> Result<(), ConfigError> {
@@ -256,10 +253,11 @@ impl StoreBuilder {
 impl Store {
     /// An in-process store with the default configuration.
     pub fn memory() -> Store {
-        Store::from_backend(Backend::Memory(MemoryState::new(
-            StoreBuilder::default().throttle_window,
-            true,
-        )))
+        Store::in_process(StoreBuilder::default().throttle_window)
+    }
+
+    fn in_process(throttle_window: Duration) -> Store {
+        Store::from_backend(Backend::Memory(MemoryState::new(throttle_window, true)))
     }
 
     /// Configures a store.

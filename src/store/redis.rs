@@ -135,6 +135,12 @@ pub(crate) struct RedisStore {
 #[derive(Default)]
 pub(super) struct Batch(Mutex<HashMap<TenantId, u64>>);
 
+/// Adds `n` to the tenant's pending count.
+fn put(pending: &mut HashMap<TenantId, u64>, tenant: TenantId, n: u64) {
+    let total = pending.entry(tenant).or_insert(0);
+    *total = total.saturating_add(n);
+}
+
 pub(super) use crate::sync::lock;
 
 /// An error that means "Redis is not there" rather than "Redis refused this call".
@@ -467,8 +473,7 @@ impl RedisStore {
     /// Adds to a batch of per-tenant counts, waking the flush early when many tenants wait.
     pub(super) fn batch_add(&self, batch: &Batch, tenant: &TenantId, n: u64) {
         let mut pending = lock(&batch.0);
-        let total = pending.entry(tenant.clone()).or_insert(0);
-        *total = total.saturating_add(n);
+        put(&mut pending, tenant.clone(), n);
         if pending.len() >= FLUSH_AT_TENANTS {
             self.wake.notify_one();
         }
@@ -521,8 +526,7 @@ impl RedisStore {
                     // smaller error than a flush lost.
                     let mut pending = lock(&batch.0);
                     for (tenant, n) in sending {
-                        let total = pending.entry(tenant).or_insert(0);
-                        *total = total.saturating_add(n);
+                        put(&mut pending, tenant, n);
                     }
                     return;
                 }
@@ -533,8 +537,7 @@ impl RedisStore {
                 if is_outage(&e) {
                     self.mark_degraded(&e.to_string());
                 }
-                let total = pending.entry(tenant).or_insert(0);
-                *total = total.saturating_add(n);
+                put(&mut pending, tenant, n);
             }
         }
     }
