@@ -118,6 +118,22 @@ async fn redis_killed_mid_run_classify_keeps_answering_and_the_store_comes_back(
 }
 
 #[tokio::test]
+async fn a_stalled_redis_at_start_costs_one_timeout_then_the_store_starts_degraded() {
+    let server = RedisServer::start();
+    server.stall(2.0);
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let started = Instant::now();
+    let store = worker(&server.url()).await; // op_timeout 100 ms
+    let took = started.elapsed();
+    assert!(store.is_degraded());
+    assert!(took >= Duration::from_millis(100), "{took:?}");
+    assert!(
+        took < Duration::from_millis(190),
+        "{took:?}: more than one timeout"
+    );
+}
+
+#[tokio::test]
 async fn redis_down_at_start_gives_a_working_degraded_store_without_blocking() {
     let url = format!("redis://127.0.0.1:{}/", RedisServer::unused_port());
     let started = Instant::now();

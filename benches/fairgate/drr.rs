@@ -108,9 +108,13 @@ fn pick(c: &mut Criterion) {
         let ids: Vec<TenantId> = (0..tenants)
             .map(|i| TenantId::new(format!("t{i}")))
             .collect();
-        // Ten items per tenant, and at most a third popped per refill: every tenant stays
-        // backlogged, so every size does the same work per pick (no tenant empties).
-        let per_tenant = 10;
+        // Ten items per tenant (FAIRGATE_BENCH_DEPTH overrides; at least 4), and at most a
+        // third popped per refill: every tenant stays backlogged, so every size does the same
+        // work per pick (no tenant empties).
+        let per_tenant = std::env::var("FAIRGATE_BENCH_DEPTH")
+            .ok()
+            .and_then(|depth| depth.parse::<u64>().ok())
+            .map_or(10, |depth| depth.max(4));
         let mut scheduler = backlog(&ids, per_tenant);
         // Where the popped items wait for the refill: allocated and touched once, outside
         // the timed loops, so no sample pays for growing it.
