@@ -11,7 +11,7 @@ use tokio::time::{Instant, sleep_until, timeout_at};
 
 use super::{Busy, SlotPolicy, TierLimit};
 use crate::rng::Rng;
-use crate::store::{SlotLease, SlotLimits, Store};
+use crate::store::{SlotLease, SlotLimits, Store, StoreFuture};
 use crate::sync::lock;
 use crate::{Tier, metrics};
 
@@ -207,6 +207,9 @@ impl Drop for Waiting<'_> {
 /// Takes the tier's turnstile first (arrival order), then tries the store each time a slot
 /// may have come free: a local release or one announced by another worker wakes it at once,
 /// and a jittered poll catches anything missed.
+///
+/// `first_try` is an acquire the caller made while holding `turn` but did not poll (a
+/// Redis round trip not yet begun): used as the first try instead of making another.
 pub(super) async fn wait_for_slot(
     shared: Arc<Shared>,
     tier: Tier,
@@ -214,6 +217,7 @@ pub(super) async fn wait_for_slot(
     state: Arc<TierState>,
     started: Instant,
     turn: Option<OwnedSemaphorePermit>,
+    first_try: Option<StoreFuture<Option<SlotLease>>>,
 ) -> Result<SlotPermit, Busy> {
     let deadline = crate::time::after(started, limit.max_wait);
     let mut slow = SlowWait {
@@ -240,12 +244,19 @@ pub(super) async fn wait_for_slot(
     };
 
     let limits = shared.limits(limit);
+    // Made before this wait began: if Redis went away since, drop it unpolled (nothing was
+    // sent, so nothing leaks) and take the fallback's answer as a fresh acquire would.
+    let mut first_try = first_try.filter(|_| !shared.store.is_degraded());
     loop {
-        // Registered before trying, so a release between the try and the wait is not missed.
+        // Registered before trying, so a release between the try and the wait is not missed
+        // (an acquire does nothing until polled, so this holds for `first_try` too).
         let released = shared.store.slot_released().notified();
         tokio::pin!(released);
         released.as_mut().enable();
-        if let Some(lease) = shared.store.try_acquire_slot(&tier, limits).await {
+        let acquire = first_try
+            .take()
+            .unwrap_or_else(|| shared.store.try_acquire_slot(&tier, limits));
+        if let Some(lease) = acquire.await {
             metrics::slot_wait(&tier, started.elapsed());
             return Ok(SlotPermit::new(lease, state.clone()));
         }
