@@ -433,6 +433,25 @@ async fn an_acquire_that_timed_out_does_not_leave_its_lease_taken() {
 }
 
 #[tokio::test]
+async fn a_request_dropped_during_its_acquire_does_not_leave_its_lease_taken() {
+    let server = RedisServer::start();
+    let store = stalling_worker(&server.url()).await;
+    let upstream =
+        service_fn(|_: http::Request<()>| async { Ok::<_, Infallible>(http::Response::new(())) });
+    let service = TierSlotLimitLayer::new(store.clone(), SlotPolicy::default()).layer(upstream);
+    let job = Job::new("acme", Origin::UserAction).tier("pro");
+    server.stall(0.4);
+    // The acquire made in `call` is sent and waits behind the stall; the caller gives up
+    // before the store's own timeout...
+    let gave_up = tokio::time::timeout(Duration::from_millis(50), service.oneshot(request(job)));
+    assert!(gave_up.await.is_err(), "no answer while redis is stalled");
+    // ...and Redis runs the script after the stall, granting a lease nobody holds.
+    // Released once Redis answers again: long before its 30 s TTL.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    wait_for_leases(&server, 0, Duration::from_secs(3)).await;
+}
+
+#[tokio::test]
 async fn a_lease_given_back_while_redis_is_away_is_released_when_it_returns() {
     let server = RedisServer::start();
     let store = stalling_worker(&server.url()).await;

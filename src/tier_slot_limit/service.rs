@@ -81,20 +81,27 @@ where
         let inner = self.inner.clone();
 
         // Fast path: nobody of this tier waits here and the store answers at once (memory).
+        // On Redis the acquire is a round trip not yet begun: it becomes the wait's first try.
         let turn = state.turnstile.clone().try_acquire_owned().ok();
-        if turn.is_some()
-            && let Ok(Some(lease)) = shared
+        let mut first_try = None;
+        if turn.is_some() {
+            match shared
                 .store
                 .try_acquire_slot(&tier, shared.limits(limit))
                 .into_ready()
-        {
-            let permit = SlotPermit::new(lease, state);
-            return ResponseFuture::acquired(permit, inner, req);
+            {
+                Ok(Some(lease)) => {
+                    let permit = SlotPermit::new(lease, state);
+                    return ResponseFuture::acquired(permit, inner, req);
+                }
+                Ok(None) => {}
+                Err(pending) => first_try = Some(pending),
+            }
         }
         if shared.hopeless(&state, limit) {
             return ResponseFuture::busy(shared.busy(tier, started));
         }
-        let wait = wait_for_slot(shared.clone(), tier, limit, state, started, turn);
+        let wait = wait_for_slot(shared.clone(), tier, limit, state, started, turn, first_try);
         ResponseFuture::waiting(Box::pin(wait), inner, req)
     }
 }

@@ -11,7 +11,7 @@ use tokio::time::{Instant, sleep_until, timeout_at};
 
 use super::{Busy, SlotPolicy, TierLimit};
 use crate::rng::Rng;
-use crate::store::{SlotLease, SlotLimits, Store};
+use crate::store::{SlotLease, SlotLimits, Store, StoreFuture};
 use crate::sync::lock;
 use crate::{Tier, metrics};
 
@@ -19,9 +19,12 @@ use crate::{Tier, metrics};
 pub(super) struct Shared {
     pub(super) store: Store,
     pub(super) policy: SlotPolicy,
-    /// Every configured tier's state, built once: the tiers are fixed by the policy, so the
-    /// request path looks them up without a lock.
-    tiers: HashMap<Tier, Arc<TierState>>,
+    /// Every configured tier's limit and state, built once: the tiers are fixed by the
+    /// policy, so the request path finds both with one lookup and no lock.
+    tiers: HashMap<Tier, (TierLimit, Arc<TierState>)>,
+    /// The default tier's entry (the same state as its entry in `tiers`): what requests with
+    /// no tier or an unknown one count under.
+    default: (TierLimit, Arc<TierState>),
     /// Unknown tier names already logged (bounded: the names come from callers).
     unknown_logged: Mutex<HashSet<Tier>>,
     rng: Mutex<Rng>,
@@ -54,15 +57,22 @@ impl TierState {
 impl Shared {
     pub(super) fn new(store: Store, policy: SlotPolicy) -> Self {
         let rng = policy.seed.map_or_else(Rng::from_entropy, Rng::seeded);
-        let tiers = policy
+        let tiers: HashMap<_, _> = policy
             .tiers
-            .keys()
-            .map(|tier| (tier.clone(), Arc::new(TierState::new())))
+            .iter()
+            .map(|(tier, limit)| (tier.clone(), (*limit, Arc::new(TierState::new()))))
             .collect();
+        // `build` refuses a default tier that is not configured; `limit` still answers if
+        // one ever were, and so does this.
+        let default = match tiers.get(&policy.default_tier) {
+            Some(entry) => entry.clone(),
+            None => (policy.limit(None).1, Arc::new(TierState::new())),
+        };
         Shared {
             store,
             policy,
             tiers,
+            default,
             unknown_logged: Mutex::new(HashSet::new()),
             rng: Mutex::new(rng),
         }
@@ -71,26 +81,22 @@ impl Shared {
     /// The tier a request counts under, its limit and its state, logging an unknown tier
     /// name once.
     pub(super) fn resolve(&self, asked: Option<&Tier>) -> (Tier, TierLimit, Arc<TierState>) {
-        let (tier, limit, known) = self.policy.limit(asked);
-        if let (false, Some(asked)) = (known, asked) {
+        if let Some(asked) = asked {
+            if let Some((limit, state)) = self.tiers.get(asked) {
+                return (asked.clone(), *limit, state.clone());
+            }
             let mut logged = lock(&self.unknown_logged);
             if logged.len() < UNKNOWN_TIERS_LOGGED && logged.insert(asked.clone()) {
                 tracing::warn!(
                     name: "tier.unknown",
                     tier = %asked,
-                    served_as = %tier,
+                    served_as = %self.policy.default_tier,
                     "unknown tier; served as the default tier"
                 );
             }
         }
-        // Built from the policy's tiers, and `limit` only names configured ones; a missing
-        // entry cannot happen, but would only cost a fresh (unshared) state.
-        let state = self
-            .tiers
-            .get(&tier)
-            .cloned()
-            .unwrap_or_else(|| Arc::new(TierState::new()));
-        (tier, limit, state)
+        let (limit, state) = &self.default;
+        (self.policy.default_tier.clone(), *limit, state.clone())
     }
 
     pub(super) fn limits(&self, limit: TierLimit) -> SlotLimits {
@@ -201,6 +207,9 @@ impl Drop for Waiting<'_> {
 /// Takes the tier's turnstile first (arrival order), then tries the store each time a slot
 /// may have come free: a local release or one announced by another worker wakes it at once,
 /// and a jittered poll catches anything missed.
+///
+/// `first_try` is an acquire the caller made while holding `turn` but did not poll (a
+/// Redis round trip not yet begun): used as the first try instead of making another.
 pub(super) async fn wait_for_slot(
     shared: Arc<Shared>,
     tier: Tier,
@@ -208,6 +217,7 @@ pub(super) async fn wait_for_slot(
     state: Arc<TierState>,
     started: Instant,
     turn: Option<OwnedSemaphorePermit>,
+    first_try: Option<StoreFuture<Option<SlotLease>>>,
 ) -> Result<SlotPermit, Busy> {
     let deadline = crate::time::after(started, limit.max_wait);
     let mut slow = SlowWait {
@@ -234,12 +244,19 @@ pub(super) async fn wait_for_slot(
     };
 
     let limits = shared.limits(limit);
+    // Made before this wait began: if Redis went away since, drop it unpolled (nothing was
+    // sent, so nothing leaks) and take the fallback's answer as a fresh acquire would.
+    let mut first_try = first_try.filter(|_| !shared.store.is_degraded());
     loop {
-        // Registered before trying, so a release between the try and the wait is not missed.
+        // Registered before trying, so a release between the try and the wait is not missed
+        // (an acquire does nothing until polled, so this holds for `first_try` too).
         let released = shared.store.slot_released().notified();
         tokio::pin!(released);
         released.as_mut().enable();
-        if let Some(lease) = shared.store.try_acquire_slot(&tier, limits).await {
+        let acquire = first_try
+            .take()
+            .unwrap_or_else(|| shared.store.try_acquire_slot(&tier, limits));
+        if let Some(lease) = acquire.await {
             metrics::slot_wait(&tier, started.elapsed());
             return Ok(SlotPermit::new(lease, state.clone()));
         }

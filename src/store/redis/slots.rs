@@ -117,6 +117,9 @@ impl RedisLease {
 }
 
 impl RedisStore {
+    /// One acquire script, sent when the future is first polled: dropped before that, the
+    /// future has sent nothing and holds nothing; dropped during the round trip, it queues
+    /// its lease id for release (see `Unclaimed`).
     pub(crate) fn try_acquire_slot(
         self: &Arc<Self>,
         tier: &Tier,
