@@ -4,6 +4,8 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
+use tokio::time::Instant;
+
 /// Who is billed for, and protected by, a request.
 ///
 /// Cheap to clone (an `Arc<str>` inside). Any string is a valid tenant name: the Redis store
@@ -190,6 +192,10 @@ pub struct Job {
     tier: Option<Tier>,
     cost: u32,
     priority: Option<Priority>,
+    /// When the request entered the first fairgate layer: every wait counts from here.
+    arrived: Option<Instant>,
+    /// An outer layer already holds a slot for this request (see `crate::admission`).
+    slot_held: bool,
 }
 
 impl Job {
@@ -202,6 +208,8 @@ impl Job {
             tier: None,
             cost: 1,
             priority: None,
+            arrived: None,
+            slot_held: false,
         }
     }
 
@@ -264,6 +272,34 @@ impl Job {
 
     pub(crate) fn set_priority(&mut self, priority: Priority) {
         self.priority = Some(priority);
+    }
+
+    /// When the request entered the first fairgate layer; `None` before any layer saw it.
+    ///
+    /// Every layer's waits count from this one instant: a tier's max wait is end to end,
+    /// wherever in the stack the request waited.
+    pub fn arrived_at(&self) -> Option<Instant> {
+        self.arrived
+    }
+
+    /// The arrival, stamped now by the first layer that asks.
+    pub(crate) fn arrival(&mut self) -> Instant {
+        *self.arrived.get_or_insert_with(Instant::now)
+    }
+
+    /// Starts the clock again: a retry is a new attempt, its waits count from now.
+    pub(crate) fn restamp(&mut self) {
+        self.arrived = Some(Instant::now());
+        self.slot_held = false;
+    }
+
+    /// Whether a layer outside the one asking already holds a slot for this request.
+    pub(crate) fn slot_held(&self) -> bool {
+        self.slot_held
+    }
+
+    pub(crate) fn mark_slot_held(&mut self) {
+        self.slot_held = true;
     }
 }
 

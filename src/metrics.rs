@@ -61,7 +61,6 @@ impl Metric {
 
     /// The name under [`DEFAULT_PREFIX`]: the public constant.
     fn default_name(self) -> &'static str {
-        use crate::drr_fairness::{FAIRNESS_INDEX, QUEUE_DEPTH};
         use crate::retry_after_backoff::metrics::{
             COOLDOWN_WAIT_SECONDS, COOLDOWN_WAITS, GAVE_UP, RETRIES, THROTTLE_COUNT,
         };
@@ -193,7 +192,13 @@ pub(crate) fn store_degraded(degraded: bool) {
     metrics::gauge!(Metric::StoreDegraded.name()).set(if degraded { 1.0 } else { 0.0 });
 }
 
+/// Metric: gauge, requests waiting in the fair queue, label `priority`.
+pub const QUEUE_DEPTH: &str = "claude_queue_depth";
+/// Metric: gauge, Jain's fairness index over the weight-normalised served cost of the
+/// tenants that were backlogged in the fairness window (1.0 = perfectly fair).
+pub const FAIRNESS_INDEX: &str = "claude_drr_fairness_index";
 /// Gauge, slots this worker holds now, label `tier`.
+/// Metric: gauge, slots in use, label `tier`.
 pub const SLOTS_IN_USE: &str = "claude_slots_in_use";
 /// Histogram, seconds a request waited for its slot, label `tier`.
 pub const SLOT_WAIT: &str = "claude_slot_wait_seconds";

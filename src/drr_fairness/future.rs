@@ -88,7 +88,13 @@ where
             let mut this = self.as_mut().project();
             match this.state.as_mut().project() {
                 StateProj::Waiting { ticket, call } => {
-                    let permit = ready!(ticket.poll_turn(cx));
+                    let permit = match ready!(ticket.poll_turn(cx)) {
+                        Ok(permit) => permit,
+                        Err(busy) => {
+                            this.state.set(State::Done);
+                            return Poll::Ready(Err(busy.into()));
+                        }
+                    };
                     let call = call.take();
                     // The ticket gave its place up when it became the permit: dropping it
                     // here does nothing.

@@ -110,7 +110,8 @@ use std::sync::Arc;
 pub use self::layer::{DrrFairnessBuilder, DrrFairnessLayer};
 pub use self::scheduler::{ClassSelection, ClassWeights, SchedulerConfig};
 pub use self::service::DrrFairness;
-pub use self::state::{FAIRNESS_INDEX, Permit, QUEUE_DEPTH};
+pub use self::state::Permit;
+pub use crate::metrics::{FAIRNESS_INDEX, QUEUE_DEPTH};
 
 use self::state::Shared;
 use crate::Job;

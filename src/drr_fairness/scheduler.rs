@@ -615,8 +615,6 @@ struct Class {
     /// Tenant slab length above which a drain compacts it
     /// ([`RETAINED_CAPACITY`], lowered by tests).
     compact_above: usize,
-    /// Smooth weighted round robin credit.
-    current: i64,
     #[cfg(test)]
     trace: Vec<Visit>,
 }
@@ -634,7 +632,6 @@ impl Class {
             busy: 0,
             parked: 0,
             compact_above: RETAINED_CAPACITY,
-            current: 0,
             #[cfg(test)]
             trace: Vec::new(),
         }
@@ -889,7 +886,6 @@ impl Class {
     /// else forgotten at once (a drained class has no backlogged tenant a
     /// returning one could overtake).
     fn drained(&mut self) {
-        self.current = 0;
         self.busy = 0;
         for list in [self.new, self.old] {
             let mut cursor = list.head;
@@ -955,25 +951,21 @@ pub struct Scheduler<T> {
     entries: Entries<T>,
     classes: [Class; 3],
     len: usize,
-    rng: Rng,
+    picker: ClassPicker,
 }
 
 impl<T> Scheduler<T> {
     /// An empty scheduler, or the reason `config` is refused.
     pub fn new(config: SchedulerConfig) -> Result<Self, ConfigError> {
         config.validate()?;
-        let rng = match config.selection {
-            ClassSelection::Probabilistic { seed } => Rng::seeded(seed),
-            ClassSelection::SmoothWeighted => Rng::seeded(0),
-        };
         Ok(Scheduler {
+            picker: ClassPicker::new(&config),
             quantum: clamp_i64(config.quantum),
             max_charge: clamp_i64(config.max_charge()),
             config,
             entries: Entries::new(),
             classes: [Class::new(), Class::new(), Class::new()],
             len: 0,
-            rng,
         })
     }
 
@@ -1066,7 +1058,16 @@ impl<T> Scheduler<T> {
 
     /// Takes the next item to dispatch, or `None` if nothing is waiting.
     pub fn pop(&mut self) -> Option<Dispatched<T>> {
-        let ci = self.select_class()?;
+        let nonempty = CLASSES.map(|class| self.class_len(class) > 0);
+        let class = self.picker.pick(nonempty)?;
+        self.pop_class(class)
+    }
+
+    /// Takes the next item of `class` in DRR order, bypassing the choice
+    /// between classes (for a caller that makes that choice itself, over
+    /// several schedulers), or `None` if nothing of `class` is waiting.
+    pub fn pop_class(&mut self, class: Priority) -> Option<Dispatched<T>> {
+        let ci = class_index(class);
         let (item, tenant, cost) = self.classes[ci].pop(&mut self.entries, self.quantum)?;
         self.len = self.len.saturating_sub(1);
         self.after_removal(ci);
@@ -1198,48 +1199,85 @@ impl<T> Scheduler<T> {
             && queue.len == 0
         {
             queue.drained();
+            // A class that empties banks no round-robin credit.
+            self.picker.forget(CLASSES[ci]);
         }
         if self.len == 0 {
             self.entries.reset();
         }
     }
+}
 
-    fn select_class(&mut self) -> Option<usize> {
-        let weights = self.config.class_weights.as_array();
-        let nonempty = [0, 1, 2].map(|i| self.classes[i].len > 0);
-        let total: u64 = (0..3).filter(|&i| nonempty[i]).map(|i| weights[i]).sum();
+/// Chooses the next class among those that may go: nginx's smooth weighted
+/// round robin, or the reference's random choice (seeded). Used by
+/// [`Scheduler::pop`], and by a caller that picks over several schedulers
+/// (the layer keeps one per tier) with [`Scheduler::pop_class`].
+#[derive(Debug)]
+pub(crate) struct ClassPicker {
+    weights: [u64; 3],
+    selection: ClassSelection,
+    /// Smooth weighted round robin credit of each class.
+    current: [i64; 3],
+    rng: Rng,
+}
+
+impl ClassPicker {
+    pub(crate) fn new(config: &SchedulerConfig) -> Self {
+        let rng = match config.selection {
+            ClassSelection::Probabilistic { seed } => Rng::seeded(seed),
+            ClassSelection::SmoothWeighted => Rng::seeded(0),
+        };
+        ClassPicker {
+            weights: config.class_weights.as_array(),
+            selection: config.selection,
+            current: [0; 3],
+            rng,
+        }
+    }
+
+    /// The class to serve next among `candidates` (indexed critical,
+    /// standard, batch), or `None` if there is none.
+    pub(crate) fn pick(&mut self, candidates: [bool; 3]) -> Option<Priority> {
+        let weights = self.weights;
+        let total: u64 = (0..3).filter(|&i| candidates[i]).map(|i| weights[i]).sum();
         if total == 0 {
             return None;
         }
-        match self.config.selection {
+        let chosen = match self.selection {
             ClassSelection::SmoothWeighted => {
                 let mut best: Option<usize> = None;
-                for i in (0..3).filter(|&i| nonempty[i]) {
-                    let queue = &mut self.classes[i];
-                    queue.current = queue.current.saturating_add(clamp_i64(weights[i]));
+                for i in (0..3).filter(|&i| candidates[i]) {
+                    self.current[i] = self.current[i].saturating_add(clamp_i64(weights[i]));
                     // Strict `>`: ties go to the higher priority.
-                    if best.is_none_or(|b| self.classes[i].current > self.classes[b].current) {
+                    if best.is_none_or(|b| self.current[i] > self.current[b]) {
                         best = Some(i);
                     }
                 }
                 let chosen = best?;
-                let queue = &mut self.classes[chosen];
-                queue.current = queue.current.saturating_sub(clamp_i64(total));
-                Some(chosen)
+                self.current[chosen] = self.current[chosen].saturating_sub(clamp_i64(total));
+                chosen
             }
             ClassSelection::Probabilistic { .. } => {
                 // Multiply-shift maps 64 random bits onto 0..total.
                 let draw = u128::from(self.rng.next_u64()) * u128::from(total);
                 let mut point = u64::try_from(draw >> 64).unwrap_or(0);
-                for i in (0..3).filter(|&i| nonempty[i]) {
+                let mut chosen = None;
+                for i in (0..3).filter(|&i| candidates[i]) {
                     if point < weights[i] {
-                        return Some(i);
+                        chosen = Some(i);
+                        break;
                     }
                     point -= weights[i];
                 }
-                None
+                chosen?
             }
-        }
+        };
+        Some(CLASSES[chosen])
+    }
+
+    /// `class` has nothing waiting: it banks no credit.
+    pub(crate) fn forget(&mut self, class: Priority) {
+        self.current[class_index(class)] = 0;
     }
 }
 

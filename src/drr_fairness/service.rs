@@ -98,14 +98,19 @@ where
         Poll::Ready(Ok(()))
     }
 
-    fn call(&mut self, req: Req) -> Self::Future {
-        let Some(job) = req.job() else {
+    fn call(&mut self, mut req: Req) -> Self::Future {
+        let Some(job) = req.job_mut() else {
             return ResponseFuture::failed(MissingJob.into());
         };
-        let (class, weight, cost) = self.shared.classify(job);
+        let arrived = job.arrival();
+        let held_above = job.slot_held();
+        // Dispatched only with its slot when the store's policy gates it, so the slot layer
+        // below lets it through without taking a second one.
+        job.mark_slot_held();
+        let job = &*job;
         // The future drives its own clone's readiness once dispatched (as tower's Buffer
         // worker does); `self.inner` is never polled, so no readiness is moved or lost.
-        match self.shared.admit(class, job.tenant(), weight, cost) {
+        match self.shared.admit(job, arrived, held_above) {
             Ok(Admission::Now(permit)) => ResponseFuture::ready(permit, self.inner.clone(), req),
             Ok(Admission::Queued(ticket)) => {
                 ResponseFuture::waiting(ticket, self.inner.clone(), req)

@@ -1,26 +1,25 @@
-//! The state one layer shares between all its services and futures: the scheduler, the
-//! in-flight count and the waiters' wakers, behind one mutex.
+//! The state one layer shares between all its services and futures: a scheduler per tier
+//! group, the in-flight count and the waiters' wakers, behind one mutex.
 
 use std::collections::HashMap;
 use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
-use tokio::time::Instant;
+use tokio::time::{Instant, Sleep};
 
 use super::error::QueueFull;
 use super::fairness::FairnessWindow;
-use super::scheduler::{Key, Rejected, Scheduler, SchedulerConfig};
+use super::scheduler::{ClassPicker, Key, Rejected, Scheduler, SchedulerConfig};
+use crate::admission::{Busy, TierLimit};
 use crate::error::ConfigError;
 use crate::metrics::Metric;
+use crate::rng::Rng;
+use crate::store::{SlotLease, StoreFuture};
 use crate::{Job, Priority, Store, TenantId, Tier};
-
-/// Metric: gauge, requests waiting in the queue, label `priority`.
-pub const QUEUE_DEPTH: &str = "claude_queue_depth";
-/// Metric: gauge, Jain's fairness index over the weight-normalised served cost of the
-/// tenants that were backlogged in the fairness window (1.0 = perfectly fair).
-pub const FAIRNESS_INDEX: &str = "claude_drr_fairness_index";
 
 /// Tier name -> DRR weight.
 #[derive(Clone, Debug)]
@@ -52,36 +51,104 @@ impl TierWeights {
 pub(super) struct Waiter {
     waker: Option<Waker>,
     weight: u32,
+    /// Names the request in `State::handed` once it is dispatched with a slot.
+    id: u64,
+}
+
+/// The requests of one tier under the store's slot policy (or, group 0, of every request no
+/// slot gates), with their own DRR scheduler: a full tier blocks its group only.
+struct Group {
+    scheduler: Scheduler<Waiter>,
+    /// `None` for group 0: no slot to take.
+    gate: Option<Gate>,
+    /// Start-time fair queuing between the groups of a class: the cost served per unit of
+    /// the group's active weight. The group with the least goes next.
+    vtime: [f64; 3],
+}
+
+struct Gate {
+    tier: Tier,
+    limit: TierLimit,
+    /// The last acquire found the tier (or the global cap) full: wait for a release.
+    blocked: bool,
+    /// Acquires under way (Redis), each holding a window place for the request it is for.
+    acquiring: usize,
+}
+
+impl Group {
+    fn new(config: &SchedulerConfig, gate: Option<Gate>) -> Result<Self, ConfigError> {
+        Ok(Group {
+            // The class limit is checked across groups by the layer.
+            scheduler: Scheduler::new(config.clone().with_max_per_class(None))?,
+            gate,
+            vtime: [0.0; 3],
+        })
+    }
+
+    /// Whether a request of this group may be dispatched now, as far as its slot goes.
+    fn may_go(&self) -> bool {
+        self.gate
+            .as_ref()
+            .is_none_or(|gate| !gate.blocked && gate.acquiring < self.scheduler.len())
+    }
 }
 
 struct State {
-    scheduler: Scheduler<Waiter>,
+    groups: Vec<Group>,
+    /// Gated groups by tier (the tier a request counts under in the slot policy).
+    by_tier: HashMap<Tier, usize>,
+    picker: ClassPicker,
     in_flight: usize,
+    /// A task waits for a slot to come free elsewhere (another worker, another layer).
+    watching: bool,
+    /// Dispatched requests whose ticket has not claimed its permit yet: their slots.
+    handed: HashMap<u64, SlotLease>,
+    next_id: u64,
     fairness: FairnessWindow,
+    rng: Rng,
+}
+
+impl State {
+    fn class_len(&self, class: Priority) -> usize {
+        self.groups
+            .iter()
+            .map(|g| g.scheduler.class_len(class))
+            .sum()
+    }
+
+    fn len(&self) -> usize {
+        self.groups.iter().map(|g| g.scheduler.len()).sum()
+    }
 }
 
 pub(super) struct Shared {
     store: Store,
     max_in_flight: usize,
     weights: TierWeights,
+    config: SchedulerConfig,
     state: Mutex<State>,
 }
 
 /// What a dispatch leaves to do once the lock is released.
 #[derive(Default)]
 struct AfterUnlock {
-    wake: Option<Waker>,
-    served: Option<(TenantId, u64)>,
-    depth: Option<(Priority, usize)>,
+    wake: Vec<Waker>,
+    served: Vec<(TenantId, u64)>,
+    depth: Option<Priority>,
     index: Option<Option<f64>>,
+    /// Slot acquires to send (Redis): (group, class, acquire).
+    acquires: Vec<(usize, Priority, StoreFuture<Option<SlotLease>>)>,
+    watch: bool,
+    /// Slots to give back, outside the lock.
+    drop_leases: Vec<SlotLease>,
 }
 
 impl AfterUnlock {
-    fn run(self, store: &Store) {
-        if let Some((tenant, cost)) = self.served {
-            store.add_served_cost(&tenant, cost);
+    fn run(self, shared: &Arc<Shared>, depths: Option<(Priority, usize)>) {
+        for (tenant, cost) in self.served {
+            shared.store.add_served_cost(&tenant, cost);
         }
-        if let Some((priority, depth)) = self.depth {
+        if let Some((priority, depth)) = depths {
             metrics::gauge!(Metric::QueueDepth.name(), "priority" => priority.as_str())
                 .set(depth as f64);
         }
@@ -89,18 +156,76 @@ impl AfterUnlock {
             // No backlogged tenant in the window: nothing was unfair.
             metrics::gauge!(Metric::FairnessIndex.name()).set(index.unwrap_or(1.0));
         }
-        if let Some(waker) = self.wake {
+        drop(self.drop_leases);
+        let runtime = tokio::runtime::Handle::try_current().ok();
+        for (group, class, acquire) in self.acquires {
+            let shared = shared.clone();
+            match &runtime {
+                Some(runtime) => {
+                    runtime.spawn(async move {
+                        let lease = acquire.await;
+                        shared.slot_answer(group, class, lease);
+                    });
+                }
+                // Nothing can send it (no runtime): unsent, it holds nothing.
+                None => shared.slot_answer(group, class, None),
+            }
+        }
+        if self.watch
+            && let Some(runtime) = &runtime
+        {
+            runtime.spawn(watch_releases(shared.clone()));
+        }
+        for waker in self.wake {
             waker.wake();
         }
     }
 }
 
+/// Waits while a gated group is blocked for a slot to come free anywhere on the store (a
+/// release announced by another worker, or by another layer on the store), with a jittered
+/// poll as the safety net, and dispatches again. Ends when nothing is blocked.
+async fn watch_releases(shared: Arc<Shared>) {
+    loop {
+        let released = shared.store.slot_released().notified();
+        tokio::pin!(released);
+        released.as_mut().enable();
+        let poll = {
+            let mut state = shared.lock();
+            let blocked = state
+                .groups
+                .iter()
+                .any(|g| g.gate.as_ref().is_some_and(|gate| gate.blocked));
+            if !blocked {
+                state.watching = false;
+                return;
+            }
+            let interval = shared
+                .store
+                .slot_policy()
+                .map_or(Duration::from_millis(100), |p| p.poll_interval);
+            interval.mul_f64(0.5 + state.rng.unit())
+        };
+        tokio::select! {
+            _ = released => {}
+            _ = tokio::time::sleep(poll) => {}
+        }
+        shared.slot_freed();
+    }
+}
+
 /// How a request got in.
 pub(super) enum Admission {
-    /// There was room: dispatched at once.
+    /// There was room (and its slot): dispatched at once.
     Now(Permit),
     /// It waits for its turn.
     Queued(Ticket),
+}
+
+/// Where a request waits: its group, and its tier's patience if a slot gates it.
+struct Placement {
+    group: usize,
+    patience: Option<(Tier, TierLimit)>,
 }
 
 impl Shared {
@@ -120,15 +245,24 @@ impl Shared {
         if fairness_window < Duration::from_millis(10) {
             return Err(ConfigError::new("fairness window must be at least 10 ms"));
         }
+        config.validate()?;
+        let seed = store.slot_policy().and_then(|p| p.seed);
         Ok(Shared {
             store,
             max_in_flight,
             weights,
             state: Mutex::new(State {
-                scheduler: Scheduler::new(config)?,
+                groups: vec![Group::new(&config, None)?],
+                by_tier: HashMap::new(),
+                picker: ClassPicker::new(&config),
                 in_flight: 0,
+                watching: false,
+                handed: HashMap::new(),
+                next_id: 0,
                 fairness: FairnessWindow::new(fairness_window),
+                rng: seed.map_or_else(Rng::from_entropy, Rng::seeded),
             }),
+            config,
         })
     }
 
@@ -147,7 +281,7 @@ impl Shared {
     }
 
     pub(super) fn scheduler_config(&self) -> SchedulerConfig {
-        self.lock().scheduler.config().clone()
+        self.config.clone()
     }
 
     pub(super) fn in_flight(&self) -> usize {
@@ -157,8 +291,8 @@ impl Shared {
     pub(super) fn queued(&self, priority: Option<Priority>) -> usize {
         let state = self.lock();
         match priority {
-            Some(p) => state.scheduler.class_len(p),
-            None => state.scheduler.len(),
+            Some(p) => state.class_len(p),
+            None => state.len(),
         }
     }
 
@@ -175,54 +309,129 @@ impl Shared {
         )
     }
 
-    /// Called from `call`: a permit at once while nothing waits and there is room, else a
-    /// place in the queue, else (a queue limit) `QueueFull`.
+    /// The group of a request: its tier's under the store's slot policy, unless no policy is
+    /// registered or an outer layer already holds its slot (group 0).
+    fn place(
+        &self,
+        state: &mut State,
+        job: &Job,
+        held_above: bool,
+    ) -> Result<Placement, ConfigError> {
+        let Some(policy) = self.store.slot_policy().filter(|_| !held_above) else {
+            return Ok(Placement {
+                group: 0,
+                patience: None,
+            });
+        };
+        let (tier, limit, _) = policy.limit(job.tier_name());
+        let group = match state.by_tier.get(&tier) {
+            Some(&group) => group,
+            None => {
+                let gate = Gate {
+                    tier: tier.clone(),
+                    limit,
+                    blocked: false,
+                    acquiring: 0,
+                };
+                state.groups.push(Group::new(&self.config, Some(gate))?);
+                let group = state.groups.len() - 1;
+                state.by_tier.insert(tier.clone(), group);
+                group
+            }
+        };
+        Ok(Placement {
+            group,
+            patience: Some((tier, limit)),
+        })
+    }
+
+    /// Called from `call`: a permit (and the slot, when one gates the request) at once while
+    /// nothing waits and there is room, else a place in the queue, else (a queue limit)
+    /// `QueueFull`. `held_above`: an outer layer holds the request's slot.
     pub(super) fn admit(
         self: &Arc<Self>,
-        class: Priority,
-        tenant: &TenantId,
-        weight: u32,
-        cost: u64,
+        job: &Job,
+        arrived: Instant,
+        held_above: bool,
     ) -> Result<Admission, QueueFull> {
+        let (class, weight, cost) = self.classify(job);
+        let tenant = job.tenant();
         let mut after = AfterUnlock::default();
         let admission = {
             let mut state = self.lock();
-            if state.scheduler.is_empty() && state.in_flight < self.max_in_flight {
-                // Room and nobody waiting: out at once, still charged to the tenant, so a
-                // tenant that filled the window queues behind those that did not.
+            let place = match self.place(&mut state, job, held_above) {
+                Ok(place) => place,
+                // Only a scheduler refusing the layer's own (validated) config; unreachable.
+                Err(_) => return Err(QueueFull::new(class, tenant.clone(), false)),
+            };
+            let room = state.len() == 0 && state.in_flight < self.max_in_flight;
+            let slot = match (&place.patience, room) {
+                (_, false) => None,
+                (None, true) => Some(None),
+                (Some(_), true) => self.try_slot_now(&mut state, place.group, &mut after),
+            };
+            if let Some(lease) = slot {
+                // Room, its slot, and nobody waiting: out at once, still charged to the
+                // tenant, so a tenant that filled the window queues behind those that did not.
                 state.in_flight += 1;
-                let charged = state
+                let group = &mut state.groups[place.group];
+                let charged = group
                     .scheduler
                     .dispatch_direct(class, tenant.clone(), weight, cost);
                 // `None`: the class is at its tenant capacity (billions); served, not charged.
-                let cost = charged
-                    .unwrap_or_else(|| state.scheduler.config().max_charge().min(cost.max(1)));
+                let cost = charged.unwrap_or_else(|| self.config.max_charge().min(cost.max(1)));
                 after.index = state
                     .fairness
                     .record(tenant, weight, cost, false, Instant::now());
-                after.served = Some((tenant.clone(), cost));
-                Admission::Now(Permit {
-                    shared: self.clone(),
+                after.served.push((tenant.clone(), cost));
+                Admission::Now(Permit::new(
+                    self.clone(),
+                    place.group,
                     class,
-                    charged: charged.map(|_| tenant.clone()),
-                })
+                    charged.map(|_| tenant.clone()),
+                    lease,
+                    arrived,
+                ))
             } else {
+                if let Some(limit) = self.config.max_per_class
+                    && state.class_len(class) >= limit
+                {
+                    return Err(QueueFull::new(class, tenant.clone(), false));
+                }
+                state.next_id += 1;
+                let id = state.next_id;
                 let waiter = Waiter {
                     waker: None,
                     weight,
+                    id,
                 };
-                match state
+                let group = &mut state.groups[place.group];
+                let was_idle = group.scheduler.class_len(class) == 0;
+                match group
                     .scheduler
                     .push(class, tenant.clone(), weight, cost, waiter)
                 {
                     Ok(key) => {
-                        after.depth = Some((class, state.scheduler.class_len(class)));
-                        Admission::Queued(Ticket {
+                        if was_idle {
+                            Self::catch_up(&mut state, place.group, class);
+                        }
+                        self.dispatch(&mut state, &mut after);
+                        after.depth = Some(class);
+                        let depth = state.class_len(class);
+                        drop(state);
+                        after.run(self, Some((class, depth)));
+                        return Ok(Admission::Queued(Ticket {
                             shared: Some(self.clone()),
                             key,
+                            id,
+                            group: place.group,
                             class,
                             tenant: tenant.clone(),
-                        })
+                            arrived,
+                            patience: place.patience,
+                            timer: None,
+                            slow_warned: false,
+                        }));
                     }
                     Err(rejected) => {
                         let tenant_limit = matches!(rejected, Rejected::TenantFull(_));
@@ -231,32 +440,146 @@ impl Shared {
                 }
             }
         };
-        after.run(&self.store);
+        after.run(self, None);
         Ok(admission)
     }
 
-    /// A permit came back: its request, if the scheduler counted it (`tenant`), is no longer
-    /// in flight; hand the permit to the next request in fair order, if one waits.
-    fn release(&self, class: Priority, tenant: Option<&TenantId>) {
-        let after = {
-            let mut state = self.lock();
-            state.in_flight = state.in_flight.saturating_sub(1);
-            if let Some(tenant) = tenant {
-                state.scheduler.complete(class, tenant);
-            }
-            Self::dispatch_next(&mut state, self.max_in_flight)
-        };
-        after.run(&self.store);
+    /// A group that had nothing waiting in `class` starts no earlier than the groups that
+    /// did: idle time banks no credit.
+    fn catch_up(state: &mut State, group: usize, class: Priority) {
+        let ci = class as usize;
+        let floor = state
+            .groups
+            .iter()
+            .enumerate()
+            .filter(|(g, other)| *g != group && other.scheduler.class_len(class) > 0)
+            .map(|(_, other)| other.vtime[ci])
+            .fold(f64::INFINITY, f64::min);
+        if floor.is_finite() {
+            let own = &mut state.groups[group].vtime[ci];
+            *own = own.max(floor);
+        }
     }
 
-    fn dispatch_next(state: &mut State, max_in_flight: usize) -> AfterUnlock {
-        let mut after = AfterUnlock::default();
-        if state.in_flight >= max_in_flight {
-            return after;
+    /// Tries to take a slot for `group` at once: `Some(Some(lease))` taken, `None` when the
+    /// tier (or the global cap) is full — the group is then blocked — or when the store needs
+    /// a round trip (Redis): then the request queues and the dispatcher sends the acquire.
+    fn try_slot_now(
+        &self,
+        state: &mut State,
+        group: usize,
+        after: &mut AfterUnlock,
+    ) -> Option<Option<SlotLease>> {
+        let policy = self.store.slot_policy()?;
+        let gate = state.groups[group].gate.as_ref()?;
+        if gate.blocked {
+            return None;
         }
-        let Some(next) = state.scheduler.pop() else {
-            return after;
+        match self
+            .store
+            .try_acquire_slot(&gate.tier, policy.limits(gate.limit))
+            .into_ready()
+        {
+            Ok(Some(lease)) => Some(Some(lease)),
+            Ok(None) => {
+                self.block(state, group, after);
+                None
+            }
+            // Not sent: dropped unpolled, it holds nothing.
+            Err(_) => None,
+        }
+    }
+
+    /// Dispatches waiting requests in fair order while the window has room: the class by
+    /// weighted round robin among the classes with a request that may go, the group (tier)
+    /// by start-time fair queuing, the tenant by DRR. A gated group's request goes only with
+    /// its slot: taken here when the store answers at once (memory), else sent (Redis) and
+    /// handed to the group's next request when the answer comes (see `slot_answer`).
+    fn dispatch(self: &Arc<Self>, state: &mut State, after: &mut AfterUnlock) {
+        while state.in_flight < self.max_in_flight {
+            let candidates = Priority::ALL.map(|class| {
+                state
+                    .groups
+                    .iter()
+                    .any(|g| g.may_go() && g.scheduler.class_len(class) > 0)
+            });
+            let Some(class) = state.picker.pick(candidates) else {
+                return;
+            };
+            let ci = class as usize;
+            let Some(group) = (0..state.groups.len())
+                .filter(|&g| {
+                    let g = &state.groups[g];
+                    g.may_go() && g.scheduler.class_len(class) > 0
+                })
+                .min_by(|&a, &b| state.groups[a].vtime[ci].total_cmp(&state.groups[b].vtime[ci]))
+            else {
+                return;
+            };
+            let lease = match &state.groups[group].gate {
+                None => None,
+                Some(gate) => {
+                    let Some(policy) = self.store.slot_policy() else {
+                        return;
+                    };
+                    let acquire = self
+                        .store
+                        .try_acquire_slot(&gate.tier, policy.limits(gate.limit));
+                    match acquire.into_ready() {
+                        Ok(Some(lease)) => Some(lease),
+                        Ok(None) => {
+                            self.block(state, group, after);
+                            continue;
+                        }
+                        Err(pending) => {
+                            // The window place is reserved for the request the answer will
+                            // be handed to.
+                            state.in_flight += 1;
+                            if let Some(gate) = state.groups[group].gate.as_mut() {
+                                gate.acquiring += 1;
+                            }
+                            after.acquires.push((group, class, pending));
+                            continue;
+                        }
+                    }
+                }
+            };
+            self.hand_next(state, group, class, lease, after);
+        }
+    }
+
+    fn block(&self, state: &mut State, group: usize, after: &mut AfterUnlock) {
+        if let Some(gate) = state.groups[group].gate.as_mut() {
+            gate.blocked = true;
+        }
+        if !state.watching {
+            state.watching = true;
+            after.watch = true;
+        }
+    }
+
+    /// Pops the next request of `group` in `class` (or, if none is left there, of its
+    /// highest class with one) and hands it the window place and `lease`.
+    fn hand_next(
+        &self,
+        state: &mut State,
+        group: usize,
+        class: Priority,
+        lease: Option<SlotLease>,
+        after: &mut AfterUnlock,
+    ) {
+        let ci = class as usize;
+        let active = state.groups[group].scheduler.active_tenants(class);
+        let g = &mut state.groups[group];
+        let next = g.scheduler.pop_class(class).or_else(|| g.scheduler.pop());
+        let Some(next) = next else {
+            // Its requests went away meanwhile: the slot goes back.
+            after.drop_leases.extend(lease);
+            return;
         };
+        // The group's active weight: its tenants share a tier, so they share a weight.
+        let weight = f64::from(next.item.weight.max(1)) * active.max(1) as f64;
+        g.vtime[ci] += next.cost as f64 / weight;
         state.in_flight += 1;
         after.index = state.fairness.record(
             &next.tenant,
@@ -265,15 +588,90 @@ impl Shared {
             true,
             Instant::now(),
         );
-        after.depth = Some((next.class, state.scheduler.class_len(next.class)));
-        after.served = Some((next.tenant, next.cost));
-        after.wake = next.item.waker;
-        after
+        after.depth = Some(next.class);
+        if let Some(lease) = lease {
+            state.handed.insert(next.item.id, lease);
+        }
+        after.served.push((next.tenant, next.cost));
+        after.wake.extend(next.item.waker);
+    }
+
+    /// The answer to an acquire sent by `dispatch` for `group`.
+    fn slot_answer(self: &Arc<Self>, group: usize, class: Priority, lease: Option<SlotLease>) {
+        let mut after = AfterUnlock::default();
+        let depth = {
+            let mut state = self.lock();
+            state.in_flight = state.in_flight.saturating_sub(1);
+            if let Some(gate) = state.groups[group].gate.as_mut() {
+                gate.acquiring = gate.acquiring.saturating_sub(1);
+            }
+            match lease {
+                Some(lease) => self.hand_next(&mut state, group, class, Some(lease), &mut after),
+                None => self.block(&mut state, group, &mut after),
+            }
+            self.dispatch(&mut state, &mut after);
+            after.depth.map(|p| (p, state.class_len(p)))
+        };
+        after.run(self, depth);
+    }
+
+    /// A slot may have come free: every blocked group tries again, in fair order.
+    fn slot_freed(self: &Arc<Self>) {
+        let mut after = AfterUnlock::default();
+        let depth = {
+            let mut state = self.lock();
+            for group in &mut state.groups {
+                if let Some(gate) = group.gate.as_mut() {
+                    gate.blocked = false;
+                }
+            }
+            self.dispatch(&mut state, &mut after);
+            after.depth.map(|p| (p, state.class_len(p)))
+        };
+        after.run(self, depth);
+    }
+
+    /// A permit came back: its request, if the scheduler counted it (`tenant`), is no longer
+    /// in flight; its slot, if it held one, is free; hand the place to the next request in
+    /// fair order, if one waits.
+    fn release(
+        self: &Arc<Self>,
+        group: usize,
+        class: Priority,
+        tenant: Option<&TenantId>,
+        lease: Option<SlotLease>,
+    ) {
+        let mut after = AfterUnlock::default();
+        let depth = {
+            let mut state = self.lock();
+            state.in_flight = state.in_flight.saturating_sub(1);
+            if let Some(tenant) = tenant {
+                state.groups[group].scheduler.complete(class, tenant);
+            }
+            if lease.is_some() {
+                // The slot is given back before the next dispatch tries to take one.
+                drop(lease);
+                for group in &mut state.groups {
+                    if let Some(gate) = group.gate.as_mut() {
+                        gate.blocked = false;
+                    }
+                }
+            }
+            self.dispatch(&mut state, &mut after);
+            after.depth.map(|p| (p, state.class_len(p)))
+        };
+        after.run(self, depth);
     }
 
     pub(super) fn settle(&self, job: &Job, actual: u64) {
         let (class, _, estimated) = self.classify(job);
-        self.lock()
+        let mut state = self.lock();
+        let group = self
+            .store
+            .slot_policy()
+            .and_then(|policy| state.by_tier.get(&policy.limit(job.tier_name()).0).copied())
+            .unwrap_or(0);
+        state.groups[group]
             .scheduler
             .settle(class, job.tenant(), estimated, actual);
     }
@@ -285,7 +683,7 @@ impl fmt::Debug for Shared {
         f.debug_struct("DrrFairnessState")
             .field("max_in_flight", &self.max_in_flight)
             .field("in_flight", &state.in_flight)
-            .field("queued", &state.scheduler.len())
+            .field("queued", &state.len())
             .field("store", &self.store)
             .finish()
     }
@@ -293,65 +691,185 @@ impl fmt::Debug for Shared {
 
 /// One of the layer's `max_in_flight` places, held by a dispatched request until its
 /// response completes — for an `http::Response`, until its body ends, fails or is dropped
-/// (it travels inside [`GuardedBody`](crate::body::GuardedBody)).
+/// (it travels inside [`GuardedBody`](crate::body::GuardedBody)). When the store's slot
+/// policy gates the request, the permit also holds its slot (see [`crate::admission`]).
 ///
-/// Dropping it hands the place to the next waiting request in fair order. It cannot be
-/// created outside the crate.
+/// Dropping it gives both back and hands the place to the next waiting request in fair
+/// order. It cannot be created outside the crate.
 pub struct Permit {
     shared: Arc<Shared>,
+    group: usize,
     class: Priority,
     /// The tenant the scheduler counts this request in flight for, to report its completion.
     charged: Option<TenantId>,
+    slot: Option<SlotLease>,
+}
+
+impl Permit {
+    fn new(
+        shared: Arc<Shared>,
+        group: usize,
+        class: Priority,
+        charged: Option<TenantId>,
+        slot: Option<SlotLease>,
+        arrived: Instant,
+    ) -> Self {
+        if let Some(lease) = &slot {
+            crate::metrics::slot_taken(lease.tier(), lease.is_fallback());
+            crate::metrics::slot_wait(lease.tier(), arrived.elapsed());
+        }
+        Permit {
+            shared,
+            group,
+            class,
+            charged,
+            slot,
+        }
+    }
+
+    /// Whether the permit holds the request's slot too.
+    pub fn holds_slot(&self) -> bool {
+        self.slot.is_some()
+    }
 }
 
 impl Drop for Permit {
     fn drop(&mut self) {
-        self.shared.release(self.class, self.charged.as_ref());
+        let slot = self.slot.take();
+        if let Some(lease) = &slot {
+            crate::metrics::slot_given_back(lease.tier());
+        }
+        self.shared
+            .release(self.group, self.class, self.charged.as_ref(), slot);
     }
 }
 
 impl fmt::Debug for Permit {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Permit").finish_non_exhaustive()
+        f.debug_struct("Permit")
+            .field("slot", &self.slot)
+            .finish_non_exhaustive()
     }
 }
 
 /// A request's place in the queue. Dropped while waiting, it leaves the queue; dropped
-/// after it was dispatched but before it noticed, it gives the permit back.
+/// after it was dispatched but before it noticed, it gives the permit (and slot) back.
 pub(super) struct Ticket {
     shared: Option<Arc<Shared>>,
     key: Key,
+    id: u64,
+    group: usize,
     class: Priority,
     tenant: TenantId,
+    arrived: Instant,
+    /// The tier a slot gates the request by, and its limit: its max wait counts from
+    /// `arrived`, and past it the request fails with `Busy`.
+    patience: Option<(Tier, TierLimit)>,
+    timer: Option<Pin<Box<Sleep>>>,
+    slow_warned: bool,
 }
 
 impl Ticket {
-    /// `Ready` with the permit once the request's turn came; `Pending` with the waker
-    /// registered otherwise.
-    pub(super) fn poll_turn(&mut self, cx: &mut Context<'_>) -> Poll<Permit> {
-        let Some(shared) = &self.shared else {
+    /// `Ready` with the permit once the request's turn came, or with `Busy` once its tier's
+    /// max wait has passed; `Pending` with the waker (and the timer) registered otherwise.
+    pub(super) fn poll_turn(&mut self, cx: &mut Context<'_>) -> Poll<Result<Permit, Busy>> {
+        let Some(shared) = self.shared.clone() else {
             // Turned into a permit already; the future's state machine never polls again.
             panic!("DrrFairness ticket polled after completion");
         };
-        {
+        let expired = self.poll_timer(cx, &shared);
+        let busy = {
             let mut state = shared.lock();
-            if let Some(waiter) = state.scheduler.get_mut(self.key) {
-                match &mut waiter.waker {
-                    Some(waker) if waker.will_wake(cx.waker()) => {}
-                    slot => *slot = Some(cx.waker().clone()),
+            if let Some(waiter) = state.groups[self.group].scheduler.get_mut(self.key) {
+                if !expired {
+                    match &mut waiter.waker {
+                        Some(waker) if waker.will_wake(cx.waker()) => {}
+                        slot => *slot = Some(cx.waker().clone()),
+                    }
+                    return Poll::Pending;
                 }
-                return Poll::Pending;
+                state.groups[self.group].scheduler.remove(self.key);
+                Some(state.class_len(self.class))
+            } else {
+                None
             }
+        };
+        if let Some(depth) = busy {
+            // Its max wait passed while it waited: out of the queue, `Busy`.
+            self.shared = None;
+            AfterUnlock::default().run(&shared, Some((self.class, depth)));
+            let (tier, _) = self.patience.clone().unwrap_or_else(|| {
+                (
+                    Tier::new(""),
+                    TierLimit {
+                        cap: 0,
+                        max_wait: Duration::ZERO,
+                    },
+                )
+            });
+            crate::metrics::server_busy(&tier);
+            let retry_after = shared
+                .store
+                .slot_policy()
+                .map_or(Duration::from_secs(5), |p| p.retry_after());
+            return Poll::Ready(Err(Busy::new(tier, self.arrived.elapsed(), retry_after)));
         }
         // Only this ticket removes its own entry, so a missing entry was popped: the
-        // releasing side already counted the permit for us.
-        match self.shared.take() {
-            Some(shared) => Poll::Ready(Permit {
-                shared,
-                class: self.class,
-                charged: Some(self.tenant.clone()),
-            }),
-            None => Poll::Pending,
+        // releasing side already counted the permit (and took the slot) for us.
+        let slot = shared.lock().handed.remove(&self.id);
+        self.shared = None;
+        Poll::Ready(Ok(Permit::new(
+            shared,
+            self.group,
+            self.class,
+            Some(self.tenant.clone()),
+            slot,
+            self.arrived,
+        )))
+    }
+
+    /// Arms (and polls) the timer of a slot-gated wait: `queue.slow_wait` at the policy's
+    /// mark, then the max wait. True once the max wait has passed. A timer firing never
+    /// moves the request in the queue.
+    fn poll_timer(&mut self, cx: &mut Context<'_>, shared: &Shared) -> bool {
+        let Some((tier, limit)) = &self.patience else {
+            return false;
+        };
+        let deadline = crate::time::after(self.arrived, limit.max_wait);
+        let slow_at = shared
+            .store
+            .slot_policy()
+            .map(|p| crate::time::after(self.arrived, p.slow_wait));
+        loop {
+            let now = Instant::now();
+            if now >= deadline {
+                return true;
+            }
+            if !self.slow_warned
+                && let Some(at) = slow_at
+                && now >= at
+            {
+                self.slow_warned = true;
+                tracing::warn!(
+                    name: "queue.slow_wait",
+                    tier = %tier,
+                    waited_secs = now.saturating_duration_since(self.arrived).as_secs_f64(),
+                    "request still waiting for a slot"
+                );
+            }
+            let wake = match slow_at.filter(|_| !self.slow_warned) {
+                Some(at) => at.min(deadline),
+                None => deadline,
+            };
+            let timer = self
+                .timer
+                .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(wake)));
+            if timer.deadline() != wake {
+                timer.as_mut().reset(wake);
+            }
+            if timer.as_mut().poll(cx).is_pending() {
+                return false;
+            }
         }
     }
 }
@@ -363,19 +881,18 @@ impl Drop for Ticket {
         };
         let left_queue = {
             let mut state = shared.lock();
-            state
+            state.groups[self.group]
                 .scheduler
                 .remove(self.key)
-                .map(|_| state.scheduler.class_len(self.class))
+                .map(|_| state.class_len(self.class))
         };
         match left_queue {
-            Some(depth) => AfterUnlock {
-                depth: Some((self.class, depth)),
-                ..AfterUnlock::default()
+            Some(depth) => AfterUnlock::default().run(&shared, Some((self.class, depth))),
+            // Dispatched but never claimed: the permit (and slot) are ours to give back.
+            None => {
+                let slot = shared.lock().handed.remove(&self.id);
+                shared.release(self.group, self.class, Some(&self.tenant), slot);
             }
-            .run(&shared.store),
-            // Dispatched but never claimed: the permit is ours to give back.
-            None => shared.release(self.class, Some(&self.tenant)),
         }
     }
 }

@@ -1,7 +1,6 @@
 use std::fmt;
 use std::task::{Context, Poll};
 
-use tokio::time::Instant;
 use tower_service::Service;
 
 use super::future::ResponseFuture;
@@ -70,10 +69,11 @@ where
     }
 
     fn call(&mut self, mut req: Req) -> Self::Future {
-        let started = Instant::now();
         let Some(job) = req.job_mut() else {
             return ResponseFuture::missing_job();
         };
+        // The outermost layer: every wait below counts from here.
+        let started = job.arrival();
         let shared = &self.shared;
         let by_rule = shared.rule.classify(job);
         // Checked before this job's tokens count, the same on every store: the job that

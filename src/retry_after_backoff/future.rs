@@ -19,9 +19,9 @@ use super::decide::{self, Verdict};
 use super::layer::{Probe, Shared};
 use super::request::CloneRequest;
 use super::telemetry;
-use crate::TenantId;
 use crate::error::{BoxError, MissingJob};
 use crate::store::StoreFuture;
+use crate::{JobRequest, TenantId};
 
 pin_project! {
     /// Response future of [`RetryAfterBackoff`](crate::RetryAfterBackoff): waits for the
@@ -258,6 +258,7 @@ where
     E: Into<BoxError>,
     B: Body,
     C: CloneRequest<Req>,
+    Req: JobRequest,
 {
     type Output = Result<http::Response<ResponseBody<B>>, BoxError>;
 
@@ -415,6 +416,11 @@ where
                         Some(Then::Retry(delay)) => {
                             call.retries += 1;
                             call.next = call.spare.take();
+                            // A retry is a new attempt: the layers below count its waits
+                            // (a tier's max wait) from now, and it takes its own slot.
+                            if let Some(job) = call.next.as_mut().and_then(|r| r.job_mut()) {
+                                job.restamp();
+                            }
                             call.spare = call
                                 .next
                                 .as_ref()

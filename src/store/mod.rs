@@ -43,10 +43,11 @@ mod slots;
 use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
+use crate::admission::SlotPolicy;
 use crate::error::ConfigError;
 use crate::priority_classify::DemotionPolicy;
 use crate::{TenantId, Tier};
@@ -162,6 +163,9 @@ impl<T> fmt::Debug for StoreFuture<T> {
 #[derive(Clone)]
 pub struct Store {
     backend: Arc<Backend>,
+    /// The caps of the fleet, registered by the first `TierSlotLimitLayer` built on this
+    /// store; read by `DrrFairness` to dispatch only requests whose slot it can take.
+    slot_policy: Arc<OnceLock<SlotPolicy>>,
 }
 
 // Lives behind the store's one `Arc`, so the size of a variant costs nothing per clone.
@@ -268,7 +272,25 @@ impl Store {
     fn from_backend(backend: Backend) -> Store {
         Store {
             backend: Arc::new(backend),
+            slot_policy: Arc::new(OnceLock::new()),
         }
+    }
+
+    /// Registers the caps every layer on this store shares (see [`crate::admission`]): the
+    /// first policy registered stays; a different one later is logged and not shared.
+    pub(crate) fn register_slot_policy(&self, policy: &SlotPolicy) {
+        let shared = self.slot_policy.get_or_init(|| policy.clone());
+        if !std::ptr::eq(shared, policy) && shared != policy {
+            tracing::warn!(
+                name: "slots.policy_conflict",
+                "a second, different slot policy on one store: the first one is shared"
+            );
+        }
+    }
+
+    /// The caps registered on this store, if a slot layer was built on it.
+    pub(crate) fn slot_policy(&self) -> Option<&SlotPolicy> {
+        self.slot_policy.get()
     }
 
     /// `"memory"` or `"redis"`.

@@ -21,7 +21,13 @@ pub struct TierSlotLimitLayer {
 impl TierSlotLimitLayer {
     /// Limits with `policy` ([`SlotPolicy::default`] for the reference's caps), counting slots
     /// in `store`.
+    ///
+    /// The policy is registered with the store (the first one registered on a store is the
+    /// one shared): a [`DrrFairness`](crate::DrrFairness) on the same store then takes each
+    /// request's slot when it dispatches it, so requests of a full tier wait in the fair
+    /// queue without holding its window. See [`crate::admission`].
     pub fn new(store: Store, policy: SlotPolicy) -> Self {
+        store.register_slot_policy(&policy);
         TierSlotLimitLayer {
             shared: Arc::new(Shared::new(store, policy)),
         }

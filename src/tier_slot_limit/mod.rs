@@ -48,15 +48,12 @@
 //! # }
 //! ```
 
-mod error;
 pub mod future;
 mod layer;
-mod policy;
 mod service;
 mod wait;
 
-pub use self::error::Busy;
 pub use self::layer::TierSlotLimitLayer;
-pub use self::policy::{SlotPolicy, SlotPolicyBuilder, TierLimit};
 pub use self::service::TierSlotLimit;
 pub use self::wait::SlotPermit;
+pub use crate::admission::{Busy, SlotPolicy, SlotPolicyBuilder, TierLimit};

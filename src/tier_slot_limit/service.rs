@@ -2,7 +2,6 @@ use std::fmt;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
-use tokio::time::Instant;
 use tower_service::Service;
 
 use super::future::ResponseFuture;
@@ -71,14 +70,20 @@ where
         Poll::Ready(Ok(()))
     }
 
-    fn call(&mut self, req: Req) -> Self::Future {
-        let started = Instant::now();
-        let Some(job) = req.job() else {
+    fn call(&mut self, mut req: Req) -> Self::Future {
+        let Some(job) = req.job_mut() else {
             return ResponseFuture::missing_job();
         };
         let shared = &self.shared;
+        let started = job.arrival();
+        let held_above = job.slot_held();
+        job.mark_slot_held();
         let (tier, limit, state) = shared.resolve(job.tier_name());
         let inner = self.inner.clone();
+        if held_above {
+            // An outer layer (DrrFairness on the same store) took this request's slot.
+            return ResponseFuture::acquired(SlotPermit::held_above(tier), inner, req);
+        }
 
         // Fast path: nobody of this tier waits here and the store answers at once (memory).
         // On Redis the acquire is a round trip not yet begun: it becomes the wait's first try.

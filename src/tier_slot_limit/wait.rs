@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
-use tokio::time::{Instant, sleep_until, timeout_at};
+use tokio::time::{Instant, sleep_until};
 
 use super::{Busy, SlotPolicy, TierLimit};
 use crate::rng::Rng;
@@ -100,11 +100,7 @@ impl Shared {
     }
 
     pub(super) fn limits(&self, limit: TierLimit) -> SlotLimits {
-        SlotLimits {
-            global: self.policy.global_max,
-            tier: limit.cap,
-            lease_ttl: self.policy.lease_ttl,
-        }
+        self.policy.limits(limit)
     }
 
     pub(super) fn busy(&self, tier: Tier, started: Instant) -> Busy {
@@ -135,8 +131,15 @@ impl Shared {
 /// A held slot plus the bookkeeping of this layer: the hold-time average and the gauge.
 ///
 /// Moved into an `http::Response`'s body (see [`GuardResponse`](crate::body::GuardResponse)),
-/// so a streaming answer keeps its slot until the body ends, fails or is dropped.
+/// so a streaming answer keeps its slot until the body ends, fails or is dropped. A request
+/// whose slot an outer layer already holds (see [`crate::admission`]) passes with an empty
+/// permit: the slot is given back by the layer that took it.
 pub struct SlotPermit {
+    tier: Tier,
+    held: Option<Held>,
+}
+
+struct Held {
     lease: SlotLease,
     state: Arc<TierState>,
     acquired: Instant,
@@ -146,43 +149,64 @@ impl SlotPermit {
     pub(super) fn new(lease: SlotLease, state: Arc<TierState>) -> Self {
         metrics::slot_taken(lease.tier(), lease.is_fallback());
         SlotPermit {
-            lease,
-            state,
-            acquired: Instant::now(),
+            tier: lease.tier().clone(),
+            held: Some(Held {
+                lease,
+                state,
+                acquired: Instant::now(),
+            }),
         }
+    }
+
+    /// The slot is held by a layer outside this one.
+    pub(super) fn held_above(tier: Tier) -> Self {
+        SlotPermit { tier, held: None }
     }
 
     /// The tier the slot counts against.
     pub fn tier(&self) -> &Tier {
-        self.lease.tier()
+        &self.tier
+    }
+
+    /// Whether this permit holds the slot itself (`false`: an outer layer holds it).
+    pub fn is_holding(&self) -> bool {
+        self.held.is_some()
     }
 }
 
 impl Drop for SlotPermit {
     fn drop(&mut self) {
-        let held = self.acquired.elapsed().as_nanos().min(u128::from(u64::MAX)) as u64;
+        let Some(held) = &self.held else {
+            return;
+        };
+        let hold = held.acquired.elapsed().as_nanos().min(u128::from(u64::MAX)) as u64;
         // An exponential moving average with weight 1/8: cheap, and follows a shift within
         // a few dozen calls.
-        let _ = self
+        let _ = held
             .state
             .avg_hold_ns
             .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |avg| {
                 Some(if avg == 0 {
-                    held
+                    hold
                 } else {
-                    avg - avg / 8 + held / 8
+                    avg - avg / 8 + hold / 8
                 })
             });
-        metrics::slot_given_back(self.lease.tier());
+        metrics::slot_given_back(held.lease.tier());
     }
 }
 
 impl fmt::Debug for SlotPermit {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("SlotPermit")
-            .field("lease", &self.lease)
-            .field("held_for", &self.acquired.elapsed())
-            .finish()
+        let mut debug = f.debug_struct("SlotPermit");
+        debug.field("tier", &self.tier);
+        match &self.held {
+            Some(held) => debug
+                .field("lease", &held.lease)
+                .field("held_for", &held.acquired.elapsed()),
+            None => debug.field("held_above", &true),
+        };
+        debug.finish()
     }
 }
 
@@ -229,18 +253,29 @@ pub(super) async fn wait_for_slot(
 
     let _turn = match turn {
         Some(turn) => turn,
-        None => loop {
-            let wake = slow.next().map_or(deadline, |at| deadline.min(at));
-            match timeout_at(wake, state.turnstile.clone().acquire_owned()).await {
-                Ok(Ok(turn)) => break turn,
-                // Never closed; treat as a timeout rather than panic.
-                Ok(Err(_)) => return Err(shared.busy(tier.clone(), started)),
-                Err(_) if Instant::now() >= deadline => {
-                    return Err(shared.busy(tier.clone(), started));
+        None => {
+            // One acquire for the whole wait: the slow-wait warning wakes this loop, and
+            // must not cost the waiter its place in the turnstile's queue.
+            let acquire = state.turnstile.clone().acquire_owned();
+            tokio::pin!(acquire);
+            loop {
+                let wake = slow.next().map_or(deadline, |at| deadline.min(at));
+                tokio::select! {
+                    biased;
+                    turn = &mut acquire => match turn {
+                        Ok(turn) => break turn,
+                        // Never closed; treat as a timeout rather than panic.
+                        Err(_) => return Err(shared.busy(tier.clone(), started)),
+                    },
+                    _ = sleep_until(wake) => {
+                        if Instant::now() >= deadline {
+                            return Err(shared.busy(tier.clone(), started));
+                        }
+                        slow.check(&tier);
+                    }
                 }
-                Err(_) => slow.check(&tier),
             }
-        },
+        }
     };
 
     let limits = shared.limits(limit);

@@ -3,6 +3,7 @@ use std::time::Duration;
 
 use crate::Tier;
 use crate::error::ConfigError;
+use crate::store::SlotLimits;
 
 /// The cap and the patience of one tier.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -34,17 +35,17 @@ pub struct TierLimit {
 /// assert!(SlotPolicy::builder().global_max(0).build().is_err());
 /// # Ok::<(), fairgate::ConfigError>(())
 /// ```
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct SlotPolicy {
-    pub(super) global_max: u32,
-    pub(super) tiers: HashMap<Tier, TierLimit>,
-    pub(super) default_tier: Tier,
-    pub(super) slow_wait: Duration,
-    pub(super) retry_after: Duration,
-    pub(super) lease_ttl: Duration,
-    pub(super) poll_interval: Duration,
-    pub(super) early_reject: bool,
-    pub(super) seed: Option<u64>,
+    pub(crate) global_max: u32,
+    pub(crate) tiers: HashMap<Tier, TierLimit>,
+    pub(crate) default_tier: Tier,
+    pub(crate) slow_wait: Duration,
+    pub(crate) retry_after: Duration,
+    pub(crate) lease_ttl: Duration,
+    pub(crate) poll_interval: Duration,
+    pub(crate) early_reject: bool,
+    pub(crate) seed: Option<u64>,
 }
 
 impl Default for SlotPolicy {
@@ -112,6 +113,15 @@ impl SlotPolicy {
     /// How long a Redis lease lives without a heartbeat.
     pub fn lease_ttl(&self) -> Duration {
         self.lease_ttl
+    }
+
+    /// The caps an acquire for a tier of `limit` is checked against.
+    pub(crate) fn limits(&self, limit: TierLimit) -> SlotLimits {
+        SlotLimits {
+            global: self.global_max,
+            tier: limit.cap,
+            lease_ttl: self.lease_ttl,
+        }
     }
 }
 

@@ -1,4 +1,4 @@
-//! The error of [`TierSlotLimit`](crate::TierSlotLimit).
+//! The answer of a request that got no slot in time.
 
 use std::fmt;
 use std::time::Duration;
