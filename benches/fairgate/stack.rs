@@ -1,5 +1,5 @@
 //! The whole recommended stack against the tower baseline doing less: one request through
-//! PriorityClassify + DrrFairness + TierSlotLimit + RetryAfterBackoff (memory store) vs
+//! PriorityClassify + RetryAfterBackoff + DrrFairness + TierSlotLimit (memory store) vs
 //! `ConcurrencyLimit` + `Retry` with an equivalent retry policy.
 
 use criterion::{BenchmarkId, Criterion, Throughput};
@@ -32,12 +32,12 @@ pub(crate) fn bench(c: &mut Criterion) {
     let store = Store::memory();
     let fairgate = ServiceBuilder::new()
         .layer(PriorityClassifyLayer::new(store.clone()))
-        .layer(DrrFairnessLayer::new(store.clone(), 32))
-        .layer(TierSlotLimitLayer::new(
+        .layer(RetryAfterBackoffLayer::new(
             store.clone(),
-            SlotPolicy::default(),
+            BackoffPolicy::default(),
         ))
-        .layer(RetryAfterBackoffLayer::new(store, BackoffPolicy::default()))
+        .layer(DrrFairnessLayer::new(store.clone(), 32))
+        .layer(TierSlotLimitLayer::new(store, SlotPolicy::default()))
         .service(upstream());
     group.bench_function(BenchmarkId::new("fairgate", "memory"), |b| {
         b.to_async(&rt).iter(|| drive(&fairgate, 1));
