@@ -163,6 +163,16 @@ impl<V> SweptTable<V> {
         Swept { removed, wrapped }
     }
 
+    /// Sweeps the whole table now: O(entries), for callers that keep it small.
+    pub(crate) fn sweep_all(&mut self, keep: impl FnMut(&TenantId, &mut V) -> bool) -> Swept {
+        self.buckets = usize::MAX;
+        let mut swept = self.sweep(usize::MAX, keep);
+        // A shrink during the sweep left the cursor where it was: nothing is missed, as
+        // the sweep visited every bucket before it.
+        swept.wrapped = true;
+        swept
+    }
+
     /// Shrinks to fit once under a quarter of the capacity is used. Halving at a quarter
     /// (not at a half) leaves room to grow back, so a table at the edge does not
     /// reallocate on every call.
