@@ -1,5 +1,11 @@
 //! The in-process state: the whole store for one worker, and the fallback of the Redis store
 //! while Redis is unreachable.
+//!
+//! Per-tenant state lives in sharded tables swept a few buckets per call (`swept.rs`): no
+//! call does cleanup work the size of all the tenants. The UTC day rolling over is not an
+//! event at all: a tenant's tokens carry their day, yesterday's read as zero, and the sweep
+//! forgets tenants left with nothing over the calls that follow, shrinking the tables as
+//! they empty.
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -10,7 +16,9 @@ use tokio::time::Instant;
 
 use super::Demotion;
 use super::slots::LocalSlots;
-use super::swept::{SHARDS, SWEEP_BUDGET, SweptTable, TenantHasher};
+#[cfg(test)]
+use super::swept::SWEEP_BUDGET;
+use super::swept::{SHARDS, SweptTable, TenantHasher, sweep_shard};
 use crate::TenantId;
 use crate::priority_classify::DemotionPolicy;
 
@@ -71,9 +79,10 @@ pub(crate) struct MemoryState {
     /// holds more than its share of the tenants, so no call waits on work the size of all
     /// the tenants.
     shards: Box<[Mutex<SweptTable<TenantState>>]>,
-    /// The shard the next call sweeps (round robin, so every shard is swept whichever
-    /// tenants the traffic is about).
-    next_sweep: AtomicUsize,
+    /// The shard being swept. Every call sweeps a few buckets of it, whichever tenant the
+    /// call is about, and the sweep moves on when it reached the shard's end (see
+    /// [`sweep_shard`]).
+    sweep_shard: AtomicUsize,
     /// Tenants whose `demoted_until` is set (one whose demotion ran out counts until a call
     /// or the sweep clears it).
     demoted: AtomicUsize,
@@ -102,7 +111,7 @@ impl MemoryState {
                 .unwrap_or_default(),
             hasher: TenantHasher::default(),
             shards: (0..SHARDS).map(|_| Mutex::default()).collect(),
-            next_sweep: AtomicUsize::new(0),
+            sweep_shard: AtomicUsize::new(0),
             demoted: AtomicUsize::new(0),
             gauge_published: AtomicU64::new(0),
             reports_gauges,
@@ -184,8 +193,7 @@ impl MemoryState {
     fn sweep(&self, now: Instant) {
         let today = self.utc_day(now);
         let window = self.throttle_window;
-        let index = self.next_sweep.fetch_add(1, Ordering::Relaxed) % SHARDS;
-        crate::sync::lock(&self.shards[index]).sweep(SWEEP_BUDGET, |_, state| {
+        sweep_shard(&self.shards, &self.sweep_shard, |_, state| {
             state.trim_throttles(now, window);
             self.count_demotion(state.demoted_until.is_some(), state, now);
             !state.is_empty(now, today)

@@ -8,13 +8,15 @@
 
 use std::collections::VecDeque;
 use std::sync::Mutex;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::AtomicUsize;
 use std::time::Duration;
 
 use tokio::time::Instant;
 
 use super::memory::MemoryState;
-use super::swept::{SHARDS, SWEEP_BUDGET, SweptTable, TenantHasher};
+#[cfg(test)]
+use super::swept::SWEEP_BUDGET;
+use super::swept::{SHARDS, SweptTable, TenantHasher, sweep_shard};
 use super::{Backend, Store, StoreFuture};
 use crate::TenantId;
 
@@ -32,8 +34,8 @@ pub(crate) struct ServedCost {
     hasher: TenantHasher,
     /// Per tenant, (second since `started`, cost) oldest first, one entry per second.
     shards: Box<[Mutex<SweptTable<VecDeque<(u64, u64)>>>]>,
-    /// The shard the next `add` sweeps.
-    next_sweep: AtomicUsize,
+    /// The shard being swept (see [`sweep_shard`]).
+    sweep_shard: AtomicUsize,
 }
 
 impl ServedCost {
@@ -42,7 +44,7 @@ impl ServedCost {
             started: Instant::now(),
             hasher: TenantHasher::default(),
             shards: (0..SHARDS).map(|_| Mutex::default()).collect(),
-            next_sweep: AtomicUsize::new(0),
+            sweep_shard: AtomicUsize::new(0),
         }
     }
 
@@ -76,8 +78,7 @@ impl ServedCost {
             Self::trim(buckets, now);
         }
         // A few buckets of one shard: forget tenants with nothing left in the window.
-        let index = self.next_sweep.fetch_add(1, Ordering::Relaxed) % SHARDS;
-        crate::sync::lock(&self.shards[index]).sweep(SWEEP_BUDGET, |_, buckets| {
+        sweep_shard(&self.shards, &self.sweep_shard, |_, buckets| {
             Self::trim(buckets, now);
             !buckets.is_empty()
         });

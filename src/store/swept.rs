@@ -10,10 +10,10 @@
 //! - a table is split into [`SHARDS`] shards by the tenant's hash, so growing one rehashes
 //!   a 1/256th of the tenants (each entry keeps its hash, so a rehash reads it instead of
 //!   hashing the name again);
-//! - each call sweeps at most [`SWEEP_BUDGET`] buckets of one shard, from where the last
-//!   sweep of that shard stopped (a cursor over bucket indices: removing an entry moves no
-//!   other), so no call does more than a bounded amount of cleanup, and every entry is
-//!   visited once per pass whatever the traffic looks like;
+//! - each call sweeps at most [`SWEEP_BUDGET`] buckets of the shard being swept, from
+//!   where the last sweep stopped (a cursor over bucket indices: removing an entry moves no
+//!   other), then the next shard, so no call does more than a bounded amount of cleanup,
+//!   and every entry is visited once per pass whatever tenants the traffic is about;
 //! - a shard whose entries fall under a quarter of its capacity is shrunk to fit.
 //!
 //! The price is that a dead entry lingers until the sweep reaches it: one pass over all the
@@ -21,6 +21,8 @@
 //! reader checks an entry's own expiry, so a lingering entry is memory, never a wrong answer.
 
 use std::hash::{BuildHasher, RandomState};
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use hashbrown::HashTable;
 
@@ -34,6 +36,32 @@ pub(crate) const SWEEP_BUDGET: usize = 64;
 
 /// A table this small is not worth shrinking.
 const MIN_CAPACITY: usize = 16;
+
+/// One call's share of the cleanup of `shards`: at most [`SWEEP_BUDGET`] buckets of the
+/// shard being swept, moving to the next shard when that one's pass is complete.
+///
+/// The shards are swept one after the other, not a few buckets of each in turn, for the
+/// allocator's sake: glibc keeps small freed blocks aside and sorts them all out on the next
+/// large free, which here is a shard shrinking. Swept in turn, every shard would shrink at
+/// about the same moment, after most of the tenants were freed (80 ms for one call after a
+/// million tenants' day ended); swept one by one, a shrink follows one shard's frees.
+pub(crate) fn sweep_shard<V>(
+    shards: &[Mutex<SweptTable<V>>],
+    current: &AtomicUsize,
+    keep: impl FnMut(&TenantId, &mut V) -> bool,
+) {
+    let index = current.load(Ordering::Relaxed) % shards.len();
+    let swept = crate::sync::lock(&shards[index]).sweep(SWEEP_BUDGET, keep);
+    if swept.wrapped {
+        // Once, however many calls found the end at the same time.
+        let _ = current.compare_exchange(
+            index,
+            (index + 1) % shards.len(),
+            Ordering::Relaxed,
+            Ordering::Relaxed,
+        );
+    }
+}
 
 /// Hashes tenant names (seeded per table, so names cannot be chosen to collide).
 #[derive(Debug, Default)]
