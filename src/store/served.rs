@@ -24,6 +24,9 @@ use crate::TenantId;
 /// sees between 59 and 60 s of history).
 pub const SERVED_WINDOW: Duration = Duration::from_secs(60);
 
+/// Per tenant, (second since `started`, cost) oldest first, one entry per second.
+type Buckets = VecDeque<(u64, u64)>;
+
 /// Served cost per tenant, in one-second buckets.
 ///
 /// Sharded and swept a few buckets per call like the tenant state (`swept.rs`), so
@@ -32,8 +35,7 @@ pub const SERVED_WINDOW: Duration = Duration::from_secs(60);
 pub(crate) struct ServedCost {
     started: Instant,
     hasher: TenantHasher,
-    /// Per tenant, (second since `started`, cost) oldest first, one entry per second.
-    shards: Box<[Mutex<SweptTable<VecDeque<(u64, u64)>>>]>,
+    shards: Box<[Mutex<SweptTable<Buckets>>]>,
     /// The shard being swept (see [`sweep_shard`]).
     sweep_shard: AtomicUsize,
 }
@@ -59,7 +61,7 @@ impl ServedCost {
         (now + 1).saturating_sub(SERVED_WINDOW.as_secs())
     }
 
-    fn trim(buckets: &mut VecDeque<(u64, u64)>, now: u64) {
+    fn trim(buckets: &mut Buckets, now: u64) {
         while buckets.front().is_some_and(|&(s, _)| s < Self::oldest(now)) {
             buckets.pop_front();
         }
