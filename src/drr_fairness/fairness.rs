@@ -5,16 +5,26 @@
 //! backlogged then). The index is Jain's over `served / weight` of the tenants that were
 //! backlogged inside the window: a tenant that only ever sent while there was room has
 //! nothing to be treated fairly against, and would drag the index down for no reason.
+//!
+//! The window never costs one dispatch the time of all the tenants: they are kept in the
+//! store's swept shards (`store/swept.rs`), each dispatch sweeps a few buckets of one shard,
+//! forgetting tenants whose buckets all slid out, and adds the tenants it visits up into
+//! Jain's index of the current pass. With up to [`EXACT_UP_TO`] tenants the published index
+//! is computed over all of them at once, exactly; with more, it is that of the last
+//! complete pass (each tenant as it was when the pass visited it), so it lags by one pass.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::time::Duration;
 
 use tokio::time::Instant;
 
-use super::scheduler::jain_index;
 use crate::TenantId;
+use crate::store::swept::{SHARDS, SWEEP_BUDGET, SweptTable, TenantHasher};
 
 const BUCKETS: u32 = 10;
+
+/// Up to this many tenants in the window, the index is computed over all of them at once.
+const EXACT_UP_TO: usize = 4_096;
 
 #[derive(Debug)]
 struct Served {
@@ -23,12 +33,59 @@ struct Served {
     buckets: VecDeque<(u64, u64, bool)>,
 }
 
+impl Served {
+    /// Drops the buckets before `oldest`; whether anything is left.
+    fn trim(&mut self, oldest: u64) -> bool {
+        while self.buckets.front().is_some_and(|&(b, _, _)| b < oldest) {
+            self.buckets.pop_front();
+        }
+        !self.buckets.is_empty()
+    }
+
+    /// `served / weight`, if the tenant was backlogged in the window.
+    fn normalised(&self) -> Option<f64> {
+        let backlogged = self.buckets.iter().any(|&(_, _, q)| q);
+        let cost: u64 = self.buckets.iter().map(|&(_, c, _)| c).sum();
+        backlogged.then(|| cost as f64 / f64::from(self.weight))
+    }
+}
+
+/// Jain's index `(Σx)² / (n·Σx²)`, summed one value at a time (as `jain_index`).
+#[derive(Debug, Default, Clone, Copy)]
+struct Jain {
+    n: f64,
+    sum: f64,
+    squares: f64,
+}
+
+impl Jain {
+    fn add(&mut self, x: f64) {
+        self.n += 1.0;
+        self.sum += x;
+        self.squares += x * x;
+    }
+
+    fn index(&self) -> Option<f64> {
+        if self.n == 0.0 || self.squares == 0.0 {
+            return None;
+        }
+        let index = self.sum * self.sum / (self.n * self.squares);
+        index.is_finite().then_some(index)
+    }
+}
+
 #[derive(Debug)]
 pub(super) struct FairnessWindow {
     started: Instant,
     bucket: Duration,
-    tenants: HashMap<TenantId, Served>,
-    /// The bucket of the last sweep and publish.
+    hasher: TenantHasher,
+    shards: Box<[SweptTable<Served>]>,
+    /// The shard the sweep is in, and the index summed so far in this pass.
+    sweep_shard: usize,
+    pass: Jain,
+    /// The index of the last complete pass.
+    last_pass: Option<f64>,
+    /// The bucket of the last publish.
     last_publish: u64,
     /// The current bucket and when it ends, so a record needs no division.
     current: u64,
@@ -42,7 +99,11 @@ impl FairnessWindow {
         FairnessWindow {
             started,
             bucket,
-            tenants: HashMap::new(),
+            hasher: TenantHasher::default(),
+            shards: (0..SHARDS).map(|_| SweptTable::default()).collect(),
+            sweep_shard: 0,
+            pass: Jain::default(),
+            last_pass: None,
             last_publish: 0,
             current: 0,
             current_end: started + bucket,
@@ -54,8 +115,13 @@ impl FairnessWindow {
         u64::try_from(elapsed / self.bucket.as_nanos()).unwrap_or(u64::MAX)
     }
 
+    /// The oldest bucket inside the window when `bucket` is the current one.
+    fn oldest(bucket: u64) -> u64 {
+        bucket.saturating_sub(u64::from(BUCKETS) - 1)
+    }
+
     /// Records a dispatch. Returns the index to publish when a new bucket started since the
-    /// last publish (at most once per bucket; the sweep is O(tenants in the window)).
+    /// last publish (at most once per bucket).
     pub(super) fn record(
         &mut self,
         tenant: &TenantId,
@@ -73,14 +139,14 @@ impl FairnessWindow {
                 .unwrap_or(now);
         }
         let bucket = self.current;
-        let served = match self.tenants.get_mut(tenant) {
-            Some(served) => served,
-            None => self.tenants.entry(tenant.clone()).or_insert(Served {
+        let hash = self.hasher.hash(tenant);
+        let served =
+            self.shards[TenantHasher::shard(hash)].get_or_insert_with(hash, tenant, || Served {
                 weight,
                 buckets: VecDeque::new(),
-            }),
-        };
+            });
         served.weight = weight.max(1);
+        served.trim(Self::oldest(bucket));
         match served.buckets.back_mut() {
             Some((b, c, q)) if *b == bucket => {
                 *c = c.saturating_add(cost);
@@ -88,6 +154,7 @@ impl FairnessWindow {
             }
             _ => served.buckets.push_back((bucket, cost, queued)),
         }
+        self.sweep_step(bucket);
         if bucket > self.last_publish {
             self.last_publish = bucket;
             Some(self.index_at(bucket))
@@ -96,24 +163,53 @@ impl FairnessWindow {
         }
     }
 
+    /// Sweeps a few buckets of the pass's shard; a pass ends when the last shard wraps.
+    fn sweep_step(&mut self, bucket: u64) {
+        let oldest = Self::oldest(bucket);
+        let pass = &mut self.pass;
+        let swept = self.shards[self.sweep_shard].sweep(SWEEP_BUDGET, |_, served| {
+            let live = served.trim(oldest);
+            if let Some(x) = served.normalised().filter(|_| live) {
+                pass.add(x);
+            }
+            live
+        });
+        if swept.wrapped {
+            self.sweep_shard += 1;
+            if self.sweep_shard == SHARDS {
+                self.sweep_shard = 0;
+                self.last_pass = self.pass.index();
+                self.pass = Jain::default();
+            }
+        }
+    }
+
     /// Jain's index now, dropping what slid out of the window.
     pub(super) fn index(&mut self, now: Instant) -> Option<f64> {
         self.index_at(self.bucket_at(now))
     }
 
+    /// Exact over every tenant while they are few; else the last complete pass's.
     fn index_at(&mut self, bucket: u64) -> Option<f64> {
-        let oldest = bucket.saturating_sub(u64::from(BUCKETS) - 1);
-        self.tenants.retain(|_, served| {
-            while served.buckets.front().is_some_and(|&(b, _, _)| b < oldest) {
-                served.buckets.pop_front();
-            }
-            !served.buckets.is_empty()
-        });
-        jain_index(self.tenants.values().filter_map(|served| {
-            let backlogged = served.buckets.iter().any(|&(_, _, q)| q);
-            let cost: u64 = served.buckets.iter().map(|&(_, c, _)| c).sum();
-            backlogged.then(|| cost as f64 / f64::from(served.weight))
-        }))
+        if self.len() > EXACT_UP_TO {
+            return self.last_pass;
+        }
+        let oldest = Self::oldest(bucket);
+        let mut all = Jain::default();
+        for shard in self.shards.iter_mut() {
+            shard.sweep_all(|_, served| {
+                let live = served.trim(oldest);
+                if let Some(x) = served.normalised().filter(|_| live) {
+                    all.add(x);
+                }
+                live
+            });
+        }
+        all.index()
+    }
+
+    fn len(&self) -> usize {
+        self.shards.iter().map(SweptTable::len).sum()
     }
 }
 
@@ -137,6 +233,62 @@ mod tests {
         // Everything slides out after the window.
         let later = now + Duration::from_secs(11);
         assert_eq!(w.index(later), None);
-        assert!(w.tenants.is_empty());
+        assert_eq!(w.len(), 0);
+    }
+
+    fn capacity(w: &FairnessWindow) -> usize {
+        w.shards.iter().map(SweptTable::capacity).sum()
+    }
+
+    /// Dispatches enough for the sweep to make two passes over every shard.
+    fn sweep_all(w: &mut FairnessWindow, tenant: &TenantId, now: Instant) {
+        let widest = w.shards.iter().map(SweptTable::capacity).max().unwrap_or(0);
+        for _ in 0..2 * SHARDS * (2 * widest / SWEEP_BUDGET + 1) {
+            w.record(tenant, 1, 1, true, now);
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn many_tenants_slide_out_a_few_per_dispatch_and_the_tables_shrink() {
+        let mut w = FairnessWindow::new(Duration::from_secs(10));
+        let now = Instant::now();
+        for i in 0..50_000 {
+            w.record(&TenantId::new(format!("t{i}")), 1, 100, true, now);
+        }
+        let full = capacity(&w);
+        let later = now + Duration::from_secs(11);
+        let one = TenantId::new("one");
+        let mut before = w.len();
+        for _ in 0..SHARDS {
+            w.record(&one, 1, 1, true, later);
+            let after = w.len();
+            assert!(after + SWEEP_BUDGET >= before, "{before} -> {after}");
+            before = after;
+        }
+        assert!(before < 50_000, "the sweep made progress");
+        sweep_all(&mut w, &one, later);
+        assert_eq!(w.len(), 1);
+        assert!(capacity(&w) * 8 < full, "{} of {full}", capacity(&w));
+        assert_eq!(w.index(later), Some(1.0));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn with_many_tenants_the_index_is_that_of_the_last_complete_pass() {
+        let mut w = FairnessWindow::new(Duration::from_secs(10));
+        let now = Instant::now();
+        // 10,000 tenants: half served 100, half 300 (Jain: 400² / (2 * (100² + 300²)) = 0.8).
+        for i in 0..10_000 {
+            let cost = if i % 2 == 0 { 100 } else { 300 };
+            w.record(&TenantId::new(format!("t{i}")), 1, cost, true, now);
+        }
+        assert!(w.len() > EXACT_UP_TO);
+        // Dispatches of a tenant that never waited (not part of the index) drive the passes.
+        let probe = TenantId::new("probe");
+        let widest = w.shards.iter().map(SweptTable::capacity).max().unwrap_or(0);
+        for _ in 0..2 * SHARDS * (2 * widest / SWEEP_BUDGET + 1) {
+            w.record(&probe, 1, 1, false, now);
+        }
+        let index = w.index(now).expect("a pass completed");
+        assert!((index - 0.8).abs() < 1e-9, "{index}");
     }
 }

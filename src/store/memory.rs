@@ -1,7 +1,14 @@
 //! The in-process state: the whole store for one worker, and the fallback of the Redis store
 //! while Redis is unreachable.
+//!
+//! Per-tenant state lives in sharded tables swept a few buckets per call (`swept.rs`): no
+//! call does cleanup work the size of all the tenants. The UTC day rolling over is not an
+//! event at all: a tenant's tokens carry their day, yesterday's read as zero, and the sweep
+//! forgets tenants left with nothing over the calls that follow, shrinking the tables as
+//! they empty.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -9,6 +16,9 @@ use tokio::time::Instant;
 
 use super::Demotion;
 use super::slots::LocalSlots;
+#[cfg(test)]
+use super::swept::SWEEP_BUDGET;
+use super::swept::{SHARDS, SweptTable, TenantHasher, sweep_shard};
 use crate::TenantId;
 use crate::priority_classify::DemotionPolicy;
 
@@ -55,12 +65,6 @@ impl TenantState {
     }
 }
 
-#[derive(Debug)]
-struct Tenants {
-    map: HashMap<TenantId, TenantState>,
-    last_sweep: Instant,
-}
-
 /// Everything the store keeps, in one process.
 #[derive(Debug)]
 pub(crate) struct MemoryState {
@@ -69,7 +73,21 @@ pub(crate) struct MemoryState {
     /// cross midnight.
     started: Instant,
     started_wall: Duration,
-    tenants: Mutex<Tenants>,
+    hasher: TenantHasher,
+    /// Per-tenant state in [`SHARDS`] tables, each swept a few buckets per call
+    /// (see `swept.rs`): no call cleans up more than [`SWEEP_BUDGET`] buckets, and no table
+    /// holds more than its share of the tenants, so no call waits on work the size of all
+    /// the tenants.
+    shards: Box<[Mutex<SweptTable<TenantState>>]>,
+    /// The shard being swept. Every call sweeps a few buckets of it, whichever tenant the
+    /// call is about, and the sweep moves on when it reached the shard's end (see
+    /// [`sweep_shard`]).
+    sweep_shard: AtomicUsize,
+    /// Tenants whose `demoted_until` is set (one whose demotion ran out counts until a call
+    /// or the sweep clears it).
+    demoted: AtomicUsize,
+    /// When `claude_demoted_tenants` was last published, in ms after `started`.
+    gauge_published: AtomicU64,
     /// Whether this state publishes `claude_demoted_tenants` (not when it is a fallback).
     reports_gauges: bool,
     pub(crate) slots: Arc<LocalSlots>,
@@ -91,10 +109,11 @@ impl MemoryState {
             started_wall: SystemTime::now()
                 .duration_since(UNIX_EPOCH)
                 .unwrap_or_default(),
-            tenants: Mutex::new(Tenants {
-                map: HashMap::new(),
-                last_sweep: now,
-            }),
+            hasher: TenantHasher::default(),
+            shards: (0..SHARDS).map(|_| Mutex::default()).collect(),
+            sweep_shard: AtomicUsize::new(0),
+            demoted: AtomicUsize::new(0),
+            gauge_published: AtomicU64::new(0),
             reports_gauges,
             slots: Arc::new(LocalSlots::default()),
             served: super::served::ServedCost::new(),
@@ -108,41 +127,105 @@ impl MemoryState {
         wall.as_secs() / SECONDS_PER_DAY
     }
 
-    /// Runs `f` on the tenant's state, creating it if needed, then sweeps now and then.
+    /// Runs `f` on the tenant's state, creating it if needed, then sweeps a little.
     fn with_tenant<T>(
         &self,
         tenant: &TenantId,
         f: impl FnOnce(&mut TenantState, Instant) -> T,
     ) -> T {
         let now = Instant::now();
-        let mut tenants = crate::sync::lock(&self.tenants);
-        let state = match tenants.map.get_mut(tenant) {
-            Some(state) => state,
-            None => tenants.map.entry(tenant.clone()).or_default(),
+        let hash = self.hasher.hash(tenant);
+        let out = {
+            let mut shard = crate::sync::lock(&self.shards[TenantHasher::shard(hash)]);
+            let state = shard.get_or_insert_with(hash, tenant, TenantState::default);
+            let was_demoted = state.demoted_until.is_some();
+            let out = f(state, now);
+            self.count_demotion(was_demoted, state, now);
+            out
         };
-        let out = f(state, now);
-        if now.saturating_duration_since(tenants.last_sweep) >= Duration::from_secs(1) {
-            self.sweep(&mut tenants, now);
-        }
+        self.sweep(now);
         out
     }
 
-    /// Drops tenants with nothing left to remember; O(tenants) at most once a second.
-    fn sweep(&self, tenants: &mut Tenants, now: Instant) {
+    /// Runs `f` on the tenant's state if it has one (a read never creates an entry).
+    fn read_tenant<T>(
+        &self,
+        tenant: &TenantId,
+        f: impl FnOnce(Option<&mut TenantState>, Instant) -> T,
+    ) -> T {
+        let now = Instant::now();
+        let hash = self.hasher.hash(tenant);
+        let out = {
+            let mut shard = crate::sync::lock(&self.shards[TenantHasher::shard(hash)]);
+            match shard.get_mut(hash, tenant) {
+                Some(state) => {
+                    let was_demoted = state.demoted_until.is_some();
+                    let out = f(Some(&mut *state), now);
+                    self.count_demotion(was_demoted, state, now);
+                    out
+                }
+                None => f(None, now),
+            }
+        };
+        self.sweep(now);
+        out
+    }
+
+    /// Keeps `demoted` equal to the number of tenants with `demoted_until` set, clearing a
+    /// demotion that ran out.
+    fn count_demotion(&self, was_demoted: bool, state: &mut TenantState, now: Instant) {
+        if state.demoted_for(now).is_none() {
+            state.demoted_until = None;
+        }
+        match (was_demoted, state.demoted_until.is_some()) {
+            (false, true) => {
+                self.demoted.fetch_add(1, Ordering::Relaxed);
+            }
+            (true, false) => {
+                self.demoted.fetch_sub(1, Ordering::Relaxed);
+            }
+            _ => {}
+        }
+    }
+
+    /// Sweeps at most [`SWEEP_BUDGET`] buckets of the next shard, dropping tenants with
+    /// nothing left to remember; publishes the demoted gauge at most once a second.
+    fn sweep(&self, now: Instant) {
         let today = self.utc_day(now);
         let window = self.throttle_window;
-        let mut demoted = 0usize;
-        tenants.map.retain(|_, state| {
+        sweep_shard(&self.shards, &self.sweep_shard, |_, state| {
             state.trim_throttles(now, window);
-            if state.demoted_for(now).is_some() {
-                demoted += 1;
-            }
+            self.count_demotion(state.demoted_until.is_some(), state, now);
             !state.is_empty(now, today)
         });
-        tenants.last_sweep = now;
         if self.reports_gauges {
-            crate::metrics::demoted_tenants(demoted);
+            let ms = u64::try_from(now.saturating_duration_since(self.started).as_millis())
+                .unwrap_or(u64::MAX);
+            let last = self.gauge_published.load(Ordering::Relaxed);
+            if ms.saturating_sub(last) >= 1_000
+                && self
+                    .gauge_published
+                    .compare_exchange(last, ms, Ordering::Relaxed, Ordering::Relaxed)
+                    .is_ok()
+            {
+                crate::metrics::demoted_tenants(self.demoted.load(Ordering::Relaxed));
+            }
         }
+    }
+
+    /// Tenants the store holds state for (live or not yet swept).
+    #[cfg(test)]
+    fn tenants(&self) -> usize {
+        self.shards.iter().map(|s| crate::sync::lock(s).len()).sum()
+    }
+
+    /// Total capacity of the per-tenant tables.
+    #[cfg(test)]
+    fn capacity(&self) -> usize {
+        self.shards
+            .iter()
+            .map(|s| crate::sync::lock(s).capacity())
+            .sum()
     }
 
     pub(crate) fn record_throttle(&self, tenant: &TenantId) -> u32 {
@@ -156,9 +239,11 @@ impl MemoryState {
 
     pub(crate) fn throttle_count(&self, tenant: &TenantId) -> u32 {
         let window = self.throttle_window;
-        self.with_tenant(tenant, |state, now| {
-            state.trim_throttles(now, window);
-            u32::try_from(state.throttles.len()).unwrap_or(u32::MAX)
+        self.read_tenant(tenant, |state, now| {
+            state.map_or(0, |state| {
+                state.trim_throttles(now, window);
+                u32::try_from(state.throttles.len()).unwrap_or(u32::MAX)
+            })
         })
     }
 
@@ -178,7 +263,9 @@ impl MemoryState {
     }
 
     pub(crate) fn tokens_today(&self, tenant: &TenantId) -> u64 {
-        self.with_tenant(tenant, |state, now| state.tokens_on(self.utc_day(now)))
+        self.read_tenant(tenant, |state, now| {
+            state.map_or(0, |state| state.tokens_on(self.utc_day(now)))
+        })
     }
 
     pub(crate) fn set_daily_budget(&self, tenant: &TenantId, budget: Option<u64>) {
@@ -186,11 +273,13 @@ impl MemoryState {
     }
 
     pub(crate) fn daily_budget(&self, tenant: &TenantId) -> Option<u64> {
-        self.with_tenant(tenant, |state, _| state.budget)
+        self.read_tenant(tenant, |state, _| state.and_then(|state| state.budget))
     }
 
     pub(crate) fn demoted_for(&self, tenant: &TenantId) -> Option<Duration> {
-        self.with_tenant(tenant, |state, now| state.demoted_for(now))
+        self.read_tenant(tenant, |state, now| {
+            state.and_then(|state| state.demoted_for(now))
+        })
     }
 
     /// The same rule as `scripts/check_demotion.lua`, under one lock.
@@ -228,5 +317,113 @@ impl MemoryState {
             left: policy.demote_for(),
             newly: true,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tenant(i: usize) -> TenantId {
+        TenantId::new(format!("t{i}"))
+    }
+
+    /// Enough calls for every shard's sweep to make two whole passes (a shrink restarts one).
+    fn sweep_all(state: &MemoryState) {
+        let widest = state
+            .shards
+            .iter()
+            .map(|s| crate::sync::lock(s).capacity())
+            .max()
+            .unwrap_or(0);
+        let probe = TenantId::new("probe");
+        for _ in 0..2 * SHARDS * (2 * widest / SWEEP_BUDGET + 1) {
+            state.throttle_count(&probe);
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn expired_state_reads_as_gone_and_is_forgotten_by_the_calls_that_follow() {
+        let state = MemoryState::new(Duration::from_secs(60), false);
+        let policy = DemotionPolicy::default();
+        for i in 0..1_000 {
+            state.record_throttle(&tenant(i));
+        }
+        // t0 is demoted (5 throttles), t1 has a budget, t2 tokens today.
+        for _ in 0..4 {
+            state.record_throttle(&tenant(0));
+        }
+        assert!(state.check_demotion(&tenant(0), &policy).is_demoted());
+        state.set_daily_budget(&tenant(1), Some(10));
+        assert_eq!(state.throttle_count(&tenant(5)), 1);
+
+        tokio::time::advance(Duration::from_secs(61)).await;
+        state.add_tokens(&tenant(2), 100);
+        assert_eq!(state.throttle_count(&tenant(5)), 0, "the window slid on");
+        sweep_all(&state);
+        // t0 (demoted 5 min), t1 (budget), t2 (tokens today) are still live.
+        assert_eq!(state.tenants(), 3);
+        assert!(state.demoted_for(&tenant(0)).is_some());
+        assert_eq!(state.daily_budget(&tenant(1)), Some(10));
+        assert_eq!(state.tokens_today(&tenant(2)), 100);
+        assert_eq!(state.demoted.load(Ordering::Relaxed), 1);
+
+        tokio::time::advance(Duration::from_secs(5 * 60)).await;
+        assert_eq!(state.demoted_for(&tenant(0)), None);
+        assert_eq!(state.demoted.load(Ordering::Relaxed), 0, "counted off");
+        sweep_all(&state);
+        assert_eq!(state.tenants(), 2, "t0's demotion ran out");
+
+        tokio::time::advance(Duration::from_secs(SECONDS_PER_DAY)).await;
+        assert_eq!(state.tokens_today(&tenant(2)), 0, "a new day");
+        sweep_all(&state);
+        assert_eq!(state.tenants(), 1, "only the budget is left");
+        assert_eq!(state.daily_budget(&tenant(1)), Some(10));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_read_never_creates_a_tenant() {
+        let state = MemoryState::new(Duration::from_secs(60), false);
+        for i in 0..100 {
+            state.throttle_count(&tenant(i));
+            state.tokens_today(&tenant(i));
+            state.daily_budget(&tenant(i));
+            state.demoted_for(&tenant(i));
+        }
+        assert_eq!(state.tenants(), 0);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn tables_shrink_after_the_day_rolls_over() {
+        let state = MemoryState::new(Duration::from_secs(60), false);
+        for i in 0..50_000 {
+            state.add_tokens(&tenant(i), 10);
+        }
+        let full = state.capacity();
+        assert!(full >= 50_000);
+        tokio::time::advance(Duration::from_secs(SECONDS_PER_DAY)).await;
+        state.add_tokens(&tenant(7), 10);
+        sweep_all(&state);
+        assert_eq!(state.tenants(), 1);
+        let left = state.capacity();
+        assert!(left * 8 < full, "capacity {left} of {full} left");
+        assert_eq!(state.tokens_today(&tenant(7)), 10);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn no_call_sweeps_more_than_its_budget() {
+        let state = MemoryState::new(Duration::from_secs(60), false);
+        for i in 0..50_000 {
+            state.add_tokens(&tenant(i), 10);
+        }
+        tokio::time::advance(Duration::from_secs(SECONDS_PER_DAY)).await;
+        let mut before = state.tenants();
+        for _ in 0..2 * SHARDS {
+            state.tokens_today(&tenant(0));
+            let now = state.tenants();
+            assert!(before - now <= SWEEP_BUDGET, "{before} -> {now}");
+            before = now;
+        }
+        assert!(before < 50_000, "the sweep made progress");
     }
 }

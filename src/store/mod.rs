@@ -39,6 +39,7 @@ mod pacing;
 mod redis;
 mod served;
 mod slots;
+pub(crate) mod swept;
 
 use std::fmt;
 use std::future::Future;

@@ -2,16 +2,21 @@
 //! tenant (in estimated tokens), so every worker can compute the same fairness index.
 //!
 //! The in-process part: one-second buckets per tenant, at most [`SERVED_WINDOW`] of them,
-//! and a tenant with nothing in the window is forgotten by the sweep. The Redis part lives
+//! and a tenant with nothing in the window is forgotten by the sweep, which each `add` runs
+//! over a few buckets of one shard. The Redis part lives
 //! in `redis/served.rs`.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::sync::Mutex;
+use std::sync::atomic::AtomicUsize;
 use std::time::Duration;
 
 use tokio::time::Instant;
 
 use super::memory::MemoryState;
+#[cfg(test)]
+use super::swept::SWEEP_BUDGET;
+use super::swept::{SHARDS, SweptTable, TenantHasher, sweep_shard};
 use super::{Backend, Store, StoreFuture};
 use crate::TenantId;
 
@@ -19,28 +24,29 @@ use crate::TenantId;
 /// sees between 59 and 60 s of history).
 pub const SERVED_WINDOW: Duration = Duration::from_secs(60);
 
+/// Per tenant, (second since `started`, cost) oldest first, one entry per second.
+type Buckets = VecDeque<(u64, u64)>;
+
 /// Served cost per tenant, in one-second buckets.
+///
+/// Sharded and swept a few buckets per call like the tenant state (`swept.rs`), so
+/// forgetting the tenants that went quiet never costs one call the time of all of them.
 #[derive(Debug)]
 pub(crate) struct ServedCost {
     started: Instant,
-    inner: Mutex<Tenants>,
-}
-
-#[derive(Debug)]
-struct Tenants {
-    /// Per tenant, (second since `started`, cost) oldest first, one entry per second.
-    map: HashMap<TenantId, VecDeque<(u64, u64)>>,
-    last_sweep: u64,
+    hasher: TenantHasher,
+    shards: Box<[Mutex<SweptTable<Buckets>>]>,
+    /// The shard being swept (see [`sweep_shard`]).
+    sweep_shard: AtomicUsize,
 }
 
 impl ServedCost {
     pub(crate) fn new() -> Self {
         ServedCost {
             started: Instant::now(),
-            inner: Mutex::new(Tenants {
-                map: HashMap::new(),
-                last_sweep: 0,
-            }),
+            hasher: TenantHasher::default(),
+            shards: (0..SHARDS).map(|_| Mutex::default()).collect(),
+            sweep_shard: AtomicUsize::new(0),
         }
     }
 
@@ -55,38 +61,47 @@ impl ServedCost {
         (now + 1).saturating_sub(SERVED_WINDOW.as_secs())
     }
 
-    pub(crate) fn add(&self, tenant: &TenantId, cost: u64) {
-        let now = self.second();
-        let mut tenants = crate::sync::lock(&self.inner);
-        let buckets = match tenants.map.get_mut(tenant) {
-            Some(buckets) => buckets,
-            None => tenants.map.entry(tenant.clone()).or_default(),
-        };
-        match buckets.back_mut() {
-            Some((second, total)) if *second == now => *total = total.saturating_add(cost),
-            _ => buckets.push_back((now, cost)),
-        }
+    fn trim(buckets: &mut Buckets, now: u64) {
         while buckets.front().is_some_and(|&(s, _)| s < Self::oldest(now)) {
             buckets.pop_front();
         }
-        if now > tenants.last_sweep {
-            // At most once a second: forget tenants with nothing left in the window.
-            tenants
-                .map
-                .retain(|_, b| b.back().is_some_and(|&(s, _)| s >= Self::oldest(now)));
-            tenants.last_sweep = now;
+    }
+
+    pub(crate) fn add(&self, tenant: &TenantId, cost: u64) {
+        let now = self.second();
+        let hash = self.hasher.hash(tenant);
+        {
+            let mut shard = crate::sync::lock(&self.shards[TenantHasher::shard(hash)]);
+            let buckets = shard.get_or_insert_with(hash, tenant, VecDeque::new);
+            match buckets.back_mut() {
+                Some((second, total)) if *second == now => *total = total.saturating_add(cost),
+                _ => buckets.push_back((now, cost)),
+            }
+            Self::trim(buckets, now);
         }
+        // A few buckets of one shard: forget tenants with nothing left in the window.
+        sweep_shard(&self.shards, &self.sweep_shard, |_, buckets| {
+            Self::trim(buckets, now);
+            !buckets.is_empty()
+        });
     }
 
     pub(crate) fn total(&self, tenant: &TenantId) -> u64 {
         let oldest = Self::oldest(self.second());
-        let tenants = crate::sync::lock(&self.inner);
-        tenants.map.get(tenant).map_or(0, |buckets| {
+        let hash = self.hasher.hash(tenant);
+        let shard = crate::sync::lock(&self.shards[TenantHasher::shard(hash)]);
+        shard.get(hash, tenant).map_or(0, |buckets| {
             buckets
                 .iter()
                 .filter(|&&(s, _)| s >= oldest)
                 .fold(0u64, |sum, &(_, c)| sum.saturating_add(c))
         })
+    }
+
+    /// Tenants with served cost remembered (in the window or not yet swept).
+    #[cfg(test)]
+    fn tenants(&self) -> usize {
+        self.shards.iter().map(|s| crate::sync::lock(s).len()).sum()
     }
 }
 
@@ -145,7 +160,37 @@ mod tests {
         assert_eq!(served.total(&a), 10, "the first 100 slid out after 60 s");
         tokio::time::advance(Duration::from_secs(30)).await;
         assert_eq!(served.total(&a), 0);
-        served.add(&b, 5);
-        assert_eq!(served.inner.lock().unwrap().map.len(), 1, "a was forgotten");
+        assert_eq!(served.tenants(), 2, "not swept yet");
+        // One shard swept per add: after a round of them every shard was.
+        for _ in 0..SHARDS {
+            served.add(&b, 5);
+        }
+        assert_eq!(served.tenants(), 1, "a was forgotten");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn served_tables_shrink_once_their_tenants_went_quiet() {
+        let served = ServedCost::new();
+        for i in 0..50_000 {
+            served.add(&TenantId::new(format!("t{i}")), 1);
+        }
+        let full: usize = served
+            .shards
+            .iter()
+            .map(|s| crate::sync::lock(s).capacity())
+            .sum();
+        tokio::time::advance(SERVED_WINDOW).await;
+        let quiet = TenantId::new("quiet");
+        // Enough adds for every shard's sweep to pass over it twice (a shrink restarts a pass).
+        for _ in 0..2 * SHARDS * (full / SHARDS).div_ceil(SWEEP_BUDGET) + 2 * SHARDS {
+            served.add(&quiet, 1);
+        }
+        assert_eq!(served.tenants(), 1);
+        let left: usize = served
+            .shards
+            .iter()
+            .map(|s| crate::sync::lock(s).capacity())
+            .sum();
+        assert!(left * 8 < full, "capacity {left} of {full} left");
     }
 }
