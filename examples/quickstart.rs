@@ -28,12 +28,12 @@ async fn main() -> Result<(), BoxError> {
         .build()?;
     let claude = ServiceBuilder::new()
         .layer(PriorityClassifyLayer::new(store.clone())) // who goes first
-        .layer(DrrFairnessLayer::new(store.clone(), 32)) // fair order, 32 in flight here
-        .layer(TierSlotLimitLayer::new(store.clone(), slots)) // global + per-tier caps
         .layer(RetryAfterBackoffLayer::new(
             store.clone(),
             BackoffPolicy::default(),
-        )) // 429 hygiene
+        )) // 429 hygiene: waits and retries outside the queue, holding nothing
+        .layer(DrrFairnessLayer::new(store.clone(), 32)) // fair order, 32 in flight here
+        .layer(TierSlotLimitLayer::new(store.clone(), slots)) // global + per-tier caps
         // Stand-in for the HTTP client that calls https://api.anthropic.com/v1/messages:
         // it answers with the job it saw, in the response's extensions; tenant "umbrella"'s
         // first call is refused with a 429 and `retry-after: 2`.

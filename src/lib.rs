@@ -24,10 +24,16 @@
 //! Redis (feature `redis`) when many processes share one budget.
 //!
 //! Features: none by default (the in-memory store); `redis` adds the Redis store; `axum`
-//! turns [`Busy`] into a `503 SERVER_BUSY` response; `full` is both. The order below is the
-//! recommended one (classify first: the others read the priority); every layer also works
-//! alone and in any order. Every clone of a layer shares its limits: wrap the whole client
-//! or router, not each route.
+//! turns [`Busy`] into a `503 SERVER_BUSY` response; `full` is both.
+//!
+//! The order below is the recommended one, and why: classify first (the others read the
+//! priority); the retry layer outside the fair queue, so a call held by a closed cooldown
+//! gate or sleeping before a retry holds no window permit and no slot, and a retry queues
+//! fairly again; the fair queue outside the slot layer, so it dispatches a request only
+//! together with its tier slot and a flood of a full tier never holds the window another
+//! tier needs. Every layer also works alone and in any order; how they cooperate when
+//! stacked (through the [`Store`] and the [`Job`] only) is in [`admission`]. Every clone of a
+//! layer shares its limits: wrap the whole client or router, not each route.
 //!
 //! ```
 //! use fairgate::{
@@ -46,9 +52,9 @@
 //! let store = Store::memory(); // or Store::redis("redis://127.0.0.1/").await? (feature "redis")
 //! let claude = ServiceBuilder::new()
 //!     .layer(PriorityClassifyLayer::new(store.clone())) // who goes first
+//!     .layer(RetryAfterBackoffLayer::new(store.clone(), BackoffPolicy::default())) // 429 hygiene
 //!     .layer(DrrFairnessLayer::new(store.clone(), 32)) // fair order, 32 in flight here
 //!     .layer(TierSlotLimitLayer::new(store.clone(), SlotPolicy::default())) // global + per-tier caps
-//!     .layer(RetryAfterBackoffLayer::new(store.clone(), BackoffPolicy::default())) // 429 hygiene
 //!     .service(http_client);
 //!
 //! let prompt = "Summarise this thread.";

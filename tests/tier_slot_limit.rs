@@ -449,6 +449,36 @@ async fn a_new_arrival_never_barges_past_a_waiter_of_its_tier() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn the_slow_wait_warning_never_costs_a_waiter_its_place() {
+    // free capped at 1, calls of 1 s: A0-A9 at t = 0, B at 10 ms. The 3 s warning fires for
+    // A3-A9 while they wait; each must keep its place in the tier's line.
+    let policy = SlotPolicy::builder()
+        .tier("free", 1, Duration::from_secs(60))
+        .build()
+        .unwrap();
+    let (order, inner) = logging_upstream(Duration::from_secs(1));
+    let service = TierSlotLimitLayer::new(Store::memory(), policy).layer(inner);
+    let free = |tenant: String| Job::new(tenant, Origin::UserAction).tier("free");
+    let mut calls = Vec::new();
+    for i in 0..10 {
+        let call = service.clone().oneshot(request(free(format!("A{i}"))));
+        calls.push(tokio::spawn(call.map(|r| r.map(drop))));
+        tokio::task::yield_now().await; // each takes its place before the next arrives
+    }
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    let b = service.clone().oneshot(request(free("B".to_owned())));
+    calls.push(tokio::spawn(b.map(|r| r.map(drop))));
+    for call in calls {
+        call.await.unwrap().unwrap();
+    }
+    let expected: Vec<String> = (0..10)
+        .map(|i| format!("A{i}"))
+        .chain(["B".into()])
+        .collect();
+    assert_eq!(*order.lock().unwrap(), expected, "B overtook A's waiters");
+}
+
+#[tokio::test(start_paused = true)]
 async fn a_streaming_body_keeps_its_slot_until_it_ends() {
     let policy = SlotPolicy::builder().global_max(1).build().unwrap();
     let inner = service_fn(|_: http::Request<()>| async {

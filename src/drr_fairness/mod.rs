@@ -48,6 +48,28 @@
 //! one refused by an optional queue limit with [`QueueFull`](error::QueueFull) — the
 //! incoming (youngest) request is the one refused.
 //!
+//! # With the store's slot caps: a permit only with a slot
+//! When a [`TierSlotLimitLayer`](crate::TierSlotLimitLayer) was built on the same store,
+//! its caps are the store's ([`crate::admission`]) and this layer dispatches a request only
+//! together with its tier slot. Requests wait in one DRR scheduler per tier; the next
+//! dispatch picks the class by weighted round robin among the classes that have a request
+//! whose tier has room, then the tier by start-time fair queuing (cost served per unit of
+//! the tier's active weight, so tiers share as their tenants' weights say), then the tenant
+//! by DRR, and takes the slot then: at once on the memory store, by one script on Redis
+//! whose answer goes to that tier's next request in fair order. A tier found full waits,
+//! holding no window permit, until a slot comes free (a release here, one announced by
+//! another worker, or the poll of the slot policy). So a flood of a capped tier never delays
+//! another tier, fairness holds inside a full tier (a newcomer goes at its tier's next freed
+//! slot), and a request is dispatched or told [`Busy`](crate::Busy) within its tier's max
+//! wait of its arrival ([`Job::arrived_at`](crate::Job::arrived_at)); `queue.slow_wait` is
+//! logged at the policy's mark. The permit holds the slot and gives both back together; the
+//! `TierSlotLimit` below lets the request through without taking a second slot.
+//!
+//! Sizing the window: with the caps in the store the window no longer decides who goes; it
+//! is this worker's own ceiling on calls in flight. Set it at least to the share of the
+//! global cap this worker should be able to use (the whole global cap for one worker); a
+//! smaller window caps the worker below its share, a larger one costs nothing.
+//!
 //! # Settling real usage
 //! The cost charged at dispatch is the job's estimate. When the real usage is known (the
 //! response's `usage`, or the app's own count), report it through a [`Settler`]: the
