@@ -43,8 +43,11 @@ struct Seen {
 struct Upstream {
     delay: Duration,
     seen: Arc<Mutex<Seen>>,
-    throttle: Arc<dyn Fn(&Job, usize) -> bool + Send + Sync>,
+    throttle: Arc<Throttle>,
 }
+
+/// Which calls (the job, the call's number) are answered 429.
+type Throttle = dyn Fn(&Job, usize) -> bool + Send + Sync;
 
 impl Upstream {
     fn new(delay: Duration) -> Self {
@@ -203,7 +206,6 @@ impl Rig {
 /// What became of one request: when it ended, and whether it was served.
 #[derive(Debug)]
 struct Outcome {
-    tenant: String,
     tier: String,
     sent: Instant,
     ended: Instant,
@@ -226,10 +228,7 @@ fn user(tenant: &str, tier: &str) -> Job {
 
 fn send(stack: &Stack, job: Job) -> JoinHandle<Outcome> {
     let stack = stack.clone();
-    let (tenant, tier) = (
-        job.tenant().to_string(),
-        job.tier_name().map_or("", |t| t.as_str()).to_owned(),
-    );
+    let tier = job.tier_name().map_or("", |t| t.as_str()).to_owned();
     let mut req = http::Request::new(String::new());
     req.extensions_mut().insert(job);
     tokio::spawn(async move {
@@ -239,7 +238,6 @@ fn send(stack: &Stack, job: Job) -> JoinHandle<Outcome> {
             e.to_string()
         });
         Outcome {
-            tenant,
             tier,
             sent,
             ended: Instant::now(),
