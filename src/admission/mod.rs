@@ -25,10 +25,15 @@
 //!   retry, has given its permit and its slot back; the retry goes through the fair queue
 //!   again (charged its estimate again, as any call) and takes a slot again.
 //!
-//! Each layer still works alone and in any order.
+//! Each layer still works alone and in any order. What the layers and the store both read
+//! lives here, so neither imports the other: the slot caps ([`SlotPolicy`]), the answer of a
+//! request that got no slot in time ([`Busy`]), and the thresholds of demotion
+//! ([`DemotionPolicy`], read by the store's atomic check-and-demote).
 
 mod busy;
+mod demotion;
 mod policy;
 
 pub use self::busy::Busy;
+pub use self::demotion::{DemotionPolicy, DemotionPolicyBuilder};
 pub use self::policy::{SlotPolicy, SlotPolicyBuilder, TierLimit};

@@ -40,13 +40,12 @@
 //! # }
 //! ```
 
-mod demotion;
 pub mod future;
 mod layer;
 mod rule;
 mod service;
 
-pub use self::demotion::{DemotionPolicy, DemotionPolicyBuilder};
 pub use self::layer::PriorityClassifyLayer;
 pub use self::rule::{ClassifyRule, DefaultRule};
 pub use self::service::PriorityClassify;
+pub use crate::admission::{DemotionPolicy, DemotionPolicyBuilder};

@@ -20,7 +20,7 @@ use super::slots::LocalSlots;
 use super::swept::SWEEP_BUDGET;
 use super::swept::{SHARDS, SweptTable, TenantHasher, sweep_shard};
 use crate::TenantId;
-use crate::priority_classify::DemotionPolicy;
+use crate::admission::DemotionPolicy;
 
 const SECONDS_PER_DAY: u64 = 86_400;
 

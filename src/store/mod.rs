@@ -48,9 +48,9 @@ use std::sync::{Arc, OnceLock};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
+use crate::admission::DemotionPolicy;
 use crate::admission::SlotPolicy;
 use crate::error::ConfigError;
-use crate::priority_classify::DemotionPolicy;
 use crate::{TenantId, Tier};
 
 use memory::MemoryState;
