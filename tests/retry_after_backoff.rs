@@ -340,6 +340,96 @@ async fn no_usable_retry_after_falls_back_to_jittered_exponential_backoff() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn a_zero_or_past_retry_after_falls_back_to_the_sdk_backoff_and_leaves_the_gate_open() {
+    const DATE: &str = "Sun, 06 Nov 1994 08:49:37 GMT";
+    let past = httpdate::fmt_http_date(SystemTime::now() - Duration::from_secs(3600));
+    let cases: Vec<(&str, Vec<(&'static str, String)>)> = vec![
+        ("retry-after: 0", vec![("retry-after", "0".into())]),
+        ("retry-after-ms: 0", vec![("retry-after-ms", "0".into())]),
+        (
+            "a date before Date",
+            vec![
+                ("date", DATE.into()),
+                ("retry-after", "Sun, 06 Nov 1994 08:49:30 GMT".into()),
+            ],
+        ),
+        ("a date in the past, no Date", vec![("retry-after", past)]),
+    ];
+    for (name, headers) in cases {
+        let store = Store::memory();
+        let throttled = headers.clone();
+        let mock = Mock::new(move |_, n| match n {
+            0..=2 => {
+                let pairs: Vec<(&str, &str)> =
+                    throttled.iter().map(|(k, v)| (*k, v.as_str())).collect();
+                status(429, &pairs, "")
+            }
+            _ => ok(),
+        });
+        let layer = RetryAfterBackoffLayer::new(store.clone(), policy().build().unwrap());
+        let service = layer.layer(mock.service());
+        let call = tokio::spawn(service.oneshot(request(job("t"))));
+        // Right after the first 429: nobody else is held back by a zero delay.
+        tokio::time::sleep(Duration::from_millis(1)).await;
+        assert_eq!(mock.attempts(), 1, "{name}: retried at once");
+        assert_eq!(store.cooldown("default"), None, "{name}: gate closed");
+        assert_eq!(call.await.unwrap().unwrap().status(), 200, "{name}");
+        // The SDK's jittered exponential backoff: 0.5 s, 1 s, 2 s, minus up to 25%.
+        let t = mock.times();
+        for (i, cap_ms) in [500u64, 1000, 2000].into_iter().enumerate() {
+            let waited = t[i + 1] - t[i];
+            let cap = Duration::from_millis(cap_ms);
+            assert!(
+                waited >= cap * 3 / 4 && waited <= cap,
+                "{name}: retry {i} after {waited:?}"
+            );
+        }
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn every_overflowing_retry_after_returns_at_once_with_the_gate_closed_for_the_maximum() {
+    let huge: &[(&str, &str)] = &[
+        ("retry-after", "99999999"),
+        ("retry-after", "18446744073709551615"),
+        ("retry-after", "18446744073709551616"),
+        ("retry-after", "18446744073709551616.5"),
+        ("retry-after", "1000000000000000000000000000000000000000000"),
+        ("retry-after-ms", "18446744073709551616000"),
+        ("retry-after-ms", "1000000000000000000000000000000000000000000"),
+        ("retry-after", "Fri, 31 Dec 9999 23:59:59 GMT"),
+    ];
+    let max = Duration::from_secs(60);
+    let mut verdicts = Vec::new();
+    for (name, value) in huge {
+        let store = Store::memory();
+        let mock = Mock::new(move |_, _| status(429, &[(name, value)], ""));
+        let layer =
+            RetryAfterBackoffLayer::new(store.clone(), policy().max_delay(max).build().unwrap());
+        let started = Instant::now();
+        let response = layer
+            .layer(mock.service())
+            .oneshot(request(job("t")))
+            .await
+            .unwrap();
+        verdicts.push((
+            response.status().as_u16(),
+            mock.attempts(),
+            started.elapsed(),
+            store.cooldown("default"),
+        ));
+    }
+    // One verdict for all: not slept, returned at once, the gate closed for the maximum.
+    for ((name, value), verdict) in huge.iter().zip(&verdicts) {
+        assert_eq!(
+            *verdict,
+            (429, 1, Duration::ZERO, Some(max)),
+            "{name}: {value}"
+        );
+    }
+}
+
+#[tokio::test(start_paused = true)]
 async fn an_exhausted_limit_reported_by_a_success_holds_the_next_call_until_its_reset() {
     let mock = Mock::new(|_, n| match n {
         0 => {
