@@ -653,7 +653,11 @@ mod tests {
                 Some(Duration::from_secs(3)),
             ),
             ("zero is no delay", &[("retry-after", b"0")], None),
-            ("zero decimal is no delay", &[("retry-after", b"0.000")], None),
+            (
+                "zero decimal is no delay",
+                &[("retry-after", b"0.000")],
+                None,
+            ),
             ("negative", &[("retry-after", b"-5")], None),
             ("garbage", &[("retry-after", b"soon")], None),
             ("inf", &[("retry-after", b"inf")], None),
@@ -746,7 +750,10 @@ mod tests {
             ),
             (
                 "beyond u128 is huge",
-                &[("retry-after", b"999999999999999999999999999999999999999999999")],
+                &[(
+                    "retry-after",
+                    b"999999999999999999999999999999999999999999999",
+                )],
                 Some(Duration::MAX),
             ),
             (
@@ -757,14 +764,20 @@ mod tests {
             (
                 "ms beyond u128 is huge, and hides retry-after",
                 &[
-                    ("retry-after-ms", b"999999999999999999999999999999999999999999999"),
+                    (
+                        "retry-after-ms",
+                        b"999999999999999999999999999999999999999999999",
+                    ),
                     ("retry-after", b"3"),
                 ],
                 Some(Duration::MAX),
             ),
             (
                 "date far ahead is taken as is",
-                &[("date", date), ("retry-after", b"Fri, 31 Dec 9999 23:59:59 GMT")],
+                &[
+                    ("date", date),
+                    ("retry-after", b"Fri, 31 Dec 9999 23:59:59 GMT"),
+                ],
                 Some(Duration::from_secs(253_402_300_799 - 784_111_777)),
             ),
             (
