@@ -396,7 +396,10 @@ async fn every_overflowing_retry_after_returns_at_once_with_the_gate_closed_for_
         ("retry-after", "18446744073709551616.5"),
         ("retry-after", "1000000000000000000000000000000000000000000"),
         ("retry-after-ms", "18446744073709551616000"),
-        ("retry-after-ms", "1000000000000000000000000000000000000000000"),
+        (
+            "retry-after-ms",
+            "1000000000000000000000000000000000000000000",
+        ),
         ("retry-after", "Fri, 31 Dec 9999 23:59:59 GMT"),
     ];
     let max = Duration::from_secs(60);
@@ -1306,4 +1309,80 @@ async fn a_slow_probe_does_not_stop_the_worker_for_longer_than_the_release_sprea
         assert!(gap >= Duration::from_secs(1), "{gap:?}");
         assert!(gap < Duration::from_millis(1300), "{gap:?}");
     }
+}
+
+/// One call throttled (no retries), `quiet` with no call at all, then `calls` calls at once
+/// against an upstream answering in 300 ms; all succeed.
+async fn calls_after_a_quiet_interval(
+    policy: BackoffPolicy,
+    quiet: Duration,
+    calls: usize,
+) -> Spans {
+    let spans = Spans::default();
+    let layer = RetryAfterBackoffLayer::new(Store::memory(), policy);
+    let upstream = spans.upstream(Duration::from_millis(300));
+    let first = layer
+        .layer(upstream.clone())
+        .oneshot(request(job("a")))
+        .await;
+    assert_eq!(
+        first.unwrap().status(),
+        429,
+        "the last answer is a throttle"
+    );
+    tokio::time::sleep(quiet).await;
+    let calls: Vec<_> = (0..calls)
+        .map(|i| {
+            layer
+                .layer(upstream.clone())
+                .oneshot(request(job(&format!("b{i}"))))
+        })
+        .collect();
+    for response in futures_util::future::join_all(calls).await {
+        assert_eq!(response.unwrap().status(), 200);
+    }
+    spans
+}
+
+#[tokio::test(start_paused = true)]
+async fn probe_mode_ends_by_itself_after_a_quiet_interval() {
+    let policy = policy().max_retries(0).build().unwrap();
+    assert_eq!(policy.probe_timeout(), Duration::from_secs(30));
+    let spans = calls_after_a_quiet_interval(policy, Duration::from_secs(200), 10).await;
+    let starts = spans.starts();
+    // All ten went side by side, not one at a time behind a probe.
+    let spread = *starts.last().unwrap() - starts[1];
+    assert_eq!(
+        spread,
+        Duration::ZERO,
+        "calls waited for a probe: {spread:?}"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn probe_mode_holds_within_its_timeout_and_ends_after_it() {
+    let policy = || {
+        policy()
+            .max_retries(0)
+            .probe_timeout(Duration::from_secs(10))
+    };
+    // 1 s gate + up to 2 s of release spread, then 10 s: at 5 s the probe mode holds...
+    let spans =
+        calls_after_a_quiet_interval(policy().build().unwrap(), Duration::from_secs(5), 3).await;
+    let starts = spans.starts();
+    assert!(
+        starts[2] >= spans.end_of_first_success(),
+        "a second call went before the probe's answer"
+    );
+    // ...and at 14 s it is over.
+    let spans =
+        calls_after_a_quiet_interval(policy().build().unwrap(), Duration::from_secs(14), 3).await;
+    let starts = spans.starts();
+    assert_eq!(*starts.last().unwrap() - starts[1], Duration::ZERO);
+    assert!(
+        BackoffPolicy::builder()
+            .probe_timeout(Duration::ZERO)
+            .build()
+            .is_err()
+    );
 }

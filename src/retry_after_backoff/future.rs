@@ -215,16 +215,16 @@ impl<S, Req, C> Call<S, Req, C> {
             outcome.retry = None;
         }
         let status = outcome.status;
-        // At its limit until an answer says otherwise (see `Core::probing`).
+        // At its limit until an answer says otherwise, or the probe timeout runs out (see
+        // `Core::is_probing`).
         let at_limit = !spend_limit && (outcome.slow_down || outcome.gate.is_some());
-        core.probing
-            .store(at_limit, std::sync::atomic::Ordering::Release);
+        let release = outcome.gate.map(|delay| core.note_reopen(delay));
+        core.note_at_limit(at_limit, release);
         let throttle = (status == StatusCode::TOO_MANY_REQUESTS)
             .then(|| core.store.record_throttle(&self.tenant));
-        let gate = outcome.gate.map(|delay| {
-            core.note_reopen(delay);
-            core.store.extend_cooldown(&core.policy.upstream, delay)
-        });
+        let gate = outcome
+            .gate
+            .map(|delay| core.store.extend_cooldown(&core.policy.upstream, delay));
         if outcome.slow_down {
             let delay = outcome.retry.or(outcome.server_delay).unwrap_or_default();
             tracing::warn!(
@@ -288,8 +288,7 @@ where
                         // Held behind the gate. After it reopens the calls go at random
                         // points of a window (each worker from its own offset into it), and
                         // one at a time until an answer shows the upstream has room.
-                        core.probing
-                            .store(true, std::sync::atomic::Ordering::Release);
+                        core.note_at_limit(true, Some(core.note_reopen(left)));
                         let wait = core.release_after(left);
                         telemetry::cooldown_wait(wait);
                         *sleep = sleep_for(wait.max(Duration::from_millis(1)));

@@ -44,6 +44,7 @@ pub struct BackoffPolicy {
     pub(super) pacing: Option<Pacing>,
     pub(super) seed: Option<u64>,
     pub(super) peek_limit: usize,
+    pub(super) probe_timeout: Duration,
 }
 
 /// The retry budget's settings, as tower's `TpsBudget` takes them.
@@ -71,6 +72,7 @@ impl Default for BackoffPolicy {
             pacing: None,
             seed: None,
             peek_limit: 64 * 1024,
+            probe_timeout: Duration::from_secs(30),
         }
     }
 }
@@ -111,6 +113,12 @@ impl BackoffPolicy {
     /// The pacing, if any.
     pub fn pacing(&self) -> Option<&Pacing> {
         self.pacing.as_ref()
+    }
+
+    /// How long the probe mode lasts without an answer; see
+    /// [`BackoffPolicyBuilder::probe_timeout`].
+    pub fn probe_timeout(&self) -> Duration {
+        self.probe_timeout
     }
 
     /// The release window after a reopening `left` away: `max(release_spread, left / 5)`.
@@ -208,6 +216,21 @@ impl BackoffPolicyBuilder {
         self
     }
 
+    /// How long the probe mode lasts with no answer at all (default 30 s; at least 1 ms).
+    ///
+    /// After a throttle (or while the gate holds calls) a worker sends one call at a time
+    /// until an answer shows the upstream has room. The first answer that is not a
+    /// throttle ends that at once; each throttle starts the interval again. With no answer
+    /// (no traffic, or calls that never finish) the mode ends this long after the last
+    /// throttle, or after this worker's release from the gate when that is later, and
+    /// calls go side by side again. A fixed interval rather than a multiple of the last
+    /// delay: the delay is already waited out by the gate, and what is left is how long a
+    /// stale "at its limit" may be believed.
+    pub fn probe_timeout(mut self, timeout: Duration) -> Self {
+        self.policy.probe_timeout = timeout;
+        self
+    }
+
     /// The policy, or what is wrong with it.
     ///
     /// # Errors
@@ -251,6 +274,9 @@ impl BackoffPolicyBuilder {
         }
         if policy.peek_limit < 64 {
             return Err(ConfigError::new("peek limit must be at least 64 bytes"));
+        }
+        if policy.probe_timeout < Duration::from_millis(1) {
+            return Err(ConfigError::new("probe timeout must be at least 1 ms"));
         }
         Ok(policy)
     }
