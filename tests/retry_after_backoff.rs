@@ -1386,3 +1386,250 @@ async fn probe_mode_holds_within_its_timeout_and_ends_after_it() {
             .is_err()
     );
 }
+
+// ---------------------------------------------------------------------------------------
+// The 429 read-ahead under a hostile upstream
+// ---------------------------------------------------------------------------------------
+
+/// A 429 body as a broken upstream sends it: `head` bytes, then `empty` empty data frames
+/// (all ready at once), then, if `stall`, nothing ever again (never wakes its task); else the
+/// end. Counts the frames it was asked for.
+struct Hostile {
+    head: Option<bytes::Bytes>,
+    empty: usize,
+    stall: bool,
+    polled: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl http_body::Body for Hostile {
+    type Data = bytes::Bytes;
+    type Error = Infallible;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<http_body::Frame<bytes::Bytes>, Infallible>>> {
+        use std::task::Poll;
+        if let Some(head) = self.head.take() {
+            return Poll::Ready(Some(Ok(http_body::Frame::data(head))));
+        }
+        if self.empty > 0 {
+            self.empty -= 1;
+            self.polled
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            return Poll::Ready(Some(Ok(http_body::Frame::data(bytes::Bytes::new()))));
+        }
+        if self.stall {
+            Poll::Pending
+        } else {
+            Poll::Ready(None)
+        }
+    }
+}
+
+/// An upstream answering every call with a 429 (retry-after 1 s) and a [`Hostile`] body;
+/// counts the calls.
+#[derive(Clone, Default)]
+struct HostileUpstream {
+    calls: Arc<std::sync::atomic::AtomicUsize>,
+    polled: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl HostileUpstream {
+    fn service(
+        &self,
+        head: &'static str,
+        empty: usize,
+        stall: bool,
+    ) -> impl Service<
+        http::Request<String>,
+        Response = http::Response<Hostile>,
+        Error = Infallible,
+        Future = std::future::Ready<Result<http::Response<Hostile>, Infallible>>,
+    > + Clone
+    + Send
+    + 'static {
+        let this = self.clone();
+        service_fn(move |_req: http::Request<String>| {
+            this.calls
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let body = Hostile {
+                head: (!head.is_empty()).then(|| bytes::Bytes::from_static(head.as_bytes())),
+                empty,
+                stall,
+                polled: this.polled.clone(),
+            };
+            let response = http::Response::builder()
+                .status(429)
+                .header("retry-after", "1")
+                .body(body)
+                .unwrap();
+            std::future::ready(Ok(response))
+        })
+    }
+
+    fn calls(&self) -> usize {
+        self.calls.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    fn frames_polled(&self) -> usize {
+        self.polled.load(std::sync::atomic::Ordering::Relaxed)
+    }
+}
+
+/// The recommended stack (classify, DRR window 1, tier caps) around this layer and `upstream`.
+fn whole_stack<S, B>(
+    store: &Store,
+    drr: &fairgate::DrrFairnessLayer,
+    retry: &RetryAfterBackoffLayer,
+    upstream: S,
+) -> impl Service<
+    http::Request<String>,
+    Response = http::Response<impl http_body::Body<Data = B::Data>>,
+    Error = fairgate::BoxError,
+>
+where
+    S: Service<http::Request<String>, Response = http::Response<B>, Error = Infallible>
+        + Clone
+        + Send
+        + 'static,
+    S::Future: Send,
+    B: http_body::Body + Send + 'static,
+    B::Data: Send,
+    B::Error: Into<fairgate::BoxError>,
+{
+    tower::ServiceBuilder::new()
+        .layer(PriorityClassifyLayer::new(store.clone()))
+        .layer(drr.clone())
+        .layer(fairgate::TierSlotLimitLayer::new(
+            store.clone(),
+            fairgate::SlotPolicy::default(),
+        ))
+        .layer(retry.clone())
+        .service(upstream)
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_429_body_that_stalls_goes_back_to_the_caller_at_the_peek_timeout_and_frees_its_slot() {
+    let store = Store::memory();
+    let drr = fairgate::DrrFairnessLayer::new(store.clone(), 1);
+    let retry = RetryAfterBackoffLayer::new(store.clone(), policy().build().unwrap());
+    assert_eq!(retry.policy().peek_timeout(), Duration::from_secs(5));
+    let upstream = HostileUpstream::default();
+    // Ten bytes, then silence forever.
+    let service = whole_stack(
+        &store,
+        &drr,
+        &retry,
+        upstream.service("0123456789", 0, true),
+    );
+    let started = Instant::now();
+    let response =
+        tokio::time::timeout(Duration::from_secs(60), service.oneshot(request(job("t"))))
+            .await
+            .expect("the caller got no answer: the read-ahead hung on the stalled body")
+            .unwrap();
+    let waited = started.elapsed();
+    eprintln!("stalled 429 body: the caller waited {waited:?}");
+    assert_eq!(
+        waited,
+        Duration::from_secs(5),
+        "the answer came at the peek timeout"
+    );
+    // Not retried: returned as it is, the bytes read replayed first.
+    assert_eq!(response.status(), 429);
+    assert_eq!(upstream.calls(), 1);
+    use http_body::Body as _;
+    let mut body = Box::pin(response.into_body());
+    let first = std::future::poll_fn(|cx| body.as_mut().poll_frame(cx)).await;
+    let data = first.unwrap().ok().unwrap().into_data().ok().unwrap();
+    assert_eq!(&data[..], b"0123456789");
+    // Still a throttle: counted, and the gate closed by its retry-after.
+    assert_eq!(store.throttle_count(&"t".into()).await, 1);
+    assert!(store.cooldown("default").is_some());
+    // The caller stops reading (its own timeout): the permit and the slot come back.
+    assert_eq!(drr.in_flight(), 1, "held while the caller holds the body");
+    drop(body);
+    assert_eq!(drr.in_flight(), 0);
+    assert_eq!(store.slots_in_use(None).await, 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_429_body_that_stalls_within_a_custom_peek_timeout_is_cut_there() {
+    let retry = RetryAfterBackoffLayer::new(
+        Store::memory(),
+        policy()
+            .peek_timeout(Duration::from_millis(250))
+            .build()
+            .unwrap(),
+    );
+    let upstream = HostileUpstream::default();
+    let started = Instant::now();
+    let call = retry
+        .layer(upstream.service("{\"type\"", 0, true))
+        .oneshot(request(job("t")));
+    let response = tokio::time::timeout(Duration::from_secs(60), call)
+        .await
+        .expect("the caller got no answer: the read-ahead hung on the stalled body")
+        .unwrap();
+    assert_eq!(started.elapsed(), Duration::from_millis(250));
+    assert_eq!(response.status(), 429);
+    assert!(response.body().was_peeked());
+    assert!(
+        BackoffPolicy::builder()
+            .peek_timeout(Duration::ZERO)
+            .build()
+            .is_err()
+    );
+    assert!(
+        BackoffPolicy::builder()
+            .peek_frame_limit(0)
+            .build()
+            .is_err()
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_429_body_of_millions_of_empty_frames_is_read_a_bounded_number_of_frames_per_poll() {
+    let store = Store::memory();
+    let drr = fairgate::DrrFairnessLayer::new(store.clone(), 1);
+    let retry = RetryAfterBackoffLayer::new(store.clone(), policy().build().unwrap());
+    let upstream = HostileUpstream::default();
+    let service = whole_stack(&store, &drr, &retry, upstream.service("", 5_000_000, false));
+    let mut call = std::pin::pin!(service.oneshot(request(job("t"))));
+    let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+    // Drive the call by hand, one poll at a time, as an executor would.
+    let (mut polls, mut most, mut slowest) = (0usize, 0usize, std::time::Duration::ZERO);
+    let response = loop {
+        let before = upstream.frames_polled();
+        let clock = std::time::Instant::now();
+        let poll = call.as_mut().poll(&mut cx);
+        slowest = slowest.max(clock.elapsed());
+        let read = upstream.frames_polled() - before;
+        assert!(read <= 64, "one poll read {read} frames");
+        most = most.max(read);
+        polls += 1;
+        match poll {
+            std::task::Poll::Ready(response) => break response.unwrap(),
+            // Nothing here waits on a timer: every Pending is a self-wake of the read-ahead.
+            std::task::Poll::Pending => assert!(polls < 10_000, "never finished"),
+        }
+    };
+    eprintln!(
+        "5,000,000 empty frames: {polls} polls, at most {most} frames and {slowest:?} in one, \
+         {} frames read in all",
+        upstream.frames_polled()
+    );
+    assert_eq!(
+        upstream.frames_polled(),
+        1024,
+        "read up to the frame limit, no further"
+    );
+    // Not retried: returned as it is, its frames replayed, then the rest streamed.
+    assert_eq!(response.status(), 429);
+    assert_eq!(upstream.calls(), 1);
+    assert_eq!(drr.in_flight(), 1, "held while the caller holds the body");
+    drop(response);
+    assert_eq!(drr.in_flight(), 0);
+    assert_eq!(store.slots_in_use(None).await, 0);
+}

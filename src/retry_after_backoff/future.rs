@@ -14,7 +14,7 @@ use tokio::time::Sleep;
 use tower::retry::budget::Budget;
 use tower_service::Service;
 
-use super::body::{Peeked, ResponseBody};
+use super::body::{Filled, Peeked, ResponseBody};
 use super::decide::{self, Verdict};
 use super::layer::{Probe, Shared};
 use super::request::CloneRequest;
@@ -52,11 +52,13 @@ pin_project! {
             #[pin]
             fut: F,
         },
-        // Reading a 429's body ahead for the spend-limit code.
+        // Reading a 429's body ahead for the spend-limit code, until the deadline.
         Peeking {
             head: Option<http::response::Parts>,
             peeked: Option<Peeked<B>>,
             outcome: Outcome,
+            #[pin]
+            deadline: Sleep,
         },
         // Waiting for the store to take the throttle and the gate.
         Recording {
@@ -358,10 +360,12 @@ where
                     if outcome.retry.is_some() && outcome.status == StatusCode::TOO_MANY_REQUESTS {
                         // Only a 429 about to be retried is read ahead: it may be the spend
                         // limit, which must go back to the caller (with every byte).
+                        let timeout = call.shared.core.policy.peek_timeout;
                         this.state.set(State::Peeking {
                             head: Some(head),
                             peeked: Some(Peeked::new(body)),
                             outcome,
+                            deadline: tokio::time::sleep(timeout),
                         });
                     } else {
                         let response =
@@ -373,18 +377,40 @@ where
                     head,
                     peeked,
                     outcome,
+                    deadline,
                 } => {
-                    let limit = call.shared.core.policy.peek_limit;
-                    if let Some(body) = peeked.as_mut() {
-                        ready!(body.poll_fill(cx, limit));
-                    }
+                    let policy = &call.shared.core.policy;
+                    // Why the reading stopped before the body could be judged, if it did.
+                    let cut = match peeked.as_mut() {
+                        Some(body) => {
+                            match body.poll_fill(cx, policy.peek_limit, policy.peek_frame_limit) {
+                                Poll::Ready(Filled::Read) => None,
+                                Poll::Ready(Filled::FrameLimit) => Some("peek_frame_limit"),
+                                Poll::Pending => {
+                                    // The body's waker, or its own (a capped poll), is set;
+                                    // the deadline's is set here.
+                                    ready!(deadline.poll(cx));
+                                    Some("peek_timeout")
+                                }
+                            }
+                        }
+                        None => None,
+                    };
                     let (Some(head), Some(body)) = (head.take(), peeked.take()) else {
                         this.state.set(State::Done);
                         return Poll::Ready(Err(MissingJob.into()));
                     };
                     let spend_limit = decide::is_spend_limit_body(body.bytes());
                     let response = http::Response::from_parts(head, ResponseBody::replay(body));
-                    let outcome = *outcome;
+                    let mut outcome = *outcome;
+                    if let Some(reason) = cut
+                        && !spend_limit
+                    {
+                        // Not judged: back to the caller as it is (see
+                        // `BackoffPolicyBuilder::peek_frame_limit`).
+                        telemetry::gave_up(reason);
+                        outcome.retry = None;
+                    }
                     this.state.set(call.settle(outcome, response, spend_limit));
                 }
                 StateProj::Recording {
