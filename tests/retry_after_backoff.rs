@@ -340,6 +340,99 @@ async fn no_usable_retry_after_falls_back_to_jittered_exponential_backoff() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn a_zero_or_past_retry_after_falls_back_to_the_sdk_backoff_and_leaves_the_gate_open() {
+    const DATE: &str = "Sun, 06 Nov 1994 08:49:37 GMT";
+    let past = httpdate::fmt_http_date(SystemTime::now() - Duration::from_secs(3600));
+    let cases: Vec<(&str, Vec<(&'static str, String)>)> = vec![
+        ("retry-after: 0", vec![("retry-after", "0".into())]),
+        ("retry-after-ms: 0", vec![("retry-after-ms", "0".into())]),
+        (
+            "a date before Date",
+            vec![
+                ("date", DATE.into()),
+                ("retry-after", "Sun, 06 Nov 1994 08:49:30 GMT".into()),
+            ],
+        ),
+        ("a date in the past, no Date", vec![("retry-after", past)]),
+    ];
+    for (name, headers) in cases {
+        let store = Store::memory();
+        let throttled = headers.clone();
+        let mock = Mock::new(move |_, n| match n {
+            0..=2 => {
+                let pairs: Vec<(&str, &str)> =
+                    throttled.iter().map(|(k, v)| (*k, v.as_str())).collect();
+                status(429, &pairs, "")
+            }
+            _ => ok(),
+        });
+        let layer = RetryAfterBackoffLayer::new(store.clone(), policy().build().unwrap());
+        let service = layer.layer(mock.service());
+        let call = tokio::spawn(service.oneshot(request(job("t"))));
+        // Right after the first 429: nobody else is held back by a zero delay.
+        tokio::time::sleep(Duration::from_millis(1)).await;
+        assert_eq!(mock.attempts(), 1, "{name}: retried at once");
+        assert_eq!(store.cooldown("default"), None, "{name}: gate closed");
+        assert_eq!(call.await.unwrap().unwrap().status(), 200, "{name}");
+        // The SDK's jittered exponential backoff: 0.5 s, 1 s, 2 s, minus up to 25%.
+        let t = mock.times();
+        for (i, cap_ms) in [500u64, 1000, 2000].into_iter().enumerate() {
+            let waited = t[i + 1] - t[i];
+            let cap = Duration::from_millis(cap_ms);
+            assert!(
+                waited >= cap * 3 / 4 && waited <= cap,
+                "{name}: retry {i} after {waited:?}"
+            );
+        }
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn every_overflowing_retry_after_returns_at_once_with_the_gate_closed_for_the_maximum() {
+    let huge: &[(&str, &str)] = &[
+        ("retry-after", "99999999"),
+        ("retry-after", "18446744073709551615"),
+        ("retry-after", "18446744073709551616"),
+        ("retry-after", "18446744073709551616.5"),
+        ("retry-after", "1000000000000000000000000000000000000000000"),
+        ("retry-after-ms", "18446744073709551616000"),
+        (
+            "retry-after-ms",
+            "1000000000000000000000000000000000000000000",
+        ),
+        ("retry-after", "Fri, 31 Dec 9999 23:59:59 GMT"),
+    ];
+    let max = Duration::from_secs(60);
+    let mut verdicts = Vec::new();
+    for (name, value) in huge {
+        let store = Store::memory();
+        let mock = Mock::new(move |_, _| status(429, &[(name, value)], ""));
+        let layer =
+            RetryAfterBackoffLayer::new(store.clone(), policy().max_delay(max).build().unwrap());
+        let started = Instant::now();
+        let response = layer
+            .layer(mock.service())
+            .oneshot(request(job("t")))
+            .await
+            .unwrap();
+        verdicts.push((
+            response.status().as_u16(),
+            mock.attempts(),
+            started.elapsed(),
+            store.cooldown("default"),
+        ));
+    }
+    // One verdict for all: not slept, returned at once, the gate closed for the maximum.
+    for ((name, value), verdict) in huge.iter().zip(&verdicts) {
+        assert_eq!(
+            *verdict,
+            (429, 1, Duration::ZERO, Some(max)),
+            "{name}: {value}"
+        );
+    }
+}
+
+#[tokio::test(start_paused = true)]
 async fn an_exhausted_limit_reported_by_a_success_holds_the_next_call_until_its_reset() {
     let mock = Mock::new(|_, n| match n {
         0 => {
@@ -1216,4 +1309,327 @@ async fn a_slow_probe_does_not_stop_the_worker_for_longer_than_the_release_sprea
         assert!(gap >= Duration::from_secs(1), "{gap:?}");
         assert!(gap < Duration::from_millis(1300), "{gap:?}");
     }
+}
+
+/// One call throttled (no retries), `quiet` with no call at all, then `calls` calls at once
+/// against an upstream answering in 300 ms; all succeed.
+async fn calls_after_a_quiet_interval(
+    policy: BackoffPolicy,
+    quiet: Duration,
+    calls: usize,
+) -> Spans {
+    let spans = Spans::default();
+    let layer = RetryAfterBackoffLayer::new(Store::memory(), policy);
+    let upstream = spans.upstream(Duration::from_millis(300));
+    let first = layer
+        .layer(upstream.clone())
+        .oneshot(request(job("a")))
+        .await;
+    assert_eq!(
+        first.unwrap().status(),
+        429,
+        "the last answer is a throttle"
+    );
+    tokio::time::sleep(quiet).await;
+    let calls: Vec<_> = (0..calls)
+        .map(|i| {
+            layer
+                .layer(upstream.clone())
+                .oneshot(request(job(&format!("b{i}"))))
+        })
+        .collect();
+    for response in futures_util::future::join_all(calls).await {
+        assert_eq!(response.unwrap().status(), 200);
+    }
+    spans
+}
+
+#[tokio::test(start_paused = true)]
+async fn probe_mode_ends_by_itself_after_a_quiet_interval() {
+    let policy = policy().max_retries(0).build().unwrap();
+    assert_eq!(policy.probe_timeout(), Duration::from_secs(30));
+    let spans = calls_after_a_quiet_interval(policy, Duration::from_secs(200), 10).await;
+    let starts = spans.starts();
+    // All ten went side by side, not one at a time behind a probe.
+    let spread = *starts.last().unwrap() - starts[1];
+    assert_eq!(
+        spread,
+        Duration::ZERO,
+        "calls waited for a probe: {spread:?}"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn probe_mode_holds_within_its_timeout_and_ends_after_it() {
+    let policy = || {
+        policy()
+            .max_retries(0)
+            .probe_timeout(Duration::from_secs(10))
+    };
+    // 1 s gate + up to 2 s of release spread, then 10 s: at 5 s the probe mode holds...
+    let spans =
+        calls_after_a_quiet_interval(policy().build().unwrap(), Duration::from_secs(5), 3).await;
+    let starts = spans.starts();
+    assert!(
+        starts[2] >= spans.end_of_first_success(),
+        "a second call went before the probe's answer"
+    );
+    // ...and at 14 s it is over.
+    let spans =
+        calls_after_a_quiet_interval(policy().build().unwrap(), Duration::from_secs(14), 3).await;
+    let starts = spans.starts();
+    assert_eq!(*starts.last().unwrap() - starts[1], Duration::ZERO);
+    assert!(
+        BackoffPolicy::builder()
+            .probe_timeout(Duration::ZERO)
+            .build()
+            .is_err()
+    );
+}
+
+// ---------------------------------------------------------------------------------------
+// The 429 read-ahead under a hostile upstream
+// ---------------------------------------------------------------------------------------
+
+/// A 429 body as a broken upstream sends it: `head` bytes, then `empty` empty data frames
+/// (all ready at once), then, if `stall`, nothing ever again (never wakes its task); else the
+/// end. Counts the frames it was asked for.
+struct Hostile {
+    head: Option<bytes::Bytes>,
+    empty: usize,
+    stall: bool,
+    polled: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl http_body::Body for Hostile {
+    type Data = bytes::Bytes;
+    type Error = Infallible;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<http_body::Frame<bytes::Bytes>, Infallible>>> {
+        use std::task::Poll;
+        if let Some(head) = self.head.take() {
+            return Poll::Ready(Some(Ok(http_body::Frame::data(head))));
+        }
+        if self.empty > 0 {
+            self.empty -= 1;
+            self.polled
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            return Poll::Ready(Some(Ok(http_body::Frame::data(bytes::Bytes::new()))));
+        }
+        if self.stall {
+            Poll::Pending
+        } else {
+            Poll::Ready(None)
+        }
+    }
+}
+
+/// An upstream answering every call with a 429 (retry-after 1 s) and a [`Hostile`] body;
+/// counts the calls.
+#[derive(Clone, Default)]
+struct HostileUpstream {
+    calls: Arc<std::sync::atomic::AtomicUsize>,
+    polled: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl HostileUpstream {
+    fn service(
+        &self,
+        head: &'static str,
+        empty: usize,
+        stall: bool,
+    ) -> impl Service<
+        http::Request<String>,
+        Response = http::Response<Hostile>,
+        Error = Infallible,
+        Future = std::future::Ready<Result<http::Response<Hostile>, Infallible>>,
+    > + Clone
+    + Send
+    + 'static {
+        let this = self.clone();
+        service_fn(move |_req: http::Request<String>| {
+            this.calls
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let body = Hostile {
+                head: (!head.is_empty()).then(|| bytes::Bytes::from_static(head.as_bytes())),
+                empty,
+                stall,
+                polled: this.polled.clone(),
+            };
+            let response = http::Response::builder()
+                .status(429)
+                .header("retry-after", "1")
+                .body(body)
+                .unwrap();
+            std::future::ready(Ok(response))
+        })
+    }
+
+    fn calls(&self) -> usize {
+        self.calls.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    fn frames_polled(&self) -> usize {
+        self.polled.load(std::sync::atomic::Ordering::Relaxed)
+    }
+}
+
+/// The recommended stack (classify, DRR window 1, tier caps) around this layer and `upstream`.
+fn whole_stack<S, B>(
+    store: &Store,
+    drr: &fairgate::DrrFairnessLayer,
+    retry: &RetryAfterBackoffLayer,
+    upstream: S,
+) -> impl Service<
+    http::Request<String>,
+    Response = http::Response<impl http_body::Body<Data = B::Data>>,
+    Error = fairgate::BoxError,
+>
+where
+    S: Service<http::Request<String>, Response = http::Response<B>, Error = Infallible>
+        + Clone
+        + Send
+        + 'static,
+    S::Future: Send,
+    B: http_body::Body + Send + 'static,
+    B::Data: Send,
+    B::Error: Into<fairgate::BoxError>,
+{
+    tower::ServiceBuilder::new()
+        .layer(PriorityClassifyLayer::new(store.clone()))
+        .layer(drr.clone())
+        .layer(fairgate::TierSlotLimitLayer::new(
+            store.clone(),
+            fairgate::SlotPolicy::default(),
+        ))
+        .layer(retry.clone())
+        .service(upstream)
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_429_body_that_stalls_goes_back_to_the_caller_at_the_peek_timeout_and_frees_its_slot() {
+    let store = Store::memory();
+    let drr = fairgate::DrrFairnessLayer::new(store.clone(), 1);
+    let retry = RetryAfterBackoffLayer::new(store.clone(), policy().build().unwrap());
+    assert_eq!(retry.policy().peek_timeout(), Duration::from_secs(5));
+    let upstream = HostileUpstream::default();
+    // Ten bytes, then silence forever.
+    let service = whole_stack(
+        &store,
+        &drr,
+        &retry,
+        upstream.service("0123456789", 0, true),
+    );
+    let started = Instant::now();
+    let response =
+        tokio::time::timeout(Duration::from_secs(60), service.oneshot(request(job("t"))))
+            .await
+            .expect("the caller got no answer: the read-ahead hung on the stalled body")
+            .unwrap();
+    let waited = started.elapsed();
+    eprintln!("stalled 429 body: the caller waited {waited:?}");
+    assert_eq!(
+        waited,
+        Duration::from_secs(5),
+        "the answer came at the peek timeout"
+    );
+    // Not retried: returned as it is, the bytes read replayed first.
+    assert_eq!(response.status(), 429);
+    assert_eq!(upstream.calls(), 1);
+    use http_body::Body as _;
+    let mut body = Box::pin(response.into_body());
+    let first = std::future::poll_fn(|cx| body.as_mut().poll_frame(cx)).await;
+    let data = first.unwrap().ok().unwrap().into_data().ok().unwrap();
+    assert_eq!(&data[..], b"0123456789");
+    // Still a throttle: counted, and the gate closed by its retry-after.
+    assert_eq!(store.throttle_count(&"t".into()).await, 1);
+    assert!(store.cooldown("default").is_some());
+    // The caller stops reading (its own timeout): the permit and the slot come back.
+    assert_eq!(drr.in_flight(), 1, "held while the caller holds the body");
+    drop(body);
+    assert_eq!(drr.in_flight(), 0);
+    assert_eq!(store.slots_in_use(None).await, 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_429_body_that_stalls_within_a_custom_peek_timeout_is_cut_there() {
+    let retry = RetryAfterBackoffLayer::new(
+        Store::memory(),
+        policy()
+            .peek_timeout(Duration::from_millis(250))
+            .build()
+            .unwrap(),
+    );
+    let upstream = HostileUpstream::default();
+    let started = Instant::now();
+    let call = retry
+        .layer(upstream.service("{\"type\"", 0, true))
+        .oneshot(request(job("t")));
+    let response = tokio::time::timeout(Duration::from_secs(60), call)
+        .await
+        .expect("the caller got no answer: the read-ahead hung on the stalled body")
+        .unwrap();
+    assert_eq!(started.elapsed(), Duration::from_millis(250));
+    assert_eq!(response.status(), 429);
+    assert!(response.body().was_peeked());
+    assert!(
+        BackoffPolicy::builder()
+            .peek_timeout(Duration::ZERO)
+            .build()
+            .is_err()
+    );
+    assert!(
+        BackoffPolicy::builder()
+            .peek_frame_limit(0)
+            .build()
+            .is_err()
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_429_body_of_millions_of_empty_frames_is_read_a_bounded_number_of_frames_per_poll() {
+    let store = Store::memory();
+    let drr = fairgate::DrrFairnessLayer::new(store.clone(), 1);
+    let retry = RetryAfterBackoffLayer::new(store.clone(), policy().build().unwrap());
+    let upstream = HostileUpstream::default();
+    let service = whole_stack(&store, &drr, &retry, upstream.service("", 5_000_000, false));
+    let mut call = std::pin::pin!(service.oneshot(request(job("t"))));
+    let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+    // Drive the call by hand, one poll at a time, as an executor would.
+    let (mut polls, mut most, mut slowest) = (0usize, 0usize, std::time::Duration::ZERO);
+    let response = loop {
+        let before = upstream.frames_polled();
+        let clock = std::time::Instant::now();
+        let poll = call.as_mut().poll(&mut cx);
+        slowest = slowest.max(clock.elapsed());
+        let read = upstream.frames_polled() - before;
+        assert!(read <= 64, "one poll read {read} frames");
+        most = most.max(read);
+        polls += 1;
+        match poll {
+            std::task::Poll::Ready(response) => break response.unwrap(),
+            // Nothing here waits on a timer: every Pending is a self-wake of the read-ahead.
+            std::task::Poll::Pending => assert!(polls < 10_000, "never finished"),
+        }
+    };
+    eprintln!(
+        "5,000,000 empty frames: {polls} polls, at most {most} frames and {slowest:?} in one, \
+         {} frames read in all",
+        upstream.frames_polled()
+    );
+    assert_eq!(
+        upstream.frames_polled(),
+        1024,
+        "read up to the frame limit, no further"
+    );
+    // Not retried: returned as it is, its frames replayed, then the rest streamed.
+    assert_eq!(response.status(), 429);
+    assert_eq!(upstream.calls(), 1);
+    assert_eq!(drr.in_flight(), 1, "held while the caller holds the body");
+    drop(response);
+    assert_eq!(drr.in_flight(), 0);
+    assert_eq!(store.slots_in_use(None).await, 0);
 }

@@ -52,6 +52,19 @@ pub(super) struct Peeked<B: Body> {
     rest: Option<Pin<Box<B>>>,
 }
 
+/// How a read-ahead ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Filled {
+    /// Enough was read to judge the body: the byte limit, its end or its error.
+    Read,
+    /// The frame limit came first: the body is in pieces too small to judge in time.
+    FrameLimit,
+}
+
+/// Frames read in one poll at most, before the read-ahead yields (waking itself), so that a
+/// body of millions of empty frames that are all ready cannot hold a thread in one poll.
+pub(super) const FRAMES_PER_POLL: usize = 64;
+
 impl<B: Body> Peeked<B> {
     pub(super) fn new(body: B) -> Self {
         Peeked {
@@ -62,8 +75,16 @@ impl<B: Body> Peeked<B> {
         }
     }
 
-    /// Reads frames until `limit` bytes are buffered, the body ends or fails.
-    pub(super) fn poll_fill(&mut self, cx: &mut Context<'_>, limit: usize) -> Poll<()> {
+    /// Reads frames until `limit` bytes are buffered, the body ends or fails ([`Filled::Read`]),
+    /// or `frame_limit` frames are buffered ([`Filled::FrameLimit`]). Reads at most
+    /// [`FRAMES_PER_POLL`] frames per call: past that it wakes its task and returns `Pending`.
+    pub(super) fn poll_fill(
+        &mut self,
+        cx: &mut Context<'_>,
+        limit: usize,
+        frame_limit: usize,
+    ) -> Poll<Filled> {
+        let mut this_poll = 0;
         while self.bytes.len() < limit && self.error.is_none() {
             let Some(rest) = self.rest.as_mut() else {
                 break;
@@ -72,6 +93,15 @@ impl<B: Body> Peeked<B> {
                 self.rest = None;
                 break;
             }
+            if self.frames.len() >= frame_limit {
+                return Poll::Ready(Filled::FrameLimit);
+            }
+            if this_poll == FRAMES_PER_POLL {
+                // Ready frames could keep this loop going for as long as the body likes.
+                cx.waker().wake_by_ref();
+                return Poll::Pending;
+            }
+            this_poll += 1;
             match ready!(rest.as_mut().poll_frame(cx)) {
                 Some(Ok(frame)) => {
                     if let Some(data) = frame.data_ref() {
@@ -86,7 +116,7 @@ impl<B: Body> Peeked<B> {
                 None => self.rest = None,
             }
         }
-        Poll::Ready(())
+        Poll::Ready(Filled::Read)
     }
 
     /// The bytes read so far (at most the limit).
@@ -228,8 +258,82 @@ mod tests {
 
     async fn peek(body: Frames, limit: usize) -> Peeked<Frames> {
         let mut peeked = Peeked::new(body);
-        std::future::poll_fn(|cx| peeked.poll_fill(cx, limit)).await;
+        let filled = std::future::poll_fn(|cx| peeked.poll_fill(cx, limit, 1024)).await;
+        assert_eq!(filled, Filled::Read);
         peeked
+    }
+
+    /// A body of `n` empty data frames, all ready, counting how many were polled.
+    struct Empty {
+        left: usize,
+        polled: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    }
+
+    impl Body for Empty {
+        type Data = Bytes;
+        type Error = &'static str;
+
+        fn poll_frame(
+            mut self: Pin<&mut Self>,
+            _: &mut Context<'_>,
+        ) -> Poll<Option<Result<Frame<Bytes>, &'static str>>> {
+            if self.left == 0 {
+                return Poll::Ready(None);
+            }
+            self.left -= 1;
+            self.polled
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            Poll::Ready(Some(Ok(Frame::data(Bytes::new()))))
+        }
+    }
+
+    #[test]
+    fn one_poll_of_the_read_ahead_reads_a_bounded_number_of_frames_and_wakes_itself() {
+        let polled = std::sync::Arc::default();
+        let mut peeked = Peeked::new(Empty {
+            left: 5_000_000,
+            polled: std::sync::Arc::clone(&polled),
+        });
+        let woken = std::sync::Arc::new(Woken::default());
+        let waker = std::task::Waker::from(woken.clone());
+        let mut cx = Context::from_waker(&waker);
+        let frames = || polled.load(std::sync::atomic::Ordering::Relaxed);
+        assert!(peeked.poll_fill(&mut cx, 64 * 1024, 1024).is_pending());
+        assert_eq!(
+            frames(),
+            FRAMES_PER_POLL,
+            "one poll reads at most this many"
+        );
+        assert_eq!(woken.count(), 1, "pending only after waking itself");
+        let mut polls = 1;
+        let filled = loop {
+            polls += 1;
+            if let Poll::Ready(filled) = peeked.poll_fill(&mut cx, 64 * 1024, 1024) {
+                break filled;
+            }
+        };
+        assert_eq!(filled, Filled::FrameLimit);
+        assert_eq!(frames(), 1024, "no frame past the frame limit is read");
+        assert_eq!(polls, 1024 / FRAMES_PER_POLL);
+    }
+
+    #[derive(Default)]
+    struct Woken(std::sync::atomic::AtomicUsize);
+
+    impl Woken {
+        fn count(&self) -> usize {
+            self.0.load(std::sync::atomic::Ordering::Relaxed)
+        }
+    }
+
+    impl std::task::Wake for Woken {
+        fn wake(self: std::sync::Arc<Self>) {
+            self.wake_by_ref();
+        }
+
+        fn wake_by_ref(self: &std::sync::Arc<Self>) {
+            self.0.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
     }
 
     #[tokio::test]

@@ -6,7 +6,8 @@
 //! randomness (and can seed them in tests).
 //!
 //! Header values come from the network, so nothing in this module panics on
-//! any input: malformed values are treated as absent, and all duration
+//! any input: malformed values (and a delay of zero) are treated as absent,
+//! values too large for a [`Duration`] as [`Duration::MAX`], and all duration
 //! arithmetic is done in integer nanoseconds (`u128`) and saturates.
 //!
 //! Typical use by the shell after an error response:
@@ -32,34 +33,52 @@ const NANOS_PER_SEC: u128 = 1_000_000_000;
 // Retry-After
 // ---------------------------------------------------------------------------
 
-/// When the server allows the next attempt, per the Anthropic API and
-/// RFC 9110 §10.2.3.
+/// How long the server asked us to wait before the next attempt, per the
+/// Anthropic API and RFC 9110 §10.2.3; `None` when it named no usable delay.
 ///
 /// Precedence:
 /// 1. `retry-after-ms`: a non-negative decimal number of milliseconds
 ///    (`250`, `1.5`), surrounding whitespace ignored.
 /// 2. `retry-after` as delta-seconds: a non-negative decimal number of
-///    seconds (`1`, `2.5`, ` 3 `). `0` means "retry now".
+///    seconds (`1`, `2.5`, ` 3 `).
 /// 3. `retry-after` as an HTTP date (IMF-fixdate, RFC 850 or asctime),
 ///    measured against the response's `Date` header when present and
 ///    parsable (so clock skew between us and the server cancels out),
-///    otherwise against `now`. A date in the past yields [`Duration::ZERO`].
+///    otherwise against `now`.
 ///
-/// A header that is present but unusable falls through to the next rule
+/// A header that is present but unparsable falls through to the next rule
 /// (an invalid `retry-after-ms` does not hide a valid `retry-after`).
 ///
 /// Numbers must match `DIGITS [ "." DIGITS ]`: signs, exponents (`1e3`),
-/// `inf`, `NaN`, empty strings and non-ASCII bytes are rejected (`None`).
-/// Parsing is exact decimal (no floating point); fractional digits beyond
-/// nanosecond precision are truncated.
+/// `inf`, `NaN`, empty strings and non-ASCII bytes are rejected. Parsing is
+/// exact decimal (no floating point); fractional digits beyond nanosecond
+/// precision are truncated.
 ///
-/// There is deliberately no "sanity ceiling": a value such as `99999999`
-/// seconds is returned as is, and it is the caller's `max_delay` that refuses
-/// to sleep that long (and so can report why). Only values that do not fit in
-/// a [`Duration`] (more than `u64::MAX` seconds) are treated as absent.
+/// Two rules make every value land in one of three verdicts (absent, a
+/// delay, too long):
+///
+/// - **Zero is no delay named.** A delay of zero (`retry-after: 0`,
+///   `retry-after-ms: 0`, `0.0000000001`, an HTTP date at or before the
+///   server's `Date`) returns `None`, as a missing header does, so the caller
+///   falls back to its jittered exponential backoff instead of retrying at
+///   once. The official SDKs do the same (they only honour a delay above 0).
+///   A zero `retry-after-ms` does not fall through to `retry-after`: the
+///   server did name a delay, just not a usable one.
+/// - **Overflow is huge.** A well-formed number too large for a [`Duration`]
+///   (more than `u64::MAX` seconds, whether in seconds, decimal seconds or
+///   milliseconds, and however many digits) returns [`Duration::MAX`]. There
+///   is deliberately no "sanity ceiling" below that: `99999999` seconds or a
+///   date in the year 9999 is returned as is. Every such value is longer than
+///   any `max_delay`, so the caller treats them all alike: it does not sleep,
+///   and returns the response at once.
 ///
 /// Only the first value of each header is consulted.
 pub fn retry_after(headers: &HeaderMap, now: SystemTime) -> Option<Duration> {
+    named_delay(headers, now).filter(|d| !d.is_zero())
+}
+
+/// [`retry_after`] before the zero rule: the delay the headers name, zero included.
+fn named_delay(headers: &HeaderMap, now: SystemTime) -> Option<Duration> {
     if let Some(d) = header_str(headers, RETRY_AFTER_MS).and_then(parse_millis) {
         return Some(d);
     }
@@ -83,8 +102,8 @@ fn header_str(headers: &HeaderMap, name: impl AsHeaderName) -> Option<&str> {
 }
 
 /// Parses `DIGITS [ "." DIGITS ]` exactly into (integer part, fraction in
-/// units of 1e-9). Rejects everything else, including an integer part that
-/// overflows `u128`.
+/// units of 1e-9). Rejects everything else. An integer part too large for
+/// `u128` saturates at `u128::MAX` (far past any `Duration` either way).
 fn parse_decimal(s: &str) -> Option<(u128, u32)> {
     let (int, frac) = match s.split_once('.') {
         Some((i, f)) => (i, Some(f)),
@@ -94,7 +113,7 @@ fn parse_decimal(s: &str) -> Option<(u128, u32)> {
         return None;
     }
     // Only ASCII digits reach here, so this fails only on overflow.
-    let whole: u128 = int.parse().ok()?;
+    let whole: u128 = int.parse().unwrap_or(u128::MAX);
     let mut nanos = 0u32;
     if let Some(f) = frac {
         if !is_digits(f) {
@@ -113,16 +132,24 @@ fn is_digits(s: &str) -> bool {
     !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit())
 }
 
+/// Seconds; past `u64::MAX` seconds, [`Duration::MAX`].
 fn parse_seconds(s: &str) -> Option<Duration> {
     let (secs, nanos) = parse_decimal(s)?;
-    Some(Duration::new(u64::try_from(secs).ok()?, nanos))
+    Some(match u64::try_from(secs) {
+        Ok(secs) => Duration::new(secs, nanos),
+        Err(_) => Duration::MAX,
+    })
 }
 
+/// Milliseconds; past `u64::MAX` seconds, [`Duration::MAX`].
 fn parse_millis(s: &str) -> Option<Duration> {
     let (ms, frac) = parse_decimal(s)?;
-    let secs = u64::try_from(ms / 1000).ok()?;
-    // < 999_000_000 + 999_999, so below one second: Duration::new cannot carry.
-    let sub = u32::try_from(ms % 1000).ok()? * 1_000_000 + frac / 1000;
+    let Ok(secs) = u64::try_from(ms / 1000) else {
+        return Some(Duration::MAX);
+    };
+    // ms % 1000 < 1000, so this fits; the sum is < 999_000_000 + 999_999, below one
+    // second: Duration::new cannot carry.
+    let sub = (ms % 1000) as u32 * 1_000_000 + frac / 1000;
     Some(Duration::new(secs, sub))
 }
 
@@ -625,7 +652,12 @@ mod tests {
                 &[("retry-after", b" 3 ")],
                 Some(Duration::from_secs(3)),
             ),
-            ("zero", &[("retry-after", b"0")], Some(Duration::ZERO)),
+            ("zero is no delay", &[("retry-after", b"0")], None),
+            (
+                "zero decimal is no delay",
+                &[("retry-after", b"0.000")],
+                None,
+            ),
             ("negative", &[("retry-after", b"-5")], None),
             ("garbage", &[("retry-after", b"soon")], None),
             ("inf", &[("retry-after", b"inf")], None),
@@ -650,7 +682,7 @@ mod tests {
                     ("date", date),
                     ("retry-after", b"Sun, 06 Nov 1994 08:49:30 GMT"),
                 ],
-                Some(Duration::ZERO),
+                None,
             ),
             (
                 "ms wins",
@@ -672,9 +704,9 @@ mod tests {
                 Some(Duration::from_micros(1500)),
             ),
             (
-                "ms zero",
+                "ms zero is no delay, and hides retry-after",
                 &[("retry-after-ms", b"0"), ("retry-after", b"9")],
-                Some(Duration::ZERO),
+                None,
             ),
             (
                 "ms empty falls back",
@@ -697,14 +729,56 @@ mod tests {
                 Some(Duration::from_nanos(1)),
             ),
             (
+                "truncated to zero is no delay",
+                &[("retry-after", b"0.0000000001")],
+                None,
+            ),
+            (
                 "u64::MAX seconds",
                 &[("retry-after", b"18446744073709551615")],
                 Some(Duration::from_secs(u64::MAX)),
             ),
             (
-                "beyond Duration",
+                "beyond Duration is huge",
                 &[("retry-after", b"18446744073709551616")],
-                None,
+                Some(Duration::MAX),
+            ),
+            (
+                "decimal beyond Duration is huge",
+                &[("retry-after", b"18446744073709551616.5")],
+                Some(Duration::MAX),
+            ),
+            (
+                "beyond u128 is huge",
+                &[(
+                    "retry-after",
+                    b"999999999999999999999999999999999999999999999",
+                )],
+                Some(Duration::MAX),
+            ),
+            (
+                "ms beyond Duration is huge",
+                &[("retry-after-ms", b"18446744073709551616000")],
+                Some(Duration::MAX),
+            ),
+            (
+                "ms beyond u128 is huge, and hides retry-after",
+                &[
+                    (
+                        "retry-after-ms",
+                        b"999999999999999999999999999999999999999999999",
+                    ),
+                    ("retry-after", b"3"),
+                ],
+                Some(Duration::MAX),
+            ),
+            (
+                "date far ahead is taken as is",
+                &[
+                    ("date", date),
+                    ("retry-after", b"Fri, 31 Dec 9999 23:59:59 GMT"),
+                ],
+                Some(Duration::from_secs(253_402_300_799 - 784_111_777)),
             ),
             (
                 "ms beyond u64",
@@ -1126,7 +1200,27 @@ mod tests {
             let d = Duration::from_secs(now_secs.unsigned_abs());
             let now = if now_secs >= 0 { UNIX_EPOCH.checked_add(d) } else { UNIX_EPOCH.checked_sub(d) }
                 .unwrap_or(UNIX_EPOCH);
-            let _ = retry_after(&map, now);
+            let delay = retry_after(&map, now);
+            prop_assert_ne!(delay, Some(Duration::ZERO), "zero is no delay named");
+        }
+
+        #[test]
+        fn every_overflowing_retry_after_is_huge(
+            digits in "[1-9][0-9]{23,60}",
+            fraction in proptest::option::of("[0-9]{1,12}"),
+            millis in any::<bool>(),
+            pad in "[ \t]{0,2}",
+        ) {
+            // At least 10^23 seconds or milliseconds (10^20 s): past u64::MAX (about
+            // 1.8 x 10^19) seconds either way.
+            let number = match &fraction {
+                Some(f) => format!("{pad}{digits}.{f}{pad}"),
+                None => format!("{pad}{digits}{pad}"),
+            };
+            let name = if millis { "retry-after-ms" } else { "retry-after" };
+            let mut map = HeaderMap::new();
+            insert_raw(&mut map, name, number.as_bytes());
+            prop_assert_eq!(retry_after(&map, now()), Some(Duration::MAX), "{}: {}", name, number);
         }
 
         #[test]
@@ -1139,7 +1233,8 @@ mod tests {
             insert_raw(&mut map, "retry-after", httpdate::fmt_http_date(at(target)).as_bytes());
             prop_assert_eq!(
                 retry_after(&map, now()),
-                Some(Duration::from_secs(target.saturating_sub(server)))
+                // A date at or before `Date` names no delay.
+                Some(Duration::from_secs(target.saturating_sub(server))).filter(|d| !d.is_zero())
             );
         }
 

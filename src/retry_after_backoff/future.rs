@@ -14,7 +14,7 @@ use tokio::time::Sleep;
 use tower::retry::budget::Budget;
 use tower_service::Service;
 
-use super::body::{Peeked, ResponseBody};
+use super::body::{Filled, Peeked, ResponseBody};
 use super::decide::{self, Verdict};
 use super::layer::{Probe, Shared};
 use super::request::CloneRequest;
@@ -52,11 +52,13 @@ pin_project! {
             #[pin]
             fut: F,
         },
-        // Reading a 429's body ahead for the spend-limit code.
+        // Reading a 429's body ahead for the spend-limit code, until the deadline.
         Peeking {
             head: Option<http::response::Parts>,
             peeked: Option<Peeked<B>>,
             outcome: Outcome,
+            #[pin]
+            deadline: Sleep,
         },
         // Waiting for the store to take the throttle and the gate.
         Recording {
@@ -215,16 +217,16 @@ impl<S, Req, C> Call<S, Req, C> {
             outcome.retry = None;
         }
         let status = outcome.status;
-        // At its limit until an answer says otherwise (see `Core::probing`).
+        // At its limit until an answer says otherwise, or the probe timeout runs out (see
+        // `Core::is_probing`).
         let at_limit = !spend_limit && (outcome.slow_down || outcome.gate.is_some());
-        core.probing
-            .store(at_limit, std::sync::atomic::Ordering::Release);
+        let release = outcome.gate.map(|delay| core.note_reopen(delay));
+        core.note_at_limit(at_limit, release);
         let throttle = (status == StatusCode::TOO_MANY_REQUESTS)
             .then(|| core.store.record_throttle(&self.tenant));
-        let gate = outcome.gate.map(|delay| {
-            core.note_reopen(delay);
-            core.store.extend_cooldown(&core.policy.upstream, delay)
-        });
+        let gate = outcome
+            .gate
+            .map(|delay| core.store.extend_cooldown(&core.policy.upstream, delay));
         if outcome.slow_down {
             let delay = outcome.retry.or(outcome.server_delay).unwrap_or_default();
             tracing::warn!(
@@ -289,8 +291,7 @@ where
                         // Held behind the gate. After it reopens the calls go at random
                         // points of a window (each worker from its own offset into it), and
                         // one at a time until an answer shows the upstream has room.
-                        core.probing
-                            .store(true, std::sync::atomic::Ordering::Release);
+                        core.note_at_limit(true, Some(core.note_reopen(left)));
                         let wait = core.release_after(left);
                         telemetry::cooldown_wait(wait);
                         *sleep = sleep_for(wait.max(Duration::from_millis(1)));
@@ -360,10 +361,12 @@ where
                     if outcome.retry.is_some() && outcome.status == StatusCode::TOO_MANY_REQUESTS {
                         // Only a 429 about to be retried is read ahead: it may be the spend
                         // limit, which must go back to the caller (with every byte).
+                        let timeout = call.shared.core.policy.peek_timeout;
                         this.state.set(State::Peeking {
                             head: Some(head),
                             peeked: Some(Peeked::new(body)),
                             outcome,
+                            deadline: tokio::time::sleep(timeout),
                         });
                     } else {
                         let response =
@@ -375,18 +378,40 @@ where
                     head,
                     peeked,
                     outcome,
+                    deadline,
                 } => {
-                    let limit = call.shared.core.policy.peek_limit;
-                    if let Some(body) = peeked.as_mut() {
-                        ready!(body.poll_fill(cx, limit));
-                    }
+                    let policy = &call.shared.core.policy;
+                    // Why the reading stopped before the body could be judged, if it did.
+                    let cut = match peeked.as_mut() {
+                        Some(body) => {
+                            match body.poll_fill(cx, policy.peek_limit, policy.peek_frame_limit) {
+                                Poll::Ready(Filled::Read) => None,
+                                Poll::Ready(Filled::FrameLimit) => Some("peek_frame_limit"),
+                                Poll::Pending => {
+                                    // The body's waker, or its own (a capped poll), is set;
+                                    // the deadline's is set here.
+                                    ready!(deadline.poll(cx));
+                                    Some("peek_timeout")
+                                }
+                            }
+                        }
+                        None => None,
+                    };
                     let (Some(head), Some(body)) = (head.take(), peeked.take()) else {
                         this.state.set(State::Done);
                         return Poll::Ready(Err(MissingJob.into()));
                     };
                     let spend_limit = decide::is_spend_limit_body(body.bytes());
                     let response = http::Response::from_parts(head, ResponseBody::replay(body));
-                    let outcome = *outcome;
+                    let mut outcome = *outcome;
+                    if let Some(reason) = cut
+                        && !spend_limit
+                    {
+                        // Not judged: back to the caller as it is (see
+                        // `BackoffPolicyBuilder::peek_frame_limit`).
+                        telemetry::gave_up(reason);
+                        outcome.retry = None;
+                    }
                     this.state.set(call.settle(outcome, response, spend_limit));
                 }
                 StateProj::Recording {

@@ -38,8 +38,14 @@ pub(super) struct Core {
     rng: Mutex<Rng>,
     /// Set while the upstream is known to be at its limit (a throttle, or a limit reported
     /// exhausted) and no answer since said otherwise: calls then go one at a time (a probe),
-    /// so the calls released when a gate reopens do not all meet an empty bucket.
-    pub(super) probing: AtomicBool,
+    /// so the calls released when a gate reopens do not all meet an empty bucket. Read
+    /// through `is_probing`, which ends it once `probe_ends` is past.
+    probing: AtomicBool,
+    /// When the probe mode ends by itself: the policy's probe timeout after the last
+    /// throttle, or after this worker's release from the gate when that is later. Without
+    /// it, a worker whose last answer was a throttle would send one call at a time forever
+    /// (until one succeeds), however long the upstream had been quiet since.
+    probe_ends: Mutex<Option<Instant>>,
     /// The one call in flight while probing: its ticket and when it took the slot. A slot
     /// older than the release spread is free again, so a slow answer (a long call that is
     /// not streamed) cannot stop the worker: it then sends one call per spread.
@@ -121,8 +127,36 @@ impl Core {
             .filter(|pacing| pacing.is_shared())
     }
 
+    /// Whether calls go one at a time: the upstream was at its limit, no answer has said
+    /// otherwise since, and the probe timeout has not run out.
     pub(super) fn is_probing(&self) -> bool {
-        self.probing.load(Ordering::Acquire)
+        if !self.probing.load(Ordering::Acquire) {
+            return false;
+        }
+        let mut ends = crate::sync::lock(&self.probe_ends);
+        if ends.is_some_and(|at| Instant::now() >= at) {
+            // Quiet for the whole timeout: back to calls side by side.
+            *ends = None;
+            self.probing.store(false, Ordering::Release);
+            return false;
+        }
+        true
+    }
+
+    /// Notes what the last answer (or a closed gate) said about the upstream: at its limit,
+    /// so calls go one at a time until `release` (this worker's release from the gate, if
+    /// any) plus the probe timeout, unless an answer shows room first; or not.
+    pub(super) fn note_at_limit(&self, at_limit: bool, release: Option<Instant>) {
+        let mut ends = crate::sync::lock(&self.probe_ends);
+        if at_limit {
+            let from = release.map_or_else(Instant::now, |at| at.max(Instant::now()));
+            let until = from + self.policy.probe_timeout;
+            // Only later: a second throttle never shortens the first one's quiet interval.
+            *ends = Some(ends.map_or(until, |known| known.max(until)));
+        } else {
+            *ends = None;
+        }
+        self.probing.store(at_limit, Ordering::Release);
     }
 
     /// A uniform draw in [0, 1) from the layer's seeded source.
@@ -154,6 +188,7 @@ impl RetryAfterBackoffLayer {
                     pacer,
                     rng: Mutex::new(rng),
                     probing: AtomicBool::new(false),
+                    probe_ends: Mutex::new(None),
                     probe: Mutex::new(None),
                     tickets: AtomicU64::new(0),
                     release: Mutex::new(None),

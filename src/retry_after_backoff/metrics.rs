@@ -9,7 +9,8 @@ pub const THROTTLE_COUNT: &str = "claude_throttle_count";
 /// Counter, retries sent, label `status` (the status that was retried).
 pub const RETRIES: &str = "claude_retries_total";
 /// Counter, retryable answers returned to the caller instead, label `reason`
-/// (`max_retries`, `budget`, `over_max_delay`, `spend_limit`, `not_clonable`).
+/// (`max_retries`, `budget`, `over_max_delay`, `spend_limit`, `not_clonable`,
+/// `peek_timeout`, `peek_frame_limit`).
 pub const GAVE_UP: &str = "claude_retries_given_up_total";
 /// Counter, calls held behind a closed cooldown gate (each hold counts).
 pub const COOLDOWN_WAITS: &str = "claude_cooldown_waits_total";

@@ -12,9 +12,14 @@
 //!   explains why budgets beat a bare retry count; this layer keeps both.
 //! - **How long to wait**: the server's delay (`retry-after-ms`, else `retry-after` in
 //!   seconds or as an HTTP date; see [`decide::retry_after`]) x 1.2 +/- 20%; with none, the
-//!   SDKs' jittered exponential backoff (0.5 s doubling up to 8 s, minus up to 25%). A delay
-//!   over the policy's maximum (60 s) is not slept: the response goes back at once, so the
-//!   caller can decide. Never panics on any header.
+//!   SDKs' jittered exponential backoff (0.5 s doubling up to 8 s, minus up to 25%). A zero
+//!   delay (`retry-after: 0`, `retry-after-ms: 0`, a date at or before the server's `Date`)
+//!   counts as none, as in the official SDKs: the backoff applies, never an immediate retry,
+//!   and the gate stays open. A delay over the policy's maximum (60 s) is not slept: the
+//!   response goes back at once, so the caller can decide, and the gate closes for the
+//!   maximum. Every value too large to represent (`18446744073709551616`, a decimal or
+//!   millisecond form of it, any number of digits) counts as such a delay, like a date in the
+//!   year 9999: one rule for every overflow. Never panics on any header.
 //! - **Who is told**: every 429 counts against the request's tenant in the store's sliding
 //!   window ([`Store::record_throttle`](crate::Store::record_throttle)), which is what
 //!   demotes a runaway tenant in [`PriorityClassify`](crate::PriorityClassify); and the
@@ -24,7 +29,10 @@
 //!   each worker starts at its own random point of a release window (a fifth of the wait,
 //!   at least 1 s), each held call adds a draw of its own, and while the upstream is known
 //!   to be at its limit a worker sends one call at a time (a probe, like a circuit breaker
-//!   half-open) until an answer shows room again. A later, longer
+//!   half-open) until an answer shows room again, or until the upstream has been quiet for
+//!   the probe timeout (30 s, counted from the last throttle or from the worker's release
+//!   from the gate; [`BackoffPolicyBuilder::probe_timeout`]), so a stale throttle does not
+//!   hold a worker to one call at a time forever. A later, longer
 //!   delay extends the gate, a shorter one never shortens it; checking it is a local read
 //!   (pub/sub keeps each worker's copy current on Redis). A response reporting an exhausted
 //!   limit (`anthropic-ratelimit-*-remaining: 0` with its `-reset`) closes the gate until
@@ -41,6 +49,20 @@
 //! first 64 KiB are read ahead to look for the spend-limit code and then replayed — the
 //! caller gets every byte. A request without a [`Job`](crate::Job) fails with
 //! [`MissingJob`](crate::MissingJob).
+//!
+//! The read-ahead is bounded three ways, so no call hangs because an upstream stalls: by
+//! bytes (64 KiB, [`peek_limit`](BackoffPolicyBuilder::peek_limit)), by frames (1,024,
+//! [`peek_frame_limit`](BackoffPolicyBuilder::peek_frame_limit)) and by time (5 s from the
+//! head's arrival, [`peek_timeout`](BackoffPolicyBuilder::peek_timeout)). Reaching the byte
+//! limit or the body's end judges the body. Reaching the frame or time limit first means it
+//! could not be judged: the 429 is then **not retried** but goes back to the caller as it
+//! is — the frames read so far replayed, then the rest of the body streamed as the upstream
+//! sends it — still counted as a throttle and still closing the gate by its `retry-after`.
+//! Not retrying is the safe side (the unread part may be the spend-limit code); the
+//! caller's own read timeout governs the rest of a stalled body, and the permit and slot of
+//! the layers around this one come back when the caller drops it. One poll reads at most 64
+//! frames, then yields (waking itself), so a body of millions of empty frames that are all
+//! ready cannot hold a thread.
 //!
 //! ```
 //! use fairgate::{Job, Origin, RetryAfterBackoffLayer, Store};

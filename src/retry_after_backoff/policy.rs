@@ -14,7 +14,8 @@ use crate::error::ConfigError;
 /// of 20% of calls plus 10 retries a second over a 10 s window (tower's `TpsBudget`); held
 /// calls released over a window of at least 1 s (or a fifth of the remaining cooldown, if
 /// longer);
-/// upstream name `"default"`; no pacing; a random seed.
+/// upstream name `"default"`; no pacing; a random seed; a 429's body read ahead up to
+/// 64 KiB, 1,024 frames and 5 s; the probe mode over after 30 s without an answer.
 ///
 /// ```
 /// use fairgate::retry_after_backoff::{BackoffPolicy, Pacing, StatusSet};
@@ -44,6 +45,9 @@ pub struct BackoffPolicy {
     pub(super) pacing: Option<Pacing>,
     pub(super) seed: Option<u64>,
     pub(super) peek_limit: usize,
+    pub(super) peek_frame_limit: usize,
+    pub(super) peek_timeout: Duration,
+    pub(super) probe_timeout: Duration,
 }
 
 /// The retry budget's settings, as tower's `TpsBudget` takes them.
@@ -71,6 +75,9 @@ impl Default for BackoffPolicy {
             pacing: None,
             seed: None,
             peek_limit: 64 * 1024,
+            peek_frame_limit: 1024,
+            peek_timeout: Duration::from_secs(5),
+            probe_timeout: Duration::from_secs(30),
         }
     }
 }
@@ -111,6 +118,29 @@ impl BackoffPolicy {
     /// The pacing, if any.
     pub fn pacing(&self) -> Option<&Pacing> {
         self.pacing.as_ref()
+    }
+
+    /// Bytes of a 429's body read ahead at most.
+    pub fn peek_limit(&self) -> usize {
+        self.peek_limit
+    }
+
+    /// Frames of a 429's body read ahead at most; see
+    /// [`BackoffPolicyBuilder::peek_frame_limit`].
+    pub fn peek_frame_limit(&self) -> usize {
+        self.peek_frame_limit
+    }
+
+    /// How long a 429's body is read ahead at most; see
+    /// [`BackoffPolicyBuilder::peek_timeout`].
+    pub fn peek_timeout(&self) -> Duration {
+        self.peek_timeout
+    }
+
+    /// How long the probe mode lasts without an answer; see
+    /// [`BackoffPolicyBuilder::probe_timeout`].
+    pub fn probe_timeout(&self) -> Duration {
+        self.probe_timeout
     }
 
     /// The release window after a reopening `left` away: `max(release_spread, left / 5)`.
@@ -202,9 +232,49 @@ impl BackoffPolicyBuilder {
     }
 
     /// How many bytes of a 429's body are read to look for the spend-limit error code
-    /// (default 64 KiB; at least 64).
+    /// (default 64 KiB; at least 64). With no spend-limit code in them, the 429 is retried.
     pub fn peek_limit(mut self, bytes: usize) -> Self {
         self.policy.peek_limit = bytes;
+        self
+    }
+
+    /// How many frames of a 429's body are read ahead at most (default 1,024; at least 1),
+    /// whatever their size: a body of millions of empty frames stops here.
+    ///
+    /// Reaching this limit (or [`peek_timeout`](Self::peek_timeout)) before the byte limit
+    /// or the body's end means the body could not be judged: the 429 is **not retried**
+    /// but goes back to the caller as it is — the frames read so far replayed, then the
+    /// rest of the body streamed as the upstream sends it. It is still counted as a
+    /// throttle and still closes the gate by its `retry-after`. Not retrying is the safe
+    /// side: the unread part may be the spend-limit code, and a retry would drop a body the
+    /// caller may want; the caller's own read timeout governs the rest of the body.
+    pub fn peek_frame_limit(mut self, frames: usize) -> Self {
+        self.policy.peek_frame_limit = frames;
+        self
+    }
+
+    /// How long a 429's body is read ahead at most, from its head's arrival (default 5 s;
+    /// at least 1 ms). An upstream that sends a few bytes and then stalls cannot hold the
+    /// call (and the permit and slot of the layers around it) longer than this: past it,
+    /// the 429 goes back to the caller as it is, as past
+    /// [`peek_frame_limit`](Self::peek_frame_limit).
+    pub fn peek_timeout(mut self, timeout: Duration) -> Self {
+        self.policy.peek_timeout = timeout;
+        self
+    }
+
+    /// How long the probe mode lasts with no answer at all (default 30 s; at least 1 ms).
+    ///
+    /// After a throttle (or while the gate holds calls) a worker sends one call at a time
+    /// until an answer shows the upstream has room. The first answer that is not a
+    /// throttle ends that at once; each throttle starts the interval again. With no answer
+    /// (no traffic, or calls that never finish) the mode ends this long after the last
+    /// throttle, or after this worker's release from the gate when that is later, and
+    /// calls go side by side again. A fixed interval rather than a multiple of the last
+    /// delay: the delay is already waited out by the gate, and what is left is how long a
+    /// stale "at its limit" may be believed.
+    pub fn probe_timeout(mut self, timeout: Duration) -> Self {
+        self.policy.probe_timeout = timeout;
         self
     }
 
@@ -251,6 +321,17 @@ impl BackoffPolicyBuilder {
         }
         if policy.peek_limit < 64 {
             return Err(ConfigError::new("peek limit must be at least 64 bytes"));
+        }
+        if policy.peek_frame_limit == 0 {
+            return Err(ConfigError::new(
+                "peek frame limit must be at least 1 frame",
+            ));
+        }
+        if policy.peek_timeout < Duration::from_millis(1) {
+            return Err(ConfigError::new("peek timeout must be at least 1 ms"));
+        }
+        if policy.probe_timeout < Duration::from_millis(1) {
+            return Err(ConfigError::new("probe timeout must be at least 1 ms"));
         }
         Ok(policy)
     }
