@@ -501,8 +501,7 @@ async fn most_in_flight_with_slots_on_another_store(fair_store: Store) -> u32 {
     for call in calls {
         let _ = call.await.unwrap();
     }
-    let most = counts.lock().unwrap().1;
-    most
+    counts.lock().unwrap().1
 }
 
 /// A DrrFairness whose store has no slot policy takes no slot, so it must not tell a
