@@ -105,8 +105,11 @@ where
         let arrived = job.arrival();
         let held_above = job.slot_held();
         // Dispatched only with its slot when the store's policy gates it, so the slot layer
-        // below lets it through without taking a second one.
-        job.mark_slot_held();
+        // below lets it through without taking a second one. Without a policy on the store
+        // no slot is taken here, and the slot layer below must take one.
+        if self.shared.gates_slots() {
+            job.mark_slot_held();
+        }
         let job = &*job;
         // The future drives its own clone's readiness once dispatched (as tower's Buffer
         // worker does); `self.inner` is never polled, so no readiness is moved or lost.

@@ -284,6 +284,11 @@ impl Shared {
         self.config.clone()
     }
 
+    /// Whether the store has a slot policy: then this layer takes each request's slot.
+    pub(super) fn gates_slots(&self) -> bool {
+        self.store.slot_policy().is_some()
+    }
+
     pub(super) fn in_flight(&self) -> usize {
         self.lock().in_flight
     }

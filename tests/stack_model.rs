@@ -1,0 +1,524 @@
+//! A model test of the combined admission: random arrivals of tenants, tiers (an unknown one
+//! too), priorities, costs and call durations, some callers giving up at a random moment,
+//! through the whole recommended stack (PriorityClassify, RetryAfterBackoff, DrrFairness,
+//! TierSlotLimit) on the memory store, each case in its own paused-time runtime. Everything is
+//! checked from outside the library: a mock upstream counts the calls in flight, each caller
+//! records how its request ended, and at quiescent moments between events the waiting
+//! requests are compared with the room left in their tier, the global cap and the window.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use fairgate::{
+    BackoffPolicy, BoxError, Busy, DemotionPolicy, DrrFairnessLayer, Job, Origin,
+    PriorityClassifyLayer, QueueFull, RetryAfterBackoffLayer, SlotPolicy, Store,
+    TierSlotLimitLayer,
+};
+use proptest::prelude::*;
+use proptest::test_runner::FileFailurePersistence;
+use tokio::time::Instant;
+use tower::{ServiceBuilder, ServiceExt, service_fn};
+
+/// The tiers of the policy, in the order of `Limits::caps`.
+const TIERS: [&str; 4] = ["premium", "pro", "free", "guest"];
+/// What callers send: the four tiers, a name the policy does not know, and no tier at all.
+const SENT_TIERS: [Option<&str>; 6] = [
+    Some("premium"),
+    Some("pro"),
+    Some("free"),
+    Some("guest"),
+    Some("platinum"),
+    None,
+];
+/// Every event (arrival, end of a call, a caller giving up, a max wait) falls on this grid;
+/// the checks run half-way between two ticks, when nothing is due.
+const TICK: Duration = Duration::from_millis(10);
+/// Timer slack: tokio's timers round up to the millisecond.
+const SLACK: Duration = Duration::from_millis(5);
+
+/// The slot policy and the window of one case.
+#[derive(Clone, Debug)]
+struct Limits {
+    global: u32,
+    caps: [u32; 4],
+    max_waits: [Duration; 4],
+    window: usize,
+    /// An optional per-tenant queue limit, so some requests end `QueueFull`.
+    queue_per_tenant: Option<usize>,
+}
+
+impl Limits {
+    fn policy(&self) -> SlotPolicy {
+        let mut builder = SlotPolicy::builder().global_max(self.global).seed(7);
+        for (t, tier) in TIERS.iter().enumerate() {
+            builder = builder.tier(*tier, self.caps[t], self.max_waits[t]);
+        }
+        builder.build().expect("a valid policy")
+    }
+}
+
+/// One caller.
+#[derive(Clone, Debug)]
+struct Arrival {
+    tenant: usize,
+    /// Index into `SENT_TIERS`.
+    tier: usize,
+    origin: Origin,
+    sla: Option<Duration>,
+    cost: u32,
+    at: Duration,
+    call: Duration,
+    /// The caller drops its future this long after sending, if it has no answer by then.
+    gives_up_after: Option<Duration>,
+}
+
+impl Arrival {
+    /// The tier the caps count it under: an unknown tier (or none) is `guest`.
+    fn counted(&self) -> usize {
+        self.tier.min(3)
+    }
+
+    fn job(&self) -> Job {
+        let mut job = Job::new(format!("t{}", self.tenant), self.origin).cost(self.cost);
+        if let Some(tier) = SENT_TIERS[self.tier] {
+            job = job.tier(tier);
+        }
+        if let Some(sla) = self.sla {
+            job = job.sla(sla);
+        }
+        job
+    }
+}
+
+fn ticks(range: std::ops::RangeInclusive<u64>) -> impl Strategy<Value = Duration> {
+    range.prop_map(|n| TICK * n as u32)
+}
+
+fn limits() -> impl Strategy<Value = Limits> {
+    (
+        2..=6u32,
+        prop::array::uniform4(1..=4u32),
+        prop::array::uniform4(1..=5u64),
+        1..=8usize,
+        prop::option::weighted(0.5, 1..=3usize),
+    )
+        .prop_map(|(global, caps, waits, window, queue_per_tenant)| Limits {
+            global,
+            caps,
+            max_waits: waits.map(Duration::from_secs),
+            window,
+            queue_per_tenant,
+        })
+}
+
+fn arrival() -> impl Strategy<Value = Arrival> {
+    (
+        0..5usize,
+        0..SENT_TIERS.len(),
+        prop::sample::select(vec![
+            Origin::UserAction,
+            Origin::Scheduled,
+            Origin::BatchJob,
+        ]),
+        prop::sample::select(vec![
+            None,
+            Some(Duration::from_secs(60)),
+            Some(Duration::from_secs(48 * 3600)),
+        ]),
+        1..20_000u32,
+        ticks(0..=300),
+        ticks(5..=200),
+        prop::option::weighted(0.2, ticks(0..=400)),
+    )
+        .prop_map(
+            |(tenant, tier, origin, sla, cost, at, call, gives_up_after)| Arrival {
+                tenant,
+                tier,
+                origin,
+                sla,
+                cost,
+                at,
+                call,
+                gives_up_after,
+            },
+        )
+}
+
+/// How a request ended, as its caller saw it.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum End {
+    Served,
+    Busy,
+    QueueFull,
+    Dropped,
+}
+
+/// What the outside world knows of one request.
+#[derive(Clone, Debug, Default)]
+struct Seen {
+    sent: Option<Instant>,
+    /// Calls that reached the upstream (at most one: nothing is throttled here).
+    calls: u32,
+    started: Option<Instant>,
+    call_over: bool,
+    end: Option<(End, Instant)>,
+}
+
+#[derive(Default)]
+struct Track {
+    requests: Vec<Seen>,
+    in_flight: u32,
+    by_tier: [u32; 4],
+    violations: Vec<String>,
+}
+
+type Shared = Arc<Mutex<Track>>;
+
+/// A call in flight at the upstream; counted out when the call ends or is dropped.
+struct InFlight {
+    track: Shared,
+    id: usize,
+    tier: usize,
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        let mut track = self.track.lock().unwrap();
+        track.in_flight -= 1;
+        track.by_tier[self.tier] -= 1;
+        track.requests[self.id].call_over = true;
+    }
+}
+
+type Stack = tower::util::BoxCloneSyncService<http::Request<String>, (), BoxError>;
+
+/// The recommended stack over a mock upstream that checks the caps at every call's start.
+fn stack(
+    store: &Store,
+    fair: &DrrFairnessLayer,
+    slots: TierSlotLimitLayer,
+    limits: &Limits,
+    arrivals: Arc<Vec<Arrival>>,
+    track: Shared,
+) -> Stack {
+    let demotion = DemotionPolicy::builder()
+        .default_daily_budget(u64::MAX)
+        .throttle_limit(u32::MAX)
+        .build()
+        .unwrap();
+    let limits = limits.clone();
+    let upstream = service_fn(move |req: http::Request<String>| {
+        let id: usize = req.body().parse().expect("the body names the request");
+        let arrival = &arrivals[id];
+        let tier = arrival.counted();
+        let guard = {
+            let mut t = track.lock().unwrap();
+            let now = Instant::now();
+            t.in_flight += 1;
+            t.by_tier[tier] += 1;
+            let (in_flight, in_tier) = (t.in_flight, t.by_tier[tier]);
+            if in_flight > limits.global {
+                t.violations.push(format!(
+                    "{in_flight} calls in flight, global cap {}",
+                    limits.global
+                ));
+            }
+            if in_tier > limits.caps[tier] {
+                t.violations.push(format!(
+                    "{in_tier} calls of {} in flight, cap {}",
+                    TIERS[tier], limits.caps[tier]
+                ));
+            }
+            let seen = &mut t.requests[id];
+            seen.calls += 1;
+            seen.started = Some(now);
+            InFlight {
+                track: track.clone(),
+                id,
+                tier,
+            }
+        };
+        let call = arrival.call;
+        async move {
+            tokio::time::sleep(call).await;
+            drop(guard);
+            Ok::<_, BoxError>(http::Response::new(String::new()))
+        }
+    });
+    let service = ServiceBuilder::new()
+        .layer(PriorityClassifyLayer::new(store.clone()).demotion(demotion))
+        .layer(RetryAfterBackoffLayer::new(
+            store.clone(),
+            BackoffPolicy::default(),
+        ))
+        .layer(fair.clone())
+        .layer(slots)
+        .service(upstream)
+        // The body is whole at once: dropping the response releases everything.
+        .map_response(drop);
+    tower::util::BoxCloneSyncService::new(service)
+}
+
+/// One case: every violation found, empty if none.
+async fn run(limits: Limits, arrivals: Vec<Arrival>) -> Vec<String> {
+    let store = Store::memory();
+    let slots = TierSlotLimitLayer::new(store.clone(), limits.policy());
+    let mut fair = DrrFairnessLayer::builder(store.clone(), limits.window);
+    if let Some(limit) = limits.queue_per_tenant {
+        fair = fair.max_queued_per_tenant(limit);
+    }
+    let fair = fair.build().expect("a valid window");
+    let track: Shared = Arc::new(Mutex::new(Track {
+        requests: vec![Seen::default(); arrivals.len()],
+        ..Track::default()
+    }));
+    let arrivals = Arc::new(arrivals);
+    let stack = stack(
+        &store,
+        &fair,
+        slots,
+        &limits,
+        arrivals.clone(),
+        track.clone(),
+    );
+    let start = Instant::now();
+
+    let callers: Vec<_> = (0..arrivals.len())
+        .map(|id| {
+            let (stack, track, arrival) = (stack.clone(), track.clone(), arrivals[id].clone());
+            tokio::spawn(async move {
+                tokio::time::sleep_until(start + arrival.at).await;
+                let mut req = http::Request::new(id.to_string());
+                req.extensions_mut().insert(arrival.job());
+                track.lock().unwrap().requests[id].sent = Some(Instant::now());
+                let call = stack.oneshot(req);
+                let result = match arrival.gives_up_after {
+                    Some(after) => tokio::select! {
+                        result = call => Some(result),
+                        _ = tokio::time::sleep(after) => None,
+                    },
+                    None => Some(call.await),
+                };
+                let end = match result {
+                    None => End::Dropped,
+                    Some(Ok(())) => End::Served,
+                    Some(Err(e)) if e.is::<Busy>() => End::Busy,
+                    Some(Err(e)) if e.is::<QueueFull>() => End::QueueFull,
+                    Some(Err(e)) => {
+                        track
+                            .lock()
+                            .unwrap()
+                            .violations
+                            .push(format!("request {id} failed with {e}"));
+                        End::Dropped
+                    }
+                };
+                let mut t = track.lock().unwrap();
+                match t.requests[id].end {
+                    None => t.requests[id].end = Some((end, Instant::now())),
+                    Some(first) => t
+                        .violations
+                        .push(format!("request {id} ended twice: {first:?}, {end:?}")),
+                }
+            })
+        })
+        .collect();
+
+    // Quiescent moments: half-way between ticks, after letting every task run.
+    let mut violations = Vec::new();
+    for k in 0u32.. {
+        tokio::time::sleep_until(start + TICK * k + TICK / 2).await;
+        for _ in 0..4 {
+            tokio::task::yield_now().await;
+        }
+        let at = Instant::now().saturating_duration_since(start);
+        let window = fair.in_flight();
+        let slots_used = store.slots_in_use(None).await;
+        let t = track.lock().unwrap();
+        if window > limits.window {
+            violations.push(format!(
+                "at {at:?}: {window} permits, window {}",
+                limits.window
+            ));
+        }
+        if window as u32 != t.in_flight || slots_used != t.in_flight {
+            violations.push(format!(
+                "at {at:?}: {} calls in flight, {window} permits, {slots_used} slots",
+                t.in_flight
+            ));
+        }
+        for (id, seen) in t.requests.iter().enumerate() {
+            if seen.sent.is_none() || seen.started.is_some() || seen.end.is_some() {
+                continue;
+            }
+            let tier = arrivals[id].counted();
+            let tier_full = t.by_tier[tier] >= limits.caps[tier];
+            let global_full = t.in_flight >= limits.global;
+            let window_full = window >= limits.window;
+            if !(tier_full || global_full || window_full) {
+                violations.push(format!(
+                    "at {at:?}: request {id} ({}) waits with room: tier {}/{}, global {}/{}, \
+                     window {window}/{}",
+                    TIERS[tier],
+                    t.by_tier[tier],
+                    limits.caps[tier],
+                    t.in_flight,
+                    limits.global,
+                    limits.window
+                ));
+            }
+        }
+        let all_ended = t.requests.iter().all(|s| s.end.is_some());
+        drop(t);
+        if !violations.is_empty() || all_ended {
+            break;
+        }
+        if at > Duration::from_secs(60) {
+            violations.push("requests still unfinished after 60 s".to_owned());
+            break;
+        }
+    }
+    for caller in callers {
+        caller.abort();
+        if let Err(e) = caller.await
+            && !e.is_cancelled()
+        {
+            violations.push(format!("a caller panicked: {e}"));
+        }
+    }
+    if !violations.is_empty() {
+        return violations;
+    }
+
+    // Every request ended exactly once, in a way that fits what the upstream saw, within
+    // its tier's max wait of its arrival.
+    tokio::time::sleep(TICK).await;
+    violations.extend(check_ends(&track.lock().unwrap(), &arrivals, &limits));
+    let (window, queued, slots_used) = (
+        fair.in_flight(),
+        fair.queued(None),
+        store.slots_in_use(None).await,
+    );
+    if window != 0 || queued != 0 || slots_used != 0 {
+        violations.push(format!(
+            "at the end: {window} permits, {queued} queued, {slots_used} slots held"
+        ));
+    }
+    violations
+}
+
+/// How each request ended, checked against what the upstream saw and its tier's max wait.
+fn check_ends(t: &Track, arrivals: &[Arrival], limits: &Limits) -> Vec<String> {
+    let mut violations = Vec::new();
+    violations.extend(t.violations.iter().cloned());
+    for (id, (seen, arrival)) in t.requests.iter().zip(arrivals.iter()).enumerate() {
+        let (Some(sent), Some((end, ended))) = (seen.sent, seen.end) else {
+            violations.push(format!("request {id} never ended: {seen:?}"));
+            continue;
+        };
+        let max_wait = limits.max_waits[arrival.counted()];
+        let waited = ended.saturating_duration_since(sent);
+        let ok = match end {
+            End::Served => {
+                let started = seen.started.map(|s| s.saturating_duration_since(sent));
+                seen.calls == 1 && seen.call_over && started.is_some_and(|s| s <= max_wait + SLACK)
+            }
+            End::Busy => seen.calls == 0 && waited >= max_wait && waited <= max_wait + SLACK,
+            End::QueueFull => seen.calls == 0 && waited <= SLACK,
+            End::Dropped => seen.calls <= 1 && seen.call_over == (seen.calls == 1),
+        };
+        if !ok {
+            violations.push(format!(
+                "request {id} ({:?} of {}, max wait {max_wait:?}) ended {end:?} after \
+                 {waited:?}: {seen:?}",
+                SENT_TIERS[arrival.tier],
+                TIERS[arrival.counted()],
+            ));
+        }
+    }
+    violations
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig {
+        cases: 48,
+        failure_persistence: Some(Box::new(FileFailurePersistence::WithSource("regressions"))),
+        ..ProptestConfig::default()
+    })]
+
+    #[test]
+    fn the_stack_keeps_the_caps_conserves_work_and_ends_every_request_once_within_its_max_wait(
+        limits in limits(),
+        arrivals in prop::collection::vec(arrival(), 1..40),
+    ) {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .start_paused(true)
+            .build()
+            .unwrap();
+        let violations = runtime.block_on(run(limits.clone(), arrivals));
+        prop_assert!(violations.is_empty(), "{limits:?}:\n{}", violations.join("\n"));
+    }
+}
+
+// ---------- the seam between DrrFairness and TierSlotLimit ----------
+
+/// Five requests at once through a DrrFairness on `fair_store` (window 8) over a
+/// TierSlotLimit on another store capped at one call: the most calls in flight at once.
+async fn most_in_flight_with_slots_on_another_store(fair_store: Store) -> u32 {
+    let slot_store = Store::memory();
+    let policy = SlotPolicy::builder().global_max(1).build().unwrap();
+    let counts = Arc::new(Mutex::new((0u32, 0u32)));
+    let upstream = {
+        let counts = counts.clone();
+        service_fn(move |_: http::Request<String>| {
+            let counts = counts.clone();
+            {
+                let mut c = counts.lock().unwrap();
+                c.0 += 1;
+                c.1 = c.1.max(c.0);
+            }
+            async move {
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                counts.lock().unwrap().0 -= 1;
+                Ok::<_, BoxError>(http::Response::new(String::new()))
+            }
+        })
+    };
+    let stack = ServiceBuilder::new()
+        .layer(DrrFairnessLayer::new(fair_store, 8))
+        .layer(TierSlotLimitLayer::new(slot_store, policy))
+        .service(upstream)
+        .map_response(drop);
+    let calls: Vec<_> = (0..5)
+        .map(|i| {
+            let mut req = http::Request::new(String::new());
+            req.extensions_mut()
+                .insert(Job::new(format!("t{i}"), Origin::UserAction).tier("pro"));
+            tokio::spawn(stack.clone().oneshot(req))
+        })
+        .collect();
+    for call in calls {
+        let _ = call.await.unwrap();
+    }
+    counts.lock().unwrap().1
+}
+
+/// A DrrFairness whose store has no slot policy takes no slot, so it must not tell a
+/// TierSlotLimit below it (on another store) that the request holds one.
+#[tokio::test(start_paused = true)]
+async fn a_fair_queue_on_a_store_without_slot_policy_leaves_the_slot_layer_its_caps() {
+    let most = most_in_flight_with_slots_on_another_store(Store::memory()).await;
+    assert_eq!(most, 1, "the slot layer's global cap of 1 was skipped");
+}
+
+/// The same with a slot policy on the fair queue's store: the slot it takes there is not
+/// the slot layer's, whose caps (on its own store) must still hold.
+#[tokio::test(start_paused = true)]
+#[ignore = "bug: the slot-held mark on a Job does not say on which store the slot was taken"]
+async fn a_fair_queue_on_another_store_with_its_own_policy_leaves_the_slot_layer_its_caps() {
+    let fair_store = Store::memory();
+    let _register = TierSlotLimitLayer::new(fair_store.clone(), SlotPolicy::default());
+    let most = most_in_flight_with_slots_on_another_store(fair_store).await;
+    assert_eq!(most, 1, "the slot layer's global cap of 1 was skipped");
+}
