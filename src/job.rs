@@ -194,8 +194,9 @@ pub struct Job {
     priority: Option<Priority>,
     /// When the request entered the first fairgate layer: every wait counts from here.
     arrived: Option<Instant>,
-    /// An outer layer already holds a slot for this request (see `crate::admission`).
-    slot_held: bool,
+    /// The store on which an outer layer already holds a slot for this request (see
+    /// `crate::admission`), by [`Store::id`](crate::Store).
+    slot_held: Option<usize>,
 }
 
 impl Job {
@@ -209,7 +210,7 @@ impl Job {
             cost: 1,
             priority: None,
             arrived: None,
-            slot_held: false,
+            slot_held: None,
         }
     }
 
@@ -290,16 +291,18 @@ impl Job {
     /// Starts the clock again: a retry is a new attempt, its waits count from now.
     pub(crate) fn restamp(&mut self) {
         self.arrived = Some(Instant::now());
-        self.slot_held = false;
+        self.slot_held = None;
     }
 
-    /// Whether a layer outside the one asking already holds a slot for this request.
-    pub(crate) fn slot_held(&self) -> bool {
-        self.slot_held
+    /// Whether a layer outside the one asking already holds a slot for this request on
+    /// `store` (a slot on another store counts against other caps).
+    pub(crate) fn slot_held_on(&self, store: &crate::Store) -> bool {
+        self.slot_held == Some(store.id())
     }
 
-    pub(crate) fn mark_slot_held(&mut self) {
-        self.slot_held = true;
+    /// Says that the request holds (or will hold before it goes further) a slot on `store`.
+    pub(crate) fn mark_slot_held_on(&mut self, store: &crate::Store) {
+        self.slot_held = Some(store.id());
     }
 }
 

@@ -515,7 +515,6 @@ async fn a_fair_queue_on_a_store_without_slot_policy_leaves_the_slot_layer_its_c
 /// The same with a slot policy on the fair queue's store: the slot it takes there is not
 /// the slot layer's, whose caps (on its own store) must still hold.
 #[tokio::test(start_paused = true)]
-#[ignore = "bug: the slot-held mark on a Job does not say on which store the slot was taken"]
 async fn a_fair_queue_on_another_store_with_its_own_policy_leaves_the_slot_layer_its_caps() {
     let fair_store = Store::memory();
     let _register = TierSlotLimitLayer::new(fair_store.clone(), SlotPolicy::default());

@@ -103,12 +103,12 @@ where
             return ResponseFuture::failed(MissingJob.into());
         };
         let arrived = job.arrival();
-        let held_above = job.slot_held();
+        let held_above = job.slot_held_on(self.shared.store());
         // Dispatched only with its slot when the store's policy gates it, so the slot layer
-        // below lets it through without taking a second one. Without a policy on the store
-        // no slot is taken here, and the slot layer below must take one.
+        // below on the same store lets it through without taking a second one. Without a
+        // policy no slot is taken here, and the slot layer below must take one.
         if self.shared.gates_slots() {
-            job.mark_slot_held();
+            job.mark_slot_held_on(self.shared.store());
         }
         let job = &*job;
         // The future drives its own clone's readiness once dispatched (as tower's Buffer

@@ -284,6 +284,10 @@ impl Shared {
         self.config.clone()
     }
 
+    pub(super) fn store(&self) -> &Store {
+        &self.store
+    }
+
     /// Whether the store has a slot policy: then this layer takes each request's slot.
     pub(super) fn gates_slots(&self) -> bool {
         self.store.slot_policy().is_some()

@@ -289,6 +289,11 @@ impl Store {
         }
     }
 
+    /// Names this store (and its clones) while it lives: what a job's slot mark refers to.
+    pub(crate) fn id(&self) -> usize {
+        Arc::as_ptr(&self.slot_policy) as usize
+    }
+
     /// The caps registered on this store, if a slot layer was built on it.
     pub(crate) fn slot_policy(&self) -> Option<&SlotPolicy> {
         self.slot_policy.get()

@@ -76,8 +76,8 @@ where
         };
         let shared = &self.shared;
         let started = job.arrival();
-        let held_above = job.slot_held();
-        job.mark_slot_held();
+        let held_above = job.slot_held_on(&shared.store);
+        job.mark_slot_held_on(&shared.store);
         let (tier, limit, state) = shared.resolve(job.tier_name());
         let inner = self.inner.clone();
         if held_above {
