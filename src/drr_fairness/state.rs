@@ -64,6 +64,9 @@ struct Group {
     /// Start-time fair queuing between the groups of a class: the cost served per unit of
     /// the group's active weight. The group with the least goes next.
     vtime: [f64; 3],
+    /// The last step of `vtime` per class: charged ahead for an acquire under way, so the
+    /// next pick sees the group as served and other tiers get their turn meanwhile.
+    last_step: [f64; 3],
 }
 
 struct Gate {
@@ -73,6 +76,9 @@ struct Gate {
     blocked: bool,
     /// Acquires under way (Redis), each holding a window place for the request it is for.
     acquiring: usize,
+    /// The last acquire was refused: after a release, one acquire finds out whether the tier
+    /// has room before more are sent (a freed slot is one slot, not a window's worth).
+    probing: bool,
 }
 
 impl Group {
@@ -82,14 +88,20 @@ impl Group {
             scheduler: Scheduler::new(config.clone().with_max_per_class(None))?,
             gate,
             vtime: [0.0; 3],
+            last_step: [0.0; 3],
         })
     }
 
     /// Whether a request of this group may be dispatched now, as far as its slot goes.
     fn may_go(&self) -> bool {
-        self.gate
-            .as_ref()
-            .is_none_or(|gate| !gate.blocked && gate.acquiring < self.scheduler.len())
+        self.gate.as_ref().is_none_or(|gate| {
+            let at_once = if gate.probing {
+                1
+            } else {
+                self.scheduler.len()
+            };
+            !gate.blocked && gate.acquiring < at_once
+        })
     }
 }
 
@@ -129,6 +141,15 @@ pub(super) struct Shared {
     state: Mutex<State>,
 }
 
+/// An acquire `dispatch` sent for a group's next request in `class`, with the step of the
+/// group's virtual time charged ahead for it.
+struct Acquire {
+    group: usize,
+    class: Priority,
+    ahead: f64,
+    slot: StoreFuture<Option<SlotLease>>,
+}
+
 /// What a dispatch leaves to do once the lock is released.
 #[derive(Default)]
 struct AfterUnlock {
@@ -136,8 +157,8 @@ struct AfterUnlock {
     served: Vec<(TenantId, u64)>,
     depth: Option<Priority>,
     index: Option<Option<f64>>,
-    /// Slot acquires to send (Redis): (group, class, acquire).
-    acquires: Vec<(usize, Priority, StoreFuture<Option<SlotLease>>)>,
+    /// Slot acquires to send (Redis).
+    acquires: Vec<Acquire>,
     watch: bool,
     /// Slots to give back, outside the lock.
     drop_leases: Vec<SlotLease>,
@@ -158,17 +179,23 @@ impl AfterUnlock {
         }
         drop(self.drop_leases);
         let runtime = tokio::runtime::Handle::try_current().ok();
-        for (group, class, acquire) in self.acquires {
+        for acquire in self.acquires {
             let shared = shared.clone();
             match &runtime {
                 Some(runtime) => {
                     runtime.spawn(async move {
-                        let lease = acquire.await;
-                        shared.slot_answer(group, class, lease);
+                        let Acquire {
+                            group,
+                            class,
+                            ahead,
+                            slot,
+                        } = acquire;
+                        let lease = slot.await;
+                        shared.slot_answer(group, class, ahead, lease);
                     });
                 }
                 // Nothing can send it (no runtime): unsent, it holds nothing.
-                None => shared.slot_answer(group, class, None),
+                None => shared.slot_answer(acquire.group, acquire.class, acquire.ahead, None),
             }
         }
         if self.watch
@@ -341,6 +368,7 @@ impl Shared {
                     limit,
                     blocked: false,
                     acquiring: 0,
+                    probing: false,
                 };
                 state.groups.push(Group::new(&self.config, Some(gate))?);
                 let group = state.groups.len() - 1;
@@ -544,10 +572,18 @@ impl Shared {
                             // The window place is reserved for the request the answer will
                             // be handed to.
                             state.in_flight += 1;
-                            if let Some(gate) = state.groups[group].gate.as_mut() {
+                            let g = &mut state.groups[group];
+                            if let Some(gate) = g.gate.as_mut() {
                                 gate.acquiring += 1;
                             }
-                            after.acquires.push((group, class, pending));
+                            let ahead = g.last_step[ci];
+                            g.vtime[ci] += ahead;
+                            after.acquires.push(Acquire {
+                                group,
+                                class,
+                                ahead,
+                                slot: pending,
+                            });
                             continue;
                         }
                     }
@@ -560,6 +596,7 @@ impl Shared {
     fn block(&self, state: &mut State, group: usize, after: &mut AfterUnlock) {
         if let Some(gate) = state.groups[group].gate.as_mut() {
             gate.blocked = true;
+            gate.probing = true;
         }
         if !state.watching {
             state.watching = true;
@@ -588,7 +625,8 @@ impl Shared {
         };
         // The group's active weight: its tenants share a tier, so they share a weight.
         let weight = f64::from(next.item.weight.max(1)) * active.max(1) as f64;
-        g.vtime[ci] += next.cost as f64 / weight;
+        g.last_step[ci] = next.cost as f64 / weight;
+        g.vtime[ci] += g.last_step[ci];
         state.in_flight += 1;
         after.index = state.fairness.record(
             &next.tenant,
@@ -606,14 +644,24 @@ impl Shared {
     }
 
     /// The answer to an acquire sent by `dispatch` for `group`.
-    fn slot_answer(self: &Arc<Self>, group: usize, class: Priority, lease: Option<SlotLease>) {
+    fn slot_answer(
+        self: &Arc<Self>,
+        group: usize,
+        class: Priority,
+        ahead: f64,
+        lease: Option<SlotLease>,
+    ) {
         let mut after = AfterUnlock::default();
         let depth = {
             let mut state = self.lock();
             state.in_flight = state.in_flight.saturating_sub(1);
-            if let Some(gate) = state.groups[group].gate.as_mut() {
+            let g = &mut state.groups[group];
+            if let Some(gate) = g.gate.as_mut() {
                 gate.acquiring = gate.acquiring.saturating_sub(1);
+                gate.probing = lease.is_none();
             }
+            // The step charged ahead when the acquire was sent; the dispatch charges its own.
+            g.vtime[class as usize] -= ahead;
             match lease {
                 Some(lease) => self.hand_next(&mut state, group, class, Some(lease), &mut after),
                 None => self.block(&mut state, group, &mut after),
