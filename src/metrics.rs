@@ -61,9 +61,6 @@ impl Metric {
 
     /// The name under [`DEFAULT_PREFIX`]: the public constant.
     fn default_name(self) -> &'static str {
-        use crate::retry_after_backoff::metrics::{
-            COOLDOWN_WAIT_SECONDS, COOLDOWN_WAITS, GAVE_UP, RETRIES, THROTTLE_COUNT,
-        };
         match self {
             Metric::RequestLatency => REQUEST_LATENCY,
             Metric::DemotedTenants => DEMOTED_TENANTS,
@@ -191,6 +188,25 @@ pub(crate) fn demoted_tenants(count: usize) {
 pub(crate) fn store_degraded(degraded: bool) {
     metrics::gauge!(Metric::StoreDegraded.name()).set(if degraded { 1.0 } else { 0.0 });
 }
+
+// RetryAfterBackoff
+
+/// Gauge, 429s of a tenant inside the store's throttle window (rolling 60 s by default), as
+/// of its latest throttle; label `tenant_id` (capped, see
+/// [`limit_tenant_labels`]).
+pub const THROTTLE_COUNT: &str = "claude_throttle_count";
+/// Counter, retries sent, label `status` (the status that was retried).
+pub const RETRIES: &str = "claude_retries_total";
+/// Counter, retryable answers returned to the caller instead, label `reason`
+/// (`max_retries`, `budget`, `over_max_delay`, `spend_limit`, `not_clonable`,
+/// `peek_timeout`, `peek_frame_limit`).
+pub const GAVE_UP: &str = "claude_retries_given_up_total";
+/// Counter, calls held behind a closed cooldown gate (each hold counts).
+pub const COOLDOWN_WAITS: &str = "claude_cooldown_waits_total";
+/// Histogram, seconds a call was held behind a closed cooldown gate (each hold).
+pub const COOLDOWN_WAIT_SECONDS: &str = "claude_cooldown_wait_seconds";
+
+// DrrFairness
 
 /// Metric: gauge, requests waiting in the fair queue, label `priority`.
 pub const QUEUE_DEPTH: &str = "claude_queue_depth";
