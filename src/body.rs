@@ -78,6 +78,11 @@ impl<B: Body, G> Body for GuardedBody<B, G> {
 /// Implemented for `http::Response<B>` (the guard moves into the body) and, releasing at
 /// once, for `()`, `String` and `Vec<u8>`. Implement it for your own response type to use
 /// the limiting layers with it.
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` cannot hold a fairgate permit or slot until it is consumed",
+    label = "not a response the limiting layers can guard",
+    note = "the limiting layers need `http::Response<B>` (the guard moves into the body) or `()`, `String`, `Vec<u8>`; implement `fairgate::body::GuardResponse<G>` for your response type"
+)]
 pub trait GuardResponse<G>: Sized {
     /// The response with the guard inside.
     type Output;

@@ -310,6 +310,11 @@ impl Job {
 ///
 /// Implemented for `http::Request<B>` (the job lives in its extensions); implement it for
 /// your own request type to use the layers with, say, a tonic or a custom client.
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` carries no fairgate `Job`",
+    label = "the layers cannot find this request's job",
+    note = "use `http::Request<B>` with a `Job` in its extensions (or a `JobLayer` in front), or implement `fairgate::JobRequest` for your request type"
+)]
 pub trait JobRequest {
     /// The job, if the request carries one.
     fn job(&self) -> Option<&Job>;

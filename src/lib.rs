@@ -78,11 +78,14 @@ pub mod admission;
 pub mod body;
 pub mod drr_fairness;
 pub mod error;
+pub mod extract;
 mod job;
 pub mod metrics;
 pub mod priority_classify;
+pub mod reject;
 pub mod retry_after_backoff;
 mod rng;
+pub mod stack;
 pub mod store;
 mod sync;
 pub mod tier_slot_limit;
@@ -91,11 +94,14 @@ mod time;
 pub use crate::drr_fairness::error::QueueFull;
 pub use crate::drr_fairness::{DrrFairness, DrrFairnessLayer};
 pub use crate::error::{BoxError, ConfigError, MissingJob};
+pub use crate::extract::{JobLayer, Unidentified};
 pub use crate::job::{Job, JobRequest, Origin, Priority, TenantId, Tier};
 pub use crate::priority_classify::{
     ClassifyRule, DefaultRule, DemotionPolicy, PriorityClassify, PriorityClassifyLayer,
 };
+pub use crate::reject::Rejection;
 pub use crate::retry_after_backoff::{BackoffPolicy, RetryAfterBackoff, RetryAfterBackoffLayer};
+pub use crate::stack::{Fairgate, FairgateBody, FairgateBuilder, FairgateLayer};
 pub use crate::store::{
     Demotion, SlotLease, SlotLimits, Store, StoreBuilder, StoreFuture, StoreUnavailable,
 };

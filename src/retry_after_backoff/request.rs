@@ -24,6 +24,12 @@ use std::fmt;
 ///     });
 /// # let _ = layer;
 /// ```
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` cannot copy a `{Req}` for a retry",
+    label = "no way to copy this request for a retry",
+    note = "the default `ByClone` needs a `Clone` request; `http::Request<B>` is `Clone` only when its body is, and a streaming body (axum's `Body`, hyper's `Incoming`) is not",
+    note = "buffer the body first (into `Bytes`, `String` or `Full<Bytes>`), copy it with `.clone_requests_with(|req: &Req| ...)`, or send each request once with `.clone_requests_with(SendOnce)`"
+)]
 pub trait CloneRequest<Req>: Send + Sync + 'static {
     /// A copy of `req` to send again, or `None` if it cannot be sent again.
     fn clone_request(&self, req: &Req) -> Option<Req>;

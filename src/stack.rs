@@ -1,0 +1,237 @@
+//! The four layers in the recommended order, as one layer.
+//!
+//! [`FairgateLayer`] applies [`PriorityClassify`], [`RetryAfterBackoff`], [`DrrFairness`] and
+//! [`TierSlotLimit`] in that order (see [`crate::admission`] for why this order), with one
+//! store and their policies, so a whole admission stack is one line:
+//!
+//! ```
+//! use fairgate::{FairgateLayer, Job, Origin, SlotPolicy, Store};
+//! use tower::{Layer, ServiceExt, service_fn};
+//!
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() -> Result<(), fairgate::BoxError> {
+//! let fairgate = FairgateLayer::builder(Store::memory())
+//!     .slots(SlotPolicy::builder().global_max(40).build()?)
+//!     .window(40)
+//!     .build()?;
+//! let claude = fairgate.layer(service_fn(|_req: http::Request<String>| async {
+//!     Ok::<_, std::convert::Infallible>(http::Response::new("{}".to_owned()))
+//! }));
+//!
+//! let mut req = http::Request::new("{}".to_owned());
+//! req.extensions_mut().insert(Job::new("tenant-42", Origin::UserAction).tier("pro"));
+//! let response = claude.oneshot(req).await?;
+//! assert_eq!(response.status(), 200);
+//! assert_eq!(fairgate.fairness().in_flight(), 1); // held until the body is done
+//! drop(response);
+//! assert_eq!(fairgate.fairness().in_flight(), 0);
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! The four layers stay usable one by one; this is only their recommended composition, with
+//! names for its types: [`Fairgate<S>`] is the service, [`FairgateBody<B>`] the body of its
+//! responses (`http::Response<FairgateBody<B>>` for an inner `http::Response<B>`).
+
+use std::fmt;
+
+use tower_layer::Layer;
+
+use crate::body::GuardedBody;
+use crate::drr_fairness::{DrrFairnessBuilder, Permit, Settler};
+use crate::error::ConfigError;
+use crate::priority_classify::PriorityClassify;
+use crate::retry_after_backoff::{ByClone, ResponseBody, RetryAfterBackoff};
+use crate::tier_slot_limit::{SlotPermit, TierSlotLimit};
+use crate::{
+    BackoffPolicy, ClassifyRule, DefaultRule, DemotionPolicy, DrrFairness, DrrFairnessLayer,
+    PriorityClassifyLayer, RetryAfterBackoffLayer, SlotPolicy, Store, TierSlotLimitLayer,
+};
+
+/// The service [`FairgateLayer`] builds around `S`.
+pub type Fairgate<S, C = ByClone, R = DefaultRule> =
+    PriorityClassify<RetryAfterBackoff<DrrFairness<TierSlotLimit<S>>, C>, R>;
+
+/// The response body of [`Fairgate`] for an inner `http::Response<B>`: the upstream body,
+/// holding the window permit and the slot until it ends, fails or is dropped.
+pub type FairgateBody<B> = ResponseBody<GuardedBody<GuardedBody<B, SlotPermit>, Permit>>;
+
+/// The recommended stack as one layer; see the [module docs](crate::stack).
+///
+/// # Clone
+/// Cheap; every clone shares the four layers' state (the window, the queues, the caps, the
+/// gate): wrap the whole client or router with it, not a per-route clone of a new layer.
+pub struct FairgateLayer<C = ByClone, R = DefaultRule> {
+    classify: PriorityClassifyLayer<R>,
+    retry: RetryAfterBackoffLayer<C>,
+    fair: DrrFairnessLayer,
+    slots: TierSlotLimitLayer,
+    store: Store,
+}
+
+impl FairgateLayer {
+    /// The stack with the defaults: the reference's classification and demotion, 429
+    /// hygiene by [`BackoffPolicy::default`], a fair queue with a window of 32, and
+    /// [`SlotPolicy::default`] (global 30; premium 30, pro 20, free 15, guest 5).
+    pub fn new(store: Store) -> Self {
+        match FairgateLayer::builder(store).build() {
+            Ok(layer) => layer,
+            // The defaults are valid; `build` only refuses what a caller configured.
+            Err(e) => unreachable!("default fairgate stack refused: {e}"),
+        }
+    }
+
+    /// Configures the stack; see [`FairgateBuilder`].
+    pub fn builder(store: Store) -> FairgateBuilder {
+        FairgateBuilder {
+            fair: DrrFairnessLayer::builder(store.clone(), 32),
+            store,
+            slots: SlotPolicy::default(),
+            backoff: BackoffPolicy::default(),
+            demotion: None,
+        }
+    }
+}
+
+impl<C, R> FairgateLayer<C, R> {
+    /// A handle to settle requests' real usage against their tenants' deficits.
+    pub fn settler(&self) -> Settler {
+        self.fair.settler()
+    }
+
+    /// The fair queue: requests in flight and waiting, the fairness index.
+    pub fn fairness(&self) -> &DrrFairnessLayer {
+        &self.fair
+    }
+
+    /// The store the four layers share.
+    pub fn store(&self) -> &Store {
+        &self.store
+    }
+
+    /// Copies requests for a retry with `cloner` instead of `Clone` (e.g. a closure that
+    /// rebuilds a buffered body, or [`SendOnce`](crate::retry_after_backoff::SendOnce)).
+    pub fn clone_requests_with<C2>(self, cloner: C2) -> FairgateLayer<C2, R> {
+        FairgateLayer {
+            classify: self.classify,
+            retry: self.retry.clone_requests_with(cloner),
+            fair: self.fair,
+            slots: self.slots,
+            store: self.store,
+        }
+    }
+
+    /// Classifies with `rule` instead of the default rule.
+    pub fn rule<R2: ClassifyRule>(self, rule: R2) -> FairgateLayer<C, R2>
+    where
+        R: ClassifyRule,
+    {
+        FairgateLayer {
+            classify: self.classify.rule(rule),
+            retry: self.retry,
+            fair: self.fair,
+            slots: self.slots,
+            store: self.store,
+        }
+    }
+}
+
+impl<C, R> Clone for FairgateLayer<C, R> {
+    fn clone(&self) -> Self {
+        FairgateLayer {
+            classify: self.classify.clone(),
+            retry: self.retry.clone(),
+            fair: self.fair.clone(),
+            slots: self.slots.clone(),
+            store: self.store.clone(),
+        }
+    }
+}
+
+impl<C, R> fmt::Debug for FairgateLayer<C, R> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("FairgateLayer")
+            .field("classify", &self.classify)
+            .field("retry", &self.retry)
+            .field("fair", &self.fair)
+            .field("slots", &self.slots)
+            .finish()
+    }
+}
+
+impl<S, C, R> Layer<S> for FairgateLayer<C, R> {
+    type Service = Fairgate<S, C, R>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        let inner = self.slots.layer(inner);
+        let inner = self.fair.layer(inner);
+        let inner = self.retry.layer(inner);
+        self.classify.layer(inner)
+    }
+}
+
+/// Configures a [`FairgateLayer`]; start from [`FairgateLayer::builder`].
+#[derive(Debug)]
+pub struct FairgateBuilder {
+    store: Store,
+    fair: DrrFairnessBuilder,
+    slots: SlotPolicy,
+    backoff: BackoffPolicy,
+    demotion: Option<DemotionPolicy>,
+}
+
+impl FairgateBuilder {
+    /// The global and per-tier caps (default [`SlotPolicy::default`]); registered with the
+    /// store when the stack is built.
+    pub fn slots(mut self, policy: SlotPolicy) -> Self {
+        self.slots = policy;
+        self
+    }
+
+    /// This worker's fair-queue window (default 32): at least its share of the global cap.
+    pub fn window(mut self, max_in_flight: usize) -> Self {
+        self.fair = DrrFairnessLayer::builder(self.store.clone(), max_in_flight);
+        self
+    }
+
+    /// Configures the fair queue further (quantum, weights, queue limits), from a builder
+    /// already holding the store and the window.
+    pub fn fairness(
+        mut self,
+        configure: impl FnOnce(DrrFairnessBuilder) -> DrrFairnessBuilder,
+    ) -> Self {
+        self.fair = configure(self.fair);
+        self
+    }
+
+    /// The 429 hygiene (default [`BackoffPolicy::default`]).
+    pub fn backoff(mut self, policy: BackoffPolicy) -> Self {
+        self.backoff = policy;
+        self
+    }
+
+    /// The demotion thresholds (default [`DemotionPolicy::default`]).
+    pub fn demotion(mut self, policy: DemotionPolicy) -> Self {
+        self.demotion = Some(policy);
+        self
+    }
+
+    /// Builds the four layers around one store.
+    ///
+    /// # Errors
+    /// What the fair queue's builder refuses (a window, quantum or weight of 0, ...).
+    pub fn build(self) -> Result<FairgateLayer, ConfigError> {
+        let fair = self.fair.build()?;
+        let mut classify = PriorityClassifyLayer::new(self.store.clone());
+        if let Some(policy) = self.demotion {
+            classify = classify.demotion(policy);
+        }
+        Ok(FairgateLayer {
+            classify,
+            retry: RetryAfterBackoffLayer::new(self.store.clone(), self.backoff),
+            fair,
+            slots: TierSlotLimitLayer::new(self.store.clone(), self.slots),
+            store: self.store,
+        })
+    }
+}
