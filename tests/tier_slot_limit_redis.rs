@@ -263,7 +263,8 @@ async fn redis_killed_mid_load_no_request_fails_and_each_worker_keeps_to_its_sha
         "no request failed across the outage"
     );
 
-    // Degraded: each worker keeps to global / workers alive = 4.
+    // Degraded: each worker keeps to global / workers alive = 4, and to what the other did
+    // not hold when Redis went (its calls may still run): together never more than 8.
     assert!(one.is_degraded() && two.is_degraded());
     let (probe_one, probe_two) = (
         Arc::new(Mutex::new(Probe::default())),
@@ -273,10 +274,9 @@ async fn redis_killed_mid_load_no_request_fails_and_each_worker_keeps_to_its_sha
     assert_eq!(a.await.unwrap() + b.await.unwrap(), 0);
     let (max_one, max_two) = (probe_one.lock().unwrap().max, probe_two.lock().unwrap().max);
     println!("fallback: worker one max {max_one}, worker two max {max_two} (share 4 each)");
-    assert_eq!(
-        (max_one, max_two),
-        (4, 4),
-        "each worker uses exactly its share"
+    assert!(
+        max_one <= 4 && max_two <= 4 && max_one.max(max_two) == 4,
+        "each worker keeps to its share, and one of them uses all of it: {max_one}, {max_two}"
     );
 
     // Back on Redis (its scripts reloaded): the shared cap of 8 holds across both again.
@@ -427,9 +427,19 @@ async fn an_acquire_that_timed_out_does_not_leave_its_lease_taken() {
     assert!(!lease.is_shared());
     assert!(store.is_degraded());
     // ...and Redis runs the script after the stall, granting a lease nobody holds.
-    // Released once Redis answers again: long before its 30 s TTL.
+    // Released once Redis answers again: long before its 30 s TTL. The fallback slot's call
+    // is still in flight, so it is put back as a lease of its own...
+    let deadline = Instant::now() + Duration::from_secs(3);
+    while store.is_degraded() {
+        assert!(Instant::now() < deadline, "never back on redis");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    wait_for_leases(&server, 1, Duration::from_secs(3)).await;
+    let member = server.command("ZRANGE fairgate:{slots}:global 0 -1");
+    assert_eq!(member.lines().count(), 3, "one lease: {member}");
+    // ...which goes when the call ends.
+    drop(lease);
     wait_for_leases(&server, 0, Duration::from_secs(3)).await;
-    assert!(!store.is_degraded());
 }
 
 #[tokio::test]
