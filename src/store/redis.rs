@@ -193,7 +193,9 @@ impl StoreBuilder {
     /// With neither (never connected, no `expected_workers`), a worker assumes it may be one
     /// of many and takes **one slot at a time** globally and per tier until Redis answers:
     /// the caps hold for any fleet no larger than the smallest cap, and every request is
-    /// still served, one by one. Set this to serve more while Redis is down at start.
+    /// still served, one by one. It keeps to that for a worker TTL (3 s) after Redis first
+    /// answers, while the other workers put their calls back. Set this to serve more while
+    /// Redis is down at start.
     pub fn expected_workers(mut self, workers: u32) -> Self {
         self.redis.expected_workers = Some(workers);
         self

@@ -380,7 +380,7 @@ impl RedisStore {
                         held.renewed = Instant::now();
                     }
                 }
-                if !this.slots.restricted(false) {
+                if !this.slots.restricted(this.is_degraded()) {
                     this.slots.saw(global, Some((&tier_key, in_tier)));
                 }
                 if status == 0 {
