@@ -189,13 +189,16 @@ impl StoreBuilder {
     /// While Redis is away each worker keeps to its share of the slot caps (and of the
     /// pacing limits): the caps divided by the workers it last saw alive, and never by fewer
     /// than `workers`. A worker that has never reached Redis knows only this number.
+    /// Every call the worker has in flight counts against its share, those it holds as
+    /// Redis leases too.
     ///
     /// With neither (never connected, no `expected_workers`), a worker assumes it may be one
     /// of many and takes **one slot at a time** globally and per tier until Redis answers:
     /// the caps hold for any fleet no larger than the smallest cap, and every request is
     /// still served, one by one. It keeps to that for a worker TTL (3 s) after Redis first
-    /// answers, while the other workers put their calls back. Set this to serve more while
-    /// Redis is down at start.
+    /// answers, while the other workers put their calls back. (Pacing then divides by 1.)
+    /// Set this to serve more while Redis is down at start. [`redis`](StoreBuilder::redis)
+    /// refuses 0.
     pub fn expected_workers(mut self, workers: u32) -> Self {
         self.redis.expected_workers = Some(workers);
         self

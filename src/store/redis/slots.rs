@@ -474,6 +474,7 @@ impl RedisStore {
         };
         let alive: u32 = alive.parse().unwrap_or(1);
         let now = Instant::now();
+        let put_back = leases.len();
         {
             let mut held = lock(&self.slots.held);
             let mut unreleased = lock(&self.slots.unreleased);
@@ -489,14 +490,19 @@ impl RedisStore {
             }
         }
         let before = lock(&self.slots.epoch).replace(epoch.clone());
-        tracing::debug!(
-            name: "slots.resync",
-            epoch,
-            new_epoch,
-            alive,
-            "put back this worker's calls in flight"
-        );
-        if new_epoch || before.is_some_and(|before| before != epoch) {
+        let epoch_changed = before.as_ref().is_some_and(|before| *before != epoch);
+        if new_epoch || epoch_changed {
+            tracing::info!(
+                name: "queue.redis_resync",
+                epoch,
+                started_here = new_epoch,
+                calls_put_back = put_back,
+                workers_back = alive,
+                "slot counts were untrue (redis was away, restarted or wiped); this worker's \
+                 calls in flight are back in them"
+            );
+        }
+        if new_epoch || epoch_changed {
             // The count was untrue for every worker: wait for those known to put theirs back.
             self.slots.settle(self.slots.fleet(), alive);
         } else {
