@@ -324,9 +324,16 @@ async fn background(store: Weak<RedisStore>, wake: Arc<Notify>) {
                 // first NOSCRIPT, but loading them all now keeps that off the request path.
                 redis.load_scripts().await;
                 // Every call made meanwhile goes back into the shared count, in a new epoch
-                // all workers resync to, before this worker takes another slot from Redis.
-                if redis.resync(true, None).await {
+                // all workers resync to, before this worker takes another slot from Redis
+                // (and no fallback slot is taken while that is under way).
+                redis.slots.recovering.store(true, Ordering::Release);
+                let resynced = redis.resync(true, None).await;
+                if resynced {
                     redis.recover();
+                }
+                redis.slots.recovering.store(false, Ordering::Release);
+                redis.fallback.slots.released.notify_waiters();
+                if resynced {
                     redis.flush_pending().await;
                 }
             }

@@ -29,7 +29,7 @@
 //! counts (for one lease TTL: their calls may still run, and none of them can be renewed).
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -131,6 +131,9 @@ pub(super) struct SlotState {
     restriction: Mutex<Restriction>,
     /// One resync at a time; the others wait for it and reuse its result.
     resyncing: tokio::sync::Mutex<()>,
+    /// Back from an outage, putting its calls back: no new fallback slot, or it would be
+    /// missed by the resync under way.
+    pub(super) recovering: AtomicBool,
 }
 
 impl SlotState {
@@ -145,6 +148,7 @@ impl SlotState {
             others: Mutex::new(Others::default()),
             restriction: Mutex::new(Restriction::default()),
             resyncing: tokio::sync::Mutex::new(()),
+            recovering: AtomicBool::new(false),
         }
     }
 
@@ -365,7 +369,10 @@ impl RedisStore {
                 if status < 0 {
                     // Nothing was taken: this worker's calls are not all counted.
                     lock(&this.slots.held).remove(&id);
-                    if resynced || !this.resync(false, Some(epoch)).await {
+                    if resynced {
+                        return None; // another epoch began meanwhile: wait, try again
+                    }
+                    if !this.resync(false, Some(epoch)).await {
                         return this.acquire_fallback(&tier, limits);
                     }
                     resynced = true;
@@ -417,6 +424,9 @@ impl RedisStore {
     /// While Redis is away: a slot from this worker's share of the caps, counting every
     /// call it has in flight (Redis leases and fallback slots alike).
     fn acquire_fallback(self: &Arc<Self>, tier: &Tier, limits: SlotLimits) -> Option<SlotLease> {
+        if self.slots.recovering.load(Ordering::Acquire) {
+            return None; // woken when the store is back
+        }
         let id = self.lease_id();
         let tier_key = self.keys.slots_tier(tier);
         let mut held = lock(&self.slots.held);
@@ -611,6 +621,14 @@ impl RedisStore {
     /// by the background task while Redis is up.
     pub(super) async fn slot_heartbeat(&self) {
         let now = Instant::now();
+        // A fallback slot taken while Redis answers (it refused a call) is put back.
+        let local = lock(&self.slots.held)
+            .values()
+            .any(|h| h.counted == Counted::Local);
+        if local && !self.is_degraded() {
+            self.resync(false, None).await;
+            return;
+        }
         let leases: Vec<(String, String, u64)> = {
             let held = lock(&self.slots.held);
             let lease_due = held
