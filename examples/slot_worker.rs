@@ -12,8 +12,15 @@
 //!
 //! `hold URL N`: takes N slots, prints `HOLDING`, and holds them until killed.
 //!
+//! `faults URL OBSERVER CALLERS MILLIS [EXPECTED_WORKERS]` (the fault suite,
+//! `tests/faults.rs`): prints `READY` once its store is built (Redis may be down), then each
+//! caller makes calls for MILLIS ms under global cap 8 (tiers 8/6/4/2). Every call counts
+//! itself in flight on a second Redis, the OBSERVER, for its whole duration (5-49 ms, and
+//! 400 ms for every 7th, a streamed answer): the current count, the maximum, and the time
+//! spent over each cap, globally and per tier (`obs:*` keys). Prints `ok=N busy=N failed=N`.
+//!
 //! The caps (global 12; premium 8, pro 6, free 4, guest 2) and the lease TTL (2 s) are those
-//! the tests check against.
+//! the tests check against (`faults`: global 8).
 
 use std::convert::Infallible;
 use std::time::Duration;
@@ -47,10 +54,19 @@ async fn main() -> Result<(), BoxError> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let (mode, url) = match args.as_slice() {
         [mode, url, ..] => (mode.as_str(), url.as_str()),
-        _ => return Err("usage: slot_worker load URL CALLERS CALLS | hold URL N".into()),
+        _ => {
+            return Err("usage: slot_worker load URL CALLERS CALLS | hold URL N \
+                 | faults URL OBSERVER CALLERS MILLIS [EXPECTED_WORKERS]"
+                .into());
+        }
     };
     let number =
         |i: usize| -> Result<usize, BoxError> { Ok(args.get(i).ok_or("missing number")?.parse()?) };
+    if mode == "faults" {
+        let observer = args.get(2).ok_or("missing observer url")?;
+        let expected = args.get(5).map(|n| n.parse()).transpose()?;
+        return faults(url, observer, number(3)?, number(4)?, expected).await;
+    }
     let store = Store::builder()
         .flush_interval(Duration::from_millis(50))
         .redis(url)
@@ -142,5 +158,149 @@ async fn hold(store: Store, slots: usize) -> Result<(), BoxError> {
     println!("HOLDING");
     tokio::time::sleep(Duration::from_secs(3600)).await;
     drop(held);
+    Ok(())
+}
+
+/// The fault suite's caps: global 8, tiers 8/6/4/2, a 2 s lease.
+fn fault_policy() -> SlotPolicy {
+    let wait = Duration::from_secs(120);
+    SlotPolicy::builder()
+        .global_max(FAULT_GLOBAL)
+        .tier("premium", 8, wait)
+        .tier("pro", 6, wait)
+        .tier("free", 4, wait)
+        .tier("guest", 2, wait)
+        .lease_ttl(Duration::from_secs(2))
+        .build()
+        .expect("a valid policy")
+}
+
+const FAULT_GLOBAL: u32 = 8;
+
+/// Moves the in-flight counts (global `KEYS[1..4]`, tier `KEYS[5..8]`: now, max, over since,
+/// ms over) by `ARGV[1]` against the caps `ARGV[2]` (global) and `ARGV[3]` (tier), on the
+/// observer's clock.
+const OBSERVE: &str = r"
+local t = redis.call('TIME')
+local ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local function move(base, cap)
+  local now = redis.call('INCRBY', KEYS[base], ARGV[1])
+  if now > tonumber(redis.call('GET', KEYS[base + 1]) or '0') then
+    redis.call('SET', KEYS[base + 1], now)
+  end
+  local since = redis.call('GET', KEYS[base + 2])
+  if now > cap then
+    if not since then redis.call('SET', KEYS[base + 2], ms) end
+  elseif since then
+    redis.call('INCRBY', KEYS[base + 3], ms - tonumber(since))
+    redis.call('DEL', KEYS[base + 2])
+  end
+end
+move(1, tonumber(ARGV[2]))
+move(5, tonumber(ARGV[3]))
+return 1";
+
+async fn faults(
+    url: &str,
+    observer: &str,
+    callers: usize,
+    millis: usize,
+    expected: Option<u32>,
+) -> Result<(), BoxError> {
+    let mut builder = Store::builder()
+        .op_timeout(Duration::from_millis(100))
+        .probe_interval(Duration::from_millis(25))
+        .flush_interval(Duration::from_millis(25));
+    if let Some(n) = expected {
+        builder = builder.expected_workers(n);
+    }
+    let store = builder.redis(url).await?;
+    let probe = redis::Client::open(observer)?
+        .get_multiplexed_async_connection()
+        .await?;
+    println!("READY");
+    let policy = fault_policy();
+    let observe = redis::Script::new(OBSERVE);
+    let tier_caps: std::collections::HashMap<&'static str, u32> = TIERS
+        .iter()
+        .map(|&t| (t, policy.limit(Some(&t.into())).1.cap))
+        .collect();
+    let upstream = service_fn(move |req: http::Request<()>| {
+        let (mut probe, observe) = (probe.clone(), observe.clone());
+        let tier = req.extensions().get::<Job>().and_then(Job::tier_name);
+        let tier = tier.map_or("guest", |t| t.as_str()).to_owned();
+        let cap = tier_caps.get(tier.as_str()).copied().unwrap_or(0);
+        let hold = req
+            .extensions()
+            .get::<Duration>()
+            .copied()
+            .unwrap_or_default();
+        async move {
+            let keys = |part: &str| {
+                [
+                    format!("obs:now{part}"),
+                    format!("obs:max{part}"),
+                    format!("obs:since{part}"),
+                    format!("obs:over_ms{part}"),
+                ]
+            };
+            let (global, tier) = (keys(""), keys(&format!(":{tier}")));
+            let call = |delta: i32| {
+                let mut call = observe.prepare_invoke();
+                call.key(&global[..])
+                    .key(&tier[..])
+                    .arg(delta)
+                    .arg(FAULT_GLOBAL)
+                    .arg(cap);
+                call
+            };
+            let _: u32 = call(1).invoke_async(&mut probe).await?;
+            tokio::time::sleep(hold).await;
+            let _: u32 = call(-1).invoke_async(&mut probe).await?;
+            Ok::<_, redis::RedisError>(http::Response::new(()))
+        }
+    });
+    let service = TierSlotLimitLayer::new(store, policy).layer(upstream);
+    let until = tokio::time::Instant::now() + Duration::from_millis(millis as u64);
+    let tasks = (0..callers).map(|caller| {
+        let service = service.clone();
+        tokio::spawn(async move {
+            let (mut ok, mut busy, mut failed) = (0, 0, 0);
+            let mut call = 0;
+            while tokio::time::Instant::now() < until {
+                let tier = TIERS[(caller + call) % TIERS.len()];
+                // Mostly short calls; every 7th is a streamed answer that outlasts a
+                // Redis operation timeout several times over.
+                let hold = if (caller + call) % 7 == 0 {
+                    Duration::from_millis(400)
+                } else {
+                    Duration::from_millis(5 + ((caller * 7 + call * 13) % 45) as u64)
+                };
+                let mut req = http::Request::new(());
+                req.extensions_mut()
+                    .insert(Job::new(format!("tenant-{caller}"), Origin::UserAction).tier(tier));
+                req.extensions_mut().insert(hold);
+                match service.clone().oneshot(req).await {
+                    Ok(response) => {
+                        drop(response);
+                        ok += 1;
+                    }
+                    Err(e) if e.is::<Busy>() => busy += 1,
+                    Err(e) => {
+                        eprintln!("call failed: {e}");
+                        failed += 1;
+                    }
+                }
+                call += 1;
+            }
+            (ok, busy, failed)
+        })
+    });
+    let (mut ok, mut busy, mut failed) = (0, 0, 0);
+    for task in futures_util::future::join_all(tasks).await {
+        let (o, b, f) = task?;
+        (ok, busy, failed) = (ok + o, busy + b, failed + f);
+    }
+    println!("ok={ok} busy={busy} failed={failed}");
     Ok(())
 }

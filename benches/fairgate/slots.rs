@@ -70,6 +70,27 @@ pub(crate) fn bench(c: &mut Criterion) {
             "fairgate-bench-raw:{slots}:global",
             "fairgate-bench-raw:{slots}:tier:pro",
         );
+        // The bookkeeping the acquire script checks: an epoch, and this worker's record in it.
+        let (workers, epoch) = (
+            "fairgate-bench-raw:{slots}:workers",
+            "fairgate-bench-raw:{slots}:epoch",
+        );
+        rt.block_on(async {
+            let mut conn = conn.clone();
+            let _: () = redis::cmd("SET")
+                .arg(epoch)
+                .arg("bench")
+                .query_async(&mut conn)
+                .await
+                .unwrap();
+            let _: () = redis::cmd("ZADD")
+                .arg(workers)
+                .arg(u64::MAX >> 12)
+                .arg("bench-worker")
+                .query_async(&mut conn)
+                .await
+                .unwrap();
+        });
         group.bench_function(
             BenchmarkId::new("baseline", "raw_evalsha_acquire_release"),
             |b| {
@@ -77,13 +98,17 @@ pub(crate) fn bench(c: &mut Criterion) {
                     let mut conn = conn.clone();
                     let (acquire, release) = (&acquire, &release);
                     async move {
-                        let taken: u32 = acquire
+                        let (taken, _, _): (i64, u32, u32) = acquire
                             .key(global)
                             .key(tier)
+                            .key(workers)
+                            .key(epoch)
                             .arg(30)
                             .arg(20)
                             .arg(30_000)
                             .arg("lease")
+                            .arg("bench-worker")
+                            .arg("bench")
                             .invoke_async(&mut conn)
                             .await
                             .unwrap();
@@ -104,6 +129,8 @@ pub(crate) fn bench(c: &mut Criterion) {
             redis::cmd("DEL")
                 .arg(global)
                 .arg(tier)
+                .arg(workers)
+                .arg(epoch)
                 .query_async::<()>(&mut conn),
         );
 

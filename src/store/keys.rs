@@ -20,6 +20,8 @@ pub(crate) struct Keys {
     pub(crate) slots_workers: String,
     /// `prefix:{slots}:released`: the channel releases are announced on.
     pub(crate) slots_released: String,
+    /// `prefix:{slots}:epoch`: the epoch the lease sets count every call in flight for.
+    pub(crate) slots_epoch: String,
     /// `prefix:{g}:cooldowns`: the reopen time of every gate.
     pub(crate) cooldowns: String,
     /// `prefix:cooldowns`: the channel gate moves are announced on.
@@ -43,6 +45,7 @@ impl Keys {
             slots_global: slots("global"),
             slots_workers: slots("workers"),
             slots_released: slots("released"),
+            slots_epoch: slots("epoch"),
             cooldowns: format!("{prefix}:{{g}}:cooldowns"),
             cooldowns_channel: format!("{prefix}:cooldowns"),
         })
@@ -127,6 +130,7 @@ mod tests {
         assert_eq!(keys.slots_global, "fg:{slots}:global");
         assert_eq!(keys.slots_workers, "fg:{slots}:workers");
         assert_eq!(keys.slots_released, "fg:{slots}:released");
+        assert_eq!(keys.slots_epoch, "fg:{slots}:epoch");
         assert_eq!(
             keys.slots_tier(&crate::Tier::new("a b")),
             "fg:{slots}:tier:a%20b"

@@ -210,6 +210,7 @@ pub(crate) struct RedisOptions {
     pub(crate) cache_ttl: Duration,
     pub(crate) flush_interval: Duration,
     pub(crate) probe_interval: Duration,
+    pub(crate) expected_workers: Option<u32>,
 }
 
 impl Default for StoreBuilder {
@@ -222,6 +223,7 @@ impl Default for StoreBuilder {
                 cache_ttl: Duration::from_secs(1),
                 flush_interval: Duration::from_millis(250),
                 probe_interval: Duration::from_millis(250),
+                expected_workers: None,
             },
         }
     }

@@ -184,6 +184,26 @@ impl StoreBuilder {
         self
     }
 
+    /// How many worker processes share this Redis budget (default: unknown).
+    ///
+    /// While Redis is away each worker keeps to its share of the slot caps (and of the
+    /// pacing limits): the caps divided by the workers it last saw alive, and never by fewer
+    /// than `workers`. A worker that has never reached Redis knows only this number.
+    /// Every call the worker has in flight counts against its share, those it holds as
+    /// Redis leases too.
+    ///
+    /// With neither (never connected, no `expected_workers`), a worker assumes it may be one
+    /// of many and takes **one slot at a time** globally and per tier until Redis answers:
+    /// the caps hold for any fleet no larger than the smallest cap, and every request is
+    /// still served, one by one. It keeps to that for a worker TTL (3 s) after Redis first
+    /// answers, while the other workers put their calls back. (Pacing then divides by 1.)
+    /// Set this to serve more while Redis is down at start. [`redis`](StoreBuilder::redis)
+    /// refuses 0.
+    pub fn expected_workers(mut self, workers: u32) -> Self {
+        self.redis.expected_workers = Some(workers);
+        self
+    }
+
     /// Builds a store on the Redis at `url` (`redis://host:port/db`).
     ///
     /// Never waits for Redis longer than one operation timeout: if Redis does not answer,
@@ -210,6 +230,9 @@ impl StoreBuilder {
                 );
             }
         }
+        if opts.expected_workers == Some(0) {
+            return Err(ConfigError::new("expected workers must be at least 1").into());
+        }
         let keys = Keys::new(&opts.key_prefix)?;
         let client = redis::Client::open(url).map_err(RedisStoreError::Url)?;
         // Measured: the defaults wait ~9 s per command on a dead server. These make a call
@@ -228,7 +251,7 @@ impl StoreBuilder {
             keys,
             scripts: Scripts::new(),
             slot_scripts: SlotScripts::new(),
-            slots: SlotState::new(),
+            slots: SlotState::new(opts.expected_workers),
             throttle_window_ms: duration_ms(self.throttle_window),
             fallback: MemoryState::new(self.throttle_window, false),
             degraded: AtomicBool::new(false),
@@ -248,6 +271,9 @@ impl StoreBuilder {
         crate::metrics::store_degraded(false);
         if redis.ping().await {
             redis.load_scripts().await;
+            if !redis.resync(false, None).await {
+                redis.mark_degraded("no answer at start-up");
+            }
         } else {
             redis.mark_degraded("no answer at start-up");
         }
@@ -297,8 +323,19 @@ async fn background(store: Weak<RedisStore>, wake: Arc<Notify>) {
                 // A restarted Redis has lost its scripts; `Script` would reload each on its
                 // first NOSCRIPT, but loading them all now keeps that off the request path.
                 redis.load_scripts().await;
-                redis.recover();
-                redis.flush_pending().await;
+                // Every call made meanwhile goes back into the shared count, in a new epoch
+                // all workers resync to, before this worker takes another slot from Redis
+                // (and no fallback slot is taken while that is under way).
+                redis.slots.recovering.store(true, Ordering::Release);
+                let resynced = redis.resync(true, None).await;
+                if resynced {
+                    redis.recover();
+                }
+                redis.slots.recovering.store(false, Ordering::Release);
+                redis.fallback.slots.released.notify_waiters();
+                if resynced {
+                    redis.flush_pending().await;
+                }
             }
             redis.opts.probe_interval
         } else {
@@ -323,6 +360,8 @@ impl RedisStore {
     }
 
     pub(super) fn mark_degraded(&self, reason: &str) {
+        // From now on this worker keeps to its share, from what it knew of the others.
+        self.slots.freeze();
         if !self.degraded.swap(true, Ordering::AcqRel) {
             tracing::warn!(
                 name: "queue.redis_unavailable",

@@ -78,12 +78,13 @@ impl SlotLease {
         &self.tier
     }
 
-    /// Whether the slot is held in Redis (`false`: in this process, memory store or fallback).
+    /// Whether the slot was taken in Redis (`false`: in this process, memory store or
+    /// fallback).
     pub fn is_shared(&self) -> bool {
         match self.holder {
             Holder::Local(_) => false,
             #[cfg(feature = "redis")]
-            Holder::Redis(_) => true,
+            Holder::Redis(_) => !self.fallback,
         }
     }
 }

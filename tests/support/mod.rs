@@ -34,6 +34,36 @@ impl RedisServer {
         free_port()
     }
 
+    /// A server for a free port that is not started yet (Redis down at start): start it
+    /// later with [`restart`](RedisServer::restart).
+    pub fn not_started() -> RedisServer {
+        RedisServer {
+            port: free_port(),
+            child: None,
+        }
+    }
+
+    /// Sends `signal` (`STOP`, `CONT`, `TERM`, ...) to the server, by its pid.
+    pub fn signal(&self, signal: &str) {
+        let pid = self.pid().expect("the server runs");
+        let status = Command::new("kill")
+            .args(["-s", signal, &pid.to_string()])
+            .status()
+            .expect("run kill");
+        assert!(status.success(), "kill -s {signal} {pid}");
+    }
+
+    /// Stops the server as an operator would (SIGTERM, by its pid) and waits for it to exit;
+    /// with `--save ''` it comes back empty.
+    pub fn terminate(&mut self) {
+        if self.child.is_some() {
+            self.signal("TERM");
+        }
+        if let Some(mut child) = self.child.take() {
+            let _ = child.wait();
+        }
+    }
+
     pub fn port(&self) -> u16 {
         self.port
     }

@@ -24,7 +24,7 @@ impl RedisStore {
             .collect();
         let local_key = key.to_owned();
         let local_limits = limits.to_vec();
-        let workers = self.alive_workers();
+        let workers = self.known_workers();
         self.op(
             move |fallback| {
                 // Pacing alone while Redis is away: against this worker's share of the

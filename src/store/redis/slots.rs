@@ -1,8 +1,35 @@
 //! Slot leases on Redis: acquire and release are one script each, held leases are renewed
 //! by the background task, releases are announced on a pub/sub channel.
+//!
+//! # Faults: reconcile, don't guess
+//!
+//! The shared count is only true while it holds every call in flight. Three things break
+//! that, and each is repaired the same way, by a *resync*: one script that puts back, with
+//! `ZADD` (not `XX`), a lease for every call this worker still has in flight, Redis leases
+//! and fallback slots alike, before the worker takes another slot.
+//!
+//! - **Redis wiped or restarted empty** (`FLUSHALL`, a fresh server on the same port): the
+//!   epoch key is gone. Acquire and heartbeat check it and this worker's record in the
+//!   worker set, and answer "resync" instead of taking a slot.
+//! - **This worker was away** (Redis down at start, hung, unreachable): while degraded it
+//!   counts every call it has in flight against its share of the caps; when Redis answers
+//!   again it resyncs and starts a new *epoch*, which forgets every worker record, so every
+//!   other worker resyncs too before its next slot.
+//! - **A lease expired unrenewed** while its call still runs: the heartbeat reports it
+//!   missing, and the worker puts it back.
+//!
+//! Until every worker it knew is back in the new epoch (or a worker TTL has passed), a
+//! worker keeps to its share as if degraded: a worker that resynced first cannot take the
+//! slots of calls another worker has not put back yet.
+//!
+//! While restricted (degraded or settling), a worker's share is the caps divided by the
+//! workers it knows of (the last count seen alive, at least
+//! [`expected_workers`](crate::StoreBuilder::expected_workers); one slot each when it knows
+//! nothing), and at most what the other workers did not hold the last time it saw the
+//! counts (for one lease TTL: their calls may still run, and none of them can be renewed).
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -22,6 +49,7 @@ pub(super) struct SlotScripts {
     acquire: Script,
     release: Script,
     heartbeat: Script,
+    resync: Script,
     in_use: Script,
 }
 
@@ -31,48 +59,206 @@ impl SlotScripts {
             acquire: Script::new(include_str!("../scripts/slot_acquire.lua")),
             release: Script::new(include_str!("../scripts/slot_release.lua")),
             heartbeat: Script::new(include_str!("../scripts/slot_heartbeat.lua")),
+            resync: Script::new(include_str!("../scripts/slot_resync.lua")),
             in_use: Script::new(include_str!("../scripts/slots_in_use.lua")),
         }
     }
 
-    pub(super) fn all(&self) -> [&Script; 4] {
-        [&self.acquire, &self.release, &self.heartbeat, &self.in_use]
+    pub(super) fn all(&self) -> [&Script; 5] {
+        [
+            &self.acquire,
+            &self.release,
+            &self.heartbeat,
+            &self.resync,
+            &self.in_use,
+        ]
     }
 }
 
-/// A lease this worker holds, for the heartbeat.
+/// Where a call in flight is counted.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Counted {
+    /// Its acquire is on the way: maybe in Redis, surely counted here.
+    Acquiring,
+    /// A lease in Redis.
+    Shared,
+    /// A fallback slot, not (yet) in Redis.
+    Local,
+}
+
+/// A call this worker has in flight.
 struct Held {
     tier_key: String,
     ttl: Duration,
     renewed: Instant,
+    counted: Counted,
+}
+
+/// What the other workers held the last time this worker saw the counts.
+#[derive(Clone, Debug, Default)]
+struct Others {
+    global: u32,
+    /// By tier key.
+    tiers: HashMap<String, u32>,
+    at: Option<Instant>,
+}
+
+/// Why this worker keeps to its share although Redis may answer.
+#[derive(Debug, Default)]
+struct Restriction {
+    /// After a new epoch: until this many workers are back in it, or until the instant.
+    settling: Option<(u32, Instant)>,
+    /// The others' counts when the restriction began.
+    frozen: Option<Others>,
 }
 
 /// This worker's side of the shared slots.
 pub(super) struct SlotState {
+    /// Every call in flight through this worker, by lease id.
     held: Mutex<HashMap<String, Held>>,
     /// Leases that may be in Redis with nobody holding them: released while Redis was away,
     /// or taken by an acquire whose answer never arrived (timed out, or its caller gone).
     /// The background task releases them once Redis answers; their TTL is the backstop.
     unreleased: Mutex<Vec<(String, String)>>,
     last_heartbeat: Mutex<Option<Instant>>,
-    /// Workers alive at the last heartbeat (this one included): the fallback's divisor.
+    /// Workers alive at the last heartbeat (this one included); 0 until Redis answered.
     alive_workers: AtomicU32,
+    /// The fleet size configured for a worker that knows no better.
+    expected_workers: Option<u32>,
+    /// The epoch this worker's calls were last put back in (`None`: never).
+    epoch: Mutex<Option<String>>,
+    others: Mutex<Others>,
+    restriction: Mutex<Restriction>,
+    /// One resync at a time; the others wait for it and reuse its result.
+    resyncing: tokio::sync::Mutex<()>,
+    /// Back from an outage, putting its calls back: no new fallback slot, or it would be
+    /// missed by the resync under way.
+    pub(super) recovering: AtomicBool,
 }
 
 impl SlotState {
-    pub(super) fn new() -> Self {
+    pub(super) fn new(expected_workers: Option<u32>) -> Self {
         SlotState {
             held: Mutex::new(HashMap::new()),
             unreleased: Mutex::new(Vec::new()),
             last_heartbeat: Mutex::new(None),
-            alive_workers: AtomicU32::new(1),
+            alive_workers: AtomicU32::new(0),
+            expected_workers,
+            epoch: Mutex::new(None),
+            others: Mutex::new(Others::default()),
+            restriction: Mutex::new(Restriction::default()),
+            resyncing: tokio::sync::Mutex::new(()),
+            recovering: AtomicBool::new(false),
         }
+    }
+
+    /// The workers this one shares the caps with, as far as it knows: the last count seen
+    /// alive, at least the configured fleet; `u32::MAX` (one slot each) when it knows neither.
+    fn fleet(&self) -> u32 {
+        match (
+            self.alive_workers.load(Ordering::Relaxed),
+            self.expected_workers,
+        ) {
+            (0, None) => u32::MAX,
+            (seen, expected) => seen.max(expected.unwrap_or(1)).max(1),
+        }
+    }
+
+    /// Keeps to the share from now on (until [`restricted`](Self::restricted) says not).
+    pub(super) fn freeze(&self) {
+        let others = lock(&self.others).clone();
+        lock(&self.restriction).frozen.get_or_insert(others);
+    }
+
+    /// Whether this worker keeps to its share now; ends a settling that ran out.
+    fn restricted(&self, degraded: bool) -> bool {
+        let mut restriction = lock(&self.restriction);
+        if restriction
+            .settling
+            .is_some_and(|(_, until)| Instant::now() >= until)
+        {
+            restriction.settling = None;
+        }
+        if degraded || restriction.settling.is_some() {
+            return true;
+        }
+        restriction.frozen = None;
+        false
+    }
+
+    /// Whether one more call of `tier_key` fits this worker's share, counting every call
+    /// it has in flight.
+    fn fits(&self, held: &HashMap<String, Held>, tier_key: &str, limits: SlotLimits) -> bool {
+        let share = limits.share_of(self.fleet());
+        let (others_global, others_tier) = {
+            let restriction = lock(&self.restriction);
+            match &restriction.frozen {
+                Some(others) if others.at.is_some_and(|at| at.elapsed() < limits.lease_ttl) => {
+                    let tier = others.tiers.get(tier_key).copied().unwrap_or(0);
+                    (others.global, tier)
+                }
+                _ => (0, 0),
+            }
+        };
+        let global_room = share
+            .global
+            .min(limits.global.saturating_sub(others_global));
+        let tier_room = share.tier.min(limits.tier.saturating_sub(others_tier));
+        let in_tier = held.values().filter(|h| h.tier_key == tier_key).count();
+        held.len() < global_room as usize && in_tier < tier_room as usize
+    }
+
+    /// Remembers what the others held, from counts Redis just gave (not while restricted:
+    /// then Redis may not count every call).
+    fn saw(&self, global: u32, tier: Option<(&str, u32)>) {
+        let held = lock(&self.held);
+        let shared = |key: Option<&str>| {
+            held.values()
+                .filter(|h| h.counted == Counted::Shared && key.is_none_or(|k| h.tier_key == k))
+                .count()
+        };
+        let minus =
+            |count: u32, mine: usize| count.saturating_sub(u32::try_from(mine).unwrap_or(u32::MAX));
+        let mut others = lock(&self.others);
+        others.global = minus(global, shared(None));
+        if let Some((key, count)) = tier {
+            let mine = shared(Some(key));
+            others.tiers.insert(key.to_owned(), minus(count, mine));
+        }
+        others.at = Some(Instant::now());
+    }
+
+    /// A new epoch began for this worker: keep to the share until `need` workers are back.
+    fn settle(&self, need: u32, alive: u32) {
+        self.freeze();
+        if alive >= need {
+            self.alive_workers.store(alive, Ordering::Relaxed);
+            lock(&self.restriction).settling = None;
+        } else {
+            lock(&self.restriction).settling = Some((need, Instant::now() + WORKER_TTL));
+        }
+    }
+
+    /// `alive` workers are back in the current epoch.
+    fn workers_seen(&self, alive: u32) {
+        let mut restriction = lock(&self.restriction);
+        match restriction.settling {
+            Some((need, _)) if alive < need => {}
+            _ => {
+                restriction.settling = None;
+                self.alive_workers.store(alive.max(1), Ordering::Relaxed);
+            }
+        }
+    }
+
+    fn settling(&self) -> bool {
+        lock(&self.restriction).settling.is_some()
     }
 }
 
 /// A lease id sent to Redis whose answer is not in yet. Dropped unclaimed (the acquire timed
-/// out, failed, or its future was dropped mid round trip), it queues the id for release, so
-/// a lease Redis may have granted is not left taken until its TTL runs out.
+/// out, failed, or its future was dropped mid round trip), it forgets the call and queues the
+/// id for release, so a lease Redis may have granted is not left taken until its TTL runs out.
 struct Unclaimed<'a> {
     store: &'a RedisStore,
     lease: Option<(String, String)>,
@@ -88,22 +274,29 @@ impl Unclaimed<'_> {
 impl Drop for Unclaimed<'_> {
     fn drop(&mut self) {
         if let Some(lease) = self.lease.take() {
+            lock(&self.store.slots.held).remove(&lease.0);
             lock(&self.store.slots.unreleased).push(lease);
         }
     }
 }
 
-/// The Redis half of a [`SlotLease`].
+/// The Redis half of a [`SlotLease`]: a call this worker counts in flight, in Redis or (a
+/// fallback slot) not yet.
 pub(crate) struct RedisLease {
     store: Arc<RedisStore>,
     id: String,
 }
 
 impl RedisLease {
-    /// Forgets the lease locally and releases it in Redis in the background (or, with no
-    /// runtime to do it, on the next background tick); its TTL is the backstop.
+    /// Forgets the call locally and releases its lease in Redis in the background (or, with
+    /// no runtime to do it, on the next background tick); its TTL is the backstop.
     pub(crate) fn release(&self, tier: &Tier) {
         let held = lock(&self.store.slots.held).remove(&self.id);
+        if held.as_ref().is_some_and(|h| h.counted == Counted::Local) {
+            // Never put in Redis (a resync on the way finds it gone and releases it).
+            self.store.fallback.slots.released.notify_waiters();
+            return;
+        }
         let tier_key = held.map_or_else(|| self.store.keys.slots_tier(tier), |h| h.tier_key);
         let lease = (self.id.clone(), tier_key);
         match tokio::runtime::Handle::try_current() {
@@ -117,9 +310,18 @@ impl RedisLease {
 }
 
 impl RedisStore {
+    fn lease_id(&self) -> String {
+        format!(
+            "{}:{}",
+            self.worker_id,
+            self.seq.fetch_add(1, Ordering::Relaxed)
+        )
+    }
+
     /// One acquire script, sent when the future is first polled: dropped before that, the
     /// future has sent nothing and holds nothing; dropped during the round trip, it queues
-    /// its lease id for release (see `Unclaimed`).
+    /// its lease id for release (see `Unclaimed`). An answer that this worker must resync
+    /// first is followed by the resync and one more try.
     pub(crate) fn try_acquire_slot(
         self: &Arc<Self>,
         tier: &Tier,
@@ -131,46 +333,194 @@ impl RedisStore {
         let this = self.clone();
         let tier = tier.clone();
         StoreFuture::pending(async move {
-            let id = format!(
-                "{}:{}",
-                this.worker_id,
-                this.seq.fetch_add(1, Ordering::Relaxed)
-            );
+            let id = this.lease_id();
             let tier_key = this.keys.slots_tier(&tier);
-            let unclaimed = Unclaimed {
-                store: &this,
-                lease: Some((id.clone(), tier_key.clone())),
-            };
-            let mut conn = this.conn.clone();
-            let mut acquire = this.slot_scripts.acquire.prepare_invoke();
-            acquire
-                .key(&this.keys.slots_global)
-                .key(&tier_key)
-                .arg(limits.global)
-                .arg(limits.tier)
-                .arg(duration_ms(limits.lease_ttl))
-                .arg(&id);
-            let answer = this.guard(acquire.invoke_async::<u32>(&mut conn)).await;
-            if answer.is_none() {
-                drop(unclaimed); // maybe granted, surely not held: release it later
-                return this.acquire_fallback(&tier, limits);
+            let mut resynced = false;
+            loop {
+                if !this.reserve(&id, &tier_key, limits) {
+                    return None;
+                }
+                let unclaimed = Unclaimed {
+                    store: &this,
+                    lease: Some((id.clone(), tier_key.clone())),
+                };
+                let epoch = lock(&this.slots.epoch).clone();
+                let mut conn = this.conn.clone();
+                let mut acquire = this.slot_scripts.acquire.prepare_invoke();
+                acquire
+                    .key(&this.keys.slots_global)
+                    .key(&tier_key)
+                    .key(&this.keys.slots_workers)
+                    .key(&this.keys.slots_epoch)
+                    .arg(limits.global)
+                    .arg(limits.tier)
+                    .arg(duration_ms(limits.lease_ttl))
+                    .arg(&id)
+                    .arg(&this.worker_id)
+                    .arg(epoch.as_deref().unwrap_or(""));
+                let answer = this
+                    .guard(acquire.invoke_async::<(i64, u32, u32)>(&mut conn))
+                    .await;
+                let Some((status, global, in_tier)) = answer else {
+                    drop(unclaimed); // maybe granted, surely not held: release it later
+                    return this.acquire_fallback(&tier, limits);
+                };
+                unclaimed.claim();
+                if status < 0 {
+                    // Nothing was taken: this worker's calls are not all counted.
+                    lock(&this.slots.held).remove(&id);
+                    if resynced {
+                        return None; // another epoch began meanwhile: wait, try again
+                    }
+                    if !this.resync(false, Some(epoch)).await {
+                        return this.acquire_fallback(&tier, limits);
+                    }
+                    resynced = true;
+                    continue;
+                }
+                {
+                    let mut held = lock(&this.slots.held);
+                    if status == 0 {
+                        held.remove(&id);
+                    } else if let Some(held) = held.get_mut(&id) {
+                        held.counted = Counted::Shared;
+                        held.renewed = Instant::now();
+                    }
+                }
+                if !this.slots.restricted(this.is_degraded()) {
+                    this.slots.saw(global, Some((&tier_key, in_tier)));
+                }
+                if status == 0 {
+                    return None;
+                }
+                let lease = RedisLease {
+                    store: this.clone(),
+                    id,
+                };
+                return Some(SlotLease::new(tier, Holder::Redis(lease)));
             }
-            let (id, tier_key) = unclaimed.claim();
-            if answer != Some(1) {
-                return None;
-            }
-            let held = Held {
+        })
+    }
+
+    /// Counts a call about to be acquired, if it fits this worker's share while restricted.
+    fn reserve(&self, id: &str, tier_key: &str, limits: SlotLimits) -> bool {
+        let restricted = self.slots.restricted(self.is_degraded());
+        let mut held = lock(&self.slots.held);
+        if restricted && !self.slots.fits(&held, tier_key, limits) {
+            return false;
+        }
+        held.insert(
+            id.to_owned(),
+            Held {
+                tier_key: tier_key.to_owned(),
+                ttl: limits.lease_ttl,
+                renewed: Instant::now(),
+                counted: Counted::Acquiring,
+            },
+        );
+        true
+    }
+
+    /// While Redis is away: a slot from this worker's share of the caps, counting every
+    /// call it has in flight (Redis leases and fallback slots alike).
+    fn acquire_fallback(self: &Arc<Self>, tier: &Tier, limits: SlotLimits) -> Option<SlotLease> {
+        if self.slots.recovering.load(Ordering::Acquire) {
+            return None; // woken when the store is back
+        }
+        let id = self.lease_id();
+        let tier_key = self.keys.slots_tier(tier);
+        let mut held = lock(&self.slots.held);
+        if !self.slots.fits(&held, &tier_key, limits) {
+            return None;
+        }
+        held.insert(
+            id.clone(),
+            Held {
                 tier_key,
                 ttl: limits.lease_ttl,
                 renewed: Instant::now(),
-            };
-            lock(&this.slots.held).insert(id.clone(), held);
-            let lease = RedisLease {
-                store: this.clone(),
-                id,
-            };
-            Some(SlotLease::new(tier, Holder::Redis(lease)))
-        })
+                counted: Counted::Local,
+            },
+        );
+        drop(held);
+        let lease = RedisLease {
+            store: self.clone(),
+            id,
+        };
+        Some(SlotLease::new(tier.clone(), Holder::Redis(lease)).mark_fallback())
+    }
+
+    /// Puts back every call this worker has in flight as a lease, and records the worker
+    /// in the current epoch (a new one with `new_epoch`). Skipped when another resync ran
+    /// since this worker last saw `seen_epoch`. `false` when Redis did not answer.
+    pub(super) async fn resync(&self, new_epoch: bool, seen_epoch: Option<Option<String>>) -> bool {
+        let _one = self.slots.resyncing.lock().await;
+        if seen_epoch.is_some_and(|seen| *lock(&self.slots.epoch) != seen) {
+            return true;
+        }
+        let leases: Vec<(String, String, u64)> = lock(&self.slots.held)
+            .iter()
+            .filter(|(_, h)| h.counted != Counted::Acquiring)
+            .map(|(id, h)| (id.clone(), h.tier_key.clone(), duration_ms(h.ttl)))
+            .collect();
+        let mut invocation = self.slot_scripts.resync.prepare_invoke();
+        invocation
+            .key(&self.keys.slots_global)
+            .key(&self.keys.slots_workers)
+            .key(&self.keys.slots_epoch)
+            .arg(&self.worker_id)
+            .arg(duration_ms(WORKER_TTL))
+            .arg(if new_epoch { "1" } else { "0" });
+        for (id, tier_key, ttl_ms) in &leases {
+            invocation.key(tier_key).arg(id).arg(*ttl_ms);
+        }
+        let mut conn = self.conn.clone();
+        let answer = self
+            .guard(invocation.invoke_async::<Vec<String>>(&mut conn))
+            .await;
+        let Some([epoch, alive, _global]) = answer.and_then(|a| <[String; 3]>::try_from(a).ok())
+        else {
+            return false;
+        };
+        let alive: u32 = alive.parse().unwrap_or(1);
+        let now = Instant::now();
+        let put_back = leases.len();
+        {
+            let mut held = lock(&self.slots.held);
+            let mut unreleased = lock(&self.slots.unreleased);
+            for (id, tier_key, _) in leases {
+                match held.get_mut(&id) {
+                    Some(h) => {
+                        h.counted = Counted::Shared;
+                        h.renewed = now;
+                    }
+                    // Released while the resync was on the way: it put the lease back.
+                    None => unreleased.push((id, tier_key)),
+                }
+            }
+        }
+        let before = lock(&self.slots.epoch).replace(epoch.clone());
+        let epoch_changed = before.as_ref().is_some_and(|before| *before != epoch);
+        if new_epoch || epoch_changed {
+            tracing::info!(
+                name: "queue.redis_resync",
+                epoch,
+                started_here = new_epoch,
+                calls_put_back = put_back,
+                workers_back = alive,
+                "slot counts were untrue (redis was away, restarted or wiped); this worker's \
+                 calls in flight are back in them"
+            );
+        }
+        if new_epoch || epoch_changed {
+            // The count was untrue for every worker: wait for those known to put theirs back.
+            self.slots.settle(self.slots.fleet(), alive);
+        } else {
+            self.slots.workers_seen(alive);
+        }
+        *lock(&self.slots.last_heartbeat) = Some(now);
+        self.wake.notify_one();
+        true
     }
 
     /// Releases leases in Redis (one script each, pipelined), keeping for later those Redis
@@ -219,33 +569,36 @@ impl RedisStore {
             .min()
     }
 
-    /// While Redis is away: an in-process slot, from this worker's share of the caps.
-    fn acquire_fallback(&self, tier: &Tier, limits: SlotLimits) -> Option<SlotLease> {
-        let workers = self.slots.alive_workers.load(Ordering::Relaxed);
-        let lease = self
-            .fallback
-            .slots
-            .try_acquire(tier, limits.share_of(workers));
-        lease.map(SlotLease::mark_fallback)
-    }
-
     pub(crate) fn slots_in_use(self: &Arc<Self>, tier: Option<&Tier>) -> StoreFuture<u32> {
         let key = match tier {
             Some(tier) => self.keys.slots_tier(tier),
             None => self.keys.slots_global.clone(),
         };
-        let tier = tier.cloned();
-        self.op(
-            move |local| local.slots.in_use(tier.as_ref()),
-            move |this| async move {
-                let mut conn = this.conn.clone();
-                this.slot_scripts
-                    .in_use
-                    .key(key)
-                    .invoke_async(&mut conn)
-                    .await
-            },
-        )
+        if self.is_degraded() {
+            return StoreFuture::ready(self.in_flight_here(tier.map(|_| key.as_str())));
+        }
+        let local_key = tier.map(|_| key.clone());
+        let this = self.clone();
+        StoreFuture::pending(async move {
+            let mut conn = this.conn.clone();
+            let mut in_use = this.slot_scripts.in_use.prepare_invoke();
+            in_use.key(&key);
+            let call = in_use.invoke_async(&mut conn);
+            match this.guard(call).await {
+                Some(n) => n,
+                None => this.in_flight_here(local_key.as_deref()),
+            }
+        })
+    }
+
+    /// Calls in flight through this worker: all (`None`) or of one tier key.
+    fn in_flight_here(&self, tier_key: Option<&str>) -> u32 {
+        let held = lock(&self.slots.held);
+        let n = held
+            .values()
+            .filter(|h| h.counted != Counted::Acquiring && tier_key.is_none_or(|k| h.tier_key == k))
+            .count();
+        u32::try_from(n).unwrap_or(u32::MAX)
     }
 
     pub(crate) fn slot_released(&self) -> &tokio::sync::Notify {
@@ -253,13 +606,29 @@ impl RedisStore {
     }
 
     pub(crate) fn alive_workers(&self) -> u32 {
-        self.slots.alive_workers.load(Ordering::Relaxed)
+        self.slots.alive_workers.load(Ordering::Relaxed).max(1)
+    }
+
+    /// The workers to share a limit with while Redis is away: those last seen alive, at
+    /// least the configured fleet, at least 1.
+    pub(super) fn known_workers(&self) -> u32 {
+        self.alive_workers()
+            .max(self.slots.expected_workers.unwrap_or(1))
     }
 
     /// Renews held leases that reached a third of their TTL, and says this worker is alive,
-    /// in one script call. Run by the background task while Redis is up.
+    /// in one script call; resyncs when Redis lost this worker's bookkeeping or leases. Run
+    /// by the background task while Redis is up.
     pub(super) async fn slot_heartbeat(&self) {
         let now = Instant::now();
+        // A fallback slot taken while Redis answers (it refused a call) is put back.
+        let local = lock(&self.slots.held)
+            .values()
+            .any(|h| h.counted == Counted::Local);
+        if local && !self.is_degraded() {
+            self.resync(false, None).await;
+            return;
+        }
         let leases: Vec<(String, String, u64)> = {
             let held = lock(&self.slots.held);
             let lease_due = held
@@ -267,34 +636,58 @@ impl RedisStore {
                 .any(|h| now.saturating_duration_since(h.renewed) >= h.ttl / 3);
             let worker_due = lock(&self.slots.last_heartbeat)
                 .is_none_or(|at| now.saturating_duration_since(at) >= WORKER_HEARTBEAT);
-            if !lease_due && !worker_due {
+            if !lease_due && !worker_due && !self.slots.settling() {
                 return;
             }
             held.iter()
+                .filter(|(_, h)| h.counted == Counted::Shared)
                 .map(|(id, h)| (id.clone(), h.tier_key.clone(), duration_ms(h.ttl)))
                 .collect()
         };
+        let epoch = lock(&self.slots.epoch).clone();
         let mut invocation = self.slot_scripts.heartbeat.prepare_invoke();
         invocation
             .key(&self.keys.slots_global)
             .key(&self.keys.slots_workers)
+            .key(&self.keys.slots_epoch)
             .arg(&self.worker_id)
-            .arg(duration_ms(WORKER_TTL));
+            .arg(duration_ms(WORKER_TTL))
+            .arg(epoch.as_deref().unwrap_or(""));
         for (id, tier_key, ttl_ms) in &leases {
             invocation.key(tier_key).arg(id).arg(*ttl_ms);
         }
         let mut conn = self.conn.clone();
-        if let Some(alive) = self.guard(invocation.invoke_async::<u32>(&mut conn)).await {
-            self.slots
-                .alive_workers
-                .store(alive.max(1), Ordering::Relaxed);
-            *lock(&self.slots.last_heartbeat) = Some(now);
+        let Some(answer) = self
+            .guard(invocation.invoke_async::<Vec<String>>(&mut conn))
+            .await
+        else {
+            return;
+        };
+        let (alive, global) = match answer.as_slice() {
+            [alive, global, ..] => (alive.parse().unwrap_or(1), global.parse().unwrap_or(0)),
+            _ => {
+                // Redis lost this worker's bookkeeping: put its calls back.
+                self.resync(false, Some(epoch)).await;
+                return;
+            }
+        };
+        *lock(&self.slots.last_heartbeat) = Some(now);
+        let lost = {
             let mut held = lock(&self.slots.held);
             for (id, _, _) in &leases {
                 if let Some(h) = held.get_mut(id) {
                     h.renewed = now;
                 }
             }
+            // A lease gone from Redis whose call still runs (not one released meanwhile).
+            answer[2..].iter().any(|id| held.contains_key(id))
+        };
+        self.slots.workers_seen(alive);
+        if !self.slots.restricted(self.is_degraded()) {
+            self.slots.saw(global, None);
+        }
+        if lost {
+            self.resync(false, None).await;
         }
     }
 }

@@ -1,15 +1,34 @@
 -- Renews this worker's leases and its own liveness, and counts the workers alive.
--- XX: a lease already released or expired is never brought back.
--- KEYS[1] global lease set, KEYS[2] worker set, KEYS[3..n] the tier set of each lease below
--- ARGV[1] worker id, ARGV[2] worker TTL in ms, then per lease: its id, its TTL in ms
+-- XX: a lease released meanwhile is never brought back here. A lease that is gone (expired
+-- unrenewed, or removed) is reported instead, so the worker can put back those it still
+-- holds; a worker whose bookkeeping is gone (as in slot_acquire.lua) is told to resync.
+-- KEYS[1] global lease set, KEYS[2] worker set, KEYS[3] epoch key,
+-- KEYS[4..n] the tier set of each lease below
+-- ARGV[1] worker id, ARGV[2] worker TTL in ms, ARGV[3] the worker's epoch,
+-- then per lease: its id, its TTL in ms
+-- Returns {'-1'} to resync, else {workers alive, global count, ids of missing leases...}.
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local record = redis.call('ZSCORE', KEYS[2], ARGV[1])
+if redis.call('GET', KEYS[3]) ~= ARGV[3] or not record or tonumber(record) <= now then
+  return {'-1'}
+end
 redis.call('ZADD', KEYS[2], now + tonumber(ARGV[2]), ARGV[1])
 redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now)
-for i = 3, #KEYS do
-  local id = ARGV[2 * i - 3]
-  local expiry = now + tonumber(ARGV[2 * i - 2])
-  redis.call('ZADD', KEYS[1], 'XX', expiry, id)
-  redis.call('ZADD', KEYS[i], 'XX', expiry, id)
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+local missing = {}
+for i = 4, #KEYS do
+  local id = ARGV[2 * i - 4]
+  local expiry = now + tonumber(ARGV[2 * i - 3])
+  if redis.call('ZSCORE', KEYS[1], id) then
+    redis.call('ZADD', KEYS[1], 'XX', expiry, id)
+    redis.call('ZADD', KEYS[i], 'XX', expiry, id)
+  else
+    missing[#missing + 1] = id
+  end
 end
-return redis.call('ZCARD', KEYS[2])
+local out = {tostring(redis.call('ZCARD', KEYS[2])), tostring(redis.call('ZCARD', KEYS[1]))}
+for _, id in ipairs(missing) do
+  out[#out + 1] = id
+end
+return out

@@ -1,0 +1,260 @@
+//! The caps counted from outside through the Redis faults deployments meet: two worker
+//! processes (`slot_worker faults`, 20 callers each, global cap 8, tiers 8/6/4/2) on a
+//! redis-server this test starts, while a second redis-server, the observer, counts every
+//! call truly in flight across both (its maximum, and the time spent over each cap).
+//!
+//! One case per fault: Redis down at start (then up), hung (SIGSTOP, then SIGCONT), killed
+//! and replaced by a fresh empty server on the same port, wiped (FLUSHALL), and restarted.
+//! Each asserts that no request failed and that no cap was exceeded, and prints the maxima.
+//! The cases run one at a time (the machine is small); every process is stopped by its pid,
+//! also when a case panics.
+#![cfg(feature = "redis")]
+
+mod support;
+
+use std::io::{BufRead, BufReader};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::Mutex;
+use std::sync::mpsc::{Receiver, channel};
+use std::time::{Duration, Instant};
+
+use support::RedisServer;
+
+const WORKERS: usize = 2;
+const CALLERS: &str = "20";
+const GLOBAL_CAP: u32 = 8;
+const TIER_CAPS: [(&str, u32); 4] = [("premium", 8), ("pro", 6), ("free", 4), ("guest", 2)];
+
+/// One case at a time: two cores, and each case's timing matters.
+static SERIAL: Mutex<()> = Mutex::new(());
+
+/// The `slot_worker` example, built by `cargo test` next to the test binaries.
+fn worker_binary() -> PathBuf {
+    let deps = std::env::current_exe()
+        .unwrap()
+        .parent()
+        .unwrap()
+        .to_path_buf();
+    let path = deps.parent().unwrap().join("examples").join("slot_worker");
+    assert!(
+        path.exists(),
+        "{} missing: run the tests with --all-features",
+        path.display()
+    );
+    path
+}
+
+/// A worker process, SIGKILLed by its pid when dropped (a case that panics leaves nothing).
+struct Worker {
+    child: Child,
+    lines: Receiver<String>,
+}
+
+impl Worker {
+    fn start(url: &str, observer: &str, millis: u64) -> Worker {
+        let mut child = Command::new(worker_binary())
+            .args(["faults", url, observer, CALLERS, &millis.to_string()])
+            .arg(WORKERS.to_string())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("start a slot_worker process");
+        let stdout = child.stdout.take().unwrap();
+        let (tx, lines) = channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                if tx.send(line).is_err() {
+                    return;
+                }
+            }
+        });
+        Worker { child, lines }
+    }
+
+    fn line(&self, within: Duration) -> String {
+        self.lines
+            .recv_timeout(within)
+            .unwrap_or_else(|_| panic!("worker {} said nothing", self.child.id()))
+    }
+
+    /// Waits for the worker's summary line and exit, and checks no request failed.
+    fn finish(mut self, within: Duration) -> u32 {
+        let line = self.line(within);
+        let deadline = Instant::now() + Duration::from_secs(5);
+        let status = loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                break status;
+            }
+            assert!(Instant::now() < deadline, "worker did not exit");
+            std::thread::sleep(Duration::from_millis(10));
+        };
+        assert!(status.success(), "worker failed: {status}");
+        assert!(
+            line.ends_with("busy=0 failed=0"),
+            "a request failed: {line}"
+        );
+        line.trim_start_matches("ok=")
+            .split(' ')
+            .next()
+            .unwrap()
+            .parse()
+            .unwrap()
+    }
+}
+
+impl Drop for Worker {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn get(server: &RedisServer, key: &str) -> Option<u64> {
+    let reply = server.command(&format!("GET {key}"));
+    reply.lines().nth(1).and_then(|n| n.trim().parse().ok())
+}
+
+/// What the observer saw for one count.
+struct Seen {
+    name: String,
+    cap: u32,
+    max: u64,
+    over_ms: u64,
+}
+
+/// Runs two workers for `millis` against `server`, doing `fault` to it once both are ready,
+/// then checks what the observer counted.
+fn case(name: &str, mut server: RedisServer, millis: u64, fault: impl FnOnce(&mut RedisServer)) {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let observer = RedisServer::start();
+    let workers: Vec<Worker> = (0..WORKERS)
+        .map(|_| Worker::start(&server.url(), &observer.url(), millis))
+        .collect();
+    for worker in &workers {
+        assert_eq!(worker.line(Duration::from_secs(10)), "READY");
+    }
+    let started = Instant::now();
+    fault(&mut server);
+    let mut ok = 0;
+    for worker in workers {
+        ok += worker.finish(Duration::from_millis(millis + 20_000));
+    }
+    let took = started.elapsed();
+
+    let mut seen = vec![Seen {
+        name: "global".to_owned(),
+        cap: GLOBAL_CAP,
+        max: get(&observer, "obs:max").unwrap_or(0),
+        over_ms: get(&observer, "obs:over_ms").unwrap_or(0),
+    }];
+    for (tier, cap) in TIER_CAPS {
+        seen.push(Seen {
+            name: tier.to_owned(),
+            cap,
+            max: get(&observer, &format!("obs:max:{tier}")).unwrap_or(0),
+            over_ms: get(&observer, &format!("obs:over_ms:{tier}")).unwrap_or(0),
+        });
+    }
+    let report: Vec<String> = seen
+        .iter()
+        .map(|s| {
+            format!(
+                "{} max {} (cap {}), {} ms over",
+                s.name, s.max, s.cap, s.over_ms
+            )
+        })
+        .collect();
+    println!(
+        "fault {name}: {ok} calls in {took:?}; {}",
+        report.join("; ")
+    );
+    assert_eq!(get(&observer, "obs:now"), Some(0), "calls still counted");
+    assert!(ok >= 100, "{name}: too few calls went through ({ok})");
+    assert!(
+        seen[0].max >= u64::from(GLOBAL_CAP) / 2,
+        "{name}: the budget was barely used: the observer is not measuring"
+    );
+    for s in &seen {
+        assert!(
+            s.max <= u64::from(s.cap) && s.over_ms == 0,
+            "{name}: {} cap broken: {} in flight (cap {}), {} ms over",
+            s.name,
+            s.max,
+            s.cap,
+            s.over_ms
+        );
+    }
+}
+
+fn after(from: Instant, ms: u64) {
+    let at = from + Duration::from_millis(ms);
+    std::thread::sleep(at.saturating_duration_since(Instant::now()));
+}
+
+#[test]
+fn caps_hold_when_redis_is_down_at_start_and_comes_up() {
+    case(
+        "down at start",
+        RedisServer::not_started(),
+        4_000,
+        |server| {
+            let t0 = Instant::now();
+            after(t0, 1_500);
+            server.restart();
+        },
+    );
+}
+
+#[test]
+fn caps_hold_when_redis_hangs_and_resumes() {
+    case(
+        "hung (SIGSTOP 2.5 s)",
+        RedisServer::start(),
+        5_500,
+        |server| {
+            let t0 = Instant::now();
+            after(t0, 1_000);
+            server.signal("STOP");
+            after(t0, 3_500);
+            server.signal("CONT");
+        },
+    );
+}
+
+#[test]
+fn caps_hold_when_redis_is_killed_and_a_fresh_empty_one_takes_its_port() {
+    case(
+        "killed, fresh empty server",
+        RedisServer::start(),
+        4_500,
+        |server| {
+            let t0 = Instant::now();
+            after(t0, 1_000);
+            server.kill();
+            after(t0, 1_500);
+            server.restart();
+        },
+    );
+}
+
+#[test]
+fn caps_hold_when_redis_is_wiped_while_leases_are_held() {
+    case("FLUSHALL", RedisServer::start(), 4_000, |server| {
+        let t0 = Instant::now();
+        after(t0, 1_000);
+        assert!(server.command("FLUSHALL").starts_with("+OK"));
+        after(t0, 2_000);
+        assert!(server.command("FLUSHALL").starts_with("+OK"));
+    });
+}
+
+#[test]
+fn caps_hold_when_redis_is_restarted() {
+    case("restart (SIGTERM)", RedisServer::start(), 4_000, |server| {
+        let t0 = Instant::now();
+        after(t0, 1_000);
+        server.terminate();
+        server.restart();
+    });
+}
