@@ -23,7 +23,7 @@ use super::memory::MemoryState;
 use super::{Backend, Demotion, RedisOptions, Store, StoreBuilder, StoreFuture, StoreUnavailable};
 use crate::TenantId;
 use crate::error::ConfigError;
-use crate::priority_classify::DemotionPolicy;
+use crate::admission::DemotionPolicy;
 
 mod cooldown;
 mod pacing;
