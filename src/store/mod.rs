@@ -493,8 +493,12 @@ impl Store {
 impl Store {
     /// Takes a slot for `tier` if the global and the tier counts are under `limits`; `None`
     /// when a cap is reached. One round trip on Redis (one script); while Redis is away, a
-    /// slot from this worker's share of the caps (the caps divided by the workers last seen
-    /// alive, at least 1 each).
+    /// slot from this worker's share of the caps: the caps divided by the workers it knows
+    /// of (the last count seen alive, never fewer than `StoreBuilder::expected_workers`), or
+    /// one slot at a time when it knows nothing, with every call it has in flight counted
+    /// against that share, Redis leases and fallback slots alike. When Redis returns (or
+    /// its leases vanish), the worker puts every call it still has in flight back before it
+    /// takes a new slot.
     pub fn try_acquire_slot(
         &self,
         tier: &Tier,
