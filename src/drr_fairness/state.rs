@@ -141,6 +141,35 @@ pub(super) struct Shared {
     state: Mutex<State>,
 }
 
+/// Usually one (a dispatch hands out one place at a time): the first kept inline, so the
+/// common case allocates nothing.
+struct Few<T> {
+    first: Option<T>,
+    rest: Vec<T>,
+}
+
+impl<T> Default for Few<T> {
+    fn default() -> Self {
+        Few {
+            first: None,
+            rest: Vec::new(),
+        }
+    }
+}
+
+impl<T> Few<T> {
+    fn push(&mut self, value: T) {
+        match self.first {
+            None => self.first = Some(value),
+            Some(_) => self.rest.push(value),
+        }
+    }
+
+    fn into_iter(self) -> impl Iterator<Item = T> {
+        self.first.into_iter().chain(self.rest)
+    }
+}
+
 /// An acquire `dispatch` sent for a group's next request in `class`, with the step of the
 /// group's virtual time charged ahead for it.
 struct Acquire {
@@ -153,8 +182,8 @@ struct Acquire {
 /// What a dispatch leaves to do once the lock is released.
 #[derive(Default)]
 struct AfterUnlock {
-    wake: Vec<Waker>,
-    served: Vec<(TenantId, u64)>,
+    wake: Few<Waker>,
+    served: Few<(TenantId, u64)>,
     depth: Option<Priority>,
     index: Option<Option<f64>>,
     /// Slot acquires to send (Redis).
@@ -166,7 +195,7 @@ struct AfterUnlock {
 
 impl AfterUnlock {
     fn run(self, shared: &Arc<Shared>, depths: Option<(Priority, usize)>) {
-        for (tenant, cost) in self.served {
+        for (tenant, cost) in self.served.into_iter() {
             shared.store.add_served_cost(&tenant, cost);
         }
         if let Some((priority, depth)) = depths {
@@ -178,7 +207,10 @@ impl AfterUnlock {
             metrics::gauge!(Metric::FairnessIndex.name()).set(index.unwrap_or(1.0));
         }
         drop(self.drop_leases);
-        let runtime = tokio::runtime::Handle::try_current().ok();
+        let spawns = !self.acquires.is_empty() || self.watch;
+        let runtime = spawns
+            .then(tokio::runtime::Handle::try_current)
+            .and_then(Result::ok);
         for acquire in self.acquires {
             let shared = shared.clone();
             match &runtime {
@@ -203,7 +235,7 @@ impl AfterUnlock {
         {
             runtime.spawn(watch_releases(shared.clone()));
         }
-        for waker in self.wake {
+        for waker in self.wake.into_iter() {
             waker.wake();
         }
     }
@@ -640,7 +672,9 @@ impl Shared {
             state.handed.insert(next.item.id, lease);
         }
         after.served.push((next.tenant, next.cost));
-        after.wake.extend(next.item.waker);
+        if let Some(waker) = next.item.waker {
+            after.wake.push(waker);
+        }
     }
 
     /// The answer to an acquire sent by `dispatch` for `group`.
