@@ -131,6 +131,14 @@ impl State {
     fn len(&self) -> usize {
         self.groups.iter().map(|g| g.scheduler.len()).sum()
     }
+
+    /// A request of `class` left the queue: a class with nothing left waiting banks no
+    /// round-robin credit (as inside one scheduler).
+    fn left(&mut self, class: Priority) {
+        if self.class_len(class) == 0 {
+            self.picker.forget(class);
+        }
+    }
 }
 
 pub(super) struct Shared {
@@ -646,12 +654,20 @@ impl Shared {
         lease: Option<SlotLease>,
         after: &mut AfterUnlock,
     ) {
-        let ci = class as usize;
-        let active = state.groups[group].scheduler.active_tenants(class);
         let g = &mut state.groups[group];
-        let next = g.scheduler.pop_class(class).or_else(|| g.scheduler.pop());
-        let Some(next) = next else {
-            // Its requests went away meanwhile: the slot goes back.
+        // The class the slot was taken for, or (its requests went away meanwhile) the
+        // group's highest class with one.
+        let class = std::iter::once(class)
+            .chain(Priority::ALL)
+            .find(|&c| g.scheduler.class_len(c) > 0);
+        let Some(class) = class else {
+            // Nothing of this group waits any more: the slot goes back.
+            after.drop_leases.extend(lease);
+            return;
+        };
+        let ci = class as usize;
+        let active = g.scheduler.active_tenants(class);
+        let Some(next) = g.scheduler.pop_class(class) else {
             after.drop_leases.extend(lease);
             return;
         };
@@ -659,6 +675,7 @@ impl Shared {
         let weight = f64::from(next.item.weight.max(1)) * active.max(1) as f64;
         g.last_step[ci] = next.cost as f64 / weight;
         g.vtime[ci] += g.last_step[ci];
+        state.left(class);
         state.in_flight += 1;
         after.index = state.fairness.record(
             &next.tenant,
@@ -880,6 +897,7 @@ impl Ticket {
                     return Poll::Pending;
                 }
                 state.groups[self.group].scheduler.remove(self.key);
+                state.left(self.class);
                 Some(state.class_len(self.class))
             } else {
                 None
@@ -972,10 +990,11 @@ impl Drop for Ticket {
         };
         let left_queue = {
             let mut state = shared.lock();
-            state.groups[self.group]
-                .scheduler
-                .remove(self.key)
-                .map(|_| state.class_len(self.class))
+            let removed = state.groups[self.group].scheduler.remove(self.key);
+            removed.map(|_| {
+                state.left(self.class);
+                state.class_len(self.class)
+            })
         };
         match left_queue {
             Some(depth) => AfterUnlock::default().run(&shared, Some((self.class, depth))),
