@@ -117,7 +117,9 @@ struct State {
     handed: HashMap<u64, SlotLease>,
     next_id: u64,
     fairness: FairnessWindow,
-    rng: Rng,
+    /// The watcher's poll jitter, seeded from the slot policy (`SlotPolicyBuilder::seed`)
+    /// when the first watch starts: the policy is registered after this layer is built.
+    rng: Option<Rng>,
 }
 
 impl State {
@@ -267,11 +269,13 @@ async fn watch_releases(shared: Arc<Shared>) {
                 state.watching = false;
                 return;
             }
-            let interval = shared
-                .store
-                .slot_policy()
-                .map_or(Duration::from_millis(100), |p| p.poll_interval);
-            interval.mul_f64(0.5 + state.rng.unit())
+            let policy = shared.store.slot_policy();
+            let interval = policy.map_or(Duration::from_millis(100), |p| p.poll_interval);
+            let seed = policy.and_then(|p| p.seed);
+            let rng = state
+                .rng
+                .get_or_insert_with(|| seed.map_or_else(Rng::from_entropy, Rng::seeded));
+            interval.mul_f64(0.5 + rng.unit())
         };
         tokio::select! {
             _ = released => {}
@@ -313,7 +317,6 @@ impl Shared {
             return Err(ConfigError::new("fairness window must be at least 10 ms"));
         }
         config.validate()?;
-        let seed = store.slot_policy().and_then(|p| p.seed);
         Ok(Shared {
             store,
             max_in_flight,
@@ -327,7 +330,7 @@ impl Shared {
                 handed: HashMap::new(),
                 next_id: 0,
                 fairness: FairnessWindow::new(fairness_window),
-                rng: seed.map_or_else(Rng::from_entropy, Rng::seeded),
+                rng: None,
             }),
             config,
         })
