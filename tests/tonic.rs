@@ -45,9 +45,11 @@ struct Running {
 /// A Health server on a loopback port whose handlers are admitted by the stack on `store`,
 /// the job from the `x-api-key` metadata.
 async fn admitted_server(store: &Store) -> Running {
-    let keys = KeyTable::new()
-        .key("sk-free", "team-free", "free")
-        .key("sk-premium", "team-premium", "premium");
+    let keys = KeyTable::new().key("sk-free", "team-free", "free").key(
+        "sk-premium",
+        "team-premium",
+        "premium",
+    );
     let admission = ServiceBuilder::new()
         .layer(GrpcRejectionLayer::new())
         .layer(JobLayer::new(FromHeaders::new().keys(keys)))
@@ -153,7 +155,10 @@ async fn a_call_succeeds_through_client_and_server_stacks() {
             .check(check(Some("sk-premium"), Some(free_job())))
             .await
             .unwrap();
-        assert_eq!(response.into_inner().status(), ServingStatus::Serving.into());
+        assert_eq!(
+            response.into_inner().status(),
+            ServingStatus::Serving.into()
+        );
     }
     slots_become(&client_store, 0).await;
     slots_become(&server_store, 0).await;
@@ -189,10 +194,7 @@ async fn a_busy_server_answers_unavailable_with_retry_after_metadata() {
     );
 
     // Another tier is not blocked by the capped one.
-    client
-        .check(check(Some("sk-premium"), None))
-        .await
-        .unwrap();
+    client.check(check(Some("sk-premium"), None)).await.unwrap();
 
     // The stream's end gives the slot back, and free users get in again.
     drop(watch);
