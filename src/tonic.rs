@@ -1,4 +1,4 @@
-//! gRPC with [tonic]: fairgate's rejections as [`tonic::Status`](::tonic::Status), and the
+//! gRPC with [tonic]: fairgate's rejections as [`tonic::Status`], and the
 //! stack around a tonic client `Channel` or a tonic `Server`.
 //!
 //! gRPC runs over HTTP/2, and tonic's clients and servers are tower services of
@@ -161,7 +161,7 @@ impl From<Rejection> for Status {
 ///
 /// - a fairgate [`Rejection`] (anywhere in the error's chain of sources) as its status, see
 ///   the [module docs](crate::tonic);
-/// - a [`tonic::Status`](::tonic::Status) in the chain (the inner service's own answer) as
+/// - a [`tonic::Status`] in the chain (the inner service's own answer) as
 ///   itself (code, message, details and metadata);
 /// - anything else as `UNAVAILABLE`, "the upstream call failed": what fails below the
 ///   admission layers is the channel or the server it talks to, and gRPC's mapping of
