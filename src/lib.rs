@@ -24,7 +24,13 @@
 //! Redis (feature `redis`) when many processes share one budget.
 //!
 //! Features: none by default (the in-memory store); `redis` adds the Redis store; `axum`
-//! turns [`Busy`] into a `503 SERVER_BUSY` response; `full` is both.
+//! turns [`Busy`] into a `503 SERVER_BUSY` response; `reqwest` adds a reqwest-middleware
+//! adapter; `tonic` renders rejections as gRPC statuses; `full` is all of them.
+//!
+//! Around the layers: [`FairgateLayer`] applies all four in the recommended order;
+//! [`JobLayer`] derives each request's [`Job`] from the request (API key, headers);
+//! [`Rejection`] and [`reject::render`] turn every refusal into an answer clients
+//! understand (the reference's `SERVER_BUSY`, or Anthropic's error shape).
 //!
 //! The order below is the recommended one, and why: classify first (the others read the
 //! priority); the retry layer outside the fair queue, so a call held by a closed cooldown
