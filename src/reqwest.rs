@@ -43,9 +43,9 @@
 //!     .send()
 //!     .await?;
 //! assert_eq!(response.status(), 200);
-//! assert_eq!(store.slots_in_use(None).await?, 1); // held until the body is read
+//! assert_eq!(store.slots_in_use(None).await, 1); // held until the body is read
 //! let _answer = response.text().await?;
-//! assert_eq!(store.slots_in_use(None).await?, 0);
+//! assert_eq!(store.slots_in_use(None).await, 0);
 //!
 //! // A request without a job is refused before it is sent.
 //! let err = claude.get("http://127.0.0.1:1/v1/models").send().await.unwrap_err();
