@@ -4,13 +4,15 @@
 //! `retry-after-ms` is retried and then succeeds, a rejection comes back in the chosen shape,
 //! and a streamed answer holds its slot until its body has been read.
 //!
-//! The upstream is a small mock of the Anthropic Messages API (below): JSON answers, SSE
-//! answers held open until the test releases them, and 429s with `retry-after` and the
-//! Anthropic error body on demand. These tests run in real time (real sockets); the only
-//! wait is one 200 ms retry-after per retry test.
+//! The clients call the mock Anthropic upstream of `tests/support/anthropic.rs` (its 429s
+//! say `retry-after: 1`, so each client retry test waits about a second). The axum app's
+//! handler is a stand-in for the Messages API written here ([`App`]): its 429s say
+//! `retry-after-ms: 200`, and its SSE answers stay open until the test releases them. These
+//! tests run in real time (real sockets).
+
+mod support;
 
 use std::convert::Infallible;
-use std::net::SocketAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -19,8 +21,8 @@ use bytes::Bytes;
 use fairgate::{FairgateLayer, Job, Origin, SlotPolicy, Store};
 use http_body_util::combinators::BoxBody;
 use http_body_util::{BodyExt, Full, StreamBody};
-use hyper::body::{Frame, Incoming};
-use hyper_util::rt::TokioIo;
+use hyper::body::Frame;
+use support::anthropic::{MESSAGE_JSON, MockAnthropic, Reply, stream_body};
 use tokio::net::TcpListener;
 use tokio::sync::Semaphore;
 
@@ -32,10 +34,10 @@ const ASK: &str =
     r#"{"model":"claude-sonnet-4-5","max_tokens":64,"messages":[{"role":"user","content":"Hi"}]}"#;
 const ASK_STREAM: &str = r#"{"model":"claude-sonnet-4-5","max_tokens":64,"stream":true,"messages":[{"role":"user","content":"Hi"}]}"#;
 
-type MockBody = BoxBody<Bytes, Infallible>;
+type AppBody = BoxBody<Bytes, Infallible>;
 
-/// What the mock answers and what it saw.
-struct Mock {
+/// The axum app's handler state: what it answers and what it saw.
+struct App {
     /// Requests received.
     hits: AtomicUsize,
     /// This many next requests are answered 429.
@@ -46,9 +48,9 @@ struct Mock {
     bodies: Mutex<Vec<Bytes>>,
 }
 
-impl Default for Mock {
+impl Default for App {
     fn default() -> Self {
-        Mock {
+        App {
             hits: AtomicUsize::new(0),
             throttle: AtomicUsize::new(0),
             gate: Semaphore::new(0),
@@ -57,7 +59,7 @@ impl Default for Mock {
     }
 }
 
-impl Mock {
+impl App {
     fn throttle_next(&self, n: usize) {
         self.throttle.store(n, Ordering::SeqCst);
     }
@@ -76,7 +78,7 @@ impl Mock {
 
     /// The answer to a Messages request with `body`: a 429 if one is due, an SSE stream if
     /// the request asks for one, else a message.
-    fn reply(self: &Arc<Self>, body: Bytes) -> http::Response<MockBody> {
+    fn reply(self: &Arc<Self>, body: Bytes) -> http::Response<AppBody> {
         self.hits.fetch_add(1, Ordering::SeqCst);
         let streaming = body.windows(13).any(|w| w == b"\"stream\":true");
         self.bodies.lock().unwrap().push(body);
@@ -125,44 +127,6 @@ impl Mock {
     }
 }
 
-/// The mock Anthropic upstream on a loopback port.
-struct Upstream {
-    addr: SocketAddr,
-    mock: Arc<Mock>,
-}
-
-impl Upstream {
-    async fn start() -> Upstream {
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        let mock = Arc::new(Mock::default());
-        let serving = mock.clone();
-        tokio::spawn(async move {
-            while let Ok((stream, _)) = listener.accept().await {
-                let mock = serving.clone();
-                tokio::spawn(async move {
-                    let service =
-                        hyper::service::service_fn(move |req: http::Request<Incoming>| {
-                            let mock = mock.clone();
-                            async move {
-                                let body = req.into_body().collect().await.map(|c| c.to_bytes());
-                                Ok::<_, Infallible>(mock.reply(body.unwrap_or_default()))
-                            }
-                        });
-                    let _ = hyper::server::conn::http1::Builder::new()
-                        .serve_connection(TokioIo::new(stream), service)
-                        .await;
-                });
-            }
-        });
-        Upstream { addr, mock }
-    }
-
-    fn url(&self) -> String {
-        format!("http://{}/v1/messages", self.addr)
-    }
-}
-
 /// The stack on a fresh store; `guest` is capped at 1 slot and never waits.
 fn stack() -> FairgateLayer {
     let slots = SlotPolicy::builder()
@@ -193,6 +157,21 @@ async fn slots_become(store: &Store, n: u32) {
     }
     panic!("{seen} slots in use, expected {n}");
 }
+
+/// The mock upstream, its SSE events `gap` apart (so a stream stays open a while).
+fn upstream(gap: Duration) -> MockAnthropic {
+    let mock = MockAnthropic::start();
+    mock.set_event_gap(gap);
+    mock
+}
+
+fn messages_url(mock: &MockAnthropic) -> String {
+    format!("{}/v1/messages", mock.url())
+}
+
+/// How long an SSE answer of the mock stays open: long enough to look at the slots while
+/// it streams.
+const GAP: Duration = Duration::from_millis(150);
 
 #[cfg(feature = "reqwest")]
 mod reqwest_middleware_adapter {
@@ -232,64 +211,71 @@ mod reqwest_middleware_adapter {
 
     #[tokio::test]
     async fn a_call_succeeds_and_gives_its_slot_back_when_read() {
-        let upstream = Upstream::start().await;
+        let mock = upstream(GAP);
         let fairgate = stack();
         let attempts = Attempts::default();
         let response = client(&fairgate, &attempts)
-            .post(upstream.url())
+            .post(messages_url(&mock))
+            .header("anthropic-version", "2023-06-01")
             .body(ASK)
             .with_extension(job("pro"))
             .send()
             .await
             .unwrap();
         assert_eq!(response.status(), 200);
-        assert_eq!(response.headers()["request-id"], "req_mock");
-        assert_eq!(response.url().as_str(), upstream.url(), "the URL survives");
-        assert_eq!(response.text().await.unwrap(), MESSAGE);
+        assert_eq!(response.headers()["request-id"], "req_mock_1");
+        assert_eq!(
+            response.url().as_str(),
+            messages_url(&mock),
+            "the URL survives"
+        );
+        assert_eq!(response.text().await.unwrap(), MESSAGE_JSON);
         slots_become(fairgate.store(), 0).await;
-        assert_eq!(upstream.mock.bodies(), [Bytes::from_static(ASK.as_bytes())]);
+        let seen = mock.last_request().unwrap();
+        assert_eq!(seen.body, ASK);
+        assert_eq!(seen.headers["anthropic-version"], "2023-06-01");
         assert_eq!(attempts.0.load(Ordering::SeqCst), 1);
     }
 
     #[tokio::test]
-    async fn a_429_is_retried_with_the_same_body_after_retry_after_ms() {
-        let upstream = Upstream::start().await;
-        upstream.mock.throttle_next(1);
+    async fn a_429_is_retried_with_the_same_body_after_retry_after() {
+        let mock = upstream(GAP);
+        mock.push_reply(Reply::RateLimited {
+            retry_after_secs: 1,
+        });
         let fairgate = stack();
         let attempts = Attempts::default();
         let started = tokio::time::Instant::now();
         let response = client(&fairgate, &attempts)
-            .post(upstream.url())
+            .post(messages_url(&mock))
             .body(ASK.to_owned())
             .with_extension(job("pro"))
             .send()
             .await
             .unwrap();
         assert_eq!(response.status(), 200);
-        assert_eq!(response.text().await.unwrap(), MESSAGE);
-        assert!(started.elapsed() >= Duration::from_millis(150), "waited");
-        assert_eq!(upstream.mock.hits(), 2);
+        assert_eq!(response.text().await.unwrap(), MESSAGE_JSON);
+        assert!(started.elapsed() >= Duration::from_millis(700), "waited");
+        assert_eq!(mock.calls(), 2);
         assert_eq!(
             attempts.0.load(Ordering::SeqCst),
             2,
             "each attempt runs the chain"
         );
-        let ask = Bytes::from_static(ASK.as_bytes());
-        assert_eq!(
-            upstream.mock.bodies(),
-            [ask.clone(), ask],
-            "rebuilt by try_clone"
-        );
+        let bodies: Vec<_> = mock.requests().into_iter().map(|r| r.body).collect();
+        assert_eq!(bodies, [ASK, ASK], "rebuilt by try_clone");
     }
 
     #[tokio::test]
     async fn a_streaming_request_body_is_sent_once_and_its_429_returned() {
-        let upstream = Upstream::start().await;
-        upstream.mock.throttle_next(1);
+        let mock = upstream(GAP);
+        mock.push_reply(Reply::RateLimited {
+            retry_after_secs: 1,
+        });
         let fairgate = stack();
         let chunks = vec![Ok::<_, std::io::Error>(Bytes::from_static(ASK.as_bytes()))];
         let response = client(&fairgate, &Attempts::default())
-            .post(upstream.url())
+            .post(messages_url(&mock))
             .body(reqwest::Body::wrap_stream(futures_util::stream::iter(
                 chunks,
             )))
@@ -298,47 +284,49 @@ mod reqwest_middleware_adapter {
             .await
             .unwrap();
         assert_eq!(response.status(), 429);
-        assert_eq!(response.text().await.unwrap(), THROTTLED);
-        assert_eq!(upstream.mock.hits(), 1);
+        assert!(response.text().await.unwrap().contains("rate_limit_error"));
+        assert_eq!(mock.calls(), 1);
     }
 
     #[tokio::test]
     async fn a_streamed_answer_holds_its_slot_until_its_body_is_read() {
-        let upstream = Upstream::start().await;
+        let mock = upstream(GAP);
         let fairgate = stack();
         let mut response = client(&fairgate, &Attempts::default())
-            .post(upstream.url())
+            .post(messages_url(&mock))
             .body(ASK_STREAM)
             .with_extension(job("pro"))
             .send()
             .await
             .unwrap();
         assert_eq!(response.headers()["content-type"], "text/event-stream");
-        let first = response.chunk().await.unwrap().unwrap();
-        assert_eq!(first, SSE_START);
+        let mut read = response.chunk().await.unwrap().unwrap().to_vec();
+        assert!(stream_body().as_bytes().starts_with(&read));
         assert_eq!(fairgate.store().slots_in_use(None).await, 1);
         assert_eq!(fairgate.fairness().in_flight(), 1);
-        upstream.mock.release_streams(1);
-        assert_eq!(response.text().await.unwrap(), SSE_REST);
+        while let Some(chunk) = response.chunk().await.unwrap() {
+            read.extend_from_slice(&chunk);
+        }
+        assert_eq!(read, stream_body().as_bytes(), "byte for byte");
         slots_become(fairgate.store(), 0).await;
         assert_eq!(fairgate.fairness().in_flight(), 0);
     }
 
     #[tokio::test]
     async fn rejections_come_back_as_errors_rejection_from_error_finds() {
-        let upstream = Upstream::start().await;
+        let mock = upstream(GAP);
         let fairgate = stack();
         let claude = client(&fairgate, &Attempts::default());
         // The guest tier's one slot, held by an open stream.
         let open = claude
-            .post(upstream.url())
+            .post(messages_url(&mock))
             .body(ASK_STREAM)
             .with_extension(job("guest"))
             .send()
             .await
             .unwrap();
         let err = claude
-            .post(upstream.url())
+            .post(messages_url(&mock))
             .body(ASK)
             .with_extension(job("guest"))
             .send()
@@ -352,7 +340,7 @@ mod reqwest_middleware_adapter {
         assert_eq!(busy.retry_after(), Duration::from_secs(5));
 
         let err = claude
-            .post(upstream.url())
+            .post(messages_url(&mock))
             .body(ASK)
             .send()
             .await
@@ -361,9 +349,8 @@ mod reqwest_middleware_adapter {
             Rejection::from_error(&err),
             Some(Rejection::MissingJob(fairgate::MissingJob))
         );
-        assert_eq!(upstream.mock.hits(), 1, "nothing refused was sent");
+        assert_eq!(mock.calls(), 1, "nothing refused was sent");
 
-        upstream.mock.release_streams(1);
         drop(open);
         slots_become(fairgate.store(), 0).await;
     }
@@ -407,8 +394,8 @@ mod hyper_util_client {
         fairgate.layer(Client::builder(TokioExecutor::new()).build_http())
     }
 
-    fn request(upstream: &Upstream, body: &'static str, job: Job) -> http::Request<Full<Bytes>> {
-        let mut req = http::Request::post(upstream.url())
+    fn request(mock: &MockAnthropic, body: &'static str, job: Job) -> http::Request<Full<Bytes>> {
+        let mut req = http::Request::post(messages_url(mock))
             .header("content-type", "application/json")
             .body(Full::new(Bytes::from_static(body.as_bytes())))
             .unwrap();
@@ -418,72 +405,72 @@ mod hyper_util_client {
 
     #[tokio::test]
     async fn a_call_succeeds_and_gives_its_slot_back_when_read() {
-        let upstream = Upstream::start().await;
+        let mock = upstream(GAP);
         let fairgate = stack();
         let response = claude(&fairgate)
-            .oneshot(request(&upstream, ASK, job("pro")))
+            .oneshot(request(&mock, ASK, job("pro")))
             .await
             .unwrap();
         assert_eq!(response.status(), 200);
         let body = response.into_body().collect().await.unwrap().to_bytes();
-        assert_eq!(body, MESSAGE);
+        assert_eq!(body, MESSAGE_JSON);
         slots_become(fairgate.store(), 0).await;
     }
 
     #[tokio::test]
-    async fn a_429_is_retried_after_retry_after_ms_and_then_succeeds() {
-        let upstream = Upstream::start().await;
-        upstream.mock.throttle_next(1);
+    async fn a_429_is_retried_after_retry_after_and_then_succeeds() {
+        let mock = upstream(GAP);
+        mock.push_reply(Reply::RateLimited {
+            retry_after_secs: 1,
+        });
         let fairgate = stack();
         let response = claude(&fairgate)
-            .oneshot(request(&upstream, ASK, job("pro")))
+            .oneshot(request(&mock, ASK, job("pro")))
             .await
             .unwrap();
         assert_eq!(response.status(), 200);
         let body = response.into_body().collect().await.unwrap().to_bytes();
-        assert_eq!(body, MESSAGE);
-        assert_eq!(upstream.mock.hits(), 2);
+        assert_eq!(body, MESSAGE_JSON);
+        assert_eq!(mock.calls(), 2);
     }
 
     #[tokio::test]
     async fn a_streamed_answer_holds_its_slot_until_its_body_is_read() {
-        let upstream = Upstream::start().await;
+        let mock = upstream(GAP);
         let fairgate = stack();
         let response = claude(&fairgate)
-            .oneshot(request(&upstream, ASK_STREAM, job("pro")))
+            .oneshot(request(&mock, ASK_STREAM, job("pro")))
             .await
             .unwrap();
         let mut body = response.into_body();
         let first = body.frame().await.unwrap().unwrap().into_data().unwrap();
-        assert_eq!(first, SSE_START);
+        assert!(stream_body().as_bytes().starts_with(&first));
         assert_eq!(fairgate.store().slots_in_use(None).await, 1);
-        upstream.mock.release_streams(1);
         let rest = body.collect().await.unwrap().to_bytes();
-        assert_eq!(rest, SSE_REST);
+        assert_eq!([&first[..], &rest[..]].concat(), stream_body().as_bytes());
         slots_become(fairgate.store(), 0).await;
     }
 
     #[tokio::test]
     async fn a_full_tier_is_refused_with_busy() {
-        let upstream = Upstream::start().await;
+        let mock = upstream(GAP);
         let fairgate = stack();
         let claude = claude(&fairgate);
         let open = claude
             .clone()
-            .oneshot(request(&upstream, ASK_STREAM, job("guest")))
+            .oneshot(request(&mock, ASK_STREAM, job("guest")))
             .await
             .unwrap();
         let err: BoxError = claude
             .clone()
-            .oneshot(request(&upstream, ASK, job("guest")))
+            .oneshot(request(&mock, ASK, job("guest")))
             .await
             .unwrap_err();
         let Some(Rejection::Busy(busy)) = Rejection::from_error(&*err) else {
             panic!("not busy: {err:?}");
         };
         assert_eq!(busy.tier().as_str(), "guest");
-        assert_eq!(upstream.mock.hits(), 1);
-        upstream.mock.release_streams(1);
+        assert_eq!(mock.calls(), 1);
         drop(open);
         slots_become(fairgate.store(), 0).await;
     }
@@ -510,14 +497,14 @@ mod axum_ingress {
         Ok(http::Request::from_parts(parts, Full::new(bytes)))
     }
 
-    async fn messages(State(mock): State<Arc<Mock>>, body: Bytes) -> http::Response<Body> {
+    async fn messages(State(mock): State<Arc<App>>, body: Bytes) -> http::Response<Body> {
         mock.reply(body).map(Body::new)
     }
 
     /// The app: its handlers admitted by the stack, the job from the headers, rejections
     /// rendered in `style`; served on a loopback port.
-    async fn serve(fairgate: &FairgateLayer, style: Style) -> (String, Arc<Mock>) {
-        let mock = Arc::new(Mock::default());
+    async fn serve(fairgate: &FairgateLayer, style: Style) -> (String, Arc<App>) {
+        let mock = Arc::new(App::default());
         let admission = ServiceBuilder::new()
             .layer(HandleErrorLayer::new(move |e: BoxError| async move {
                 render(&e, style)
