@@ -79,10 +79,11 @@
 //!   rejection, so [`Rejection::from_error`](crate::reject::Rejection::from_error) finds it
 //!   directly on the `reqwest_middleware::Error`.
 //!
-//! Put it early in the chain: middlewares before it run once per call, those after it once
-//! per attempt and only while the call holds its slot. A `RetryTransientMiddleware` after it
-//! retries transient failures within one admitted attempt; do not put one before it, or
-//! both would retry 429s.
+//! Put it first in the chain: middlewares before it run once per call, those after it once
+//! per attempt, while the attempt holds its slot. It already retries 429 and 529 by their
+//! `retry-after`, without holding a slot while it waits; a reqwest-retry
+//! `RetryTransientMiddleware` after it would retry those again with the slot held, so give
+//! that one a strategy that leaves 429 and 529 alone (e.g. for connection errors only).
 
 use std::fmt;
 use std::future::Future;
