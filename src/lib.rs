@@ -89,6 +89,9 @@ mod job;
 pub mod metrics;
 pub mod priority_classify;
 pub mod reject;
+#[cfg(feature = "reqwest")]
+#[cfg_attr(docsrs, doc(cfg(feature = "reqwest")))]
+pub mod reqwest;
 pub mod retry_after_backoff;
 mod rng;
 pub mod stack;

@@ -29,6 +29,39 @@
 //! # }
 //! ```
 //!
+//! # Around hyper-util's client
+//!
+//! A `hyper_util::client::legacy::Client` is a tower service of `http::Request`s: the
+//! stack wraps it as it is, no adapter needed. With a `Full<Bytes>` body the client and
+//! its requests are `Clone`, so a 429 is retried with plain `Clone`; the answer's body
+//! ([`FairgateBody<Incoming>`](FairgateBody)) holds the call's permit and slot until it has
+//! been read (the `hyper_client` example runs this against a stand-in or the real API):
+//!
+//! ```no_run
+//! use bytes::Bytes;
+//! use fairgate::{Fairgate, FairgateLayer, Job, Origin, Store};
+//! use http_body_util::{BodyExt, Full};
+//! use hyper_util::client::legacy::{Client, connect::HttpConnector};
+//! use hyper_util::rt::TokioExecutor;
+//! use tower::{Layer, ServiceExt};
+//!
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() -> Result<(), fairgate::BoxError> {
+//! let client = Client::builder(TokioExecutor::new()).build_http::<Full<Bytes>>();
+//! let claude: Fairgate<Client<HttpConnector, Full<Bytes>>> =
+//!     FairgateLayer::new(Store::memory()).layer(client);
+//!
+//! let mut req = http::Request::post("http://127.0.0.1:8080/v1/messages")
+//!     .header("content-type", "application/json")
+//!     .body(Full::new(Bytes::from_static(br#"{"model":"claude-haiku-4-5","max_tokens":64,"messages":[]}"#)))?;
+//! req.extensions_mut().insert(Job::new("tenant-42", Origin::UserAction).tier("pro"));
+//! let response = claude.oneshot(req).await?;
+//! let answer = response.into_body().collect().await?.to_bytes(); // the slot is given back here
+//! # let _ = answer;
+//! # Ok(())
+//! # }
+//! ```
+//!
 //! The four layers stay usable one by one; this is only their recommended composition, with
 //! names for its types: [`Fairgate<S>`] is the service, [`FairgateBody<B>`] the body of its
 //! responses (`http::Response<FairgateBody<B>>` for an inner `http::Response<B>`).
