@@ -10,6 +10,8 @@ use std::time::{Duration, Instant};
 
 use fairgate::Job;
 
+pub mod anthropic;
+
 /// A `redis-server` of the test's own on a free loopback port, stopped by its pid.
 /// Never the shared one on 6379.
 pub struct RedisServer {

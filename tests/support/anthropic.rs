@@ -1,0 +1,436 @@
+//! A mock Anthropic upstream for tests: an axum server on a loopback port, on its own
+//! thread and runtime (so sync and async tests alike can use it), stopped when dropped.
+//!
+//! What it answers, for `POST /v1/messages` (the first that applies):
+//! 1. a reply pushed with [`MockAnthropic::push_reply`] (scripted, first in first out);
+//! 2. the request's `x-mock-reply` header: `message`, `stream`, `429`, `529`;
+//! 3. `"stream": true` in the body: an SSE stream ([`stream_body`]), else a message
+//!    ([`MESSAGE_JSON`]).
+//!
+//! `x-mock-delay-ms` on a request (or [`MockAnthropic::set_delay`]) delays the answer's
+//! head; SSE events are [`MockAnthropic::set_event_gap`] apart. Every answer carries
+//! `request-id: req_mock_<n>` and `anthropic-ratelimit-requests-limit: 1000`; 429s carry
+//! `retry-after` and Anthropic's `rate_limit_error` body, 529s an `overloaded_error`.
+//!
+//! `GET /v1/models` and `POST /v1/messages/count_tokens` answer small fixed JSON. The mock
+//! counts the calls in flight (a call ends when its answer's last byte is sent or the
+//! connection drops it), their maximum, and records every request's method, path, headers
+//! and body.
+//!
+//! ```ignore
+//! let mock = support::anthropic::MockAnthropic::start();
+//! let url = mock.url(); // http://127.0.0.1:PORT
+//! mock.push_reply(Reply::RateLimited { retry_after_secs: 1 });
+//! ```
+#![allow(dead_code, unreachable_pub)]
+
+use std::collections::VecDeque;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::extract::{Request, State};
+use axum::response::Response;
+use bytes::Bytes;
+use http::{HeaderMap, HeaderValue, Method, StatusCode};
+
+/// The non-streaming answer, byte for byte.
+pub const MESSAGE_JSON: &str = r#"{"id":"msg_mock_01","type":"message","role":"assistant","model":"claude-mock-1","content":[{"type":"text","text":"Hello from the mock upstream."}],"stop_reason":"end_turn","stop_sequence":null,"usage":{"input_tokens":12,"output_tokens":7}}"#;
+
+/// The text the streamed answer spells out, one delta per word.
+pub const STREAM_TEXT: [&str; 5] = ["Hello", " from", " the", " mock", " stream."];
+
+/// The SSE events of the streamed answer, each a complete `event: ...\ndata: ...\n\n`.
+pub fn stream_events() -> Vec<String> {
+    let mut events = Vec::new();
+    let mut push = |kind: &str, data: &str| events.push(format!("event: {kind}\ndata: {data}\n\n"));
+    push(
+        "message_start",
+        r#"{"type":"message_start","message":{"id":"msg_mock_02","type":"message","role":"assistant","model":"claude-mock-1","content":[],"stop_reason":null,"stop_sequence":null,"usage":{"input_tokens":12,"output_tokens":1}}}"#,
+    );
+    push(
+        "content_block_start",
+        r#"{"type":"content_block_start","index":0,"content_block":{"type":"text","text":""}}"#,
+    );
+    push("ping", r#"{"type":"ping"}"#);
+    for word in STREAM_TEXT {
+        push(
+            "content_block_delta",
+            &format!(
+                r#"{{"type":"content_block_delta","index":0,"delta":{{"type":"text_delta","text":"{word}"}}}}"#
+            ),
+        );
+    }
+    push(
+        "content_block_stop",
+        r#"{"type":"content_block_stop","index":0}"#,
+    );
+    push(
+        "message_delta",
+        r#"{"type":"message_delta","delta":{"stop_reason":"end_turn","stop_sequence":null},"usage":{"output_tokens":5}}"#,
+    );
+    push("message_stop", r#"{"type":"message_stop"}"#);
+    events
+}
+
+/// The streamed answer's whole body, byte for byte.
+pub fn stream_body() -> String {
+    stream_events().concat()
+}
+
+/// Anthropic's error body.
+pub fn error_json(kind: &str, message: &str) -> String {
+    format!(r#"{{"type":"error","error":{{"type":"{kind}","message":"{message}"}}}}"#)
+}
+
+/// A scripted answer.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Reply {
+    /// `200` with [`MESSAGE_JSON`].
+    Message,
+    /// `200` SSE with [`stream_events`].
+    Stream,
+    /// `429` `rate_limit_error` with `retry-after`.
+    RateLimited { retry_after_secs: u64 },
+    /// `529` `overloaded_error`.
+    Overloaded,
+}
+
+/// One request the mock received.
+#[derive(Clone, Debug)]
+pub struct Recorded {
+    pub method: Method,
+    pub path: String,
+    pub headers: HeaderMap,
+    pub body: Bytes,
+}
+
+#[derive(Default)]
+struct Inner {
+    calls: AtomicU64,
+    in_flight: AtomicUsize,
+    max_in_flight: AtomicUsize,
+    delay_ms: AtomicU64,
+    event_gap_ms: AtomicU64,
+    script: Mutex<VecDeque<Reply>>,
+    recorded: Mutex<VecDeque<Recorded>>,
+}
+
+/// How many requests are kept for [`MockAnthropic::requests`].
+const RECORDED: usize = 2_000;
+
+/// The running mock; stopped (its thread and runtime ended) when dropped.
+pub struct MockAnthropic {
+    addr: SocketAddr,
+    inner: Arc<Inner>,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl MockAnthropic {
+    /// Starts the mock on a free loopback port; SSE events 20 ms apart, no delay.
+    pub fn start() -> MockAnthropic {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind the mock");
+        listener.set_nonblocking(true).unwrap();
+        let addr = listener.local_addr().unwrap();
+        let inner = Arc::new(Inner::default());
+        inner.event_gap_ms.store(20, Ordering::Relaxed);
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let state = inner.clone();
+        let thread = std::thread::Builder::new()
+            .name("mock-anthropic".into())
+            .spawn(move || {
+                let runtime = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                    .expect("the mock's runtime");
+                runtime.block_on(async move {
+                    let listener = tokio::net::TcpListener::from_std(listener).unwrap();
+                    let app = axum::Router::new().fallback(handle).with_state(state);
+                    tokio::select! {
+                        _ = axum::serve(listener, app) => {}
+                        _ = stopped => {}
+                    }
+                });
+            })
+            .expect("start the mock's thread");
+        MockAnthropic {
+            addr,
+            inner,
+            stop: Some(stop),
+            thread: Some(thread),
+        }
+    }
+
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// `http://127.0.0.1:PORT`, to pass as the gateway's `--upstream`.
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    /// Delays every answer's head by `delay` (a request's `x-mock-delay-ms` wins).
+    pub fn set_delay(&self, delay: Duration) {
+        self.inner
+            .delay_ms
+            .store(delay.as_millis() as u64, Ordering::Relaxed);
+    }
+
+    /// The time between two SSE events (default 20 ms).
+    pub fn set_event_gap(&self, gap: Duration) {
+        self.inner
+            .event_gap_ms
+            .store(gap.as_millis() as u64, Ordering::Relaxed);
+    }
+
+    /// Answers the next `POST /v1/messages` with `reply` (scripted replies go first in first
+    /// out, before any header or body says what to answer).
+    pub fn push_reply(&self, reply: Reply) {
+        self.inner.script.lock().unwrap().push_back(reply);
+    }
+
+    /// Calls received (every path).
+    pub fn calls(&self) -> u64 {
+        self.inner.calls.load(Ordering::SeqCst)
+    }
+
+    /// Calls whose answer is not fully sent yet.
+    pub fn in_flight(&self) -> usize {
+        self.inner.in_flight.load(Ordering::SeqCst)
+    }
+
+    /// The most calls in flight at once so far.
+    pub fn max_in_flight(&self) -> usize {
+        self.inner.max_in_flight.load(Ordering::SeqCst)
+    }
+
+    /// Forgets the maximum (the next call sets it anew).
+    pub fn reset_max_in_flight(&self) {
+        self.inner.max_in_flight.store(0, Ordering::SeqCst);
+    }
+
+    /// The requests received, oldest first (the last 2,000).
+    pub fn requests(&self) -> Vec<Recorded> {
+        self.inner
+            .recorded
+            .lock()
+            .unwrap()
+            .iter()
+            .cloned()
+            .collect()
+    }
+
+    /// The most recent request, if any.
+    pub fn last_request(&self) -> Option<Recorded> {
+        self.inner.recorded.lock().unwrap().back().cloned()
+    }
+
+    /// Waits up to `within` for the calls in flight to drop to `n`; true if they did.
+    pub fn wait_in_flight(&self, n: usize, within: Duration) -> bool {
+        let deadline = std::time::Instant::now() + within;
+        loop {
+            if self.in_flight() == n {
+                return true;
+            }
+            if std::time::Instant::now() >= deadline {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+}
+
+impl Drop for MockAnthropic {
+    fn drop(&mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+/// Counts a call in flight until dropped (with the answer's body, so to its last byte).
+struct InFlight(Arc<Inner>);
+
+impl InFlight {
+    fn enter(inner: &Arc<Inner>) -> InFlight {
+        let now = inner.in_flight.fetch_add(1, Ordering::SeqCst) + 1;
+        inner.max_in_flight.fetch_max(now, Ordering::SeqCst);
+        InFlight(inner.clone())
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.in_flight.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+async fn handle(State(inner): State<Arc<Inner>>, req: Request) -> Response {
+    let n = inner.calls.fetch_add(1, Ordering::SeqCst) + 1;
+    let guard = InFlight::enter(&inner);
+    let (parts, body) = req.into_parts();
+    let body = axum::body::to_bytes(body, 64 << 20)
+        .await
+        .unwrap_or_default();
+    {
+        let mut recorded = inner.recorded.lock().unwrap();
+        if recorded.len() == RECORDED {
+            recorded.pop_front();
+        }
+        recorded.push_back(Recorded {
+            method: parts.method.clone(),
+            path: parts.uri.path().to_owned(),
+            headers: parts.headers.clone(),
+            body: body.clone(),
+        });
+    }
+    let header = |name: &str| {
+        parts
+            .headers
+            .get(name)
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_owned)
+    };
+    let delay = header("x-mock-delay-ms")
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| inner.delay_ms.load(Ordering::Relaxed));
+    if delay > 0 {
+        tokio::time::sleep(Duration::from_millis(delay)).await;
+    }
+    let path = parts.uri.path();
+    let (status, content_type, body, retry_after) = match (&parts.method, path) {
+        (&Method::POST, "/v1/messages") => {
+            let scripted = inner.script.lock().unwrap().pop_front();
+            let reply = scripted.unwrap_or_else(|| match header("x-mock-reply").as_deref() {
+                Some("stream") => Reply::Stream,
+                Some("429") => Reply::RateLimited {
+                    retry_after_secs: 1,
+                },
+                Some("529") => Reply::Overloaded,
+                Some("message") => Reply::Message,
+                _ if wants_stream(&body) => Reply::Stream,
+                _ => Reply::Message,
+            });
+            match reply {
+                Reply::Message => (StatusCode::OK, "application/json", Body::empty(), None),
+                Reply::Stream => {
+                    let gap = Duration::from_millis(inner.event_gap_ms.load(Ordering::Relaxed));
+                    return sse(n, guard, gap);
+                }
+                Reply::RateLimited { retry_after_secs } => (
+                    StatusCode::TOO_MANY_REQUESTS,
+                    "application/json",
+                    Body::from(error_json(
+                        "rate_limit_error",
+                        "Number of request tokens has exceeded your per-minute rate limit",
+                    )),
+                    Some(retry_after_secs),
+                ),
+                Reply::Overloaded => (
+                    StatusCode::from_u16(529).unwrap(),
+                    "application/json",
+                    Body::from(error_json("overloaded_error", "Overloaded")),
+                    None,
+                ),
+            }
+        }
+        (&Method::POST, "/v1/messages/count_tokens") => (
+            StatusCode::OK,
+            "application/json",
+            Body::from(r#"{"input_tokens":12}"#),
+            None,
+        ),
+        (&Method::GET, "/v1/models") => (
+            StatusCode::OK,
+            "application/json",
+            Body::from(
+                r#"{"data":[{"type":"model","id":"claude-mock-1","display_name":"Claude Mock","created_at":"2025-01-01T00:00:00Z"}],"has_more":false,"first_id":"claude-mock-1","last_id":"claude-mock-1"}"#,
+            ),
+            None,
+        ),
+        _ => (
+            StatusCode::NOT_FOUND,
+            "application/json",
+            Body::from(error_json("not_found_error", "Not found")),
+            None,
+        ),
+    };
+    // The message body, held with the in-flight guard until it is sent.
+    let body = if status == StatusCode::OK && path == "/v1/messages" {
+        guarded(
+            vec![Bytes::from_static(MESSAGE_JSON.as_bytes())],
+            guard,
+            Duration::ZERO,
+        )
+    } else {
+        drop(guard);
+        body
+    };
+    let mut response = Response::new(body);
+    *response.status_mut() = status;
+    let headers = response.headers_mut();
+    headers.insert("content-type", HeaderValue::from_static(content_type));
+    common_headers(headers, n);
+    if let Some(secs) = retry_after {
+        headers.insert("retry-after", HeaderValue::from(secs));
+    }
+    response
+}
+
+fn wants_stream(body: &[u8]) -> bool {
+    let text = String::from_utf8_lossy(body);
+    let compact: String = text.chars().filter(|c| !c.is_whitespace()).collect();
+    compact.contains(r#""stream":true"#)
+}
+
+fn common_headers(headers: &mut HeaderMap, n: u64) {
+    headers.insert(
+        "request-id",
+        HeaderValue::from_str(&format!("req_mock_{n}")).unwrap(),
+    );
+    headers.insert(
+        "anthropic-ratelimit-requests-limit",
+        HeaderValue::from_static("1000"),
+    );
+    headers.insert(
+        "anthropic-ratelimit-requests-remaining",
+        HeaderValue::from_static("999"),
+    );
+}
+
+fn sse(n: u64, guard: InFlight, gap: Duration) -> Response {
+    let events = stream_events().into_iter().map(Bytes::from).collect();
+    let mut response = Response::new(guarded(events, guard, gap));
+    let headers = response.headers_mut();
+    headers.insert(
+        "content-type",
+        HeaderValue::from_static("text/event-stream"),
+    );
+    headers.insert("cache-control", HeaderValue::from_static("no-cache"));
+    common_headers(headers, n);
+    response
+}
+
+/// A body of `chunks`, `gap` apart (the first at once), holding `guard` until its last
+/// chunk is taken or it is dropped.
+fn guarded(chunks: Vec<Bytes>, guard: InFlight, gap: Duration) -> Body {
+    let state = (VecDeque::from(chunks), Some(guard), true);
+    let stream =
+        futures_util::stream::unfold(state, move |(mut chunks, guard, first)| async move {
+            let chunk = chunks.pop_front()?;
+            if !first && !gap.is_zero() {
+                tokio::time::sleep(gap).await;
+            }
+            // The guard goes with the last chunk: the call ends when its last byte is taken.
+            let guard = if chunks.is_empty() { None } else { guard };
+            Some((Ok::<_, std::io::Error>(chunk), (chunks, guard, false)))
+        });
+    Body::from_stream(stream)
+}
