@@ -218,8 +218,19 @@ struct Config {
 fn load_config(path: &PathBuf) -> Result<Config, String> {
     let text = std::fs::read_to_string(path)
         .map_err(|e| format!("cannot read --keys {}: {e}", path.display()))?;
-    let file: KeysFile =
-        toml::from_str(&text).map_err(|e| format!("--keys {}: {e}", path.display()))?;
+    // The parse error's message and line only: its snippet of the file could show a key.
+    let file: KeysFile = toml::from_str(&text).map_err(|e| {
+        let line = e.span().map(|span| {
+            1 + text.as_bytes()[..span.start.min(text.len())]
+                .iter()
+                .filter(|&&b| b == b'\n')
+                .count()
+        });
+        match line {
+            Some(line) => format!("--keys {} line {line}: {}", path.display(), e.message()),
+            None => format!("--keys {}: {}", path.display(), e.message()),
+        }
+    })?;
     let bad = |what: String| format!("--keys {}: {what}", path.display());
     if file.keys.is_empty() {
         return Err(bad(

@@ -815,3 +815,48 @@ fn sdk_python() -> Option<PathBuf> {
         Err(e) => give_up(format!("could not run pip ({e})")),
     }
 }
+
+#[test]
+fn a_bad_command_line_or_keys_file_is_refused_at_start_with_a_clear_message() {
+    let run = |args: &[&str], keys: Option<&str>| {
+        let path = target_tmp().join(format!("bad-keys-{}.toml", std::process::id()));
+        let mut cmd = Command::new(gateway_binary());
+        cmd.args(args).env("ANTHROPIC_API_KEY", UPSTREAM_KEY);
+        if let Some(keys) = keys {
+            std::fs::write(&path, keys).unwrap();
+            cmd.arg("--keys").arg(&path);
+        }
+        let out = cmd.output().expect("run the gateway");
+        assert!(!out.status.success(), "{args:?} {keys:?} started");
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+    let base = [
+        "--listen",
+        "127.0.0.1:0",
+        "--upstream",
+        "http://127.0.0.1:9",
+    ];
+    assert!(run(&["--listen", "127.0.0.1:0"], None).contains("--upstream is required"));
+    assert!(
+        run(&["--listen", "nowhere", "--upstream", "http://x"], None).contains("--listen nowhere")
+    );
+    assert!(run(&["--bogus"], None).contains("unknown argument `--bogus`"));
+    let err = run(
+        &base,
+        Some("[[keys]]\nkey = \"sk-secret-1\"\ntenant = \"t\"\ntier = \"gold\"\n"),
+    );
+    assert!(err.contains("unknown tier `gold`"), "{err}");
+    assert!(!err.contains("sk-secret-1"), "no key in the message: {err}");
+    let err = run(
+        &base,
+        Some("[[keys]]\nkey = \"sk-secret-2\ntenant = \"t\"\n"),
+    );
+    assert!(err.contains("line 2"), "{err}");
+    assert!(!err.contains("sk-secret-2"), "no key in the message: {err}");
+    let err = run(
+        &base,
+        Some("[[keys]]\nkey = \"k\"\ntenant = \"t\"\ntiers = \"pro\"\n"),
+    );
+    assert!(err.contains("unknown field `tiers`"), "{err}");
+    assert!(run(&base, Some("")).contains("no [[keys]]"));
+}
