@@ -22,7 +22,8 @@
 //! [limits]            # optional
 //! global_max = 30     # slots across all tiers (and all gateways on one Redis)
 //! window = 30         # this gateway's fair-queue window (default: global_max)
-//! retry_after_ms = 5000
+//! retry_after_ms = 5000  # what a refused client is told to wait
+//! daily_token_budget = 100000  # per tenant; past 1.5x it is demoted to batch for 5 min
 //!
 //! [[tiers]]           # optional; adds or replaces a tier
 //! name = "guest"
@@ -58,10 +59,13 @@ use axum::body::Body;
 use axum::extract::{Request, State};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{any, get};
+use axum::serve::ListenerExt;
 use bytes::Bytes;
 use fairgate::extract::{FromHeaders, KeyTable, api_key};
 use fairgate::reject::{Style, render};
-use fairgate::{BoxError, FairgateLayer, JobLayer, SlotPolicy, Store, Tier, Unidentified};
+use fairgate::{
+    BoxError, DemotionPolicy, FairgateLayer, JobLayer, SlotPolicy, Store, Tier, Unidentified,
+};
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::{StatusCode, Uri};
 use http_body_util::{BodyExt, Full, LengthLimitError, Limited};
@@ -187,6 +191,7 @@ struct Limits {
     window: Option<usize>,
     retry_after_ms: Option<u64>,
     lease_ttl_ms: Option<u64>,
+    daily_token_budget: Option<u64>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -213,6 +218,7 @@ struct Config {
     policy: SlotPolicy,
     window: usize,
     tenants: usize,
+    demotion: Option<DemotionPolicy>,
 }
 
 fn load_config(path: &PathBuf) -> Result<Config, String> {
@@ -301,11 +307,21 @@ fn load_config(path: &PathBuf) -> Result<Config, String> {
         .window
         .unwrap_or(policy.global_max() as usize)
         .max(1);
+    let demotion = match file.limits.daily_token_budget {
+        Some(tokens) => Some(
+            DemotionPolicy::builder()
+                .default_daily_budget(tokens)
+                .build()
+                .map_err(|e| bad(format!("bad [limits] daily_token_budget: {e}")))?,
+        ),
+        None => None,
+    };
     Ok(Config {
         keys,
         policy,
         window,
         tenants: tenants.len(),
+        demotion,
     })
 }
 
@@ -358,11 +374,15 @@ fn strip_hop_by_hop(headers: &mut HeaderMap) {
 
 impl Upstream {
     fn new(url: &Uri, api_key: &str) -> Result<Upstream, String> {
+        let mut http = HttpConnector::new();
+        http.enforce_http(false); // https:// goes through rustls
+        http.set_nodelay(true); // a request's head and body go out at once
+        http.set_connect_timeout(Some(Duration::from_secs(10)));
         let https = hyper_rustls::HttpsConnectorBuilder::new()
             .with_webpki_roots()
             .https_or_http()
             .enable_http1()
-            .build();
+            .wrap_connector(http);
         let client = Client::builder(TokioExecutor::new())
             .pool_idle_timeout(Duration::from_secs(60))
             .build(https);
@@ -591,11 +611,13 @@ async fn run(args: Args) -> Result<(), String> {
         Some(_) => return Err("--redis needs the `redis` feature (--all-features)".into()),
         None => Store::memory(),
     };
-    let fairgate = FairgateLayer::builder(store.clone())
+    let mut fairgate = FairgateLayer::builder(store.clone())
         .slots(config.policy.clone())
-        .window(config.window)
-        .build()
-        .map_err(|e| format!("bad limits: {e}"))?;
+        .window(config.window);
+    if let Some(demotion) = config.demotion.clone() {
+        fairgate = fairgate.demotion(demotion);
+    }
+    let fairgate = fairgate.build().map_err(|e| format!("bad limits: {e}"))?;
     let keys = Arc::new(config.keys.clone());
     let gw = Arc::new(Gateway {
         messages: messages_service(upstream.clone(), config.keys, fairgate),
@@ -608,6 +630,10 @@ async fn run(args: Args) -> Result<(), String> {
         .await
         .map_err(|e| format!("--listen {}: {e}", args.listen))?;
     let local = listener.local_addr().map_err(|e| e.to_string())?;
+    // SSE events go out as they come, not held back by Nagle's algorithm.
+    let listener = listener.tap_io(|tcp| {
+        let _ = tcp.set_nodelay(true);
+    });
     info!(
         listen = %local,
         upstream = %args.upstream,
