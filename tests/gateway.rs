@@ -609,6 +609,30 @@ async fn a_client_gone_mid_stream_cancels_the_upstream_call_and_frees_its_slot()
         "freed before the stream would have ended"
     );
 
+    // A client that gives up before the answer's head: its call is dropped too.
+    let gave_up = reqwest::Client::new()
+        .post(format!("{}/v1/messages", gateway.url()))
+        .header("x-api-key", PREMIUM_KEY)
+        .header("x-mock-delay-ms", "3000")
+        .timeout(Duration::from_millis(400))
+        .body(messages_body(false))
+        .send()
+        .await;
+    assert!(gave_up.is_err(), "the client timed out");
+    let dropped = Instant::now();
+    assert!(
+        eventually(Duration::from_millis(1_500), async || {
+            gateway_ref.slots_in_use().await == 0.0
+        })
+        .await,
+        "the slot of a call dropped before its head was not given back"
+    );
+    assert!(
+        eventually(Duration::from_millis(1_500), async || mock.in_flight() == 0).await,
+        "the upstream call dropped before its head was not cancelled"
+    );
+    assert!(dropped.elapsed() < Duration::from_millis(2_000));
+
     // The slot is usable again: a full stream goes through.
     mock.set_event_gap(Duration::from_millis(1));
     let response = post_messages(&gateway, PREMIUM_KEY, true).await.unwrap();
