@@ -22,8 +22,8 @@ use super::keys::Keys;
 use super::memory::MemoryState;
 use super::{Backend, Demotion, RedisOptions, Store, StoreBuilder, StoreFuture, StoreUnavailable};
 use crate::TenantId;
-use crate::error::ConfigError;
 use crate::admission::DemotionPolicy;
+use crate::error::ConfigError;
 
 mod cooldown;
 mod pacing;
