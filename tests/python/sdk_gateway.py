@@ -1,0 +1,140 @@
+"""The official Anthropic Python SDK against the fairgate gateway (the mock upstream behind it).
+
+Run by `tests/gateway.rs` (`python_sdk_against_the_gateway`) with:
+  GATEWAY_URL     the gateway, e.g. http://127.0.0.1:PORT
+  PREMIUM_KEY     a premium client key of the gateway's keys file
+  GUEST_KEY       a guest client key (guest: 1 slot, a short max wait, a short retry-after)
+  STREAM_TEXT     the text the mock streams
+  MESSAGE_TEXT    the text of the mock's non-streaming answer
+
+Prints one line per check and `N passed, 0 failed` at the end; exits non-zero on the first
+failure. Bounded: every client has a timeout, the flood is a few calls.
+"""
+
+import os
+import sys
+import threading
+import time
+
+import anthropic
+
+URL = os.environ["GATEWAY_URL"]
+PREMIUM = os.environ["PREMIUM_KEY"]
+GUEST = os.environ["GUEST_KEY"]
+STREAM_TEXT = os.environ["STREAM_TEXT"]
+MESSAGE_TEXT = os.environ["MESSAGE_TEXT"]
+
+passed = 0
+
+
+def check(name, ok, detail=""):
+    global passed
+    if not ok:
+        print(f"FAIL {name}: {detail}", flush=True)
+        sys.exit(1)
+    passed += 1
+    print(f"ok {name}", flush=True)
+
+
+def ask(client, **extra):
+    return client.messages.create(
+        model="claude-mock-1",
+        max_tokens=64,
+        messages=[{"role": "user", "content": "Hello"}],
+        **extra,
+    )
+
+
+# messages.create, with x-api-key (the SDK's default) and with Authorization: Bearer.
+client = anthropic.Anthropic(base_url=URL, api_key=PREMIUM, timeout=20.0, max_retries=0)
+message = ask(client)
+check("messages.create", message.content[0].text == MESSAGE_TEXT, repr(message))
+check("usage", message.usage.input_tokens == 12 and message.usage.output_tokens == 7)
+
+bearer = anthropic.Anthropic(base_url=URL, auth_token=PREMIUM, timeout=20.0, max_retries=0)
+check("messages.create with a bearer token", ask(bearer).content[0].text == MESSAGE_TEXT)
+
+raw = client.messages.with_raw_response.create(
+    model="claude-mock-1", max_tokens=64, messages=[{"role": "user", "content": "Hi"}]
+)
+check(
+    "request-id passes through",
+    (raw.headers.get("request-id") or "").startswith("req_mock_"),
+    dict(raw.headers),
+)
+
+# messages.stream: the SDK assembles the events the gateway forwarded.
+deltas = []
+with client.messages.stream(
+    model="claude-mock-1", max_tokens=64, messages=[{"role": "user", "content": "Hello"}]
+) as stream:
+    for text in stream.text_stream:
+        deltas.append(text)
+    final = stream.get_final_message()
+check("messages.stream deltas", "".join(deltas) == STREAM_TEXT, repr(deltas))
+check("messages.stream final message", final.content[0].text == STREAM_TEXT, repr(final))
+check("messages.stream stop reason", final.stop_reason == "end_turn", repr(final))
+
+# Other /v1 paths are forwarded.
+count = client.messages.count_tokens(
+    model="claude-mock-1", messages=[{"role": "user", "content": "Hello"}]
+)
+check("messages.count_tokens", count.input_tokens == 12, repr(count))
+
+# A bad key: the SDK's authentication error.
+try:
+    anthropic.Anthropic(base_url=URL, api_key="sk-nobody", max_retries=0).messages.create(
+        model="claude-mock-1", max_tokens=8, messages=[{"role": "user", "content": "x"}]
+    )
+    check("unknown key refused", False, "no error")
+except anthropic.AuthenticationError as e:
+    check("unknown key refused", e.status_code == 401, repr(e))
+
+
+# A flood from the guest key: the gateway answers 529 with retry-after to the calls past the
+# guest's one slot; with retries the SDK waits as told and every call succeeds.
+def flood(n, max_retries):
+    results = [None] * n
+    guest = anthropic.Anthropic(
+        base_url=URL, api_key=GUEST, timeout=30.0, max_retries=max_retries
+    )
+
+    def one(i):
+        try:
+            results[i] = ask(guest)
+        except Exception as e:  # noqa: BLE001 - the test looks at what it was
+            results[i] = e
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    return results
+
+
+started = time.monotonic()
+results = flood(5, max_retries=10)
+errors = [r for r in results if not isinstance(r, anthropic.types.Message)]
+check("a guest flood succeeds through the SDK's retries", not errors, repr(errors))
+print(f"  flood of 5 took {time.monotonic() - started:.2f}s", flush=True)
+
+# Without retries some of the flood is refused, as the SDK's overloaded error (529) carrying
+# the gateway's message.
+results = flood(5, max_retries=0)
+refused = [r for r in results if isinstance(r, anthropic.APIStatusError)]
+check("without retries a flood is refused", len(refused) >= 1, repr(results))
+overloaded_class = getattr(anthropic, "OverloadedError", anthropic.InternalServerError)
+for e in refused:
+    check("refused as overloaded (529)", e.status_code == 529, repr(e))
+    check("the SDK's overloaded error", isinstance(e, overloaded_class), type(e).__name__)
+    body = e.body if isinstance(e.body, dict) else {}
+    error = body.get("error", {})
+    check("an overloaded_error body", error.get("type") == "overloaded_error", repr(e.body))
+    check("the gateway's message", "server busy" in error.get("message", ""), repr(e.body))
+    check("retry-after given", e.response.headers.get("retry-after") is not None)
+    break
+others = [r for r in results if not isinstance(r, (anthropic.types.Message, anthropic.APIStatusError))]
+check("no other failure", not others, repr(others))
+
+print(f"{passed} passed, 0 failed", flush=True)
