@@ -76,9 +76,10 @@ struct Gate {
     blocked: bool,
     /// Acquires under way (Redis), each holding a window place for the request it is for.
     acquiring: usize,
-    /// The last acquire was refused: after a release, one acquire finds out whether the tier
-    /// has room before more are sent (a freed slot is one slot, not a window's worth).
-    probing: bool,
+    /// How many acquires may be under way at once (Redis), as TCP's slow start: one after
+    /// a refusal (a freed slot is one slot, not a window's worth), doubling with each slot
+    /// granted.
+    at_once: usize,
 }
 
 impl Group {
@@ -95,12 +96,7 @@ impl Group {
     /// Whether a request of this group may be dispatched now, as far as its slot goes.
     fn may_go(&self) -> bool {
         self.gate.as_ref().is_none_or(|gate| {
-            let at_once = if gate.probing {
-                1
-            } else {
-                self.scheduler.len()
-            };
-            !gate.blocked && gate.acquiring < at_once
+            !gate.blocked && gate.acquiring < gate.at_once.min(self.scheduler.len())
         })
     }
 }
@@ -411,7 +407,7 @@ impl Shared {
                     limit,
                     blocked: false,
                     acquiring: 0,
-                    probing: false,
+                    at_once: 1,
                 };
                 state.groups.push(Group::new(&self.config, Some(gate))?);
                 let group = state.groups.len() - 1;
@@ -639,7 +635,7 @@ impl Shared {
     fn block(&self, state: &mut State, group: usize, after: &mut AfterUnlock) {
         if let Some(gate) = state.groups[group].gate.as_mut() {
             gate.blocked = true;
-            gate.probing = true;
+            gate.at_once = 1;
         }
         if !state.watching {
             state.watching = true;
@@ -712,7 +708,10 @@ impl Shared {
             let g = &mut state.groups[group];
             if let Some(gate) = g.gate.as_mut() {
                 gate.acquiring = gate.acquiring.saturating_sub(1);
-                gate.probing = lease.is_none();
+                gate.at_once = match lease {
+                    Some(_) => gate.at_once.saturating_mul(2),
+                    None => 1,
+                };
             }
             // The step charged ahead when the acquire was sent; the dispatch charges its own.
             g.vtime[class as usize] -= ahead;
