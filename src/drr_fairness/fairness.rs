@@ -85,8 +85,9 @@ pub(super) struct FairnessWindow {
     pass: Jain,
     /// The index of the last complete pass.
     last_pass: Option<f64>,
-    /// The bucket of the last publish.
-    last_publish: u64,
+    /// The bucket of the last publish; `None` until the first record publishes (a gauge
+    /// set only after a whole bucket, 6 s by default, reads as missing on a fresh worker).
+    last_publish: Option<u64>,
     /// The current bucket and when it ends, so a record needs no division.
     current: u64,
     current_end: Instant,
@@ -104,7 +105,7 @@ impl FairnessWindow {
             sweep_shard: 0,
             pass: Jain::default(),
             last_pass: None,
-            last_publish: 0,
+            last_publish: None,
             current: 0,
             current_end: started + bucket,
         }
@@ -155,8 +156,8 @@ impl FairnessWindow {
             _ => served.buckets.push_back((bucket, cost, queued)),
         }
         self.sweep_step(bucket);
-        if bucket > self.last_publish {
-            self.last_publish = bucket;
+        if self.last_publish.is_none_or(|last| bucket > last) {
+            self.last_publish = Some(bucket);
             Some(self.index_at(bucket))
         } else {
             None
@@ -216,6 +217,20 @@ impl FairnessWindow {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[tokio::test(start_paused = true)]
+    async fn a_fresh_window_publishes_on_its_first_record_then_once_per_bucket() {
+        let mut w = FairnessWindow::new(Duration::from_secs(10));
+        let now = Instant::now();
+        let a = TenantId::new("a");
+        assert_eq!(w.record(&a, 1, 100, true, now), Some(Some(1.0)));
+        assert_eq!(w.record(&a, 1, 100, true, now), None, "once per bucket");
+        let later = now + Duration::from_secs(1);
+        assert!(
+            w.record(&a, 1, 100, true, later).is_some(),
+            "the next bucket"
+        );
+    }
 
     #[tokio::test(start_paused = true)]
     async fn index_counts_backlogged_tenants_weight_normalised_in_the_window() {
