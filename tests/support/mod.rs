@@ -447,27 +447,42 @@ impl RedisCluster {
 
     /// The port of the master that now owns `key`'s slot, as a live node sees it.
     pub fn master_of(&self, key: &str) -> u16 {
+        self.master_of_live(key)
+            .unwrap_or_else(|| panic!("no live master owns {key}"))
+    }
+
+    /// The port of the live master that owns `key`'s slot, if one does (none during a
+    /// failover).
+    pub fn master_of_live(&self, key: &str) -> Option<u16> {
         let live = self.live_ports();
-        let p = live[0].to_string();
+        let p = live.first()?.to_string();
         let slot: u32 = redis_cli(&["-p", &p, "CLUSTER", "KEYSLOT", key])
             .parse()
-            .expect("a slot");
+            .ok()?;
         let nodes = redis_cli(&["-p", &p, "CLUSTER", "NODES"]);
-        for line in nodes.lines() {
+        let in_range = |range: &str| -> bool {
+            match range.split_once('-') {
+                Some((a, b)) => match (a.parse::<u32>(), b.parse::<u32>()) {
+                    (Ok(a), Ok(b)) => (a..=b).contains(&slot),
+                    _ => false,
+                },
+                None => range.parse::<u32>().ok() == Some(slot),
+            }
+        };
+        nodes.lines().find_map(|line| {
             let fields: Vec<&str> = line.split_whitespace().collect();
             if fields.len() < 9 || !fields[2].contains("master") || fields[2].contains("fail") {
-                continue;
+                return None;
             }
-            let owns = fields[8..].iter().any(|range| match range.split_once('-') {
-                Some((a, b)) => (a.parse::<u32>().unwrap()..=b.parse().unwrap()).contains(&slot),
-                None => range.parse::<u32>().ok() == Some(slot),
-            });
-            if owns {
-                let addr = fields[1].split('@').next().unwrap();
-                return addr.rsplit(':').next().unwrap().parse().unwrap();
-            }
-        }
-        panic!("no live master owns slot {slot}");
+            let port: u16 = fields[1]
+                .split('@')
+                .next()?
+                .rsplit(':')
+                .next()?
+                .parse()
+                .ok()?;
+            (fields[8..].iter().any(|r| in_range(r)) && live.contains(&port)).then_some(port)
+        })
     }
 
     /// The masters' ports.

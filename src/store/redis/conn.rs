@@ -185,26 +185,29 @@ impl Target {
         }
     }
 
-    /// One connection and a `PING` (every master's on a cluster), for the start-up check:
-    /// `Ok` when Redis answered, else why not.
+    /// One connection and a `PING`, for the start-up check: `Ok` when Redis answered, else
+    /// why not. On a cluster, each seed node in turn until one answers or refuses: the
+    /// cluster client folds a node's refusal into one I/O error ("failed to create initial
+    /// connections"), a plain connection to the node keeps its kind.
     pub(crate) async fn check(&self, timeout: Duration) -> RedisResult<()> {
         match self {
-            Target::Node(client) => {
-                let config = redis::AsyncConnectionConfig::new()
-                    .set_connection_timeout(Some(timeout))
-                    .set_response_timeout(Some(timeout));
-                let mut conn = client
-                    .get_multiplexed_async_connection_with_config(&config)
-                    .await?;
-                redis::cmd("PING").query_async::<()>(&mut conn).await
-            }
-            Target::Cluster { .. } => {
-                let client = self.cluster_client(timeout, false)?;
-                let config = ClusterConfig::new()
-                    .set_connection_timeout(timeout)
-                    .set_response_timeout(timeout);
-                let mut conn = client.get_async_connection_with_config(config).await?;
-                redis::cmd("PING").query_async::<()>(&mut conn).await
+            Target::Node(client) => ping_once(client, timeout).await,
+            Target::Cluster { nodes, certs } => {
+                let mut last = None;
+                for node in nodes {
+                    let client = match certs {
+                        Some(certs) => redis::Client::build_with_tls(node.clone(), certs.clone()),
+                        None => redis::Client::open(node.clone()),
+                    }?;
+                    match ping_once(&client, timeout).await {
+                        Ok(()) => return Ok(()),
+                        Err(e) if refusal(&e).is_some() => return Err(e),
+                        Err(e) => last = Some(e),
+                    }
+                }
+                Err(last.unwrap_or_else(|| {
+                    RedisError::from((ErrorKind::InvalidClientConfig, "no cluster node"))
+                }))
             }
         }
     }
@@ -212,6 +215,16 @@ impl Target {
     pub(crate) fn is_cluster(&self) -> bool {
         matches!(self, Target::Cluster { .. })
     }
+}
+
+async fn ping_once(client: &redis::Client, timeout: Duration) -> RedisResult<()> {
+    let config = redis::AsyncConnectionConfig::new()
+        .set_connection_timeout(Some(timeout))
+        .set_response_timeout(Some(timeout));
+    let mut conn = client
+        .get_multiplexed_async_connection_with_config(&config)
+        .await?;
+    redis::cmd("PING").query_async::<()>(&mut conn).await
 }
 
 fn certs(ca_pem: &[u8]) -> TlsCertificates {
