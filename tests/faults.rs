@@ -162,14 +162,20 @@ struct Seen {
 /// Runs two workers for `millis` against `server`, doing `fault` to it once both are ready,
 /// then checks what the observer counted.
 fn case(name: &str, server: RedisServer, millis: u64, fault: impl FnOnce(&mut RedisServer)) {
-    case_on(name, Rig::Node(server), WORKERS, millis, |rig| {
+    case_on(name, Rig::Node(server), WORKERS, millis, |rig, _| {
         fault(rig.node())
     });
 }
 
 /// Runs `workers` workers for `millis` against `rig`, doing `fault` to it once all are
-/// ready, then checks what the observer counted.
-fn case_on(name: &str, mut rig: Rig, workers: usize, millis: u64, fault: impl FnOnce(&mut Rig)) {
+/// ready (it may read and reset the observer), then checks what the observer counted.
+fn case_on(
+    name: &str,
+    mut rig: Rig,
+    workers: usize,
+    millis: u64,
+    fault: impl FnOnce(&mut Rig, &RedisServer),
+) {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let observer = RedisServer::start();
     let workers: Vec<Worker> = (0..workers)
@@ -179,7 +185,7 @@ fn case_on(name: &str, mut rig: Rig, workers: usize, millis: u64, fault: impl Fn
         assert_eq!(worker.line(Duration::from_secs(10)), "READY");
     }
     let started = Instant::now();
-    fault(&mut rig);
+    fault(&mut rig, &observer);
     let mut ok = 0;
     for worker in workers {
         ok += worker.finish(Duration::from_millis(millis + 20_000));
@@ -310,7 +316,7 @@ fn caps_hold_across_four_workers_on_a_cluster() {
         Rig::Cluster(RedisCluster::start()),
         4,
         3_000,
-        |_| {},
+        |_, _| {},
     );
 }
 
@@ -323,12 +329,14 @@ fn caps_hold_when_the_master_of_the_slot_keys_is_killed_and_a_replica_takes_over
         Rig::Cluster(RedisCluster::start()),
         4,
         7_000,
-        |rig| {
+        |rig, observer| {
             let cluster = rig.cluster();
             let t0 = Instant::now();
             after(t0, 1_500);
             let key = "fairgate:{slots}:global";
+            let epoch_key = "fairgate:{slots}:epoch";
             let old = cluster.master_of(key);
+            let epoch = cluster.command(key, &["GET", epoch_key]);
             cluster.kill(old);
             let killed = Instant::now();
             let (promoted, shared) = loop {
@@ -337,10 +345,11 @@ fn caps_hold_when_the_master_of_the_slot_keys_is_killed_and_a_replica_takes_over
                 let new = cluster.master_of_live(key);
                 if let Some(new) = new.filter(|&new| new != old) {
                     let promoted = elapsed;
-                    // Shared again: leases are written on the new master.
+                    // Shared again: a worker put its calls back on the new master, in a
+                    // new epoch (the others follow before their next slot).
                     loop {
-                        let leases = support::redis_cli(&["-p", &new.to_string(), "ZCARD", key]);
-                        if leases.parse::<u32>().unwrap_or(0) > 0 {
+                        let now = support::redis_cli(&["-p", &new.to_string(), "GET", epoch_key]);
+                        if !now.is_empty() && now != epoch {
                             break;
                         }
                         assert!(
@@ -353,8 +362,33 @@ fn caps_hold_when_the_master_of_the_slot_keys_is_killed_and_a_replica_takes_over
                 }
                 std::thread::sleep(Duration::from_millis(20));
             };
+            // Meanwhile each worker kept to its share of the caps, by itself: at least one
+            // slot per tier and worker, so with 4 workers a cap under 4 (guest: 2) can be
+            // passed, as DESIGN §4.3 says of any fallback; the shares' sum bounds it.
+            let settle = Duration::from_millis(300);
+            std::thread::sleep(settle);
+            let mut meanwhile = Vec::new();
+            let mut names = vec![("global".to_owned(), String::new(), GLOBAL_CAP)];
+            names.extend(
+                TIER_CAPS
+                    .iter()
+                    .map(|&(t, cap)| (t.to_owned(), format!(":{t}"), cap)),
+            );
+            for (name, part, cap) in &names {
+                let max = get(observer, &format!("obs:max{part}")).unwrap_or(0);
+                let bound = u64::from(((cap / 4).max(1) * 4).max(*cap));
+                meanwhile.push(format!("{name} {max} (cap {cap}, shares {bound})"));
+                assert!(max <= bound, "{name}: {max} in flight during the failover");
+                // From here on the caps must hold exactly: count afresh.
+                let now = get(observer, &format!("obs:now{part}")).unwrap_or(0);
+                observer.command(&format!("SET obs:max{part} {now}"));
+                observer.command(&format!("DEL obs:over_ms{part} obs:since{part}"));
+            }
             println!(
-                "failover: replica promoted {promoted:?} after the SIGKILL; leases shared on it again after {shared:?}"
+                "failover: replica promoted {promoted:?} after the SIGKILL; calls put back on it (new epoch) \
+                 after {shared:?}; max in flight until {:?}: {}",
+                shared + settle,
+                meanwhile.join(", ")
             );
         },
     );

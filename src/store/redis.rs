@@ -163,13 +163,28 @@ fn put(pending: &mut HashMap<TenantId, u64>, tenant: TenantId, n: u64) {
 
 pub(super) use crate::sync::lock;
 
-/// An error that means "Redis is not there" rather than "Redis refused this call".
+/// An error that means "Redis is not there" rather than "Redis refused this call". On a
+/// cluster that includes a shard that is away or moving: `CLUSTERDOWN`, `TRYAGAIN`,
+/// `MASTERDOWN`, a redirect the client could not follow, no connection to the slot's node,
+/// a write that reached a replica (`READONLY`) or a node still loading: each is a failover
+/// under way, where the caps must be kept by the fallback, not by a call that went nowhere.
 pub(super) fn is_outage(e: &RedisError) -> bool {
+    use redis::{ErrorKind, ServerErrorKind};
     e.is_io_error()
         || e.is_connection_dropped()
         || e.is_connection_refusal()
         || e.is_timeout()
         || e.is_unrecoverable_error()
+        || e.is_cluster_error()
+        || matches!(
+            e.kind(),
+            ErrorKind::ClusterConnectionNotFound
+                | ErrorKind::Server(
+                    ServerErrorKind::MasterDown
+                        | ServerErrorKind::ReadOnly
+                        | ServerErrorKind::BusyLoading
+                )
+        )
 }
 
 #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
@@ -412,7 +427,17 @@ async fn background(store: Weak<RedisStore>, wake: Arc<Notify>) {
                 // all workers resync to, before this worker takes another slot from Redis
                 // (and no fallback slot is taken while that is under way).
                 redis.slots.recovering.store(true, Ordering::Release);
-                let resynced = redis.resync(true, None).await;
+                let mut resynced = redis.resync(true, None).await;
+                if !resynced {
+                    // No answer is not "not done": the script may still run late (queued in
+                    // the client or the server; seen on a cluster just after a failover),
+                    // counting this worker in a new epoch with only the calls it had then.
+                    // So take no fallback slot (`recovering`) until that window is over and
+                    // a second resync, which puts every call back again, has answered or
+                    // failed.
+                    tokio::time::sleep(redis.opts.op_timeout).await;
+                    resynced = redis.ping().await && redis.resync(true, None).await;
+                }
                 if resynced {
                     redis.recover();
                 }
