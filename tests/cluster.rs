@@ -8,7 +8,6 @@
 mod support;
 
 use std::collections::HashSet;
-use std::sync::Mutex;
 use std::time::Duration;
 
 use fairgate::DemotionPolicy;
@@ -19,7 +18,7 @@ use support::{CLUSTER_USER, EventCounter, RedisCluster};
 use tokio::time::Instant;
 
 /// One cluster at a time: six processes each, on two cores.
-static SERIAL: Mutex<()> = Mutex::new(());
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 async fn worker(nodes: Vec<String>) -> Store {
     Store::builder()
@@ -42,7 +41,7 @@ fn limits(slots: u32) -> SlotLimits {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_operation_runs_on_the_cluster_and_reaches_every_worker() {
-    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let _serial = SERIAL.lock().await;
     let (events, _guard) = EventCounter::install();
     let cluster = RedisCluster::start();
     let one = worker(cluster.urls()).await;
@@ -123,7 +122,7 @@ async fn every_operation_runs_on_the_cluster_and_reaches_every_worker() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hostile_tenant_names_spread_over_the_shards_and_never_collide() {
-    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let _serial = SERIAL.lock().await;
     let cluster = RedisCluster::start();
     let store = worker(cluster.urls()).await;
     let mut names: Vec<String> = [
@@ -181,7 +180,7 @@ async fn hostile_tenant_names_spread_over_the_shards_and_never_collide() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_wrong_cluster_password_is_an_auth_error_and_a_dead_cluster_a_degraded_start() {
-    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let _serial = SERIAL.lock().await;
     let cluster = RedisCluster::start();
     let wrong: Vec<String> = cluster
         .urls()
