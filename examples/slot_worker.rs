@@ -19,6 +19,9 @@
 //! 400 ms for every 7th, a streamed answer): the current count, the maximum, and the time
 //! spent over each cap, globally and per tier (`obs:*` keys). Prints `ok=N busy=N failed=N`.
 //!
+//! `--cluster` (anywhere; `faults` and `hold`): URL is a comma-separated list of a Redis
+//! Cluster's node URLs, and the store is built with `redis_cluster`.
+//!
 //! The caps (global 12; premium 8, pro 6, free 4, guest 2) and the lease TTL (2 s) are those
 //! the tests check against (`faults`: global 8).
 
@@ -51,7 +54,9 @@ return now";
 
 #[tokio::main]
 async fn main() -> Result<(), BoxError> {
-    let args: Vec<String> = std::env::args().skip(1).collect();
+    let mut args: Vec<String> = std::env::args().skip(1).collect();
+    let cluster = args.iter().any(|a| a == "--cluster");
+    args.retain(|a| a != "--cluster");
     let (mode, url) = match args.as_slice() {
         [mode, url, ..] => (mode.as_str(), url.as_str()),
         _ => {
@@ -65,17 +70,32 @@ async fn main() -> Result<(), BoxError> {
     if mode == "faults" {
         let observer = args.get(2).ok_or("missing observer url")?;
         let expected = args.get(5).map(|n| n.parse()).transpose()?;
-        return faults(url, observer, number(3)?, number(4)?, expected).await;
+        return faults(url, cluster, observer, number(3)?, number(4)?, expected).await;
     }
-    let store = Store::builder()
-        .flush_interval(Duration::from_millis(50))
-        .redis(url)
-        .await?;
+    let store = build(
+        Store::builder().flush_interval(Duration::from_millis(50)),
+        url,
+        cluster,
+    )
+    .await?;
     match mode {
         "load" => load(store, url, number(2)?, number(3)?).await,
         "hold" => hold(store, number(2)?).await,
         _ => Err(format!("unknown mode {mode}").into()),
     }
+}
+
+/// A store on the Redis at `url`, or on the cluster whose node URLs `url` lists.
+async fn build(
+    builder: fairgate::StoreBuilder,
+    url: &str,
+    cluster: bool,
+) -> Result<Store, BoxError> {
+    Ok(if cluster {
+        builder.redis_cluster(url.split(',')).await?
+    } else {
+        builder.redis(url).await?
+    })
 }
 
 async fn load(store: Store, url: &str, callers: usize, calls: usize) -> Result<(), BoxError> {
@@ -202,6 +222,7 @@ return 1";
 
 async fn faults(
     url: &str,
+    cluster: bool,
     observer: &str,
     callers: usize,
     millis: usize,
@@ -214,7 +235,7 @@ async fn faults(
     if let Some(n) = expected {
         builder = builder.expected_workers(n);
     }
-    let store = builder.redis(url).await?;
+    let store = build(builder, url, cluster).await?;
     let probe = redis::Client::open(observer)?
         .get_multiplexed_async_connection()
         .await?;

@@ -6,6 +6,10 @@
 //! One case per fault: Redis down at start (then up), hung (SIGSTOP, then SIGCONT), killed
 //! and replaced by a fresh empty server on the same port, wiped (FLUSHALL), and restarted.
 //! Each asserts that no request failed and that no cap was exceeded, and prints the maxima.
+//!
+//! The same cases on a Redis Cluster of the test's own (3 masters, 3 replicas): four workers
+//! sharing the caps through it, and the master that owns the slot keys SIGKILLed mid-load
+//! until a replica takes over.
 //! The cases run one at a time (the machine is small); every process is stopped by its pid,
 //! also when a case panics.
 #![cfg(feature = "redis")]
@@ -19,7 +23,7 @@ use std::sync::Mutex;
 use std::sync::mpsc::{Receiver, channel};
 use std::time::{Duration, Instant};
 
-use support::RedisServer;
+use support::{RedisCluster, RedisServer};
 
 const WORKERS: usize = 2;
 const CALLERS: &str = "20";
@@ -51,11 +55,43 @@ struct Worker {
     lines: Receiver<String>,
 }
 
+/// What the workers share their caps through.
+enum Rig {
+    Node(RedisServer),
+    Cluster(RedisCluster),
+}
+
+impl Rig {
+    fn node(&mut self) -> &mut RedisServer {
+        match self {
+            Rig::Node(server) => server,
+            Rig::Cluster(_) => unreachable!("a single-node fault on a cluster"),
+        }
+    }
+
+    fn cluster(&mut self) -> &mut RedisCluster {
+        match self {
+            Rig::Cluster(cluster) => cluster,
+            Rig::Node(_) => unreachable!("a cluster fault on a single node"),
+        }
+    }
+
+    /// The URL (a cluster: its nodes' URLs, comma-separated) and the worker's flags.
+    fn worker_args(&self) -> (String, &'static [&'static str]) {
+        match self {
+            Rig::Node(server) => (server.url(), &[]),
+            Rig::Cluster(cluster) => (cluster.urls().join(","), &["--cluster"]),
+        }
+    }
+}
+
 impl Worker {
-    fn start(url: &str, observer: &str, millis: u64) -> Worker {
+    fn start(rig: &Rig, observer: &str, millis: u64, workers: usize) -> Worker {
+        let (url, flags) = rig.worker_args();
         let mut child = Command::new(worker_binary())
-            .args(["faults", url, observer, CALLERS, &millis.to_string()])
-            .arg(WORKERS.to_string())
+            .args(["faults", &url, observer, CALLERS, &millis.to_string()])
+            .arg(workers.to_string())
+            .args(flags)
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
             .spawn()
@@ -125,17 +161,31 @@ struct Seen {
 
 /// Runs two workers for `millis` against `server`, doing `fault` to it once both are ready,
 /// then checks what the observer counted.
-fn case(name: &str, mut server: RedisServer, millis: u64, fault: impl FnOnce(&mut RedisServer)) {
+fn case(name: &str, server: RedisServer, millis: u64, fault: impl FnOnce(&mut RedisServer)) {
+    case_on(name, Rig::Node(server), WORKERS, millis, |rig, _| {
+        fault(rig.node())
+    });
+}
+
+/// Runs `workers` workers for `millis` against `rig`, doing `fault` to it once all are
+/// ready (it may read and reset the observer), then checks what the observer counted.
+fn case_on(
+    name: &str,
+    mut rig: Rig,
+    workers: usize,
+    millis: u64,
+    fault: impl FnOnce(&mut Rig, &RedisServer),
+) {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let observer = RedisServer::start();
-    let workers: Vec<Worker> = (0..WORKERS)
-        .map(|_| Worker::start(&server.url(), &observer.url(), millis))
+    let workers: Vec<Worker> = (0..workers)
+        .map(|_| Worker::start(&rig, &observer.url(), millis, workers))
         .collect();
     for worker in &workers {
         assert_eq!(worker.line(Duration::from_secs(10)), "READY");
     }
     let started = Instant::now();
-    fault(&mut server);
+    fault(&mut rig, &observer);
     let mut ok = 0;
     for worker in workers {
         ok += worker.finish(Duration::from_millis(millis + 20_000));
@@ -257,4 +307,89 @@ fn caps_hold_when_redis_is_restarted() {
         server.terminate();
         server.restart();
     });
+}
+
+#[test]
+fn caps_hold_across_four_workers_on_a_cluster() {
+    case_on(
+        "cluster, 4 workers",
+        Rig::Cluster(RedisCluster::start()),
+        4,
+        3_000,
+        |_, _| {},
+    );
+}
+
+/// The slot keys' master SIGKILLed mid-load: the workers fall back (their share of the
+/// caps) until a replica is promoted, then put every call in flight back on it.
+#[test]
+fn caps_hold_when_the_master_of_the_slot_keys_is_killed_and_a_replica_takes_over() {
+    case_on(
+        "cluster failover (SIGKILL the {slots} master)",
+        Rig::Cluster(RedisCluster::start()),
+        4,
+        7_000,
+        |rig, observer| {
+            let cluster = rig.cluster();
+            let t0 = Instant::now();
+            after(t0, 1_500);
+            let key = "fairgate:{slots}:global";
+            let epoch_key = "fairgate:{slots}:epoch";
+            let old = cluster.master_of(key);
+            let epoch = cluster.command(key, &["GET", epoch_key]);
+            cluster.kill(old);
+            let killed = Instant::now();
+            let (promoted, shared) = loop {
+                let elapsed = killed.elapsed();
+                assert!(elapsed < Duration::from_secs(10), "no failover within 10 s");
+                let new = cluster.master_of_live(key);
+                if let Some(new) = new.filter(|&new| new != old) {
+                    let promoted = elapsed;
+                    // Shared again: a worker put its calls back on the new master, in a
+                    // new epoch (the others follow before their next slot).
+                    loop {
+                        let now = support::redis_cli(&["-p", &new.to_string(), "GET", epoch_key]);
+                        if !now.is_empty() && now != epoch {
+                            break;
+                        }
+                        assert!(
+                            killed.elapsed() < Duration::from_secs(10),
+                            "caps never shared again"
+                        );
+                        std::thread::sleep(Duration::from_millis(10));
+                    }
+                    break (promoted, killed.elapsed());
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            };
+            // Meanwhile each worker kept to its share of the caps, by itself: at least one
+            // slot per tier and worker, so with 4 workers a cap under 4 (guest: 2) can be
+            // passed, as DESIGN §4.3 says of any fallback; the shares' sum bounds it.
+            let settle = Duration::from_millis(300);
+            std::thread::sleep(settle);
+            let mut meanwhile = Vec::new();
+            let mut names = vec![("global".to_owned(), String::new(), GLOBAL_CAP)];
+            names.extend(
+                TIER_CAPS
+                    .iter()
+                    .map(|&(t, cap)| (t.to_owned(), format!(":{t}"), cap)),
+            );
+            for (name, part, cap) in &names {
+                let max = get(observer, &format!("obs:max{part}")).unwrap_or(0);
+                let bound = u64::from(((cap / 4).max(1) * 4).max(*cap));
+                meanwhile.push(format!("{name} {max} (cap {cap}, shares {bound})"));
+                assert!(max <= bound, "{name}: {max} in flight during the failover");
+                // From here on the caps must hold exactly: count afresh.
+                let now = get(observer, &format!("obs:now{part}")).unwrap_or(0);
+                observer.command(&format!("SET obs:max{part} {now}"));
+                observer.command(&format!("DEL obs:over_ms{part} obs:since{part}"));
+            }
+            println!(
+                "failover: replica promoted {promoted:?} after the SIGKILL; calls put back on it (new epoch) \
+                 after {shared:?}; max in flight until {:?}: {}",
+                shared + settle,
+                meanwhile.join(", ")
+            );
+        },
+    );
 }

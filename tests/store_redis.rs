@@ -193,3 +193,40 @@ async fn a_bad_url_or_prefix_is_refused_with_a_message() {
         .expect_err("zero timeout");
     assert!(err.to_string().contains("op timeout"), "{err}");
 }
+
+#[tokio::test]
+async fn each_store_listens_on_one_pub_sub_connection_for_both_feeds() {
+    let server = RedisServer::start();
+    let stores = [worker(&server.url()).await, worker(&server.url()).await];
+    let deadline = Instant::now() + Duration::from_secs(2);
+    loop {
+        let clients = server.command("CLIENT LIST");
+        // A subscribed connection shows `sub=2` (the release and the cooldown channels).
+        let subscribed: Vec<&str> = clients.lines().filter(|l| l.contains(" sub=")).collect();
+        let listening = subscribed.iter().filter(|l| !l.contains(" sub=0 ")).count();
+        if listening == 2 {
+            assert!(
+                subscribed
+                    .iter()
+                    .filter(|l| !l.contains(" sub=0 "))
+                    .all(|l| l.contains(" sub=2 ")),
+                "{clients}"
+            );
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "not one pub/sub connection per store: {clients}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // And a cooldown moved in one store reaches the other through it.
+    stores[0]
+        .extend_cooldown("api", Duration::from_secs(5))
+        .await;
+    let stores1 = stores[1].clone();
+    wait_until("the cooldown reached the other store", move || {
+        stores1.cooldown("api").is_some()
+    })
+    .await;
+}

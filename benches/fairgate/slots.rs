@@ -118,6 +118,7 @@ pub(crate) fn bench(c: &mut Criterion) {
                             .key(tier)
                             .arg("lease")
                             .arg("fairgate-bench-raw:{slots}:released")
+                            .arg("PUBLISH")
                             .invoke_async(&mut conn)
                             .await
                             .unwrap();

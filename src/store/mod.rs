@@ -211,6 +211,8 @@ pub(crate) struct RedisOptions {
     pub(crate) flush_interval: Duration,
     pub(crate) probe_interval: Duration,
     pub(crate) expected_workers: Option<u32>,
+    /// The CA (PEM) trusted for `rediss://`, instead of the system's roots.
+    pub(crate) tls_ca_pem: Option<Vec<u8>>,
 }
 
 impl Default for StoreBuilder {
@@ -224,6 +226,7 @@ impl Default for StoreBuilder {
                 flush_interval: Duration::from_millis(250),
                 probe_interval: Duration::from_millis(250),
                 expected_workers: None,
+                tls_ca_pem: None,
             },
         }
     }

@@ -1,10 +1,19 @@
 //! The Redis backend: state shared by every worker, one Lua script per multi-key operation,
 //! and an in-process fallback that answers whenever Redis cannot.
 //!
-//! Failing fast matters more here than anywhere: the connection manager is lazy (start-up
-//! never blocks on Redis), does at most one quick reconnect attempt, and every call sits
-//! under an outer timeout. After one failure the store is *degraded*: it stops calling Redis,
-//! answers from [`MemoryState`], and a background task pings Redis until it answers.
+//! Failing fast matters more here than anywhere: the connection is lazy (start-up never
+//! blocks on Redis), does at most one quick reconnect attempt, and every call sits under an
+//! outer timeout. After one failure the store is *degraded*: it stops calling Redis, answers
+//! from [`MemoryState`], and a background task pings Redis until it answers.
+//!
+//! The same store runs on one node or on a Redis Cluster (`conn.rs`): the keys of each
+//! script share a hash tag, so no script is ever `CROSSSLOT`. On a cluster the breaker is
+//! still one for the store: a shard that is away (its master died, no replica promoted yet)
+//! degrades the whole store, as one dead node does, until the probe gets through again.
+//!
+//! Redis *refusing* the store at start (a wrong password, a certificate not trusted) is an
+//! error from the constructor, never a silent fallback; Redis *not there* at start (refused,
+//! timed out) is the degraded start of DESIGN §3.
 
 use std::collections::HashMap;
 use std::fmt;
@@ -13,7 +22,6 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
-use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::{RedisError, RedisResult, Script};
 use tokio::sync::Notify;
 use tokio::time::Instant;
@@ -25,12 +33,14 @@ use crate::TenantId;
 use crate::admission::DemotionPolicy;
 use crate::error::ConfigError;
 
+mod conn;
 mod cooldown;
 mod pacing;
 mod pubsub;
 mod served;
 mod slots;
 
+use self::conn::{Conn, Refusal, Target};
 pub(crate) use self::slots::RedisLease;
 use self::slots::{SlotScripts, SlotState};
 
@@ -45,8 +55,15 @@ const FLUSH_AT_TENANTS: usize = 1024;
 pub enum RedisStoreError {
     /// A configuration value was refused.
     Config(ConfigError),
-    /// The URL could not be parsed.
+    /// The URL could not be parsed (or, for a cluster, the node URLs disagree).
     Url(RedisError),
+    /// Redis refused the credentials: a wrong password or ACL user (`WRONGPASS`,
+    /// `NOAUTH`), or a user not allowed to run the store's commands.
+    Auth(RedisError),
+    /// The TLS connection could not be set up: a certificate the client does not trust, a
+    /// CA that does not parse, a server that does not speak TLS (or a `rediss://` one
+    /// reached with `redis://`: that shows as Redis not answering).
+    Tls(RedisError),
 }
 
 impl fmt::Display for RedisStoreError {
@@ -54,6 +71,8 @@ impl fmt::Display for RedisStoreError {
         match self {
             RedisStoreError::Config(e) => fmt::Display::fmt(e, f),
             RedisStoreError::Url(e) => write!(f, "invalid redis url: {e}"),
+            RedisStoreError::Auth(e) => write!(f, "redis refused the credentials: {e}"),
+            RedisStoreError::Tls(e) => write!(f, "tls connection to redis failed: {e}"),
         }
     }
 }
@@ -62,7 +81,7 @@ impl std::error::Error for RedisStoreError {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
         match self {
             RedisStoreError::Config(e) => Some(e),
-            RedisStoreError::Url(e) => Some(e),
+            RedisStoreError::Url(e) | RedisStoreError::Auth(e) | RedisStoreError::Tls(e) => Some(e),
         }
     }
 }
@@ -107,7 +126,8 @@ struct DemotionCache {
 }
 
 pub(crate) struct RedisStore {
-    pub(super) conn: ConnectionManager,
+    /// One node or a cluster; the scripts are called the same way on both.
+    pub(super) conn: Conn,
     pub(super) keys: Keys,
     scripts: Scripts,
     slot_scripts: SlotScripts,
@@ -115,8 +135,8 @@ pub(crate) struct RedisStore {
     pub(super) opts: RedisOptions,
     throttle_window_ms: u64,
     pub(super) fallback: MemoryState,
-    /// For the pub/sub connection that keeps the local cooldown gates current.
-    pub(super) client: redis::Client,
+    /// How to reach Redis: for the one pub/sub connection (releases and cooldown moves).
+    pub(super) target: Target,
     degraded: AtomicBool,
     /// Wakes the background task: a flush is due, or Redis just failed.
     pub(super) wake: Arc<Notify>,
@@ -143,13 +163,28 @@ fn put(pending: &mut HashMap<TenantId, u64>, tenant: TenantId, n: u64) {
 
 pub(super) use crate::sync::lock;
 
-/// An error that means "Redis is not there" rather than "Redis refused this call".
+/// An error that means "Redis is not there" rather than "Redis refused this call". On a
+/// cluster that includes a shard that is away or moving: `CLUSTERDOWN`, `TRYAGAIN`,
+/// `MASTERDOWN`, a redirect the client could not follow, no connection to the slot's node,
+/// a write that reached a replica (`READONLY`) or a node still loading: each is a failover
+/// under way, where the caps must be kept by the fallback, not by a call that went nowhere.
 pub(super) fn is_outage(e: &RedisError) -> bool {
+    use redis::{ErrorKind, ServerErrorKind};
     e.is_io_error()
         || e.is_connection_dropped()
         || e.is_connection_refusal()
         || e.is_timeout()
         || e.is_unrecoverable_error()
+        || e.is_cluster_error()
+        || matches!(
+            e.kind(),
+            ErrorKind::ClusterConnectionNotFound
+                | ErrorKind::Server(
+                    ServerErrorKind::MasterDown
+                        | ServerErrorKind::ReadOnly
+                        | ServerErrorKind::BusyLoading
+                )
+        )
 }
 
 #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
@@ -204,7 +239,19 @@ impl StoreBuilder {
         self
     }
 
-    /// Builds a store on the Redis at `url` (`redis://host:port/db`).
+    /// Trusts this CA (PEM, one or more certificates) for `rediss://` instead of the
+    /// system's roots: for a managed Redis with a private CA, or a test's own certificate.
+    /// Applies to [`redis`](StoreBuilder::redis) and
+    /// [`redis_cluster`](StoreBuilder::redis_cluster); a `redis://` URL with a CA set is
+    /// refused (a [`RedisStoreError::Tls`]).
+    pub fn tls_ca_pem(mut self, pem: impl Into<Vec<u8>>) -> Self {
+        self.redis.tls_ca_pem = Some(pem.into());
+        self
+    }
+
+    /// Builds a store on the Redis at `url`: `redis://host:port/db`, with an ACL user and
+    /// password `redis://user:pass@host:port/`, over TLS `rediss://...` (rustls; the
+    /// system's roots, or [`tls_ca_pem`](StoreBuilder::tls_ca_pem)).
     ///
     /// Never waits for Redis longer than one operation timeout: if Redis does not answer,
     /// the store starts degraded and switches to Redis once it does.
@@ -214,8 +261,45 @@ impl StoreBuilder {
     /// dropped).
     ///
     /// # Errors
-    /// A URL that cannot be parsed or a configuration value out of range.
+    /// A URL that cannot be parsed or a configuration value out of range; Redis refusing
+    /// the credentials ([`RedisStoreError::Auth`]) or the TLS handshake failing
+    /// ([`RedisStoreError::Tls`]) at start. Redis not answering is not an error.
     pub async fn redis(self, url: &str) -> Result<Store, RedisStoreError> {
+        let ca = self.redis.tls_ca_pem.as_deref();
+        let target = Target::node(url, ca)?;
+        self.build_redis(target).await
+    }
+
+    /// Builds a store on a Redis Cluster, given its nodes' URLs (`redis://` or `rediss://`,
+    /// all with the same user and password; one reachable node is enough to find the
+    /// others, listing several lets the store start while one is down).
+    ///
+    /// Every script runs on the master that owns its keys (they share a hash tag: the slot
+    /// keys `{slots}` one shard, the cooldown and pacing keys `{g}` one, each tenant's keys
+    /// `{t:<tenant>}` spread over all), with that node's clock. `MOVED` and `ASK` are
+    /// followed, scripts are loaded again on a node that lost them, releases reach every
+    /// worker through sharded pub/sub (`SSUBSCRIBE`, so **Redis 7 or later**; RESP3 on the
+    /// pub/sub connection). When a shard is away (its master died and no replica is promoted
+    /// yet), the store falls back as for a single node that died, and comes back, putting
+    /// back every call it has in flight, once the shard answers again.
+    ///
+    /// Same start-up rules, options and errors as [`redis`](StoreBuilder::redis).
+    ///
+    /// # Errors
+    /// As [`redis`](StoreBuilder::redis); also an empty list, or nodes whose URLs disagree
+    /// (user, password, TLS).
+    pub async fn redis_cluster<I>(self, nodes: I) -> Result<Store, RedisStoreError>
+    where
+        I: IntoIterator,
+        I::Item: AsRef<str>,
+    {
+        let nodes: Vec<I::Item> = nodes.into_iter().collect();
+        let ca = self.redis.tls_ca_pem.as_deref();
+        let target = Target::cluster(&nodes, ca)?;
+        self.build_redis(target).await
+    }
+
+    async fn build_redis(self, target: Target) -> Result<Store, RedisStoreError> {
         self.validate()?;
         let opts = self.redis.clone();
         for (name, value) in [
@@ -234,16 +318,20 @@ impl StoreBuilder {
             return Err(ConfigError::new("expected workers must be at least 1").into());
         }
         let keys = Keys::new(&opts.key_prefix)?;
-        let client = redis::Client::open(url).map_err(RedisStoreError::Url)?;
-        // Measured: the defaults wait ~9 s per command on a dead server. These make a call
-        // fail in under a millisecond while Redis is down and reconnect ~25 ms after it is back.
-        let config = ConnectionManagerConfig::new()
-            .set_number_of_retries(1)
-            .set_min_delay(Duration::from_millis(10))
-            .set_max_delay(Duration::from_millis(50))
-            .set_connection_timeout(Some(opts.op_timeout))
-            .set_response_timeout(Some(opts.op_timeout));
-        let conn = ConnectionManager::new_lazy_with_config(client.clone(), config)
+        // One connection and a PING, within one operation timeout: a refusal (credentials,
+        // TLS) is an error now; no answer is a degraded start.
+        let reachable =
+            match tokio::time::timeout(opts.op_timeout, target.check(opts.op_timeout)).await {
+                Ok(Ok(())) => true,
+                Ok(Err(e)) => match conn::refusal(&e) {
+                    Some(Refusal::Auth) => return Err(RedisStoreError::Auth(e)),
+                    Some(Refusal::Tls) => return Err(RedisStoreError::Tls(e)),
+                    None => false,
+                },
+                Err(_) => false,
+            };
+        let conn = target
+            .connect_lazy(opts.op_timeout)
             .map_err(RedisStoreError::Url)?;
         let now = Instant::now();
         let redis = Arc::new(RedisStore {
@@ -262,14 +350,14 @@ impl StoreBuilder {
                 map: HashMap::new(),
                 last_sweep: now,
             }),
-            client,
+            target,
             worker_id: worker_id(),
             seq: AtomicU64::new(0),
             served: served::ServedRedis::new(),
             opts,
         });
         crate::metrics::store_degraded(false);
-        if redis.ping().await {
+        if reachable && redis.ping().await {
             redis.load_scripts().await;
             if !redis.resync(false, None).await {
                 redis.mark_degraded("no answer at start-up");
@@ -278,9 +366,7 @@ impl StoreBuilder {
             redis.mark_degraded("no answer at start-up");
         }
         tokio::spawn(background(Arc::downgrade(&redis), redis.wake.clone()));
-        for feed in [pubsub::Feed::SlotReleases, pubsub::Feed::CooldownMoves] {
-            tokio::spawn(pubsub::listen(Arc::downgrade(&redis), feed));
-        }
+        tokio::spawn(pubsub::listen(Arc::downgrade(&redis)));
         Ok(Store::from_backend(Backend::Redis(redis)))
     }
 }
@@ -291,9 +377,23 @@ impl Store {
     /// [`StoreBuilder::redis`] for the options and what happens when Redis is down.
     ///
     /// # Errors
-    /// A URL that cannot be parsed.
+    /// A URL that cannot be parsed; Redis refusing the credentials or the TLS handshake.
     pub async fn redis(url: &str) -> Result<Store, RedisStoreError> {
         Store::builder().redis(url).await
+    }
+
+    /// A store on the Redis Cluster whose nodes' URLs are `nodes` (a `Vec<String>`, a
+    /// slice of `&str`, ...), with the default configuration; see
+    /// [`StoreBuilder::redis_cluster`].
+    ///
+    /// # Errors
+    /// As [`StoreBuilder::redis_cluster`].
+    pub async fn redis_cluster<I>(nodes: I) -> Result<Store, RedisStoreError>
+    where
+        I: IntoIterator,
+        I::Item: AsRef<str>,
+    {
+        Store::builder().redis_cluster(nodes).await
     }
 }
 
@@ -327,7 +427,17 @@ async fn background(store: Weak<RedisStore>, wake: Arc<Notify>) {
                 // all workers resync to, before this worker takes another slot from Redis
                 // (and no fallback slot is taken while that is under way).
                 redis.slots.recovering.store(true, Ordering::Release);
-                let resynced = redis.resync(true, None).await;
+                let mut resynced = redis.resync(true, None).await;
+                if !resynced {
+                    // No answer is not "not done": the script may still run late (queued in
+                    // the client or the server; seen on a cluster just after a failover),
+                    // counting this worker in a new epoch with only the calls it had then.
+                    // So take no fallback slot (`recovering`) until that window is over and
+                    // a second resync, which puts every call back again, has answered or
+                    // failed.
+                    tokio::time::sleep(redis.opts.op_timeout).await;
+                    resynced = redis.ping().await && redis.resync(true, None).await;
+                }
                 if resynced {
                     redis.recover();
                 }

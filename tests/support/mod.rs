@@ -258,3 +258,446 @@ pub fn request(job: Job) -> http::Request<()> {
     req.extensions_mut().insert(job);
     req
 }
+
+/// Runs `redis-cli` with `args` and returns what it printed (stdout), trimmed.
+pub fn redis_cli(args: &[&str]) -> String {
+    let out = Command::new("redis-cli")
+        .args(args)
+        .stderr(Stdio::null())
+        .output()
+        .expect("run redis-cli");
+    String::from_utf8_lossy(&out.stdout).trim().to_owned()
+}
+
+/// A fresh directory of the test's own under the system's temp dir, removed on drop.
+pub struct TempDir(std::path::PathBuf);
+
+impl TempDir {
+    pub fn new(what: &str) -> TempDir {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        static N: AtomicUsize = AtomicUsize::new(0);
+        let dir = std::env::temp_dir().join(format!(
+            "fairgate-{what}-{}-{}",
+            std::process::id(),
+            N.fetch_add(1, Ordering::Relaxed)
+        ));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("create a temp dir");
+        TempDir(dir)
+    }
+
+    pub fn path(&self) -> &std::path::Path {
+        &self.0
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// The ACL user every cluster node knows (besides `default`): the cluster tests connect as
+/// it, so ACL auth on a cluster is exercised by every cluster test.
+pub const CLUSTER_USER: &str = "fairgate";
+pub const CLUSTER_PASSWORD: &str = "cluster-s3cret";
+
+/// One node of a [`RedisCluster`].
+struct ClusterNode {
+    port: u16,
+    child: Option<Child>,
+}
+
+/// A Redis Cluster of the test's own: 6 `redis-server`s (3 masters, 3 replicas) on free
+/// loopback ports, each in its own directory, joined with `redis-cli --cluster create`.
+/// Every process is SIGKILLed by its pid on drop. Never touches the server on 6379.
+pub struct RedisCluster {
+    nodes: Vec<ClusterNode>,
+    dir: TempDir,
+}
+
+impl RedisCluster {
+    pub fn start() -> RedisCluster {
+        let dir = TempDir::new("cluster");
+        let mut cluster = RedisCluster {
+            nodes: Vec::new(),
+            dir,
+        };
+        for _ in 0..6 {
+            let node = cluster.spawn_node();
+            cluster.nodes.push(node);
+        }
+        let addrs: Vec<String> = cluster
+            .nodes
+            .iter()
+            .map(|n| format!("127.0.0.1:{}", n.port))
+            .collect();
+        let mut args = vec!["--cluster", "create"];
+        args.extend(addrs.iter().map(String::as_str));
+        args.extend(["--cluster-replicas", "1", "--cluster-yes"]);
+        let out = Command::new("redis-cli")
+            .args(&args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .output()
+            .expect("run redis-cli --cluster create");
+        assert!(
+            out.status.success(),
+            "redis-cli --cluster create failed: {}",
+            String::from_utf8_lossy(&out.stdout)
+        );
+        cluster.wait_ok(Duration::from_secs(20));
+        cluster
+    }
+
+    fn spawn_node(&self) -> ClusterNode {
+        for _ in 0..10 {
+            let (port, bus) = (free_port(), free_port());
+            if port == bus {
+                continue;
+            }
+            let node_dir = self.dir.path().join(port.to_string());
+            std::fs::create_dir_all(&node_dir).unwrap();
+            let password = format!(">{CLUSTER_PASSWORD}");
+            let child = Command::new("redis-server")
+                .current_dir(&node_dir)
+                .args(["--port", &port.to_string()])
+                .args(["--cluster-port", &bus.to_string()])
+                .args(["--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+                .args(["--cluster-enabled", "yes", "--cluster-node-timeout", "1000"])
+                .args(["--cluster-config-file"])
+                .arg(node_dir.join(format!("nodes-{port}.conf")))
+                .args(["--dir"])
+                .arg(&node_dir)
+                .args(["--user", CLUSTER_USER, "on", &password, "~*", "&*", "+@all"])
+                .args(["--daemonize", "no", "--loglevel", "warning"])
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .expect("start redis-server (is it on PATH?)");
+            let mut node = ClusterNode {
+                port,
+                child: Some(child),
+            };
+            let deadline = Instant::now() + Duration::from_secs(5);
+            while Instant::now() < deadline {
+                if let Some(Ok(Some(_))) = node.child.as_mut().map(Child::try_wait) {
+                    break; // a port was taken
+                }
+                if ping(port) {
+                    return node;
+                }
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            if let Some(mut child) = node.child.take() {
+                let _ = child.kill();
+                let _ = child.wait();
+            }
+        }
+        panic!("could not start a cluster node");
+    }
+
+    /// Waits until every live node says `cluster_state:ok` and every live replica is in sync.
+    pub fn wait_ok(&self, within: Duration) {
+        let deadline = Instant::now() + within;
+        loop {
+            let ok = self.live_ports().iter().all(|&port| {
+                let p = port.to_string();
+                let info = redis_cli(&["-p", &p, "CLUSTER", "INFO"]);
+                let repl = redis_cli(&["-p", &p, "INFO", "replication"]);
+                info.contains("cluster_state:ok")
+                    && (repl.contains("role:master") || repl.contains("master_link_status:up"))
+            });
+            if ok {
+                return;
+            }
+            assert!(Instant::now() < deadline, "the cluster never became ok");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    fn live_ports(&self) -> Vec<u16> {
+        self.nodes
+            .iter()
+            .filter(|n| n.child.is_some())
+            .map(|n| n.port)
+            .collect()
+    }
+
+    /// The nodes' URLs, as the ACL user.
+    pub fn urls(&self) -> Vec<String> {
+        self.nodes
+            .iter()
+            .map(|n| {
+                format!(
+                    "redis://{CLUSTER_USER}:{CLUSTER_PASSWORD}@127.0.0.1:{}/",
+                    n.port
+                )
+            })
+            .collect()
+    }
+
+    /// Runs one command on the master that owns `key` (`redis-cli -c` follows MOVED).
+    pub fn command(&self, key_hint: &str, args: &[&str]) -> String {
+        let port = self.master_of(key_hint).to_string();
+        let mut all = vec!["-c", "-p", &port];
+        all.extend_from_slice(args);
+        redis_cli(&all)
+    }
+
+    /// The port of the master that now owns `key`'s slot, as a live node sees it.
+    pub fn master_of(&self, key: &str) -> u16 {
+        self.master_of_live(key)
+            .unwrap_or_else(|| panic!("no live master owns {key}"))
+    }
+
+    /// The port of the live master that owns `key`'s slot, if one does (none during a
+    /// failover).
+    pub fn master_of_live(&self, key: &str) -> Option<u16> {
+        let live = self.live_ports();
+        let p = live.first()?.to_string();
+        let slot: u32 = redis_cli(&["-p", &p, "CLUSTER", "KEYSLOT", key])
+            .parse()
+            .ok()?;
+        let nodes = redis_cli(&["-p", &p, "CLUSTER", "NODES"]);
+        let in_range = |range: &str| -> bool {
+            match range.split_once('-') {
+                Some((a, b)) => match (a.parse::<u32>(), b.parse::<u32>()) {
+                    (Ok(a), Ok(b)) => (a..=b).contains(&slot),
+                    _ => false,
+                },
+                None => range.parse::<u32>().ok() == Some(slot),
+            }
+        };
+        nodes.lines().find_map(|line| {
+            let fields: Vec<&str> = line.split_whitespace().collect();
+            if fields.len() < 9 || !fields[2].contains("master") || fields[2].contains("fail") {
+                return None;
+            }
+            let port: u16 = fields[1]
+                .split('@')
+                .next()?
+                .rsplit(':')
+                .next()?
+                .parse()
+                .ok()?;
+            (fields[8..].iter().any(|r| in_range(r)) && live.contains(&port)).then_some(port)
+        })
+    }
+
+    /// The masters' ports.
+    pub fn masters(&self) -> Vec<u16> {
+        self.live_ports()
+            .into_iter()
+            .filter(|&port| {
+                redis_cli(&["-p", &port.to_string(), "ROLE"])
+                    .lines()
+                    .next()
+                    .is_some_and(|l| l.trim() == "master")
+            })
+            .collect()
+    }
+
+    /// The keys a master holds (`KEYS *`: test data only).
+    pub fn keys_on(&self, port: u16) -> Vec<String> {
+        redis_cli(&["-p", &port.to_string(), "KEYS", "*"])
+            .lines()
+            .map(str::to_owned)
+            .filter(|l| !l.is_empty())
+            .collect()
+    }
+
+    /// SIGKILLs the node on `port`, by its pid.
+    pub fn kill(&mut self, port: u16) {
+        for node in &mut self.nodes {
+            if node.port == port
+                && let Some(mut child) = node.child.take()
+            {
+                let _ = child.kill();
+                let _ = child.wait();
+            }
+        }
+    }
+}
+
+impl Drop for RedisCluster {
+    fn drop(&mut self) {
+        for node in &mut self.nodes {
+            if let Some(mut child) = node.child.take() {
+                let _ = child.kill();
+                let _ = child.wait();
+            }
+        }
+    }
+}
+
+/// A TLS-only `redis-server` of the test's own, with a self-signed certificate the test made
+/// (`openssl req -x509`) for `127.0.0.1`/`localhost`, and an ACL user.
+pub struct TlsRedis {
+    port: u16,
+    child: Option<Child>,
+    ca_pem: Vec<u8>,
+    dir: TempDir,
+}
+
+pub const TLS_USER: &str = "app";
+pub const TLS_PASSWORD: &str = "tls-s3cret";
+
+impl TlsRedis {
+    pub fn start() -> TlsRedis {
+        let dir = TempDir::new("tls");
+        let mut dir = dir;
+        let ca_pem = make_certificate(dir.path(), "c");
+        let password = format!(">{TLS_PASSWORD}");
+        for _ in 0..10 {
+            let port = free_port();
+            let child = Command::new("redis-server")
+                .current_dir(dir.path())
+                .args(["--port", "0", "--tls-port", &port.to_string()])
+                .args([
+                    "--tls-cert-file",
+                    "c-server.pem",
+                    "--tls-key-file",
+                    "c-server.key",
+                ])
+                .args(["--tls-ca-cert-file", "c.pem", "--tls-auth-clients", "no"])
+                .args(["--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+                .args(["--user", TLS_USER, "on", &password, "~*", "&*", "+@all"])
+                .args(["--daemonize", "no", "--loglevel", "warning"])
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .expect("start redis-server");
+            let mut server = TlsRedis {
+                port,
+                child: Some(child),
+                ca_pem: ca_pem.clone(),
+                dir,
+            };
+            let deadline = Instant::now() + Duration::from_secs(5);
+            while Instant::now() < deadline {
+                if let Some(Ok(Some(_))) = server.child.as_mut().map(Child::try_wait) {
+                    break;
+                }
+                if server.cli(&["PING"]) == "PONG" {
+                    return server;
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            if let Some(mut child) = server.child.take() {
+                let _ = child.kill();
+                let _ = child.wait();
+            }
+            dir = TempDir(std::mem::take(&mut server.dir.0));
+        }
+        panic!("could not start a TLS redis-server");
+    }
+
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// The CA (here: the server's own self-signed certificate), PEM.
+    pub fn ca_pem(&self) -> &[u8] {
+        &self.ca_pem
+    }
+
+    /// `rediss://app:PASSWORD@127.0.0.1:PORT/`
+    pub fn url_with(&self, user: &str, password: &str) -> String {
+        format!("rediss://{user}:{password}@127.0.0.1:{}/", self.port)
+    }
+
+    pub fn url(&self) -> String {
+        self.url_with(TLS_USER, TLS_PASSWORD)
+    }
+
+    /// `redis-cli --tls` as the ACL user.
+    pub fn cli(&self, args: &[&str]) -> String {
+        let ca = self.dir.path().join("c.pem");
+        let p = self.port.to_string();
+        let mut all = vec!["--tls", "--cacert", ca.to_str().unwrap(), "-p", &p];
+        all.extend([
+            "--user",
+            TLS_USER,
+            "--pass",
+            TLS_PASSWORD,
+            "--no-auth-warning",
+        ]);
+        all.extend_from_slice(args);
+        redis_cli(&all)
+    }
+}
+
+impl Drop for TlsRedis {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+/// Makes a CA `<name>.pem` (`openssl req -x509`) and a server certificate it signed,
+/// `<name>-server.pem` with its key `<name>-server.key`, for `127.0.0.1` and `localhost`, in
+/// `dir`, and returns the CA (PEM). (A self-signed certificate used as its own CA is refused
+/// by webpki: `CaUsedAsEndEntity`.)
+pub fn make_certificate(dir: &std::path::Path, name: &str) -> Vec<u8> {
+    let run = |args: &[&str]| {
+        let status = Command::new("openssl")
+            .current_dir(dir)
+            .args(args)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .expect("openssl is needed to make the TLS tests' certificates");
+        assert!(status.success(), "openssl {args:?} failed");
+    };
+    let (ca, ca_key) = (format!("{name}.pem"), format!("{name}.key"));
+    let (cert, key, csr) = (
+        format!("{name}-server.pem"),
+        format!("{name}-server.key"),
+        format!("{name}-server.csr"),
+    );
+    run(&[
+        "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+    ]
+    .iter()
+    .copied()
+    .chain([
+        "-keyout",
+        &ca_key,
+        "-out",
+        &ca,
+        "-subj",
+        "/CN=fairgate test CA",
+    ])
+    .collect::<Vec<_>>());
+    run(&[
+        "req", "-new", "-newkey", "rsa:2048", "-nodes", "-keyout", &key,
+    ]
+    .iter()
+    .copied()
+    .chain(["-out", &csr, "-subj", "/CN=localhost"])
+    .collect::<Vec<_>>());
+    std::fs::write(
+        dir.join("ext.cnf"),
+        "subjectAltName=IP:127.0.0.1,DNS:localhost\n",
+    )
+    .unwrap();
+    run(
+        &["x509", "-req", "-in", &csr, "-CA", &ca, "-CAkey", &ca_key]
+            .iter()
+            .copied()
+            .chain([
+                "-CAcreateserial",
+                "-days",
+                "1",
+                "-out",
+                &cert,
+                "-extfile",
+                "ext.cnf",
+            ])
+            .collect::<Vec<_>>(),
+    );
+    std::fs::read(dir.join(ca)).unwrap()
+}

@@ -536,7 +536,12 @@ impl RedisStore {
                     .key(&self.keys.slots_global)
                     .key(tier_key)
                     .arg(id)
-                    .arg(&self.keys.slots_released);
+                    .arg(&self.keys.slots_released)
+                    .arg(if self.target.is_cluster() {
+                        "SPUBLISH"
+                    } else {
+                        "PUBLISH"
+                    });
                 async move { release.invoke_async::<u32>(&mut conn).await.is_ok() }
             });
             let all = async { Ok(futures_util::future::join_all(calls).await) };
