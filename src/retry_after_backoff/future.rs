@@ -48,6 +48,9 @@ pin_project! {
             sleep: Option<Pin<Box<Sleep>>>,
             reserve: Option<StoreFuture<Duration>>,
             learn: Option<StoreFuture<PaceGrant>>,
+            // Held behind another call's probe: woken by any answer in this worker (the
+            // timer covers answers in other workers).
+            answered: Option<Pin<Box<dyn Future<Output = ()> + Send>>>,
         },
         Calling {
             #[pin]
@@ -141,6 +144,7 @@ impl<F, S, Req, B: Body, C> ResponseFuture<F, S, Req, B, C> {
                 sleep: sleep_for(wait),
                 reserve: None,
                 learn: None,
+                answered: None,
             },
             call: Some(call),
         }
@@ -299,10 +303,18 @@ where
                     sleep,
                     reserve,
                     learn,
+                    answered,
                 } => {
+                    if let Some(woken) = answered.as_mut() {
+                        if woken.as_mut().poll(cx).is_ready() {
+                            *answered = None;
+                            *sleep = None;
+                        }
+                    }
                     if let Some(timer) = sleep.as_mut() {
                         ready!(timer.as_mut().poll(cx));
                         *sleep = None;
+                        *answered = None;
                     }
                     if let Some(reservation) = reserve.as_mut() {
                         let wait = ready!(Pin::new(reservation).poll(cx));
@@ -327,10 +339,16 @@ where
                             }
                             let wait = grant.hold.mul_f64(0.5 + 0.5 * core.unit());
                             *sleep = sleep_for(wait.max(Duration::from_millis(1)));
+                            let notify = core.answered.clone();
+                            *answered = Some(Box::pin(async move { notify.notified().await }));
                             continue;
                         }
                         if grant.probe {
-                            telemetry::probe(if grant.mode == 0 { "cold_start" } else { "recovery" });
+                            telemetry::probe(if grant.mode == 0 {
+                                "cold_start"
+                            } else {
+                                "recovery"
+                            });
                         }
                         call.probe = grant.probe;
                         call.learned = true;
@@ -511,10 +529,11 @@ where
                     if let Some(told) = report.as_mut()
                         && let Poll::Ready(grant) = Pin::new(told).poll(cx)
                     {
-                        call.shared
-                            .core
-                            .granted(&call.upstream, &grant, call.cost, 1);
+                        let core = &call.shared.core;
+                        core.granted(&call.upstream, &grant, call.cost, 1);
                         *report = None;
+                        // Calls held behind this probe ask again now.
+                        core.answered.notify_waiters();
                     }
                     if throttle.is_some() || gate.is_some() || report.is_some() {
                         return Poll::Pending;
@@ -538,6 +557,7 @@ where
                                 sleep: sleep_for(delay),
                                 reserve: None,
                                 learn: None,
+                                answered: None,
                             });
                         }
                         Some(Then::Return(response)) => {

@@ -11,12 +11,12 @@ use tower_layer::Layer;
 
 use super::learned::{self, OneUpstream, Views};
 use super::pacing::Pacer;
-use super::telemetry;
 use super::request::{ByClone, TypeName};
+use super::telemetry;
 use super::{BackoffPolicy, RetryAfterBackoff};
 use crate::Store;
-use crate::store::{DIMS, PaceAsk, PaceGrant};
 use crate::rng::Rng;
+use crate::store::{DIMS, PaceAsk, PaceGrant};
 
 /// Applies [`RetryAfterBackoff`] to a service.
 ///
@@ -48,6 +48,9 @@ pub(super) struct Core {
     /// Per upstream key: the gate's last known reopening and this worker's release after it
     /// (see `note_reopen`).
     release: Mutex<HashMap<Arc<str>, (Instant, Instant)>>,
+    /// Notified when an answer was reported to the store: calls held behind a probe in
+    /// this worker ask again at once, in the order they wait.
+    pub(super) answered: Arc<tokio::sync::Notify>,
 }
 
 /// A call counted as held while this lives.
@@ -172,9 +175,8 @@ impl Core {
         // Reserve ahead on Redis: a quarter second of the learned request rate at once
         // (at most 64 calls), so a call in steady state is not a round trip.
         let block = if self.store.is_remote() && view.mode == 2 && !recovering {
-            let per_sec = f64::from(view.limits[0]) * f64::from(self.policy.learned_headroom)
-                / 1000.0
-                / 60.0;
+            let per_sec =
+                f64::from(view.limits[0]) * f64::from(self.policy.learned_headroom) / 1000.0 / 60.0;
             ((per_sec / 4.0).floor() as u32).clamp(1, 64)
         } else {
             1
@@ -199,8 +201,13 @@ impl Core {
             telemetry::learned_limits(key, &grant.limits);
         }
         if grant.hold.is_zero() && block > 1 {
-            view.credit = needs(cost).map(|n| n.saturating_mul(block - 1));
-            view.credit_at = Instant::now() + grant.wait;
+            // Reservations made side by side add up (none is lost); the cells go from the
+            // latest one's time.
+            let extra = needs(cost).map(|n| n.saturating_mul(block - 1));
+            for d in 0..DIMS {
+                view.credit[d] = view.credit[d].saturating_add(extra[d]);
+            }
+            view.credit_at = view.credit_at.max(Instant::now() + grant.wait);
         }
     }
 
@@ -290,6 +297,7 @@ impl RetryAfterBackoffLayer {
                     views: Mutex::default(),
                     held: AtomicUsize::new(0),
                     release: Mutex::default(),
+                    answered: Arc::default(),
                 }),
                 cloner: ByClone,
             }),

@@ -171,7 +171,10 @@ pub(super) fn model_of(body: &[u8]) -> Option<&str> {
     const NEEDLE: &[u8] = b"\"model\"";
     let at = body.windows(NEEDLE.len()).position(|w| w == NEEDLE)?;
     let rest = &body[at + NEEDLE.len()..];
-    let rest = rest.trim_ascii_start().strip_prefix(b":")?.trim_ascii_start();
+    let rest = rest
+        .trim_ascii_start()
+        .strip_prefix(b":")?
+        .trim_ascii_start();
     let rest = rest.strip_prefix(b"\"")?;
     let end = rest.iter().position(|b| *b == b'"')?;
     let name = &rest[..end];
@@ -245,8 +248,9 @@ impl Views {
         if !self.map.contains_key(key) {
             if self.map.len() >= 4096 {
                 let now = Instant::now();
-                self.map
-                    .retain(|_, v| v.pending.is_some() || v.recover_until.is_some_and(|at| at > now));
+                self.map.retain(|_, v| {
+                    v.pending.is_some() || v.recover_until.is_some_and(|at| at > now)
+                });
             }
             self.map.insert(key.clone(), View::new(learning));
         }
@@ -292,7 +296,10 @@ mod tests {
             ("anthropic-ratelimit-requests-remaining", "900"),
             ("anthropic-ratelimit-input-tokens-limit", "0"),
             ("anthropic-ratelimit-input-tokens-remaining", "0"),
-            ("anthropic-ratelimit-output-tokens-limit", "99999999999999999999999"),
+            (
+                "anthropic-ratelimit-output-tokens-limit",
+                "99999999999999999999999",
+            ),
             ("anthropic-ratelimit-tokens-limit", "-3"),
         ]);
         assert_eq!(read_limits(&h), [(50, 50), (0, 0), (0, 0), (0, 0)]);

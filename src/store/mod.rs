@@ -55,8 +55,8 @@ use crate::{TenantId, Tier};
 
 use memory::MemoryState;
 
-pub use self::pacing::{LearnedLimits, PaceLimit};
 pub(crate) use self::pacing::{DIMS, MAX_LIMIT, PaceAsk, PaceGrant};
+pub use self::pacing::{LearnedLimits, PaceLimit};
 #[cfg(feature = "redis")]
 pub use self::redis::RedisStoreError;
 pub use self::served::SERVED_WINDOW;

@@ -102,8 +102,12 @@ impl Pacers {
 
     /// Applies `ask` to the learned bucket of `key` (see [`LearnedBucket::apply`]).
     pub(crate) fn learned(&self, key: &str, ask: &PaceAsk) -> PaceGrant {
-        let now = i64::try_from(Instant::now().saturating_duration_since(self.base).as_micros())
-            .unwrap_or(i64::MAX / 4);
+        let now = i64::try_from(
+            Instant::now()
+                .saturating_duration_since(self.base)
+                .as_micros(),
+        )
+        .unwrap_or(i64::MAX / 4);
         let mut learned = crate::sync::lock(&self.learned);
         if learned.len() > 1024 {
             learned.retain(|_, bucket| !bucket.is_idle(now));
@@ -120,9 +124,9 @@ impl Pacers {
     /// The limits learned for `key`, if any.
     pub(crate) fn learned_limits(&self, key: &str) -> LearnedLimits {
         let learned = crate::sync::lock(&self.learned);
-        learned
-            .get(key)
-            .map_or_else(LearnedLimits::default, |b| LearnedLimits::from_array(b.limit))
+        learned.get(key).map_or_else(LearnedLimits::default, |b| {
+            LearnedLimits::from_array(b.limit)
+        })
     }
 }
 
@@ -234,8 +238,8 @@ pub(crate) struct LearnedBucket {
 /// enforces per-minute limits over shorter intervals too), tokens their whole minute (the
 /// provider's bucket).
 pub(crate) fn interval_and_capacity(dim: usize, limit: u32, headroom_permille: u32) -> (i64, i64) {
-    let per_minute = (f64::from(limit) * f64::from(headroom_permille.clamp(100, 1000)) / 1000.0)
-        .max(1.0);
+    let per_minute =
+        (f64::from(limit) * f64::from(headroom_permille.clamp(100, 1000)) / 1000.0).max(1.0);
     let interval = (60_000_000.0 / per_minute).max(1.0) as i64;
     let capacity = if dim == REQUESTS {
         (per_minute / 60.0).floor().max(1.0)
