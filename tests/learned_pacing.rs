@@ -152,7 +152,7 @@ impl Anthropic {
     }
 
     /// Admits or refuses a call arriving now with `input` tokens.
-    fn arrive(&self, input: f64) -> Result<Vec<(String, String)>, Response> {
+    fn arrive(&self, input: f64) -> Result<(), Box<Response>> {
         let mut s = self.state.lock().unwrap();
         let now = Instant::now();
         let secs = (now - s.at).as_secs_f64();
@@ -178,11 +178,11 @@ impl Anthropic {
             let mut headers = Self::headers(&s);
             let secs = if random { 1.0 } else { wait.ceil().max(1.0) };
             headers.push(("retry-after".into(), secs.to_string()));
-            return Err(respond(429, &headers));
+            return Err(Box::new(respond(429, &headers)));
         }
         s.requests.level -= 1.0;
         s.input.level -= input.min(s.input.limit);
-        Ok(Self::headers(&s))
+        Ok(())
     }
 
     fn finish(&self) -> Vec<(String, String)> {
@@ -210,7 +210,7 @@ impl Anthropic {
                 tokio::time::sleep(this.latency).await;
                 Ok(match admitted {
                     Ok(_) => respond(200, &this.finish()),
-                    Err(throttled) => throttled,
+                    Err(throttled) => *throttled,
                 })
             }) as BoxFut
         })

@@ -8,6 +8,7 @@ use criterion::{criterion_group, criterion_main};
 
 mod classify;
 mod drr;
+mod learned;
 mod retry;
 mod slots;
 mod stack;
@@ -18,6 +19,7 @@ criterion_group!(
     drr::bench,
     slots::bench,
     retry::bench,
+    learned::bench,
     stack::bench
 );
 criterion_main!(benches);

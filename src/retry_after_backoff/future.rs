@@ -305,11 +305,11 @@ where
                     learn,
                     answered,
                 } => {
-                    if let Some(woken) = answered.as_mut() {
-                        if woken.as_mut().poll(cx).is_ready() {
-                            *answered = None;
-                            *sleep = None;
-                        }
+                    if let Some(woken) = answered.as_mut()
+                        && woken.as_mut().poll(cx).is_ready()
+                    {
+                        *answered = None;
+                        *sleep = None;
                     }
                     if let Some(timer) = sleep.as_mut() {
                         ready!(timer.as_mut().poll(cx));

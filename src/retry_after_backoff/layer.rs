@@ -167,8 +167,8 @@ impl Core {
         }
         let need = needs(cost);
         if view.mode == 2 && !recovering && (0..DIMS).all(|d| view.credit[d] >= need[d]) {
-            for d in 0..DIMS {
-                view.credit[d] -= need[d];
+            for (credit, need) in view.credit.iter_mut().zip(need) {
+                *credit -= need;
             }
             return Learned::Go(view.credit_at.saturating_duration_since(now));
         }
@@ -204,8 +204,8 @@ impl Core {
             // Reservations made side by side add up (none is lost); the cells go from the
             // latest one's time.
             let extra = needs(cost).map(|n| n.saturating_mul(block - 1));
-            for d in 0..DIMS {
-                view.credit[d] = view.credit[d].saturating_add(extra[d]);
+            for (credit, extra) in view.credit.iter_mut().zip(extra) {
+                *credit = credit.saturating_add(extra);
             }
             view.credit_at = view.credit_at.max(Instant::now() + grant.wait);
         }
