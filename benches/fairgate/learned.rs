@@ -36,14 +36,14 @@ fn upstream() -> impl Service<
         let headers = response.headers_mut();
         // Requests only: the pacer counts microseconds, so a token limit cannot pace more
         // than 60 M tokens a minute, which this loop (800 tokens a call) would exceed.
-        for (dim, limit) in [("requests", "60000000")] {
-            let name = |part: &str| {
-                http::HeaderName::from_bytes(format!("anthropic-ratelimit-{dim}-{part}").as_bytes())
-                    .expect("a header name")
-            };
-            headers.insert(name("limit"), http::HeaderValue::from_static(limit));
-            headers.insert(name("remaining"), http::HeaderValue::from_static(limit));
-        }
+        headers.insert(
+            "anthropic-ratelimit-requests-limit",
+            http::HeaderValue::from_static("60000000"),
+        );
+        headers.insert(
+            "anthropic-ratelimit-requests-remaining",
+            http::HeaderValue::from_static("60000000"),
+        );
         Ok::<_, Infallible>(response)
     })
 }
