@@ -36,9 +36,12 @@ pub(crate) enum Metric {
     GaveUp,
     CooldownWaits,
     CooldownWaitSeconds,
+    LearnedLimit,
+    PacingWaitSeconds,
+    Probes,
 }
 
-const METRICS: usize = 15;
+const METRICS: usize = 18;
 
 impl Metric {
     const ALL: [Metric; METRICS] = [
@@ -57,6 +60,9 @@ impl Metric {
         Metric::GaveUp,
         Metric::CooldownWaits,
         Metric::CooldownWaitSeconds,
+        Metric::LearnedLimit,
+        Metric::PacingWaitSeconds,
+        Metric::Probes,
     ];
 
     /// The name under [`DEFAULT_PREFIX`]: the public constant.
@@ -77,6 +83,9 @@ impl Metric {
             Metric::GaveUp => GAVE_UP,
             Metric::CooldownWaits => COOLDOWN_WAITS,
             Metric::CooldownWaitSeconds => COOLDOWN_WAIT_SECONDS,
+            Metric::LearnedLimit => LEARNED_LIMIT,
+            Metric::PacingWaitSeconds => PACING_WAIT_SECONDS,
+            Metric::Probes => PROBES,
         }
     }
 
@@ -205,6 +214,15 @@ pub const GAVE_UP: &str = "claude_retries_given_up_total";
 pub const COOLDOWN_WAITS: &str = "claude_cooldown_waits_total";
 /// Histogram, seconds a call was held behind a closed cooldown gate (each hold).
 pub const COOLDOWN_WAIT_SECONDS: &str = "claude_cooldown_wait_seconds";
+/// Gauge, the per-minute limit learned from the provider's `anthropic-ratelimit-*-limit`
+/// headers, labels `upstream` (the upstream key: API keys appear hashed) and `dimension`
+/// (`requests`, `input-tokens`, `output-tokens`, `tokens`).
+pub const LEARNED_LIMIT: &str = "claude_learned_rate_limit";
+/// Histogram, seconds a call waited for learned pacing (each paced attempt).
+pub const PACING_WAIT_SECONDS: &str = "claude_pacing_wait_seconds";
+/// Counter, probes sent (one call going first for its whole fleet), label `reason`
+/// (`cold_start`, `recovery`).
+pub const PROBES: &str = "claude_probes_total";
 
 // DrrFairness
 

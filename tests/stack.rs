@@ -183,9 +183,16 @@ impl Rig {
             .unwrap();
         let service = ServiceBuilder::new()
             .layer(PriorityClassifyLayer::new(self.store.clone()).demotion(demotion))
+            // The scenarios measure fairness from the very first call; learned pacing's
+            // slow start (one call first, the rest after its answer) would add one upstream
+            // latency to all of them. It is tested through the stack in
+            // tests/learned_pacing.rs.
             .layer(RetryAfterBackoffLayer::new(
                 self.store.clone(),
-                BackoffPolicy::default(),
+                BackoffPolicy::builder()
+                    .learned_pacing(false)
+                    .build()
+                    .unwrap(),
             ))
             .layer(self.fair.clone())
             .layer(TierSlotLimitLayer::new(

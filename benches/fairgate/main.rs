@@ -10,6 +10,7 @@ use criterion::{criterion_group, criterion_main};
 mod classify;
 mod cluster;
 mod drr;
+mod learned;
 mod retry;
 mod slots;
 mod stack;
@@ -21,6 +22,7 @@ criterion_group!(
     drr::bench,
     slots::bench,
     retry::bench,
+    learned::bench,
     stack::bench
 );
 criterion_main!(benches);

@@ -482,6 +482,36 @@ pub(super) fn ratelimit_reset(headers: &HeaderMap) -> Option<SystemTime> {
     latest
 }
 
+/// [`ratelimit_reset`], skipping (when `learned`) every exhausted dimension whose
+/// `-limit` is usable: learned pacing waits for one cell of it instead of its full
+/// replenishment (which is what Anthropic's `-reset` says).
+pub(super) fn ratelimit_reset_unlearned(headers: &HeaderMap, learned: bool) -> Option<SystemTime> {
+    if !learned {
+        return ratelimit_reset(headers);
+    }
+    let mut latest: Option<SystemTime> = None;
+    for (i, (remaining, reset)) in RATELIMIT_NAMES.iter().enumerate() {
+        let exhausted = header_str(headers, remaining)
+            .filter(|s| is_digits(s))
+            .is_some_and(|s| s.bytes().all(|b| b == b'0'));
+        if !exhausted {
+            continue;
+        }
+        let limit_name = RATELIMIT_HEADERS[i].0.replace("-remaining", "-limit");
+        let has_limit = header_str(headers, limit_name.as_str())
+            .filter(|s| is_digits(s) && s.len() <= 10)
+            .and_then(|s| s.parse::<u64>().ok())
+            .is_some_and(|l| (1..=1_000_000_000).contains(&l));
+        if has_limit {
+            continue;
+        }
+        if let Some(at) = header_str(headers, reset).and_then(parse_rfc3339) {
+            latest = Some(latest.map_or(at, |l| l.max(at)));
+        }
+    }
+    latest
+}
+
 /// Strict RFC 3339 timestamp parser:
 /// `YYYY-MM-DDTHH:MM:SS[.frac](Z|±HH:MM)`, with `t` and `z` also accepted.
 ///

@@ -16,11 +16,11 @@ use tower_service::Service;
 
 use super::body::{Filled, Peeked, ResponseBody};
 use super::decide::{self, Verdict};
-use super::layer::{Probe, Shared};
+use super::layer::{Held, Learned, Shared};
 use super::request::CloneRequest;
 use super::telemetry;
 use crate::error::{BoxError, MissingJob};
-use crate::store::StoreFuture;
+use crate::store::{PaceAsk, PaceGrant, StoreFuture};
 use crate::{JobRequest, TenantId};
 
 pin_project! {
@@ -47,6 +47,10 @@ pin_project! {
         Admitting {
             sleep: Option<Pin<Box<Sleep>>>,
             reserve: Option<StoreFuture<Duration>>,
+            learn: Option<StoreFuture<PaceGrant>>,
+            // Held behind another call's probe: woken by any answer in this worker (the
+            // timer covers answers in other workers).
+            answered: Option<Pin<Box<dyn Future<Output = ()> + Send>>>,
         },
         Calling {
             #[pin]
@@ -64,6 +68,7 @@ pin_project! {
         Recording {
             throttle: Option<StoreFuture<u32>>,
             gate: Option<StoreFuture<Duration>>,
+            report: Option<StoreFuture<PaceGrant>>,
             then: Option<Then<B>>,
         },
         MissingJob,
@@ -84,8 +89,17 @@ pub(super) struct Call<S, Req, C> {
     pub(super) retries: u32,
     /// Pacing dimensions already taken for the next attempt.
     pub(super) pace_step: usize,
-    /// The probe slot, while this call is the one probing a throttled upstream.
-    pub(super) probe: Option<Probe>,
+    /// The upstream key: the scope of the gate, the probe and the learned limits.
+    pub(super) upstream: Arc<str>,
+    /// Learned pacing let the next attempt go (its cells are taken).
+    pub(super) learned: bool,
+    /// A reservation to ask the store for, decided in `call`, and its block size.
+    pub(super) ask: Option<(PaceAsk, u32)>,
+    /// This attempt is the probe of its key (cold start or recovery): its answer tells the
+    /// fleet at once.
+    pub(super) probe: bool,
+    /// Counted as held (behind the gate or a probe) while set.
+    pub(super) held: Option<Held>,
     /// The next attempt holds its reservation in the store's shared pacing.
     pub(super) reserved: bool,
 }
@@ -124,11 +138,13 @@ impl<F, S, Req, B: Body, C> ResponseFuture<F, S, Req, B, C> {
         }
     }
 
-    pub(super) fn admitting(call: Call<S, Req, C>) -> Self {
+    pub(super) fn admitting(call: Call<S, Req, C>, wait: Duration) -> Self {
         ResponseFuture {
             state: State::Admitting {
-                sleep: None,
+                sleep: sleep_for(wait),
                 reserve: None,
+                learn: None,
+                answered: None,
             },
             call: Some(call),
         }
@@ -146,13 +162,15 @@ impl<S, Req, C> Call<S, Req, C> {
         let policy = &core.policy;
         // The clock is read only when the head says something about time.
         let slow_down = matches!(status.as_u16(), 429 | 529);
-        let reset = decide::ratelimit_reset(headers);
+        let reset = decide::ratelimit_reset_unlearned(headers, policy.learned_pacing);
         let wall = (slow_down || reset.is_some()).then(SystemTime::now);
         // The provider says a limit is exhausted until its reset: slow down before a 429.
         let limits = reset
             .zip(wall)
             .map(|(at, now)| at.duration_since(now).unwrap_or(Duration::ZERO))
-            .filter(|d| !d.is_zero());
+            // A per-minute bucket is full again within a minute: a reset further ahead is
+            // not believed (and never holds anyone).
+            .filter(|d| !d.is_zero() && *d <= Duration::from_secs(61));
         let server_delay = match wall {
             Some(now) if slow_down => decide::retry_after(headers, now),
             _ => None,
@@ -217,16 +235,24 @@ impl<S, Req, C> Call<S, Req, C> {
             outcome.retry = None;
         }
         let status = outcome.status;
-        // At its limit until an answer says otherwise, or the probe timeout runs out (see
-        // `Core::is_probing`).
+        let key = &self.upstream;
+        // At its limit until an answer says otherwise, or the probe timeout runs out: after
+        // the gate, one probe for the whole fleet through the store.
         let at_limit = !spend_limit && (outcome.slow_down || outcome.gate.is_some());
-        let release = outcome.gate.map(|delay| core.note_reopen(delay));
-        core.note_at_limit(at_limit, release);
+        if let Some(delay) = outcome.gate {
+            core.note_reopen(key, delay);
+        }
+        if at_limit {
+            core.note_at_limit(key);
+        }
+        let report = core
+            .report(key, response.headers(), at_limit, self.probe)
+            .map(|ask| core.store.pace_learned(key, &ask));
         let throttle = (status == StatusCode::TOO_MANY_REQUESTS)
             .then(|| core.store.record_throttle(&self.tenant));
         let gate = outcome
             .gate
-            .map(|delay| core.store.extend_cooldown(&core.policy.upstream, delay));
+            .map(|delay| core.store.extend_cooldown(key, delay));
         if outcome.slow_down {
             let delay = outcome.retry.or(outcome.server_delay).unwrap_or_default();
             tracing::warn!(
@@ -248,6 +274,7 @@ impl<S, Req, C> Call<S, Req, C> {
         State::Recording {
             throttle,
             gate,
+            report,
             then: Some(then),
         }
     }
@@ -272,10 +299,22 @@ where
                 return Poll::Ready(Err(MissingJob.into()));
             };
             match this.state.as_mut().project() {
-                StateProj::Admitting { sleep, reserve } => {
+                StateProj::Admitting {
+                    sleep,
+                    reserve,
+                    learn,
+                    answered,
+                } => {
+                    if let Some(woken) = answered.as_mut()
+                        && woken.as_mut().poll(cx).is_ready()
+                    {
+                        *answered = None;
+                        *sleep = None;
+                    }
                     if let Some(timer) = sleep.as_mut() {
                         ready!(timer.as_mut().poll(cx));
                         *sleep = None;
+                        *answered = None;
                     }
                     if let Some(reservation) = reserve.as_mut() {
                         let wait = ready!(Pin::new(reservation).poll(cx));
@@ -287,39 +326,92 @@ where
                         }
                     }
                     let core = &call.shared.core;
-                    if let Some(left) = core.store.cooldown(&core.policy.upstream) {
-                        // Held behind the gate. After it reopens the calls go at random
-                        // points of a window (each worker from its own offset into it), and
-                        // one at a time until an answer shows the upstream has room.
-                        core.note_at_limit(true, Some(core.note_reopen(left)));
-                        let wait = core.release_after(left);
-                        telemetry::cooldown_wait(wait);
-                        *sleep = sleep_for(wait.max(Duration::from_millis(1)));
-                        continue;
-                    }
-                    if core.is_probing() && call.probe.is_none() {
-                        // One call at a time, and not before this worker's release after the
-                        // last reopening (retries included, not only the calls held).
-                        let busy = match core.release_in() {
-                            Some(wait) => Some(wait),
-                            None => match core.try_probe() {
-                                Some(probe) => {
-                                    call.probe = Some(probe);
-                                    None
-                                }
-                                // Another call is finding out whether the upstream has room;
-                                // look again a random moment later.
-                                None => Some(
-                                    (core.policy.spread_for(Duration::ZERO) / 4)
-                                        .mul_f64(core.unit()),
-                                ),
-                            },
-                        };
-                        if let Some(wait) = busy {
+                    if let Some(pending) = learn.as_mut() {
+                        let grant = ready!(Pin::new(pending).poll(cx));
+                        *learn = None;
+                        let block = call.ask.take().map_or(1, |(_, block)| block);
+                        core.granted(&call.upstream, &grant, call.cost, block);
+                        if !grant.hold.is_zero() {
+                            // Another call is probing this key (cold start or recovery):
+                            // ask again a random moment later, or when its lease ends.
+                            if call.held.is_none() {
+                                call.held = Some(Held::new(core));
+                            }
+                            let wait = grant.hold.mul_f64(0.5 + 0.5 * core.unit());
                             *sleep = sleep_for(wait.max(Duration::from_millis(1)));
+                            let notify = core.answered.clone();
+                            *answered = Some(Box::pin(async move { notify.notified().await }));
+                            continue;
+                        }
+                        if grant.probe {
+                            telemetry::probe(if grant.mode == 0 {
+                                "cold_start"
+                            } else {
+                                "recovery"
+                            });
+                        }
+                        call.probe = grant.probe;
+                        call.learned = true;
+                        if grant.mode == 2 {
+                            telemetry::pacing_wait(grant.wait);
+                        }
+                        if !grant.wait.is_zero() {
+                            *sleep = sleep_for(grant.wait);
                             continue;
                         }
                     }
+                    if let Some(left) = core.store.cooldown(&call.upstream) {
+                        // Held behind the gate. A retry with nothing else held goes when the
+                        // gate reopens (it keeps the band its own delay was drawn in); the
+                        // rest go at random points of a window (each worker from its own
+                        // offset into it), after one probe for the whole fleet.
+                        let lone = call.retries > 0 && !core.others_held(call.held.is_some());
+                        if call.held.is_none() {
+                            call.held = Some(Held::new(core));
+                        }
+                        core.note_at_limit(&call.upstream);
+                        let wait = if lone {
+                            left
+                        } else {
+                            core.release_after(&call.upstream, left)
+                        };
+                        telemetry::cooldown_wait(wait);
+                        call.learned = false;
+                        call.ask = None;
+                        *sleep = sleep_for(wait.max(Duration::from_millis(1)));
+                        continue;
+                    }
+                    if !call.learned {
+                        let (ask, block) = match call.ask.take() {
+                            Some(ask) => ask,
+                            None => match core.admit_learned(&call.upstream, call.cost) {
+                                Learned::Go(wait) => {
+                                    call.learned = true;
+                                    if !wait.is_zero() {
+                                        telemetry::pacing_wait(wait);
+                                        *sleep = sleep_for(wait);
+                                        continue;
+                                    }
+                                    (PaceAsk::default(), 0)
+                                }
+                                Learned::Ask(ask, block) => (ask, block),
+                            },
+                        };
+                        if !call.learned {
+                            // Not before this worker's release after the key's last
+                            // reopening, unless nothing else is held.
+                            if core.others_held(call.held.is_some())
+                                && let Some(wait) = core.release_in(&call.upstream)
+                            {
+                                *sleep = sleep_for(wait.max(Duration::from_millis(1)));
+                                continue;
+                            }
+                            *learn = Some(core.store.pace_learned(&call.upstream, &ask));
+                            call.ask = Some((ask, block));
+                            continue;
+                        }
+                    }
+                    call.held = None;
                     if let Some(pacing) = core.shared_pacing()
                         && !call.reserved
                     {
@@ -344,6 +436,7 @@ where
                     };
                     call.pace_step = 0;
                     call.reserved = false;
+                    call.learned = false;
                     let fut = call.service.call(req);
                     this.state.set(State::Calling { fut });
                 }
@@ -351,7 +444,7 @@ where
                     let response = match ready!(fut.poll(cx)) {
                         Ok(response) => response,
                         Err(e) => {
-                            call.probe = None;
+                            call.probe = false;
                             this.state.set(State::Done);
                             return Poll::Ready(Err(e.into()));
                         }
@@ -417,6 +510,7 @@ where
                 StateProj::Recording {
                     throttle,
                     gate,
+                    report,
                     then,
                 } => {
                     // Both go to the store at once (one round trip each on Redis, side
@@ -432,11 +526,20 @@ where
                     {
                         *gate = None;
                     }
-                    if throttle.is_some() || gate.is_some() {
+                    if let Some(told) = report.as_mut()
+                        && let Poll::Ready(grant) = Pin::new(told).poll(cx)
+                    {
+                        let core = &call.shared.core;
+                        core.granted(&call.upstream, &grant, call.cost, 1);
+                        *report = None;
+                        // Calls held behind this probe ask again now.
+                        core.answered.notify_waiters();
+                    }
+                    if throttle.is_some() || gate.is_some() || report.is_some() {
                         return Poll::Pending;
                     }
-                    // The gate and the probing flag now say what this answer taught.
-                    call.probe = None;
+                    // The gate and the learned bucket now say what this answer taught.
+                    call.probe = false;
                     match then.take() {
                         Some(Then::Retry(delay)) => {
                             call.retries += 1;
@@ -453,6 +556,8 @@ where
                             this.state.set(State::Admitting {
                                 sleep: sleep_for(delay),
                                 reserve: None,
+                                learn: None,
+                                answered: None,
                             });
                         }
                         Some(Then::Return(response)) => {

@@ -1,5 +1,6 @@
+use std::collections::HashMap;
 use std::fmt;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -8,20 +9,24 @@ use tokio::time::Instant;
 use tower::retry::budget::TpsBudget;
 use tower_layer::Layer;
 
+use super::learned::{self, OneUpstream, Views};
 use super::pacing::Pacer;
 use super::request::{ByClone, TypeName};
+use super::telemetry;
 use super::{BackoffPolicy, RetryAfterBackoff};
 use crate::Store;
 use crate::rng::Rng;
+use crate::store::{DIMS, PaceAsk, PaceGrant};
 
 /// Applies [`RetryAfterBackoff`] to a service.
 ///
 /// # Clone
-/// Cloning shares everything: the store, the retry budget, the pacing limiters and the
-/// jitter source. Build the layer once per upstream and wrap the one client with it; a
-/// layer built per route would give each route its own budget and pacing.
-pub struct RetryAfterBackoffLayer<C = ByClone> {
+/// Cloning shares everything: the store, the retry budget, the pacing limiters, the learned
+/// views and the jitter source. Build the layer once per upstream and wrap the one client
+/// with it; a layer built per route would give each route its own budget and pacing.
+pub struct RetryAfterBackoffLayer<C = ByClone, K = OneUpstream> {
     pub(super) shared: Arc<Shared<C>>,
+    pub(super) key: Arc<K>,
 }
 
 /// What every service and future of one layer shares.
@@ -36,87 +41,90 @@ pub(super) struct Core {
     pub(super) budget: Option<TpsBudget>,
     pub(super) pacer: Option<Pacer>,
     rng: Mutex<Rng>,
-    /// Set while the upstream is known to be at its limit (a throttle, or a limit reported
-    /// exhausted) and no answer since said otherwise: calls then go one at a time (a probe),
-    /// so the calls released when a gate reopens do not all meet an empty bucket. Read
-    /// through `is_probing`, which ends it once `probe_ends` is past.
-    probing: AtomicBool,
-    /// When the probe mode ends by itself: the policy's probe timeout after the last
-    /// throttle, or after this worker's release from the gate when that is later. Without
-    /// it, a worker whose last answer was a throttle would send one call at a time forever
-    /// (until one succeeds), however long the upstream had been quiet since.
-    probe_ends: Mutex<Option<Instant>>,
-    /// The one call in flight while probing: its ticket and when it took the slot. A slot
-    /// older than the release spread is free again, so a slow answer (a long call that is
-    /// not streamed) cannot stop the worker: it then sends one call per spread.
-    probe: Mutex<Option<(u64, Instant)>>,
-    tickets: AtomicU64,
-    /// The gate's last known reopening and this worker's release after it (see
-    /// `note_reopen`).
-    release: Mutex<Option<(Instant, Instant)>>,
+    /// This worker's view of each upstream key's learned bucket.
+    views: Mutex<Views>,
+    /// Calls of this layer held now (behind a gate or a probe).
+    held: AtomicUsize,
+    /// Per upstream key: the gate's last known reopening and this worker's release after it
+    /// (see `note_reopen`).
+    release: Mutex<HashMap<Arc<str>, (Instant, Instant)>>,
+    /// Notified when an answer was reported to the store: calls held behind a probe in
+    /// this worker ask again at once, in the order they wait.
+    pub(super) answered: Arc<tokio::sync::Notify>,
 }
 
-/// The probe slot, released when dropped (unless it expired and another call took it).
-pub(super) struct Probe(Arc<Core>, u64);
+/// A call counted as held while this lives.
+pub(super) struct Held(Arc<Core>);
 
-impl Drop for Probe {
-    fn drop(&mut self) {
-        let mut slot = crate::sync::lock(&self.0.probe);
-        if slot.is_some_and(|(ticket, _)| ticket == self.1) {
-            *slot = None;
-        }
+impl Held {
+    pub(super) fn new(core: &Arc<Core>) -> Self {
+        core.held.fetch_add(1, Ordering::AcqRel);
+        Held(core.clone())
     }
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        self.0.held.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// What learned pacing says about a call about to go.
+pub(super) enum Learned {
+    /// Go after this wait (no store operation needed).
+    Go(Duration),
+    /// Ask the store (a reservation of `block` calls' cells, with the reports pending).
+    Ask(PaceAsk, u32),
+}
+
+/// Cells one call takes per dimension: a request, its estimated input tokens, one output
+/// token of room (output tokens are charged from `-remaining`, see the module docs), and
+/// its input tokens again in the combined `tokens` dimension.
+fn needs(cost: u32) -> [u32; DIMS] {
+    [1, cost.max(1), 1, cost.max(1)]
 }
 
 impl Core {
-    /// Takes the probe slot if it is free (or its holder has had it longer than the release
-    /// spread).
-    pub(super) fn try_probe(self: &Arc<Self>) -> Option<Probe> {
-        let now = Instant::now();
-        let mut slot = crate::sync::lock(&self.probe);
-        let free = slot.is_none_or(|(_, taken)| {
-            now.saturating_duration_since(taken) >= self.policy.release_spread
-        });
-        if !free {
-            return None;
-        }
-        let ticket = self.tickets.fetch_add(1, Ordering::Relaxed);
-        *slot = Some((ticket, now));
-        Some(Probe(self.clone(), ticket))
-    }
-
-    /// Notes that the gate reopens in `left` and returns when this worker's first call may
-    /// go after it: the reopening plus the worker's own random offset into the release
+    /// Notes that `key`'s gate reopens in `left` and returns when this worker's first call
+    /// may go after it: the reopening plus the worker's own random offset into the release
     /// window (one draw per reopening, so the workers' first calls are spread out).
-    pub(super) fn note_reopen(&self, left: Duration) -> Instant {
+    pub(super) fn note_reopen(&self, key: &Arc<str>, left: Duration) -> Instant {
         let now = Instant::now();
         let reopen = now + left;
         let mut release = crate::sync::lock(&self.release);
-        match *release {
+        if release.len() > 1024 {
+            release.retain(|_, (_, at)| *at > now);
+        }
+        match release.get(key) {
             // The same reopening (give or take a millisecond of clock reading), or an
             // earlier one than already known: the release stands.
-            Some((known, at)) if reopen <= known + Duration::from_millis(1) => at,
+            Some(&(known, at)) if reopen <= known + Duration::from_millis(1) => at,
             _ => {
                 let at = reopen + self.policy.spread_for(left).mul_f64(self.unit());
-                *release = Some((reopen, at));
+                release.insert(key.clone(), (reopen, at));
                 at
             }
         }
     }
 
-    /// How long a call held by a gate reopening in `left` waits: until this worker's release,
-    /// plus a draw of its own over the window.
-    pub(super) fn release_after(&self, left: Duration) -> Duration {
-        let at = self.note_reopen(left);
+    /// How long a call held by `key`'s gate reopening in `left` waits: until this worker's
+    /// release, plus a draw of its own over the window.
+    pub(super) fn release_after(&self, key: &Arc<str>, left: Duration) -> Duration {
+        let at = self.note_reopen(key, left);
         let window = self.policy.spread_for(left);
         at.saturating_duration_since(Instant::now()) + window.mul_f64(self.unit())
     }
 
-    /// How long until this worker's release after the last reopening, if it is still ahead.
-    pub(super) fn release_in(&self) -> Option<Duration> {
+    /// How long until this worker's release after `key`'s last reopening, if still ahead.
+    pub(super) fn release_in(&self, key: &Arc<str>) -> Option<Duration> {
         let release = crate::sync::lock(&self.release);
-        let (_, at) = (*release)?;
+        let (_, at) = *release.get(key)?;
         Some(at.saturating_duration_since(Instant::now())).filter(|d| !d.is_zero())
+    }
+
+    /// Whether calls other than the caller's own are held in this layer now.
+    pub(super) fn others_held(&self, mine: bool) -> bool {
+        self.held.load(Ordering::Acquire) > usize::from(mine)
     }
 
     /// The pacing that goes through the store, if any.
@@ -127,36 +135,135 @@ impl Core {
             .filter(|pacing| pacing.is_shared())
     }
 
-    /// Whether calls go one at a time: the upstream was at its limit, no answer has said
-    /// otherwise since, and the probe timeout has not run out.
-    pub(super) fn is_probing(&self) -> bool {
-        if !self.probing.load(Ordering::Acquire) {
-            return false;
+    /// The part of every store request that comes from the policy.
+    fn ask(&self) -> PaceAsk {
+        let micros = |d: Duration| i64::try_from(d.as_micros()).unwrap_or(i64::MAX / 4);
+        PaceAsk {
+            headroom_permille: self.policy.learned_headroom,
+            probe_lease_us: micros(self.policy.release_spread),
+            recover_us: micros(self.policy.probe_timeout),
+            poll_us: micros(self.policy.poll_interval()),
+            ..PaceAsk::default()
         }
-        let mut ends = crate::sync::lock(&self.probe_ends);
-        if ends.is_some_and(|at| Instant::now() >= at) {
-            // Quiet for the whole timeout: back to calls side by side.
-            *ends = None;
-            self.probing.store(false, Ordering::Release);
-            return false;
-        }
-        true
     }
 
-    /// Notes what the last answer (or a closed gate) said about the upstream: at its limit,
-    /// so calls go one at a time until `release` (this worker's release from the gate, if
-    /// any) plus the probe timeout, unless an answer shows room first; or not.
-    pub(super) fn note_at_limit(&self, at_limit: bool, release: Option<Instant>) {
-        let mut ends = crate::sync::lock(&self.probe_ends);
-        if at_limit {
-            let from = release.map_or_else(Instant::now, |at| at.max(Instant::now()));
-            let until = from + self.policy.probe_timeout;
-            // Only later: a second throttle never shortens the first one's quiet interval.
-            *ends = Some(ends.map_or(until, |known| known.max(until)));
-        } else {
-            *ends = None;
+    /// Notes that `key` is at its limit (a throttle, or a call held by its closed gate):
+    /// after the gate, calls go through the store's probe.
+    pub(super) fn note_at_limit(&self, key: &Arc<str>) {
+        let mut views = crate::sync::lock(&self.views);
+        let view = views.get(key, self.policy.learned_pacing);
+        view.recover_until = Some(Instant::now() + self.policy.probe_timeout);
+        view.credit = [0; DIMS];
+    }
+
+    /// Whether a call to `key` may go now without asking the store, or what to ask it.
+    pub(super) fn admit_learned(&self, key: &Arc<str>, cost: u32) -> Learned {
+        let now = Instant::now();
+        let mut views = crate::sync::lock(&self.views);
+        let view = views.get(key, self.policy.learned_pacing);
+        let recovering = view.recovering(now);
+        if view.mode == 1 && !recovering {
+            return Learned::Go(Duration::ZERO);
         }
-        self.probing.store(at_limit, Ordering::Release);
+        let need = needs(cost);
+        if view.mode == 2 && !recovering && (0..DIMS).all(|d| view.credit[d] >= need[d]) {
+            for (credit, need) in view.credit.iter_mut().zip(need) {
+                *credit -= need;
+            }
+            return Learned::Go(view.credit_at.saturating_duration_since(now));
+        }
+        // Reserve ahead on Redis: a quarter second of the learned request rate at once
+        // (at most 64 calls), so a call in steady state is not a round trip.
+        let block = if self.store.is_remote() && view.mode == 2 && !recovering {
+            let per_sec =
+                f64::from(view.limits[0]) * f64::from(self.policy.learned_headroom) / 1000.0 / 60.0;
+            ((per_sec / 4.0).floor() as u32).clamp(1, 64)
+        } else {
+            1
+        };
+        let mut ask = self.ask();
+        if let Some(pending) = view.pending.take() {
+            ask.learn = pending.learn;
+            ask.charge = pending.charge;
+            ask.answered = pending.answered;
+        }
+        ask.take = need.map(|n| n.saturating_mul(block));
+        Learned::Ask(ask, block)
+    }
+
+    /// Applies the store's answer to a reservation of `block` calls of `cost`.
+    pub(super) fn granted(&self, key: &Arc<str>, grant: &PaceGrant, cost: u32, block: u32) {
+        let mut views = crate::sync::lock(&self.views);
+        let view = views.get(key, self.policy.learned_pacing);
+        let before = view.limits;
+        view.update(grant, self.policy.probe_timeout);
+        if grant.limits != before {
+            telemetry::learned_limits(key, &grant.limits);
+        }
+        if grant.hold.is_zero() && block > 1 {
+            // Reservations made side by side add up (none is lost); the cells go from the
+            // latest one's time.
+            let extra = needs(cost).map(|n| n.saturating_mul(block - 1));
+            for (credit, extra) in view.credit.iter_mut().zip(extra) {
+                *credit = credit.saturating_add(extra);
+            }
+            view.credit_at = view.credit_at.max(Instant::now() + grant.wait);
+        }
+    }
+
+    /// Notes an answer for `key`: what its headers say, and whether it was a throttle or
+    /// the probe. Returns the report to send now, if it must not wait for the next
+    /// reservation.
+    pub(super) fn report(
+        &self,
+        key: &Arc<str>,
+        headers: &http::HeaderMap,
+        throttled: bool,
+        probe: bool,
+    ) -> Option<PaceAsk> {
+        let learn = if self.policy.learned_pacing {
+            learned::read_limits(headers)
+        } else {
+            [(0, 0); DIMS]
+        };
+        let mut views = crate::sync::lock(&self.views);
+        let view = views.get(key, self.policy.learned_pacing);
+        let was_recovering = view.recover_until.is_some();
+        if throttled {
+            view.recover_until = Some(Instant::now() + self.policy.probe_timeout);
+            view.credit = [0; DIMS];
+        } else {
+            view.recover_until = None;
+        }
+        let heard = learn.iter().any(|(l, _)| *l > 0);
+        let new_limit = (0..DIMS).any(|d| learn[d].0 > 0 && learn[d].0 != view.limits[d]);
+        let running_low = (0..DIMS).any(|d| learn[d].0 > 0 && learn[d].1 < learn[d].0 / 10);
+        if !heard && !throttled && !probe && !was_recovering && view.mode != 0 {
+            return None; // nothing new: no store operation
+        }
+        let mut ask = self.ask();
+        ask.learn = learn;
+        ask.answered = if throttled { 2 } else { 1 };
+        let urgent = !self.store.is_remote()
+            || throttled
+            || probe
+            || was_recovering
+            || view.mode != 2
+            || new_limit
+            || running_low;
+        if new_limit {
+            view.credit = [0; DIMS];
+        }
+        if !urgent {
+            learned::merge(&mut view.pending, &ask);
+            return None;
+        }
+        if let Some(pending) = view.pending.take() {
+            let mut merged = Some(pending);
+            learned::merge(&mut merged, &ask);
+            ask = merged.unwrap_or(ask);
+        }
+        Some(ask)
     }
 
     /// A uniform draw in [0, 1) from the layer's seeded source.
@@ -187,28 +294,42 @@ impl RetryAfterBackoffLayer {
                     budget,
                     pacer,
                     rng: Mutex::new(rng),
-                    probing: AtomicBool::new(false),
-                    probe_ends: Mutex::new(None),
-                    probe: Mutex::new(None),
-                    tickets: AtomicU64::new(0),
-                    release: Mutex::new(None),
+                    views: Mutex::default(),
+                    held: AtomicUsize::new(0),
+                    release: Mutex::default(),
+                    answered: Arc::default(),
                 }),
                 cloner: ByClone,
             }),
+            key: Arc::new(OneUpstream),
         }
     }
 }
 
-impl<C> RetryAfterBackoffLayer<C> {
+impl<C, K> RetryAfterBackoffLayer<C, K> {
     /// Replaces how requests are copied for a retry (a [`CloneRequest`](super::CloneRequest):
     /// [`SendOnce`](super::SendOnce), or a closure `Fn(&Req) -> Option<Req>`). Keeps the
     /// budget and pacing state.
-    pub fn clone_requests_with<C2>(self, cloner: C2) -> RetryAfterBackoffLayer<C2> {
+    pub fn clone_requests_with<C2>(self, cloner: C2) -> RetryAfterBackoffLayer<C2, K> {
         RetryAfterBackoffLayer {
             shared: Arc::new(Shared {
                 core: self.shared.core.clone(),
                 cloner,
             }),
+            key: self.key,
+        }
+    }
+
+    /// Chooses the upstream key of each request (an [`UpstreamKey`](super::UpstreamKey):
+    /// [`ByApiKey`](super::ByApiKey), [`ByModel`](super::ByModel),
+    /// [`ByApiKeyAndModel`](super::ByApiKeyAndModel) or a closure): the scope of its
+    /// cooldown gate, recovery probe and learned limits. Default: one key per layer, the
+    /// policy's [`upstream`](super::BackoffPolicyBuilder::upstream). Keeps every other
+    /// state.
+    pub fn upstream_key_with<K2>(self, key: K2) -> RetryAfterBackoffLayer<C, K2> {
+        RetryAfterBackoffLayer {
+            shared: self.shared,
+            key: Arc::new(key),
         }
     }
 
@@ -218,31 +339,34 @@ impl<C> RetryAfterBackoffLayer<C> {
     }
 }
 
-impl<C> Clone for RetryAfterBackoffLayer<C> {
+impl<C, K> Clone for RetryAfterBackoffLayer<C, K> {
     fn clone(&self) -> Self {
         RetryAfterBackoffLayer {
             shared: self.shared.clone(),
+            key: self.key.clone(),
         }
     }
 }
 
-impl<C> fmt::Debug for RetryAfterBackoffLayer<C> {
+impl<C, K> fmt::Debug for RetryAfterBackoffLayer<C, K> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("RetryAfterBackoffLayer")
             .field("store", &self.shared.core.store)
             .field("policy", &self.shared.core.policy)
             .field("cloner", &TypeName::<C>::new())
+            .field("upstream_key", &TypeName::<K>::new())
             .finish()
     }
 }
 
-impl<S, C> Layer<S> for RetryAfterBackoffLayer<C> {
-    type Service = RetryAfterBackoff<S, C>;
+impl<S, C, K> Layer<S> for RetryAfterBackoffLayer<C, K> {
+    type Service = RetryAfterBackoff<S, C, K>;
 
     fn layer(&self, inner: S) -> Self::Service {
         RetryAfterBackoff {
             inner,
             shared: self.shared.clone(),
+            key: self.key.clone(),
         }
     }
 }

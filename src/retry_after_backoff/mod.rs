@@ -26,8 +26,8 @@
 //!   server's delay closes the upstream's **cooldown gate**
 //!   ([`Store::extend_cooldown`](crate::Store::extend_cooldown)): every worker on the store
 //!   holds new calls to that upstream until it reopens. Then they do not all go at once:
-//!   each worker starts at its own random point of a release window (a fifth of the wait,
-//!   at least 1 s), each held call adds a draw of its own, and while the upstream is known
+//!   each worker starts at its own random point of a release window (a fifth of the wait),
+//!   each held call adds a draw of its own, and while the upstream is known
 //!   to be at its limit a worker sends one call at a time (a probe, like a circuit breaker
 //!   half-open) until an answer shows room again, or until the upstream has been quiet for
 //!   the probe timeout (30 s, counted from the last throttle or from the worker's release
@@ -37,6 +37,37 @@
 //!   (pub/sub keeps each worker's copy current on Redis). A response reporting an exhausted
 //!   limit (`anthropic-ratelimit-*-remaining: 0` with its `-reset`) closes the gate until
 //!   the reset, before any 429.
+//! - **Learned pacing** (on by default; [`BackoffPolicyBuilder::learned_pacing`]): every
+//!   answer's `anthropic-ratelimit-{requests,input-tokens,output-tokens,tokens}-{limit,
+//!   remaining}` headers (successes too) teach the limits of its upstream key, kept in the
+//!   store (`Store::learned_limits`), so every worker, and one that starts later, paces to
+//!   them: a GCRA mirror of the provider's buckets (continuous refill) at 0.95 of each rate
+//!   ([`learned_headroom`](BackoffPolicyBuilder::learned_headroom)); requests burst one
+//!   second's worth, tokens their minute. `-remaining` resynchronises the mirror (only
+//!   later; a new `-limit` restarts it from what is left). Input tokens are charged from
+//!   the job's estimate before the call; output tokens need one token of room and are
+//!   charged from the provider's `-remaining` (the success body streams to the caller
+//!   untouched, so `usage` is not parsed: the next answer's `-remaining` corrects both).
+//!   Zero, absurd (over 10^9) or non-numeric limits are ignored (logged once); `-remaining`
+//!   above `-limit` reads as full; a `-reset` over 61 s ahead is not believed; an exhausted
+//!   dimension with a usable `-limit` waits for one cell, not for its full reset. No
+//!   headers: no pacing, as before. A configured [`Pacing`] still applies: the stricter
+//!   wins. On Redis a call is not a round trip: a worker reserves a quarter second of the
+//!   learned request rate at once (at most 64 calls) and sends what headers said with the
+//!   next reservation (at once when a limit changed, a dimension runs low, or a throttle).
+//! - **Slow start**: before any answer told an upstream key's limits, one call goes first
+//!   (a probe, its lease 1 s: [`release_spread`](BackoffPolicyBuilder::release_spread)) and
+//!   the rest wait for its answer.
+//! - **Gate scope per request** ([`UpstreamKey`],
+//!   [`upstream_key_with`](RetryAfterBackoffLayer::upstream_key_with)): the gate, the probe
+//!   and the learned limits are keyed per request: one per layer by default, or
+//!   [`ByApiKey`] (hashed), [`ByModel`], [`ByApiKeyAndModel`], or a closure.
+//! - **Recovery at full speed**: after a throttle, once the gate reopens, one probe for the
+//!   whole fleet (a lease in the store); its success ends the recovery for every worker and
+//!   calls go at the learned rate at once.
+//! - **A lone call keeps its band**: a retry with nothing else held in its layer goes when
+//!   its own delay ends or the gate reopens, within [0.96 R, 1.44 R] of the server's delay
+//!   R; held calls are spread over a fifth of R (no fixed floor) from each worker's offset.
 //! - **Pacing** ([`Pacing`], optional): GCRA limits on requests, input tokens and output
 //!   tokens per minute, before any 429 — per layer in process (`governor`), or
 //!   [shared](Pacing::shared) by every worker through the store (one GCRA script on Redis
@@ -107,6 +138,7 @@ mod body;
 pub mod decide;
 pub mod future;
 mod layer;
+mod learned;
 pub mod metrics;
 mod pacing;
 mod policy;
@@ -117,6 +149,7 @@ mod telemetry;
 pub use self::body::ResponseBody;
 pub use self::decide::{Backoff, StatusSet};
 pub use self::layer::RetryAfterBackoffLayer;
+pub use self::learned::{ByApiKey, ByApiKeyAndModel, ByModel, OneUpstream, UpstreamKey};
 pub use self::pacing::Pacing;
 pub use self::policy::{BackoffPolicy, BackoffPolicyBuilder};
 pub use self::request::{ByClone, CloneRequest, SendOnce};

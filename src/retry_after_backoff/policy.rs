@@ -12,9 +12,9 @@ use crate::error::ConfigError;
 /// retries; wait `retry-after` x 1.2 +/- 20%, else 0.5 s doubling up to 8 s minus up to 25%;
 /// never sleep more than 60 s (a longer delay returns the response at once); a retry budget
 /// of 20% of calls plus 10 retries a second over a 10 s window (tower's `TpsBudget`); held
-/// calls released over a window of at least 1 s (or a fifth of the remaining cooldown, if
-/// longer);
-/// upstream name `"default"`; no pacing; a random seed; a 429's body read ahead up to
+/// calls released over a fifth of the remaining cooldown; a probe's lease 1 s;
+/// upstream name `"default"`; learned pacing on at 0.95 of the learned rates; no configured
+/// pacing; a random seed; a 429's body read ahead up to
 /// 64 KiB, 1,024 frames and 5 s; the probe mode over after 30 s without an answer.
 ///
 /// ```
@@ -48,6 +48,9 @@ pub struct BackoffPolicy {
     pub(super) peek_frame_limit: usize,
     pub(super) peek_timeout: Duration,
     pub(super) probe_timeout: Duration,
+    pub(super) learned_pacing: bool,
+    /// Thousandths of each learned rate aimed at.
+    pub(super) learned_headroom: u32,
 }
 
 /// The retry budget's settings, as tower's `TpsBudget` takes them.
@@ -78,6 +81,8 @@ impl Default for BackoffPolicy {
             peek_frame_limit: 1024,
             peek_timeout: Duration::from_secs(5),
             probe_timeout: Duration::from_secs(30),
+            learned_pacing: true,
+            learned_headroom: 950,
         }
     }
 }
@@ -143,9 +148,26 @@ impl BackoffPolicy {
         self.probe_timeout
     }
 
-    /// The release window after a reopening `left` away: `max(release_spread, left / 5)`.
+    /// Whether the provider's limits are learned from its headers and paced to.
+    pub fn learned_pacing(&self) -> bool {
+        self.learned_pacing
+    }
+
+    /// The share of each learned rate aimed at (default 0.95).
+    pub fn learned_headroom(&self) -> f64 {
+        f64::from(self.learned_headroom) / 1000.0
+    }
+
+    /// The release window after a reopening `left` away: a fifth of it (at least 1 ms), so
+    /// the spread scales with the server's delay.
     pub(super) fn spread_for(&self, left: Duration) -> Duration {
-        self.release_spread.max(left / 5)
+        (left / 5).max(Duration::from_millis(1))
+    }
+
+    /// How often a call held behind another's probe asks again, at most: an eighth of the
+    /// probe lease, between 10 ms and 250 ms.
+    pub(super) fn poll_interval(&self) -> Duration {
+        (self.release_spread / 8).clamp(Duration::from_millis(10), Duration::from_millis(250))
     }
 }
 
@@ -201,11 +223,12 @@ impl BackoffPolicyBuilder {
         self
     }
 
-    /// The least width of the window over which calls held by a closed gate are released
-    /// after it reopens (default 1 s; the window is a fifth of the remaining cooldown when
-    /// that is longer). Each worker starts at a random point of the window and each call
-    /// adds a draw of its own, so the last call goes at most two windows after the
-    /// reopening.
+    /// How long a probe holds its key's probe lease (default 1 s): after a throttle (and at
+    /// cold start) one call goes first for the whole fleet; if its answer has not come
+    /// within this, the next call goes as the probe. (Before learned pacing this was also
+    /// the least width of the release window; the window is now a fifth of the server's
+    /// delay, with no floor: each worker starts at a random point of it and each call adds a
+    /// draw of its own, so the last call goes at most two windows after the reopening.)
     pub fn release_spread(mut self, spread: Duration) -> Self {
         self.policy.release_spread = spread;
         self
@@ -278,6 +301,26 @@ impl BackoffPolicyBuilder {
         self
     }
 
+    /// Learned pacing (default on): learn the provider's limits from the
+    /// `anthropic-ratelimit-*` headers of every answer and pace every worker on the store
+    /// to them; one probe first at cold start. Off: only a configured [`Pacing`] paces.
+    pub fn learned_pacing(mut self, on: bool) -> Self {
+        self.policy.learned_pacing = on;
+        self
+    }
+
+    /// The share of each learned rate aimed at (default 0.95; between 0.1 and 1): the
+    /// provider's bucket and the pacer's clock drift apart, and `-remaining` corrects the
+    /// rest.
+    pub fn learned_headroom(mut self, share: f64) -> Self {
+        self.policy.learned_headroom = if share.is_finite() {
+            (share * 1000.0).round().clamp(0.0, 10_000.0) as u32
+        } else {
+            0
+        };
+        self
+    }
+
     /// The policy, or what is wrong with it.
     ///
     /// # Errors
@@ -329,6 +372,14 @@ impl BackoffPolicyBuilder {
         }
         if policy.peek_timeout < Duration::from_millis(1) {
             return Err(ConfigError::new("peek timeout must be at least 1 ms"));
+        }
+        if !(100..=1000).contains(&policy.learned_headroom) {
+            return Err(ConfigError::new(
+                "learned headroom must be between 0.1 and 1",
+            ));
+        }
+        if policy.release_spread < Duration::from_millis(1) {
+            return Err(ConfigError::new("release spread must be at least 1 ms"));
         }
         if policy.probe_timeout < Duration::from_millis(1) {
             return Err(ConfigError::new("probe timeout must be at least 1 ms"));

@@ -1,6 +1,7 @@
 use std::fmt;
 use std::sync::Arc;
 use std::task::{Context, Poll};
+use std::time::Duration;
 
 use http_body::Body;
 use tower::retry::budget::Budget;
@@ -8,7 +9,8 @@ use tower_service::Service;
 
 use super::body::ResponseBody;
 use super::future::{Call, ResponseFuture};
-use super::layer::Shared;
+use super::layer::{Learned, Shared};
+use super::learned::{OneUpstream, UpstreamKey};
 use super::request::{ByClone, CloneRequest, TypeName};
 use crate::JobRequest;
 use crate::error::BoxError;
@@ -16,12 +18,13 @@ use crate::error::BoxError;
 /// Retries "try later" answers by the server's word, records throttles, and holds calls
 /// behind the upstream's shared cooldown gate; see the
 /// [module docs](crate::retry_after_backoff).
-pub struct RetryAfterBackoff<S, C = ByClone> {
+pub struct RetryAfterBackoff<S, C = ByClone, K = OneUpstream> {
     pub(super) inner: S,
     pub(super) shared: Arc<Shared<C>>,
+    pub(super) key: Arc<K>,
 }
 
-impl<S, C> RetryAfterBackoff<S, C> {
+impl<S, C, K> RetryAfterBackoff<S, C, K> {
     /// The wrapped service.
     pub fn get_ref(&self) -> &S {
         &self.inner
@@ -38,16 +41,17 @@ impl<S, C> RetryAfterBackoff<S, C> {
     }
 }
 
-impl<S: Clone, C> Clone for RetryAfterBackoff<S, C> {
+impl<S: Clone, C, K> Clone for RetryAfterBackoff<S, C, K> {
     fn clone(&self) -> Self {
         RetryAfterBackoff {
             inner: self.inner.clone(),
             shared: self.shared.clone(),
+            key: self.key.clone(),
         }
     }
 }
 
-impl<S: fmt::Debug, C> fmt::Debug for RetryAfterBackoff<S, C> {
+impl<S: fmt::Debug, C, K> fmt::Debug for RetryAfterBackoff<S, C, K> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("RetryAfterBackoff")
             .field("inner", &self.inner)
@@ -57,13 +61,14 @@ impl<S: fmt::Debug, C> fmt::Debug for RetryAfterBackoff<S, C> {
     }
 }
 
-impl<S, C, Req, B> Service<Req> for RetryAfterBackoff<S, C>
+impl<S, C, K, Req, B> Service<Req> for RetryAfterBackoff<S, C, K>
 where
     S: Service<Req, Response = http::Response<B>> + Clone,
     S::Error: Into<BoxError>,
     B: Body,
     Req: JobRequest,
     C: CloneRequest<Req>,
+    K: UpstreamKey<Req>,
 {
     type Response = http::Response<ResponseBody<B>>;
     type Error = BoxError;
@@ -85,11 +90,24 @@ where
             budget.deposit();
         }
         let spare = shared.cloner.clone_request(&req);
+        let upstream: Arc<str> = match self.key.upstream_key(&req) {
+            Some(key) => Arc::from(format!("{}/{key}", core.policy.upstream)),
+            None => core.policy.upstream.clone(),
+        };
         let mut pace_step = 0;
-        // Fast path: the gate is open (a local read) and pacing lets the call go now.
-        let go_now = !core.is_probing()
+        // Fast path: the gate is open (a local read), learned pacing lets the call go now
+        // without asking the store, and the configured pacing lets it go now.
+        let (learned, ask, first_wait) = if core.store.cooldown(&upstream).is_none() {
+            match core.admit_learned(&upstream, cost) {
+                Learned::Go(wait) => (true, None, wait),
+                Learned::Ask(ask, block) => (false, Some((ask, block)), Duration::ZERO),
+            }
+        } else {
+            (false, None, Duration::ZERO)
+        };
+        let go_now = learned
+            && first_wait.is_zero()
             && core.shared_pacing().is_none()
-            && core.store.cooldown(&core.policy.upstream).is_none()
             && core
                 .pacer
                 .as_ref()
@@ -106,15 +124,23 @@ where
             cost,
             retries: 0,
             pace_step,
-            probe: None,
+            upstream,
+            learned,
+            ask,
+            probe: false,
+            held: None,
             reserved: false,
         };
         if go_now {
             call.pace_step = 0;
+            call.learned = false;
             ResponseFuture::calling(self.inner.call(req), call)
         } else {
+            if !first_wait.is_zero() {
+                super::telemetry::pacing_wait(first_wait);
+            }
             call.next = Some(req);
-            ResponseFuture::admitting(call)
+            ResponseFuture::admitting(call, first_wait)
         }
     }
 }

@@ -25,3 +25,24 @@ pub(super) fn cooldown_wait(wait: Duration) {
     metrics::counter!(Metric::CooldownWaits.name()).increment(1);
     metrics::histogram!(Metric::CooldownWaitSeconds.name()).record(wait.as_secs_f64());
 }
+
+pub(super) fn pacing_wait(wait: Duration) {
+    metrics::histogram!(Metric::PacingWaitSeconds.name()).record(wait.as_secs_f64());
+}
+
+pub(super) fn probe(reason: &'static str) {
+    metrics::counter!(Metric::Probes.name(), "reason" => reason).increment(1);
+}
+
+pub(super) fn learned_limits(upstream: &str, limits: &[u32; crate::store::DIMS]) {
+    for (d, limit) in limits.iter().enumerate() {
+        if *limit > 0 {
+            metrics::gauge!(
+                Metric::LearnedLimit.name(),
+                "upstream" => upstream.to_owned(),
+                "dimension" => super::learned::dim_name(d)
+            )
+            .set(f64::from(*limit));
+        }
+    }
+}

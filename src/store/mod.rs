@@ -55,7 +55,8 @@ use crate::{TenantId, Tier};
 
 use memory::MemoryState;
 
-pub use self::pacing::PaceLimit;
+pub(crate) use self::pacing::{DIMS, MAX_LIMIT, PaceAsk, PaceGrant};
+pub use self::pacing::{LearnedLimits, PaceLimit};
 #[cfg(feature = "redis")]
 pub use self::redis::RedisStoreError;
 pub use self::served::SERVED_WINDOW;
@@ -461,6 +462,35 @@ impl Store {
             #[cfg(feature = "redis")]
             Backend::Redis(redis) => redis.pace(key, limits),
         }
+    }
+
+    /// The per-minute limits the provider reported for the upstream `key` (learned by
+    /// [`RetryAfterBackoff`](crate::RetryAfterBackoff) from `anthropic-ratelimit-*-limit`),
+    /// as the store holds them: every worker on the store shares them, so a worker that
+    /// starts later starts informed.
+    pub fn learned_limits(&self, key: &str) -> StoreFuture<LearnedLimits> {
+        match &*self.backend {
+            Backend::Memory(memory) => StoreFuture::ready(memory.pacers.learned_limits(key)),
+            #[cfg(feature = "redis")]
+            Backend::Redis(redis) => redis.learned_limits(key),
+        }
+    }
+
+    /// Learned pacing, in one operation on the upstream `key`'s bucket (one script on
+    /// Redis, server time): learn and resynchronise from an answer's headers, charge
+    /// corrections, and take the cells of the calls about to go (or be told to wait for a
+    /// probe). See `pacing.rs`.
+    pub(crate) fn pace_learned(&self, key: &str, ask: &PaceAsk) -> StoreFuture<PaceGrant> {
+        match &*self.backend {
+            Backend::Memory(memory) => StoreFuture::ready(memory.pacers.learned(key, ask)),
+            #[cfg(feature = "redis")]
+            Backend::Redis(redis) => redis.pace_learned(key, ask),
+        }
+    }
+
+    /// Whether an operation may be a round trip (Redis), so callers batch.
+    pub(crate) fn is_remote(&self) -> bool {
+        !matches!(&*self.backend, Backend::Memory(_))
     }
 
     /// What PriorityClassify does per request: [`check_demotion`](Store::check_demotion), then

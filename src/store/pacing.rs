@@ -49,10 +49,23 @@ impl PaceLimit {
     }
 }
 
-/// Theoretical arrival times per pacing key and dimension.
-#[derive(Debug, Default)]
+/// Theoretical arrival times per pacing key and dimension, and the learned buckets.
+#[derive(Debug)]
 pub(crate) struct Pacers {
     tats: Mutex<HashMap<String, Vec<Instant>>>,
+    learned: Mutex<HashMap<String, LearnedBucket>>,
+    /// The learned buckets count time in microseconds from here.
+    base: Instant,
+}
+
+impl Default for Pacers {
+    fn default() -> Self {
+        Pacers {
+            tats: Mutex::default(),
+            learned: Mutex::default(),
+            base: Instant::now(),
+        }
+    }
 }
 
 impl Pacers {
@@ -85,6 +98,256 @@ impl Pacers {
             *tat = (*tat).max(send) + Duration::from_micros(interval * limit.cells());
         }
         send.saturating_duration_since(now)
+    }
+
+    /// Applies `ask` to the learned bucket of `key` (see [`LearnedBucket::apply`]).
+    pub(crate) fn learned(&self, key: &str, ask: &PaceAsk) -> PaceGrant {
+        let now = i64::try_from(
+            Instant::now()
+                .saturating_duration_since(self.base)
+                .as_micros(),
+        )
+        .unwrap_or(i64::MAX / 4);
+        let mut learned = crate::sync::lock(&self.learned);
+        if learned.len() > 1024 {
+            learned.retain(|_, bucket| !bucket.is_idle(now));
+        }
+        if !learned.contains_key(key) {
+            learned.insert(key.to_owned(), LearnedBucket::default());
+        }
+        match learned.get_mut(key) {
+            Some(bucket) => bucket.apply(now, ask),
+            None => PaceGrant::default(), // unreachable: inserted above
+        }
+    }
+
+    /// The limits learned for `key`, if any.
+    pub(crate) fn learned_limits(&self, key: &str) -> LearnedLimits {
+        let learned = crate::sync::lock(&self.learned);
+        learned.get(key).map_or_else(LearnedLimits::default, |b| {
+            LearnedLimits::from_array(b.limit)
+        })
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Learned pacing: the provider's own buckets, mirrored
+// ---------------------------------------------------------------------------------------
+
+/// The dimensions Anthropic reports, in this order everywhere (arrays, the Redis hash's
+/// fields `l1..l4` / `t1..t4`, the script's arguments).
+pub(crate) const DIMS: usize = 4;
+/// The requests dimension's index.
+pub(crate) const REQUESTS: usize = 0;
+/// The largest limit believed (per minute); a larger one is absurd and ignored.
+pub(crate) const MAX_LIMIT: u32 = 1_000_000_000;
+
+/// The per-minute limits an upstream key reported (the provider's
+/// `anthropic-ratelimit-*-limit` headers), as the store holds them.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct LearnedLimits {
+    /// Requests per minute.
+    pub requests: Option<u32>,
+    /// Input tokens per minute.
+    pub input_tokens: Option<u32>,
+    /// Output tokens per minute.
+    pub output_tokens: Option<u32>,
+    /// Tokens per minute (the combined limit Anthropic also reports).
+    pub tokens: Option<u32>,
+}
+
+impl LearnedLimits {
+    pub(crate) fn from_array(limits: [u32; DIMS]) -> Self {
+        let get = |i: usize| Some(limits[i]).filter(|l| *l > 0);
+        LearnedLimits {
+            requests: get(0),
+            input_tokens: get(1),
+            output_tokens: get(2),
+            tokens: get(3),
+        }
+    }
+
+    /// Whether any limit is known.
+    pub fn is_known(&self) -> bool {
+        self.requests.is_some()
+            || self.input_tokens.is_some()
+            || self.output_tokens.is_some()
+            || self.tokens.is_some()
+    }
+}
+
+/// What an answer said, or what a call needs, sent to the learned bucket of one upstream
+/// key in one operation (one script on Redis).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct PaceAsk {
+    /// Aim at this share of each learned rate, in thousandths (e.g. 950).
+    pub(crate) headroom_permille: u32,
+    /// Per dimension, `(limit, remaining)` as an answer reported them (`limit` 0: absent).
+    /// Values are already checked (limit in 1..=MAX_LIMIT).
+    pub(crate) learn: [(u32, u32); DIMS],
+    /// 0: no answer; 1: an answer that is not a throttle; 2: a throttle.
+    pub(crate) answered: u8,
+    /// Cells charged after the fact (a correction; negative gives back).
+    pub(crate) charge: [i64; DIMS],
+    /// Cells for the calls about to go (all 0: a report only).
+    pub(crate) take: [u32; DIMS],
+    /// How long a probe (cold start or recovery) holds the lease, in microseconds.
+    pub(crate) probe_lease_us: i64,
+    /// How long after a throttle the key recovers (one probe first) at most, in
+    /// microseconds, unless an answer shows room first.
+    pub(crate) recover_us: i64,
+    /// The longest a held call waits before asking again, in microseconds.
+    pub(crate) poll_us: i64,
+}
+
+/// The learned bucket's answer.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct PaceGrant {
+    /// The cells are taken: go after this wait.
+    pub(crate) wait: Duration,
+    /// Not taken: another call is probing this key (cold start or recovery); ask again
+    /// after this. Zero when the cells were taken.
+    pub(crate) hold: Duration,
+    /// This call is the probe: its answer tells the fleet.
+    pub(crate) probe: bool,
+    /// The limits known for the key (0: unknown).
+    pub(crate) limits: [u32; DIMS],
+    /// 0: no answer yet (cold); 1: answers carry no limits; 2: limits learned.
+    pub(crate) mode: u8,
+    /// The key is recovering from a throttle (one probe before the rest).
+    pub(crate) recovering: bool,
+}
+
+/// One upstream key's mirror of the provider's buckets: per dimension the learned limit and
+/// a GCRA theoretical arrival time, plus the slow-start / recovery probe lease. Times in
+/// microseconds on the store's clock. The same arithmetic as `scripts/learned_pace.lua`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct LearnedBucket {
+    pub(crate) limit: [u32; DIMS],
+    pub(crate) tat: [i64; DIMS],
+    pub(crate) mode: u8,
+    /// A probe holds the lease until then.
+    pub(crate) probe_until: i64,
+    /// Recovering from a throttle until then (0: not).
+    pub(crate) recover_until: i64,
+}
+
+/// The emission interval (µs per cell) and capacity (cells) the pacer uses for a dimension
+/// whose provider limit is `limit` per minute, aiming at `headroom_permille`: the rate is a
+/// little under the provider's; requests may burst one second's worth (the provider
+/// enforces per-minute limits over shorter intervals too), tokens their whole minute (the
+/// provider's bucket).
+pub(crate) fn interval_and_capacity(dim: usize, limit: u32, headroom_permille: u32) -> (i64, i64) {
+    let per_minute =
+        (f64::from(limit) * f64::from(headroom_permille.clamp(100, 1000)) / 1000.0).max(1.0);
+    let interval = (60_000_000.0 / per_minute).max(1.0) as i64;
+    let capacity = if dim == REQUESTS {
+        (per_minute / 60.0).floor().max(1.0)
+    } else {
+        per_minute.floor().max(1.0)
+    } as i64;
+    (interval, capacity)
+}
+
+impl LearnedBucket {
+    fn is_idle(&self, now: i64) -> bool {
+        self.tat.iter().all(|t| *t <= now) && self.probe_until <= now && self.recover_until <= now
+    }
+
+    /// Learns, charges, and takes the cells of `ask` at `now`.
+    pub(crate) fn apply(&mut self, now: i64, ask: &PaceAsk) -> PaceGrant {
+        let h = ask.headroom_permille;
+        // 1. What the answer said: learn each limit and resynchronise from `-remaining`.
+        let mut learned_any = false;
+        for d in 0..DIMS {
+            let (limit, remaining) = ask.learn[d];
+            if limit == 0 || limit > MAX_LIMIT {
+                continue;
+            }
+            learned_any = true;
+            let (interval, capacity) = interval_and_capacity(d, limit, h);
+            let room = i64::from(remaining.min(limit)).min(capacity);
+            let floor = now.saturating_add((capacity - room).saturating_mul(interval));
+            if self.limit[d] != limit {
+                // A new limit: start again from what the provider says is left.
+                self.limit[d] = limit;
+                self.tat[d] = floor;
+            } else {
+                // Only later: our reservations since that answer are already in the TAT.
+                self.tat[d] = self.tat[d].max(floor);
+            }
+        }
+        if learned_any {
+            self.mode = 2;
+        }
+        if ask.answered != 0 && self.mode == 0 {
+            // Any answer, a throttle too, ends the cold start: without limits, no pacing.
+            self.mode = 1;
+        }
+        match ask.answered {
+            1 => {
+                self.recover_until = 0;
+                self.probe_until = 0;
+            }
+            2 => {
+                self.recover_until = self.recover_until.max(now.saturating_add(ask.recover_us));
+                self.probe_until = 0;
+            }
+            _ => {}
+        }
+        if self.recover_until != 0 && now >= self.recover_until {
+            self.recover_until = 0;
+        }
+        // 2. Corrections after the fact.
+        for d in 0..DIMS {
+            if ask.charge[d] != 0 && self.limit[d] > 0 {
+                let (interval, _) = interval_and_capacity(d, self.limit[d], h);
+                self.tat[d] = self.tat[d]
+                    .max(now)
+                    .saturating_add(ask.charge[d].saturating_mul(interval))
+                    .max(now);
+            }
+        }
+        let mut grant = PaceGrant {
+            limits: self.limit,
+            mode: self.mode,
+            recovering: self.recover_until > now,
+            ..PaceGrant::default()
+        };
+        if ask.take.iter().all(|c| *c == 0) {
+            return grant;
+        }
+        // 3. Cold start or recovery: one probe at a time, the rest wait for its answer.
+        if self.mode == 0 || self.recover_until > now {
+            if self.probe_until > now {
+                let left = (self.probe_until - now).clamp(1_000, ask.poll_us.max(1_000));
+                grant.hold = Duration::from_micros(left as u64);
+                return grant;
+            }
+            self.probe_until = now.saturating_add(ask.probe_lease_us.max(1_000));
+            grant.probe = true;
+        }
+        // 4. Take the cells: GCRA over every learned dimension at once.
+        let mut send = now;
+        for d in 0..DIMS {
+            if self.limit[d] == 0 || ask.take[d] == 0 {
+                continue;
+            }
+            let (interval, capacity) = interval_and_capacity(d, self.limit[d], h);
+            let cells = i64::from(ask.take[d]).clamp(1, capacity);
+            let tolerance = (capacity - cells) * interval;
+            send = send.max(self.tat[d].max(now) - tolerance);
+        }
+        for d in 0..DIMS {
+            if self.limit[d] == 0 || ask.take[d] == 0 {
+                continue;
+            }
+            let (interval, capacity) = interval_and_capacity(d, self.limit[d], h);
+            let cells = i64::from(ask.take[d]).clamp(1, capacity);
+            self.tat[d] = self.tat[d].max(send).saturating_add(cells * interval);
+        }
+        grant.wait = Duration::from_micros(u64::try_from(send - now).unwrap_or(0));
+        grant
     }
 }
 

@@ -7,7 +7,7 @@ use redis::Script;
 
 use super::RedisStore;
 use crate::store::StoreFuture;
-use crate::store::pacing::PaceLimit;
+use crate::store::pacing::{DIMS, LearnedLimits, PaceAsk, PaceGrant, PaceLimit};
 
 pub(super) static PACE: LazyLock<Script> =
     LazyLock::new(|| Script::new(include_str!("../scripts/pace.lua")));
@@ -41,6 +41,78 @@ impl RedisStore {
                     .invoke_async(&mut conn)
                     .await?;
                 Ok(Duration::from_micros(u64::try_from(wait_us).unwrap_or(0)))
+            },
+        )
+    }
+}
+
+pub(super) static LEARNED_PACE: LazyLock<Script> =
+    LazyLock::new(|| Script::new(include_str!("../scripts/learned_pace.lua")));
+
+impl RedisStore {
+    pub(crate) fn pace_learned(
+        self: &Arc<Self>,
+        key: &str,
+        ask: &PaceAsk,
+    ) -> StoreFuture<PaceGrant> {
+        let redis_key = self.keys.global("learn", key);
+        let mut args: Vec<i64> = vec![
+            i64::from(ask.headroom_permille),
+            i64::from(ask.answered),
+            ask.probe_lease_us,
+            ask.recover_us,
+            ask.poll_us,
+        ];
+        for d in 0..DIMS {
+            args.extend([
+                i64::from(ask.learn[d].0),
+                i64::from(ask.learn[d].1),
+                ask.charge[d],
+                i64::from(ask.take[d]),
+            ]);
+        }
+        let local_key = key.to_owned();
+        let local_ask = *ask;
+        self.op(
+            // Alone while Redis is away: this worker's own mirror (learned afresh from the
+            // answers it gets meanwhile).
+            move |fallback| fallback.pacers.learned(&local_key, &local_ask),
+            move |this| async move {
+                let mut conn = this.conn.clone();
+                let out: Vec<i64> = LEARNED_PACE
+                    .key(redis_key)
+                    .arg(&args[..])
+                    .invoke_async(&mut conn)
+                    .await?;
+                let get = |i: usize| out.get(i).copied().unwrap_or(0);
+                let micros = |v: i64| Duration::from_micros(u64::try_from(v).unwrap_or(0));
+                let limit = |i: usize| u32::try_from(get(i)).unwrap_or(0);
+                Ok(PaceGrant {
+                    wait: micros(get(0)),
+                    hold: micros(get(1)),
+                    probe: get(2) == 1,
+                    mode: u8::try_from(get(3)).unwrap_or(0),
+                    recovering: get(4) == 1,
+                    limits: [limit(5), limit(6), limit(7), limit(8)],
+                })
+            },
+        )
+    }
+
+    pub(crate) fn learned_limits(self: &Arc<Self>, key: &str) -> StoreFuture<LearnedLimits> {
+        let redis_key = self.keys.global("learn", key);
+        let local_key = key.to_owned();
+        self.op(
+            move |fallback| fallback.pacers.learned_limits(&local_key),
+            move |this| async move {
+                let mut conn = this.conn.clone();
+                let limits: Vec<Option<u32>> = redis::cmd("HMGET")
+                    .arg(redis_key)
+                    .arg(&["l1", "l2", "l3", "l4"])
+                    .query_async(&mut conn)
+                    .await?;
+                let get = |i: usize| limits.get(i).copied().flatten().unwrap_or(0);
+                Ok(LearnedLimits::from_array([get(0), get(1), get(2), get(3)]))
             },
         )
     }

@@ -1,0 +1,319 @@
+//! Learned pacing, the worker's side: reading the provider's rate-limit headers, choosing
+//! the upstream key of a request, and the worker's view of each key's learned bucket (so a
+//! call in steady state costs no round trip on Redis).
+//!
+//! The bucket itself (limits, theoretical arrival times, the probe lease) lives in the
+//! store (`store/pacing.rs`, `scripts/learned_pace.lua`).
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use http::HeaderMap;
+use tokio::time::Instant;
+
+use crate::store::{DIMS, MAX_LIMIT, PaceAsk, PaceGrant};
+
+/// The four dimensions Anthropic reports, in the store's order.
+const NAMES: [&str; DIMS] = ["requests", "input-tokens", "output-tokens", "tokens"];
+
+/// `anthropic-ratelimit-<dim>-limit` and `-remaining`, as header names.
+static HEADERS: std::sync::LazyLock<[(http::HeaderName, http::HeaderName); DIMS]> =
+    std::sync::LazyLock::new(|| {
+        NAMES.map(|dim| {
+            (
+                http::HeaderName::from_bytes(format!("anthropic-ratelimit-{dim}-limit").as_bytes())
+                    .expect("valid header name"),
+                http::HeaderName::from_bytes(
+                    format!("anthropic-ratelimit-{dim}-remaining").as_bytes(),
+                )
+                .expect("valid header name"),
+            )
+        })
+    });
+
+/// The dimension's name, for metrics.
+pub(super) fn dim_name(d: usize) -> &'static str {
+    NAMES.get(d).copied().unwrap_or("unknown")
+}
+
+static LOGGED_GARBAGE: AtomicBool = AtomicBool::new(false);
+
+/// What an answer's headers say per dimension: `(limit, remaining)`, limit 0 when the
+/// dimension is absent or its values are unusable (zero, absurd, not a number), which is
+/// logged once per process (`upstream.ratelimit_ignored`).
+pub(super) fn read_limits(headers: &HeaderMap) -> [(u32, u32); DIMS] {
+    let mut out = [(0, 0); DIMS];
+    for (d, (limit, remaining)) in HEADERS.iter().enumerate() {
+        let Some(raw_limit) = headers.get(limit) else {
+            continue;
+        };
+        let parse = |v: &http::HeaderValue| {
+            let s = v.to_str().ok()?.trim();
+            if s.is_empty() || s.len() > 19 || !s.bytes().all(|b| b.is_ascii_digit()) {
+                return None;
+            }
+            s.parse::<u64>().ok()
+        };
+        let l = parse(raw_limit);
+        // A missing `-remaining` says nothing of the bucket: a full one is assumed (the
+        // limit is still learned).
+        let r = match headers.get(remaining) {
+            Some(v) => parse(v),
+            None => l,
+        };
+        match (l, r) {
+            (Some(l), Some(r)) if (1..=u64::from(MAX_LIMIT)).contains(&l) => {
+                // `-remaining` above `-limit` is read as a full bucket.
+                out[d] = (l as u32, r.min(l) as u32);
+            }
+            _ => {
+                if !LOGGED_GARBAGE.swap(true, Ordering::Relaxed) {
+                    tracing::warn!(
+                        name: "upstream.ratelimit_ignored",
+                        dimension = NAMES[d],
+                        limit = ?raw_limit,
+                        "unusable rate-limit headers ignored (zero, absurd or not a number); \
+                         logged once"
+                    );
+                }
+            }
+        }
+    }
+    out
+}
+
+/// Chooses the upstream key of a request: the scope of its cooldown gate and learned limits.
+///
+/// One throttled key or model then does not hold the others. The key is appended to the
+/// policy's [`upstream`](super::BackoffPolicyBuilder::upstream) name (`"default/key-…"`);
+/// `None` means the policy's name alone. Ready-made: [`OneUpstream`] (the default),
+/// [`ByApiKey`], [`ByModel`], [`ByApiKeyAndModel`]; or a closure `Fn(&Req) -> Option<String>`.
+///
+/// ```
+/// use fairgate::{RetryAfterBackoffLayer, Store};
+/// use fairgate::retry_after_backoff::{BackoffPolicy, ByApiKeyAndModel};
+///
+/// let layer = RetryAfterBackoffLayer::new(Store::memory(), BackoffPolicy::default())
+///     .upstream_key_with(ByApiKeyAndModel);
+/// // Or any rule of your own:
+/// let layer = RetryAfterBackoffLayer::new(Store::memory(), BackoffPolicy::default())
+///     .upstream_key_with(|req: &http::Request<String>| {
+///         req.headers().get("x-region").and_then(|v| v.to_str().ok()).map(str::to_owned)
+///     });
+/// # let _ = layer;
+/// ```
+pub trait UpstreamKey<Req>: Send + Sync + 'static {
+    /// The key of `req`, or `None` for the policy's upstream alone.
+    fn upstream_key(&self, req: &Req) -> Option<String>;
+}
+
+/// One key per layer: the policy's upstream name (the default).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct OneUpstream;
+
+impl<Req> UpstreamKey<Req> for OneUpstream {
+    fn upstream_key(&self, _: &Req) -> Option<String> {
+        None
+    }
+}
+
+/// One key per API key (`x-api-key` or `Authorization: Bearer`), hashed
+/// ([`api_key_tenant`](crate::extract::api_key_tenant)): the key never reaches the store or
+/// a metric label in clear. Anthropic's limits are per organisation; give each key its own
+/// scope when the keys belong to different organisations or workspaces.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct ByApiKey;
+
+impl<B> UpstreamKey<http::Request<B>> for ByApiKey {
+    fn upstream_key(&self, req: &http::Request<B>) -> Option<String> {
+        crate::extract::api_key(req).map(|key| crate::extract::api_key_tenant(key).to_string())
+    }
+}
+
+/// One key per model, read from the request body's `"model"` field (JSON; the body must be
+/// buffered: `String`, `Vec<u8>`, `Bytes`). Anthropic's limits are per model class.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct ByModel;
+
+impl<B: AsRef<[u8]>> UpstreamKey<http::Request<B>> for ByModel {
+    fn upstream_key(&self, req: &http::Request<B>) -> Option<String> {
+        model_of(req.body().as_ref()).map(|m| format!("model-{m}"))
+    }
+}
+
+/// Both: one key per API key and model.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct ByApiKeyAndModel;
+
+impl<B: AsRef<[u8]>> UpstreamKey<http::Request<B>> for ByApiKeyAndModel {
+    fn upstream_key(&self, req: &http::Request<B>) -> Option<String> {
+        match (ByApiKey.upstream_key(req), ByModel.upstream_key(req)) {
+            (Some(key), Some(model)) => Some(format!("{key}/{model}")),
+            (key, model) => key.or(model),
+        }
+    }
+}
+
+impl<F, Req> UpstreamKey<Req> for F
+where
+    F: Fn(&Req) -> Option<String> + Send + Sync + 'static,
+{
+    fn upstream_key(&self, req: &Req) -> Option<String> {
+        self(req)
+    }
+}
+
+/// The value of the first top-level-looking `"model": "<name>"` in a JSON body: a name of
+/// at most 128 characters among letters, digits and `-._:@`; anything else is `None`.
+pub(super) fn model_of(body: &[u8]) -> Option<&str> {
+    const NEEDLE: &[u8] = b"\"model\"";
+    let at = body.windows(NEEDLE.len()).position(|w| w == NEEDLE)?;
+    let rest = &body[at + NEEDLE.len()..];
+    let rest = rest
+        .trim_ascii_start()
+        .strip_prefix(b":")?
+        .trim_ascii_start();
+    let rest = rest.strip_prefix(b"\"")?;
+    let end = rest.iter().position(|b| *b == b'"')?;
+    let name = &rest[..end];
+    let ok = !name.is_empty()
+        && name.len() <= 128
+        && name
+            .iter()
+            .all(|b| b.is_ascii_alphanumeric() || b"-._:@".contains(b));
+    ok.then(|| std::str::from_utf8(name).ok()).flatten()
+}
+
+/// What a worker knows of one key's learned bucket.
+#[derive(Debug)]
+pub(super) struct View {
+    /// 0: cold (no answer yet), 1: answers carry no limits, 2: limits learned.
+    pub(super) mode: u8,
+    pub(super) limits: [u32; DIMS],
+    /// Recovering from a throttle (one probe first) until then, as far as this worker knows.
+    pub(super) recover_until: Option<Instant>,
+    /// Cells reserved ahead (Redis), usable from `credit_at`.
+    pub(super) credit: [u32; DIMS],
+    pub(super) credit_at: Instant,
+    /// Reports not sent yet (Redis, steady state): they go with the next reservation.
+    pub(super) pending: Option<PaceAsk>,
+}
+
+impl View {
+    fn new(learning: bool) -> Self {
+        View {
+            // Without learning there is no cold start: calls go as before.
+            mode: if learning { 0 } else { 1 },
+            limits: [0; DIMS],
+            recover_until: None,
+            credit: [0; DIMS],
+            credit_at: Instant::now(),
+            pending: None,
+        }
+    }
+
+    pub(super) fn recovering(&mut self, now: Instant) -> bool {
+        match self.recover_until {
+            Some(at) if now < at => true,
+            Some(_) => {
+                self.recover_until = None;
+                false
+            }
+            None => false,
+        }
+    }
+
+    /// Applies what the store said.
+    pub(super) fn update(&mut self, grant: &PaceGrant, recover: Duration) {
+        self.mode = self.mode.max(grant.mode);
+        if grant.limits != self.limits {
+            self.limits = grant.limits;
+            self.credit = [0; DIMS];
+        }
+        self.recover_until = grant.recovering.then(|| Instant::now() + recover);
+    }
+}
+
+/// The views of one layer, per key. Bounded: past 4,096 keys the idle ones are forgotten
+/// (and learned again from the store).
+#[derive(Debug, Default)]
+pub(super) struct Views {
+    map: HashMap<Arc<str>, View>,
+}
+
+impl Views {
+    pub(super) fn get(&mut self, key: &Arc<str>, learning: bool) -> &mut View {
+        if !self.map.contains_key(key) {
+            if self.map.len() >= 4096 {
+                let now = Instant::now();
+                self.map.retain(|_, v| {
+                    v.pending.is_some() || v.recover_until.is_some_and(|at| at > now)
+                });
+            }
+            self.map.insert(key.clone(), View::new(learning));
+        }
+        self.map.get_mut(key).expect("inserted above")
+    }
+}
+
+/// Merges a report into pending ones: the latest headers, charges summed.
+pub(super) fn merge(pending: &mut Option<PaceAsk>, report: &PaceAsk) {
+    match pending {
+        None => *pending = Some(*report),
+        Some(p) => {
+            for d in 0..DIMS {
+                if report.learn[d].0 != 0 {
+                    p.learn[d] = report.learn[d];
+                }
+                p.charge[d] = p.charge[d].saturating_add(report.charge[d]);
+            }
+            p.answered = p.answered.max(report.answered);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn headers(pairs: &[(&str, &str)]) -> HeaderMap {
+        let mut map = HeaderMap::new();
+        for (k, v) in pairs {
+            map.insert(
+                http::HeaderName::from_bytes(k.as_bytes()).unwrap(),
+                http::HeaderValue::from_str(v).unwrap(),
+            );
+        }
+        map
+    }
+
+    #[test]
+    fn hostile_limits_are_ignored_and_remaining_over_limit_reads_as_full() {
+        let h = headers(&[
+            ("anthropic-ratelimit-requests-limit", "50"),
+            ("anthropic-ratelimit-requests-remaining", "900"),
+            ("anthropic-ratelimit-input-tokens-limit", "0"),
+            ("anthropic-ratelimit-input-tokens-remaining", "0"),
+            (
+                "anthropic-ratelimit-output-tokens-limit",
+                "99999999999999999999999",
+            ),
+            ("anthropic-ratelimit-tokens-limit", "-3"),
+        ]);
+        assert_eq!(read_limits(&h), [(50, 50), (0, 0), (0, 0), (0, 0)]);
+        assert_eq!(read_limits(&HeaderMap::new()), [(0, 0); DIMS]);
+    }
+
+    #[test]
+    fn the_model_is_read_from_a_json_body() {
+        assert_eq!(
+            model_of(br#"{"max_tokens":1,"model" : "claude-sonnet-4-5","x":1}"#),
+            Some("claude-sonnet-4-5")
+        );
+        assert_eq!(model_of(br#"{"model":"a b"}"#), None);
+        assert_eq!(model_of(br#"{"model":12}"#), None);
+        assert_eq!(model_of(b"garbage"), None);
+    }
+}

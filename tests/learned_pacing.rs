@@ -1,0 +1,612 @@
+//! Learned pacing (issue 12): against a mock upstream that behaves like Anthropic's rate
+//! limiter, with `BackoffPolicy::default()` and no configured pacing, the fleet learns the
+//! limits from the headers, paces to them, recovers at full speed, keeps the lone-retry band,
+//! scopes gates per upstream key and survives hostile headers.
+
+mod support;
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use fairgate::retry_after_backoff::{BackoffPolicy, ByApiKey};
+use fairgate::{FairgateLayer, Job, Origin, RetryAfterBackoffLayer, Store};
+use tokio::time::Instant;
+use tower::{Layer, Service, ServiceExt, service_fn};
+
+type Response = http::Response<String>;
+type BoxFut = Pin<Box<dyn Future<Output = Result<Response, Infallible>> + Send>>;
+
+/// One of the provider's token buckets: `limit` per minute, refilled continuously.
+#[derive(Debug)]
+struct Bucket {
+    limit: f64,
+    level: f64,
+}
+
+impl Bucket {
+    fn new(limit: f64) -> Self {
+        Bucket {
+            limit,
+            level: limit,
+        }
+    }
+    fn refill(&mut self, secs: f64) {
+        self.level = (self.level + secs * self.limit / 60.0).min(self.limit);
+    }
+    /// Seconds until `need` fits (0 if it does).
+    fn until(&self, need: f64) -> f64 {
+        let need = need.min(self.limit);
+        ((need - self.level) * 60.0 / self.limit).max(0.0)
+    }
+    /// Seconds until full.
+    fn until_full(&self) -> f64 {
+        ((self.limit - self.level) * 60.0 / self.limit).max(0.0)
+    }
+}
+
+#[derive(Debug)]
+struct State {
+    requests: Bucket,
+    input: Bucket,
+    output: Bucket,
+    at: Instant,
+    attempts: u64,
+    throttled: u64,
+    /// When each success was answered.
+    served: Vec<Instant>,
+    /// Random 429s: the share of calls and the generator's state.
+    random_429: f64,
+    rng: u64,
+}
+
+/// A mock of Anthropic's rate limiter: requests, input tokens and output tokens per minute
+/// as token buckets with continuous refill; the `anthropic-ratelimit-*` headers on every
+/// answer (reset = when the bucket is full again, as Anthropic documents); a 429 with
+/// `retry-after` (whole seconds, at least 1) when a bucket is empty. Input tokens are the
+/// job's estimate, output tokens `OUTPUT` per call, charged when the answer is sent.
+#[derive(Clone)]
+struct Anthropic {
+    state: Arc<Mutex<State>>,
+    latency: Duration,
+}
+
+const OUTPUT: f64 = 100.0;
+
+fn rfc3339(at: SystemTime) -> String {
+    let since = at.duration_since(UNIX_EPOCH).unwrap();
+    let secs = since.as_secs() as i64;
+    let (days, rem) = (secs.div_euclid(86_400), secs.rem_euclid(86_400));
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    format!(
+        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}.{:03}Z",
+        rem / 3600,
+        rem % 3600 / 60,
+        rem % 60,
+        since.subsec_millis()
+    )
+}
+
+impl Anthropic {
+    fn new(rpm: u32, itpm: u32, otpm: u32, latency: Duration) -> Self {
+        Anthropic {
+            state: Arc::new(Mutex::new(State {
+                requests: Bucket::new(f64::from(rpm)),
+                input: Bucket::new(f64::from(itpm)),
+                output: Bucket::new(f64::from(otpm)),
+                at: Instant::now(),
+                attempts: 0,
+                throttled: 0,
+                served: Vec::new(),
+                random_429: 0.0,
+                rng: 12,
+            })),
+            latency,
+        }
+    }
+
+    fn with_random_429(self, share: f64) -> Self {
+        self.state.lock().unwrap().random_429 = share;
+        self
+    }
+
+    /// Changes the request limit (the bucket keeps what it holds, up to the new limit).
+    fn set_rpm(&self, rpm: u32) {
+        let mut s = self.state.lock().unwrap();
+        s.requests.limit = f64::from(rpm);
+        s.requests.level = s.requests.level.min(f64::from(rpm));
+    }
+
+    fn headers(s: &State) -> Vec<(String, String)> {
+        let now = SystemTime::now();
+        let mut out = Vec::new();
+        for (name, b) in [
+            ("requests", &s.requests),
+            ("input-tokens", &s.input),
+            ("output-tokens", &s.output),
+        ] {
+            out.push((
+                format!("anthropic-ratelimit-{name}-limit"),
+                (b.limit as u64).to_string(),
+            ));
+            out.push((
+                format!("anthropic-ratelimit-{name}-remaining"),
+                (b.level.max(0.0).floor() as u64).to_string(),
+            ));
+            out.push((
+                format!("anthropic-ratelimit-{name}-reset"),
+                rfc3339(now + Duration::from_secs_f64(b.until_full())),
+            ));
+        }
+        out
+    }
+
+    /// Admits or refuses a call arriving now with `input` tokens.
+    fn arrive(&self, input: f64) -> Result<(), Box<Response>> {
+        let mut s = self.state.lock().unwrap();
+        let now = Instant::now();
+        let secs = (now - s.at).as_secs_f64();
+        s.at = now;
+        s.requests.refill(secs);
+        s.input.refill(secs);
+        s.output.refill(secs);
+        s.attempts += 1;
+        let random = s.random_429 > 0.0 && {
+            s.rng = s
+                .rng
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((s.rng >> 11) as f64 / (1u64 << 53) as f64) < s.random_429
+        };
+        let wait = s
+            .requests
+            .until(1.0)
+            .max(s.input.until(input))
+            .max(s.output.until(1.0));
+        if wait > 0.0 || random {
+            s.throttled += 1;
+            let mut headers = Self::headers(&s);
+            let secs = if random { 1.0 } else { wait.ceil().max(1.0) };
+            headers.push(("retry-after".into(), secs.to_string()));
+            return Err(Box::new(respond(429, &headers)));
+        }
+        s.requests.level -= 1.0;
+        s.input.level -= input.min(s.input.limit);
+        Ok(())
+    }
+
+    fn finish(&self) -> Vec<(String, String)> {
+        let mut s = self.state.lock().unwrap();
+        s.output.level -= OUTPUT;
+        s.served.push(Instant::now());
+        Self::headers(&s)
+    }
+
+    fn service<B: Send + 'static>(
+        &self,
+    ) -> impl Service<http::Request<B>, Response = Response, Error = Infallible, Future = BoxFut>
+    + Clone
+    + Send
+    + 'static {
+        let this = self.clone();
+        service_fn(move |req: http::Request<B>| {
+            let this = this.clone();
+            let input = req
+                .extensions()
+                .get::<Job>()
+                .map_or(1.0, |j| f64::from(j.estimated_tokens()));
+            Box::pin(async move {
+                let admitted = this.arrive(input);
+                tokio::time::sleep(this.latency).await;
+                Ok(match admitted {
+                    Ok(_) => respond(200, &this.finish()),
+                    Err(throttled) => *throttled,
+                })
+            }) as BoxFut
+        })
+    }
+
+    fn share_429(&self) -> (f64, u64, u64) {
+        let s = self.state.lock().unwrap();
+        (
+            s.throttled as f64 / s.attempts as f64,
+            s.attempts,
+            s.throttled,
+        )
+    }
+
+    /// Successes per minute between the first and the last success.
+    fn throughput_rpm(&self) -> f64 {
+        let s = self.state.lock().unwrap();
+        let first = *s.served.first().unwrap();
+        let last = *s.served.last().unwrap();
+        (s.served.len() - 1) as f64 / (last - first).as_secs_f64() * 60.0
+    }
+
+    fn served(&self) -> usize {
+        self.state.lock().unwrap().served.len()
+    }
+}
+
+fn respond(code: u16, headers: &[(String, String)]) -> Response {
+    let mut builder = http::Response::builder().status(code);
+    for (name, value) in headers {
+        builder = builder.header(name.as_str(), value.as_str());
+    }
+    builder.body("{}".to_owned()).unwrap()
+}
+
+fn request(tenant: &str, cost: u32) -> http::Request<String> {
+    let mut req = http::Request::new("{}".to_owned());
+    req.extensions_mut().insert(
+        Job::new(tenant, Origin::Scheduled)
+            .sla(Duration::from_secs(3600))
+            .cost(cost),
+    );
+    req
+}
+
+fn policy(seed: u64) -> BackoffPolicy {
+    BackoffPolicy::builder().seed(seed).build().unwrap()
+}
+
+/// `workers` layers on `store` (one per worker), `callers` tasks each, `jobs` calls each.
+async fn storm(provider: &Anthropic, stores: &[Store], callers: usize, jobs: usize) {
+    let mut tasks = Vec::new();
+    for (worker, store) in stores.iter().enumerate() {
+        let layer = RetryAfterBackoffLayer::new(store.clone(), policy(worker as u64));
+        for caller in 0..callers {
+            let service = layer.layer(provider.service::<String>());
+            tasks.push(tokio::spawn(async move {
+                for _ in 0..jobs {
+                    let tenant = format!("w{worker}-c{caller}");
+                    service
+                        .clone()
+                        .oneshot(request(&tenant, 500))
+                        .await
+                        .unwrap();
+                }
+            }));
+        }
+    }
+    for task in tasks {
+        task.await.unwrap();
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_storm_of_eight_workers_stays_under_2_percent_429_at_the_providers_rate() {
+    // The issue's storm: 8 workers x 20 callers x 3 jobs, a 50 RPM / 40,000 ITPM / 8,000
+    // OTPM upstream, BackoffPolicy::default() and no configured pacing.
+    let provider = Anthropic::new(50, 40_000, 8_000, Duration::from_millis(50));
+    let store = Store::memory();
+    let stores = vec![store.clone(); 8];
+    storm(&provider, &stores, 20, 3).await;
+    let (share, all, throttled) = provider.share_429();
+    let rpm = provider.throughput_rpm();
+    println!(
+        "learned pacing storm (memory, 8 workers): {:.2}% of {all} attempts answered 429 \
+         ({throttled}); {rpm:.1} successes per minute against a 50 RPM limit",
+        share * 100.0
+    );
+    assert_eq!(provider.served(), 480);
+    assert!(share <= 0.02, "{:.2}% answered 429", share * 100.0);
+    assert!((45.0..=55.0).contains(&rpm), "{rpm} RPM");
+    let learned = store.learned_limits("default").await;
+    assert_eq!(learned.requests, Some(50));
+    assert_eq!(learned.input_tokens, Some(40_000));
+    assert_eq!(learned.output_tokens, Some(8_000));
+}
+
+#[cfg(feature = "redis")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_storm_of_two_workers_on_one_redis_stays_under_2_percent_429_at_the_providers_rate() {
+    let server = support::RedisServer::start();
+    let url = server.url();
+    let connect = || Store::builder().redis(&url);
+    // Real time, scaled: 1,200 RPM (20 a second).
+    let provider = Anthropic::new(1_200, 10_000_000, 10_000_000, Duration::from_millis(20));
+    let stores = vec![connect().await.unwrap(), connect().await.unwrap()];
+    storm(&provider, &stores, 10, 8).await;
+    let (share, all, throttled) = provider.share_429();
+    let rpm = provider.throughput_rpm();
+    println!(
+        "learned pacing storm (redis, 2 workers): {:.2}% of {all} attempts answered 429 \
+         ({throttled}); {rpm:.0} successes per minute against a 1,200 RPM limit",
+        share * 100.0
+    );
+    assert_eq!(provider.served(), 160);
+    {
+        let s = provider.state.lock().unwrap();
+        let first = s.served[0];
+        let mut per = vec![0; 60];
+        for t in &s.served {
+            per[((*t - first).as_secs_f64() * 2.0) as usize] += 1;
+        }
+        println!("served per half second: {per:?}");
+    }
+    assert!(share <= 0.02, "{:.2}% answered 429", share * 100.0);
+    assert!((1_080.0..=1_320.0).contains(&rpm), "{rpm} RPM");
+    // A worker that starts later starts informed.
+    let late = connect().await.unwrap();
+    assert_eq!(late.learned_limits("default").await.requests, Some(1_200));
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_pacer_follows_a_limit_that_changes_mid_run() {
+    let provider = Anthropic::new(50, 1_000_000, 1_000_000, Duration::from_millis(50));
+    let store = Store::memory();
+    let minute = Duration::from_secs(60);
+    let start = Instant::now();
+    let end = start + minute * 9;
+    let mut tasks = Vec::new();
+    for worker in 0..4u64 {
+        let layer = RetryAfterBackoffLayer::new(store.clone(), policy(worker));
+        for caller in 0..10 {
+            let service = layer.layer(provider.service::<String>());
+            tasks.push(tokio::spawn(async move {
+                while Instant::now() < end {
+                    let tenant = format!("w{worker}-c{caller}");
+                    service.clone().oneshot(request(&tenant, 10)).await.unwrap();
+                }
+            }));
+        }
+    }
+    // 50 RPM for 3 minutes, 20 for 3, 50 again for 3; count the answers served after each
+    // change until the store holds the new limit.
+    let mut followed = Vec::new();
+    for (at, rpm) in [(3u32, 20u32), (6, 50)] {
+        tokio::time::sleep_until(start + minute * at).await;
+        provider.set_rpm(rpm);
+        let attempts = provider.state.lock().unwrap().attempts as usize;
+        while store.learned_limits("default").await.requests != Some(rpm) {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        followed.push(provider.state.lock().unwrap().attempts as usize - attempts);
+    }
+    for task in tasks {
+        task.await.unwrap();
+    }
+    let (share, all, throttled) = provider.share_429();
+    println!(
+        "limit 50 -> 20 -> 50 RPM: {:.2}% of {all} attempts answered 429 ({throttled}); \
+         the store held the new limit after {followed:?} answers",
+        share * 100.0
+    );
+    assert!(share < 0.05, "{:.2}% answered 429", share * 100.0);
+    assert!(followed.iter().all(|n| *n <= 3), "{followed:?}");
+}
+
+/// 400 requests through the whole stack against an upstream answering in 1 s, with
+/// `share` of the calls answered 429 (`retry-after: 1`) at random; the time they took.
+async fn through_the_stack(share: f64) -> Duration {
+    let provider = Anthropic::new(
+        1_000_000,
+        1_000_000_000,
+        1_000_000_000,
+        Duration::from_secs(1),
+    )
+    .with_random_429(share);
+    let fairgate = FairgateLayer::builder(Store::memory())
+        .backoff(policy(3))
+        .build()
+        .unwrap();
+    let service = fairgate.layer(provider.service::<String>());
+    let start = Instant::now();
+    let calls: Vec<_> = (0..400)
+        .map(|i| {
+            let service = service.clone();
+            tokio::spawn(async move {
+                let mut req = request(&format!("t{}", i % 10), 100);
+                let job = req
+                    .extensions()
+                    .get::<Job>()
+                    .unwrap()
+                    .clone()
+                    .tier("premium");
+                req.extensions_mut().insert(job);
+                let response = service.oneshot(req).await;
+                response.unwrap().status()
+            })
+        })
+        .collect();
+    let mut ok = 0;
+    for call in calls {
+        if call.await.unwrap() == 200 {
+            ok += 1;
+        }
+    }
+    assert!(ok >= 396, "{ok} of 400 succeeded");
+    Instant::now() - start
+}
+
+#[tokio::test(start_paused = true)]
+async fn random_429s_through_the_whole_stack_cost_less_than_half_the_throughput() {
+    let clean = through_the_stack(0.0).await;
+    let noisy = through_the_stack(0.10).await;
+    let ratio = noisy.as_secs_f64() / clean.as_secs_f64();
+    println!(
+        "400 requests through FairgateLayer: {:.1} s without 429s, {:.1} s with 10% random \
+         429s (retry-after: 1): {ratio:.2}x",
+        clean.as_secs_f64(),
+        noisy.as_secs_f64()
+    );
+    assert!(ratio <= 2.0, "{ratio:.2}x slower");
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_throttled_key_does_not_delay_another_keys_calls() {
+    let arrivals: Arc<Mutex<Vec<(String, Instant)>>> = Arc::default();
+    let seen = arrivals.clone();
+    let upstream = service_fn(move |req: http::Request<String>| {
+        let key = req.headers()["x-api-key"].to_str().unwrap().to_owned();
+        seen.lock().unwrap().push((key.clone(), Instant::now()));
+        async move {
+            let response = if key == "sk-a" {
+                respond(429, &[("retry-after".into(), "10".into())])
+            } else {
+                respond(200, &[])
+            };
+            Ok::<_, Infallible>(response)
+        }
+    });
+    let layer = RetryAfterBackoffLayer::new(
+        Store::memory(),
+        BackoffPolicy::builder()
+            .seed(1)
+            .max_retries(0)
+            .build()
+            .unwrap(),
+    )
+    .upstream_key_with(ByApiKey);
+    let call = |key: &str| {
+        let mut req = request("t", 10);
+        req.headers_mut().insert("x-api-key", key.parse().unwrap());
+        layer.layer(upstream.clone()).oneshot(req)
+    };
+    // Both keys answered once (past their cold start), then key A is throttled for 10 s.
+    assert_eq!(call("sk-b").await.unwrap().status(), 200);
+    assert_eq!(call("sk-a").await.unwrap().status(), 429);
+    let sent = Instant::now();
+    let a = tokio::spawn(call("sk-a"));
+    let b: Vec<_> = (0..10).map(|_| call("sk-b")).collect();
+    for response in futures_util::future::join_all(b).await {
+        assert_eq!(response.unwrap().status(), 200);
+    }
+    let _ = a.await.unwrap();
+    let arrivals = arrivals.lock().unwrap();
+    for (key, at) in arrivals.iter().skip(2) {
+        if key == "sk-b" {
+            assert_eq!(*at, sent, "key B was delayed by key A's gate");
+        } else {
+            assert!(*at >= sent + Duration::from_secs(10), "key A went early");
+        }
+    }
+}
+
+/// The lone retry after a 429 saying `header: value`: how long after the 429 it went, over
+/// `draws` seeds.
+async fn lone_retry_delays(header: &'static str, value: &'static str, draws: u64) -> Vec<Duration> {
+    let mut out = Vec::new();
+    for seed in 0..draws {
+        let times: Arc<Mutex<Vec<Instant>>> = Arc::default();
+        let seen = times.clone();
+        let upstream = service_fn(move |_req: http::Request<String>| {
+            let n = {
+                let mut t = seen.lock().unwrap();
+                t.push(Instant::now());
+                t.len()
+            };
+            async move {
+                Ok::<_, Infallible>(if n == 1 {
+                    respond(429, &[(header.into(), value.into())])
+                } else {
+                    respond(200, &[])
+                })
+            }
+        });
+        let layer = RetryAfterBackoffLayer::new(Store::memory(), policy(seed));
+        let response = layer
+            .layer(upstream)
+            .oneshot(request("t", 10))
+            .await
+            .unwrap();
+        assert_eq!(response.status(), 200);
+        let times = times.lock().unwrap();
+        out.push(times[1] - times[0]);
+    }
+    out
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_lone_retry_keeps_its_band_for_250_ms_and_2_s() {
+    for (header, value, server) in [
+        ("retry-after-ms", "250", Duration::from_millis(250)),
+        ("retry-after", "2", Duration::from_secs(2)),
+    ] {
+        let delays = lone_retry_delays(header, value, 1_000).await;
+        let (lo, hi) = (server.mul_f64(0.96), server.mul_f64(1.44));
+        let min = *delays.iter().min().unwrap();
+        let max = *delays.iter().max().unwrap();
+        println!(
+            "lone retry after {header}: {value}: from {min:?} to {max:?} (band {lo:?}..{hi:?})"
+        );
+        assert!(
+            min >= lo.saturating_sub(Duration::from_millis(1)),
+            "{min:?} < {lo:?}"
+        );
+        assert!(max <= hi + Duration::from_millis(1), "{max:?} > {hi:?}");
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn hostile_rate_limit_headers_neither_panic_nor_stop_the_fleet() {
+    let variants: Vec<Vec<(&str, &str)>> = vec![
+        vec![
+            ("anthropic-ratelimit-requests-limit", "0"),
+            ("anthropic-ratelimit-requests-remaining", "0"),
+            ("anthropic-ratelimit-requests-reset", "2099-01-01T00:00:00Z"),
+        ],
+        vec![
+            ("anthropic-ratelimit-requests-limit", "10"),
+            ("anthropic-ratelimit-requests-remaining", "5000"),
+            ("anthropic-ratelimit-requests-reset", "1999-01-01T00:00:00Z"),
+        ],
+        vec![
+            ("anthropic-ratelimit-input-tokens-limit", "lots"),
+            ("anthropic-ratelimit-input-tokens-remaining", "-1"),
+            ("anthropic-ratelimit-input-tokens-reset", "soon"),
+        ],
+        vec![
+            (
+                "anthropic-ratelimit-tokens-limit",
+                "99999999999999999999999999",
+            ),
+            ("anthropic-ratelimit-tokens-remaining", "0"),
+            ("anthropic-ratelimit-tokens-reset", "9999-12-31T23:59:59Z"),
+        ],
+        vec![
+            ("anthropic-ratelimit-output-tokens-limit", "4000000000"),
+            ("anthropic-ratelimit-output-tokens-remaining", "0"),
+            (
+                "anthropic-ratelimit-output-tokens-reset",
+                "3025-01-01T00:00:00Z",
+            ),
+        ],
+    ];
+    let upstream = service_fn(move |req: http::Request<String>| {
+        let i: usize = req.body().parse().unwrap();
+        let headers: Vec<(String, String)> = variants[i % variants.len()]
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        async move { Ok::<_, Infallible>(respond(200, &headers)) }
+    });
+    let layer = RetryAfterBackoffLayer::new(Store::memory(), policy(5));
+    let start = Instant::now();
+    let calls: Vec<_> = (0..200)
+        .map(|i| {
+            let mut req = request("t", 10);
+            *req.body_mut() = i.to_string();
+            layer.layer(upstream.clone()).oneshot(req)
+        })
+        .collect();
+    for response in futures_util::future::join_all(calls).await {
+        assert_eq!(response.unwrap().status(), 200);
+    }
+    // Limit 10 RPM with more remaining than the limit is the one usable limit: 200 calls
+    // at 9.5 a minute would take 20 minutes; never a standstill means they all went.
+    let took = Instant::now() - start;
+    println!("200 calls with hostile headers took {took:?}");
+    assert!(took < Duration::from_secs(30 * 60), "{took:?}");
+}
