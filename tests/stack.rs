@@ -521,3 +521,26 @@ async fn pro_and_free_tenants_share_the_global_cap_three_to_one() {
         handle.abort();
     }
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_call_held_by_the_gate_past_its_tiers_max_wait_is_told_busy_at_the_deadline() {
+    // The first call is answered 429 (retry-after: 2 s): the gate holds every new call for
+    // about 2.4 s. A guest's max wait is 1 s here: held by the gate, it is told Busy at 1 s
+    // from its arrival, not when the gate reopens.
+    let policy = SlotPolicy::builder()
+        .tier("guest", 5, SECOND)
+        .build()
+        .unwrap();
+    let upstream = Upstream::new(SECOND).throttling(|_, n| n == 0);
+    let mut rig = Rig::with_policy(upstream, policy);
+    let stack = rig.warm_stack().await;
+    let first = send(&stack, user("t0", "pro"));
+    tokio::time::sleep(Duration::from_millis(1_100)).await;
+    let guest = send(&stack, user("g", "guest")).await.unwrap();
+    println!("a guest held by the gate: Busy after {:?}", guest.took());
+    assert!(guest.busy(), "the gate held it past its max wait");
+    assert_eq!(guest.took(), SECOND);
+    assert!(!first.await.unwrap().busy(), "a retry is not bounded by it");
+    assert_eq!(rig.fair.in_flight(), 0);
+    assert_eq!(rig.slots().await, 0);
+}

@@ -247,9 +247,14 @@ fn stack(
     });
     let service = ServiceBuilder::new()
         .layer(PriorityClassifyLayer::new(store.clone()).demotion(demotion))
+        // Learned pacing's slow start holds calls at cold start by design (tested in
+        // tests/learned_pacing.rs); this model is about the fair queue and the slot caps.
         .layer(RetryAfterBackoffLayer::new(
             store.clone(),
-            BackoffPolicy::default(),
+            BackoffPolicy::builder()
+                .learned_pacing(false)
+                .build()
+                .expect("a valid policy"),
         ))
         .layer(fair.clone())
         .layer(slots)

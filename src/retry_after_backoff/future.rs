@@ -10,7 +10,7 @@ use std::time::{Duration, SystemTime};
 use http::StatusCode;
 use http_body::Body;
 use pin_project_lite::pin_project;
-use tokio::time::Sleep;
+use tokio::time::{Instant, Sleep};
 use tower::retry::budget::Budget;
 use tower_service::Service;
 
@@ -19,6 +19,7 @@ use super::decide::{self, Verdict};
 use super::layer::{Held, Learned, Shared};
 use super::request::CloneRequest;
 use super::telemetry;
+use crate::admission::Busy;
 use crate::error::{BoxError, MissingJob};
 use crate::store::{PaceAsk, PaceGrant, StoreFuture};
 use crate::{JobRequest, TenantId};
@@ -102,6 +103,45 @@ pub(super) struct Call<S, Req, C> {
     pub(super) held: Option<Held>,
     /// The next attempt holds its reservation in the store's shared pacing.
     pub(super) reserved: bool,
+    /// The tier's max wait, while the first attempt is held here (see `Patience`).
+    pub(super) patience: Option<Patience>,
+}
+
+/// The tier's max wait under the store's slot caps, counted from the request's arrival:
+/// a first attempt held here (behind the gate, by pacing, by slow start) past it is told
+/// [`Busy`] at the deadline, as the fair queue and the slot layer would. A retry is not
+/// bounded by it: the request was dispatched once, and a retry's own wait is the server's.
+pub(super) struct Patience {
+    deadline: Instant,
+    arrived: Instant,
+    tier: crate::Tier,
+    retry_after: Duration,
+    timer: Option<Pin<Box<Sleep>>>,
+}
+
+impl Patience {
+    pub(super) fn new(policy: &crate::SlotPolicy, job: &crate::Job, arrived: Instant) -> Self {
+        let (tier, limit, _) = policy.limit(job.tier_name());
+        Patience {
+            deadline: crate::time::after(arrived, limit.max_wait),
+            arrived,
+            tier,
+            retry_after: policy.retry_after(),
+            timer: None,
+        }
+    }
+
+    /// `Busy` once the deadline has passed; `None` (the timer registered) before.
+    fn poll_expired(&mut self, cx: &mut Context<'_>) -> Option<Busy> {
+        let deadline = self.deadline;
+        let timer = self
+            .timer
+            .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(deadline)));
+        timer.as_mut().poll(cx).is_ready().then(|| {
+            crate::metrics::server_busy(&self.tier);
+            Busy::new(self.tier.clone(), self.arrived.elapsed(), self.retry_after)
+        })
+    }
 }
 
 /// What a response means, decided as soon as its head arrives.
@@ -305,6 +345,13 @@ where
                     learn,
                     answered,
                 } => {
+                    if call.retries == 0
+                        && let Some(busy) = call.patience.as_mut().and_then(|p| p.poll_expired(cx))
+                    {
+                        // Nothing was sent: whatever it held here goes with the state.
+                        this.state.set(State::Done);
+                        return Poll::Ready(Err(busy.into()));
+                    }
                     if let Some(woken) = answered.as_mut()
                         && woken.as_mut().poll(cx).is_ready()
                     {

@@ -8,7 +8,7 @@ use tower::retry::budget::Budget;
 use tower_service::Service;
 
 use super::body::ResponseBody;
-use super::future::{Call, ResponseFuture};
+use super::future::{Call, Patience, ResponseFuture};
 use super::layer::{Learned, Shared};
 use super::learned::{OneUpstream, UpstreamKey};
 use super::request::{ByClone, CloneRequest, TypeName};
@@ -78,10 +78,20 @@ where
         self.inner.poll_ready(cx).map_err(Into::into)
     }
 
-    fn call(&mut self, req: Req) -> Self::Future {
-        let Some(job) = req.job() else {
+    fn call(&mut self, mut req: Req) -> Self::Future {
+        let Some(job) = req.job_mut() else {
             return ResponseFuture::missing_job();
         };
+        let arrived = job.arrival();
+        // With the store's slot caps, the tier's max wait bounds this layer's holds too (the
+        // gate, pacing, slow start): dispatched or `Busy` within it, wherever it waited.
+        let patience = self
+            .shared
+            .core
+            .store
+            .slot_policy()
+            .map(|policy| Patience::new(policy, job, arrived));
+        let job = &*job;
         let tenant = job.tenant().clone();
         let cost = job.estimated_tokens();
         let shared = self.shared.clone();
@@ -130,6 +140,7 @@ where
             probe: false,
             held: None,
             reserved: false,
+            patience,
         };
         if go_now {
             call.pace_step = 0;
