@@ -466,7 +466,18 @@ pub fn ratelimit_wait(headers: &HeaderMap, now: SystemTime) -> Option<Duration> 
 
 /// The latest reset among exhausted dimensions, as [`ratelimit_wait`] finds it, without a
 /// clock: the shell reads the clock only when a limit is exhausted.
+/// Whether an answer carries any `anthropic-ratelimit-*` header: one pass over its few
+/// header names, so an answer without them (most upstreams, most tests) costs no lookups.
+pub(super) fn has_ratelimit_headers(headers: &HeaderMap) -> bool {
+    headers
+        .keys()
+        .any(|name| name.as_str().starts_with("anthropic-ratelimit-"))
+}
+
 pub(super) fn ratelimit_reset(headers: &HeaderMap) -> Option<SystemTime> {
+    if !has_ratelimit_headers(headers) {
+        return None;
+    }
     let mut latest: Option<SystemTime> = None;
     for (remaining, reset) in &RATELIMIT_NAMES {
         let exhausted = header_str(headers, remaining)
@@ -486,7 +497,7 @@ pub(super) fn ratelimit_reset(headers: &HeaderMap) -> Option<SystemTime> {
 /// `-limit` is usable: learned pacing waits for one cell of it instead of its full
 /// replenishment (which is what Anthropic's `-reset` says).
 pub(super) fn ratelimit_reset_unlearned(headers: &HeaderMap, learned: bool) -> Option<SystemTime> {
-    if !learned {
+    if !learned || !has_ratelimit_headers(headers) {
         return ratelimit_reset(headers);
     }
     let mut latest: Option<SystemTime> = None;

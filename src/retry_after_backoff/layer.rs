@@ -43,6 +43,11 @@ pub(super) struct Core {
     rng: Mutex<Rng>,
     /// This worker's view of each upstream key's learned bucket.
     views: Mutex<Views>,
+    /// Views that are not quiet (see `View::is_quiet`): while none is, an answer without
+    /// rate-limit headers is noted without the lock.
+    loud: AtomicUsize,
+    /// The view of the layer's own upstream key exists (the common, one-key case).
+    default_known: std::sync::atomic::AtomicBool,
     /// Calls of this layer held now (behind a gate or a probe).
     held: AtomicUsize,
     /// Per upstream key: the gate's last known reopening and this worker's release after it
@@ -151,16 +156,32 @@ impl Core {
     /// after the gate, calls go through the store's probe.
     pub(super) fn note_at_limit(&self, key: &Arc<str>) {
         let mut views = crate::sync::lock(&self.views);
-        let view = views.get(key, self.policy.learned_pacing);
+        let mut view = views.get(key, self.policy.learned_pacing, &self.loud);
         view.recover_until = Some(Instant::now() + self.policy.probe_timeout);
         view.credit = [0; DIMS];
     }
 
     /// Whether a call to `key` may go now without asking the store, or what to ask it.
     pub(super) fn admit_learned(&self, key: &Arc<str>, cost: u32) -> Learned {
-        let now = Instant::now();
+        // The layer's own key, known, and every view quiet: it is quiet too, so the call goes
+        // as without learned pacing, without the lock.
+        if Arc::ptr_eq(key, &self.policy.upstream)
+            && self.default_known.load(Ordering::Acquire)
+            && self.loud.load(Ordering::Acquire) == 0
+        {
+            return Learned::Go(Duration::ZERO);
+        }
         let mut views = crate::sync::lock(&self.views);
-        let view = views.get(key, self.policy.learned_pacing);
+        let mut view = views.get(key, self.policy.learned_pacing, &self.loud);
+        if Arc::ptr_eq(key, &self.policy.upstream) {
+            self.default_known.store(true, Ordering::Release);
+        }
+        // No headers ever seen, nothing to recover from: as without learned pacing (and no
+        // clock read).
+        if view.mode == 1 && view.recover_until.is_none() {
+            return Learned::Go(Duration::ZERO);
+        }
+        let now = Instant::now();
         let recovering = view.recovering(now);
         if view.mode == 1 && !recovering {
             return Learned::Go(Duration::ZERO);
@@ -194,7 +215,7 @@ impl Core {
     /// Applies the store's answer to a reservation of `block` calls of `cost`.
     pub(super) fn granted(&self, key: &Arc<str>, grant: &PaceGrant, cost: u32, block: u32) {
         let mut views = crate::sync::lock(&self.views);
-        let view = views.get(key, self.policy.learned_pacing);
+        let mut view = views.get(key, self.policy.learned_pacing, &self.loud);
         let before = view.limits;
         view.update(grant, self.policy.probe_timeout);
         if grant.limits != before {
@@ -221,13 +242,22 @@ impl Core {
         throttled: bool,
         probe: bool,
     ) -> Option<PaceAsk> {
+        if !throttled
+            && !probe
+            && self.loud.load(std::sync::atomic::Ordering::Acquire) == 0
+            && !super::decide::has_ratelimit_headers(headers)
+        {
+            // Every view is quiet and this answer says nothing new: what the locked path
+            // below would conclude, without the lock.
+            return None;
+        }
         let learn = if self.policy.learned_pacing {
             learned::read_limits(headers)
         } else {
             [(0, 0); DIMS]
         };
         let mut views = crate::sync::lock(&self.views);
-        let view = views.get(key, self.policy.learned_pacing);
+        let mut view = views.get(key, self.policy.learned_pacing, &self.loud);
         let was_recovering = view.recover_until.is_some();
         if throttled {
             view.recover_until = Some(Instant::now() + self.policy.probe_timeout);
@@ -295,6 +325,8 @@ impl RetryAfterBackoffLayer {
                     pacer,
                     rng: Mutex::new(rng),
                     views: Mutex::default(),
+                    loud: AtomicUsize::new(0),
+                    default_known: std::sync::atomic::AtomicBool::new(false),
                     held: AtomicUsize::new(0),
                     release: Mutex::default(),
                     answered: Arc::default(),

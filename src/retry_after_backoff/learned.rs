@@ -7,7 +7,7 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use http::HeaderMap;
@@ -45,6 +45,9 @@ static LOGGED_GARBAGE: AtomicBool = AtomicBool::new(false);
 /// logged once per process (`upstream.ratelimit_ignored`).
 pub(super) fn read_limits(headers: &HeaderMap) -> [(u32, u32); DIMS] {
     let mut out = [(0, 0); DIMS];
+    if !super::decide::has_ratelimit_headers(headers) {
+        return out;
+    }
     for (d, (limit, remaining)) in HEADERS.iter().enumerate() {
         let Some(raw_limit) = headers.get(limit) else {
             continue;
@@ -243,18 +246,82 @@ pub(super) struct Views {
     map: HashMap<Arc<str>, View>,
 }
 
+impl View {
+    /// Nothing to learn, recover from or report: answers without rate-limit headers
+    /// change nothing (see `Core::report`'s lock-free path).
+    fn is_quiet(&self) -> bool {
+        self.mode == 1 && self.recover_until.is_none() && self.pending.is_none()
+    }
+}
+
 impl Views {
-    pub(super) fn get(&mut self, key: &Arc<str>, learning: bool) -> &mut View {
-        if !self.map.contains_key(key) {
-            if self.map.len() >= 4096 {
-                let now = Instant::now();
-                self.map.retain(|_, v| {
-                    v.pending.is_some() || v.recover_until.is_some_and(|at| at > now)
-                });
-            }
-            self.map.insert(key.clone(), View::new(learning));
+    /// The view of `key` (created cold), through a guard that keeps `loud` — the number
+    /// of views that are not quiet — true when it is dropped.
+    pub(super) fn get<'a>(
+        &'a mut self,
+        key: &Arc<str>,
+        learning: bool,
+        loud: &'a AtomicUsize,
+    ) -> ViewGuard<'a> {
+        if self.map.len() >= 4096 && !self.map.contains_key(key) {
+            let now = Instant::now();
+            self.map
+                .retain(|_, v| v.pending.is_some() || v.recover_until.is_some_and(|at| at > now));
+            let count = self.map.values().filter(|v| !v.is_quiet()).count();
+            loud.store(count, Ordering::Release);
         }
-        self.map.get_mut(key).expect("inserted above")
+        let mut created = false;
+        // One hash: an `Arc` clone is cheaper than a second lookup.
+        let view = self.map.entry(key.clone()).or_insert_with(|| {
+            created = true;
+            View::new(learning)
+        });
+        let quiet_before = view.is_quiet();
+        if created && !quiet_before {
+            // Counted at once (a cold view is loud), before anyone reads the new view as
+            // known.
+            loud.fetch_add(1, Ordering::Release);
+        }
+        ViewGuard {
+            quiet_before,
+            view,
+            loud,
+        }
+    }
+}
+
+/// A view borrowed from [`Views`]; counts it in or out of the loud views when dropped.
+pub(super) struct ViewGuard<'a> {
+    view: &'a mut View,
+    quiet_before: bool,
+    loud: &'a AtomicUsize,
+}
+
+impl std::ops::Deref for ViewGuard<'_> {
+    type Target = View;
+
+    fn deref(&self) -> &View {
+        self.view
+    }
+}
+
+impl std::ops::DerefMut for ViewGuard<'_> {
+    fn deref_mut(&mut self) -> &mut View {
+        self.view
+    }
+}
+
+impl Drop for ViewGuard<'_> {
+    fn drop(&mut self) {
+        match (self.quiet_before, self.view.is_quiet()) {
+            (true, false) => {
+                self.loud.fetch_add(1, Ordering::Release);
+            }
+            (false, true) => {
+                self.loud.fetch_sub(1, Ordering::Release);
+            }
+            _ => {}
+        }
     }
 }
 
