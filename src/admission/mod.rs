@@ -6,8 +6,10 @@
 //!
 //! - **One arrival.** The first layer that sees a job stamps its arrival
 //!   ([`Job::arrived_at`](crate::Job::arrived_at)); every wait counts from that instant, so
-//!   a tier's max wait is end to end, wherever in the stack the request waited. A retry is a
-//!   new attempt: [`RetryAfterBackoff`](crate::RetryAfterBackoff) starts its clock again.
+//!   a tier's max wait is end to end, wherever in the stack the request waited: the fair
+//!   queue, the slot layer, and [`RetryAfterBackoff`](crate::RetryAfterBackoff)'s holds of a
+//!   first attempt (the gate, pacing, slow start) all answer [`Busy`] at the deadline. A
+//!   retry is a new attempt: the retry layer starts its clock again.
 //! - **The caps are the store's.** [`TierSlotLimitLayer::new`](crate::TierSlotLimitLayer::new)
 //!   registers its [`SlotPolicy`] with its store (the first policy registered on a store is
 //!   the one shared; the caps are the fleet's budget, and the store is what the fleet

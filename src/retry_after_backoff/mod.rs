@@ -73,6 +73,13 @@
 //!   [shared](Pacing::shared) by every worker through the store (one GCRA script on Redis
 //!   that reserves all dimensions at once, server time).
 //!
+//! **Max wait.** When the store carries slot caps (a
+//! [`TierSlotLimitLayer`](crate::TierSlotLimitLayer) was built on it), a first attempt
+//! held here — behind the gate, by pacing, by slow start — past its tier's max wait
+//! (counted from the request's arrival) fails with [`Busy`](crate::Busy) at the deadline,
+//! as the fair queue and the slot layer would: a tier's max wait is end to end. A retry is
+//! not bounded by it (the request was dispatched once); its wait is the server's.
+//!
 //! Requests are copied for a retry with `Clone` by default ([`CloneRequest`]: [`SendOnce`]
 //! or a closure for other types); a request that cannot be copied is sent once. Responses
 //! must be `http::Response<B>` (any `http_body::Body`): the layer returns them with a
