@@ -74,7 +74,7 @@ use crate::body::GuardedBody;
 use crate::drr_fairness::{DrrFairnessBuilder, Permit, Settler};
 use crate::error::ConfigError;
 use crate::priority_classify::PriorityClassify;
-use crate::retry_after_backoff::{ByClone, ResponseBody, RetryAfterBackoff};
+use crate::retry_after_backoff::{ByClone, OneUpstream, ResponseBody, RetryAfterBackoff};
 use crate::tier_slot_limit::{SlotPermit, TierSlotLimit};
 use crate::{
     BackoffPolicy, ClassifyRule, DefaultRule, DemotionPolicy, DrrFairness, DrrFairnessLayer,
@@ -82,8 +82,8 @@ use crate::{
 };
 
 /// The service [`FairgateLayer`] builds around `S`.
-pub type Fairgate<S, C = ByClone, R = DefaultRule> =
-    PriorityClassify<RetryAfterBackoff<DrrFairness<TierSlotLimit<S>>, C>, R>;
+pub type Fairgate<S, C = ByClone, R = DefaultRule, K = OneUpstream> =
+    PriorityClassify<RetryAfterBackoff<DrrFairness<TierSlotLimit<S>>, C, K>, R>;
 
 /// The response body of [`Fairgate`] for an inner `http::Response<B>`: the upstream body,
 /// holding the window permit and the slot until it ends, fails or is dropped.
@@ -94,9 +94,9 @@ pub type FairgateBody<B> = ResponseBody<GuardedBody<GuardedBody<B, SlotPermit>, 
 /// # Clone
 /// Cheap; every clone shares the four layers' state (the window, the queues, the caps, the
 /// gate): wrap the whole client or router with it, not a per-route clone of a new layer.
-pub struct FairgateLayer<C = ByClone, R = DefaultRule> {
+pub struct FairgateLayer<C = ByClone, R = DefaultRule, K = OneUpstream> {
     classify: PriorityClassifyLayer<R>,
-    retry: RetryAfterBackoffLayer<C>,
+    retry: RetryAfterBackoffLayer<C, K>,
     fair: DrrFairnessLayer,
     slots: TierSlotLimitLayer,
     store: Store,
@@ -126,7 +126,7 @@ impl FairgateLayer {
     }
 }
 
-impl<C, R> FairgateLayer<C, R> {
+impl<C, R, K> FairgateLayer<C, R, K> {
     /// A handle to settle requests' real usage against their tenants' deficits.
     pub fn settler(&self) -> Settler {
         self.fair.settler()
@@ -144,7 +144,7 @@ impl<C, R> FairgateLayer<C, R> {
 
     /// Copies requests for a retry with `cloner` instead of `Clone` (e.g. a closure that
     /// rebuilds a buffered body, or [`SendOnce`](crate::retry_after_backoff::SendOnce)).
-    pub fn clone_requests_with<C2>(self, cloner: C2) -> FairgateLayer<C2, R> {
+    pub fn clone_requests_with<C2>(self, cloner: C2) -> FairgateLayer<C2, R, K> {
         FairgateLayer {
             classify: self.classify,
             retry: self.retry.clone_requests_with(cloner),
@@ -154,8 +154,21 @@ impl<C, R> FairgateLayer<C, R> {
         }
     }
 
+    /// Scopes the cooldown gate, the recovery probe and the learned limits per request
+    /// (per API key, per model, both, or a closure) instead of one per layer; see
+    /// [`UpstreamKey`](crate::retry_after_backoff::UpstreamKey).
+    pub fn upstream_key_with<K2>(self, key: K2) -> FairgateLayer<C, R, K2> {
+        FairgateLayer {
+            classify: self.classify,
+            retry: self.retry.upstream_key_with(key),
+            fair: self.fair,
+            slots: self.slots,
+            store: self.store,
+        }
+    }
+
     /// Classifies with `rule` instead of the default rule.
-    pub fn rule<R2: ClassifyRule>(self, rule: R2) -> FairgateLayer<C, R2>
+    pub fn rule<R2: ClassifyRule>(self, rule: R2) -> FairgateLayer<C, R2, K>
     where
         R: ClassifyRule,
     {
@@ -169,7 +182,7 @@ impl<C, R> FairgateLayer<C, R> {
     }
 }
 
-impl<C, R> Clone for FairgateLayer<C, R> {
+impl<C, R, K> Clone for FairgateLayer<C, R, K> {
     fn clone(&self) -> Self {
         FairgateLayer {
             classify: self.classify.clone(),
@@ -181,7 +194,7 @@ impl<C, R> Clone for FairgateLayer<C, R> {
     }
 }
 
-impl<C, R> fmt::Debug for FairgateLayer<C, R> {
+impl<C, R, K> fmt::Debug for FairgateLayer<C, R, K> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("FairgateLayer")
             .field("classify", &self.classify)
@@ -192,8 +205,8 @@ impl<C, R> fmt::Debug for FairgateLayer<C, R> {
     }
 }
 
-impl<S, C, R> Layer<S> for FairgateLayer<C, R> {
-    type Service = Fairgate<S, C, R>;
+impl<S, C, R, K> Layer<S> for FairgateLayer<C, R, K> {
+    type Service = Fairgate<S, C, R, K>;
 
     fn layer(&self, inner: S) -> Self::Service {
         let inner = self.slots.layer(inner);

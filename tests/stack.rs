@@ -17,7 +17,7 @@ use fairgate::{
 };
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
-use tower::{Service, ServiceBuilder, ServiceExt, service_fn};
+use tower::{Layer, Service, ServiceBuilder, ServiceExt, service_fn};
 
 /// One call as the upstream saw it.
 #[derive(Clone, Debug)]
@@ -543,4 +543,58 @@ async fn a_call_held_by_the_gate_past_its_tiers_max_wait_is_told_busy_at_the_dea
     assert!(!first.await.unwrap().busy(), "a retry is not bounded by it");
     assert_eq!(rig.fair.in_flight(), 0);
     assert_eq!(rig.slots().await, 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn through_the_one_line_stack_a_throttled_model_does_not_hold_another() {
+    // FairgateLayer scoped per model: model A answers 429 (retry-after: 10 s) and closes
+    // its gate; model B's calls go at once.
+    let started: Arc<Mutex<Vec<(String, Instant)>>> = Arc::default();
+    let seen = started.clone();
+    let upstream = service_fn(move |req: http::Request<String>| {
+        let model = if req.body().contains("model-a") {
+            "a"
+        } else {
+            "b"
+        };
+        seen.lock()
+            .unwrap()
+            .push((model.to_owned(), Instant::now()));
+        async move {
+            let mut response = http::Response::new(String::new());
+            if model == "a" {
+                *response.status_mut() = http::StatusCode::TOO_MANY_REQUESTS;
+                response
+                    .headers_mut()
+                    .insert("retry-after", http::HeaderValue::from_static("10"));
+            }
+            Ok::<_, BoxError>(response)
+        }
+    });
+    let fairgate = fairgate::FairgateLayer::builder(Store::memory())
+        .backoff(BackoffPolicy::builder().max_retries(0).build().unwrap())
+        .build()
+        .unwrap()
+        .upstream_key_with(fairgate::retry_after_backoff::ByModel);
+    let stack = fairgate.layer(upstream);
+    let call = |model: &str| {
+        let mut req = http::Request::new(format!(r#"{{"model":"model-{model}"}}"#));
+        req.extensions_mut().insert(user("t", "pro"));
+        stack.clone().oneshot(req)
+    };
+    // Both models answered once (past their cold start), then model A is throttled.
+    assert_eq!(call("b").await.unwrap().status(), 200);
+    assert_eq!(call("a").await.unwrap().status(), 429);
+    let sent = Instant::now();
+    let held = tokio::spawn(call("a"));
+    for response in futures_util::future::join_all((0..5).map(|_| call("b"))).await {
+        assert_eq!(response.unwrap().status(), 200);
+    }
+    let _ = held.await.unwrap();
+    for (model, at) in started.lock().unwrap().iter().skip(2) {
+        match model.as_str() {
+            "b" => assert_eq!(*at, sent, "model B was held by model A's gate"),
+            _ => assert!(*at >= sent + Duration::from_secs(10), "model A went early"),
+        }
+    }
 }
