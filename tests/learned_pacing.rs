@@ -9,7 +9,7 @@ use std::convert::Infallible;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime};
 
 use fairgate::retry_after_backoff::{BackoffPolicy, ByApiKey};
 use fairgate::{FairgateLayer, Job, Origin, RetryAfterBackoffLayer, Store};
@@ -75,28 +75,6 @@ struct Anthropic {
 
 const OUTPUT: f64 = 100.0;
 
-fn rfc3339(at: SystemTime) -> String {
-    let since = at.duration_since(UNIX_EPOCH).unwrap();
-    let secs = since.as_secs() as i64;
-    let (days, rem) = (secs.div_euclid(86_400), secs.rem_euclid(86_400));
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z - era * 146_097;
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let day = doy - (153 * mp + 2) / 5 + 1;
-    let month = if mp < 10 { mp + 3 } else { mp - 9 };
-    let year = yoe + era * 400 + i64::from(month <= 2);
-    format!(
-        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}.{:03}Z",
-        rem / 3600,
-        rem % 3600 / 60,
-        rem % 60,
-        since.subsec_millis()
-    )
-}
-
 impl Anthropic {
     fn new(rpm: u32, itpm: u32, otpm: u32, latency: Duration) -> Self {
         Anthropic {
@@ -145,7 +123,7 @@ impl Anthropic {
             ));
             out.push((
                 format!("anthropic-ratelimit-{name}-reset"),
-                rfc3339(now + Duration::from_secs_f64(b.until_full())),
+                support::rfc3339(now + Duration::from_secs_f64(b.until_full())),
             ));
         }
         out

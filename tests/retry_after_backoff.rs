@@ -8,7 +8,7 @@ use std::convert::Infallible;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime};
 
 use fairgate::retry_after_backoff::{BackoffPolicy, Pacing, SendOnce};
 use fairgate::{
@@ -436,7 +436,7 @@ async fn every_overflowing_retry_after_returns_at_once_with_the_gate_closed_for_
 async fn an_exhausted_limit_reported_by_a_success_holds_the_next_call_until_its_reset() {
     let mock = Mock::new(|_, n| match n {
         0 => {
-            let reset = rfc3339(SystemTime::now() + Duration::from_secs(3));
+            let reset = support::rfc3339(SystemTime::now() + Duration::from_secs(3));
             status(
                 200,
                 &[
@@ -809,7 +809,7 @@ impl Provider {
         }
         let until_next = Duration::from_secs_f64(((1.0 - bucket.0).max(0.0)) * 60.0 / RPM);
         let remaining = bucket.0.floor().to_string();
-        let reset = rfc3339(SystemTime::now() + until_next);
+        let reset = support::rfc3339(SystemTime::now() + until_next);
         let mut attempts = self.attempts.lock().unwrap();
         attempts.0 += 1;
         let limits = [
@@ -851,29 +851,6 @@ impl Provider {
         let (all, throttled) = *self.attempts.lock().unwrap();
         (throttled as f64 / all as f64, all, throttled)
     }
-}
-
-/// `YYYY-MM-DDTHH:MM:SS.mmmZ` (Howard Hinnant's civil_from_days).
-fn rfc3339(at: SystemTime) -> String {
-    let since = at.duration_since(UNIX_EPOCH).unwrap();
-    let secs = since.as_secs() as i64;
-    let (days, rem) = (secs.div_euclid(86_400), secs.rem_euclid(86_400));
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z - era * 146_097;
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let day = doy - (153 * mp + 2) / 5 + 1;
-    let month = if mp < 10 { mp + 3 } else { mp - 9 };
-    let year = yoe + era * 400 + i64::from(month <= 2);
-    format!(
-        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}.{:03}Z",
-        rem / 3600,
-        rem % 3600 / 60,
-        rem % 60,
-        since.subsec_millis()
-    )
 }
 
 const WORKERS: usize = 8;

@@ -130,6 +130,13 @@ impl State {
         self.groups.iter().map(|g| g.scheduler.len()).sum()
     }
 
+    /// A slot may have come free: every blocked tier may try again.
+    fn unblock_all(&mut self) {
+        for gate in self.groups.iter_mut().filter_map(|g| g.gate.as_mut()) {
+            gate.blocked = false;
+        }
+    }
+
     /// A request of `class` left the queue: a class with nothing left waiting banks no
     /// round-robin credit (as inside one scheduler).
     fn left(&mut self, class: Priority) {
@@ -730,11 +737,7 @@ impl Shared {
         let mut after = AfterUnlock::default();
         let depth = {
             let mut state = self.lock();
-            for group in &mut state.groups {
-                if let Some(gate) = group.gate.as_mut() {
-                    gate.blocked = false;
-                }
-            }
+            state.unblock_all();
             self.dispatch(&mut state, &mut after);
             after.depth.map(|p| (p, state.class_len(p)))
         };
@@ -761,11 +764,7 @@ impl Shared {
             if lease.is_some() {
                 // The slot is given back before the next dispatch tries to take one.
                 drop(lease);
-                for group in &mut state.groups {
-                    if let Some(gate) = group.gate.as_mut() {
-                        gate.blocked = false;
-                    }
-                }
+                state.unblock_all();
             }
             self.dispatch(&mut state, &mut after);
             after.depth.map(|p| (p, state.class_len(p)))
