@@ -259,19 +259,7 @@ fn send(stack: &Stack, job: Job) -> JoinHandle<Outcome> {
     })
 }
 
-async fn outcomes(handles: Vec<JoinHandle<Outcome>>) -> Vec<Outcome> {
-    let mut all = Vec::new();
-    for handle in handles {
-        all.push(handle.await.expect("no panic"));
-    }
-    all
-}
-
-fn percentile(mut values: Vec<Duration>, p: f64) -> Duration {
-    values.sort();
-    let at = ((values.len() as f64 - 1.0) * p).round() as usize;
-    values[at]
-}
+use support::{joined as outcomes, percentile};
 
 const SECOND: Duration = Duration::from_secs(1);
 

@@ -724,3 +724,19 @@ pub fn rfc3339(at: std::time::SystemTime) -> String {
         since.subsec_millis()
     )
 }
+
+/// What the spawned tasks returned, in the order given (a panic in one fails the test).
+pub async fn joined<T>(handles: Vec<tokio::task::JoinHandle<T>>) -> Vec<T> {
+    let mut all = Vec::with_capacity(handles.len());
+    for handle in handles {
+        all.push(handle.await.expect("no panic"));
+    }
+    all
+}
+
+/// The `p` percentile (0.0 to 1.0, nearest rank) of `values`.
+pub fn percentile(mut values: Vec<Duration>, p: f64) -> Duration {
+    values.sort();
+    let at = ((values.len() as f64 - 1.0) * p).round() as usize;
+    values[at]
+}
