@@ -137,7 +137,11 @@ impl Target {
         resp3: bool,
     ) -> RedisResult<ClusterClient> {
         let Target::Cluster { nodes, certs } = self else {
-            unreachable!("cluster_client on a single node");
+            // Only asked of a cluster target; an error, not a panic, if that ever changes.
+            return Err(redis::RedisError::from((
+                redis::ErrorKind::InvalidClientConfig,
+                "a cluster client for a single-node target",
+            )));
         };
         let mut builder = ClusterClientBuilder::new(nodes.clone())
             .retries(2)
