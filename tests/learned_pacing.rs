@@ -588,3 +588,35 @@ async fn hostile_rate_limit_headers_neither_panic_nor_stop_the_fleet() {
     println!("200 calls with hostile headers took {took:?}");
     assert!(took < Duration::from_secs(30 * 60), "{took:?}");
 }
+
+#[tokio::test]
+async fn while_redis_is_away_each_worker_paces_at_its_share_of_the_learned_rate() {
+    // Real time, scaled: 600 RPM learned by two workers on one Redis; then Redis dies and
+    // one worker paces alone against half of it (0.95 x 600 / 2 = 285 a minute, 4.75 a
+    // second), as the slot caps and configured pacing are split.
+    let mut server = support::RedisServer::start();
+    let url = server.url();
+    let connect = || Store::builder().redis(&url);
+    let provider = Anthropic::new(600, 10_000_000, 10_000_000, Duration::from_millis(5));
+    let (one, _two) = (connect().await.unwrap(), connect().await.unwrap());
+    let alive = Instant::now() + Duration::from_secs(5);
+    while one.alive_workers() < 2 && Instant::now() < alive {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(one.alive_workers(), 2, "both workers heartbeat");
+    let service = RetryAfterBackoffLayer::new(one.clone(), policy(1)).layer(provider.service());
+    service.clone().oneshot(request("t", 10)).await.unwrap();
+    server.kill();
+    let calls: Vec<_> = (0..20)
+        .map(|i| tokio::spawn(service.clone().oneshot(request(&format!("t{i}"), 10))))
+        .collect();
+    for call in calls {
+        assert_eq!(call.await.unwrap().unwrap().status(), 200);
+    }
+    assert!(one.is_degraded());
+    let served = provider.state.lock().unwrap().served.clone();
+    let last = &served[served.len() - 10..];
+    let rate = 9.0 / (last[9] - last[0]).as_secs_f64();
+    println!("Redis away, 2 workers known: the last 10 calls at {rate:.2} a second (share 4.75)");
+    assert!((3.5..=6.0).contains(&rate), "{rate:.2} calls a second");
+}

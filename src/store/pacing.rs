@@ -233,13 +233,14 @@ pub(crate) struct LearnedBucket {
 }
 
 /// The emission interval (µs per cell) and capacity (cells) the pacer uses for a dimension
-/// whose provider limit is `limit` per minute, aiming at `headroom_permille`: the rate is a
+/// whose provider limit is `limit` per minute, aiming at `headroom_permille` (the policy's
+/// 0.1-1, or a worker's share of it while Redis is away): the rate is a
 /// little under the provider's; requests may burst one second's worth (the provider
 /// enforces per-minute limits over shorter intervals too), tokens their whole minute (the
 /// provider's bucket).
 pub(crate) fn interval_and_capacity(dim: usize, limit: u32, headroom_permille: u32) -> (i64, i64) {
     let per_minute =
-        (f64::from(limit) * f64::from(headroom_permille.clamp(100, 1000)) / 1000.0).max(1.0);
+        (f64::from(limit) * f64::from(headroom_permille.clamp(1, 1000)) / 1000.0).max(1.0);
     let interval = (60_000_000.0 / per_minute).max(1.0) as i64;
     let capacity = if dim == REQUESTS {
         (per_minute / 60.0).floor().max(1.0)

@@ -72,10 +72,13 @@ impl RedisStore {
             ]);
         }
         let local_key = key.to_owned();
-        let local_ask = *ask;
+        let mut local_ask = *ask;
+        // Alone while Redis is away: this worker's own mirror (learned afresh from the
+        // answers it gets meanwhile), aiming at its share of each learned rate — the rate
+        // split among the workers it knows of, as the slot caps and configured pacing are.
+        let workers = self.known_workers().max(1);
+        local_ask.headroom_permille = (ask.headroom_permille / workers).max(1);
         self.op(
-            // Alone while Redis is away: this worker's own mirror (learned afresh from the
-            // answers it gets meanwhile).
             move |fallback| fallback.pacers.learned(&local_key, &local_ask),
             move |this| async move {
                 let mut conn = this.conn.clone();
