@@ -33,20 +33,8 @@ const TIER_CAPS: [(&str, u32); 4] = [("premium", 8), ("pro", 6), ("free", 4), ("
 /// One case at a time: two cores, and each case's timing matters.
 static SERIAL: Mutex<()> = Mutex::new(());
 
-/// The `slot_worker` example, built by `cargo test` next to the test binaries.
 fn worker_binary() -> PathBuf {
-    let deps = std::env::current_exe()
-        .unwrap()
-        .parent()
-        .unwrap()
-        .to_path_buf();
-    let path = deps.parent().unwrap().join("examples").join("slot_worker");
-    assert!(
-        path.exists(),
-        "{} missing: run the tests with --all-features",
-        path.display()
-    );
-    path
+    support::example_binary("slot_worker")
 }
 
 /// A worker process, SIGKILLed by its pid when dropped (a case that panics leaves nothing).

@@ -16,20 +16,8 @@ use support::{RedisServer, request};
 use tokio::time::Instant;
 use tower::{Layer, ServiceExt, service_fn};
 
-/// The `slot_worker` example, built by `cargo test` next to the test binaries.
 fn worker_binary() -> PathBuf {
-    let deps = std::env::current_exe()
-        .unwrap()
-        .parent()
-        .unwrap()
-        .to_path_buf();
-    let path = deps.parent().unwrap().join("examples").join("slot_worker");
-    assert!(
-        path.exists(),
-        "{} missing: run the tests with --all-features",
-        path.display()
-    );
-    path
+    support::example_binary("slot_worker")
 }
 
 fn spawn_worker(args: &[&str]) -> Child {

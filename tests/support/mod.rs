@@ -740,3 +740,19 @@ pub fn percentile(mut values: Vec<Duration>, p: f64) -> Duration {
     let at = ((values.len() as f64 - 1.0) * p).round() as usize;
     values[at]
 }
+
+/// An example built by `cargo test` next to the test binaries (`target/<profile>/examples`).
+pub fn example_binary(name: &str) -> std::path::PathBuf {
+    let exe = std::env::current_exe().expect("the test binary's path");
+    let profile = exe
+        .parent()
+        .and_then(std::path::Path::parent)
+        .expect("target/<profile>/deps");
+    let path = profile.join("examples").join(name);
+    assert!(
+        path.exists(),
+        "{} missing: run the tests with --all-features",
+        path.display()
+    );
+    path
+}
