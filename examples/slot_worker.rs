@@ -14,13 +14,15 @@
 //!
 //! `faults URL OBSERVER CALLERS MILLIS [EXPECTED_WORKERS]` (the fault suite,
 //! `tests/faults.rs`): prints `READY` once its store is built (Redis may be down), then each
-//! caller makes calls for MILLIS ms under global cap 8 (tiers 8/6/4/2). Every call counts
+//! caller makes calls for MILLIS ms under global cap 8 (tiers 8/6/4/2), through the whole
+//! recommended stack (`FairgateLayer`: the fair queue takes the slots). Every call counts
 //! itself in flight on a second Redis, the OBSERVER, for its whole duration (5-49 ms, and
 //! 400 ms for every 7th, a streamed answer): the current count, the maximum, and the time
 //! spent over each cap, globally and per tier (`obs:*` keys). Prints `ok=N busy=N failed=N`.
 //!
 //! `--cluster` (anywhere; `faults` and `hold`): URL is a comma-separated list of a Redis
-//! Cluster's node URLs, and the store is built with `redis_cluster`.
+//! Cluster's node URLs, and the store is built with `redis_cluster`. `--slots-only`
+//! (`faults`): TierSlotLimit alone instead of the whole recommended stack.
 //!
 //! The caps (global 12; premium 8, pro 6, free 4, guest 2) and the lease TTL (2 s) are those
 //! the tests check against (`faults`: global 8).
@@ -28,7 +30,7 @@
 use std::convert::Infallible;
 use std::time::Duration;
 
-use fairgate::{BoxError, Busy, Job, Origin, SlotPolicy, Store, TierSlotLimitLayer};
+use fairgate::{BoxError, Busy, FairgateLayer, Job, Origin, SlotPolicy, Store, TierSlotLimitLayer};
 use tower::{Layer, ServiceExt, service_fn};
 
 const TIERS: [&str; 4] = ["premium", "pro", "free", "guest"];
@@ -56,7 +58,8 @@ return now";
 async fn main() -> Result<(), BoxError> {
     let mut args: Vec<String> = std::env::args().skip(1).collect();
     let cluster = args.iter().any(|a| a == "--cluster");
-    args.retain(|a| a != "--cluster");
+    let slots_only = args.iter().any(|a| a == "--slots-only");
+    args.retain(|a| a != "--cluster" && a != "--slots-only");
     let (mode, url) = match args.as_slice() {
         [mode, url, ..] => (mode.as_str(), url.as_str()),
         _ => {
@@ -70,7 +73,11 @@ async fn main() -> Result<(), BoxError> {
     if mode == "faults" {
         let observer = args.get(2).ok_or("missing observer url")?;
         let expected = args.get(5).map(|n| n.parse()).transpose()?;
-        return faults(url, cluster, observer, number(3)?, number(4)?, expected).await;
+        let (callers, millis) = (number(3)?, number(4)?);
+        return faults(
+            url, cluster, slots_only, observer, callers, millis, expected,
+        )
+        .await;
     }
     let store = build(
         Store::builder().flush_interval(Duration::from_millis(50)),
@@ -223,6 +230,7 @@ return 1";
 async fn faults(
     url: &str,
     cluster: bool,
+    slots_only: bool,
     observer: &str,
     callers: usize,
     millis: usize,
@@ -278,10 +286,23 @@ async fn faults(
             let _: u32 = call(1).invoke_async(&mut probe).await?;
             tokio::time::sleep(hold).await;
             let _: u32 = call(-1).invoke_async(&mut probe).await?;
-            Ok::<_, redis::RedisError>(http::Response::new(()))
+            Ok::<_, redis::RedisError>(http::Response::new(String::new()))
         }
     });
-    let service = TierSlotLimitLayer::new(store, policy).layer(upstream);
+    // The recommended stack, as a deployment runs it: the fair queue takes each call's slot
+    // when it dispatches it (a spawned acquire on Redis), the slot layer lets it through.
+    // `--slots-only`: TierSlotLimit alone takes and waits for the slots.
+    let service = if slots_only {
+        let slots = TierSlotLimitLayer::new(store, policy).layer(upstream);
+        tower::util::BoxCloneService::new(slots.map_response(drop))
+    } else {
+        let stack = FairgateLayer::builder(store)
+            .slots(policy)
+            .window(64)
+            .build()?
+            .layer(upstream);
+        tower::util::BoxCloneService::new(stack.map_response(drop))
+    };
     let until = tokio::time::Instant::now() + Duration::from_millis(millis as u64);
     let tasks = (0..callers).map(|caller| {
         let service = service.clone();
@@ -301,11 +322,9 @@ async fn faults(
                 req.extensions_mut()
                     .insert(Job::new(format!("tenant-{caller}"), Origin::UserAction).tier(tier));
                 req.extensions_mut().insert(hold);
+                // The response (and the slot it holds) is dropped when the call returns.
                 match service.clone().oneshot(req).await {
-                    Ok(response) => {
-                        drop(response);
-                        ok += 1;
-                    }
+                    Ok(()) => ok += 1,
                     Err(e) if e.is::<Busy>() => busy += 1,
                     Err(e) => {
                         eprintln!("call failed: {e}");
