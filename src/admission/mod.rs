@@ -39,3 +39,44 @@ mod policy;
 pub use self::busy::Busy;
 pub use self::demotion::{DemotionPolicy, DemotionPolicyBuilder};
 pub use self::policy::{SlotPolicy, SlotPolicyBuilder, TierLimit};
+
+use tokio::time::Instant;
+
+use crate::Tier;
+
+/// Logs `queue.slow_wait` once, when a wait for a slot passes the policy's threshold:
+/// the fair queue's waits and the slot layer's own, the same event.
+pub(crate) struct SlowWait {
+    at: Instant,
+    warned: bool,
+    started: Instant,
+}
+
+impl SlowWait {
+    /// A wait that began at `started` and warns `after` it.
+    pub(crate) fn new(started: Instant, after: std::time::Duration) -> Self {
+        SlowWait {
+            at: crate::time::after(started, after),
+            warned: false,
+            started,
+        }
+    }
+
+    /// When the warning is due, if it has not been given.
+    pub(crate) fn next(&self) -> Option<Instant> {
+        (!self.warned).then_some(self.at)
+    }
+
+    pub(crate) fn check(&mut self, tier: &Tier) {
+        let now = Instant::now();
+        if !self.warned && now >= self.at {
+            self.warned = true;
+            tracing::warn!(
+                name: "queue.slow_wait",
+                tier = %tier,
+                waited_secs = now.saturating_duration_since(self.started).as_secs_f64(),
+                "request still waiting for a slot"
+            );
+        }
+    }
+}

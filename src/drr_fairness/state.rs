@@ -14,7 +14,7 @@ use tokio::time::{Instant, Sleep};
 use super::error::QueueFull;
 use super::fairness::FairnessWindow;
 use super::scheduler::{ClassPicker, Key, Rejected, Scheduler, SchedulerConfig};
-use crate::admission::{Busy, TierLimit};
+use crate::admission::{Busy, SlowWait, TierLimit};
 use crate::error::ConfigError;
 use crate::metrics::Metric;
 use crate::rng::Rng;
@@ -513,7 +513,7 @@ impl Shared {
                             arrived,
                             patience: place.patience,
                             timer: None,
-                            slow_warned: false,
+                            slow: None,
                         }));
                     }
                     Err(rejected) => {
@@ -875,7 +875,8 @@ pub(super) struct Ticket {
     /// `arrived`, and past it the request fails with `Busy`.
     patience: Option<(Tier, TierLimit)>,
     timer: Option<Pin<Box<Sleep>>>,
-    slow_warned: bool,
+    /// The `queue.slow_wait` warning of a slot-gated wait, armed on its first poll.
+    slow: Option<SlowWait>,
 }
 
 impl Ticket {
@@ -946,31 +947,21 @@ impl Ticket {
             return false;
         };
         let deadline = crate::time::after(self.arrived, limit.max_wait);
-        let slow_at = shared
-            .store
-            .slot_policy()
-            .map(|p| crate::time::after(self.arrived, p.slow_wait));
+        let arrived = self.arrived;
+        let slow = self.slow.get_or_insert_with(|| {
+            let after = shared
+                .store
+                .slot_policy()
+                .map_or(Duration::MAX, |p| p.slow_wait);
+            SlowWait::new(arrived, after)
+        });
         loop {
             let now = Instant::now();
             if now >= deadline {
                 return true;
             }
-            if !self.slow_warned
-                && let Some(at) = slow_at
-                && now >= at
-            {
-                self.slow_warned = true;
-                tracing::warn!(
-                    name: "queue.slow_wait",
-                    tier = %tier,
-                    waited_secs = now.saturating_duration_since(self.arrived).as_secs_f64(),
-                    "request still waiting for a slot"
-                );
-            }
-            let wake = match slow_at.filter(|_| !self.slow_warned) {
-                Some(at) => at.min(deadline),
-                None => deadline,
-            };
+            slow.check(tier);
+            let wake = slow.next().map_or(deadline, |at| at.min(deadline));
             let timer = self
                 .timer
                 .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(wake)));

@@ -10,6 +10,7 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::time::{Instant, sleep_until};
 
 use super::{Busy, SlotPolicy, TierLimit};
+use crate::admission::SlowWait;
 use crate::rng::Rng;
 use crate::store::{SlotLease, SlotLimits, Store, StoreFuture};
 use crate::sync::lock;
@@ -244,11 +245,7 @@ pub(super) async fn wait_for_slot(
     first_try: Option<StoreFuture<Option<SlotLease>>>,
 ) -> Result<SlotPermit, Busy> {
     let deadline = crate::time::after(started, limit.max_wait);
-    let mut slow = SlowWait {
-        at: crate::time::after(started, shared.policy.slow_wait),
-        warned: false,
-        started,
-    };
+    let mut slow = SlowWait::new(started, shared.policy.slow_wait);
     let _waiting = Waiting::enter(&state);
 
     let _turn = match turn {
@@ -308,32 +305,5 @@ pub(super) async fn wait_for_slot(
             _ = sleep_until(wake) => {}
         }
         slow.check(&tier);
-    }
-}
-
-/// Logs `queue.slow_wait` once, when a wait passes the policy's threshold.
-struct SlowWait {
-    at: Instant,
-    warned: bool,
-    started: Instant,
-}
-
-impl SlowWait {
-    /// When the warning is due, if it has not been given.
-    fn next(&self) -> Option<Instant> {
-        (!self.warned).then_some(self.at)
-    }
-
-    fn check(&mut self, tier: &Tier) {
-        let now = Instant::now();
-        if !self.warned && now >= self.at {
-            self.warned = true;
-            tracing::warn!(
-                name: "queue.slow_wait",
-                tier = %tier,
-                waited_secs = now.saturating_duration_since(self.started).as_secs_f64(),
-                "request still waiting for a slot"
-            );
-        }
     }
 }
