@@ -429,7 +429,10 @@ async fn a_tenant_at_its_cap_holds_no_more_and_another_of_its_tier_is_not_delaye
     assert_eq!(b_waits.len(), 4);
     assert!(b_waits.iter().all(|w| *w < Duration::from_millis(100)));
     let a = outcomes(a).await;
-    assert!(a.iter().all(|o| !o.busy()), "a's 60 calls fit in pro's 45 s");
+    assert!(
+        a.iter().all(|o| !o.busy()),
+        "a's 60 calls fit in pro's 45 s"
+    );
     let calls = rig.upstream.calls();
     assert_eq!(most_at_once(&calls, "a", SECOND), 4);
     assert_eq!(rig.slots().await, 0);
@@ -456,7 +459,11 @@ async fn a_tenant_over_its_cap_is_busy_at_its_tiers_max_wait_through_the_stack()
     let calls = rig.upstream.calls();
     assert_eq!(calls.len(), 2, "{calls:?}");
     assert_eq!(rig.upstream.in_flight(), 2);
-    assert!(calls.iter().all(|c| c.started.saturating_duration_since(c.arrived) < SECOND));
+    assert!(
+        calls
+            .iter()
+            .all(|c| c.started.saturating_duration_since(c.arrived) < SECOND)
+    );
     first.abort();
     other.abort();
 }

@@ -710,12 +710,17 @@ async fn a_tenant_at_its_cap_waits_apart_and_another_of_its_tier_goes_at_once(ri
         .expect("b gets a slot");
     let took = started.elapsed();
     // Its own call included: it waited behind none of a's.
-    assert!(took < rig.call * 3 / 2, "b waited behind a's flood: {took:?}");
+    assert!(
+        took < rig.call * 3 / 2,
+        "b waited behind a's flood: {took:?}"
+    );
     for call in flood {
-        call.await.unwrap().expect("every call of a is served in time");
+        call.await
+            .unwrap()
+            .expect("every call of a is served in time");
     }
-    let seen = seen.lock().unwrap();
-    assert_eq!(seen["a"].1, 2, "a held {} slots at once", seen["a"].1);
+    let most = seen.lock().unwrap()["a"].1;
+    assert_eq!(most, 2, "a held {most} slots at once");
     assert_eq!(rig.store.slots_in_use(None).await, 0);
 }
 

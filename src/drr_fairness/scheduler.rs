@@ -889,9 +889,7 @@ impl Class {
                     continue;
                 }
             }
-            let Some(tenant) = self.tenant_mut(t) else {
-                return None;
-            };
+            let tenant = self.tenant_mut(t)?;
             // deficit >= cost >= 1, so this cannot overflow.
             tenant.deficit -= cost;
             tenant.in_flight = tenant.in_flight.saturating_add(1);
