@@ -12,6 +12,9 @@
 //!
 //! `hold URL N`: takes N slots, prints `HOLDING`, and holds them until killed.
 //!
+//! `hold-tenant URL N`: as `hold`, for tenant `capped` in tier `pro`, under the same caps
+//! plus a cap of N `pro` slots per tenant (`tests/tenant_caps_redis.rs`).
+//!
 //! `faults URL OBSERVER CALLERS MILLIS [EXPECTED_WORKERS]` (the fault suite,
 //! `tests/faults.rs`): prints `READY` once its store is built (Redis may be down), then each
 //! caller makes calls for MILLIS ms under global cap 8 (tiers 8/6/4/2), through the whole
@@ -64,7 +67,7 @@ async fn main() -> Result<(), BoxError> {
         [mode, url, ..] => (mode.as_str(), url.as_str()),
         _ => {
             return Err("usage: slot_worker load URL CALLERS CALLS | hold URL N \
-                 | faults URL OBSERVER CALLERS MILLIS [EXPECTED_WORKERS]"
+                 | hold-tenant URL N | faults URL OBSERVER CALLERS MILLIS [EXPECTED_WORKERS]"
                 .into());
         }
     };
@@ -88,6 +91,7 @@ async fn main() -> Result<(), BoxError> {
     match mode {
         "load" => load(store, url, number(2)?, number(3)?).await,
         "hold" => hold(store, number(2)?).await,
+        "hold-tenant" => hold_tenant(store, number(2)?).await,
         _ => Err(format!("unknown mode {mode}").into()),
     }
 }
@@ -180,6 +184,34 @@ async fn hold(store: Store, slots: usize) -> Result<(), BoxError> {
         let tier = TIERS[i % 2]; // premium and pro: 10 fit under their caps
         req.extensions_mut()
             .insert(Job::new("holder", Origin::UserAction).tier(tier));
+        held.push(service.clone().oneshot(req).await?);
+    }
+    println!("HOLDING");
+    tokio::time::sleep(Duration::from_secs(3600)).await;
+    drop(held);
+    Ok(())
+}
+
+async fn hold_tenant(store: Store, slots: usize) -> Result<(), BoxError> {
+    let cap = u32::try_from(slots)?;
+    let wait = Duration::from_secs(120);
+    let policy = SlotPolicy::builder()
+        .global_max(12)
+        .tier("premium", 8, wait)
+        .tier("pro", 6, wait)
+        .tier("free", 4, wait)
+        .tier("guest", 2, wait)
+        .tenant_cap("pro", cap)
+        .lease_ttl(Duration::from_secs(2))
+        .build()?;
+    let upstream =
+        service_fn(|_: http::Request<()>| async { Ok::<_, Infallible>(http::Response::new(())) });
+    let service = TierSlotLimitLayer::new(store, policy).layer(upstream);
+    let mut held = Vec::new();
+    for _ in 0..slots {
+        let mut req = http::Request::new(());
+        req.extensions_mut()
+            .insert(Job::new("capped", Origin::UserAction).tier("pro"));
         held.push(service.clone().oneshot(req).await?);
     }
     println!("HOLDING");

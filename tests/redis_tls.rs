@@ -33,6 +33,7 @@ async fn tls_with_the_right_ca_and_password_shares_state_on_redis() {
     let limits = SlotLimits {
         global: 2,
         tier: 2,
+        tenant: None,
         lease_ttl: Duration::from_secs(5),
     };
     let lease = store.try_acquire_slot(&Tier::new("pro"), limits).await;

@@ -392,6 +392,82 @@ async fn inside_a_full_tier_a_newcomer_goes_at_the_next_freed_slot() {
     }
 }
 
+// ---------- per-tenant caps: a tenant never takes its whole tier ----------
+
+/// The most calls of `tenant` the upstream had at once (each call lasts `delay`).
+fn most_at_once(calls: &[Call], tenant: &str, delay: Duration) -> usize {
+    let mine: Vec<_> = calls.iter().filter(|c| c.tenant == tenant).collect();
+    mine.iter()
+        .map(|at| {
+            mine.iter()
+                .filter(|c| c.started <= at.started && at.started < c.started + delay)
+                .count()
+        })
+        .max()
+        .unwrap_or(0)
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_tenant_at_its_cap_holds_no_more_and_another_of_its_tier_is_not_delayed() {
+    let policy = SlotPolicy::builder().tenant_cap("pro", 4).build().unwrap();
+    let mut rig = Rig::with_policy(Upstream::new(SECOND), policy);
+    let stack = rig.warm_stack().await;
+    // 60 calls of `a` (pro: 20 slots; without its cap it would take all 20).
+    let a: Vec<_> = (0..60).map(|_| send(&stack, user("a", "pro"))).collect();
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    // b sends its own cap's worth.
+    let b: Vec<_> = (0..4).map(|_| send(&stack, user("b", "pro"))).collect();
+    let b = outcomes(b).await;
+    assert!(b.iter().all(|o| !o.busy()));
+    let calls = rig.upstream.calls();
+    let b_waits: Vec<_> = calls
+        .iter()
+        .filter(|c| c.tenant == "b")
+        .map(|c| c.started.saturating_duration_since(c.arrived))
+        .collect();
+    println!("b's waits: {b_waits:?}");
+    assert_eq!(b_waits.len(), 4);
+    assert!(b_waits.iter().all(|w| *w < Duration::from_millis(100)));
+    let a = outcomes(a).await;
+    assert!(
+        a.iter().all(|o| !o.busy()),
+        "a's 60 calls fit in pro's 45 s"
+    );
+    let calls = rig.upstream.calls();
+    assert_eq!(most_at_once(&calls, "a", SECOND), 4);
+    assert_eq!(rig.slots().await, 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_tenant_over_its_cap_is_busy_at_its_tiers_max_wait_through_the_stack() {
+    // free: 15 slots, 12 s of patience; one call per tenant.
+    let policy = SlotPolicy::builder().tenant_cap("free", 1).build().unwrap();
+    let mut rig = Rig::with_policy(Upstream::new(Duration::from_secs(30)), policy);
+    let stack = rig.warm_stack().await;
+    let first = send(&stack, user("a", "free"));
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    let second = send(&stack, user("a", "free"));
+    let other = send(&stack, user("b", "free"));
+    let second = second.await.unwrap();
+    assert!(second.busy(), "{second:?}");
+    let took = second.took();
+    assert!(
+        took >= Duration::from_secs(12) && took < Duration::from_millis(12_100),
+        "{took:?}"
+    );
+    // b, of the same tier, went out at once: both a's first call and b's are upstream.
+    let calls = rig.upstream.calls();
+    assert_eq!(calls.len(), 2, "{calls:?}");
+    assert_eq!(rig.upstream.in_flight(), 2);
+    assert!(
+        calls
+            .iter()
+            .all(|c| c.started.saturating_duration_since(c.arrived) < SECOND)
+    );
+    first.abort();
+    other.abort();
+}
+
 // ---------- waiting holds nothing ----------
 
 #[tokio::test(start_paused = true)]

@@ -117,6 +117,8 @@ support::on_both_stores!(
     five_hundred_guests_leave_twenty_five_slots_for_paying_tiers,
     free_flood_cannot_keep_premium_out_for_a_call_time,
     cancelled_waiters_and_holders_give_their_slots_back,
+    a_tenant_at_its_cap_waits_apart_and_another_of_its_tier_goes_at_once,
+    a_tenant_over_its_cap_is_busy_at_its_tiers_max_wait,
 );
 
 async fn caps_hold_globally_and_per_tier(rig: Rig) {
@@ -647,4 +649,109 @@ async fn busy_becomes_a_503_with_retry_after_and_server_busy_json() {
     assert_eq!(response.headers()[http::header::RETRY_AFTER], "5");
     let body = response.into_body().collect().await.unwrap().to_bytes();
     assert_eq!(&body[..], br#"{"code":"SERVER_BUSY","retry_after":5}"#);
+}
+
+/// Calls in flight at the upstream per tenant: now, and the most.
+type TenantsSeen = Arc<Mutex<HashMap<String, (u32, u32)>>>;
+
+/// An upstream that takes `hold` per call and records concurrency per tenant.
+fn tenant_upstream(
+    hold: Duration,
+) -> (
+    TenantsSeen,
+    impl Service<http::Request<()>, Response = http::Response<()>, Error = Infallible, Future: Send>
+    + Clone
+    + Send
+    + 'static,
+) {
+    let seen = TenantsSeen::default();
+    let record = seen.clone();
+    let service = service_fn(move |req: http::Request<()>| {
+        let seen = record.clone();
+        let tenant = req.extensions().get::<Job>().unwrap().tenant().to_string();
+        async move {
+            {
+                let mut s = seen.lock().unwrap();
+                let (now, max) = s.entry(tenant.clone()).or_default();
+                *now += 1;
+                *max = (*max).max(*now);
+            }
+            tokio::time::sleep(hold).await;
+            seen.lock().unwrap().get_mut(&tenant).unwrap().0 -= 1;
+            Ok::<_, Infallible>(http::Response::new(()))
+        }
+    });
+    (seen, service)
+}
+
+fn tenant_job(tenant: &str) -> Job {
+    Job::new(tenant, Origin::UserAction).tier("free")
+}
+
+async fn a_tenant_at_its_cap_waits_apart_and_another_of_its_tier_goes_at_once(rig: Rig) {
+    let policy = SlotPolicy::builder()
+        .tier("free", 10, Duration::from_secs(600))
+        .tenant_cap("free", 2)
+        .poll_interval(Duration::from_millis(20))
+        .build()
+        .unwrap();
+    let (seen, inner) = tenant_upstream(rig.call);
+    let service = TierSlotLimitLayer::new(rig.store.clone(), policy).layer(inner);
+    // 30 calls of `a`: without its cap, 10 would run and 20 queue in the tier.
+    let flood: Vec<_> = (0..30)
+        .map(|_| spawn_call(&service, tenant_job("a")))
+        .collect();
+    tokio::time::sleep(rig.call / 4).await;
+    let started = Instant::now();
+    service
+        .clone()
+        .oneshot(request(tenant_job("b")))
+        .await
+        .expect("b gets a slot");
+    let took = started.elapsed();
+    // Its own call included: it waited behind none of a's.
+    assert!(
+        took < rig.call * 3 / 2,
+        "b waited behind a's flood: {took:?}"
+    );
+    for call in flood {
+        call.await
+            .unwrap()
+            .expect("every call of a is served in time");
+    }
+    let most = seen.lock().unwrap()["a"].1;
+    assert_eq!(most, 2, "a held {most} slots at once");
+    assert_eq!(rig.store.slots_in_use(None).await, 0);
+}
+
+async fn a_tenant_over_its_cap_is_busy_at_its_tiers_max_wait(rig: Rig) {
+    let max_wait = rig.call * 2;
+    let policy = SlotPolicy::builder()
+        .tier("free", 10, max_wait)
+        .tenant_cap("free", 1)
+        .poll_interval(Duration::from_millis(20))
+        .build()
+        .unwrap();
+    let (seen, inner) = tenant_upstream(rig.call * 10);
+    let service = TierSlotLimitLayer::new(rig.store.clone(), policy).layer(inner);
+    let holding = spawn_call(&service, tenant_job("a"));
+    tokio::time::sleep(rig.call / 4).await;
+    let other = spawn_call(&service, tenant_job("b"));
+    let started = Instant::now();
+    let err = service
+        .clone()
+        .oneshot(request(tenant_job("a")))
+        .await
+        .expect_err("a's second call never gets a slot");
+    let waited = started.elapsed();
+    let busy = err.downcast_ref::<Busy>().expect("Busy");
+    assert_eq!(busy.tier().as_str(), "free");
+    assert!(
+        waited >= max_wait && waited < max_wait + rig.call / 2,
+        "busy after {waited:?}, max wait {max_wait:?}"
+    );
+    // Meanwhile b, of the same tier, went out at once.
+    assert_eq!(seen.lock().unwrap()["b"], (1, 1));
+    holding.abort();
+    other.abort();
 }

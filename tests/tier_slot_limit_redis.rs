@@ -365,6 +365,7 @@ fn limits(slots: u32) -> SlotLimits {
     SlotLimits {
         global: slots,
         tier: slots,
+        tenant: None,
         lease_ttl: Duration::from_secs(30),
     }
 }

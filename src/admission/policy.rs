@@ -13,6 +13,9 @@ pub struct TierLimit {
     /// How long a request of this tier waits for a slot before it fails with
     /// [`Busy`](crate::Busy).
     pub max_wait: Duration,
+    /// Most slots one tenant of this tier holds at once, across every worker (`None`: no
+    /// cap of its own; see [`SlotPolicyBuilder::tenant_cap`]).
+    pub tenant_cap: Option<u32>,
 }
 
 /// Global and per-tier caps, how long each tier waits, and how leases behave.
@@ -53,6 +56,7 @@ impl Default for SlotPolicy {
         let tier = |cap, secs| TierLimit {
             cap,
             max_wait: Duration::from_secs(secs),
+            tenant_cap: None,
         };
         SlotPolicy {
             global_max: 30,
@@ -78,6 +82,7 @@ impl SlotPolicy {
     pub fn builder() -> SlotPolicyBuilder {
         SlotPolicyBuilder {
             policy: SlotPolicy::default(),
+            tenant_caps: HashMap::new(),
         }
     }
 
@@ -101,6 +106,7 @@ impl SlotPolicy {
             .unwrap_or(TierLimit {
                 cap: 1,
                 max_wait: Duration::ZERO,
+                tenant_cap: None,
             });
         (self.default_tier.clone(), limit, tier.is_none())
     }
@@ -120,6 +126,7 @@ impl SlotPolicy {
         SlotLimits {
             global: self.global_max,
             tier: limit.cap,
+            tenant: limit.tenant_cap,
             lease_ttl: self.lease_ttl,
         }
     }
@@ -129,6 +136,8 @@ impl SlotPolicy {
 #[derive(Clone, Debug)]
 pub struct SlotPolicyBuilder {
     policy: SlotPolicy,
+    /// Applied by `build`, so `tier` and `tenant_cap` may come in either order.
+    tenant_caps: HashMap<Tier, u32>,
 }
 
 impl SlotPolicyBuilder {
@@ -140,9 +149,44 @@ impl SlotPolicyBuilder {
 
     /// Adds a tier or replaces one: its cap (at least 1) and how long it waits.
     pub fn tier(mut self, name: impl Into<Tier>, cap: u32, max_wait: Duration) -> Self {
-        self.policy
-            .tiers
-            .insert(name.into(), TierLimit { cap, max_wait });
+        let tenant_cap = None; // set by `build` from `tenant_cap`
+        self.policy.tiers.insert(
+            name.into(),
+            TierLimit {
+                cap,
+                max_wait,
+                tenant_cap,
+            },
+        );
+        self
+    }
+
+    /// Caps the slots one tenant of tier `name` holds at once, across every worker (default:
+    /// no cap of its own, only the tier's). A tenant sending from every worker can then take
+    /// at most `slots` of its tier's cap, whatever the others leave free: LiteLLM's per-key
+    /// `max_parallel_requests`, fleet-wide. Over its cap, a tenant's request waits for one
+    /// of its own calls to end — without holding up the other tenants of its tier — and
+    /// fails with [`Busy`](crate::Busy) at the tier's max wait, as it would for a full tier.
+    ///
+    /// The cap is checked in the same step as the global and tier caps (on Redis, the same
+    /// script). A cap at or above the tier's cap is no cap (nothing is counted per tenant);
+    /// `0` is refused by [`build`](Self::build), and so is a tier that is not configured.
+    ///
+    /// ```
+    /// use fairgate::SlotPolicy;
+    /// use std::time::Duration;
+    ///
+    /// let policy = SlotPolicy::builder()
+    ///     .tier("free", 15, Duration::from_secs(12))
+    ///     .tenant_cap("free", 2) // no free tenant holds more than 2 of the 15
+    ///     .build()?;
+    /// assert_eq!(policy.limit(Some(&"free".into())).1.tenant_cap, Some(2));
+    /// assert_eq!(policy.limit(Some(&"pro".into())).1.tenant_cap, None);
+    /// assert!(SlotPolicy::builder().tenant_cap("free", 0).build().is_err());
+    /// # Ok::<(), fairgate::ConfigError>(())
+    /// ```
+    pub fn tenant_cap(mut self, name: impl Into<Tier>, slots: u32) -> Self {
+        self.tenant_caps.insert(name.into(), slots);
         self
     }
 
@@ -200,11 +244,26 @@ impl SlotPolicyBuilder {
     /// The policy, or what is wrong with it.
     ///
     /// # Errors
-    /// A zero global or tier cap, a default tier that is not configured, a lease TTL under
-    /// 100 ms or over a day, or a poll interval outside 1 ms - 60 s. Waits may be as long as
-    /// you like: `Duration::MAX` means \"forever\".
+    /// A zero global, tier or tenant cap, a tenant cap for a tier that is not configured, a
+    /// default tier that is not configured, a lease TTL under 100 ms or over a day, or a
+    /// poll interval outside 1 ms - 60 s. Waits may be as long as you like: `Duration::MAX`
+    /// means \"forever\".
     pub fn build(self) -> Result<SlotPolicy, ConfigError> {
-        let policy = self.policy;
+        let mut policy = self.policy;
+        for (tier, slots) in self.tenant_caps {
+            if slots == 0 {
+                return Err(ConfigError::new(format!(
+                    "tenant cap of tier {tier} must be at least 1"
+                )));
+            }
+            let Some(limit) = policy.tiers.get_mut(&tier) else {
+                return Err(ConfigError::new(format!(
+                    "tenant cap for tier {tier}, which has no slot limit configured"
+                )));
+            };
+            // A cap the tier's own cap already enforces counts nothing more.
+            limit.tenant_cap = (slots < limit.cap).then_some(slots);
+        }
         if policy.global_max == 0 {
             return Err(ConfigError::new("global slot cap must be at least 1"));
         }
@@ -233,5 +292,81 @@ impl SlotPolicyBuilder {
             return Err(ConfigError::new("lease ttl must be at most a day"));
         }
         Ok(policy)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn free_cap(builder: SlotPolicyBuilder) -> Result<Option<u32>, ConfigError> {
+        let policy = builder.build()?;
+        Ok(policy.limit(Some(&Tier::new("free"))).1.tenant_cap)
+    }
+
+    #[test]
+    fn tenant_caps_are_off_by_default() {
+        let policy = SlotPolicy::default();
+        for tier in policy.tiers.values() {
+            assert_eq!(tier.tenant_cap, None);
+        }
+        assert_eq!(policy.limits(policy.limit(None).1).tenant, None);
+    }
+
+    #[test]
+    fn tenant_cap_is_per_tier_and_reaches_the_store_limits() {
+        let policy = SlotPolicy::builder().tenant_cap("free", 3).build().unwrap();
+        let (_, free, _) = policy.limit(Some(&Tier::new("free")));
+        assert_eq!(free.tenant_cap, Some(3));
+        assert_eq!(policy.limits(free).tenant, Some(3));
+        assert_eq!(policy.limit(Some(&Tier::new("pro"))).1.tenant_cap, None);
+    }
+
+    #[test]
+    fn tenant_cap_and_tier_come_in_either_order() {
+        let before =
+            SlotPolicy::builder()
+                .tenant_cap("free", 2)
+                .tier("free", 8, Duration::from_secs(1));
+        let after = SlotPolicy::builder()
+            .tier("free", 8, Duration::from_secs(1))
+            .tenant_cap("free", 2);
+        assert_eq!(free_cap(before).unwrap(), Some(2));
+        assert_eq!(free_cap(after).unwrap(), Some(2));
+    }
+
+    #[test]
+    fn zero_tenant_cap_is_a_config_error() {
+        let err = SlotPolicy::builder()
+            .tenant_cap("free", 0)
+            .build()
+            .unwrap_err();
+        assert!(err.to_string().contains("tenant cap"), "{err}");
+    }
+
+    #[test]
+    fn tenant_cap_for_an_unknown_tier_is_a_config_error() {
+        assert!(SlotPolicy::builder().tenant_cap("gold", 2).build().is_err());
+        let removed = SlotPolicy::builder()
+            .without_tier("free")
+            .tenant_cap("free", 2);
+        assert!(removed.build().is_err());
+    }
+
+    #[test]
+    fn tenant_cap_at_or_over_the_tier_cap_is_off() {
+        // free: 15 slots by default.
+        assert_eq!(
+            free_cap(SlotPolicy::builder().tenant_cap("free", 15)).unwrap(),
+            None
+        );
+        assert_eq!(
+            free_cap(SlotPolicy::builder().tenant_cap("free", 99)).unwrap(),
+            None
+        );
+        assert_eq!(
+            free_cap(SlotPolicy::builder().tenant_cap("free", 14)).unwrap(),
+            Some(14)
+        );
     }
 }

@@ -371,6 +371,19 @@ impl<T> fmt::Display for Rejected<T> {
 
 impl<T: fmt::Debug> std::error::Error for Rejected<T> {}
 
+/// What [`Scheduler::pop_class_where`] does with the tenant whose turn came.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Pick {
+    /// Dispatch its head item.
+    Take,
+    /// Pass it over this time: it goes to the back of the round with its
+    /// deficit (no grant), and the next tenant's turn comes.
+    Skip,
+    /// Dispatch nothing now, and leave it first in line (in its turn, its
+    /// deficit covering its head): the next pop starts with it.
+    Stop,
+}
+
 /// Handle of a waiting item, for [`Scheduler::remove`]. Never matches a
 /// different item, even after its slot is reused.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -812,6 +825,21 @@ impl Class {
     /// at least 1 while no cost exceeds max_charge, so the loop ends (bounds
     /// in the module doc).
     fn pop<T>(&mut self, entries: &mut Entries<T>, quantum: i64) -> Option<(T, TenantId, i64)> {
+        self.pop_where(entries, quantum, |_| Pick::Take)
+    }
+
+    /// [`Class::pop`], asking `decide` about each tenant whose turn comes
+    /// (its deficit covers its head): see [`Pick`]. A skip moves the tenant
+    /// to the back of `old` with its deficit and no grant, and is the only
+    /// other kind of iteration: tenants with waiting items all skipped in a
+    /// row (no top-up between) end the loop with `None`.
+    fn pop_where<T>(
+        &mut self,
+        entries: &mut Entries<T>,
+        quantum: i64,
+        mut decide: impl FnMut(&TenantId) -> Pick,
+    ) -> Option<(T, TenantId, i64)> {
+        let mut skipped = 0;
         loop {
             let t = if self.new.head == NONE {
                 self.old.head
@@ -845,8 +873,23 @@ impl Class {
                 self.trace.push(Visit::TopUp(visited));
                 self.unlink(t);
                 self.link_back(ListKind::Old, t);
+                skipped = 0;
                 continue;
             }
+            match decide(&tenant.id) {
+                Pick::Take => {}
+                Pick::Stop => return None,
+                Pick::Skip => {
+                    skipped += 1;
+                    if skipped >= self.busy {
+                        return None;
+                    }
+                    self.unlink(t);
+                    self.link_back(ListKind::Old, t);
+                    continue;
+                }
+            }
+            let tenant = self.tenant_mut(t)?;
             // deficit >= cost >= 1, so this cannot overflow.
             tenant.deficit -= cost;
             tenant.in_flight = tenant.in_flight.saturating_add(1);
@@ -1075,6 +1118,63 @@ impl<T> Scheduler<T> {
             item,
             class: CLASSES[ci],
             tenant,
+            cost: cost.unsigned_abs(),
+        })
+    }
+
+    /// [`Scheduler::pop_class`], letting `decide` pass over (or stop at) the
+    /// tenant whose turn came: for a caller that can serve only some tenants
+    /// now (one at its own cap of calls in flight, say). A skipped tenant
+    /// loses its turn in this round, not its deficit. `None` when `decide`
+    /// stops, or when it skipped every tenant with waiting items in a row
+    /// (so a pop that can serve nobody ends). A pop that skips is O(skipped
+    /// tenants) more than a plain one.
+    pub fn pop_class_where(
+        &mut self,
+        class: Priority,
+        decide: impl FnMut(&TenantId) -> Pick,
+    ) -> Option<Dispatched<T>> {
+        let ci = class_index(class);
+        let (item, tenant, cost) =
+            self.classes[ci].pop_where(&mut self.entries, self.quantum, decide)?;
+        self.len = self.len.saturating_sub(1);
+        self.after_removal(ci);
+        Some(Dispatched {
+            item,
+            class: CLASSES[ci],
+            tenant,
+            cost: cost.unsigned_abs(),
+        })
+    }
+
+    /// Takes the next waiting item of `tenant` in `class`, whatever its
+    /// place in the round: for an item a caller chose earlier (with a
+    /// [`Pick::Stop`]) and can only now serve. Charged to the tenant's
+    /// deficit as a pop is (floored at `-max_charge`, as for
+    /// [`Scheduler::dispatch_direct`]), and counted in flight until
+    /// [`Scheduler::complete`]. `None` if nothing of `tenant` waits in
+    /// `class`.
+    pub fn pop_tenant(&mut self, class: Priority, tenant: &TenantId) -> Option<Dispatched<T>> {
+        let ci = class_index(class);
+        let floor = self.max_charge.saturating_neg();
+        let queue = &mut self.classes[ci];
+        let (_, Some(t)) = queue.lookup(tenant) else {
+            return None;
+        };
+        let head = queue.tenant(t)?.head;
+        let cost = self.entries.get(head)?.cost;
+        let owner = queue.tenant_mut(t)?;
+        owner.deficit = owner.deficit.saturating_sub(cost).max(floor);
+        owner.in_flight = owner.in_flight.saturating_add(1);
+        let id = owner.id.clone();
+        let entry = self.entries.take_at(head)?;
+        queue.detach(&mut self.entries, head, &entry);
+        self.len = self.len.saturating_sub(1);
+        self.after_removal(ci);
+        Some(Dispatched {
+            item: entry.item,
+            class: CLASSES[ci],
+            tenant: id,
             cost: cost.unsigned_abs(),
         })
     }
@@ -1314,6 +1414,63 @@ mod tests {
 
     fn ceil_div(a: u64, b: u64) -> u64 {
         a.div_ceil(b)
+    }
+
+    /// Equal costs, quantum = cost: plain round robin when nobody is skipped.
+    fn round_robin(tenants: &[&str], each: usize) -> Scheduler<(String, usize)> {
+        let mut s = scheduler(SchedulerConfig::default().with_quantum(10));
+        for i in 0..each {
+            for name in tenants {
+                s.push(Priority::Standard, tid(name), 1, 10, (name.to_string(), i))
+                    .unwrap();
+            }
+        }
+        s
+    }
+
+    #[test]
+    fn skipped_tenant_loses_its_turn_not_its_place_in_the_queue() {
+        let mut s = round_robin(&["a", "b", "c"], 2);
+        let order: Vec<String> = std::iter::from_fn(|| {
+            s.pop_class_where(Priority::Standard, |t| match t.as_str() {
+                "a" => Pick::Skip,
+                _ => Pick::Take,
+            })
+            .map(|d| d.tenant.as_str().to_owned())
+        })
+        .collect();
+        assert_eq!(order, ["b", "c", "b", "c"]);
+        // Only the skipped tenant is left, and a pop that can serve nobody ends.
+        assert_eq!(s.len(), 2);
+        assert!(
+            s.pop_class_where(Priority::Standard, |_| Pick::Skip)
+                .is_none()
+        );
+        // Its items come out in order once it may go.
+        let next = s.pop_class(Priority::Standard).unwrap();
+        assert_eq!((next.tenant, next.item.1), (tid("a"), 0));
+    }
+
+    #[test]
+    fn stop_leaves_the_tenant_first_and_pop_tenant_serves_it() {
+        let mut s = round_robin(&["a", "b"], 2);
+        let mut first = None;
+        let none = s.pop_class_where(Priority::Standard, |t| {
+            first = Some(t.clone());
+            Pick::Stop
+        });
+        assert!(none.is_none());
+        assert_eq!(first, Some(tid("a")));
+        assert_eq!(s.len(), 4);
+        let served = s.pop_tenant(Priority::Standard, &tid("a")).unwrap();
+        assert_eq!((served.tenant.clone(), served.item.1), (tid("a"), 0));
+        // The round goes on as if `a` had been popped.
+        let next = s.pop_class(Priority::Standard).unwrap();
+        assert_eq!(next.tenant, tid("b"));
+        assert!(s.pop_tenant(Priority::Batch, &tid("a")).is_none());
+        assert!(s.pop_tenant(Priority::Standard, &tid("z")).is_none());
+        s.complete(Priority::Standard, &tid("a"));
+        s.complete(Priority::Standard, &tid("b"));
     }
 
     impl<T> Scheduler<T> {

@@ -1,7 +1,7 @@
 //! The state one layer shares between all its services and futures: a scheduler per tier
 //! group, the in-flight count and the waiters' wakers, behind one mutex.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
@@ -13,12 +13,12 @@ use tokio::time::{Instant, Sleep};
 
 use super::error::QueueFull;
 use super::fairness::FairnessWindow;
-use super::scheduler::{ClassPicker, Key, Rejected, Scheduler, SchedulerConfig};
+use super::scheduler::{ClassPicker, Key, Pick, Rejected, Scheduler, SchedulerConfig};
 use crate::admission::{Busy, SlowWait, TierLimit};
 use crate::error::ConfigError;
 use crate::metrics::Metric;
 use crate::rng::Rng;
-use crate::store::{SlotLease, StoreFuture};
+use crate::store::{SlotLease, SlotRefusal, StoreFuture};
 use crate::{Job, Priority, Store, TenantId, Tier};
 
 /// Tier name -> DRR weight.
@@ -80,6 +80,20 @@ struct Gate {
     /// a refusal (a freed slot is one slot, not a window's worth), doubling with each slot
     /// granted.
     at_once: usize,
+    /// A tier that caps tenants: tenants whose last acquire was refused for their own cap,
+    /// passed over in DRR order (the rest of the group goes on) until a slot may have come
+    /// free. Always empty otherwise.
+    held_tenants: HashSet<TenantId>,
+    /// A tier that caps tenants: tenants an acquire is under way for (Redis), passed over
+    /// meanwhile so the acquires sent together are for different tenants.
+    acquiring_for: HashMap<TenantId, usize>,
+}
+
+impl Gate {
+    /// Whether something here waits for a slot to come free.
+    fn waits(&self) -> bool {
+        self.blocked || !self.held_tenants.is_empty()
+    }
 }
 
 impl Group {
@@ -134,6 +148,7 @@ impl State {
     fn unblock_all(&mut self) {
         for gate in self.groups.iter_mut().filter_map(|g| g.gate.as_mut()) {
             gate.blocked = false;
+            gate.held_tenants.clear();
         }
     }
 
@@ -183,13 +198,14 @@ impl<T> Few<T> {
     }
 }
 
-/// An acquire `dispatch` sent for a group's next request in `class`, with the step of the
-/// group's virtual time charged ahead for it.
+/// An acquire `dispatch` sent for a group's next request in `class` (of `tenant`, in a tier
+/// that caps tenants), with the step of the group's virtual time charged ahead for it.
 struct Acquire {
     group: usize,
     class: Priority,
     ahead: f64,
-    slot: StoreFuture<Option<SlotLease>>,
+    tenant: Option<TenantId>,
+    slot: StoreFuture<Result<SlotLease, SlotRefusal>>,
 }
 
 /// What a dispatch leaves to do once the lock is released.
@@ -233,14 +249,24 @@ impl AfterUnlock {
                             group,
                             class,
                             ahead,
+                            tenant,
                             slot,
                         } = acquire;
-                        let lease = slot.await;
-                        shared.slot_answer(group, class, ahead, lease);
+                        let answer = slot.await;
+                        shared.answer(group, class, ahead, tenant, answer);
                     });
                 }
                 // Nothing can send it (no runtime): unsent, it holds nothing.
-                None => shared.slot_answer(acquire.group, acquire.class, acquire.ahead, None),
+                None => {
+                    let Acquire {
+                        group,
+                        class,
+                        ahead,
+                        tenant,
+                        ..
+                    } = acquire;
+                    shared.answer(group, class, ahead, tenant, Err(SlotRefusal::Full));
+                }
             }
         }
         if self.watch
@@ -267,7 +293,7 @@ async fn watch_releases(shared: Arc<Shared>) {
             let blocked = state
                 .groups
                 .iter()
-                .any(|g| g.gate.as_ref().is_some_and(|gate| gate.blocked));
+                .any(|g| g.gate.as_ref().is_some_and(Gate::waits));
             if !blocked {
                 state.watching = false;
                 return;
@@ -415,6 +441,8 @@ impl Shared {
                     blocked: false,
                     acquiring: 0,
                     at_once: 1,
+                    held_tenants: HashSet::new(),
+                    acquiring_for: HashMap::new(),
                 };
                 state.groups.push(Group::new(&self.config, Some(gate))?);
                 let group = state.groups.len() - 1;
@@ -451,7 +479,7 @@ impl Shared {
             let slot = match (&place.patience, room) {
                 (_, false) => None,
                 (None, true) => Some(None),
-                (Some(_), true) => self.try_slot_now(&mut state, place.group, &mut after),
+                (Some(_), true) => self.try_slot_now(&mut state, place.group, tenant, &mut after),
             };
             if let Some(lease) = slot {
                 // Room, its slot, and nobody waiting: out at once, still charged to the
@@ -547,24 +575,33 @@ impl Shared {
     /// Tries to take a slot for `group` at once: `Some(Some(lease))` taken, `None` when the
     /// tier (or the global cap) is full — the group is then blocked — or when the store needs
     /// a round trip (Redis): then the request queues and the dispatcher sends the acquire.
+    ///
+    /// In a tier that caps tenants the slot is taken for `tenant`; refused for its cap, only
+    /// the tenant is held back.
     fn try_slot_now(
         &self,
         state: &mut State,
         group: usize,
+        tenant: &TenantId,
         after: &mut AfterUnlock,
     ) -> Option<Option<SlotLease>> {
         let policy = self.store.slot_policy()?;
         let gate = state.groups[group].gate.as_ref()?;
-        if gate.blocked {
+        let capped = gate.limit.tenant_cap.is_some();
+        if gate.blocked || (capped && gate.held_tenants.contains(tenant)) {
             return None;
         }
         match self
             .store
-            .try_acquire_slot(&gate.tier, policy.limits(gate.limit))
+            .try_acquire_slot_for(&gate.tier, Some(tenant), policy.limits(gate.limit))
             .into_ready()
         {
-            Ok(Some(lease)) => Some(Some(lease)),
-            Ok(None) => {
+            Ok(Ok(lease)) => Some(Some(lease)),
+            Ok(Err(SlotRefusal::TenantCap)) => {
+                self.hold_tenant(state, group, tenant.clone(), after);
+                None
+            }
+            Ok(Err(SlotRefusal::Full)) => {
                 self.block(state, group, after);
                 None
             }
@@ -577,23 +614,26 @@ impl Shared {
     /// weighted round robin among the classes with a request that may go, the group (tier)
     /// by start-time fair queuing, the tenant by DRR. A gated group's request goes only with
     /// its slot: taken here when the store answers at once (memory), else sent (Redis) and
-    /// handed to the group's next request when the answer comes (see `slot_answer`).
+    /// handed to the group's next request when the answer comes (see `slot_answer`). In a
+    /// tier that caps tenants the slot is taken for the tenant whose DRR turn it is, passing
+    /// over tenants held at their cap; a group (in a class) whose waiting tenants are all
+    /// held is `stuck` until the next dispatch.
     fn dispatch(self: &Arc<Self>, state: &mut State, after: &mut AfterUnlock) {
+        let mut stuck: Vec<(usize, Priority)> = Vec::new();
         while state.in_flight < self.max_in_flight {
             let candidates = Priority::ALL.map(|class| {
-                state
-                    .groups
-                    .iter()
-                    .any(|g| g.may_go() && g.scheduler.class_len(class) > 0)
+                state.groups.iter().enumerate().any(|(i, g)| {
+                    g.may_go() && g.scheduler.class_len(class) > 0 && !stuck.contains(&(i, class))
+                })
             });
             let Some(class) = state.picker.pick(candidates) else {
                 return;
             };
             let ci = class as usize;
             let Some(group) = (0..state.groups.len())
-                .filter(|&g| {
-                    let g = &state.groups[g];
-                    g.may_go() && g.scheduler.class_len(class) > 0
+                .filter(|&i| {
+                    let g = &state.groups[i];
+                    g.may_go() && g.scheduler.class_len(class) > 0 && !stuck.contains(&(i, class))
                 })
                 .min_by(|&a, &b| state.groups[a].vtime[ci].total_cmp(&state.groups[b].vtime[ci]))
             else {
@@ -605,13 +645,33 @@ impl Shared {
                     let Some(policy) = self.store.slot_policy() else {
                         return;
                     };
-                    let acquire = self
-                        .store
-                        .try_acquire_slot(&gate.tier, policy.limits(gate.limit));
+                    let tenant = match gate.limit.tenant_cap {
+                        None => None,
+                        Some(_) => match Self::next_tenant(&mut state.groups[group], class) {
+                            Some(tenant) => Some(tenant),
+                            None => {
+                                stuck.push((group, class));
+                                continue;
+                            }
+                        },
+                    };
+                    let Some(gate) = &state.groups[group].gate else {
+                        return;
+                    };
+                    let acquire = self.store.try_acquire_slot_for(
+                        &gate.tier,
+                        tenant.as_ref(),
+                        policy.limits(gate.limit),
+                    );
                     match acquire.into_ready() {
-                        Ok(Some(lease)) => Some(lease),
-                        Ok(None) => {
-                            self.block(state, group, after);
+                        Ok(Ok(lease)) => Some(lease),
+                        Ok(Err(refusal)) => {
+                            match (refusal, tenant) {
+                                (SlotRefusal::TenantCap, Some(tenant)) => {
+                                    self.hold_tenant(state, group, tenant, after);
+                                }
+                                _ => self.block(state, group, after),
+                            }
                             continue;
                         }
                         Err(pending) => {
@@ -621,6 +681,9 @@ impl Shared {
                             let g = &mut state.groups[group];
                             if let Some(gate) = g.gate.as_mut() {
                                 gate.acquiring += 1;
+                                if let Some(tenant) = &tenant {
+                                    *gate.acquiring_for.entry(tenant.clone()).or_default() += 1;
+                                }
                             }
                             let ahead = g.last_step[ci];
                             g.vtime[ci] += ahead;
@@ -628,6 +691,7 @@ impl Shared {
                                 group,
                                 class,
                                 ahead,
+                                tenant,
                                 slot: pending,
                             });
                             continue;
@@ -661,6 +725,22 @@ impl Shared {
         after: &mut AfterUnlock,
     ) {
         let g = &mut state.groups[group];
+        if let Some(tenant) = lease.as_ref().and_then(SlotLease::tenant) {
+            // The slot counts for its tenant (a tier that caps tenants): it goes to that
+            // tenant's request, in the class it was taken for or its highest with one.
+            let tenant = tenant.clone();
+            let next = std::iter::once(class).chain(Priority::ALL).find_map(|c| {
+                let active = g.scheduler.active_tenants(c);
+                g.scheduler
+                    .pop_tenant(c, &tenant)
+                    .map(|next| (active, next))
+            });
+            match next {
+                Some((active, next)) => self.handed(state, group, active, next, lease, after),
+                None => after.drop_leases.extend(lease),
+            }
+            return;
+        }
         // The class the slot was taken for, or (its requests went away meanwhile) the
         // group's highest class with one.
         let class = std::iter::once(class)
@@ -671,12 +751,28 @@ impl Shared {
             after.drop_leases.extend(lease);
             return;
         };
-        let ci = class as usize;
         let active = g.scheduler.active_tenants(class);
         let Some(next) = g.scheduler.pop_class(class) else {
             after.drop_leases.extend(lease);
             return;
         };
+        self.handed(state, group, active, next, lease, after);
+    }
+
+    /// Hands `next` (popped from `group`, whose class had `active` tenants waiting) the
+    /// window place and `lease`.
+    fn handed(
+        &self,
+        state: &mut State,
+        group: usize,
+        active: usize,
+        next: super::scheduler::Dispatched<Waiter>,
+        lease: Option<SlotLease>,
+        after: &mut AfterUnlock,
+    ) {
+        let class = next.class;
+        let ci = class as usize;
+        let g = &mut state.groups[group];
         // The group's active weight: its tenants share a tier, so they share a weight.
         let weight = f64::from(next.item.weight.max(1)) * active.max(1) as f64;
         g.last_step[ci] = next.cost as f64 / weight;
@@ -697,6 +793,92 @@ impl Shared {
         after.served.push((next.tenant, next.cost));
         if let Some(waker) = next.item.waker {
             after.wake.push(waker);
+        }
+    }
+
+    /// The tenant whose DRR turn it is in `class` of `group`, passing over (to the back of
+    /// the round) tenants held at their cap or with an acquire under way; `None` if every
+    /// waiting tenant is one of those.
+    fn next_tenant(group: &mut Group, class: Priority) -> Option<TenantId> {
+        let Group {
+            scheduler, gate, ..
+        } = group;
+        let gate = gate.as_ref()?;
+        let mut next = None;
+        // Never `Take`: nothing is popped here.
+        let _ = scheduler.pop_class_where(class, |tenant| {
+            if gate.held_tenants.contains(tenant) || gate.acquiring_for.contains_key(tenant) {
+                Pick::Skip
+            } else {
+                next = Some(tenant.clone());
+                Pick::Stop
+            }
+        });
+        next
+    }
+
+    /// `tenant` is at its own cap: its requests wait, passed over, until a slot may have
+    /// come free; the rest of the group goes on.
+    fn hold_tenant(
+        &self,
+        state: &mut State,
+        group: usize,
+        tenant: TenantId,
+        after: &mut AfterUnlock,
+    ) {
+        if let Some(gate) = state.groups[group].gate.as_mut() {
+            gate.held_tenants.insert(tenant);
+        }
+        if !state.watching {
+            state.watching = true;
+            after.watch = true;
+        }
+    }
+
+    /// The answer to an acquire sent by `dispatch`: for a tenant (a tier that caps tenants)
+    /// a refusal for the tenant's cap holds back that tenant only; anything else is
+    /// `slot_answer`'s.
+    fn answer(
+        self: &Arc<Self>,
+        group: usize,
+        class: Priority,
+        ahead: f64,
+        tenant: Option<TenantId>,
+        answer: Result<SlotLease, SlotRefusal>,
+    ) {
+        let Some(tenant) = tenant else {
+            return self.slot_answer(group, class, ahead, answer.ok());
+        };
+        if !matches!(answer, Err(SlotRefusal::TenantCap)) {
+            if let Some(gate) = self.lock().groups[group].gate.as_mut() {
+                Self::acquired_for(gate, &tenant);
+            }
+            return self.slot_answer(group, class, ahead, answer.ok());
+        }
+        let mut after = AfterUnlock::default();
+        let depth = {
+            let mut state = self.lock();
+            state.in_flight = state.in_flight.saturating_sub(1);
+            let g = &mut state.groups[group];
+            if let Some(gate) = g.gate.as_mut() {
+                gate.acquiring = gate.acquiring.saturating_sub(1);
+                Self::acquired_for(gate, &tenant);
+            }
+            g.vtime[class as usize] -= ahead;
+            self.hold_tenant(&mut state, group, tenant, &mut after);
+            self.dispatch(&mut state, &mut after);
+            after.depth.map(|p| (p, state.class_len(p)))
+        };
+        after.run(self, depth);
+    }
+
+    /// An acquire for `tenant` is answered.
+    fn acquired_for(gate: &mut Gate, tenant: &TenantId) {
+        if let Some(n) = gate.acquiring_for.get_mut(tenant) {
+            *n -= 1;
+            if *n == 0 {
+                gate.acquiring_for.remove(tenant);
+            }
         }
     }
 
@@ -915,6 +1097,7 @@ impl Ticket {
                     TierLimit {
                         cap: 0,
                         max_wait: Duration::ZERO,
+                        tenant_cap: None,
                     },
                 )
             });

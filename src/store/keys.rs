@@ -83,6 +83,22 @@ impl Keys {
         escape_into(&mut key, tier.as_str());
         key
     }
+
+    /// `prefix:{slots}:tenant:<escaped tier>:<escaped tenant>` — a tenant's lease set in a
+    /// tier that caps tenants. Unlike the other per-tenant keys it carries the `{slots}`
+    /// tag, not the tenant's: the acquire script checks it with the global and tier sets,
+    /// so it must live in their Cluster slot. The escaped names hold no `:`, `{` or `}`, so
+    /// the tag stays whole and two (tier, tenant) pairs never share a key.
+    pub(crate) fn slots_tenant(&self, tier: &crate::Tier, tenant: &TenantId) -> String {
+        let (tier, tenant) = (tier.as_str(), tenant.as_str());
+        let mut key = String::with_capacity(self.prefix.len() + tier.len() + tenant.len() + 18);
+        key.push_str(&self.prefix);
+        key.push_str(":{slots}:tenant:");
+        escape_into(&mut key, tier);
+        key.push(':');
+        escape_into(&mut key, tenant);
+        key
+    }
 }
 
 /// Percent-escapes every byte but ASCII letters, digits, `_`, `-` and `.`: injective, and the
@@ -138,6 +154,30 @@ mod tests {
         assert_eq!(keys.cooldowns, "fg:{g}:cooldowns");
         assert_eq!(keys.cooldowns_channel, "fg:cooldowns");
         assert_eq!(keys.global("pace", "api}:x"), "fg:{g}:pace:api%7D%3Ax");
+    }
+
+    #[test]
+    fn tenant_lease_sets_keep_the_slots_tag_and_never_collide() {
+        let keys = Keys::new("fg").unwrap();
+        let names = [
+            "a", "A", "%41", "a:b", "a}:x", "{slots}", "}", "a%3Ab", "", " ", "ü",
+        ];
+        let tiers = ["free", "free:a", "pro"];
+        let mut seen = std::collections::HashSet::new();
+        for tier in tiers {
+            for name in names {
+                let key = keys.slots_tenant(&crate::Tier::new(tier), &TenantId::new(name));
+                assert!(key.starts_with("fg:{slots}:tenant:"), "{key}");
+                assert_eq!(key.matches('{').count(), 1, "{key}");
+                assert_eq!(key.matches('}').count(), 1, "{key}");
+                assert_eq!(key.matches(':').count(), 4, "{key}");
+                assert!(seen.insert(key));
+            }
+        }
+        assert_eq!(
+            keys.slots_tenant(&crate::Tier::new("free"), &TenantId::new("a}:b")),
+            "fg:{slots}:tenant:free:a%7D%3Ab"
+        );
     }
 
     #[test]

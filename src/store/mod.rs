@@ -60,7 +60,7 @@ pub use self::pacing::{LearnedLimits, PaceLimit};
 #[cfg(feature = "redis")]
 pub use self::redis::RedisStoreError;
 pub use self::served::SERVED_WINDOW;
-pub use self::slots::{SlotLease, SlotLimits};
+pub use self::slots::{SlotLease, SlotLimits, SlotRefusal};
 
 /// One worker's share of a limit that `workers` processes keep alone while Redis is away:
 /// divided among them, at least 1.
@@ -532,15 +532,42 @@ impl Store {
     /// against that share, Redis leases and fallback slots alike. When Redis returns (or
     /// its leases vanish), the worker puts every call it still has in flight back before it
     /// takes a new slot.
+    ///
+    /// Names no tenant, so [`SlotLimits::tenant`] is not checked; see
+    /// [`try_acquire_slot_for`](Self::try_acquire_slot_for).
     pub fn try_acquire_slot(
         &self,
         tier: &Tier,
         limits: SlotLimits,
     ) -> StoreFuture<Option<SlotLease>> {
+        match self.try_acquire_slot_for(tier, None, limits).into_ready() {
+            Ok(answer) => StoreFuture::ready(answer.ok()),
+            Err(pending) => StoreFuture::pending(async move { pending.await.ok() }),
+        }
+    }
+
+    /// As [`try_acquire_slot`](Self::try_acquire_slot), for a call of `tenant`: when
+    /// `limits` caps tenants ([`SlotLimits::tenant`]), the tenant's own count is checked in
+    /// the same step as the global and tier counts (on Redis, the same script, against a
+    /// lease set of the tenant with the same expiries) and the slot counts for it too. A
+    /// refusal says why: [`SlotRefusal::Full`] (the global or tier cap; checked first) or
+    /// [`SlotRefusal::TenantCap`] (the tier has room, the tenant does not). While Redis is
+    /// away, the tenant's cap is shared among the workers as the other caps are.
+    ///
+    /// With no tenant, or no tenant cap, nothing is counted per tenant: the acquire is the
+    /// same as `try_acquire_slot`'s.
+    pub fn try_acquire_slot_for(
+        &self,
+        tier: &Tier,
+        tenant: Option<&TenantId>,
+        limits: SlotLimits,
+    ) -> StoreFuture<Result<SlotLease, SlotRefusal>> {
         match &*self.backend {
-            Backend::Memory(memory) => StoreFuture::ready(memory.slots.try_acquire(tier, limits)),
+            Backend::Memory(memory) => {
+                StoreFuture::ready(memory.slots.try_acquire(tier, tenant, limits))
+            }
             #[cfg(feature = "redis")]
-            Backend::Redis(redis) => redis.try_acquire_slot(tier, limits),
+            Backend::Redis(redis) => redis.try_acquire_slot(tier, tenant, limits),
         }
     }
 

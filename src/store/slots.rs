@@ -1,9 +1,10 @@
-//! Slots: how many calls are in flight, globally and per tier.
+//! Slots: how many calls are in flight, globally, per tier and (when capped) per tenant.
 //!
 //! A slot is held through a [`SlotLease`], an RAII guard: dropping it gives the slot back.
-//! In process ([`LocalSlots`]) a slot is a pair of counters. On Redis a slot is a lease: a
-//! member of two sorted sets (global and tier) scored by its expiry, renewed by a heartbeat
-//! while held, so the slots of a crashed worker come back within one lease TTL.
+//! In process ([`LocalSlots`]) a slot is a pair of counters (three with a tenant cap). On
+//! Redis a slot is a lease: a member of two sorted sets (global and tier; a third, the
+//! tenant's, with a tenant cap) scored by its expiry, renewed by a heartbeat while held, so
+//! the slots of a crashed worker come back within one lease TTL.
 
 use std::collections::HashMap;
 use std::fmt;
@@ -12,7 +13,7 @@ use std::time::Duration;
 
 use tokio::sync::Notify;
 
-use crate::Tier;
+use crate::{TenantId, Tier};
 
 /// The caps one acquire is checked against, and how long a Redis lease lives unrenewed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -21,8 +22,23 @@ pub struct SlotLimits {
     pub global: u32,
     /// Most slots held at once by this tier.
     pub tier: u32,
+    /// Most slots held at once by one tenant of this tier (`None`: no cap of its own, and
+    /// nothing is counted per tenant). Checked only by
+    /// [`Store::try_acquire_slot_for`](crate::Store::try_acquire_slot_for) with a tenant.
+    pub tenant: Option<u32>,
     /// How long a lease lives without a heartbeat (Redis only).
     pub lease_ttl: Duration,
+}
+
+/// Why an acquire took no slot.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum SlotRefusal {
+    /// The global or the tier cap is reached: a slot of the tier must come free.
+    Full,
+    /// The tier has room, but the tenant holds its own cap
+    /// ([`SlotLimits::tenant`]): one of the tenant's calls must end. Other tenants of the
+    /// tier may still get slots.
+    TenantCap,
 }
 
 impl SlotLimits {
@@ -32,6 +48,7 @@ impl SlotLimits {
         SlotLimits {
             global: super::per_worker(self.global, workers),
             tier: super::per_worker(self.tier, workers),
+            tenant: self.tenant.map(|cap| super::per_worker(cap, workers)),
             lease_ttl: self.lease_ttl,
         }
     }
@@ -42,6 +59,8 @@ impl SlotLimits {
 #[must_use = "dropping the lease gives the slot back at once"]
 pub struct SlotLease {
     tier: Tier,
+    /// The tenant the slot is also counted for, when its tier caps tenants.
+    tenant: Option<TenantId>,
     holder: Holder,
     fallback: bool,
 }
@@ -53,9 +72,10 @@ pub(crate) enum Holder {
 }
 
 impl SlotLease {
-    pub(crate) fn new(tier: Tier, holder: Holder) -> Self {
+    pub(crate) fn new(tier: Tier, tenant: Option<TenantId>, holder: Holder) -> Self {
         SlotLease {
             tier,
+            tenant,
             holder,
             fallback: false,
         }
@@ -78,6 +98,12 @@ impl SlotLease {
         &self.tier
     }
 
+    /// The tenant the slot also counts against (`None`: its tier caps no tenant, or the
+    /// acquire named none).
+    pub fn tenant(&self) -> Option<&TenantId> {
+        self.tenant.as_ref()
+    }
+
     /// Whether the slot was taken in Redis (`false`: in this process, memory store or
     /// fallback).
     pub fn is_shared(&self) -> bool {
@@ -92,9 +118,9 @@ impl SlotLease {
 impl Drop for SlotLease {
     fn drop(&mut self) {
         match &self.holder {
-            Holder::Local(slots) => slots.release(&self.tier),
+            Holder::Local(slots) => slots.release(&self.tier, self.tenant.as_ref()),
             #[cfg(feature = "redis")]
-            Holder::Redis(lease) => lease.release(&self.tier),
+            Holder::Redis(lease) => lease.release(&self.tier, self.tenant.as_ref()),
         }
     }
 }
@@ -103,6 +129,7 @@ impl fmt::Debug for SlotLease {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("SlotLease")
             .field("tier", &self.tier)
+            .field("tenant", &self.tenant)
             .field("shared", &self.is_shared())
             .finish()
     }
@@ -112,6 +139,8 @@ impl fmt::Debug for SlotLease {
 struct Counts {
     global: u32,
     tiers: HashMap<Tier, u32>,
+    /// Only for tiers that cap tenants; an entry lives while the tenant holds a slot.
+    tenants: HashMap<(Tier, TenantId), u32>,
 }
 
 /// Slots counted in this process: the memory store's, and the Redis store's fallback.
@@ -124,29 +153,57 @@ pub(crate) struct LocalSlots {
 }
 
 impl LocalSlots {
-    /// Takes a slot if both counts are under their caps.
+    /// Takes a slot if the global and tier counts (and, when `limits` caps tenants and a
+    /// tenant is named, the tenant's count) are under their caps.
     pub(crate) fn try_acquire(
         self: &Arc<Self>,
         tier: &Tier,
+        tenant: Option<&TenantId>,
         limits: SlotLimits,
-    ) -> Option<SlotLease> {
+    ) -> Result<SlotLease, SlotRefusal> {
+        let capped = limits.tenant.zip(tenant);
         let mut counts = crate::sync::lock(&self.counts);
         let held = counts.tiers.get(tier).copied().unwrap_or(0);
         if counts.global >= limits.global || held >= limits.tier {
-            return None;
+            return Err(SlotRefusal::Full);
         }
+        let tenant = match capped {
+            None => None,
+            Some((cap, tenant)) => {
+                let key = (tier.clone(), tenant.clone());
+                let mine = counts.tenants.get(&key).copied().unwrap_or(0);
+                if mine >= cap {
+                    return Err(SlotRefusal::TenantCap);
+                }
+                counts.tenants.insert(key, mine + 1);
+                Some(tenant.clone())
+            }
+        };
         counts.global += 1;
         counts.tiers.insert(tier.clone(), held + 1);
-        Some(SlotLease::new(tier.clone(), Holder::Local(self.clone())))
+        Ok(SlotLease::new(
+            tier.clone(),
+            tenant,
+            Holder::Local(self.clone()),
+        ))
     }
 
-    fn release(&self, tier: &Tier) {
+    fn release(&self, tier: &Tier, tenant: Option<&TenantId>) {
         let mut counts = crate::sync::lock(&self.counts);
         counts.global = counts.global.saturating_sub(1);
         if let Some(held) = counts.tiers.get_mut(tier) {
             *held = held.saturating_sub(1);
             if *held == 0 {
                 counts.tiers.remove(tier);
+            }
+        }
+        if let Some(tenant) = tenant {
+            let key = (tier.clone(), tenant.clone());
+            if let Some(mine) = counts.tenants.get_mut(&key) {
+                *mine = mine.saturating_sub(1);
+                if *mine == 0 {
+                    counts.tenants.remove(&key);
+                }
             }
         }
         drop(counts);
@@ -160,5 +217,91 @@ impl LocalSlots {
             None => counts.global,
             Some(tier) => counts.tiers.get(tier).copied().unwrap_or(0),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn limits(global: u32, tier: u32, tenant: Option<u32>) -> SlotLimits {
+        SlotLimits {
+            global,
+            tier,
+            tenant,
+            lease_ttl: Duration::from_secs(30),
+        }
+    }
+
+    #[test]
+    fn a_tenant_at_its_cap_is_refused_for_its_cap_and_others_still_get_slots() {
+        let slots = Arc::new(LocalSlots::default());
+        let (free, a, b) = (Tier::new("free"), TenantId::new("a"), TenantId::new("b"));
+        let capped = limits(10, 5, Some(2));
+        let held: Vec<_> = (0..2)
+            .map(|_| slots.try_acquire(&free, Some(&a), capped).unwrap())
+            .collect();
+        assert_eq!(held[0].tenant(), Some(&a));
+        assert_eq!(
+            slots.try_acquire(&free, Some(&a), capped).unwrap_err(),
+            SlotRefusal::TenantCap
+        );
+        let other = slots.try_acquire(&free, Some(&b), capped).unwrap();
+        assert_eq!(slots.in_use(Some(&free)), 3);
+        drop(held);
+        let again = slots.try_acquire(&free, Some(&a), capped).unwrap();
+        drop((other, again));
+        assert_eq!(slots.in_use(None), 0);
+        assert!(crate::sync::lock(&slots.counts).tenants.is_empty());
+    }
+
+    #[test]
+    fn a_full_tier_is_refused_as_full_before_the_tenant_cap() {
+        let slots = Arc::new(LocalSlots::default());
+        let (free, a) = (Tier::new("free"), TenantId::new("a"));
+        let capped = limits(10, 2, Some(1));
+        let _one = slots.try_acquire(&free, Some(&a), capped).unwrap();
+        let _two = slots
+            .try_acquire(&free, Some(&TenantId::new("b")), capped)
+            .unwrap();
+        assert_eq!(
+            slots.try_acquire(&free, Some(&a), capped).unwrap_err(),
+            SlotRefusal::Full
+        );
+    }
+
+    #[test]
+    fn without_a_tenant_cap_nothing_is_counted_per_tenant() {
+        let slots = Arc::new(LocalSlots::default());
+        let (free, a) = (Tier::new("free"), TenantId::new("a"));
+        let leases: Vec<_> = (0..4)
+            .map(|_| {
+                slots
+                    .try_acquire(&free, Some(&a), limits(10, 4, None))
+                    .unwrap()
+            })
+            .collect();
+        assert!(leases.iter().all(|lease| lease.tenant().is_none()));
+        assert!(crate::sync::lock(&slots.counts).tenants.is_empty());
+        // A cap with no tenant named counts nothing per tenant either.
+        drop(leases);
+        let lease = slots
+            .try_acquire(&free, None, limits(10, 4, Some(1)))
+            .unwrap();
+        assert!(lease.tenant().is_none());
+        assert!(crate::sync::lock(&slots.counts).tenants.is_empty());
+    }
+
+    #[test]
+    fn tenants_are_counted_per_tier() {
+        let slots = Arc::new(LocalSlots::default());
+        let a = TenantId::new("a");
+        let capped = limits(10, 5, Some(1));
+        let _free = slots
+            .try_acquire(&Tier::new("free"), Some(&a), capped)
+            .unwrap();
+        let _pro = slots
+            .try_acquire(&Tier::new("pro"), Some(&a), capped)
+            .unwrap();
     }
 }

@@ -85,28 +85,46 @@ where
             return ResponseFuture::acquired(SlotPermit::held_above(tier), inner, req);
         }
 
-        // Fast path: nobody of this tier waits here and the store answers at once (memory).
-        // On Redis the acquire is a round trip not yet begun: it becomes the wait's first try.
-        let turn = state.turnstile.clone().try_acquire_owned().ok();
+        // A tier that caps tenants: the request first takes its place in its tenant's line.
+        let tenant = limit.tenant_cap.map(|_| job.tenant().clone());
+        let mut line = tenant.as_ref().map(|tenant| state.tenant_line(tenant));
+
+        // Fast path: nobody of this tier (nor of the tenant, with a tenant cap) waits here
+        // and the store answers at once (memory). On Redis the acquire is a round trip not
+        // yet begun: it becomes the wait's first try.
+        let turn = match line.as_mut().is_none_or(|line| line.try_take()) {
+            true => state.turnstile.clone().try_acquire_owned().ok(),
+            false => None,
+        };
         let mut first_try = None;
         if turn.is_some() {
             match shared
                 .store
-                .try_acquire_slot(&tier, shared.limits(limit))
+                .try_acquire_slot_for(&tier, tenant.as_ref(), shared.limits(limit))
                 .into_ready()
             {
-                Ok(Some(lease)) => {
+                Ok(Ok(lease)) => {
                     let permit = SlotPermit::new(lease, state);
                     return ResponseFuture::acquired(permit, inner, req);
                 }
-                Ok(None) => {}
+                // Refused (the wait tries again, and a tenant over its cap then waits apart).
+                Ok(Err(_)) => {}
                 Err(pending) => first_try = Some(pending),
             }
         }
         if shared.hopeless(&state, limit) {
             return ResponseFuture::busy(shared.busy(tier, started));
         }
-        let wait = wait_for_slot(shared.clone(), tier, limit, state, started, turn, first_try);
+        let wait = wait_for_slot(
+            shared.clone(),
+            tier,
+            limit,
+            state,
+            started,
+            line,
+            turn,
+            first_try,
+        );
         ResponseFuture::waiting(Box::pin(wait), inner, req)
     }
 }

@@ -12,9 +12,9 @@ use tokio::time::{Instant, sleep_until};
 use super::{Busy, SlotPolicy, TierLimit};
 use crate::admission::SlowWait;
 use crate::rng::Rng;
-use crate::store::{SlotLease, SlotLimits, Store, StoreFuture};
+use crate::store::{SlotLease, SlotLimits, SlotRefusal, Store, StoreFuture};
 use crate::sync::lock;
-use crate::{Tier, metrics};
+use crate::{TenantId, Tier, metrics};
 
 /// What one layer (and its clones) shares.
 pub(super) struct Shared {
@@ -43,6 +43,9 @@ pub(super) struct TierState {
     waiting: AtomicUsize,
     /// Moving average of how long a slot is held, in nanoseconds (0: not seen yet).
     avg_hold_ns: AtomicU64,
+    /// With a tenant cap: one line per tenant with requests trying or waiting here (see
+    /// [`TenantLine`]). Empty, and never touched, when the tier caps no tenant.
+    tenants: Mutex<HashMap<TenantId, Arc<Semaphore>>>,
 }
 
 impl TierState {
@@ -51,6 +54,61 @@ impl TierState {
             turnstile: Arc::new(Semaphore::new(1)),
             waiting: AtomicUsize::new(0),
             avg_hold_ns: AtomicU64::new(0),
+            tenants: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// A place in `tenant`'s line (not its turn yet).
+    pub(super) fn tenant_line(self: &Arc<Self>, tenant: &TenantId) -> TenantLine {
+        let line = lock(&self.tenants)
+            .entry(tenant.clone())
+            .or_insert_with(|| Arc::new(Semaphore::new(1)))
+            .clone();
+        TenantLine {
+            state: self.clone(),
+            tenant: tenant.clone(),
+            line,
+            turn: None,
+        }
+    }
+}
+
+/// A request's place in its tenant's line, in a tier that caps tenants.
+///
+/// A tenant at its own cap must not hold the tier's turnstile while it waits, or every
+/// other tenant of the tier would wait behind it. So the requests of one tenant queue
+/// first in their tenant's line (one permit, FIFO): only the request at its head goes on
+/// to the tier's turnstile and tries the store, and when the store refuses it for the
+/// tenant's cap it gives the turnstile back and waits apart for a release — with its
+/// tenant's other requests behind it here, not in the tier's queue. One request per
+/// tenant and worker tries at a time, however many the tenant sends.
+///
+/// The line is removed from the tier's map when its last holder goes.
+pub(super) struct TenantLine {
+    state: Arc<TierState>,
+    tenant: TenantId,
+    line: Arc<Semaphore>,
+    turn: Option<OwnedSemaphorePermit>,
+}
+
+impl TenantLine {
+    /// Takes the head of the line if nobody of the tenant is there.
+    pub(super) fn try_take(&mut self) -> bool {
+        if self.turn.is_none() {
+            self.turn = self.line.clone().try_acquire_owned().ok();
+        }
+        self.turn.is_some()
+    }
+}
+
+impl Drop for TenantLine {
+    fn drop(&mut self) {
+        drop(self.turn.take());
+        let mut tenants = lock(&self.state.tenants);
+        // The map's and this one: nobody else holds or waits in the line. Others clone it
+        // only under this lock.
+        if Arc::strong_count(&self.line) == 2 {
+            tenants.remove(&self.tenant);
         }
     }
 }
@@ -233,77 +291,119 @@ impl Drop for Waiting<'_> {
 /// may have come free: a local release or one announced by another worker wakes it at once,
 /// and a jittered poll catches anything missed.
 ///
+/// In a tier that caps tenants, `tenant` is the request's place in its tenant's line, taken
+/// before the turnstile (see [`TenantLine`]); refused for the tenant's cap, the request
+/// gives the turnstile back and waits for a release, then queues for it again.
+///
 /// `first_try` is an acquire the caller made while holding `turn` but did not poll (a
 /// Redis round trip not yet begun): used as the first try instead of making another.
+#[allow(clippy::too_many_arguments)]
 pub(super) async fn wait_for_slot(
     shared: Arc<Shared>,
     tier: Tier,
     limit: TierLimit,
     state: Arc<TierState>,
     started: Instant,
-    turn: Option<OwnedSemaphorePermit>,
-    first_try: Option<StoreFuture<Option<SlotLease>>>,
+    mut tenant: Option<TenantLine>,
+    mut turn: Option<OwnedSemaphorePermit>,
+    first_try: Option<StoreFuture<Result<SlotLease, SlotRefusal>>>,
 ) -> Result<SlotPermit, Busy> {
     let deadline = crate::time::after(started, limit.max_wait);
     let mut slow = SlowWait::new(started, shared.policy.slow_wait);
     let _waiting = Waiting::enter(&state);
+    let busy = || shared.busy(tier.clone(), started);
 
-    let _turn = match turn {
-        Some(turn) => turn,
-        None => {
-            // One acquire for the whole wait: the slow-wait warning wakes this loop, and
-            // must not cost the waiter its place in the turnstile's queue.
-            let acquire = state.turnstile.clone().acquire_owned();
-            tokio::pin!(acquire);
-            loop {
-                let wake = slow.next().map_or(deadline, |at| deadline.min(at));
-                tokio::select! {
-                    biased;
-                    turn = &mut acquire => match turn {
-                        Ok(turn) => break turn,
-                        // Never closed; treat as a timeout rather than panic.
-                        Err(_) => return Err(shared.busy(tier.clone(), started)),
-                    },
-                    _ = sleep_until(wake) => {
-                        if Instant::now() >= deadline {
-                            return Err(shared.busy(tier.clone(), started));
-                        }
-                        slow.check(&tier);
-                    }
-                }
-            }
-        }
-    };
-
+    if let Some(line) = tenant.as_mut()
+        && line.turn.is_none()
+    {
+        let queue = line.line.clone();
+        line.turn = Some(
+            take_turn(queue, deadline, &mut slow, &tier)
+                .await
+                .ok_or_else(busy)?,
+        );
+    }
     let limits = shared.limits(limit);
+    let asking = tenant.as_ref().map(|line| &line.tenant);
     // Made before this wait began: if Redis went away since, drop it unpolled (nothing was
     // sent, so nothing leaks) and take the fallback's answer as a fresh acquire would.
     let mut first_try = first_try.filter(|_| !shared.store.is_degraded());
     loop {
-        // Registered before trying, so a release between the try and the wait is not missed
-        // (an acquire does nothing until polled, so this holds for `first_try` too).
-        let released = shared.store.slot_released().notified();
-        tokio::pin!(released);
-        released.as_mut().enable();
-        let acquire = first_try
-            .take()
-            .unwrap_or_else(|| shared.store.try_acquire_slot(&tier, limits));
-        if let Some(lease) = acquire.await {
-            metrics::slot_wait(&tier, started.elapsed());
-            return Ok(SlotPermit::new(lease, state.clone()));
+        let mut holding = Some(match turn.take() {
+            Some(turn) => turn,
+            None => {
+                let turnstile = state.turnstile.clone();
+                take_turn(turnstile, deadline, &mut slow, &tier)
+                    .await
+                    .ok_or_else(busy)?
+            }
+        });
+        loop {
+            // Registered before trying, so a release between the try and the wait is not
+            // missed (an acquire does nothing until polled, so this holds for `first_try`
+            // too).
+            let released = shared.store.slot_released().notified();
+            tokio::pin!(released);
+            released.as_mut().enable();
+            let acquire = first_try
+                .take()
+                .unwrap_or_else(|| shared.store.try_acquire_slot_for(&tier, asking, limits));
+            let refusal = match acquire.await {
+                Ok(lease) => {
+                    metrics::slot_wait(&tier, started.elapsed());
+                    return Ok(SlotPermit::new(lease, state.clone()));
+                }
+                Err(refusal) => refusal,
+            };
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(busy());
+            }
+            let mut wake = deadline.min(crate::time::after(now, shared.poll_interval()));
+            if let Some(at) = slow.next() {
+                wake = wake.min(at.max(now));
+            }
+            let apart = refusal == SlotRefusal::TenantCap;
+            if apart {
+                // Over its own cap: the tier's other tenants go on meanwhile.
+                holding = None;
+            }
+            tokio::select! {
+                _ = released => {}
+                _ = sleep_until(wake) => {}
+            }
+            slow.check(&tier);
+            if holding.is_none() {
+                break; // queue for the turnstile again
+            }
         }
-        let now = Instant::now();
-        if now >= deadline {
-            return Err(shared.busy(tier.clone(), started));
-        }
-        let mut wake = deadline.min(crate::time::after(now, shared.poll_interval()));
-        if let Some(at) = slow.next() {
-            wake = wake.min(at.max(now));
-        }
+    }
+}
+
+/// Waits for `queue`'s one permit until `deadline`, warning of a slow wait on the way.
+/// `None` at the deadline.
+async fn take_turn(
+    queue: Arc<Semaphore>,
+    deadline: Instant,
+    slow: &mut SlowWait,
+    tier: &Tier,
+) -> Option<OwnedSemaphorePermit> {
+    // One acquire for the whole wait: the slow-wait warning wakes this loop, and must not
+    // cost the waiter its place in the queue.
+    let acquire = queue.acquire_owned();
+    tokio::pin!(acquire);
+    loop {
+        let wake = slow.next().map_or(deadline, |at| deadline.min(at));
         tokio::select! {
-            _ = released => {}
-            _ = sleep_until(wake) => {}
+            biased;
+            // Never closed; treat as a timeout rather than panic.
+            turn = &mut acquire => return turn.ok(),
+            _ = sleep_until(wake) => {
+                if Instant::now() >= deadline {
+                    return None;
+                }
+                slow.check(tier);
+            }
         }
-        slow.check(&tier);
     }
 }

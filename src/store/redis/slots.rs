@@ -37,9 +37,9 @@ use redis::Script;
 use tokio::time::Instant;
 
 use super::{RedisStore, duration_ms, lock};
-use crate::Tier;
 use crate::store::StoreFuture;
-use crate::store::slots::{Holder, SlotLease, SlotLimits};
+use crate::store::slots::{Holder, SlotLease, SlotLimits, SlotRefusal};
+use crate::{TenantId, Tier};
 
 /// How often a worker says it is alive, and how long that lasts.
 const WORKER_HEARTBEAT: Duration = Duration::from_secs(1);
@@ -89,9 +89,23 @@ enum Counted {
 /// A call this worker has in flight.
 struct Held {
     tier_key: String,
+    /// The tenant's lease set the call is also in, when its tier caps tenants.
+    tenant_key: Option<String>,
     ttl: Duration,
     renewed: Instant,
     counted: Counted,
+}
+
+impl Held {
+    /// The (lease id, set, TTL in ms) entries the resync and heartbeat scripts put back or
+    /// renew for a call: its tier's set, and its tenant's when it is counted there. The
+    /// scripts treat each entry alike (and the global set once more, harmlessly), so a
+    /// tenant's leases expire, are renewed and come back exactly as the tier's do.
+    fn sets((id, held): (&String, &Held)) -> impl Iterator<Item = (String, String, u64)> {
+        let ttl = duration_ms(held.ttl);
+        let tenant = held.tenant_key.clone().map(|key| (id.clone(), key, ttl));
+        std::iter::once((id.clone(), held.tier_key.clone(), ttl)).chain(tenant)
+    }
 }
 
 /// What the other workers held the last time this worker saw the counts.
@@ -186,9 +200,15 @@ impl SlotState {
         false
     }
 
-    /// Whether one more call of `tier_key` fits this worker's share, counting every call
-    /// it has in flight.
-    fn fits(&self, held: &HashMap<String, Held>, tier_key: &str, limits: SlotLimits) -> bool {
+    /// Whether one more call of `tier_key` (and `tenant_key`, with a tenant cap) fits this
+    /// worker's share, counting every call it has in flight; if not, which cap it misses.
+    fn fits(
+        &self,
+        held: &HashMap<String, Held>,
+        tier_key: &str,
+        tenant_key: Option<&str>,
+        limits: SlotLimits,
+    ) -> Result<(), SlotRefusal> {
         let share = limits.share_of(self.fleet());
         let (others_global, others_tier) = {
             let restriction = lock(&self.restriction);
@@ -205,7 +225,21 @@ impl SlotState {
             .min(limits.global.saturating_sub(others_global));
         let tier_room = share.tier.min(limits.tier.saturating_sub(others_tier));
         let in_tier = held.values().filter(|h| h.tier_key == tier_key).count();
-        held.len() < global_room as usize && in_tier < tier_room as usize
+        if held.len() >= global_room as usize || in_tier >= tier_room as usize {
+            return Err(SlotRefusal::Full);
+        }
+        // The tenant's share: its cap divided as the others are (the others' tenant counts
+        // are not tracked; the share alone keeps the fleet under the cap).
+        if let (Some(key), Some(cap)) = (tenant_key, share.tenant) {
+            let mine = held
+                .values()
+                .filter(|h| h.tenant_key.as_deref() == Some(key))
+                .count();
+            if mine >= cap as usize {
+                return Err(SlotRefusal::TenantCap);
+            }
+        }
+        Ok(())
     }
 
     /// Remembers what the others held, from counts Redis just gave (not while restricted:
@@ -262,6 +296,8 @@ impl SlotState {
 struct Unclaimed<'a> {
     store: &'a RedisStore,
     lease: Option<(String, String)>,
+    /// The tenant's lease set the acquire may have put it in too.
+    tenant_key: Option<String>,
 }
 
 impl Unclaimed<'_> {
@@ -275,7 +311,8 @@ impl Drop for Unclaimed<'_> {
     fn drop(&mut self) {
         if let Some(lease) = self.lease.take() {
             lock(&self.store.slots.held).remove(&lease.0);
-            lock(&self.store.slots.unreleased).push(lease);
+            let tenant = self.tenant_key.take().map(|key| (lease.0.clone(), key));
+            lock(&self.store.slots.unreleased).extend(std::iter::once(lease).chain(tenant));
         }
     }
 }
@@ -290,21 +327,33 @@ pub(crate) struct RedisLease {
 impl RedisLease {
     /// Forgets the call locally and releases its lease in Redis in the background (or, with
     /// no runtime to do it, on the next background tick); its TTL is the backstop.
-    pub(crate) fn release(&self, tier: &Tier) {
+    ///
+    /// A lease counted for its tenant is in the tenant's lease set too: it is released as
+    /// a second (set, id) pair after the tier's, whose release already took it out of the
+    /// global set (so it announces nothing a second time).
+    pub(crate) fn release(&self, tier: &Tier, tenant: Option<&TenantId>) {
         let held = lock(&self.store.slots.held).remove(&self.id);
         if held.as_ref().is_some_and(|h| h.counted == Counted::Local) {
             // Never put in Redis (a resync on the way finds it gone and releases it).
             self.store.fallback.slots.released.notify_waiters();
             return;
         }
-        let tier_key = held.map_or_else(|| self.store.keys.slots_tier(tier), |h| h.tier_key);
-        let lease = (self.id.clone(), tier_key);
+        let keys = &self.store.keys;
+        let (tier_key, tenant_key) = match held {
+            Some(h) => (h.tier_key, h.tenant_key),
+            None => (
+                keys.slots_tier(tier),
+                tenant.map(|tenant| keys.slots_tenant(tier, tenant)),
+            ),
+        };
+        let mut leases = vec![(self.id.clone(), tier_key)];
+        leases.extend(tenant_key.map(|key| (self.id.clone(), key)));
         match tokio::runtime::Handle::try_current() {
             Ok(runtime) => {
                 let store = self.store.clone();
-                runtime.spawn(async move { store.release_leases(vec![lease]).await });
+                runtime.spawn(async move { store.release_leases(leases).await });
             }
-            Err(_) => lock(&self.store.slots.unreleased).push(lease),
+            Err(_) => lock(&self.store.slots.unreleased).extend(leases),
         }
     }
 }
@@ -322,27 +371,33 @@ impl RedisStore {
     /// future has sent nothing and holds nothing; dropped during the round trip, it queues
     /// its lease id for release (see `Unclaimed`). An answer that this worker must resync
     /// first is followed by the resync and one more try.
+    ///
+    /// With a tenant cap and a tenant, the tenant's lease set and cap follow the script's
+    /// other keys and arguments; without, the script is sent exactly as before.
     pub(crate) fn try_acquire_slot(
         self: &Arc<Self>,
         tier: &Tier,
+        tenant: Option<&TenantId>,
         limits: SlotLimits,
-    ) -> StoreFuture<Option<SlotLease>> {
+    ) -> StoreFuture<Result<SlotLease, SlotRefusal>> {
+        let tenant = limits.tenant.and(tenant);
         if self.is_degraded() {
-            return StoreFuture::ready(self.acquire_fallback(tier, limits));
+            return StoreFuture::ready(self.acquire_fallback(tier, tenant, limits));
         }
         let this = self.clone();
         let tier = tier.clone();
+        let tenant = tenant.cloned();
         StoreFuture::pending(async move {
             let id = this.lease_id();
             let tier_key = this.keys.slots_tier(&tier);
+            let tenant_key = tenant.as_ref().map(|t| this.keys.slots_tenant(&tier, t));
             let mut resynced = false;
             loop {
-                if !this.reserve(&id, &tier_key, limits) {
-                    return None;
-                }
+                this.reserve(&id, &tier_key, tenant_key.as_deref(), limits)?;
                 let unclaimed = Unclaimed {
                     store: &this,
                     lease: Some((id.clone(), tier_key.clone())),
+                    tenant_key: tenant_key.clone(),
                 };
                 let epoch = lock(&this.slots.epoch).clone();
                 let mut conn = this.conn.clone();
@@ -358,22 +413,33 @@ impl RedisStore {
                     .arg(&id)
                     .arg(&this.worker_id)
                     .arg(epoch.as_deref().unwrap_or(""));
+                if let (Some(key), Some(cap)) = (&tenant_key, limits.tenant) {
+                    acquire.key(key).arg(cap);
+                }
                 let answer = this
-                    .guard(acquire.invoke_async::<(i64, u32, u32)>(&mut conn))
+                    .guard(acquire.invoke_async::<Vec<i64>>(&mut conn))
                     .await;
-                let Some((status, global, in_tier)) = answer else {
+                let Some(&[status, global, in_tier, ..]) = answer.as_deref() else {
                     drop(unclaimed); // maybe granted, surely not held: release it later
-                    return this.acquire_fallback(&tier, limits);
+                    return this.acquire_fallback(&tier, tenant.as_ref(), limits);
+                };
+                let count = |n: i64| u32::try_from(n).unwrap_or(0);
+                let (global, in_tier) = (count(global), count(in_tier));
+                // 2: the tier had room, the tenant's own cap did not.
+                let refusal = match answer.as_deref().and_then(|a| a.get(3)) {
+                    Some(2) => SlotRefusal::TenantCap,
+                    _ => SlotRefusal::Full,
                 };
                 unclaimed.claim();
                 if status < 0 {
                     // Nothing was taken: this worker's calls are not all counted.
                     lock(&this.slots.held).remove(&id);
                     if resynced {
-                        return None; // another epoch began meanwhile: wait, try again
+                        // Another epoch began meanwhile: wait, try again.
+                        return Err(SlotRefusal::Full);
                     }
                     if !this.resync(false, Some(epoch)).await {
-                        return this.acquire_fallback(&tier, limits);
+                        return this.acquire_fallback(&tier, tenant.as_ref(), limits);
                     }
                     resynced = true;
                     continue;
@@ -391,52 +457,66 @@ impl RedisStore {
                     this.slots.saw(global, Some((&tier_key, in_tier)));
                 }
                 if status == 0 {
-                    return None;
+                    return Err(refusal);
                 }
                 let lease = RedisLease {
                     store: this.clone(),
                     id,
                 };
-                return Some(SlotLease::new(tier, Holder::Redis(lease)));
+                return Ok(SlotLease::new(tier, tenant, Holder::Redis(lease)));
             }
         })
     }
 
     /// Counts a call about to be acquired, if it fits this worker's share while restricted.
-    fn reserve(&self, id: &str, tier_key: &str, limits: SlotLimits) -> bool {
+    fn reserve(
+        &self,
+        id: &str,
+        tier_key: &str,
+        tenant_key: Option<&str>,
+        limits: SlotLimits,
+    ) -> Result<(), SlotRefusal> {
         let restricted = self.slots.restricted(self.is_degraded());
         let mut held = lock(&self.slots.held);
-        if restricted && !self.slots.fits(&held, tier_key, limits) {
-            return false;
+        if restricted {
+            self.slots.fits(&held, tier_key, tenant_key, limits)?;
         }
         held.insert(
             id.to_owned(),
             Held {
                 tier_key: tier_key.to_owned(),
+                tenant_key: tenant_key.map(str::to_owned),
                 ttl: limits.lease_ttl,
                 renewed: Instant::now(),
                 counted: Counted::Acquiring,
             },
         );
-        true
+        Ok(())
     }
 
     /// While Redis is away: a slot from this worker's share of the caps, counting every
     /// call it has in flight (Redis leases and fallback slots alike).
-    fn acquire_fallback(self: &Arc<Self>, tier: &Tier, limits: SlotLimits) -> Option<SlotLease> {
+    /// `tenant` is named only when `limits` caps tenants.
+    fn acquire_fallback(
+        self: &Arc<Self>,
+        tier: &Tier,
+        tenant: Option<&TenantId>,
+        limits: SlotLimits,
+    ) -> Result<SlotLease, SlotRefusal> {
         if self.slots.recovering.load(Ordering::Acquire) {
-            return None; // woken when the store is back
+            return Err(SlotRefusal::Full); // woken when the store is back
         }
         let id = self.lease_id();
         let tier_key = self.keys.slots_tier(tier);
+        let tenant_key = tenant.map(|tenant| self.keys.slots_tenant(tier, tenant));
         let mut held = lock(&self.slots.held);
-        if !self.slots.fits(&held, &tier_key, limits) {
-            return None;
-        }
+        self.slots
+            .fits(&held, &tier_key, tenant_key.as_deref(), limits)?;
         held.insert(
             id.clone(),
             Held {
                 tier_key,
+                tenant_key,
                 ttl: limits.lease_ttl,
                 renewed: Instant::now(),
                 counted: Counted::Local,
@@ -447,7 +527,7 @@ impl RedisStore {
             store: self.clone(),
             id,
         };
-        Some(SlotLease::new(tier.clone(), Holder::Redis(lease)).mark_fallback())
+        Ok(SlotLease::new(tier.clone(), tenant.cloned(), Holder::Redis(lease)).mark_fallback())
     }
 
     /// Puts back every call this worker has in flight as a lease, and records the worker
@@ -461,7 +541,7 @@ impl RedisStore {
         let leases: Vec<(String, String, u64)> = lock(&self.slots.held)
             .iter()
             .filter(|(_, h)| h.counted != Counted::Acquiring)
-            .map(|(id, h)| (id.clone(), h.tier_key.clone(), duration_ms(h.ttl)))
+            .flat_map(Held::sets)
             .collect();
         let mut invocation = self.slot_scripts.resync.prepare_invoke();
         invocation
@@ -484,7 +564,12 @@ impl RedisStore {
         };
         let alive: u32 = alive.parse().unwrap_or(1);
         let now = Instant::now();
-        let put_back = leases.len();
+        // Calls, not entries: a call counted for its tenant has two.
+        let put_back = leases
+            .iter()
+            .map(|(id, _, _)| id)
+            .collect::<std::collections::HashSet<_>>()
+            .len();
         {
             let mut held = lock(&self.slots.held);
             let mut unreleased = lock(&self.slots.unreleased);
@@ -646,7 +731,7 @@ impl RedisStore {
             }
             held.iter()
                 .filter(|(_, h)| h.counted == Counted::Shared)
-                .map(|(id, h)| (id.clone(), h.tier_key.clone(), duration_ms(h.ttl)))
+                .flat_map(Held::sets)
                 .collect()
         };
         let epoch = lock(&self.slots.epoch).clone();
