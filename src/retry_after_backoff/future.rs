@@ -16,12 +16,13 @@ use tower_service::Service;
 
 use super::body::{Filled, Peeked, ResponseBody};
 use super::decide::{self, Verdict};
-use super::layer::{Held, Learned, Shared};
+use super::layer::{Held, Learned, Shared, taken};
 use super::request::CloneRequest;
 use super::telemetry;
+use super::usage::Usage;
 use crate::admission::Busy;
 use crate::error::{BoxError, MissingJob};
-use crate::store::{PaceAsk, PaceGrant, StoreFuture};
+use crate::store::{DIMS, PaceAsk, PaceGrant, StoreFuture};
 use crate::{JobRequest, TenantId};
 
 pin_project! {
@@ -96,6 +97,11 @@ pub(super) struct Call<S, Req, C> {
     pub(super) learned: bool,
     /// A reservation to ask the store for, decided in `call`, and its block size.
     pub(super) ask: Option<(PaceAsk, u32)>,
+    /// The cells per dimension a call of this job needs from learned pacing (see `needs`).
+    pub(super) need: [u32; DIMS],
+    /// The cells learned pacing took for the attempt under way (0 where none): what its
+    /// answer's usage corrects.
+    pub(super) charged: [u32; DIMS],
     /// This attempt is the probe of its key (cold start or recovery): its answer tells the
     /// fleet at once.
     pub(super) probe: bool,
@@ -285,9 +291,8 @@ impl<S, Req, C> Call<S, Req, C> {
         if at_limit {
             core.note_at_limit(key);
         }
-        let report = core
-            .report(key, response.headers(), at_limit, self.probe)
-            .map(|ask| core.store.pace_learned(key, &ask));
+        let (report, limits) = core.report(key, response.headers(), at_limit, self.probe);
+        let report = report.map(|ask| core.store.pace_learned(key, &ask));
         let throttle = (status == StatusCode::TOO_MANY_REQUESTS)
             .then(|| core.store.record_throttle(&self.tenant));
         let gate = outcome
@@ -308,6 +313,15 @@ impl<S, Req, C> Call<S, Req, C> {
             Some(delay) => {
                 telemetry::retry(status);
                 Then::Retry(delay)
+            }
+            // A success charged tokens by learned pacing: its usage corrects the estimate,
+            // read as the body streams to the caller.
+            None if status.is_success()
+                && limits[1..].iter().any(|l| *l > 0)
+                && self.charged[1..].iter().any(|c| *c > 0) =>
+            {
+                let usage = Usage::new(core.clone(), key.clone(), self.need, self.charged, limits);
+                Then::Return(response.map(|body| body.scanned(usage)))
             }
             None => Then::Return(response),
         };
@@ -377,7 +391,7 @@ where
                         let grant = ready!(Pin::new(pending).poll(cx));
                         *learn = None;
                         let block = call.ask.take().map_or(1, |(_, block)| block);
-                        core.granted(&call.upstream, &grant, call.cost, block);
+                        core.granted(&call.upstream, &grant, call.need, block);
                         if !grant.hold.is_zero() {
                             // Another call is probing this key (cold start or recovery):
                             // ask again a random moment later, or when its lease ends.
@@ -399,6 +413,7 @@ where
                         }
                         call.probe = grant.probe;
                         call.learned = true;
+                        call.charged = taken(call.need, &grant.limits);
                         if grant.mode == 2 {
                             telemetry::pacing_wait(grant.wait);
                         }
@@ -432,8 +447,10 @@ where
                         let (ask, block) = match call.ask.take() {
                             Some(ask) => ask,
                             None => match core.admit_learned(&call.upstream, call.cost) {
-                                Learned::Go(wait) => {
+                                Learned::Go(wait, need, charged) => {
                                     call.learned = true;
+                                    call.need = need;
+                                    call.charged = charged;
                                     if !wait.is_zero() {
                                         telemetry::pacing_wait(wait);
                                         *sleep = sleep_for(wait);
@@ -441,7 +458,10 @@ where
                                     }
                                     (PaceAsk::default(), 0)
                                 }
-                                Learned::Ask(ask, block) => (ask, block),
+                                Learned::Ask(ask, block, need) => {
+                                    call.need = need;
+                                    (ask, block)
+                                }
                             },
                         };
                         if !call.learned {
@@ -577,7 +597,7 @@ where
                         && let Poll::Ready(grant) = Pin::new(told).poll(cx)
                     {
                         let core = &call.shared.core;
-                        core.granted(&call.upstream, &grant, call.cost, 1);
+                        core.granted(&call.upstream, &grant, call.need, 1);
                         *report = None;
                         // Calls held behind this probe ask again now.
                         core.answered.notify_waiters();
@@ -590,6 +610,7 @@ where
                     match then.take() {
                         Some(Then::Retry(delay)) => {
                             call.retries += 1;
+                            call.charged = [0; DIMS];
                             call.next = call.spare.take();
                             // A retry is a new attempt: the layers below count its waits
                             // (a tier's max wait) from now, and it takes its own slot.
