@@ -13,6 +13,7 @@ use std::time::{Duration, SystemTime};
 
 use fairgate::retry_after_backoff::{BackoffPolicy, ByApiKey};
 use fairgate::{FairgateLayer, Job, Origin, RetryAfterBackoffLayer, Store};
+use http_body_util::BodyExt;
 use tokio::time::Instant;
 use tower::{Layer, Service, ServiceExt, service_fn};
 
@@ -66,7 +67,8 @@ struct State {
 /// as token buckets with continuous refill; the `anthropic-ratelimit-*` headers on every
 /// answer (reset = when the bucket is full again, as Anthropic documents); a 429 with
 /// `retry-after` (whole seconds, at least 1) when a bucket is empty. Input tokens are the
-/// job's estimate, output tokens `OUTPUT` per call, charged when the answer is sent.
+/// job's estimate, output tokens `OUTPUT` per call, charged when the answer is sent — or,
+/// for a request carrying a [`TrueUsage`], what it says, with the `usage` in the body.
 #[derive(Clone)]
 struct Anthropic {
     state: Arc<Mutex<State>>,
@@ -74,6 +76,38 @@ struct Anthropic {
 }
 
 const OUTPUT: f64 = 100.0;
+
+/// What a call really uses, whatever its job estimated: the mock charges it and answers
+/// it in the body's `usage` (a JSON message, or an event stream).
+#[derive(Clone, Copy, Debug)]
+struct TrueUsage {
+    input: u32,
+    output: u32,
+    stream: bool,
+}
+
+impl TrueUsage {
+    /// The answer's body, as the Messages API writes it.
+    fn body(&self) -> String {
+        let (input, output) = (self.input, self.output);
+        if self.stream {
+            format!(
+                "event: message_start\ndata: {{\"type\":\"message_start\",\"message\":{{\"usage\":\
+                 {{\"input_tokens\":{input},\"output_tokens\":1}}}}}}\n\n\
+                 event: content_block_delta\ndata: {{\"type\":\"content_block_delta\",\"index\":0,\
+                 \"delta\":{{\"type\":\"text_delta\",\"text\":\"Hi\"}}}}\n\n\
+                 event: message_delta\ndata: {{\"type\":\"message_delta\",\"delta\":\
+                 {{\"stop_reason\":\"end_turn\"}},\"usage\":{{\"output_tokens\": {output}}}}}\n\n\
+                 event: message_stop\ndata: {{\"type\":\"message_stop\"}}\n\n"
+            )
+        } else {
+            format!(
+                "{{\"type\":\"message\",\"content\":[{{\"type\":\"text\",\"text\":\"Hi\"}}],\
+                 \"usage\":{{\"input_tokens\":{input},\"output_tokens\":{output}}}}}"
+            )
+        }
+    }
+}
 
 impl Anthropic {
     fn new(rpm: u32, itpm: u32, otpm: u32, latency: Duration) -> Self {
@@ -163,9 +197,9 @@ impl Anthropic {
         Ok(())
     }
 
-    fn finish(&self) -> Vec<(String, String)> {
+    fn finish(&self, output: f64) -> Vec<(String, String)> {
         let mut s = self.state.lock().unwrap();
-        s.output.level -= OUTPUT;
+        s.output.level -= output;
         s.served.push(Instant::now());
         Self::headers(&s)
     }
@@ -179,16 +213,25 @@ impl Anthropic {
         let this = self.clone();
         service_fn(move |req: http::Request<B>| {
             let this = this.clone();
-            let input = req
-                .extensions()
-                .get::<Job>()
-                .map_or(1.0, |j| f64::from(j.estimated_tokens()));
+            let usage = req.extensions().get::<TrueUsage>().copied();
+            let input = match usage {
+                Some(usage) => f64::from(usage.input),
+                None => req
+                    .extensions()
+                    .get::<Job>()
+                    .map_or(1.0, |j| f64::from(j.estimated_tokens())),
+            };
             Box::pin(async move {
                 let admitted = this.arrive(input);
                 tokio::time::sleep(this.latency).await;
-                Ok(match admitted {
-                    Ok(_) => respond(200, &this.finish()),
-                    Err(throttled) => *throttled,
+                Ok(match (admitted, usage) {
+                    (Ok(_), None) => respond(200, &this.finish(OUTPUT)),
+                    (Ok(_), Some(usage)) => {
+                        let mut response = respond(200, &this.finish(f64::from(usage.output)));
+                        *response.body_mut() = usage.body();
+                        response
+                    }
+                    (Err(throttled), _) => *throttled,
                 })
             }) as BoxFut
         })
@@ -363,6 +406,67 @@ async fn the_pacer_follows_a_limit_that_changes_mid_run() {
     );
     assert!(share < 0.05, "{:.2}% answered 429", share * 100.0);
     assert!(followed.iter().all(|n| *n <= 3), "{followed:?}");
+}
+
+/// Output-heavy calls whose jobs estimate a tenth of their input and nothing of their
+/// output (1,000 input and 1,000 output tokens each, estimated 100), half of them streamed,
+/// against 600 RPM / 100,000 ITPM / 20,000 OTPM: the output limit binds (20 calls a
+/// minute). 4 workers x 5 callers x 6 calls, each caller reading its answers' bodies.
+/// Returns the share of attempts answered 429, attempts, throttles, and calls served.
+async fn output_heavy(usage_correction: bool) -> (f64, u64, u64, usize) {
+    let provider = Anthropic::new(600, 100_000, 20_000, Duration::from_millis(200));
+    let store = Store::memory();
+    let mut tasks = Vec::new();
+    for worker in 0..4u64 {
+        let policy = BackoffPolicy::builder()
+            .seed(worker)
+            .usage_correction(usage_correction)
+            .build()
+            .unwrap();
+        let layer = RetryAfterBackoffLayer::new(store.clone(), policy);
+        for caller in 0..5 {
+            let service = layer.layer(provider.service::<String>());
+            tasks.push(tokio::spawn(async move {
+                for job in 0..6 {
+                    let mut req = request(&format!("w{worker}-c{caller}"), 100);
+                    req.extensions_mut().insert(TrueUsage {
+                        input: 1_000,
+                        output: 1_000,
+                        stream: job % 2 == 1,
+                    });
+                    let response = service.clone().oneshot(req).await.unwrap();
+                    let status = response.status();
+                    let body = response.into_body().collect().await.unwrap().to_bytes();
+                    assert!(status != 200 || body.len() > 2, "a success with its usage");
+                }
+            }));
+        }
+    }
+    for task in tasks {
+        task.await.unwrap();
+    }
+    let (share, attempts, throttled) = provider.share_429();
+    (share, attempts, throttled, provider.served())
+}
+
+#[tokio::test(start_paused = true)]
+async fn token_charges_corrected_from_the_usage_keep_429s_under_2_percent() {
+    let (corrected, all, throttled, served) = output_heavy(true).await;
+    let (estimated, all_off, throttled_off, served_off) = output_heavy(false).await;
+    println!(
+        "output-heavy calls estimated 10x low: {:.2}% of {all} attempts answered 429 \
+         ({throttled}), {served} of 120 served, with the usage correction; {:.2}% of \
+         {all_off} ({throttled_off}), {served_off} served, without",
+        corrected * 100.0,
+        estimated * 100.0
+    );
+    assert!(corrected <= 0.02, "{:.2}% answered 429", corrected * 100.0);
+    assert_eq!(served, 120, "every call served with the correction");
+    assert!(
+        estimated > 0.02 && estimated > 2.0 * corrected,
+        "without the correction: {:.2}%",
+        estimated * 100.0
+    );
 }
 
 /// 400 requests through the whole stack against an upstream answering in 1 s, with
