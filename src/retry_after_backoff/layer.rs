@@ -230,6 +230,9 @@ impl Core {
             ask.learn = pending.learn;
             ask.charge = pending.charge;
             ask.answered = pending.answered;
+            // Headers that waited for this reservation: another worker may have reported
+            // a newer limit since (see `PaceAsk::queued`).
+            ask.queued = true;
         }
         ask.take = need.map(|n| n.saturating_mul(block));
         Learned::Ask(ask, block, need)
