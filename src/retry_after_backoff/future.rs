@@ -53,6 +53,9 @@ pin_project! {
             // Held behind another call's probe: woken by any answer in this worker (the
             // timer covers answers in other workers).
             answered: Option<Pin<Box<dyn Future<Output = ()> + Send>>>,
+            // Waiting for cells reserved under the learned limits: woken when a limit
+            // changes, to ask again (see `Call::paced_under`).
+            relimit: Option<Pin<Box<dyn Future<Output = ()> + Send>>>,
         },
         Calling {
             #[pin]
@@ -102,6 +105,10 @@ pub(super) struct Call<S, Req, C> {
     /// The cells learned pacing took for the attempt under way (0 where none): what its
     /// answer's usage corrects.
     pub(super) charged: [u32; DIMS],
+    /// The learned limits under which this attempt's cells were reserved, while it waits
+    /// for them: if a limit changed meanwhile, the store restarted the bucket and the
+    /// reservation is void, so the attempt asks again rather than go at the old pace.
+    pub(super) paced_under: Option<[u32; DIMS]>,
     /// This attempt is the probe of its key (cold start or recovery): its answer tells the
     /// fleet at once.
     pub(super) probe: bool,
@@ -185,12 +192,17 @@ impl<F, S, Req, B: Body, C> ResponseFuture<F, S, Req, B, C> {
     }
 
     pub(super) fn admitting(call: Call<S, Req, C>, wait: Duration) -> Self {
+        let relimit = call
+            .paced_under
+            .is_some()
+            .then(|| call.shared.core.limits_changed());
         ResponseFuture {
             state: State::Admitting {
                 sleep: sleep_for(wait),
                 reserve: None,
                 learn: None,
                 answered: None,
+                relimit,
             },
             call: Some(call),
         }
@@ -358,6 +370,7 @@ where
                     reserve,
                     learn,
                     answered,
+                    relimit,
                 } => {
                     if call.retries == 0
                         && let Some(busy) = call.patience.as_mut().and_then(|p| p.poll_expired(cx))
@@ -372,10 +385,27 @@ where
                         *answered = None;
                         *sleep = None;
                     }
+                    if let Some(changed) = relimit.as_mut()
+                        && changed.as_mut().poll(cx).is_ready()
+                    {
+                        *relimit = None;
+                        if let Some(limits) = call.paced_under
+                            && call.shared.core.limits_of(&call.upstream) != limits
+                        {
+                            // The reservation is void: ask again now.
+                            call.paced_under = None;
+                            call.learned = false;
+                            *sleep = None;
+                        } else if sleep.is_some() {
+                            *relimit = Some(call.shared.core.limits_changed());
+                            continue;
+                        }
+                    }
                     if let Some(timer) = sleep.as_mut() {
                         ready!(timer.as_mut().poll(cx));
                         *sleep = None;
                         *answered = None;
+                        *relimit = None;
                     }
                     if let Some(reservation) = reserve.as_mut() {
                         let wait = ready!(Pin::new(reservation).poll(cx));
@@ -418,6 +448,8 @@ where
                             telemetry::pacing_wait(grant.wait);
                         }
                         if !grant.wait.is_zero() {
+                            call.paced_under = Some(grant.limits);
+                            *relimit = Some(core.limits_changed());
                             *sleep = sleep_for(grant.wait);
                             continue;
                         }
@@ -453,6 +485,8 @@ where
                                     call.charged = charged;
                                     if !wait.is_zero() {
                                         telemetry::pacing_wait(wait);
+                                        call.paced_under = Some(core.limits_of(&call.upstream));
+                                        *relimit = Some(core.limits_changed());
                                         *sleep = sleep_for(wait);
                                         continue;
                                     }
@@ -477,6 +511,13 @@ where
                             call.ask = Some((ask, block));
                             continue;
                         }
+                    }
+                    if let Some(limits) = call.paced_under.take()
+                        && core.limits_of(&call.upstream) != limits
+                    {
+                        // The limits changed while this call waited: ask again.
+                        call.learned = false;
+                        continue;
                     }
                     call.held = None;
                     if let Some(pacing) = core.shared_pacing()
@@ -626,6 +667,7 @@ where
                                 reserve: None,
                                 learn: None,
                                 answered: None,
+                                relimit: None,
                             });
                         }
                         Some(Then::Return(response)) => {

@@ -56,6 +56,9 @@ pub(super) struct Core {
     /// Notified when an answer was reported to the store: calls held behind a probe in
     /// this worker ask again at once, in the order they wait.
     pub(super) answered: Arc<tokio::sync::Notify>,
+    /// Notified when this worker learns that a key's limits changed: calls waiting for
+    /// cells reserved under the old ones ask again.
+    limits_changed: Arc<tokio::sync::Notify>,
 }
 
 /// A call counted as held while this lives.
@@ -180,6 +183,20 @@ impl Core {
         view.credit = [0; DIMS];
     }
 
+    /// Resolves when this worker next learns that some key's limits changed.
+    pub(super) fn limits_changed(&self) -> std::pin::Pin<Box<dyn Future<Output = ()> + Send>> {
+        let notify = self.limits_changed.clone();
+        Box::pin(async move { notify.notified().await })
+    }
+
+    /// The limits this worker knows for `key` (0: not learned).
+    pub(super) fn limits_of(&self, key: &Arc<str>) -> [u32; DIMS] {
+        let mut views = crate::sync::lock(&self.views);
+        views
+            .get(key, self.policy.learned_pacing, &self.loud)
+            .limits
+    }
+
     /// Whether a call to `key` may go now without asking the store, or what to ask it.
     pub(super) fn admit_learned(&self, key: &Arc<str>, cost: u32) -> Learned {
         // The layer's own key, known, and every view quiet: it is quiet too, so the call goes
@@ -246,6 +263,7 @@ impl Core {
         view.update(grant, self.policy.probe_timeout);
         if grant.limits != before {
             telemetry::learned_limits(key, &grant.limits);
+            self.limits_changed.notify_waiters();
         }
         if grant.hold.is_zero() && block > 1 {
             // Reservations made side by side add up (none is lost); the cells go from the
@@ -399,6 +417,7 @@ impl RetryAfterBackoffLayer {
                     held: AtomicUsize::new(0),
                     release: Mutex::default(),
                     answered: Arc::default(),
+                    limits_changed: Arc::default(),
                 }),
                 cloner: ByClone,
             }),

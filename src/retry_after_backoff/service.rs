@@ -147,6 +147,7 @@ where
             ask,
             need,
             charged,
+            paced_under: None,
             probe: false,
             held: None,
             reserved: false,
@@ -159,6 +160,7 @@ where
         } else {
             if !first_wait.is_zero() {
                 super::telemetry::pacing_wait(first_wait);
+                call.paced_under = Some(call.shared.core.limits_of(&call.upstream));
             }
             call.next = Some(req);
             ResponseFuture::admitting(call, first_wait)
