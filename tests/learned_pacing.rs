@@ -469,6 +469,99 @@ async fn token_charges_corrected_from_the_usage_keep_429s_under_2_percent() {
     );
 }
 
+#[cfg(feature = "redis")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_pacer_follows_a_limit_that_changes_mid_run_on_two_workers_on_one_redis() {
+    // Real time, scaled: 1,200 RPM (20 a second), then 480 (8 a second), then 1,200 again,
+    // 2.5 s each after 1.5 s of warm-up (slow start and the first reservations); two
+    // workers sharing one throwaway Redis, 10 callers each.
+    let server = support::RedisServer::start();
+    let url = server.url();
+    let connect = || Store::builder().redis(&url);
+    let provider = Anthropic::new(1_200, 10_000_000, 10_000_000, Duration::from_millis(20));
+    let stores = [connect().await.unwrap(), connect().await.unwrap()];
+    let phase = Duration::from_millis(2_500);
+    let start = Instant::now() + Duration::from_millis(1_500);
+    let end = start + phase * 3;
+    let mut tasks = Vec::new();
+    for (worker, store) in stores.iter().enumerate() {
+        let layer = RetryAfterBackoffLayer::new(store.clone(), policy(worker as u64));
+        for caller in 0..10 {
+            let service = layer.layer(provider.service::<String>());
+            tasks.push(tokio::spawn(async move {
+                while Instant::now() < end {
+                    let tenant = format!("w{worker}-c{caller}");
+                    service.clone().oneshot(request(&tenant, 10)).await.unwrap();
+                }
+            }));
+        }
+    }
+    // After each change, the answers given, and the time, until the store holds the new
+    // limit.
+    let answered = |p: &Anthropic| {
+        let s = p.state.lock().unwrap();
+        s.served.len() + s.throttled as usize
+    };
+    let mut followed = Vec::new();
+    for (at, rpm) in [(1u32, 480u32), (2, 1_200)] {
+        tokio::time::sleep_until(start + phase * at).await;
+        provider.set_rpm(rpm);
+        let (before, changed) = (answered(&provider), Instant::now());
+        while stores[0].learned_limits("default").await.requests != Some(rpm) {
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        followed.push((answered(&provider) - before, changed.elapsed()));
+    }
+    for task in tasks {
+        task.await.unwrap();
+    }
+    let (share, all, throttled) = provider.share_429();
+    // Successes a second in each phase, from a second after its change (the calls already
+    // reserved at the old rate have gone by then).
+    let rates: Vec<f64> = {
+        let s = provider.state.lock().unwrap();
+        (0..3u32)
+            .map(|i| {
+                let from = start + phase * i + Duration::from_secs(1);
+                let to = start + phase * (i + 1);
+                let n = s.served.iter().filter(|t| **t >= from && **t < to).count();
+                n as f64 / (to - from).as_secs_f64()
+            })
+            .collect()
+    };
+    println!(
+        "limit 1,200 -> 480 -> 1,200 RPM on one Redis, 2 workers: {:.2}% of {all} attempts \
+         answered 429 ({throttled}); the store held the new limit after {followed:?} \
+         (answers, time); {rates:.1?} successes a second per phase (limits 20, 8, 20)",
+        share * 100.0
+    );
+    assert!(share < 0.05, "{:.2}% answered 429", share * 100.0);
+    // The first answer after the change teaches it. Counted in answers that can be up to
+    // a dozen: on Redis a worker spends the cells it reserved ahead in blocks, so the
+    // answers of calls sent just before the change come back together; in time, it is
+    // the gap to the next answer plus a round trip.
+    assert!(
+        followed
+            .iter()
+            .all(|(n, took)| *n <= 12 && *took <= Duration::from_millis(300)),
+        "{followed:?}"
+    );
+    // The pacer follows: the low phase at 0.95 of its limit, give or take the one second
+    // of burst the pacer allows (7 calls, over a 1.5 s window), the high ones well above it
+    // (bursty over 1.5 s, for the same reason).
+    assert!(
+        (5.5..=10.5).contains(&rates[1]),
+        "{:.1} a second against 8",
+        rates[1]
+    );
+    for rate in [rates[0], rates[2]] {
+        assert!(
+            (10.0..=40.0).contains(&rate),
+            "{rate:.1} a second against 20"
+        );
+    }
+}
+
 /// 400 requests through the whole stack against an upstream answering in 1 s, with
 /// `share` of the calls answered 429 (`retry-after: 1`) at random; the time they took.
 async fn through_the_stack(share: f64) -> Duration {
