@@ -13,6 +13,7 @@ use std::time::{Duration, SystemTime};
 
 use fairgate::retry_after_backoff::{BackoffPolicy, ByApiKey};
 use fairgate::{FairgateLayer, Job, Origin, RetryAfterBackoffLayer, Store};
+use http_body_util::BodyExt;
 use tokio::time::Instant;
 use tower::{Layer, Service, ServiceExt, service_fn};
 
@@ -66,7 +67,8 @@ struct State {
 /// as token buckets with continuous refill; the `anthropic-ratelimit-*` headers on every
 /// answer (reset = when the bucket is full again, as Anthropic documents); a 429 with
 /// `retry-after` (whole seconds, at least 1) when a bucket is empty. Input tokens are the
-/// job's estimate, output tokens `OUTPUT` per call, charged when the answer is sent.
+/// job's estimate, output tokens `OUTPUT` per call, charged when the answer is sent — or,
+/// for a request carrying a [`TrueUsage`], what it says, with the `usage` in the body.
 #[derive(Clone)]
 struct Anthropic {
     state: Arc<Mutex<State>>,
@@ -74,6 +76,38 @@ struct Anthropic {
 }
 
 const OUTPUT: f64 = 100.0;
+
+/// What a call really uses, whatever its job estimated: the mock charges it and answers
+/// it in the body's `usage` (a JSON message, or an event stream).
+#[derive(Clone, Copy, Debug)]
+struct TrueUsage {
+    input: u32,
+    output: u32,
+    stream: bool,
+}
+
+impl TrueUsage {
+    /// The answer's body, as the Messages API writes it.
+    fn body(&self) -> String {
+        let (input, output) = (self.input, self.output);
+        if self.stream {
+            format!(
+                "event: message_start\ndata: {{\"type\":\"message_start\",\"message\":{{\"usage\":\
+                 {{\"input_tokens\":{input},\"output_tokens\":1}}}}}}\n\n\
+                 event: content_block_delta\ndata: {{\"type\":\"content_block_delta\",\"index\":0,\
+                 \"delta\":{{\"type\":\"text_delta\",\"text\":\"Hi\"}}}}\n\n\
+                 event: message_delta\ndata: {{\"type\":\"message_delta\",\"delta\":\
+                 {{\"stop_reason\":\"end_turn\"}},\"usage\":{{\"output_tokens\": {output}}}}}\n\n\
+                 event: message_stop\ndata: {{\"type\":\"message_stop\"}}\n\n"
+            )
+        } else {
+            format!(
+                "{{\"type\":\"message\",\"content\":[{{\"type\":\"text\",\"text\":\"Hi\"}}],\
+                 \"usage\":{{\"input_tokens\":{input},\"output_tokens\":{output}}}}}"
+            )
+        }
+    }
+}
 
 impl Anthropic {
     fn new(rpm: u32, itpm: u32, otpm: u32, latency: Duration) -> Self {
@@ -163,9 +197,22 @@ impl Anthropic {
         Ok(())
     }
 
-    fn finish(&self) -> Vec<(String, String)> {
+    /// Another client on the same key takes `input` tokens (as far as there are any).
+    fn take_outside(&self, input: f64) {
         let mut s = self.state.lock().unwrap();
-        s.output.level -= OUTPUT;
+        let now = Instant::now();
+        let secs = (now - s.at).as_secs_f64();
+        s.at = now;
+        s.requests.refill(secs);
+        s.input.refill(secs);
+        s.output.refill(secs);
+        let taken = input.min(s.input.level.max(0.0));
+        s.input.level -= taken;
+    }
+
+    fn finish(&self, output: f64) -> Vec<(String, String)> {
+        let mut s = self.state.lock().unwrap();
+        s.output.level -= output;
         s.served.push(Instant::now());
         Self::headers(&s)
     }
@@ -179,16 +226,25 @@ impl Anthropic {
         let this = self.clone();
         service_fn(move |req: http::Request<B>| {
             let this = this.clone();
-            let input = req
-                .extensions()
-                .get::<Job>()
-                .map_or(1.0, |j| f64::from(j.estimated_tokens()));
+            let usage = req.extensions().get::<TrueUsage>().copied();
+            let input = match usage {
+                Some(usage) => f64::from(usage.input),
+                None => req
+                    .extensions()
+                    .get::<Job>()
+                    .map_or(1.0, |j| f64::from(j.estimated_tokens())),
+            };
             Box::pin(async move {
                 let admitted = this.arrive(input);
                 tokio::time::sleep(this.latency).await;
-                Ok(match admitted {
-                    Ok(_) => respond(200, &this.finish()),
-                    Err(throttled) => *throttled,
+                Ok(match (admitted, usage) {
+                    (Ok(_), None) => respond(200, &this.finish(OUTPUT)),
+                    (Ok(_), Some(usage)) => {
+                        let mut response = respond(200, &this.finish(f64::from(usage.output)));
+                        *response.body_mut() = usage.body();
+                        response
+                    }
+                    (Err(throttled), _) => *throttled,
                 })
             }) as BoxFut
         })
@@ -347,7 +403,9 @@ async fn the_pacer_follows_a_limit_that_changes_mid_run() {
         tokio::time::sleep_until(start + minute * at).await;
         provider.set_rpm(rpm);
         let attempts = provider.state.lock().unwrap().attempts as usize;
+        let give_up = Instant::now() + minute;
         while store.learned_limits("default").await.requests != Some(rpm) {
+            assert!(Instant::now() < give_up, "the store never held {rpm} RPM");
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
         followed.push(provider.state.lock().unwrap().attempts as usize - attempts);
@@ -361,8 +419,218 @@ async fn the_pacer_follows_a_limit_that_changes_mid_run() {
          the store held the new limit after {followed:?} answers",
         share * 100.0
     );
-    assert!(share < 0.05, "{:.2}% answered 429", share * 100.0);
+    // Under 5%, and in fact under 1%: a call waiting for cells reserved under the old
+    // limit asks again when the new one is learned (without that: 2.5%).
+    assert!(share < 0.01, "{:.2}% answered 429", share * 100.0);
     assert!(followed.iter().all(|n| *n <= 3), "{followed:?}");
+}
+
+/// Output-heavy calls whose jobs estimate a tenth of their input and nothing of their
+/// output (1,000 input and 1,000 output tokens each, estimated 100), half of them streamed,
+/// against 600 RPM / 100,000 ITPM / 20,000 OTPM: the output limit binds (20 calls a
+/// minute). 4 workers x 5 callers x 6 calls, each caller reading its answers' bodies.
+/// Returns the share of attempts answered 429, attempts, throttles, and calls served.
+async fn output_heavy(usage_correction: bool) -> (f64, u64, u64, usize) {
+    let provider = Anthropic::new(600, 100_000, 20_000, Duration::from_millis(200));
+    let store = Store::memory();
+    let mut tasks = Vec::new();
+    for worker in 0..4u64 {
+        let policy = BackoffPolicy::builder()
+            .seed(worker)
+            .usage_correction(usage_correction)
+            .build()
+            .unwrap();
+        let layer = RetryAfterBackoffLayer::new(store.clone(), policy);
+        for caller in 0..5 {
+            let service = layer.layer(provider.service::<String>());
+            tasks.push(tokio::spawn(async move {
+                for job in 0..6 {
+                    let mut req = request(&format!("w{worker}-c{caller}"), 100);
+                    req.extensions_mut().insert(TrueUsage {
+                        input: 1_000,
+                        output: 1_000,
+                        stream: job % 2 == 1,
+                    });
+                    let response = service.clone().oneshot(req).await.unwrap();
+                    let status = response.status();
+                    let body = response.into_body().collect().await.unwrap().to_bytes();
+                    assert!(status != 200 || body.len() > 2, "a success with its usage");
+                }
+            }));
+        }
+    }
+    for task in tasks {
+        task.await.unwrap();
+    }
+    let (share, attempts, throttled) = provider.share_429();
+    (share, attempts, throttled, provider.served())
+}
+
+#[tokio::test(start_paused = true)]
+async fn token_charges_corrected_from_the_usage_keep_429s_under_2_percent() {
+    let (corrected, all, throttled, served) = output_heavy(true).await;
+    let (estimated, all_off, throttled_off, served_off) = output_heavy(false).await;
+    println!(
+        "output-heavy calls estimated 10x low: {:.2}% of {all} attempts answered 429 \
+         ({throttled}), {served} of 120 served, with the usage correction; {:.2}% of \
+         {all_off} ({throttled_off}), {served_off} served, without",
+        corrected * 100.0,
+        estimated * 100.0
+    );
+    assert!(corrected <= 0.02, "{:.2}% answered 429", corrected * 100.0);
+    assert_eq!(served, 120, "every call served with the correction");
+    assert!(
+        estimated > 0.02 && estimated > 2.0 * corrected,
+        "without the correction: {:.2}%",
+        estimated * 100.0
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn tokens_another_client_spent_are_read_from_remaining() {
+    // 40,000 input tokens a minute, 2,000 a call (estimated right). Five times, after a
+    // quiet minute, another client on the same key spends 35,000 of them at once (unseen
+    // but in every answer's `-remaining`), then 2 callers send 4 calls each: the first
+    // answers say what is left, and the rest wait for it instead of running into 429s.
+    let provider = Anthropic::new(1_000, 40_000, 1_000_000, Duration::from_millis(50));
+    let layer = RetryAfterBackoffLayer::new(Store::memory(), policy(9));
+    let service = layer.layer(provider.service::<String>());
+    service
+        .clone()
+        .oneshot(request("warm-up", 2_000))
+        .await
+        .unwrap();
+    for round in 0..5 {
+        tokio::time::sleep(Duration::from_secs(60)).await;
+        provider.take_outside(35_000.0);
+        let callers = (0..2).map(|caller| {
+            let service = service.clone();
+            async move {
+                for _ in 0..4 {
+                    let tenant = format!("r{round}-c{caller}");
+                    service
+                        .clone()
+                        .oneshot(request(&tenant, 2_000))
+                        .await
+                        .unwrap();
+                }
+            }
+        });
+        futures_util::future::join_all(callers).await;
+    }
+    let (share, all, throttled) = provider.share_429();
+    println!(
+        "another client spends 35,000 of 40,000 tokens before each round: {:.2}% of {all} \
+         attempts answered 429 ({throttled})",
+        share * 100.0
+    );
+    assert!(share <= 0.05, "{:.2}% answered 429", share * 100.0);
+}
+
+#[cfg(feature = "redis")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_pacer_follows_a_limit_that_changes_mid_run_on_two_workers_on_one_redis() {
+    // Real time, scaled: 1,200 RPM (20 a second), then 480 (8 a second), then 1,200 again,
+    // 2.5 s each after 1.5 s of warm-up (slow start and the first reservations); two
+    // workers sharing one throwaway Redis, 10 callers each.
+    let server = support::RedisServer::start();
+    let url = server.url();
+    let connect = || Store::builder().redis(&url);
+    let provider = Anthropic::new(1_200, 10_000_000, 10_000_000, Duration::from_millis(20));
+    let stores = [connect().await.unwrap(), connect().await.unwrap()];
+    let phase = Duration::from_millis(2_500);
+    let start = Instant::now() + Duration::from_millis(1_500);
+    let end = start + phase * 3;
+    let mut tasks = Vec::new();
+    for (worker, store) in stores.iter().enumerate() {
+        let layer = RetryAfterBackoffLayer::new(store.clone(), policy(worker as u64));
+        for caller in 0..10 {
+            let service = layer.layer(provider.service::<String>());
+            tasks.push(tokio::spawn(async move {
+                while Instant::now() < end {
+                    let tenant = format!("w{worker}-c{caller}");
+                    service.clone().oneshot(request(&tenant, 10)).await.unwrap();
+                }
+            }));
+        }
+    }
+    // After each change, the answers given, and the time, until the store holds the new
+    // limit.
+    let answered = |p: &Anthropic| {
+        let s = p.state.lock().unwrap();
+        s.served.len() + s.throttled as usize
+    };
+    let mut followed = Vec::new();
+    for (at, rpm) in [(1u32, 480u32), (2, 1_200)] {
+        tokio::time::sleep_until(start + phase * at).await;
+        provider.set_rpm(rpm);
+        let (before, changed) = (answered(&provider), Instant::now());
+        while stores[0].learned_limits("default").await.requests != Some(rpm) {
+            assert!(changed.elapsed() < phase, "the store never held {rpm} RPM");
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        followed.push((answered(&provider) - before, changed.elapsed()));
+        if rpm == 480 {
+            // Until the next change the store keeps the new limit: headers a worker queued
+            // for its next reservation before the change never put the old one back.
+            let mut old = 0;
+            while Instant::now() + Duration::from_millis(100) < start + phase * (at + 1) {
+                if stores[0].learned_limits("default").await.requests != Some(rpm) {
+                    old += 1;
+                }
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            assert_eq!(old, 0, "the old limit came back {old} times");
+        }
+    }
+    for task in tasks {
+        task.await.unwrap();
+    }
+    let (share, all, throttled) = provider.share_429();
+    // Successes a second in each phase, from a second after its change (the calls already
+    // reserved at the old rate have gone by then).
+    let rates: Vec<f64> = {
+        let s = provider.state.lock().unwrap();
+        (0..3u32)
+            .map(|i| {
+                let from = start + phase * i + Duration::from_secs(1);
+                let to = start + phase * (i + 1);
+                let n = s.served.iter().filter(|t| **t >= from && **t < to).count();
+                n as f64 / (to - from).as_secs_f64()
+            })
+            .collect()
+    };
+    println!(
+        "limit 1,200 -> 480 -> 1,200 RPM on one Redis, 2 workers: {:.2}% of {all} attempts \
+         answered 429 ({throttled}); the store held the new limit after {followed:?} \
+         (answers, time); {rates:.1?} successes a second per phase (limits 20, 8, 20)",
+        share * 100.0
+    );
+    assert!(share < 0.05, "{:.2}% answered 429", share * 100.0);
+    // The first answer after the change teaches it. Counted in answers that can be up to
+    // a dozen: on Redis a worker spends the cells it reserved ahead in blocks, so the
+    // answers of calls sent just before the change come back together; in time, it is
+    // the gap to the next answer plus a round trip.
+    assert!(
+        followed
+            .iter()
+            .all(|(n, took)| *n <= 12 && *took <= Duration::from_millis(300)),
+        "{followed:?}"
+    );
+    // The pacer follows: the low phase at 0.95 of its limit, give or take the one second
+    // of burst the pacer allows (7 calls, over a 1.5 s window), the high ones well above it
+    // (bursty over 1.5 s, for the same reason).
+    assert!(
+        (5.5..=10.5).contains(&rates[1]),
+        "{:.1} a second against 8",
+        rates[1]
+    );
+    for rate in [rates[0], rates[2]] {
+        assert!(
+            (10.0..=40.0).contains(&rate),
+            "{rate:.1} a second against 20"
+        );
+    }
 }
 
 /// 400 requests through the whole stack against an upstream answering in 1 s, with
@@ -525,6 +793,51 @@ async fn a_lone_retry_keeps_its_band_for_250_ms_and_2_s() {
         );
         assert!(max <= hi + Duration::from_millis(1), "{max:?} > {hi:?}");
     }
+}
+
+#[tokio::test(start_paused = true)]
+async fn held_calls_spread_over_a_fifth_of_the_servers_delay() {
+    // A 429 with `retry-after-ms: 250` closes the gate; 20 calls sent meanwhile are held
+    // behind it, then released over a fifth of the delay (no fixed floor): all go within
+    // 250 ms + 2 x 50 ms of the 429 (the worker's offset and each call's own draw).
+    let arrivals: Arc<Mutex<Vec<Instant>>> = Arc::default();
+    let seen = arrivals.clone();
+    let upstream = service_fn(move |_req: http::Request<String>| {
+        let n = {
+            let mut seen = seen.lock().unwrap();
+            seen.push(Instant::now());
+            seen.len()
+        };
+        async move {
+            Ok::<_, Infallible>(if n == 2 {
+                respond(429, &[("retry-after-ms".into(), "250".into())])
+            } else {
+                respond(200, &[])
+            })
+        }
+    });
+    let layer = RetryAfterBackoffLayer::new(
+        Store::memory(),
+        BackoffPolicy::builder()
+            .seed(4)
+            .max_retries(0)
+            .build()
+            .unwrap(),
+    );
+    let call = || layer.layer(upstream.clone()).oneshot(request("t", 10));
+    assert_eq!(call().await.unwrap().status(), 200); // past the cold start
+    assert_eq!(call().await.unwrap().status(), 429);
+    let throttled = Instant::now();
+    let held: Vec<_> = (0..20).map(|_| call()).collect();
+    for response in futures_util::future::join_all(held).await {
+        assert_eq!(response.unwrap().status(), 200);
+    }
+    let arrivals = arrivals.lock().unwrap();
+    let first = *arrivals[2..].iter().min().unwrap() - throttled;
+    let last = *arrivals[2..].iter().max().unwrap() - throttled;
+    println!("20 calls held behind retry-after-ms: 250 went from {first:?} to {last:?}");
+    assert!(first >= Duration::from_millis(250), "{first:?}");
+    assert!(last <= Duration::from_millis(351), "{last:?}");
 }
 
 #[tokio::test(start_paused = true)]

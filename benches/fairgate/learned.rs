@@ -3,15 +3,21 @@
 //! bench's rate, so no call waits), with learned pacing on versus off in the same run,
 //! memory and Redis stores. On Redis a call must not be a round trip: the layer reserves a
 //! quarter second of the learned rate at once (at most 64 calls) and sends what the headers
-//! said with the next reservation.
+//! said with the next reservation. `learned_usage`: the upstream also reports an output
+//! token limit and answers a body with its `usage`, which the caller reads to the end —
+//! the body is scanned and each call's charge corrected; `learned_usage_off` is the same
+//! with the correction off (the difference is the scan and the correction).
 
 use std::convert::Infallible;
 use std::hint::black_box;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use criterion::{BenchmarkId, Criterion, Throughput};
 use fairgate::retry_after_backoff::BackoffPolicy;
 use fairgate::{RetryAfterBackoffLayer, Store};
-use tower::{Layer, Service, service_fn};
+use http_body_util::BodyExt;
+use tower::{Layer, Service, ServiceExt, service_fn};
 
 use crate::classify::redis_store;
 use crate::retry::{drive, request};
@@ -48,6 +54,55 @@ fn upstream() -> impl Service<
     })
 }
 
+/// As [`upstream`], plus an output token limit (the largest believed, all left) and a body
+/// with its `usage`: 1 or 2 output tokens, in turn, so corrections are not all zero.
+fn upstream_with_usage() -> impl Service<
+    http::Request<String>,
+    Response = http::Response<String>,
+    Error = Infallible,
+    Future: Send,
+> + Clone {
+    let n = Arc::new(AtomicU64::new(0));
+    service_fn(move |req: http::Request<String>| {
+        let output = 1 + n.fetch_add(1, Ordering::Relaxed) % 2;
+        async move {
+            black_box(req);
+            let body = format!(
+                r#"{{"id":"msg_1","type":"message","role":"assistant","content":[{{"type":"text","text":"Hi"}}],"stop_reason":"end_turn","usage":{{"input_tokens":800,"output_tokens":{output}}}}}"#
+            );
+            let mut response = http::Response::new(body);
+            let headers = response.headers_mut();
+            for (name, value) in [
+                ("anthropic-ratelimit-requests-limit", "60000000"),
+                ("anthropic-ratelimit-requests-remaining", "60000000"),
+                ("anthropic-ratelimit-output-tokens-limit", "1000000000"),
+                ("anthropic-ratelimit-output-tokens-remaining", "1000000000"),
+            ] {
+                headers.insert(name, http::HeaderValue::from_static(value));
+            }
+            Ok::<_, Infallible>(response)
+        }
+    })
+}
+
+/// `n` calls, each answer's body read to its end.
+async fn drive_bodies<S, B>(service: &S, n: u64)
+where
+    S: Service<http::Request<String>, Response = http::Response<B>> + Clone,
+    S::Error: std::fmt::Debug,
+    B: http_body::Body,
+    B::Error: std::fmt::Debug,
+{
+    for i in 0..n {
+        let response = service
+            .clone()
+            .oneshot(request(i))
+            .await
+            .expect("the call succeeds");
+        black_box(response.into_body().collect().await.expect("the body"));
+    }
+}
+
 fn policy(learned: bool) -> BackoffPolicy {
     BackoffPolicy::builder()
         .learned_pacing(learned)
@@ -81,6 +136,24 @@ pub(crate) fn bench(c: &mut Criterion) {
                 b.to_async(&rt).iter(|| drive(&on, 1));
             },
         );
+        // Bodies with their usage, read to the end: corrected (the body scanned) or not.
+        // Each its own upstream key: the limits learned above are not these.
+        for (corrected, case) in [(false, "learned_usage_off"), (true, "learned_usage")] {
+            let usage_policy = BackoffPolicy::builder()
+                .upstream(case)
+                .usage_correction(corrected)
+                .build()
+                .expect("a policy");
+            let usage = RetryAfterBackoffLayer::new(store.clone(), usage_policy)
+                .layer(upstream_with_usage());
+            rt.block_on(drive_bodies(&usage, 10));
+            group.bench_function(
+                BenchmarkId::new(format!("{backend}/{case}"), "first_success"),
+                |b| {
+                    b.to_async(&rt).iter(|| drive_bodies(&usage, 1));
+                },
+            );
+        }
     }
     let _ = request(0);
     group.finish();

@@ -9,13 +9,18 @@ use bytes::Buf;
 use http_body::{Body, Frame, SizeHint};
 use pin_project_lite::pin_project;
 
+use super::usage::Usage;
+
 pin_project! {
     /// The body of a response from [`RetryAfterBackoff`](super::RetryAfterBackoff): the
     /// upstream's body, untouched, or — for a 429 whose body the layer read to look for the
     /// spend-limit error code — the same bytes replayed from a buffer, then the rest.
     ///
     /// Every byte the upstream sent reaches the caller, in order; a body error is replayed
-    /// where it happened.
+    /// where it happened. A success's bytes may be scanned as they pass for its token
+    /// `usage`, to correct learned pacing (see
+    /// [`usage_correction`](super::BackoffPolicyBuilder::usage_correction)); the frames
+    /// are not changed or held.
     pub struct ResponseBody<B>
     where
         B: Body,
@@ -34,6 +39,12 @@ pin_project! {
         Passthrough {
             #[pin]
             inner: B,
+        },
+        // A success's body, its usage read as it passes.
+        Scanned {
+            #[pin]
+            inner: B,
+            usage: Usage,
         },
         Replay {
             replay: Peeked<B>,
@@ -142,6 +153,16 @@ impl<B: Body> ResponseBody<B> {
         }
     }
 
+    /// This body, its usage read as it passes (a passthrough body only).
+    pub(super) fn scanned(self, usage: Usage) -> Self {
+        match self.kind {
+            Kind::Passthrough { inner } => ResponseBody {
+                kind: Kind::Scanned { inner, usage },
+            },
+            kind => ResponseBody { kind },
+        }
+    }
+
     pub(super) fn replay(replay: Peeked<B>) -> Self {
         ResponseBody {
             kind: Kind::Replay { replay },
@@ -164,6 +185,20 @@ impl<B: Body> Body for ResponseBody<B> {
     ) -> Poll<Option<Result<Frame<Self::Data>, Self::Error>>> {
         match self.project().kind.project() {
             KindProj::Passthrough { inner } => inner.poll_frame(cx),
+            KindProj::Scanned { inner, usage } => {
+                let frame = ready!(inner.poll_frame(cx));
+                match &frame {
+                    Some(Ok(frame)) => {
+                        if let Some(data) = frame.data_ref() {
+                            usage.feed(data);
+                        }
+                    }
+                    // What was seen is reported when the failed body is dropped.
+                    Some(Err(_)) => {}
+                    None => usage.finish(true),
+                }
+                Poll::Ready(frame)
+            }
             KindProj::Replay { replay } => {
                 if let Some(frame) = replay.frames.pop_front() {
                     return Poll::Ready(Some(Ok(frame)));
@@ -187,7 +222,7 @@ impl<B: Body> Body for ResponseBody<B> {
 
     fn is_end_stream(&self) -> bool {
         match &self.kind {
-            Kind::Passthrough { inner } => inner.is_end_stream(),
+            Kind::Passthrough { inner } | Kind::Scanned { inner, .. } => inner.is_end_stream(),
             Kind::Replay { replay } => {
                 replay.frames.is_empty()
                     && replay.error.is_none()
@@ -198,7 +233,7 @@ impl<B: Body> Body for ResponseBody<B> {
 
     fn size_hint(&self) -> SizeHint {
         match &self.kind {
-            Kind::Passthrough { inner } => inner.size_hint(),
+            Kind::Passthrough { inner } | Kind::Scanned { inner, .. } => inner.size_hint(),
             Kind::Replay { .. } => SizeHint::default(),
         }
     }
@@ -208,6 +243,7 @@ impl<B: Body> fmt::Debug for ResponseBody<B> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let kind = match self.kind {
             Kind::Passthrough { .. } => "passthrough",
+            Kind::Scanned { .. } => "scanned",
             Kind::Replay { .. } => "replay",
         };
         f.debug_struct("ResponseBody").field("kind", &kind).finish()

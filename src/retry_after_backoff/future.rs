@@ -16,12 +16,13 @@ use tower_service::Service;
 
 use super::body::{Filled, Peeked, ResponseBody};
 use super::decide::{self, Verdict};
-use super::layer::{Held, Learned, Shared};
+use super::layer::{Held, Learned, Shared, taken};
 use super::request::CloneRequest;
 use super::telemetry;
+use super::usage::Usage;
 use crate::admission::Busy;
 use crate::error::{BoxError, MissingJob};
-use crate::store::{PaceAsk, PaceGrant, StoreFuture};
+use crate::store::{DIMS, PaceAsk, PaceGrant, StoreFuture};
 use crate::{JobRequest, TenantId};
 
 pin_project! {
@@ -52,6 +53,9 @@ pin_project! {
             // Held behind another call's probe: woken by any answer in this worker (the
             // timer covers answers in other workers).
             answered: Option<Pin<Box<dyn Future<Output = ()> + Send>>>,
+            // Waiting for cells reserved under the learned limits: woken when a limit
+            // changes, to ask again (see `Call::paced_under`).
+            relimit: Option<Pin<Box<dyn Future<Output = ()> + Send>>>,
         },
         Calling {
             #[pin]
@@ -96,6 +100,15 @@ pub(super) struct Call<S, Req, C> {
     pub(super) learned: bool,
     /// A reservation to ask the store for, decided in `call`, and its block size.
     pub(super) ask: Option<(PaceAsk, u32)>,
+    /// The cells per dimension a call of this job needs from learned pacing (see `needs`).
+    pub(super) need: [u32; DIMS],
+    /// The cells learned pacing took for the attempt under way (0 where none): what its
+    /// answer's usage corrects.
+    pub(super) charged: [u32; DIMS],
+    /// The learned limits under which this attempt's cells were reserved, while it waits
+    /// for them: if a limit changed meanwhile, the store restarted the bucket and the
+    /// reservation is void, so the attempt asks again rather than go at the old pace.
+    pub(super) paced_under: Option<[u32; DIMS]>,
     /// This attempt is the probe of its key (cold start or recovery): its answer tells the
     /// fleet at once.
     pub(super) probe: bool,
@@ -179,12 +192,17 @@ impl<F, S, Req, B: Body, C> ResponseFuture<F, S, Req, B, C> {
     }
 
     pub(super) fn admitting(call: Call<S, Req, C>, wait: Duration) -> Self {
+        let relimit = call
+            .paced_under
+            .is_some()
+            .then(|| call.shared.core.limits_changed());
         ResponseFuture {
             state: State::Admitting {
                 sleep: sleep_for(wait),
                 reserve: None,
                 learn: None,
                 answered: None,
+                relimit,
             },
             call: Some(call),
         }
@@ -285,9 +303,8 @@ impl<S, Req, C> Call<S, Req, C> {
         if at_limit {
             core.note_at_limit(key);
         }
-        let report = core
-            .report(key, response.headers(), at_limit, self.probe)
-            .map(|ask| core.store.pace_learned(key, &ask));
+        let (report, limits) = core.report(key, response.headers(), at_limit, self.probe);
+        let report = report.map(|ask| core.store.pace_learned(key, &ask));
         let throttle = (status == StatusCode::TOO_MANY_REQUESTS)
             .then(|| core.store.record_throttle(&self.tenant));
         let gate = outcome
@@ -308,6 +325,15 @@ impl<S, Req, C> Call<S, Req, C> {
             Some(delay) => {
                 telemetry::retry(status);
                 Then::Retry(delay)
+            }
+            // A success charged tokens by learned pacing: its usage corrects the estimate,
+            // read as the body streams to the caller.
+            None if status.is_success()
+                && limits[1..].iter().any(|l| *l > 0)
+                && self.charged[1..].iter().any(|c| *c > 0) =>
+            {
+                let usage = Usage::new(core.clone(), key.clone(), self.need, self.charged, limits);
+                Then::Return(response.map(|body| body.scanned(usage)))
             }
             None => Then::Return(response),
         };
@@ -344,6 +370,7 @@ where
                     reserve,
                     learn,
                     answered,
+                    relimit,
                 } => {
                     if call.retries == 0
                         && let Some(busy) = call.patience.as_mut().and_then(|p| p.poll_expired(cx))
@@ -358,10 +385,27 @@ where
                         *answered = None;
                         *sleep = None;
                     }
+                    if let Some(changed) = relimit.as_mut()
+                        && changed.as_mut().poll(cx).is_ready()
+                    {
+                        *relimit = None;
+                        if let Some(limits) = call.paced_under
+                            && call.shared.core.limits_of(&call.upstream) != limits
+                        {
+                            // The reservation is void: ask again now.
+                            call.paced_under = None;
+                            call.learned = false;
+                            *sleep = None;
+                        } else if sleep.is_some() {
+                            *relimit = Some(call.shared.core.limits_changed());
+                            continue;
+                        }
+                    }
                     if let Some(timer) = sleep.as_mut() {
                         ready!(timer.as_mut().poll(cx));
                         *sleep = None;
                         *answered = None;
+                        *relimit = None;
                     }
                     if let Some(reservation) = reserve.as_mut() {
                         let wait = ready!(Pin::new(reservation).poll(cx));
@@ -377,7 +421,7 @@ where
                         let grant = ready!(Pin::new(pending).poll(cx));
                         *learn = None;
                         let block = call.ask.take().map_or(1, |(_, block)| block);
-                        core.granted(&call.upstream, &grant, call.cost, block);
+                        core.granted(&call.upstream, &grant, call.need, block);
                         if !grant.hold.is_zero() {
                             // Another call is probing this key (cold start or recovery):
                             // ask again a random moment later, or when its lease ends.
@@ -399,10 +443,13 @@ where
                         }
                         call.probe = grant.probe;
                         call.learned = true;
+                        call.charged = taken(call.need, &grant.limits);
                         if grant.mode == 2 {
                             telemetry::pacing_wait(grant.wait);
                         }
                         if !grant.wait.is_zero() {
+                            call.paced_under = Some(grant.limits);
+                            *relimit = Some(core.limits_changed());
                             *sleep = sleep_for(grant.wait);
                             continue;
                         }
@@ -432,16 +479,23 @@ where
                         let (ask, block) = match call.ask.take() {
                             Some(ask) => ask,
                             None => match core.admit_learned(&call.upstream, call.cost) {
-                                Learned::Go(wait) => {
+                                Learned::Go(wait, need, charged) => {
                                     call.learned = true;
+                                    call.need = need;
+                                    call.charged = charged;
                                     if !wait.is_zero() {
                                         telemetry::pacing_wait(wait);
+                                        call.paced_under = Some(core.limits_of(&call.upstream));
+                                        *relimit = Some(core.limits_changed());
                                         *sleep = sleep_for(wait);
                                         continue;
                                     }
                                     (PaceAsk::default(), 0)
                                 }
-                                Learned::Ask(ask, block) => (ask, block),
+                                Learned::Ask(ask, block, need) => {
+                                    call.need = need;
+                                    (ask, block)
+                                }
                             },
                         };
                         if !call.learned {
@@ -457,6 +511,13 @@ where
                             call.ask = Some((ask, block));
                             continue;
                         }
+                    }
+                    if let Some(limits) = call.paced_under.take()
+                        && core.limits_of(&call.upstream) != limits
+                    {
+                        // The limits changed while this call waited: ask again.
+                        call.learned = false;
+                        continue;
                     }
                     call.held = None;
                     if let Some(pacing) = core.shared_pacing()
@@ -577,7 +638,7 @@ where
                         && let Poll::Ready(grant) = Pin::new(told).poll(cx)
                     {
                         let core = &call.shared.core;
-                        core.granted(&call.upstream, &grant, call.cost, 1);
+                        core.granted(&call.upstream, &grant, call.need, 1);
                         *report = None;
                         // Calls held behind this probe ask again now.
                         core.answered.notify_waiters();
@@ -590,6 +651,7 @@ where
                     match then.take() {
                         Some(Then::Retry(delay)) => {
                             call.retries += 1;
+                            call.charged = [0; DIMS];
                             call.next = call.spare.take();
                             // A retry is a new attempt: the layers below count its waits
                             // (a tier's max wait) from now, and it takes its own slot.
@@ -605,6 +667,7 @@ where
                                 reserve: None,
                                 learn: None,
                                 answered: None,
+                                relimit: None,
                             });
                         }
                         Some(Then::Return(response)) => {

@@ -56,6 +56,9 @@ pub(super) struct Core {
     /// Notified when an answer was reported to the store: calls held behind a probe in
     /// this worker ask again at once, in the order they wait.
     pub(super) answered: Arc<tokio::sync::Notify>,
+    /// Notified when this worker learns that a key's limits changed: calls waiting for
+    /// cells reserved under the old ones ask again.
+    limits_changed: Arc<tokio::sync::Notify>,
 }
 
 /// A call counted as held while this lives.
@@ -76,17 +79,36 @@ impl Drop for Held {
 
 /// What learned pacing says about a call about to go.
 pub(super) enum Learned {
-    /// Go after this wait (no store operation needed).
-    Go(Duration),
-    /// Ask the store (a reservation of `block` calls' cells, with the reports pending).
-    Ask(PaceAsk, u32),
+    /// Go after this wait (no store operation needed): the cells the call needs, and those
+    /// taken (0 where no limit is learned).
+    Go(Duration, [u32; DIMS], [u32; DIMS]),
+    /// Ask the store: a reservation of `block` calls of these cells each, with the reports
+    /// pending.
+    Ask(PaceAsk, u32, [u32; DIMS]),
 }
 
-/// Cells one call takes per dimension: a request, its estimated input tokens, one output
-/// token of room (output tokens are charged from `-remaining`, see the module docs), and
-/// its input tokens again in the combined `tokens` dimension.
-fn needs(cost: u32) -> [u32; DIMS] {
-    [1, cost.max(1), 1, cost.max(1)]
+/// Cells one call takes per dimension before it goes: a request, its estimated input
+/// tokens, the output tokens expected (`output`: the key's recent average from the
+/// answers' usage, at least 1; the count is only known after, see `usage.rs`), and both
+/// again in the combined `tokens` dimension.
+pub(super) fn needs(cost: u32, output: u32) -> [u32; DIMS] {
+    [
+        1,
+        cost.max(1),
+        output.max(1),
+        cost.max(1).saturating_add(output),
+    ]
+}
+
+/// `cells` in the dimensions with a limit, 0 elsewhere: what the store took.
+pub(super) fn taken(cells: [u32; DIMS], limits: &[u32; DIMS]) -> [u32; DIMS] {
+    let mut out = [0; DIMS];
+    for d in 0..DIMS {
+        if limits[d] > 0 {
+            out[d] = cells[d];
+        }
+    }
+    out
 }
 
 impl Core {
@@ -161,6 +183,20 @@ impl Core {
         view.credit = [0; DIMS];
     }
 
+    /// Resolves when this worker next learns that some key's limits changed.
+    pub(super) fn limits_changed(&self) -> std::pin::Pin<Box<dyn Future<Output = ()> + Send>> {
+        let notify = self.limits_changed.clone();
+        Box::pin(async move { notify.notified().await })
+    }
+
+    /// The limits this worker knows for `key` (0: not learned).
+    pub(super) fn limits_of(&self, key: &Arc<str>) -> [u32; DIMS] {
+        let mut views = crate::sync::lock(&self.views);
+        views
+            .get(key, self.policy.learned_pacing, &self.loud)
+            .limits
+    }
+
     /// Whether a call to `key` may go now without asking the store, or what to ask it.
     pub(super) fn admit_learned(&self, key: &Arc<str>, cost: u32) -> Learned {
         // The layer's own key, known, and every view quiet: it is quiet too, so the call goes
@@ -169,7 +205,7 @@ impl Core {
             && self.default_known.load(Ordering::Acquire)
             && self.loud.load(Ordering::Acquire) == 0
         {
-            return Learned::Go(Duration::ZERO);
+            return Learned::Go(Duration::ZERO, [0; DIMS], [0; DIMS]);
         }
         let mut views = crate::sync::lock(&self.views);
         let mut view = views.get(key, self.policy.learned_pacing, &self.loud);
@@ -179,19 +215,23 @@ impl Core {
         // No headers ever seen, nothing to recover from: as without learned pacing (and no
         // clock read).
         if view.mode == 1 && view.recover_until.is_none() {
-            return Learned::Go(Duration::ZERO);
+            return Learned::Go(Duration::ZERO, [0; DIMS], [0; DIMS]);
         }
         let now = Instant::now();
         let recovering = view.recovering(now);
         if view.mode == 1 && !recovering {
-            return Learned::Go(Duration::ZERO);
+            return Learned::Go(Duration::ZERO, [0; DIMS], [0; DIMS]);
         }
-        let need = needs(cost);
+        let need = needs(cost, view.output_avg);
         if view.mode == 2 && !recovering && (0..DIMS).all(|d| view.credit[d] >= need[d]) {
             for (credit, need) in view.credit.iter_mut().zip(need) {
                 *credit -= need;
             }
-            return Learned::Go(view.credit_at.saturating_duration_since(now));
+            return Learned::Go(
+                view.credit_at.saturating_duration_since(now),
+                need,
+                taken(need, &view.limits),
+            );
         }
         // Reserve ahead on Redis: a quarter second of the learned request rate at once
         // (at most 64 calls), so a call in steady state is not a round trip.
@@ -207,24 +247,28 @@ impl Core {
             ask.learn = pending.learn;
             ask.charge = pending.charge;
             ask.answered = pending.answered;
+            // Headers that waited for this reservation: another worker may have reported
+            // a newer limit since (see `PaceAsk::queued`).
+            ask.queued = true;
         }
         ask.take = need.map(|n| n.saturating_mul(block));
-        Learned::Ask(ask, block)
+        Learned::Ask(ask, block, need)
     }
 
-    /// Applies the store's answer to a reservation of `block` calls of `cost`.
-    pub(super) fn granted(&self, key: &Arc<str>, grant: &PaceGrant, cost: u32, block: u32) {
+    /// Applies the store's answer to a reservation of `block` calls of `need` cells each.
+    pub(super) fn granted(&self, key: &Arc<str>, grant: &PaceGrant, need: [u32; DIMS], block: u32) {
         let mut views = crate::sync::lock(&self.views);
         let mut view = views.get(key, self.policy.learned_pacing, &self.loud);
         let before = view.limits;
         view.update(grant, self.policy.probe_timeout);
         if grant.limits != before {
             telemetry::learned_limits(key, &grant.limits);
+            self.limits_changed.notify_waiters();
         }
         if grant.hold.is_zero() && block > 1 {
             // Reservations made side by side add up (none is lost); the cells go from the
             // latest one's time.
-            let extra = needs(cost).map(|n| n.saturating_mul(block - 1));
+            let extra = need.map(|n| n.saturating_mul(block - 1));
             for (credit, extra) in view.credit.iter_mut().zip(extra) {
                 *credit = credit.saturating_add(extra);
             }
@@ -234,14 +278,16 @@ impl Core {
 
     /// Notes an answer for `key`: what its headers say, and whether it was a throttle or
     /// the probe. Returns the report to send now, if it must not wait for the next
-    /// reservation.
+    /// reservation, and the key's learned limits as this worker knew them when the call
+    /// went, when its token charges are to be corrected from the answer's usage (else
+    /// zeros).
     pub(super) fn report(
         &self,
         key: &Arc<str>,
         headers: &http::HeaderMap,
         throttled: bool,
         probe: bool,
-    ) -> Option<PaceAsk> {
+    ) -> (Option<PaceAsk>, [u32; DIMS]) {
         if !throttled
             && !probe
             && self.loud.load(std::sync::atomic::Ordering::Acquire) == 0
@@ -249,7 +295,7 @@ impl Core {
         {
             // Every view is quiet and this answer says nothing new: what the locked path
             // below would conclude, without the lock.
-            return None;
+            return (None, [0; DIMS]);
         }
         let learn = if self.policy.learned_pacing {
             learned::read_limits(headers)
@@ -258,6 +304,11 @@ impl Core {
         };
         let mut views = crate::sync::lock(&self.views);
         let mut view = views.get(key, self.policy.learned_pacing, &self.loud);
+        let limits = if self.policy.usage_correction && view.limits[1..].iter().any(|l| *l > 0) {
+            view.limits
+        } else {
+            [0; DIMS]
+        };
         let was_recovering = view.recover_until.is_some();
         if throttled {
             view.recover_until = Some(Instant::now() + self.policy.probe_timeout);
@@ -269,7 +320,7 @@ impl Core {
         let new_limit = (0..DIMS).any(|d| learn[d].0 > 0 && learn[d].0 != view.limits[d]);
         let running_low = (0..DIMS).any(|d| learn[d].0 > 0 && learn[d].1 < learn[d].0 / 10);
         if !heard && !throttled && !probe && !was_recovering && view.mode != 0 {
-            return None; // nothing new: no store operation
+            return (None, limits); // nothing new: no store operation
         }
         let mut ask = self.ask();
         ask.learn = learn;
@@ -286,14 +337,50 @@ impl Core {
         }
         if !urgent {
             learned::merge(&mut view.pending, &ask);
-            return None;
+            return (None, limits);
         }
         if let Some(pending) = view.pending.take() {
             let mut merged = Some(pending);
             learned::merge(&mut merged, &ask);
             ask = merged.unwrap_or(ask);
         }
-        Some(ask)
+        (Some(ask), limits)
+    }
+
+    /// Charges `charge` (cells per dimension; negative gives back) to `key`'s learned
+    /// bucket after the fact: a call's true usage against what it was charged. At once on
+    /// the memory store; on Redis with the next reservation, as the headers' reports go.
+    /// `output`, the output tokens of a complete answer, moves the key's expected output
+    /// per call (an average over about the last 8 answers).
+    pub(super) fn correct_usage(&self, key: &Arc<str>, charge: [i64; DIMS], output: Option<u32>) {
+        let ask = PaceAsk {
+            charge,
+            ..self.ask()
+        };
+        let mut views = crate::sync::lock(&self.views);
+        let mut view = views.get(key, self.policy.learned_pacing, &self.loud);
+        if let Some(output) = output {
+            // At most one minute of the learned limit (the store takes no more for a call).
+            let output = match view.limits[2] {
+                0 => output,
+                limit => output.min(limit),
+            };
+            view.output_avg = match view.output_avg {
+                0 => output,
+                avg => (f64::from(avg) + (f64::from(output) - f64::from(avg)) / 8.0).round() as u32,
+            };
+        }
+        if charge.iter().all(|c| *c == 0) {
+            return;
+        }
+        if self.store.is_remote() {
+            learned::merge(&mut view.pending, &ask);
+        } else {
+            drop(view);
+            drop(views);
+            // Ready at once in memory: the charge is applied when the operation is made.
+            let _ = self.store.pace_learned(key, &ask).into_ready();
+        }
     }
 
     /// A uniform draw in [0, 1) from the layer's seeded source.
@@ -330,6 +417,7 @@ impl RetryAfterBackoffLayer {
                     held: AtomicUsize::new(0),
                     release: Mutex::default(),
                     answered: Arc::default(),
+                    limits_changed: Arc::default(),
                 }),
                 cloner: ByClone,
             }),

@@ -202,6 +202,8 @@ pub(super) struct View {
     pub(super) credit_at: Instant,
     /// Reports not sent yet (Redis, steady state): they go with the next reservation.
     pub(super) pending: Option<PaceAsk>,
+    /// Output tokens per call, on average over the recent answers' usage (0: none seen).
+    pub(super) output_avg: u32,
 }
 
 impl View {
@@ -214,6 +216,7 @@ impl View {
             credit: [0; DIMS],
             credit_at: Instant::now(),
             pending: None,
+            output_avg: 0,
         }
     }
 

@@ -44,10 +44,18 @@
 //!   them: a GCRA mirror of the provider's buckets (continuous refill) at 0.95 of each rate
 //!   ([`learned_headroom`](BackoffPolicyBuilder::learned_headroom)); requests burst one
 //!   second's worth, tokens their minute. `-remaining` resynchronises the mirror (only
-//!   later; a new `-limit` restarts it from what is left). Input tokens are charged from
-//!   the job's estimate before the call; output tokens need one token of room and are
-//!   charged from the provider's `-remaining` (the success body streams to the caller
-//!   untouched, so `usage` is not parsed: the next answer's `-remaining` corrects both).
+//!   later; a new `-limit` restarts it from what is left). **What is charged when**:
+//!   before the call, its job's estimated input tokens and the output tokens expected
+//!   (the average of the key's recent answers in this worker, 1 until one is seen), both
+//!   again in `tokens`; after it, the answer's `usage` corrects that — while the key has
+//!   learned token limits, a 2xx body is scanned as it streams to the caller (never
+//!   buffered, frames untouched) for `"input_tokens"` and the largest `"output_tokens"`
+//!   (a JSON message, or a stream's `message_start` and `message_delta` events), and when
+//!   the body ends, or is dropped after its usage was seen, the difference is charged or
+//!   given back once, at most one minute of the limit
+//!   ([`usage_correction`](BackoffPolicyBuilder::usage_correction)). No usage, a non-2xx
+//!   answer or a body that never ends: no correction; the next answer's `-remaining`
+//!   still resynchronises.
 //!   Zero, absurd (over 10^9) or non-numeric limits are ignored (logged once); `-remaining`
 //!   above `-limit` reads as full; a `-reset` over 61 s ahead is not believed; an exhausted
 //!   dimension with a usable `-limit` waits for one cell, not for its full reset. No
@@ -152,6 +160,7 @@ mod policy;
 mod request;
 mod service;
 mod telemetry;
+mod usage;
 
 pub use self::body::ResponseBody;
 pub use self::decide::{Backoff, StatusSet};

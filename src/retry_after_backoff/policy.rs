@@ -13,7 +13,8 @@ use crate::error::ConfigError;
 /// never sleep more than 60 s (a longer delay returns the response at once); a retry budget
 /// of 20% of calls plus 10 retries a second over a 10 s window (tower's `TpsBudget`); held
 /// calls released over a fifth of the remaining cooldown; a probe's lease 1 s;
-/// upstream name `"default"`; learned pacing on at 0.95 of the learned rates; no configured
+/// upstream name `"default"`; learned pacing on at 0.95 of the learned rates, its token
+/// charges corrected from each success's `usage`; no configured
 /// pacing; a random seed; a 429's body read ahead up to
 /// 64 KiB, 1,024 frames and 5 s; the probe mode over after 30 s without an answer.
 ///
@@ -51,6 +52,7 @@ pub struct BackoffPolicy {
     pub(super) learned_pacing: bool,
     /// Thousandths of each learned rate aimed at.
     pub(super) learned_headroom: u32,
+    pub(super) usage_correction: bool,
 }
 
 /// The retry budget's settings, as tower's `TpsBudget` takes them.
@@ -83,6 +85,7 @@ impl Default for BackoffPolicy {
             probe_timeout: Duration::from_secs(30),
             learned_pacing: true,
             learned_headroom: 950,
+            usage_correction: true,
         }
     }
 }
@@ -156,6 +159,11 @@ impl BackoffPolicy {
     /// The share of each learned rate aimed at (default 0.95).
     pub fn learned_headroom(&self) -> f64 {
         f64::from(self.learned_headroom) / 1000.0
+    }
+
+    /// Whether learned token charges are corrected from a success's `usage`.
+    pub fn usage_correction(&self) -> bool {
+        self.usage_correction
     }
 
     /// The release window after a reopening `left` away: a fifth of it (at least 1 ms), so
@@ -318,6 +326,19 @@ impl BackoffPolicyBuilder {
         } else {
             0
         };
+        self
+    }
+
+    /// Correct learned token charges from each success's `usage` (default on). A call is
+    /// charged its job's estimated input tokens and one output token before it goes; while
+    /// an upstream key has learned token limits, the body of a 2xx answer is scanned as it
+    /// streams to the caller (never buffered) for `"input_tokens"` and the largest
+    /// `"output_tokens"` (a JSON message, or a stream's `message_start` and
+    /// `message_delta` events), and when the body ends, or is dropped after its usage was
+    /// seen, the difference is charged (or given back) once. Off: only the provider's
+    /// `-remaining` on later answers corrects the estimate.
+    pub fn usage_correction(mut self, on: bool) -> Self {
+        self.policy.usage_correction = on;
         self
     }
 

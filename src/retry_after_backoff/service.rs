@@ -14,6 +14,7 @@ use super::learned::{OneUpstream, UpstreamKey};
 use super::request::{ByClone, CloneRequest, TypeName};
 use crate::JobRequest;
 use crate::error::BoxError;
+use crate::store::DIMS;
 
 /// Retries "try later" answers by the server's word, records throttles, and holds calls
 /// behind the upstream's shared cooldown gate; see the
@@ -107,10 +108,17 @@ where
         let mut pace_step = 0;
         // Fast path: the gate is open (a local read), learned pacing lets the call go now
         // without asking the store, and the configured pacing lets it go now.
+        let (mut need, mut charged) = ([0; DIMS], [0; DIMS]);
         let (learned, ask, first_wait) = if core.store.cooldown(&upstream).is_none() {
             match core.admit_learned(&upstream, cost) {
-                Learned::Go(wait) => (true, None, wait),
-                Learned::Ask(ask, block) => (false, Some((ask, block)), Duration::ZERO),
+                Learned::Go(wait, cells, taken) => {
+                    (need, charged) = (cells, taken);
+                    (true, None, wait)
+                }
+                Learned::Ask(ask, block, cells) => {
+                    need = cells;
+                    (false, Some((ask, block)), Duration::ZERO)
+                }
             }
         } else {
             (false, None, Duration::ZERO)
@@ -137,6 +145,9 @@ where
             upstream,
             learned,
             ask,
+            need,
+            charged,
+            paced_under: None,
             probe: false,
             held: None,
             reserved: false,
@@ -149,6 +160,7 @@ where
         } else {
             if !first_wait.is_zero() {
                 super::telemetry::pacing_wait(first_wait);
+                call.paced_under = Some(call.shared.core.limits_of(&call.upstream));
             }
             call.next = Some(req);
             ResponseFuture::admitting(call, first_wait)

@@ -187,6 +187,10 @@ pub(crate) struct PaceAsk {
     pub(crate) learn: [(u32, u32); DIMS],
     /// 0: no answer; 1: an answer that is not a throttle; 2: a throttle.
     pub(crate) answered: u8,
+    /// The headers in `learn` waited in a worker for its next reservation: they may be
+    /// older than a limit another worker reported since, so they resynchronise a limit the
+    /// store holds (or learn one it has none of) but never replace a different one.
+    pub(crate) queued: bool,
     /// Cells charged after the fact (a correction; negative gives back).
     pub(crate) charge: [i64; DIMS],
     /// Cells for the calls about to go (all 0: a report only).
@@ -264,6 +268,9 @@ impl LearnedBucket {
             let (limit, remaining) = ask.learn[d];
             if limit == 0 || limit > MAX_LIMIT {
                 continue;
+            }
+            if ask.queued && self.limit[d] != 0 && self.limit[d] != limit {
+                continue; // stale: a newer answer changed this limit
             }
             learned_any = true;
             let (interval, capacity) = interval_and_capacity(d, limit, h);
@@ -375,6 +382,27 @@ mod tests {
         assert_eq!(limit.share_of(1), limit);
         let tiny = limit.share_of(10_000);
         assert_eq!((tiny.per_minute, tiny.burst), (1, 1));
+    }
+
+    #[test]
+    fn a_queued_report_never_replaces_a_newer_limit() {
+        let report = |limit: u32, queued: bool| PaceAsk {
+            headroom_permille: 1000,
+            learn: [(limit, limit), (0, 0), (0, 0), (0, 0)],
+            answered: 1,
+            queued,
+            ..PaceAsk::default()
+        };
+        let mut bucket = LearnedBucket::default();
+        // Queued headers still teach a key that knows nothing yet.
+        bucket.apply(0, &report(1_200, true));
+        assert_eq!(bucket.limit[REQUESTS], 1_200);
+        // A fresh answer changes the limit; headers queued before it do not change it back.
+        bucket.apply(1, &report(480, false));
+        bucket.apply(2, &report(1_200, true));
+        assert_eq!(bucket.limit[REQUESTS], 480);
+        bucket.apply(3, &report(1_200, false));
+        assert_eq!(bucket.limit[REQUESTS], 1_200);
     }
 
     #[tokio::test(start_paused = true)]

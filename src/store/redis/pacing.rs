@@ -71,6 +71,7 @@ impl RedisStore {
                 i64::from(ask.take[d]),
             ]);
         }
+        args.push(i64::from(ask.queued));
         let local_key = key.to_owned();
         let mut local_ask = *ask;
         // Alone while Redis is away: this worker's own mirror (learned afresh from the

@@ -6,7 +6,9 @@
 --         pu probe lease end (us), ru recovery end (us)
 -- ARGV[1] headroom (thousandths), ARGV[2] answered (0 none, 1 ok, 2 throttle),
 -- ARGV[3] probe lease (us), ARGV[4] recovery (us), ARGV[5] poll (us),
--- then per dimension d = 1..4: limit, remaining, charge, take (ARGV[6 + 4 (d - 1) ..])
+-- then per dimension d = 1..4: limit, remaining, charge, take (ARGV[6 + 4 (d - 1) ..]),
+-- then ARGV[22] queued (1: the headers waited in a worker; they never replace a different
+-- limit, see PaceAsk::queued)
 -- Returns {wait us, hold us, probe 0/1, mode, recovering 0/1, l1, l2, l3, l4}
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
@@ -16,6 +18,7 @@ local lease = math.max(tonumber(ARGV[3]), 1000)
 local recover = tonumber(ARGV[4])
 local poll = math.max(tonumber(ARGV[5]), 1000)
 local MAX_LIMIT = 1000000000
+local queued = tonumber(ARGV[22] or '0') == 1
 
 local state = redis.call('HMGET', KEYS[1], 'l1', 'l2', 'l3', 'l4', 't1', 't2', 't3', 't4', 'm', 'pu', 'ru')
 local limit, tat = {}, {}
@@ -40,7 +43,8 @@ local learned = false
 for d = 1, 4 do
   local l = tonumber(ARGV[6 + 4 * (d - 1)])
   local r = tonumber(ARGV[7 + 4 * (d - 1)])
-  if l > 0 and l <= MAX_LIMIT then
+  local stale = queued and limit[d] ~= 0 and limit[d] ~= l
+  if l > 0 and l <= MAX_LIMIT and not stale then
     learned = true
     local interval, capacity = shape(d, l)
     local room = math.min(math.min(r, l), capacity)

@@ -1,0 +1,498 @@
+//! Reading a success's token usage as its body streams to the caller, to correct what
+//! learned pacing charged before the call.
+//!
+//! Learned pacing charges a call's input tokens from its job's estimate before it goes, and
+//! one output token (the count is only known after). The answer says what it really used:
+//! `"usage":{"input_tokens":N,…,"output_tokens":M}` in a JSON message, and in a stream the
+//! same fields in the `message_start` event (input, and a first output count) and in
+//! `message_delta` events (the output count so far, cumulative). [`UsageScanner`] finds them
+//! in the bytes as they pass — no buffering, no parsing of the JSON, no allocation: a few
+//! bytes of state carry a match over from one frame to the next, wherever a frame splits
+//! it. The largest value of each field wins (a stream's counts only grow).
+//!
+//! A value is taken only as JSON writes a number: digits after `"input_tokens"` or
+//! `"output_tokens"`, a colon and optional whitespace, ended by whitespace, `,`, `}` or
+//! `]`. Anything else there (a string, a sign, a fraction, an exponent) is not a usage. A
+//! model's text cannot forge one: quotes inside a JSON string are escaped (`\"`), and the
+//! needle starts and ends with a bare quote. Values are capped at [`MAX_TOKENS`].
+
+use std::sync::Arc;
+
+use bytes::Buf;
+
+use super::layer::Core;
+#[cfg(test)]
+use super::layer::needs;
+use crate::store::DIMS;
+
+/// The largest usage believed for one call; a larger value counts as this. The correction
+/// itself is capped again at one minute of the learned limit (see `Core::correct_usage`).
+pub(crate) const MAX_TOKENS: u32 = 10_000_000;
+
+const NEEDLES: [&[u8]; 2] = [b"\"input_tokens\"", b"\"output_tokens\""];
+
+/// Where the scanner is in a `"…_tokens": N` pattern.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+enum Step {
+    /// Looking for a needle.
+    #[default]
+    Seek,
+    /// After a needle: whitespace, then `:`.
+    Colon,
+    /// After the colon: whitespace, then the first digit.
+    Value,
+    /// In the digits.
+    Digits,
+}
+
+/// Finds the largest `"input_tokens": N` and `"output_tokens": M` in a byte stream fed in
+/// pieces of any size. Fixed size; never allocates.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct UsageScanner {
+    /// Bytes of each needle matched so far.
+    matched: [u8; 2],
+    step: Step,
+    /// The needle whose value is being read.
+    field: u8,
+    /// The digits so far (saturated past [`MAX_TOKENS`]).
+    value: u32,
+    /// The largest value seen per field.
+    seen: [Option<u32>; 2],
+}
+
+impl UsageScanner {
+    /// The largest `input_tokens` seen so far.
+    pub(crate) fn input_tokens(&self) -> Option<u32> {
+        self.seen[0]
+    }
+
+    /// The largest `output_tokens` seen so far.
+    pub(crate) fn output_tokens(&self) -> Option<u32> {
+        self.seen[1]
+    }
+
+    /// Whether any usage was seen.
+    pub(crate) fn saw_usage(&self) -> bool {
+        self.seen.iter().any(Option::is_some)
+    }
+
+    /// Reads the next bytes of the body.
+    pub(crate) fn feed(&mut self, mut bytes: &[u8]) {
+        while !bytes.is_empty() {
+            if self.step == Step::Seek && self.matched == [0, 0] {
+                // The common case, outside any pattern: skip to the next quote.
+                match bytes.iter().position(|b| *b == b'"') {
+                    Some(at) => bytes = &bytes[at..],
+                    None => return,
+                }
+            }
+            self.byte(bytes[0]);
+            bytes = &bytes[1..];
+        }
+    }
+
+    fn byte(&mut self, b: u8) {
+        match self.step {
+            Step::Seek => self.seek(b),
+            Step::Colon => match b {
+                b' ' | b'\t' | b'\r' | b'\n' => {}
+                b':' => self.step = Step::Value,
+                _ => self.restart(b),
+            },
+            Step::Value => match b {
+                b' ' | b'\t' | b'\r' | b'\n' => {}
+                b'0'..=b'9' => {
+                    self.value = u32::from(b - b'0');
+                    self.step = Step::Digits;
+                }
+                _ => self.restart(b),
+            },
+            Step::Digits => match b {
+                b'0'..=b'9' => {
+                    self.value = self
+                        .value
+                        .saturating_mul(10)
+                        .saturating_add(u32::from(b - b'0'))
+                        .min(MAX_TOKENS);
+                }
+                b' ' | b'\t' | b'\r' | b'\n' | b',' | b'}' | b']' => {
+                    let seen = &mut self.seen[usize::from(self.field)];
+                    *seen = Some(seen.map_or(self.value, |v| v.max(self.value)));
+                    self.step = Step::Seek;
+                }
+                // A fraction, an exponent, a quote: not a token count.
+                _ => self.restart(b),
+            },
+        }
+    }
+
+    /// Back to seeking, this byte included (it may open a needle).
+    fn restart(&mut self, b: u8) {
+        self.step = Step::Seek;
+        self.seek(b);
+    }
+
+    fn seek(&mut self, b: u8) {
+        for (i, needle) in NEEDLES.iter().enumerate() {
+            let at = usize::from(self.matched[i]);
+            if needle[at] == b {
+                if at + 1 == needle.len() {
+                    self.matched = [0, 0];
+                    self.field = i as u8;
+                    self.step = Step::Colon;
+                    return;
+                }
+                self.matched[i] += 1;
+            } else {
+                // A quote appears in a needle only first and last, so a mismatched quote
+                // can only open a new match.
+                self.matched[i] = u8::from(b == b'"');
+            }
+        }
+    }
+}
+
+/// A success's body being scanned for its usage, and the correction to report once it is
+/// known: when the body ends, or when it is dropped after a usage was seen.
+pub(super) struct Usage {
+    scanner: UsageScanner,
+    /// `None` once reported (or given up).
+    report: Option<Report>,
+}
+
+struct Report {
+    core: Arc<Core>,
+    key: Arc<str>,
+    /// The cells the call needed per dimension (see `needs`) ...
+    need: [u32; DIMS],
+    /// ... and those the store took (0 where no limit was learned).
+    charged: [u32; DIMS],
+    /// The key's learned limits when the answer came.
+    limits: [u32; DIMS],
+}
+
+impl Usage {
+    pub(super) fn new(
+        core: Arc<Core>,
+        key: Arc<str>,
+        need: [u32; DIMS],
+        charged: [u32; DIMS],
+        limits: [u32; DIMS],
+    ) -> Self {
+        Usage {
+            scanner: UsageScanner::default(),
+            report: Some(Report {
+                core,
+                key,
+                need,
+                charged,
+                limits,
+            }),
+        }
+    }
+
+    /// Reads a data frame's bytes.
+    pub(super) fn feed(&mut self, data: &impl Buf) {
+        if self.report.is_none() {
+            return;
+        }
+        let mut slices = [std::io::IoSlice::new(&[]); 16];
+        let n = data.chunks_vectored(&mut slices);
+        let mut read = 0;
+        for slice in &slices[..n] {
+            self.scanner.feed(slice);
+            read += slice.len();
+        }
+        if read < data.remaining() {
+            // More pieces than one look shows: the bytes seen are no longer contiguous, so
+            // nothing read from here on could be trusted. No correction.
+            self.report = None;
+        }
+    }
+
+    /// The body ended (`ended`) or is going away: reports the correction, once, if a usage
+    /// was seen. Only a complete answer's output count moves the key's expected output.
+    pub(super) fn finish(&mut self, ended: bool) {
+        if !self.scanner.saw_usage() {
+            return;
+        }
+        if let Some(report) = self.report.take() {
+            let charge = charges(
+                report.need,
+                report.charged,
+                report.limits,
+                self.scanner.input_tokens(),
+                self.scanner.output_tokens(),
+            );
+            let output = self.scanner.output_tokens().filter(|_| ended);
+            report.core.correct_usage(&report.key, charge, output);
+        }
+    }
+}
+
+impl Drop for Usage {
+    fn drop(&mut self) {
+        self.finish(false);
+    }
+}
+
+/// The correction per dimension (requests, input, output, tokens) of a call that needed
+/// `need` and was charged `charged` before it went, once its answer said it used `input`
+/// and `output` tokens: the true use minus the charge, in the dimensions charged, at most
+/// one minute of the limit (a call larger than the bucket empties it rather than stopping
+/// the key for longer). A count the answer did not give counts as needed.
+fn charges(
+    need: [u32; DIMS],
+    charged: [u32; DIMS],
+    limits: [u32; DIMS],
+    input: Option<u32>,
+    output: Option<u32>,
+) -> [i64; DIMS] {
+    let input = input.unwrap_or(need[1]);
+    let output = output.unwrap_or(need[2]);
+    let used = [need[0], input, output, input.saturating_add(output)];
+    let mut charge = [0; DIMS];
+    for d in 0..DIMS {
+        if charged[d] > 0 && limits[d] > 0 {
+            charge[d] = (i64::from(used[d]) - i64::from(charged[d])).min(i64::from(limits[d]));
+        }
+    }
+    charge
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+    use std::time::Duration;
+
+    fn scan(pieces: &[&[u8]]) -> (Option<u32>, Option<u32>) {
+        let mut s = UsageScanner::default();
+        for piece in pieces {
+            s.feed(piece);
+        }
+        (s.input_tokens(), s.output_tokens())
+    }
+
+    /// The JSON message of Anthropic's Messages API (its documented example shape).
+    const MESSAGE: &str = r#"{"id":"msg_013Zva2CMHLNnXjNJJKqJ2EF","type":"message","role":"assistant","model":"claude-sonnet-4-5","content":[{"type":"text","text":"Hi! My name is Claude."}],"stop_reason":"end_turn","stop_sequence":null,"usage":{"input_tokens":2095,"cache_creation_input_tokens":0,"cache_read_input_tokens":0,"output_tokens":503}}"#;
+
+    /// A stream in the documented event format (`event:` / `data:` lines), with the counts
+    /// of the documentation's example: input in `message_start`, output cumulative in
+    /// `message_delta`.
+    const STREAM: &str = concat!(
+        "event: message_start\n",
+        r#"data: {"type": "message_start", "message": {"id": "msg_1nZdL29xx5MUA1yADyHTEsnR8uuvGzszyY", "type": "message", "role": "assistant", "content": [], "model": "claude-sonnet-4-5", "stop_reason": null, "stop_sequence": null, "usage": {"input_tokens": 25, "output_tokens": 1}}}"#,
+        "\n\n",
+        "event: content_block_start\n",
+        r#"data: {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}}"#,
+        "\n\n",
+        "event: ping\n",
+        r#"data: {"type": "ping"}"#,
+        "\n\n",
+        "event: content_block_delta\n",
+        r#"data: {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": "Hello"}}"#,
+        "\n\n",
+        "event: content_block_delta\n",
+        r#"data: {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": "!"}}"#,
+        "\n\n",
+        "event: content_block_stop\n",
+        r#"data: {"type": "content_block_stop", "index": 0}"#,
+        "\n\n",
+        "event: message_delta\n",
+        r#"data: {"type": "message_delta", "delta": {"stop_reason": "end_turn", "stop_sequence":null}, "usage": {"output_tokens": 15}}"#,
+        "\n\n",
+        "event: message_stop\n",
+        r#"data: {"type": "message_stop"}"#,
+        "\n\n",
+    );
+
+    #[test]
+    fn the_correction_is_true_use_minus_the_charge_in_charged_dimensions_capped_at_a_minute() {
+        let need = needs(100, 1); // [1, 100, 1, 101]
+        let all = [50, 40_000, 8_000, 100_000];
+        assert_eq!(
+            charges(need, need, all, Some(1_000), Some(500)),
+            [0, 900, 499, 1_399]
+        );
+        // Over-estimated input is given back; so is an expected output not used.
+        let expecting = needs(100, 600);
+        assert_eq!(
+            charges(expecting, expecting, all, Some(30), Some(1)),
+            [0, -70, -599, -669]
+        );
+        // Only what the answer told; only dimensions charged.
+        assert_eq!(
+            charges(need, [1, 0, 1, 0], all, None, Some(21)),
+            [0, 0, 20, 0]
+        );
+        // At most one minute of the limit.
+        assert_eq!(
+            charges(need, need, all, Some(MAX_TOKENS), Some(MAX_TOKENS)),
+            [0, 40_000, 8_000, 100_000]
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_usage_is_charged_once_when_the_body_ends_and_is_dropped() {
+        use crate::store::PaceAsk;
+        use crate::{RetryAfterBackoffLayer, Store};
+        // 60 output tokens a minute, paced at 57: a 57-cell bucket, one cell ~1.05 s.
+        let layer =
+            RetryAfterBackoffLayer::new(Store::memory(), super::super::BackoffPolicy::default());
+        let core = layer.shared.core.clone();
+        let key: Arc<str> = Arc::from("k");
+        let ask = |take: u32| PaceAsk {
+            headroom_permille: 950,
+            learn: [(0, 0), (0, 0), (60, 60), (0, 0)],
+            take: [0, 0, take, 0],
+            ..PaceAsk::default()
+        };
+        let _ = core.store.pace_learned(&key, &ask(0)).into_ready();
+        let limits = [0, 0, 60, 0];
+        let body = br#"{"usage":{"input_tokens":3,"output_tokens":31}}"#;
+        // 30 cells charged after the fact (31 used, 1 charged before).
+        let need = needs(1, 1);
+        let charged = [0, 0, 1, 0];
+        let mut usage = Usage::new(core.clone(), key.clone(), need, charged, limits);
+        usage.feed(&&body[..20]);
+        usage.feed(&&body[20..]);
+        usage.finish(true);
+        drop(usage);
+        // Once: 30 of 57 cells taken, a call of one cell goes at once (twice would be 60).
+        let grant = core.store.pace_learned(&key, &ask(1)).into_ready().unwrap();
+        assert_eq!(grant.wait, Duration::ZERO);
+        // Dropped after the usage was seen, without an end: charged (27 more cells would
+        // fit; 28 more do not).
+        let mut usage = Usage::new(core.clone(), key.clone(), need, charged, limits);
+        usage.feed(&&br#"{"output_tokens":29}"#[..]);
+        drop(usage);
+        let grant = core.store.pace_learned(&key, &ask(1)).into_ready().unwrap();
+        assert!(grant.wait > Duration::ZERO, "{grant:?}");
+        // No usage seen: nothing charged.
+        tokio::time::advance(Duration::from_secs(120)).await;
+        let mut usage = Usage::new(core.clone(), key.clone(), need, charged, limits);
+        usage.feed(&&br#"{"type":"error"}"#[..]);
+        usage.finish(true);
+        drop(usage);
+        let grant = core
+            .store
+            .pace_learned(&key, &ask(57))
+            .into_ready()
+            .unwrap();
+        assert_eq!(grant.wait, Duration::ZERO, "the bucket is full again");
+    }
+
+    #[test]
+    fn a_json_message_gives_its_input_and_output_tokens() {
+        assert_eq!(scan(&[MESSAGE.as_bytes()]), (Some(2095), Some(503)));
+    }
+
+    #[test]
+    fn a_stream_gives_the_start_input_and_the_last_delta_output() {
+        assert_eq!(scan(&[STREAM.as_bytes()]), (Some(25), Some(15)));
+    }
+
+    #[test]
+    fn a_split_at_every_byte_offset_reads_the_same() {
+        for body in [MESSAGE, STREAM] {
+            let bytes = body.as_bytes();
+            let whole = scan(&[bytes]);
+            for at in 0..=bytes.len() {
+                assert_eq!(scan(&[&bytes[..at], &bytes[at..]]), whole, "split at {at}");
+            }
+            // And one byte per frame.
+            let bytes: Vec<&[u8]> = bytes.chunks(1).collect();
+            assert_eq!(scan(&bytes), whole);
+        }
+    }
+
+    #[test]
+    fn whitespace_around_the_colon_is_allowed() {
+        assert_eq!(
+            scan(&[b"{\"input_tokens\" :\n\t 12 , \"output_tokens\":\r\n7}"]),
+            (Some(12), Some(7))
+        );
+    }
+
+    #[test]
+    fn the_largest_output_count_wins() {
+        assert_eq!(
+            scan(&[
+                br#"{"usage":{"output_tokens":40}}"#,
+                br#"{"usage":{"output_tokens":9}}"#,
+                br#"{"usage":{"output_tokens":41}}"#,
+            ]),
+            (None, Some(41))
+        );
+    }
+
+    #[test]
+    fn cache_counts_and_quoted_text_are_not_usage() {
+        // Only the bare field names count; a model's text has its quotes escaped.
+        let body = br#"{"cache_creation_input_tokens":900,"cache_read_input_tokens":800,"text":"\"input_tokens\":5 \"output_tokens\": 6"}"#;
+        assert_eq!(scan(&[body]), (None, None));
+    }
+
+    #[test]
+    fn garbage_values_are_not_usage() {
+        for body in [
+            r#"{"input_tokens":"12","output_tokens":-3}"#,
+            r#"{"input_tokens":1.5,"output_tokens":2e9}"#,
+            r#"{"input_tokens":null,"output_tokens":true}"#,
+            r#"{"input_tokens":12"#, // the body ends in the number
+            r#"{"input_tokens"12,"output_tokens"::4}"#,
+            r#""input_tokens""output_tokens""#,
+        ] {
+            assert_eq!(scan(&[body.as_bytes()]), (None, None), "{body}");
+        }
+    }
+
+    #[test]
+    fn huge_values_are_capped() {
+        let body =
+            br#"{"input_tokens":99999999999999999999999999999999,"output_tokens":4294967296}"#;
+        assert_eq!(scan(&[body]), (Some(MAX_TOKENS), Some(MAX_TOKENS)));
+    }
+
+    #[test]
+    fn a_pattern_after_garbage_is_still_found() {
+        assert_eq!(
+            scan(&[br#""input_tokens":x "input_"input_tokens": 3}"#]),
+            (Some(3), None)
+        );
+    }
+
+    proptest! {
+        #[test]
+        fn any_bytes_in_any_pieces_never_panic(
+            bytes in proptest::collection::vec(any::<u8>(), 0..512),
+            cuts in proptest::collection::vec(any::<usize>(), 0..8),
+        ) {
+            let mut s = UsageScanner::default();
+            let mut rest = &bytes[..];
+            for cut in cuts {
+                let (piece, tail) = rest.split_at(cut % (rest.len() + 1));
+                s.feed(piece);
+                rest = tail;
+            }
+            s.feed(rest);
+            prop_assert!(s.input_tokens().is_none_or(|v| v <= MAX_TOKENS));
+            prop_assert!(s.output_tokens().is_none_or(|v| v <= MAX_TOKENS));
+        }
+
+        #[test]
+        fn a_usage_among_noise_is_found_wherever_the_frames_split(
+            noise in "[a-z{}\\[\\],: \"]{0,64}",
+            input in 0u32..2_000_000,
+            output in 0u32..200_000,
+            cut in any::<usize>(),
+        ) {
+            // The noise is closed by a space and a brace so it cannot swallow the needle.
+            let body = format!(r#"{noise} }}"usage":{{"input_tokens": {input},"output_tokens":{output}}}"#);
+            let bytes = body.as_bytes();
+            let at = cut % (bytes.len() + 1);
+            prop_assert_eq!(scan(&[&bytes[..at], &bytes[at..]]), (Some(input), Some(output)));
+        }
+    }
+}
