@@ -16,7 +16,7 @@ use tower_service::Service;
 
 use super::body::{Filled, Peeked, ResponseBody};
 use super::decide::{self, Verdict};
-use super::layer::{Held, Learned, Shared, taken};
+use super::layer::{Ask, Held, Learned, Shared, taken};
 use super::request::CloneRequest;
 use super::telemetry;
 use super::usage::Usage;
@@ -98,8 +98,8 @@ pub(super) struct Call<S, Req, C> {
     pub(super) upstream: Arc<str>,
     /// Learned pacing let the next attempt go (its cells are taken).
     pub(super) learned: bool,
-    /// A reservation to ask the store for, decided in `call`, and its block size.
-    pub(super) ask: Option<(PaceAsk, u32)>,
+    /// A reservation to ask the store for, decided in `call`, then while it is asked.
+    pub(super) ask: Option<Ask>,
     /// The cells per dimension a call of this job needs from learned pacing (see `needs`).
     pub(super) need: [u32; DIMS],
     /// The cells learned pacing took for the attempt under way (0 where none): what its
@@ -420,8 +420,11 @@ where
                     if let Some(pending) = learn.as_mut() {
                         let grant = ready!(Pin::new(pending).poll(cx));
                         *learn = None;
-                        let block = call.ask.take().map_or(1, |(_, block)| block);
+                        let asked = call.ask.take();
+                        let block = asked.as_ref().map_or(1, |asked| asked.block);
                         core.granted(&call.upstream, &grant, call.need, block);
+                        // Another block may be asked for once this one's cells are credited.
+                        drop(asked);
                         if !grant.hold.is_zero() {
                             // Another call is probing this key (cold start or recovery):
                             // ask again a random moment later, or when its lease ends.
@@ -476,8 +479,8 @@ where
                         continue;
                     }
                     if !call.learned {
-                        let (ask, block) = match call.ask.take() {
-                            Some(ask) => ask,
+                        let asked = match call.ask.take() {
+                            Some(asked) => asked,
                             None => match core.admit_learned(&call.upstream, call.cost) {
                                 Learned::Go(wait, need, charged) => {
                                     call.learned = true;
@@ -490,11 +493,15 @@ where
                                         *sleep = sleep_for(wait);
                                         continue;
                                     }
-                                    (PaceAsk::default(), 0)
+                                    Ask {
+                                        ask: PaceAsk::default(),
+                                        block: 0,
+                                        _asked: None,
+                                    }
                                 }
-                                Learned::Ask(ask, block, need) => {
+                                Learned::Ask(asked, need) => {
                                     call.need = need;
-                                    (ask, block)
+                                    asked
                                 }
                             },
                         };
@@ -507,8 +514,8 @@ where
                                 *sleep = sleep_for(wait.max(Duration::from_millis(1)));
                                 continue;
                             }
-                            *learn = Some(core.store.pace_learned(&call.upstream, &ask));
-                            call.ask = Some((ask, block));
+                            *learn = Some(core.store.pace_learned(&call.upstream, &asked.ask));
+                            call.ask = Some(asked);
                             continue;
                         }
                     }

@@ -77,14 +77,36 @@ impl Drop for Held {
     }
 }
 
+/// A reservation of a block of calls this worker is asking the store for: while it lives,
+/// the worker's other calls to the key ask for their own cells only (see `View::block`).
+pub(super) struct BlockAsked {
+    core: Arc<Core>,
+    key: Arc<str>,
+}
+
+impl Drop for BlockAsked {
+    fn drop(&mut self) {
+        crate::sync::lock(&self.core.views).block_done(&self.key);
+    }
+}
+
+/// A reservation to ask the store for.
+pub(super) struct Ask {
+    /// The request, with the reports pending.
+    pub(super) ask: PaceAsk,
+    /// The calls it reserves for, of the same cells each.
+    pub(super) block: u32,
+    /// Set while `block` is more than one call.
+    pub(super) _asked: Option<BlockAsked>,
+}
+
 /// What learned pacing says about a call about to go.
 pub(super) enum Learned {
     /// Go after this wait (no store operation needed): the cells the call needs, and those
     /// taken (0 where no limit is learned).
     Go(Duration, [u32; DIMS], [u32; DIMS]),
-    /// Ask the store: a reservation of `block` calls of these cells each, with the reports
-    /// pending.
-    Ask(PaceAsk, u32, [u32; DIMS]),
+    /// Ask the store for this reservation: the cells the call needs.
+    Ask(Ask, [u32; DIMS]),
 }
 
 /// Cells one call takes per dimension before it goes: a request, its estimated input
@@ -198,7 +220,7 @@ impl Core {
     }
 
     /// Whether a call to `key` may go now without asking the store, or what to ask it.
-    pub(super) fn admit_learned(&self, key: &Arc<str>, cost: u32) -> Learned {
+    pub(super) fn admit_learned(self: &Arc<Self>, key: &Arc<str>, cost: u32) -> Learned {
         // The layer's own key, known, and every view quiet: it is quiet too, so the call goes
         // as without learned pacing, without the lock.
         if Arc::ptr_eq(key, &self.policy.upstream)
@@ -233,15 +255,14 @@ impl Core {
                 taken(need, &view.limits),
             );
         }
-        // Reserve ahead on Redis: a quarter second of the learned request rate at once
-        // (at most 64 calls), so a call in steady state is not a round trip.
-        let block = if self.store.is_remote() && view.mode == 2 && !recovering {
-            let per_sec =
-                f64::from(view.limits[0]) * f64::from(self.policy.learned_headroom) / 1000.0 / 60.0;
-            ((per_sec / 4.0).floor() as u32).clamp(1, 64)
-        } else {
-            1
-        };
+        // Reserve ahead on Redis, one block at a time (see `View::block`).
+        let per_sec =
+            f64::from(view.limits[0]) * f64::from(self.policy.learned_headroom) / 1000.0 / 60.0;
+        let block = view.block(self.store.is_remote(), recovering, per_sec);
+        let asked = (block > 1).then(|| BlockAsked {
+            core: self.clone(),
+            key: key.clone(),
+        });
         let mut ask = self.ask();
         if let Some(pending) = view.pending.take() {
             ask.learn = pending.learn;
@@ -252,7 +273,14 @@ impl Core {
             ask.queued = true;
         }
         ask.take = need.map(|n| n.saturating_mul(block));
-        Learned::Ask(ask, block, need)
+        Learned::Ask(
+            Ask {
+                ask,
+                block,
+                _asked: asked,
+            },
+            need,
+        )
     }
 
     /// Applies the store's answer to a reservation of `block` calls of `need` cells each.

@@ -202,6 +202,9 @@ pub(super) struct View {
     pub(super) credit_at: Instant,
     /// Reports not sent yet (Redis, steady state): they go with the next reservation.
     pub(super) pending: Option<PaceAsk>,
+    /// A reservation of a block of calls is on its way to the store (see
+    /// [`View::block`]).
+    pub(super) block_asked: bool,
     /// Output tokens per call, on average over the recent answers' usage (0: none seen).
     pub(super) output_avg: u32,
 }
@@ -216,8 +219,25 @@ impl View {
             credit: [0; DIMS],
             credit_at: Instant::now(),
             pending: None,
+            block_asked: false,
             output_avg: 0,
         }
+    }
+
+    /// How many calls a reservation about to be asked for takes at once: on Redis in steady
+    /// state a quarter second of the learned request rate (`per_sec`, at most 64 calls), so
+    /// a call is not a round trip; else 1. Only one block is asked for at a time (until
+    /// [`Views::block_done`]): calls that ask side by side — every call woken when a limit
+    /// changed, or at the end of the cold start — would each take a block, reserve several
+    /// times what they need and pool the spare cells behind the latest block's time, seconds
+    /// ahead under a limit that went up. They take their own cells instead.
+    pub(super) fn block(&mut self, remote: bool, recovering: bool, per_sec: f64) -> u32 {
+        if !remote || self.mode != 2 || recovering || self.block_asked {
+            return 1;
+        }
+        let block = ((per_sec / 4.0).floor() as u32).clamp(1, 64);
+        self.block_asked = block > 1;
+        block
     }
 
     pub(super) fn recovering(&mut self, now: Instant) -> bool {
@@ -268,8 +288,9 @@ impl Views {
     ) -> ViewGuard<'a> {
         if self.map.len() >= 4096 && !self.map.contains_key(key) {
             let now = Instant::now();
-            self.map
-                .retain(|_, v| v.pending.is_some() || v.recover_until.is_some_and(|at| at > now));
+            self.map.retain(|_, v| {
+                v.pending.is_some() || v.block_asked || v.recover_until.is_some_and(|at| at > now)
+            });
             let count = self.map.values().filter(|v| !v.is_quiet()).count();
             loud.store(count, Ordering::Release);
         }
@@ -289,6 +310,14 @@ impl Views {
             quiet_before,
             view,
             loud,
+        }
+    }
+
+    /// The block reservation of `key` asked for by [`View::block`] is answered (or given
+    /// up): the next call short of cells may ask for a block again.
+    pub(super) fn block_done(&mut self, key: &str) {
+        if let Some(view) = self.map.get_mut(key) {
+            view.block_asked = false;
         }
     }
 }
@@ -374,6 +403,38 @@ mod tests {
         ]);
         assert_eq!(read_limits(&h), [(50, 50), (0, 0), (0, 0), (0, 0)]);
         assert_eq!(read_limits(&HeaderMap::new()), [(0, 0); DIMS]);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn calls_asking_side_by_side_take_one_block_between_them() {
+        // A limit going up (480 -> 1,200 RPM at 0.95): the calls that waited under the old
+        // limit all ask again at once. One asks for a block, the others for their own cells.
+        let mut view = View::new(true);
+        view.mode = 2;
+        let per_sec = |rpm: f64| rpm * 0.95 / 60.0;
+        assert_eq!(view.block(true, false, per_sec(480.0)), 1);
+        let blocks: Vec<u32> = (0..10)
+            .map(|_| view.block(true, false, per_sec(1_200.0)))
+            .collect();
+        assert_eq!(blocks, [4, 1, 1, 1, 1, 1, 1, 1, 1, 1]);
+        // Once that block is answered, the next call short of cells asks for one again.
+        let mut views = Views::default();
+        let key: Arc<str> = Arc::from("k");
+        let loud = AtomicUsize::new(0);
+        let mut guard = views.get(&key, true, &loud);
+        guard.mode = 2;
+        assert_eq!(guard.block(true, false, per_sec(1_200.0)), 4);
+        drop(guard);
+        views.block_done(&key);
+        let mut guard = views.get(&key, true, &loud);
+        assert_eq!(guard.block(true, false, per_sec(1_200.0)), 4);
+        // The memory store, the cold start and recovery never take blocks.
+        let mut view = View::new(true);
+        view.mode = 2;
+        assert_eq!(view.block(false, false, per_sec(1_200.0)), 1);
+        assert_eq!(view.block(true, true, per_sec(1_200.0)), 1);
+        view.mode = 0;
+        assert_eq!(view.block(true, false, per_sec(1_200.0)), 1);
     }
 
     #[test]

@@ -115,9 +115,9 @@ where
                     (need, charged) = (cells, taken);
                     (true, None, wait)
                 }
-                Learned::Ask(ask, block, cells) => {
+                Learned::Ask(ask, cells) => {
                     need = cells;
-                    (false, Some((ask, block)), Duration::ZERO)
+                    (false, Some(ask), Duration::ZERO)
                 }
             }
         } else {
