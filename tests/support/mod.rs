@@ -17,6 +17,7 @@ mod target;
 #[allow(unused_imports)]
 pub(crate) use target::on_node_and_cluster;
 #[cfg(feature = "redis")]
+#[allow(unused_imports)]
 pub use target::{Redis, Target};
 
 /// A `redis-server` of the test's own on a free loopback port, stopped by its pid.
@@ -350,6 +351,16 @@ impl RedisCluster {
         static SHARED: std::sync::OnceLock<RedisCluster> = std::sync::OnceLock::new();
         SHARED.get_or_init(|| {
             let mut cluster = RedisCluster::start();
+            cluster.reap_when_gone();
+            cluster
+        })
+    }
+
+    /// As [`shared`](RedisCluster::shared), a TLS cluster ([`start_tls`](RedisCluster::start_tls)).
+    pub fn shared_tls() -> &'static RedisCluster {
+        static SHARED: std::sync::OnceLock<RedisCluster> = std::sync::OnceLock::new();
+        SHARED.get_or_init(|| {
+            let mut cluster = RedisCluster::start_tls();
             cluster.reap_when_gone();
             cluster
         })
