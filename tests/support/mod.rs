@@ -212,8 +212,19 @@ pub struct EventCounter {
 
 impl EventCounter {
     /// Installs the counter for the current thread until the guard is dropped.
+    ///
+    /// First, once per process, a bare registry as the global default: with one
+    /// thread-local subscriber the only one in the process, an event first hit on a thread
+    /// without a subscriber (another test's) is cached as never wanted, and this thread's
+    /// counter would miss it (tokio-rs/tracing#3611). With a global default every thread
+    /// has a subscriber that wants it.
     pub fn install() -> (EventCounter, tracing::subscriber::DefaultGuard) {
         use tracing_subscriber::layer::SubscriberExt;
+        static GLOBAL: std::sync::Once = std::sync::Once::new();
+        GLOBAL.call_once(|| {
+            // Err only when the binary set a global default of its own: that one serves.
+            let _ = tracing::subscriber::set_global_default(tracing_subscriber::registry());
+        });
         let counter = EventCounter::default();
         let subscriber = tracing_subscriber::registry().with(counter.clone());
         let guard = tracing::subscriber::set_default(subscriber);
