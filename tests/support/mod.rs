@@ -772,19 +772,30 @@ impl RedisCluster {
     }
 
     /// Stalls every live node for `secs` (DEBUG SLEEP), returning at once. Under the node
-    /// timeout (1 s) no failover follows.
+    /// timeout (1 s) no failover follows. (Plain TCP: not for a TLS cluster.)
     pub fn stall(&self, secs: f64) {
-        for port in self.live_ports() {
-            let mut args = self.tls_args();
-            args.extend(["-p".to_owned(), port.to_string()]);
-            args.extend(["DEBUG".to_owned(), "SLEEP".to_owned(), secs.to_string()]);
-            std::thread::spawn(move || {
-                let args: Vec<&str> = args.iter().map(String::as_str).collect();
-                redis_cli(&args);
-            });
-        }
+        assert!(self.ca_pem.is_none(), "stall speaks plain TCP");
+        // Written to every node at once (a redis-cli process each took up to tens of ms to
+        // start on the loaded machine, and a node not yet asleep answered).
+        let streams: Vec<TcpStream> = self
+            .live_ports()
+            .into_iter()
+            .map(|port| {
+                let mut stream = TcpStream::connect(("127.0.0.1", port)).expect("connect");
+                stream
+                    .write_all(format!("DEBUG SLEEP {secs}\r\n").as_bytes())
+                    .unwrap();
+                stream
+            })
+            .collect();
+        std::thread::spawn(move || {
+            for mut stream in streams {
+                let mut buf = [0u8; 16];
+                let _ = stream.read(&mut buf);
+            }
+        });
         // Let the commands reach the nodes before the caller goes on.
-        std::thread::sleep(Duration::from_millis(50));
+        std::thread::sleep(Duration::from_millis(30));
     }
 
     /// A process that SIGKILLs the nodes, by their pids, once this test process is gone,
