@@ -6,9 +6,10 @@
 //! cargo run --features redis --example slot_worker -- hold redis://127.0.0.1:6379/ 10
 //! ```
 //!
-//! `load URL CALLERS CALLS`: each caller makes CALLS calls; the upstream stand-in counts the
-//! calls in flight in Redis (`probe:*` keys: now and the maximum seen, globally and per
-//! tier) for 5 ms each. Prints `ok=N busy=N failed=N`.
+//! `load URL CALLERS CALLS [PROBE_URL]`: each caller makes CALLS calls; the upstream
+//! stand-in counts the calls in flight in Redis (`probe:*` keys: now and the maximum seen,
+//! globally and per tier) for 5 ms each, on the Redis at PROBE_URL (default: URL, which must
+//! then be one node). Prints `ok=N busy=N failed=N`.
 //!
 //! `hold URL N`: takes N slots, prints `HOLDING`, and holds them until killed.
 //!
@@ -23,9 +24,10 @@
 //! 400 ms for every 7th, a streamed answer): the current count, the maximum, and the time
 //! spent over each cap, globally and per tier (`obs:*` keys). Prints `ok=N busy=N failed=N`.
 //!
-//! `--cluster` (anywhere; `faults` and `hold`): URL is a comma-separated list of a Redis
+//! `--cluster` (anywhere; any mode): URL is a comma-separated list of a Redis
 //! Cluster's node URLs, and the store is built with `redis_cluster`. `--slots-only`
 //! (`faults`): TierSlotLimit alone instead of the whole recommended stack.
+//! `--key-prefix=P` (any mode): the store's key prefix, so several tests can share one Redis.
 //!
 //! The caps (global 12; premium 8, pro 6, free 4, guest 2) and the lease TTL (2 s) are those
 //! the tests check against (`faults`: global 8).
@@ -62,34 +64,43 @@ async fn main() -> Result<(), BoxError> {
     let mut args: Vec<String> = std::env::args().skip(1).collect();
     let cluster = args.iter().any(|a| a == "--cluster");
     let slots_only = args.iter().any(|a| a == "--slots-only");
-    args.retain(|a| a != "--cluster" && a != "--slots-only");
+    let builder = match args.iter().find_map(|a| a.strip_prefix("--key-prefix=")) {
+        Some(prefix) => Store::builder().key_prefix(prefix),
+        None => Store::builder(),
+    };
+    args.retain(|a| a != "--cluster" && a != "--slots-only" && !a.starts_with("--key-prefix="));
     let (mode, url) = match args.as_slice() {
         [mode, url, ..] => (mode.as_str(), url.as_str()),
         _ => {
-            return Err("usage: slot_worker load URL CALLERS CALLS | hold URL N \
+            return Err(
+                "usage: slot_worker load URL CALLERS CALLS [PROBE_URL] | hold URL N \
                  | hold-tenant URL N | faults URL OBSERVER CALLERS MILLIS [EXPECTED_WORKERS]"
-                .into());
+                    .into(),
+            );
         }
     };
     let number =
         |i: usize| -> Result<usize, BoxError> { Ok(args.get(i).ok_or("missing number")?.parse()?) };
     if mode == "faults" {
         let observer = args.get(2).ok_or("missing observer url")?;
-        let expected = args.get(5).map(|n| n.parse()).transpose()?;
+        let builder = match args.get(5) {
+            Some(n) => builder.expected_workers(n.parse()?),
+            None => builder,
+        };
         let (callers, millis) = (number(3)?, number(4)?);
-        return faults(
-            url, cluster, slots_only, observer, callers, millis, expected,
-        )
-        .await;
+        return faults(builder, url, cluster, slots_only, observer, callers, millis).await;
     }
     let store = build(
-        Store::builder().flush_interval(Duration::from_millis(50)),
+        builder.flush_interval(Duration::from_millis(50)),
         url,
         cluster,
     )
     .await?;
     match mode {
-        "load" => load(store, url, number(2)?, number(3)?).await,
+        "load" => {
+            let probe = args.get(4).map_or(url, String::as_str);
+            load(store, probe, number(2)?, number(3)?).await
+        }
         "hold" => hold(store, number(2)?).await,
         "hold-tenant" => hold_tenant(store, number(2)?).await,
         _ => Err(format!("unknown mode {mode}").into()),
@@ -109,8 +120,8 @@ async fn build(
     })
 }
 
-async fn load(store: Store, url: &str, callers: usize, calls: usize) -> Result<(), BoxError> {
-    let probe = redis::Client::open(url)?
+async fn load(store: Store, probe: &str, callers: usize, calls: usize) -> Result<(), BoxError> {
+    let probe = redis::Client::open(probe)?
         .get_multiplexed_async_connection()
         .await?;
     let enter = redis::Script::new(ENTER);
@@ -260,21 +271,18 @@ move(5, tonumber(ARGV[3]))
 return 1";
 
 async fn faults(
+    builder: fairgate::StoreBuilder,
     url: &str,
     cluster: bool,
     slots_only: bool,
     observer: &str,
     callers: usize,
     millis: usize,
-    expected: Option<u32>,
 ) -> Result<(), BoxError> {
-    let mut builder = Store::builder()
+    let builder = builder
         .op_timeout(Duration::from_millis(100))
         .probe_interval(Duration::from_millis(25))
         .flush_interval(Duration::from_millis(25));
-    if let Some(n) = expected {
-        builder = builder.expected_workers(n);
-    }
     let store = build(builder, url, cluster).await?;
     let probe = redis::Client::open(observer)?
         .get_multiplexed_async_connection()

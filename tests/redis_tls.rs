@@ -1,6 +1,6 @@
 //! Managed Redis as teams run it: TLS (`rediss://`, rustls) with a CA the test made, and an
-//! ACL user and password. A wrong CA or password is a clear error at start; Redis not up is
-//! still a degraded start.
+//! ACL user and password, on one node and on a Redis Cluster. A wrong CA or password is a
+//! clear error at start; Redis not up is still a degraded start.
 #![cfg(feature = "redis")]
 
 mod support;
@@ -9,7 +9,11 @@ use std::time::Duration;
 
 use fairgate::store::RedisStoreError;
 use fairgate::{SlotLimits, Store, TenantId, Tier};
-use support::{TLS_PASSWORD, TLS_USER, TempDir, TlsRedis};
+use support::{
+    CLUSTER_PASSWORD, CLUSTER_USER, EventCounter, RedisCluster, TLS_PASSWORD, TLS_USER, TempDir,
+    TlsRedis,
+};
+use tokio::time::Instant;
 
 async fn tls_store(server: &TlsRedis, url: &str, ca: &[u8]) -> Result<Store, RedisStoreError> {
     let _ = server;
@@ -96,5 +100,146 @@ async fn a_ca_with_a_plain_url_is_refused_as_a_tls_error() {
     let err = tls_store(&server, &url, server.ca_pem())
         .await
         .expect_err("a CA for a redis:// url");
+    assert!(matches!(err, RedisStoreError::Tls(_)), "{err:?}");
+}
+
+// The same on a Redis Cluster: six TLS-only nodes (`--port 0`, TLS between the nodes and to
+// the replicas too), every store connecting as the cluster's ACL user over `rediss://`.
+// One cluster for these tests (they only read and write, under their own key prefixes).
+
+async fn tls_cluster_store(
+    cluster: &RedisCluster,
+    urls: Vec<String>,
+    ca: &[u8],
+    prefix: &str,
+) -> Result<Store, RedisStoreError> {
+    let _ = cluster;
+    Store::builder()
+        .tls_ca_pem(ca.to_vec())
+        .key_prefix(prefix)
+        .op_timeout(Duration::from_millis(500))
+        .redis_cluster(urls)
+        .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tls_on_a_cluster_takes_and_releases_slots_and_sees_other_workers_leases() {
+    let (events, _guard) = EventCounter::install();
+    let cluster = RedisCluster::shared_tls();
+    let prefix = "tls-slots";
+    assert!(
+        cluster
+            .urls()
+            .iter()
+            .all(|url| url.starts_with("rediss://"))
+    );
+    let one = tls_cluster_store(cluster, cluster.urls(), cluster.ca_pem(), prefix)
+        .await
+        .expect("the right CA and password");
+    let two = tls_cluster_store(cluster, cluster.urls(), cluster.ca_pem(), prefix)
+        .await
+        .expect("the right CA and password");
+    assert!(!one.is_degraded() && !two.is_degraded());
+    // Both stores listen for releases on the slot keys' shard (sharded pub/sub) and for
+    // cooldown moves, over TLS (subscribing takes a few handshakes).
+    let released = format!("{prefix}:{{slots}}:released");
+    let cooldowns = format!("{prefix}:cooldowns");
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let seen = (
+            cluster.shard_subscribers(&released),
+            cluster.subscribers(&cooldowns),
+        );
+        if seen == (2, 2) {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "not subscribed over TLS: {seen:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+
+    // Per-tenant scripts on every shard, over TLS.
+    for i in 0..12 {
+        let tenant = TenantId::new(format!("tls-tenant-{i}"));
+        one.record_throttle(&tenant).await;
+        assert_eq!(two.throttle_count(&tenant).await, 1);
+    }
+
+    // Slots: one worker's lease is seen by the other, the shared cap holds, the release
+    // frees the slot for the other.
+    let limits = SlotLimits {
+        global: 1,
+        tier: 1,
+        tenant: None,
+        lease_ttl: Duration::from_secs(30),
+    };
+    let tier = Tier::new("pro");
+    let held = one.try_acquire_slot(&tier, limits).await.expect("a slot");
+    assert!(held.is_shared(), "a lease in Redis, not a fallback slot");
+    assert_eq!(two.slots_in_use(None).await, 1);
+    assert!(two.try_acquire_slot(&tier, limits).await.is_none());
+    let global = format!("{prefix}:{{slots}}:global");
+    assert_eq!(cluster.command(&global, &["ZCARD", &global]), "1");
+    drop(held);
+    let deadline = Instant::now() + Duration::from_secs(3);
+    let lease = loop {
+        if let Some(lease) = two.try_acquire_slot(&tier, limits).await {
+            break lease;
+        }
+        assert!(Instant::now() < deadline, "the release never reached Redis");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    };
+    assert!(lease.is_shared());
+    assert_eq!(one.slots_in_use(None).await, 1);
+    drop(lease);
+    let deadline = Instant::now() + Duration::from_secs(3);
+    while cluster.command(&global, &["ZCARD", &global]) != "0" {
+        assert!(Instant::now() < deadline, "the lease was not released");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(!one.is_degraded() && !two.is_degraded());
+    assert_eq!(events.count("store.redis_error"), 0);
+    assert_eq!(events.count("queue.redis_unavailable"), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wrong_password_or_user_on_a_tls_cluster_is_an_auth_error_at_start() {
+    let cluster = RedisCluster::shared_tls();
+    for urls in [
+        cluster.urls_with(CLUSTER_USER, "not-the-password"),
+        cluster.urls_with("nobody", CLUSTER_PASSWORD),
+    ] {
+        let err = tls_cluster_store(cluster, urls, cluster.ca_pem(), "tls-auth")
+            .await
+            .expect_err("wrong credentials");
+        assert!(matches!(err, RedisStoreError::Auth(_)), "{err:?}");
+        println!("tls cluster, wrong credentials: {err}");
+        assert!(!err.to_string().contains(CLUSTER_PASSWORD), "{err}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_certificate_from_another_ca_on_a_tls_cluster_is_a_tls_error_at_start() {
+    let cluster = RedisCluster::shared_tls();
+    let other = TempDir::new("other-ca");
+    let wrong_ca = support::make_certificate(other.path(), "other");
+    let err = tls_cluster_store(cluster, cluster.urls(), &wrong_ca, "tls-ca")
+        .await
+        .expect_err("a server certificate the client does not trust");
+    assert!(matches!(err, RedisStoreError::Tls(_)), "{err:?}");
+    println!("tls cluster, wrong CA: {err}");
+    assert!(
+        err.to_string()
+            .starts_with("tls connection to redis failed"),
+        "{err}"
+    );
+    // Without a CA of its own the store trusts the system's roots, which do not know the
+    // test's CA either.
+    let err = Store::builder()
+        .redis_cluster(cluster.urls())
+        .await
+        .expect_err("the system's roots do not trust the test's CA");
     assert!(matches!(err, RedisStoreError::Tls(_)), "{err:?}");
 }

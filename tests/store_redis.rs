@@ -1,4 +1,8 @@
-//! The Redis store across workers and through outages, against real throwaway servers.
+//! The Redis store across workers and through outages, against real throwaway servers: each
+//! rule on one node and on a Redis Cluster (3 masters, 3 replicas), one body for both
+//! (`support::on_node_and_cluster!`). On the cluster "Redis killed" is the master that owns
+//! the slot keys SIGKILLed, its replica taking over (the tenants a test watches are picked
+//! on that master, so what they touch goes away with it, as with the one node).
 #![cfg(feature = "redis")]
 
 mod support;
@@ -7,18 +11,25 @@ use std::convert::Infallible;
 use std::time::Duration;
 
 use fairgate::{Job, Origin, Priority, PriorityClassifyLayer, Store, TenantId};
-use support::{EventCounter, RedisServer, request};
+use support::{EventCounter, Redis, Target, on_node_and_cluster, request};
 use tokio::time::{Instant, timeout};
 use tower::{Layer, ServiceExt, service_fn};
 
 const CACHE_TTL: Duration = Duration::from_millis(100);
 
-async fn worker(url: &str) -> Store {
+/// A second per operation: on a loaded 2-core machine a cluster call now and then takes
+/// over 100 ms, and a store that times out answers from local state for a moment, which
+/// these tests would read as a broken rule. The timeout test sets its own.
+fn options() -> fairgate::StoreBuilder {
     Store::builder()
         .cache_ttl(CACHE_TTL)
-        .op_timeout(Duration::from_millis(100))
+        .op_timeout(Duration::from_secs(1))
         .probe_interval(Duration::from_millis(20))
-        .redis(url)
+}
+
+async fn worker(redis: &Redis) -> Store {
+    redis
+        .store(options())
         .await
         .expect("a valid url always gives a store")
 }
@@ -48,10 +59,20 @@ async fn wait_until(what: &str, mut done: impl FnMut() -> bool) {
     }
 }
 
-#[tokio::test]
-async fn a_demotion_through_one_worker_holds_on_another_within_the_cache_time() {
-    let server = RedisServer::start();
-    let (one, two) = (worker(&server.url()).await, worker(&server.url()).await);
+on_node_and_cluster!(
+    a_demotion_through_one_worker_holds_on_another_within_the_cache_time,
+    redis_killed_mid_run_classify_keeps_answering_and_the_store_comes_back,
+    a_stalled_redis_at_start_costs_one_timeout_then_the_store_starts_degraded,
+    redis_down_at_start_gives_a_working_degraded_store_without_blocking,
+    token_counts_batched_during_an_outage_reach_redis_after_it,
+    a_bad_url_or_prefix_is_refused_with_a_message,
+    each_store_listens_on_one_pub_sub_connection_for_both_feeds,
+);
+
+async fn a_demotion_through_one_worker_holds_on_another_within_the_cache_time(target: Target) {
+    let (events, _guard) = EventCounter::install();
+    let redis = target.start().await;
+    let (one, two) = (worker(&redis).await, worker(&redis).await);
     let tenant = TenantId::new("runaway");
 
     // Worker two has a fresh "not demoted" answer cached.
@@ -62,25 +83,36 @@ async fn a_demotion_through_one_worker_holds_on_another_within_the_cache_time() 
     assert_eq!(classify(&one, chat("runaway")).await, Priority::Batch);
 
     tokio::time::sleep(CACHE_TTL).await;
-    assert_eq!(classify(&two, chat("runaway")).await, Priority::Batch);
+    assert_eq!(
+        classify(&two, chat("runaway")).await,
+        Priority::Batch,
+        "degraded: one {}, two {}, unavailable {}",
+        one.is_degraded(),
+        two.is_degraded(),
+        events.count("queue.redis_unavailable")
+    );
     assert!(two.demoted_for(&tenant).await.is_some());
 }
 
-#[tokio::test]
-async fn redis_killed_mid_run_classify_keeps_answering_and_the_store_comes_back() {
+async fn redis_killed_mid_run_classify_keeps_answering_and_the_store_comes_back(target: Target) {
     let (events, _guard) = EventCounter::install();
-    let mut server = RedisServer::start();
-    let store = worker(&server.url()).await;
-    let tenant = TenantId::new("steady");
+    let mut redis = target.start_own().await;
+    let store = worker(&redis).await;
+    let steady = redis.tenant_by_the_slots("steady");
+    let tenant = TenantId::new(steady.as_str());
+    // For the second outage, picked while the cluster still knows its masters.
+    let second: Vec<String> = (0..10)
+        .map(|i| redis.tenant_by_the_slots(&format!("second-{i}")))
+        .collect();
 
-    assert_eq!(classify(&store, chat("steady")).await, Priority::Critical);
+    assert_eq!(classify(&store, chat(&steady)).await, Priority::Critical);
     assert!(!store.is_degraded());
 
-    server.kill();
+    redis.kill_slots_master();
     // Every request is still answered, from in-process state; the outage is logged once.
     for i in 0..50 {
         let job = if i % 2 == 0 {
-            chat("steady")
+            chat(&steady)
         } else {
             chat(&format!("t{i}"))
         };
@@ -97,33 +129,42 @@ async fn redis_killed_mid_run_classify_keeps_answering_and_the_store_comes_back(
         Priority::Batch
     );
 
-    // Back on Redis by itself once it answers; the restarted server has no scripts.
-    server.restart();
+    // Back on Redis by itself once it answers: the restarted node has no scripts; on a
+    // cluster the promoted replica has none loaded by this store.
+    let promoted = redis.bring_back();
     wait_until("the store is back on redis", || !store.is_degraded()).await;
+    if redis.is_cluster() {
+        println!("cluster: replica promoted {promoted:?} after the kill");
+    }
     assert_eq!(events.count("queue.redis_recovered"), 1);
+    assert_eq!(events.count("queue.redis_unavailable"), 1, "no flapping");
     for _ in 0..5 {
         store.record_throttle(&tenant).await;
     }
     // A brand-new worker sees what went through the scripts on the restarted server.
-    let other = worker(&server.url()).await;
+    let other = worker(&redis).await;
     assert_eq!(other.throttle_count(&tenant).await, 5);
-    assert_eq!(classify(&other, chat("steady")).await, Priority::Batch);
+    assert_eq!(classify(&other, chat(&steady)).await, Priority::Batch);
 
-    // A second outage is a second log line, not one per call.
-    server.kill();
-    for i in 0..10 {
-        classify(&store, chat(&format!("second-{i}"))).await;
+    // A second outage is a second log line, not one per call (on a cluster: the promoted
+    // master killed too, its shard has no replica left).
+    redis.kill_slots_master();
+    for name in &second {
+        classify(&store, chat(name)).await;
     }
     assert_eq!(events.count("queue.redis_unavailable"), 2);
 }
 
-#[tokio::test]
-async fn a_stalled_redis_at_start_costs_one_timeout_then_the_store_starts_degraded() {
-    let server = RedisServer::start();
-    server.stall(2.0);
+async fn a_stalled_redis_at_start_costs_one_timeout_then_the_store_starts_degraded(target: Target) {
+    let redis = target.start_alone().await;
+    // Longer than the start-up's timeouts, shorter than the cluster's node timeout.
+    redis.stall(0.5);
     tokio::time::sleep(Duration::from_millis(100)).await;
     let started = Instant::now();
-    let store = worker(&server.url()).await; // op_timeout 100 ms
+    let store = redis
+        .store(options().op_timeout(Duration::from_millis(100)))
+        .await
+        .unwrap();
     let took = started.elapsed();
     assert!(store.is_degraded());
     assert!(took >= Duration::from_millis(100), "{took:?}");
@@ -133,13 +174,12 @@ async fn a_stalled_redis_at_start_costs_one_timeout_then_the_store_starts_degrad
     );
 }
 
-#[tokio::test]
-async fn redis_down_at_start_gives_a_working_degraded_store_without_blocking() {
-    let url = format!("redis://127.0.0.1:{}/", RedisServer::unused_port());
+async fn redis_down_at_start_gives_a_working_degraded_store_without_blocking(target: Target) {
     let started = Instant::now();
-    let store = timeout(Duration::from_secs(2), worker(&url))
+    let store = timeout(Duration::from_secs(2), target.unreachable_store(options()))
         .await
-        .expect("creating the store does not wait for redis");
+        .expect("creating the store does not wait for redis")
+        .expect("redis down is not an error");
     assert!(started.elapsed() < Duration::from_secs(1));
     assert!(store.is_degraded());
     assert_eq!(store.backend_name(), "redis");
@@ -156,69 +196,101 @@ async fn redis_down_at_start_gives_a_working_degraded_store_without_blocking() {
     assert!(store.set_daily_budget(&tenant, Some(5)).await.is_err());
 }
 
-#[tokio::test]
-async fn token_counts_batched_during_an_outage_reach_redis_after_it() {
-    let mut server = RedisServer::start();
-    let store = worker(&server.url()).await;
-    let tenant = TenantId::new("counted");
+async fn token_counts_batched_during_an_outage_reach_redis_after_it(target: Target) {
+    let mut redis = target.start_own().await;
+    let store = worker(&redis).await;
+    let name = redis.tenant_by_the_slots("counted");
+    let tenant = TenantId::new(name.as_str());
     store.add_tokens(&tenant, 100);
     store.flush().await;
     assert_eq!(store.tokens_today(&tenant).await, 100);
+    // On a cluster the replica has the 100 before its master dies.
+    redis.wait_replicated(&redis.key(&format!("{{t:{name}}}:x")));
 
-    server.kill();
+    redis.kill_slots_master();
     store.record_throttle(&tenant).await; // notices the outage
     assert!(store.is_degraded());
     store.add_tokens(&tenant, 50);
-    server.restart();
+    redis.bring_back();
     wait_until("the store is back on redis", || !store.is_degraded()).await;
     store.flush().await;
-    // The server lost its data (no persistence); what was batched during the outage arrives.
-    assert_eq!(store.tokens_today(&tenant).await, 50);
+    // What was batched during the outage arrives, once: on a node restarted empty (no
+    // persistence) alone, on a cluster's promoted replica on top of what it had.
+    let kept = if redis.is_cluster() { 100 } else { 0 };
+    assert_eq!(
+        store.tokens_today(&tenant).await,
+        kept + 50,
+        "degraded: {}",
+        store.is_degraded()
+    );
 }
 
-#[tokio::test]
-async fn a_bad_url_or_prefix_is_refused_with_a_message() {
-    let err = Store::redis("not a url").await.expect_err("bad url");
+async fn a_bad_url_or_prefix_is_refused_with_a_message(target: Target) {
+    let err = target
+        .store_at(Store::builder(), "not a url")
+        .await
+        .expect_err("bad url");
     assert!(err.to_string().starts_with("invalid redis url"), "{err}");
-    let err = Store::builder()
-        .key_prefix("a{b")
-        .redis("redis://127.0.0.1:1/")
+    let err = target
+        .store_at(Store::builder().key_prefix("a{b"), "redis://127.0.0.1:1/")
         .await
         .expect_err("bad prefix");
     assert!(err.to_string().contains("key prefix"), "{err}");
-    let err = Store::builder()
-        .op_timeout(Duration::ZERO)
-        .redis("redis://127.0.0.1:1/")
+    let err = target
+        .store_at(
+            Store::builder().op_timeout(Duration::ZERO),
+            "redis://127.0.0.1:1/",
+        )
         .await
         .expect_err("zero timeout");
     assert!(err.to_string().contains("op timeout"), "{err}");
 }
 
-#[tokio::test]
-async fn each_store_listens_on_one_pub_sub_connection_for_both_feeds() {
-    let server = RedisServer::start();
-    let stores = [worker(&server.url()).await, worker(&server.url()).await];
+async fn each_store_listens_on_one_pub_sub_connection_for_both_feeds(target: Target) {
+    let redis = target.start().await;
+    let stores = [worker(&redis).await, worker(&redis).await];
     let deadline = Instant::now() + Duration::from_secs(2);
-    loop {
-        let clients = server.command("CLIENT LIST");
-        // A subscribed connection shows `sub=2` (the release and the cooldown channels).
-        let subscribed: Vec<&str> = clients.lines().filter(|l| l.contains(" sub=")).collect();
-        let listening = subscribed.iter().filter(|l| !l.contains(" sub=0 ")).count();
-        if listening == 2 {
-            assert!(
-                subscribed
-                    .iter()
-                    .filter(|l| !l.contains(" sub=0 "))
-                    .all(|l| l.contains(" sub=2 ")),
-                "{clients}"
+    match redis.cluster() {
+        // One cluster connection per store: the release channel sharded (`SSUBSCRIBE`) on
+        // the slot keys' master, the cooldown channel plain. Other tests share this cluster,
+        // so count this test's channels, not connections: each store once on each.
+        Some(cluster) => loop {
+            let released = redis.key("{slots}:released");
+            let cooldowns = redis.key("cooldowns");
+            let seen = (
+                cluster.shard_subscribers(&released),
+                cluster.subscribers(&cooldowns),
             );
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "not one pub/sub connection per store: {clients}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
+            if seen == (2, 2) {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "not one subscription per store and feed: {seen:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        },
+        None => loop {
+            let clients = redis.slots_cli(&["CLIENT", "LIST"]);
+            // A subscribed connection shows `sub=2` (the release and the cooldown channels).
+            let subscribed: Vec<&str> = clients.lines().filter(|l| l.contains(" sub=")).collect();
+            let listening = subscribed.iter().filter(|l| !l.contains(" sub=0 ")).count();
+            if listening == 2 {
+                assert!(
+                    subscribed
+                        .iter()
+                        .filter(|l| !l.contains(" sub=0 "))
+                        .all(|l| l.contains(" sub=2 ")),
+                    "{clients}"
+                );
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "not one pub/sub connection per store: {clients}"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        },
     }
     // And a cooldown moved in one store reaches the other through it.
     stores[0]

@@ -491,10 +491,15 @@ impl RedisStore {
         }
     }
 
+    /// Whether Redis answers where the slots live: a keyed read, so on a cluster it goes to
+    /// the master of the `{slots}` keys (a `PING` would pass on any live node while that
+    /// shard is still away, and the store would keep trying to recover, taking no fallback
+    /// slot meanwhile).
     async fn ping(&self) -> bool {
         let mut conn = self.conn.clone();
-        let cmd = redis::cmd("PING");
-        let ping = cmd.query_async::<String>(&mut conn);
+        let mut cmd = redis::cmd("EXISTS");
+        cmd.arg(&self.keys.slots_epoch);
+        let ping = cmd.query_async::<u32>(&mut conn);
         matches!(
             tokio::time::timeout(self.opts.op_timeout, ping).await,
             Ok(Ok(_))
