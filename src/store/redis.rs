@@ -207,7 +207,8 @@ impl StoreBuilder {
         self
     }
 
-    /// How often batched counts are sent (default 250 ms).
+    /// How often batched counts are sent (default 250 ms; the served cost, kept in
+    /// one-second buckets, at most once a second).
     pub fn flush_interval(mut self, interval: Duration) -> Self {
         self.redis.flush_interval = interval;
         self
@@ -444,12 +445,12 @@ async fn background(store: Weak<RedisStore>, wake: Arc<Notify>) {
                 redis.slots.recovering.store(false, Ordering::Release);
                 redis.fallback.slots.released.notify_waiters();
                 if resynced {
-                    redis.flush_pending().await;
+                    redis.flush_pending(false).await;
                 }
             }
             redis.opts.probe_interval
         } else {
-            redis.flush_pending().await;
+            redis.flush_pending(false).await;
             redis.release_unreleased().await;
             redis.slot_heartbeat().await;
             // Tick often enough to renew the shortest lease held in time.
@@ -633,8 +634,8 @@ impl RedisStore {
         }
     }
 
-    /// Sends every batch of counts.
-    async fn flush_pending(&self) {
+    /// Sends every batch of counts (the served cost at its own pace, unless `now`).
+    async fn flush_pending(&self, now: bool) {
         self.flush_batch(
             &self.pending_tokens,
             "tokens",
@@ -642,7 +643,7 @@ impl RedisStore {
             &[],
         )
         .await;
-        self.flush_served().await;
+        self.flush_served(now).await;
     }
 
     /// Sends one batch: one script call per tenant (`KEYS[1]` = the tenant's `part` key,
@@ -701,7 +702,7 @@ impl RedisStore {
             return StoreFuture::ready(());
         }
         let this = self.clone();
-        StoreFuture::pending(async move { this.flush_pending().await })
+        StoreFuture::pending(async move { this.flush_pending(true).await })
     }
 
     pub(crate) fn tokens_today(self: &Arc<Self>, tenant: &TenantId) -> StoreFuture<u64> {

@@ -1,8 +1,12 @@
-//! Served cost on Redis: batched locally, sent in the background with the token counts, one
-//! script per tenant (`scripts/add_served_cost.lua`), read back over the window with
-//! `scripts/served_cost.lua`. Server time decides the window, so every worker agrees.
+//! Served cost on Redis: batched locally, sent in the background at most once a second (its
+//! buckets are a second wide: sooner would only cost more script calls, one per tenant and
+//! worker), one script per tenant (`scripts/add_served_cost.lua`), read back over the window
+//! with `scripts/served_cost.lua`. Server time decides the window, so every worker agrees.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio::time::Instant;
 
 use redis::Script;
 
@@ -14,14 +18,20 @@ use crate::store::served::SERVED_WINDOW;
 /// The served-cost part of the Redis store: counts not sent yet, and the scripts.
 pub(crate) struct ServedRedis {
     pending: Batch,
+    /// When the counts were last sent.
+    sent: Mutex<Option<Instant>>,
     add: Script,
     read: Script,
 }
+
+/// How often the counts go to Redis in the background: the width of a bucket.
+const SEND_EVERY: Duration = Duration::from_secs(1);
 
 impl ServedRedis {
     pub(crate) fn new() -> Self {
         ServedRedis {
             pending: Batch::default(),
+            sent: Mutex::new(None),
             add: Script::new(include_str!("../scripts/add_served_cost.lua")),
             read: Script::new(include_str!("../scripts/served_cost.lua")),
         }
@@ -42,8 +52,16 @@ impl RedisStore {
         self.batch_add(&self.served.pending, tenant, cost);
     }
 
-    /// Sends the batched served counts with the window length.
-    pub(super) async fn flush_served(&self) {
+    /// Sends the batched served counts with the window length: when `now`, or when a
+    /// second has passed since they were last sent.
+    pub(super) async fn flush_served(&self, now: bool) {
+        {
+            let mut sent = super::lock(&self.served.sent);
+            if !now && sent.is_some_and(|at| at.elapsed() < SEND_EVERY) {
+                return;
+            }
+            *sent = Some(Instant::now());
+        }
         let window = SERVED_WINDOW.as_secs();
         self.flush_batch(&self.served.pending, "served", &self.served.add, &[window])
             .await;
