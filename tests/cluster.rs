@@ -88,8 +88,8 @@ async fn every_operation_runs_on_the_cluster_and_reaches_every_worker() {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
 
-    // Slots: shared caps; releases announced on the slot keys' shard (sharded pub/sub), to
-    // which each store listens on one connection.
+    // Slots: shared caps; wake-ups sent on the slot keys' shard (sharded pub/sub), to which
+    // each store listens on one connection.
     let tier = Tier::new("pro");
     let held = one
         .try_acquire_slot(&tier, limits(1))
@@ -103,14 +103,17 @@ async fn every_operation_runs_on_the_cluster_and_reaches_every_worker() {
         assert!(Instant::now() < deadline, "the release never reached Redis");
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
-    let channel = "fairgate:{slots}:released";
-    let subscribers = cluster.command(channel, &["PUBSUB", "SHARDNUMSUB", channel]);
-    println!("cluster: PUBSUB SHARDNUMSUB {channel}: {subscribers:?}");
+    // Each store listens for its wake-ups on a channel of its own, sharded with the slots.
+    let channels = cluster.shard_channels("fairgate:{slots}:global", "fairgate:{slots}:wake:*");
+    println!("cluster: PUBSUB SHARDCHANNELS fairgate:{{slots}}:wake:*: {channels:?}");
     assert_eq!(
-        subscribers.lines().nth(1).map(str::trim),
-        Some("2"),
-        "one sharded subscription per store: {subscribers:?}"
+        channels.len(),
+        2,
+        "one wake-up channel per store: {channels:?}"
     );
+    for channel in &channels {
+        assert_eq!(cluster.shard_subscribers(channel), 1, "{channel}");
+    }
 
     assert!(!one.is_degraded() && !two.is_degraded());
     assert_eq!(

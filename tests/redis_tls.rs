@@ -140,14 +140,15 @@ async fn tls_on_a_cluster_takes_and_releases_slots_and_sees_other_workers_leases
         .await
         .expect("the right CA and password");
     assert!(!one.is_degraded() && !two.is_degraded());
-    // Both stores listen for releases on the slot keys' shard (sharded pub/sub) and for
-    // cooldown moves, over TLS (subscribing takes a few handshakes).
-    let released = format!("{prefix}:{{slots}}:released");
+    // Both stores listen for their wake-ups on the slot keys' shard (sharded pub/sub, a
+    // channel each) and for cooldown moves, over TLS (subscribing takes a few handshakes).
+    let global = format!("{prefix}:{{slots}}:global");
+    let wakes = format!("{prefix}:{{slots}}:wake:*");
     let cooldowns = format!("{prefix}:cooldowns");
     let deadline = Instant::now() + Duration::from_secs(5);
     loop {
         let seen = (
-            cluster.shard_subscribers(&released),
+            cluster.shard_channels(&global, &wakes).len(),
             cluster.subscribers(&cooldowns),
         );
         if seen == (2, 2) {
@@ -180,7 +181,6 @@ async fn tls_on_a_cluster_takes_and_releases_slots_and_sees_other_workers_leases
     assert!(held.is_shared(), "a lease in Redis, not a fallback slot");
     assert_eq!(two.slots_in_use(None).await, 1);
     assert!(two.try_acquire_slot(&tier, limits).await.is_none());
-    let global = format!("{prefix}:{{slots}}:global");
     assert_eq!(cluster.command(&global, &["ZCARD", &global]), "1");
     drop(held);
     let deadline = Instant::now() + Duration::from_secs(3);

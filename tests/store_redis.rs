@@ -251,17 +251,22 @@ async fn each_store_listens_on_one_pub_sub_connection_for_both_feeds(target: Tar
     let stores = [worker(&redis).await, worker(&redis).await];
     let deadline = Instant::now() + Duration::from_secs(2);
     match redis.cluster() {
-        // One cluster connection per store: the release channel sharded (`SSUBSCRIBE`) on
-        // the slot keys' master, the cooldown channel plain. Other tests share this cluster,
-        // so count this test's channels, not connections: each store once on each.
+        // One cluster connection per store: its own wake-up channel sharded (`SSUBSCRIBE`)
+        // on the slot keys' master, the cooldown channel plain. Other tests share this
+        // cluster, so count this test's channels, not connections: each store once on each.
         Some(cluster) => loop {
-            let released = redis.key("{slots}:released");
+            let global = redis.key("{slots}:global");
+            let wakes = cluster.shard_channels(&global, &redis.key("{slots}:wake:*"));
             let cooldowns = redis.key("cooldowns");
             let seen = (
-                cluster.shard_subscribers(&released),
+                wakes.len(),
+                wakes
+                    .iter()
+                    .map(|c| cluster.shard_subscribers(c))
+                    .sum::<u32>(),
                 cluster.subscribers(&cooldowns),
             );
-            if seen == (2, 2) {
+            if seen == (2, 2, 2) {
                 break;
             }
             assert!(
@@ -272,7 +277,7 @@ async fn each_store_listens_on_one_pub_sub_connection_for_both_feeds(target: Tar
         },
         None => loop {
             let clients = redis.slots_cli(&["CLIENT", "LIST"]);
-            // A subscribed connection shows `sub=2` (the release and the cooldown channels).
+            // A subscribed connection shows `sub=2` (its wake-up and the cooldown channels).
             let subscribed: Vec<&str> = clients.lines().filter(|l| l.contains(" sub=")).collect();
             let listening = subscribed.iter().filter(|l| !l.contains(" sub=0 ")).count();
             if listening == 2 {

@@ -18,7 +18,7 @@ use crate::admission::{Busy, SlowWait, TierLimit};
 use crate::error::ConfigError;
 use crate::metrics::Metric;
 use crate::rng::Rng;
-use crate::store::{SlotLease, SlotRefusal, StoreFuture};
+use crate::store::{SlotLease, SlotQueue, SlotRefusal, StoreFuture};
 use crate::{Job, Priority, Store, TenantId, Tier};
 
 /// Tier name -> DRR weight.
@@ -205,6 +205,9 @@ struct Acquire {
     class: Priority,
     ahead: f64,
     tenant: Option<TenantId>,
+    /// More of the group's requests waited behind it: granted the last room, this worker
+    /// stayed queued for a wake-up (Redis).
+    more: bool,
     slot: StoreFuture<Result<SlotLease, SlotRefusal>>,
 }
 
@@ -250,10 +253,11 @@ impl AfterUnlock {
                             class,
                             ahead,
                             tenant,
+                            more,
                             slot,
                         } = acquire;
                         let answer = slot.await;
-                        shared.answer(group, class, ahead, tenant, answer);
+                        shared.answer(group, class, ahead, tenant, more, answer);
                     });
                 }
                 // Nothing can send it (no runtime): unsent, it holds nothing.
@@ -265,7 +269,7 @@ impl AfterUnlock {
                         tenant,
                         ..
                     } = acquire;
-                    shared.answer(group, class, ahead, tenant, Err(SlotRefusal::Full));
+                    shared.answer(group, class, ahead, tenant, false, Err(SlotRefusal::Full));
                 }
             }
         }
@@ -280,9 +284,9 @@ impl AfterUnlock {
     }
 }
 
-/// Waits while a gated group is blocked for a slot to come free anywhere on the store (a
-/// release announced by another worker, or by another layer on the store), with a jittered
-/// poll as the safety net, and dispatches again. Ends when nothing is blocked.
+/// Waits while a gated group is blocked for a slot to come free anywhere on the store (on
+/// Redis, a release that woke this worker for a tier; in process, any release), with a
+/// jittered poll as the safety net, and dispatches again. Ends when nothing is blocked.
 async fn watch_releases(shared: Arc<Shared>) {
     loop {
         let released = shared.store.slot_released().notified();
@@ -290,27 +294,31 @@ async fn watch_releases(shared: Arc<Shared>) {
         released.as_mut().enable();
         let poll = {
             let mut state = shared.lock();
-            let blocked = state
-                .groups
-                .iter()
-                .any(|g| g.gate.as_ref().is_some_and(Gate::waits));
-            if !blocked {
+            let gates = || state.groups.iter().filter_map(|g| g.gate.as_ref());
+            if !gates().any(Gate::waits) {
                 state.watching = false;
                 return;
             }
+            // Held tenants are not woken one by one: they keep the policy's poll.
+            let held = gates().any(|gate| !gate.held_tenants.is_empty());
             let policy = shared.store.slot_policy();
             let interval = policy.map_or(Duration::from_millis(100), |p| p.poll_interval);
+            let interval = if held {
+                interval
+            } else {
+                shared.store.slot_poll(interval)
+            };
             let seed = policy.and_then(|p| p.seed);
             let rng = state
                 .rng
                 .get_or_insert_with(|| seed.map_or_else(Rng::from_entropy, Rng::seeded));
             interval.mul_f64(0.5 + rng.unit())
         };
-        tokio::select! {
-            _ = released => {}
-            _ = tokio::time::sleep(poll) => {}
-        }
-        shared.slot_freed();
+        let woken = tokio::select! {
+            _ = released => shared.store.take_slot_wakes(),
+            _ = tokio::time::sleep(poll) => None,
+        };
+        shared.slot_freed(woken);
     }
 }
 
@@ -655,13 +663,21 @@ impl Shared {
                             }
                         },
                     };
-                    let Some(gate) = &state.groups[group].gate else {
+                    let g = &state.groups[group];
+                    let Some(gate) = &g.gate else {
                         return;
                     };
-                    let acquire = self.store.try_acquire_slot_for(
+                    // Queued if refused; kept queued after taking the last room if more
+                    // of the group wait than the acquires under way (this one included).
+                    let queue = SlotQueue {
+                        weight: self.weights.of(Some(&gate.tier)),
+                        more: g.scheduler.len() > gate.acquiring + 1,
+                    };
+                    let acquire = self.store.acquire_slot(
                         &gate.tier,
                         tenant.as_ref(),
                         policy.limits(gate.limit),
+                        Some(queue),
                     );
                     match acquire.into_ready() {
                         Ok(Ok(lease)) => Some(lease),
@@ -692,6 +708,7 @@ impl Shared {
                                 class,
                                 ahead,
                                 tenant,
+                                more: queue.more,
                                 slot: pending,
                             });
                             continue;
@@ -844,16 +861,17 @@ impl Shared {
         class: Priority,
         ahead: f64,
         tenant: Option<TenantId>,
+        more: bool,
         answer: Result<SlotLease, SlotRefusal>,
     ) {
         let Some(tenant) = tenant else {
-            return self.slot_answer(group, class, ahead, answer.ok());
+            return self.slot_answer(group, class, ahead, more, answer.ok());
         };
         if !matches!(answer, Err(SlotRefusal::TenantCap)) {
             if let Some(gate) = self.lock().groups[group].gate.as_mut() {
                 Self::acquired_for(gate, &tenant);
             }
-            return self.slot_answer(group, class, ahead, answer.ok());
+            return self.slot_answer(group, class, ahead, more, answer.ok());
         }
         let mut after = AfterUnlock::default();
         let depth = {
@@ -882,12 +900,15 @@ impl Shared {
         }
     }
 
-    /// The answer to an acquire sent by `dispatch` for `group`.
+    /// The answer to an acquire sent by `dispatch` for `group`. A slot that took the last
+    /// room, for an acquire that stayed queued (`more`), blocks the group as a refusal
+    /// would: the next slot comes with a wake-up, not from another try.
     fn slot_answer(
         self: &Arc<Self>,
         group: usize,
         class: Priority,
         ahead: f64,
+        more: bool,
         lease: Option<SlotLease>,
     ) {
         let mut after = AfterUnlock::default();
@@ -897,15 +918,27 @@ impl Shared {
             let g = &mut state.groups[group];
             if let Some(gate) = g.gate.as_mut() {
                 gate.acquiring = gate.acquiring.saturating_sub(1);
-                gate.at_once = match lease {
-                    Some(_) => gate.at_once.saturating_mul(2),
+                // Doubling, but never past the room the caps had left (with the acquires
+                // still under way): on Redis the answer says how much.
+                gate.at_once = match &lease {
+                    Some(lease) => {
+                        let room = usize::try_from(lease.room()).unwrap_or(usize::MAX);
+                        let cap = room.saturating_add(gate.acquiring).max(1);
+                        gate.at_once.saturating_mul(2).min(cap)
+                    }
                     None => 1,
                 };
             }
             // The step charged ahead when the acquire was sent; the dispatch charges its own.
             g.vtime[class as usize] -= ahead;
             match lease {
-                Some(lease) => self.hand_next(&mut state, group, class, Some(lease), &mut after),
+                Some(lease) => {
+                    let last = more && lease.room() == 0;
+                    self.hand_next(&mut state, group, class, Some(lease), &mut after);
+                    if last {
+                        self.block(&mut state, group, &mut after);
+                    }
+                }
                 None => self.block(&mut state, group, &mut after),
             }
             self.dispatch(&mut state, &mut after);
@@ -914,12 +947,30 @@ impl Shared {
         after.run(self, depth);
     }
 
-    /// A slot may have come free: every blocked group tries again, in fair order.
-    fn slot_freed(self: &Arc<Self>) {
+    /// Slots may have come free: for the tiers a release woke this worker for (one acquire
+    /// per wake-up), or, with `None`, for anyone (every blocked group tries again). Then
+    /// dispatch, in fair order.
+    fn slot_freed(self: &Arc<Self>, woken: Option<Vec<Tier>>) {
         let mut after = AfterUnlock::default();
         let depth = {
             let mut state = self.lock();
-            state.unblock_all();
+            match woken {
+                None => state.unblock_all(),
+                Some(tiers) => {
+                    let mut wakes: HashMap<usize, usize> = HashMap::new();
+                    for tier in tiers {
+                        if let Some(&group) = state.by_tier.get(&tier) {
+                            *wakes.entry(group).or_default() += 1;
+                        }
+                    }
+                    for (group, n) in wakes {
+                        if let Some(gate) = state.groups[group].gate.as_mut() {
+                            gate.at_once = if gate.blocked { n } else { gate.at_once.max(n) };
+                            gate.blocked = false;
+                        }
+                    }
+                }
+            }
             self.dispatch(&mut state, &mut after);
             after.depth.map(|p| (p, state.class_len(p)))
         };
@@ -944,9 +995,12 @@ impl Shared {
                 state.groups[group].scheduler.complete(class, tenant);
             }
             if lease.is_some() {
-                // The slot is given back before the next dispatch tries to take one.
+                // The slot is given back before the next dispatch tries to take one. On
+                // Redis the release wakes the worker whose turn it is, maybe this one.
                 drop(lease);
-                state.unblock_all();
+                if !self.store.wakes_one_by_one() {
+                    state.unblock_all();
+                }
             }
             self.dispatch(&mut state, &mut after);
             after.depth.map(|p| (p, state.class_len(p)))

@@ -18,8 +18,15 @@ pub(crate) struct Keys {
     pub(crate) slots_global: String,
     /// `prefix:{slots}:workers`: the workers alive.
     pub(crate) slots_workers: String,
-    /// `prefix:{slots}:released`: the channel releases are announced on.
-    pub(crate) slots_released: String,
+    /// `prefix:{slots}:waits`: the wait book, the caps, weights and virtual times of the
+    /// tiers with a worker queued for a slot.
+    pub(crate) slots_waits: String,
+    /// `prefix:{slots}:promised`: the slots a release woke a worker for, until its acquire
+    /// comes (or a second passes), scored by expiry: nobody else takes them meanwhile.
+    pub(crate) slots_promised: String,
+    /// `prefix:{slots}:wake:`: the prefix of each worker's channel (its id follows), on
+    /// which a release wakes it for a freed slot.
+    pub(crate) slots_wake: String,
     /// `prefix:{slots}:epoch`: the epoch the lease sets count every call in flight for.
     pub(crate) slots_epoch: String,
     /// `prefix:{g}:cooldowns`: the reopen time of every gate.
@@ -44,7 +51,9 @@ impl Keys {
             prefix: prefix.to_owned(),
             slots_global: slots("global"),
             slots_workers: slots("workers"),
-            slots_released: slots("released"),
+            slots_waits: slots("waits"),
+            slots_promised: slots("promised"),
+            slots_wake: slots("wake:"),
             slots_epoch: slots("epoch"),
             cooldowns: format!("{prefix}:{{g}}:cooldowns"),
             cooldowns_channel: format!("{prefix}:cooldowns"),
@@ -82,6 +91,18 @@ impl Keys {
         let mut key = format!("{}:{{slots}}:tier:", self.prefix);
         escape_into(&mut key, tier.as_str());
         key
+    }
+
+    /// `<tier key>:waiting`: the workers queued for a slot of the tier (the release script
+    /// builds the same name).
+    pub(crate) fn tier_queue(tier_key: &str) -> String {
+        format!("{tier_key}:waiting")
+    }
+
+    /// `<tier key>:promised`: the slots of the tier a release woke a worker for (the
+    /// release script builds the same name).
+    pub(crate) fn tier_promised(tier_key: &str) -> String {
+        format!("{tier_key}:promised")
     }
 
     /// `prefix:{slots}:tenant:<escaped tier>:<escaped tenant>` — a tenant's lease set in a
@@ -145,7 +166,9 @@ mod tests {
         let keys = Keys::new("fg").unwrap();
         assert_eq!(keys.slots_global, "fg:{slots}:global");
         assert_eq!(keys.slots_workers, "fg:{slots}:workers");
-        assert_eq!(keys.slots_released, "fg:{slots}:released");
+        assert_eq!(keys.slots_waits, "fg:{slots}:waits");
+        assert_eq!(keys.slots_promised, "fg:{slots}:promised");
+        assert_eq!(keys.slots_wake, "fg:{slots}:wake:");
         assert_eq!(keys.slots_epoch, "fg:{slots}:epoch");
         assert_eq!(
             keys.slots_tier(&crate::Tier::new("a b")),

@@ -60,6 +60,7 @@ pub use self::pacing::{LearnedLimits, PaceLimit};
 #[cfg(feature = "redis")]
 pub use self::redis::RedisStoreError;
 pub use self::served::SERVED_WINDOW;
+pub(crate) use self::slots::SlotQueue;
 pub use self::slots::{SlotLease, SlotLimits, SlotRefusal};
 
 /// One worker's share of a limit that `workers` processes keep alone while Redis is away:
@@ -562,12 +563,26 @@ impl Store {
         tenant: Option<&TenantId>,
         limits: SlotLimits,
     ) -> StoreFuture<Result<SlotLease, SlotRefusal>> {
+        self.acquire_slot(tier, tenant, limits, None)
+    }
+
+    /// As [`try_acquire_slot_for`](Self::try_acquire_slot_for), for a call that waits if
+    /// refused: on Redis, `queue` queues this worker for a wake-up when a slot of the tier
+    /// frees (see [`take_slot_wakes`](Self::take_slot_wakes)).
+    pub(crate) fn acquire_slot(
+        &self,
+        tier: &Tier,
+        tenant: Option<&TenantId>,
+        limits: SlotLimits,
+        queue: Option<SlotQueue>,
+    ) -> StoreFuture<Result<SlotLease, SlotRefusal>> {
         match &*self.backend {
             Backend::Memory(memory) => {
+                let _ = queue; // a local release wakes the local waiters
                 StoreFuture::ready(memory.slots.try_acquire(tier, tenant, limits))
             }
             #[cfg(feature = "redis")]
-            Backend::Redis(redis) => redis.try_acquire_slot(tier, tenant, limits),
+            Backend::Redis(redis) => redis.try_acquire_slot(tier, tenant, limits, queue),
         }
     }
 
@@ -587,6 +602,53 @@ impl Store {
             Backend::Memory(_) => 1,
             #[cfg(feature = "redis")]
             Backend::Redis(redis) => redis.alive_workers(),
+        }
+    }
+
+    /// The tiers a release woke this worker for since the last call, one entry per freed
+    /// slot; `None` when every waiter should try again (the memory store, a slot freed here
+    /// while this worker keeps to its own share, Redis back from an outage, a wake-up that
+    /// may have been lost).
+    pub(crate) fn take_slot_wakes(&self) -> Option<Vec<Tier>> {
+        match &*self.backend {
+            Backend::Memory(_) => None,
+            #[cfg(feature = "redis")]
+            Backend::Redis(redis) => redis.take_slot_wakes(),
+        }
+    }
+
+    /// What a waiter of `tier` waits on when freed slots wake one worker each (Redis, up);
+    /// `None`: wait on [`slot_released`](Self::slot_released).
+    pub(crate) fn slot_wake(&self, tier: &Tier) -> Option<Arc<tokio::sync::Notify>> {
+        match &*self.backend {
+            Backend::Memory(_) => {
+                let _ = tier;
+                None
+            }
+            #[cfg(feature = "redis")]
+            Backend::Redis(redis) => redis.slot_wake(tier),
+        }
+    }
+
+    /// Whether a freed slot wakes one queued worker (Redis, up, with this worker's calls all
+    /// counted there) rather than every local waiter (the memory store, or a Redis store
+    /// keeping to its own share): then a slot given back here wakes nobody here directly.
+    pub(crate) fn wakes_one_by_one(&self) -> bool {
+        match &*self.backend {
+            Backend::Memory(_) => false,
+            #[cfg(feature = "redis")]
+            Backend::Redis(redis) => redis.wakes_one_by_one(),
+        }
+    }
+
+    /// How often a slot waiter polls, for a policy's `poll_interval`: ten times less often
+    /// while freed slots wake waiters one by one, where the poll is only the safety net for
+    /// a lost wake-up or an expired lease.
+    pub(crate) fn slot_poll(&self, interval: Duration) -> Duration {
+        if self.wakes_one_by_one() {
+            interval.saturating_mul(10)
+        } else {
+            interval
         }
     }
 

@@ -39,6 +39,7 @@ mod pacing;
 mod pubsub;
 mod served;
 mod slots;
+mod wakes;
 
 use self::conn::{Conn, Refusal, Target};
 pub(crate) use self::slots::RedisLease;
@@ -132,6 +133,8 @@ pub(crate) struct RedisStore {
     scripts: Scripts,
     slot_scripts: SlotScripts,
     slots: SlotState,
+    /// Wake-ups for freed slots, one per slot (`redis/wakes.rs`).
+    wakes: wakes::Wakes,
     pub(super) opts: RedisOptions,
     throttle_window_ms: u64,
     pub(super) fallback: MemoryState,
@@ -341,6 +344,7 @@ impl StoreBuilder {
             scripts: Scripts::new(),
             slot_scripts: SlotScripts::new(),
             slots: SlotState::new(opts.expected_workers),
+            wakes: wakes::Wakes::default(),
             throttle_window_ms: duration_ms(self.throttle_window),
             fallback: MemoryState::new(self.throttle_window, false),
             degraded: AtomicBool::new(false),
@@ -443,7 +447,7 @@ async fn background(store: Weak<RedisStore>, wake: Arc<Notify>) {
                     redis.recover();
                 }
                 redis.slots.recovering.store(false, Ordering::Release);
-                redis.fallback.slots.released.notify_waiters();
+                redis.wake_everyone();
                 if resynced {
                     redis.flush_pending(false).await;
                 }

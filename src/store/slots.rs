@@ -54,6 +54,18 @@ impl SlotLimits {
     }
 }
 
+/// How an acquire made for a call that will wait if refused queues for a freed slot on
+/// Redis: refused, the worker is queued in the tier's wait queue, and a release wakes it
+/// alone (the memory store ignores it: its releases wake the local waiters directly).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct SlotQueue {
+    /// The tier's weight, for the fleet's start-time fair queuing between tiers.
+    pub(crate) weight: u32,
+    /// More calls of the tier wait behind this one here: granted the last room, the worker
+    /// stays queued.
+    pub(crate) more: bool,
+}
+
 /// A held slot. Dropping it gives the slot back (on Redis: at once by a best-effort
 /// release, at the latest when the lease expires).
 #[must_use = "dropping the lease gives the slot back at once"]
@@ -63,6 +75,9 @@ pub struct SlotLease {
     tenant: Option<TenantId>,
     holder: Holder,
     fallback: bool,
+    /// How many more calls the caps had room for when this slot was taken (Redis: as the
+    /// acquire script saw them; elsewhere not known: `u32::MAX`).
+    room: u32,
 }
 
 pub(crate) enum Holder {
@@ -78,7 +93,21 @@ impl SlotLease {
             tenant,
             holder,
             fallback: false,
+            room: u32::MAX,
         }
+    }
+
+    /// Records how many more calls the caps had room for when this slot was taken.
+    #[cfg_attr(not(feature = "redis"), allow(dead_code))]
+    pub(crate) fn with_room(mut self, room: u32) -> Self {
+        self.room = room;
+        self
+    }
+
+    /// How many more calls could have had a slot when this one was taken: 0 when it took
+    /// the last (Redis), so the next call waits for a wake-up instead of trying.
+    pub(crate) fn room(&self) -> u32 {
+        self.room
     }
 
     /// Marks a local lease taken because Redis was away.

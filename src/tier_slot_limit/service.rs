@@ -98,9 +98,10 @@ where
         };
         let mut first_try = None;
         if turn.is_some() {
+            let queue = shared.queue(limit, state.waiting());
             match shared
                 .store
-                .try_acquire_slot_for(&tier, tenant.as_ref(), shared.limits(limit))
+                .acquire_slot(&tier, tenant.as_ref(), shared.limits(limit), queue)
                 .into_ready()
             {
                 Ok(Ok(lease)) => {

@@ -2,7 +2,7 @@
 
 use std::collections::{HashMap, HashSet};
 use std::fmt;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -12,7 +12,7 @@ use tokio::time::{Instant, sleep_until};
 use super::{Busy, SlotPolicy, TierLimit};
 use crate::admission::SlowWait;
 use crate::rng::Rng;
-use crate::store::{SlotLease, SlotLimits, SlotRefusal, Store, StoreFuture};
+use crate::store::{SlotLease, SlotLimits, SlotQueue, SlotRefusal, Store, StoreFuture};
 use crate::sync::lock;
 use crate::{TenantId, Tier, metrics};
 
@@ -41,6 +41,9 @@ pub(super) struct TierState {
     pub(super) turnstile: Arc<Semaphore>,
     /// Requests of this tier waiting here now.
     waiting: AtomicUsize,
+    /// The last slot taken here took the last room and left this worker queued for a
+    /// wake-up (Redis): the next waiter waits for it instead of trying.
+    full: AtomicBool,
     /// Moving average of how long a slot is held, in nanoseconds (0: not seen yet).
     avg_hold_ns: AtomicU64,
     /// With a tenant cap: one line per tenant with requests trying or waiting here (see
@@ -53,9 +56,15 @@ impl TierState {
         TierState {
             turnstile: Arc::new(Semaphore::new(1)),
             waiting: AtomicUsize::new(0),
+            full: AtomicBool::new(false),
             avg_hold_ns: AtomicU64::new(0),
             tenants: Mutex::new(HashMap::new()),
         }
+    }
+
+    /// Requests of this tier waiting here now.
+    pub(super) fn waiting(&self) -> usize {
+        self.waiting.load(Ordering::Relaxed)
     }
 
     /// A place in `tenant`'s line (not its turn yet).
@@ -180,10 +189,32 @@ impl Shared {
         expected > limit.max_wait
     }
 
-    /// A poll interval jittered by +/-50%, so waiters across workers do not poll in step.
-    fn poll_interval(&self) -> Duration {
+    /// A poll interval jittered by +/-50%, so waiters across workers do not poll in step:
+    /// the policy's, or the store's longer one while freed slots wake waiters one by one
+    /// (not for a tenant over its own cap, who is not woken that way).
+    fn poll_interval(&self, tenant_capped: bool) -> Duration {
         let unit = lock(&self.rng).unit();
-        self.policy.poll_interval.mul_f64(0.5 + unit)
+        let interval = match tenant_capped {
+            true => self.policy.poll_interval,
+            false => self.store.slot_poll(self.policy.poll_interval),
+        };
+        interval.mul_f64(0.5 + unit)
+    }
+
+    /// How an acquire for a call that waits if refused queues on Redis (none for a tier
+    /// that fails fast: its refused calls do not wait). `others` of its tier wait here.
+    pub(super) fn queue(&self, limit: TierLimit, others: usize) -> Option<SlotQueue> {
+        (!limit.max_wait.is_zero()).then_some(SlotQueue {
+            weight: 1,
+            more: others > 0,
+        })
+    }
+
+    /// Takes `lease` as the slot of a waiting call; remembers whether it took the last
+    /// room while this worker stayed queued (`more`).
+    fn granted(&self, state: &TierState, lease: &SlotLease, queue: Option<SlotQueue>) {
+        let last = lease.room() == 0 && queue.is_some_and(|q| q.more);
+        state.full.store(last, Ordering::Relaxed);
     }
 }
 
@@ -341,29 +372,43 @@ pub(super) async fn wait_for_slot(
         loop {
             // Registered before trying, so a release between the try and the wait is not
             // missed (an acquire does nothing until polled, so this holds for `first_try`
-            // too).
-            let released = shared.store.slot_released().notified();
+            // too). While freed slots wake workers one by one, a wake-up for this tier.
+            let woken = shared.store.slot_wake(&tier);
+            let released = match &woken {
+                Some(woken) => woken.notified(),
+                None => shared.store.slot_released().notified(),
+            };
             tokio::pin!(released);
             released.as_mut().enable();
-            let acquire = first_try
-                .take()
-                .unwrap_or_else(|| shared.store.try_acquire_slot_for(&tier, asking, limits));
-            let refusal = match acquire.await {
-                Ok(lease) => {
-                    metrics::slot_wait(&tier, started.elapsed());
-                    return Ok(SlotPermit::new(lease, state.clone()));
+            // The last slot here took the last room: the next comes with a wake-up.
+            let full = woken.is_some() && state.full.swap(false, Ordering::Relaxed);
+            let refusal = if full && first_try.is_none() {
+                SlotRefusal::Full
+            } else {
+                let others = state.waiting.load(Ordering::Relaxed).saturating_sub(1);
+                let queue = shared.queue(limit, others);
+                let acquire = first_try
+                    .take()
+                    .unwrap_or_else(|| shared.store.acquire_slot(&tier, asking, limits, queue));
+                match acquire.await {
+                    Ok(lease) => {
+                        shared.granted(&state, &lease, queue);
+                        metrics::slot_wait(&tier, started.elapsed());
+                        return Ok(SlotPermit::new(lease, state.clone()));
+                    }
+                    Err(refusal) => refusal,
                 }
-                Err(refusal) => refusal,
             };
             let now = Instant::now();
             if now >= deadline {
                 return Err(busy());
             }
-            let mut wake = deadline.min(crate::time::after(now, shared.poll_interval()));
+            let apart = refusal == SlotRefusal::TenantCap;
+            let poll = shared.poll_interval(apart);
+            let mut wake = deadline.min(crate::time::after(now, poll));
             if let Some(at) = slow.next() {
                 wake = wake.min(at.max(now));
             }
-            let apart = refusal == SlotRefusal::TenantCap;
             if apart {
                 // Over its own cap: the tier's other tenants go on meanwhile.
                 holding = None;

@@ -701,6 +701,17 @@ impl RedisCluster {
             .unwrap_or(0)
     }
 
+    /// The sharded channels matching `pattern` with a subscriber, on the master of the
+    /// shard that owns `key`.
+    pub fn shard_channels(&self, key: &str, pattern: &str) -> Vec<String> {
+        let reply = self.cli_on(self.master_of(key), &["PUBSUB", "SHARDCHANNELS", pattern]);
+        reply
+            .lines()
+            .map(str::to_owned)
+            .filter(|l| !l.is_empty())
+            .collect()
+    }
+
     /// The ports of the live replicas of the master on `port`.
     pub fn replicas_of(&self, port: u16) -> Vec<u16> {
         let topology = self.topology();

@@ -1,19 +1,19 @@
-//! The pub/sub feeds a Redis store listens to, on **one** connection per store: slot
-//! releases (wake this worker's waiters) and cooldown gate moves (keep the local gate copy
-//! current). The listener subscribes to both, catches up on what it may have missed,
+//! The pub/sub feeds a Redis store listens to, on **one** connection per store: wake-ups
+//! for freed slots (on this worker's own channel: a release picked it, `redis/wakes.rs`)
+//! and cooldown gate moves (keep the local gate copy current). The listener subscribes to both, catches up on what it may have missed,
 //! applies every message, and subscribes again when the connection is lost or when the
 //! store comes back from an outage (a connection that lived through it may be half-open and
 //! silent, or, on a cluster, point at a master that is gone).
 //!
 //! - **One node**: a RESP2 pub/sub connection, `SUBSCRIBE` to both channels.
 //! - **Cluster**: a cluster connection in RESP3 (the only way the cluster client delivers
-//!   messages), `SSUBSCRIBE` to the release channel (sharded pub/sub, Redis 7: it shares the
+//!   messages), `SSUBSCRIBE` to the wake channel (sharded pub/sub, Redis 7: it shares the
 //!   `{slots}` hash tag, so the release script `SPUBLISH`es it on the shard that owns the
 //!   slot keys and only that shard carries it) and `SUBSCRIBE` to the cooldown channel
 //!   (rare messages, broadcast over the cluster bus). The cluster client resubscribes by
 //!   itself after a reconnect; each (re)subscription it confirms is a catch-up here too.
 
-use std::sync::Weak;
+use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use futures_util::StreamExt;
@@ -28,16 +28,18 @@ const LIVENESS: Duration = Duration::from_millis(500);
 /// What a message is about.
 #[derive(Clone, Copy, Debug)]
 enum Feed {
-    /// Slots released by any worker.
-    SlotReleases,
+    /// A release woke this worker for a freed slot.
+    SlotWakes,
     /// Cooldown gates moved by any worker.
     CooldownMoves,
 }
 
 impl Feed {
     fn of(redis: &RedisStore, channel: &[u8]) -> Option<Feed> {
-        if channel == redis.keys.slots_released.as_bytes() {
-            Some(Feed::SlotReleases)
+        if channel.strip_prefix(redis.keys.slots_wake.as_bytes())
+            == Some(redis.worker_id.as_bytes())
+        {
+            Some(Feed::SlotWakes)
         } else if channel == redis.keys.cooldowns_channel.as_bytes() {
             Some(Feed::CooldownMoves)
         } else {
@@ -49,15 +51,15 @@ impl Feed {
     /// may have been missed.
     async fn catch_up(self, redis: &RedisStore) {
         match self {
-            // A missed release: let the waiters try again now rather than at their poll.
-            Feed::SlotReleases => redis.fallback.slots.released.notify_waiters(),
+            // A missed wake-up: let the waiters try again now rather than at their poll.
+            Feed::SlotWakes => redis.wake_everyone(),
             Feed::CooldownMoves => redis.resync_cooldowns().await,
         }
     }
 
-    fn apply(self, redis: &RedisStore, payload: &[u8]) {
+    fn apply(self, redis: &Arc<RedisStore>, payload: &[u8]) {
         match self {
-            Feed::SlotReleases => redis.fallback.slots.released.notify_waiters(),
+            Feed::SlotWakes => redis.wake_arrived(payload),
             Feed::CooldownMoves => redis.apply_cooldown_message(payload),
         }
     }
@@ -78,7 +80,7 @@ pub(super) async fn listen(store: Weak<RedisStore>) {
         let Some(redis) = store.upgrade() else { return };
         let target = redis.target.clone();
         let channels = [
-            redis.keys.slots_released.clone(),
+            format!("{}{}", redis.keys.slots_wake, redis.worker_id),
             redis.keys.cooldowns_channel.clone(),
         ];
         // Subscribing opens a connection of its own: a few operations' worth of time.
@@ -93,7 +95,7 @@ pub(super) async fn listen(store: Weak<RedisStore>) {
             // Subscribed first, caught up second: anything in between arrives as a message.
             match store.upgrade() {
                 Some(redis) => {
-                    Feed::SlotReleases.catch_up(&redis).await;
+                    Feed::SlotWakes.catch_up(&redis).await;
                     Feed::CooldownMoves.catch_up(&redis).await;
                 }
                 None => return,
@@ -179,13 +181,13 @@ impl Events {
 
 async fn subscribe(
     target: &Target,
-    [released, cooldowns]: &[String; 2],
+    [wakes, cooldowns]: &[String; 2],
     op_timeout: Duration,
 ) -> redis::RedisResult<Events> {
     match target {
         Target::Node(client) => {
             let mut pubsub = client.get_async_pubsub().await?;
-            pubsub.subscribe(&[released, cooldowns]).await?;
+            pubsub.subscribe(&[wakes, cooldowns]).await?;
             Ok(Events::Node(pubsub.into_on_message()))
         }
         Target::Cluster { .. } => {
@@ -196,7 +198,7 @@ async fn subscribe(
                 .set_response_timeout(op_timeout)
                 .set_push_sender(tx);
             let mut conn = client.get_async_connection_with_config(config).await?;
-            conn.ssubscribe(released).await?;
+            conn.ssubscribe(wakes).await?;
             conn.subscribe(cooldowns).await?;
             Ok(Events::Cluster {
                 _conn: conn,

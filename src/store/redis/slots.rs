@@ -38,7 +38,8 @@ use tokio::time::Instant;
 
 use super::{RedisStore, duration_ms, lock};
 use crate::store::StoreFuture;
-use crate::store::slots::{Holder, SlotLease, SlotLimits, SlotRefusal};
+use crate::store::keys::Keys;
+use crate::store::slots::{Holder, SlotLease, SlotLimits, SlotQueue, SlotRefusal};
 use crate::{TenantId, Tier};
 
 /// How often a worker says it is alive, and how long that lasts.
@@ -335,7 +336,7 @@ impl RedisLease {
         let held = lock(&self.store.slots.held).remove(&self.id);
         if held.as_ref().is_some_and(|h| h.counted == Counted::Local) {
             // Never put in Redis (a resync on the way finds it gone and releases it).
-            self.store.fallback.slots.released.notify_waiters();
+            self.store.wake_everyone();
             return;
         }
         let keys = &self.store.keys;
@@ -374,11 +375,15 @@ impl RedisStore {
     ///
     /// With a tenant cap and a tenant, the tenant's lease set and cap follow the script's
     /// other keys and arguments; without, the script is sent exactly as before.
+    ///
+    /// With `queue`, a refusal for a full tier queues this worker for a wake-up
+    /// (`redis/wakes.rs`).
     pub(crate) fn try_acquire_slot(
         self: &Arc<Self>,
         tier: &Tier,
         tenant: Option<&TenantId>,
         limits: SlotLimits,
+        queue: Option<SlotQueue>,
     ) -> StoreFuture<Result<SlotLease, SlotRefusal>> {
         let tenant = limits.tenant.and(tenant);
         if self.is_degraded() {
@@ -391,6 +396,13 @@ impl RedisStore {
             let id = this.lease_id();
             let tier_key = this.keys.slots_tier(&tier);
             let tenant_key = tenant.as_ref().map(|t| this.keys.slots_tenant(&tier, t));
+            if queue.is_some() {
+                this.wakes.queueing(&tier_key, &tier);
+            }
+            let (mode, weight) = match queue {
+                None => ("0", 1),
+                Some(SlotQueue { weight, more }) => (if more { "2" } else { "1" }, weight),
+            };
             let mut resynced = false;
             loop {
                 this.reserve(&id, &tier_key, tenant_key.as_deref(), limits)?;
@@ -401,18 +413,27 @@ impl RedisStore {
                 };
                 let epoch = lock(&this.slots.epoch).clone();
                 let mut conn = this.conn.clone();
+                // The wake-up this acquire answers, if any.
+                let token = this.wakes.answer(&tier_key).unwrap_or_default();
                 let mut acquire = this.slot_scripts.acquire.prepare_invoke();
                 acquire
                     .key(&this.keys.slots_global)
                     .key(&tier_key)
                     .key(&this.keys.slots_workers)
                     .key(&this.keys.slots_epoch)
+                    .key(&this.keys.slots_waits)
+                    .key(Keys::tier_queue(&tier_key))
+                    .key(&this.keys.slots_promised)
+                    .key(Keys::tier_promised(&tier_key))
                     .arg(limits.global)
                     .arg(limits.tier)
                     .arg(duration_ms(limits.lease_ttl))
                     .arg(&id)
                     .arg(&this.worker_id)
-                    .arg(epoch.as_deref().unwrap_or(""));
+                    .arg(epoch.as_deref().unwrap_or(""))
+                    .arg(mode)
+                    .arg(weight)
+                    .arg(&token);
                 if let (Some(key), Some(cap)) = (&tenant_key, limits.tenant) {
                     acquire.key(key).arg(cap);
                 }
@@ -430,6 +451,10 @@ impl RedisStore {
                     Some(2) => SlotRefusal::TenantCap,
                     _ => SlotRefusal::Full,
                 };
+                let room = answer
+                    .as_deref()
+                    .and_then(|a| a.get(4))
+                    .map_or(u32::MAX, |&n| count(n));
                 unclaimed.claim();
                 if status < 0 {
                     // Nothing was taken: this worker's calls are not all counted.
@@ -463,7 +488,8 @@ impl RedisStore {
                     store: this.clone(),
                     id,
                 };
-                return Ok(SlotLease::new(tier, tenant, Holder::Redis(lease)));
+                let lease = SlotLease::new(tier, tenant, Holder::Redis(lease));
+                return Ok(lease.with_room(room));
             }
         })
     }
@@ -608,38 +634,111 @@ impl RedisStore {
         true
     }
 
+    /// The release script for `id` of `tier_key`, or ('' and the wake's token) to pass a
+    /// wake-up on: it wakes one queued worker for the freed slot, maybe this one.
+    fn release_call(&self, id: &str, tier_key: &str, token: &str) -> redis::ScriptInvocation<'_> {
+        let mut release = self.slot_scripts.release.prepare_invoke();
+        release
+            .key(&self.keys.slots_global)
+            .key(tier_key)
+            .key(&self.keys.slots_waits)
+            .key(&self.keys.slots_promised)
+            .arg(id)
+            .arg(&self.keys.slots_wake)
+            .arg(if self.target.is_cluster() {
+                "SPUBLISH"
+            } else {
+                "PUBLISH"
+            })
+            .arg(token);
+        release
+    }
+
     /// Releases leases in Redis (one script each, pipelined), keeping for later those Redis
-    /// did not take, then wakes this worker's waiters.
+    /// did not take. Each release wakes one queued worker; while this worker keeps to its
+    /// own share (Redis away, or settling after it was), its own waiters try again too.
     async fn release_leases(&self, leases: Vec<(String, String)>) {
         if self.is_degraded() {
             lock(&self.slots.unreleased).extend(leases);
         } else {
             let calls = leases.iter().map(|(id, tier_key)| {
                 let mut conn = self.conn.clone();
-                let mut release = self.slot_scripts.release.prepare_invoke();
-                release
-                    .key(&self.keys.slots_global)
-                    .key(tier_key)
-                    .arg(id)
-                    .arg(&self.keys.slots_released)
-                    .arg(if self.target.is_cluster() {
-                        "SPUBLISH"
-                    } else {
-                        "PUBLISH"
-                    });
-                async move { release.invoke_async::<u32>(&mut conn).await.is_ok() }
+                let release = self.release_call(id, tier_key, "");
+                async move { release.invoke_async::<Vec<i64>>(&mut conn).await.ok() }
             });
             let all = async { Ok(futures_util::future::join_all(calls).await) };
             let done = self.guard(all).await.unwrap_or_default();
+            let global = done.iter().flatten().filter_map(|a| a.get(1)).last();
+            if let Some(&global) = global
+                && !self.slots.restricted(self.is_degraded())
+            {
+                self.slots.saw(u32::try_from(global).unwrap_or(0), None);
+            }
             let mut unreleased = lock(&self.slots.unreleased);
             for (i, lease) in leases.into_iter().enumerate() {
-                if !done.get(i).copied().unwrap_or(false) {
+                if done.get(i).is_none_or(Option::is_none) {
                     unreleased.push(lease);
                 }
             }
         }
-        // Local waiters first: they need not wait for the announcement to come back.
+        if self.is_degraded() || self.slots.restricted(false) {
+            self.wake_everyone();
+        }
+    }
+
+    /// A release woke this worker (`payload`: the tier key and the wake's token): count it
+    /// for that tier's waiters, and pass it on if no acquire of the tier answers it in time.
+    pub(super) fn wake_arrived(self: &Arc<Self>, payload: &[u8]) {
+        let Some((tier_key, token)) = std::str::from_utf8(payload)
+            .ok()
+            .and_then(|p| p.split_once('\n'))
+        else {
+            return;
+        };
+        let (tier_key, token) = (tier_key.to_owned(), token.to_owned());
+        let counted = self.wakes.woken(&tier_key, &token);
+        if counted {
+            self.fallback.slots.released.notify_waiters();
+        }
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let this = self.clone();
+        runtime.spawn(async move {
+            if counted {
+                tokio::time::sleep(super::wakes::PASS_AFTER).await;
+                if !this.wakes.unanswered(&tier_key, &token) {
+                    return;
+                }
+            }
+            let mut conn = this.conn.clone();
+            let pass = this.release_call("", &tier_key, &token);
+            let _ = this.guard(pass.invoke_async::<Vec<i64>>(&mut conn)).await;
+        });
+    }
+
+    /// Every waiter of this worker tries again (see `redis/wakes.rs`).
+    pub(super) fn wake_everyone(&self) {
+        self.wakes.everyone();
         self.fallback.slots.released.notify_waiters();
+    }
+
+    pub(crate) fn take_slot_wakes(&self) -> Option<Vec<Tier>> {
+        self.wakes.take()
+    }
+
+    /// What a waiter of `tier` waits on while releases wake workers one by one; `None`
+    /// while this worker keeps to its own share (its waiters wait for any release).
+    pub(crate) fn slot_wake(&self, tier: &Tier) -> Option<Arc<tokio::sync::Notify>> {
+        self.wakes_one_by_one()
+            .then(|| self.wakes.notify_for(&self.keys.slots_tier(tier)))
+    }
+
+    /// Whether a freed slot wakes one queued worker (Redis answers, and this worker's
+    /// calls are all counted there) rather than this worker's waiters trying on any
+    /// release.
+    pub(crate) fn wakes_one_by_one(&self) -> bool {
+        !self.slots.restricted(self.is_degraded())
     }
 
     /// Retries the releases that could not be made when they happened.

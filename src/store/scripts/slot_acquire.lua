@@ -5,37 +5,71 @@
 -- that says so is gone (no epoch key, another epoch than the worker's, or no live record of
 -- the worker: Redis was wiped or restarted, or the worker was away), nothing is taken and
 -- the worker is told to resync first.
--- KEYS[1] global lease set, KEYS[2] tier lease set, KEYS[3] worker set, KEYS[4] epoch key
+-- A worker whose call waits for a full tier queues itself in the tier's wait queue (one
+-- entry per worker, the oldest first); slot_release.lua wakes the head when a slot frees.
+-- A slot a release woke a worker for is promised to it for a second: counted against the
+-- global and the tier cap for everyone else until its acquire, which names the wake's
+-- token, comes.
+-- KEYS[1] global lease set, KEYS[2] tier lease set, KEYS[3] worker set, KEYS[4] epoch key,
+-- KEYS[5] wait book (hash: the caps and weights of the queued tiers), KEYS[6] the tier's
+-- wait queue, KEYS[7] the promised slots (tokens scored by expiry), KEYS[8] the tier's
+-- promised slots
 -- ARGV[1] global cap, ARGV[2] tier cap, ARGV[3] lease TTL in ms, ARGV[4] lease id,
--- ARGV[5] worker id, ARGV[6] the epoch the worker synced to
+-- ARGV[5] worker id, ARGV[6] the epoch the worker synced to, ARGV[7] queueing: '0' never,
+-- '1' when refused, '2' when refused and, after a grant that leaves no room, again (more
+-- calls of the tier wait behind this one), ARGV[8] the tier's weight, ARGV[9] the token of
+-- the wake-up this acquire answers, or ''
 -- With a tenant cap (absent otherwise: then nothing is counted per tenant):
--- KEYS[5] the tenant's lease set in this tier, ARGV[7] the tenant cap
--- Returns {status, global count, tier count, reason}: status 1 when the lease was taken, 0
--- when a cap is reached, -1 when the worker must resync; reason (with status 0) 1 when the
--- global or tier cap is reached, 2 when only the tenant's own cap is.
+-- KEYS[9] the tenant's lease set in this tier, ARGV[10] the tenant cap
+-- Returns {status, global count, tier count, reason, room} (counting the promised slots):
+-- status 1 when the lease was taken, 0 when a cap is reached, -1 when the worker must
+-- resync; reason (with status 0) 1 when the global or tier cap is reached, 2 when only the
+-- tenant's own cap is; room (with status 1) how many more calls the global and tier caps
+-- have room for.
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local record = redis.call('ZSCORE', KEYS[3], ARGV[5])
 if redis.call('GET', KEYS[4]) ~= ARGV[6] or not record or tonumber(record) <= now then
   return {-1, 0, 0}
 end
+local function queue()
+  redis.call('ZADD', KEYS[6], 'NX', now, ARGV[5])
+  redis.call('HSET', KEYS[5], 'global', ARGV[1], 'c:' .. KEYS[2], ARGV[2], 'w:' .. KEYS[2], ARGV[8])
+end
+if ARGV[9] ~= '' then
+  redis.call('ZREM', KEYS[7], ARGV[9])
+  redis.call('ZREM', KEYS[8], ARGV[9])
+end
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
 redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now)
-local global = redis.call('ZCARD', KEYS[1])
-local tier = redis.call('ZCARD', KEYS[2])
+redis.call('ZREMRANGEBYSCORE', KEYS[7], '-inf', now)
+redis.call('ZREMRANGEBYSCORE', KEYS[8], '-inf', now)
+local global = redis.call('ZCARD', KEYS[1]) + redis.call('ZCARD', KEYS[7])
+local tier = redis.call('ZCARD', KEYS[2]) + redis.call('ZCARD', KEYS[8])
 if global >= tonumber(ARGV[1]) or tier >= tonumber(ARGV[2]) then
+  if ARGV[7] ~= '0' then
+    queue()
+  end
   return {0, global, tier, 1}
 end
-if KEYS[5] then
-  redis.call('ZREMRANGEBYSCORE', KEYS[5], '-inf', now)
-  if redis.call('ZCARD', KEYS[5]) >= tonumber(ARGV[7]) then
+if KEYS[9] then
+  redis.call('ZREMRANGEBYSCORE', KEYS[9], '-inf', now)
+  if redis.call('ZCARD', KEYS[9]) >= tonumber(ARGV[10]) then
     return {0, global, tier, 2}
   end
 end
 local expiry = now + tonumber(ARGV[3])
 redis.call('ZADD', KEYS[1], expiry, ARGV[4])
 redis.call('ZADD', KEYS[2], expiry, ARGV[4])
-if KEYS[5] then
-  redis.call('ZADD', KEYS[5], expiry, ARGV[4])
+if KEYS[9] then
+  redis.call('ZADD', KEYS[9], expiry, ARGV[4])
 end
-return {1, global + 1, tier + 1}
+local room = math.min(tonumber(ARGV[1]) - global, tonumber(ARGV[2]) - tier) - 1
+if ARGV[7] ~= '0' then
+  -- Served: to the back of the queue if more of its calls wait and none can follow now.
+  redis.call('ZREM', KEYS[6], ARGV[5])
+  if ARGV[7] == '2' and room <= 0 then
+    queue()
+  end
+end
+return {1, global + 1, tier + 1, 0, math.max(room, 0)}

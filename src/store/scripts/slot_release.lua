@@ -1,11 +1,77 @@
--- Gives a slot lease back and tells every worker's waiters that a slot is free.
--- KEYS[1] global lease set, KEYS[2] tier lease set
--- ARGV[1] lease id, ARGV[2] release channel, ARGV[3] 'PUBLISH' (one node) or 'SPUBLISH'
--- (a cluster: sharded pub/sub; the channel shares the lease sets' hash tag, so it belongs
--- to this shard)
-local removed = redis.call('ZREM', KEYS[1], ARGV[1])
-redis.call('ZREM', KEYS[2], ARGV[1])
-if removed == 1 then
-  redis.call(ARGV[3], ARGV[2], '1')
+-- Gives a slot lease back and wakes one waiting worker for the slot: of the tiers with a
+-- queued worker and room under their cap, the one whose turn it is by start-time fair
+-- queuing on the tiers' weights (a tier that starts waiting starts at the current virtual
+-- time, so a flood queued before it cannot hold it back), and in that tier the worker
+-- queued longest. The worker is popped and told on its own channel; one no longer listening
+-- (gone) is skipped. The message is the tier key and a token; the slot is promised to the
+-- worker (see slot_acquire.lua) until its acquire names the token, for a second at most.
+-- With no lease id, only wakes: a woken worker whose calls had gone passes the slot on,
+-- naming the token it got.
+-- KEYS[1] global lease set, KEYS[2] tier lease set, KEYS[3] wait book (slot_acquire.lua),
+-- KEYS[4] the promised slots (each also in `<tier key>:promised`)
+-- ARGV[1] lease id or '', ARGV[2] the wake channels' prefix (the worker id follows),
+-- ARGV[3] 'PUBLISH' (one node) or 'SPUBLISH' (a cluster: sharded pub/sub; the channels
+-- share the lease sets' hash tag, so they belong to this shard), ARGV[4] the token passed
+-- on, or ''
+-- Returns {removed, global count, tier count}.
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local removed = 0
+if ARGV[1] ~= '' then
+  removed = redis.call('ZREM', KEYS[1], ARGV[1])
+  redis.call('ZREM', KEYS[2], ARGV[1])
 end
-return removed
+if ARGV[4] ~= '' then
+  redis.call('ZREM', KEYS[4], ARGV[4])
+  redis.call('ZREM', KEYS[2] .. ':promised', ARGV[4])
+end
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now)
+redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', now)
+local global = redis.call('ZCARD', KEYS[1])
+local tier = redis.call('ZCARD', KEYS[2])
+local book = KEYS[3]
+local gcap = tonumber(redis.call('HGET', book, 'global') or '0')
+if (removed == 1 or ARGV[1] == '') and global + redis.call('ZCARD', KEYS[4]) < gcap then
+  local v = tonumber(redis.call('HGET', book, 'v') or '0')
+  for _ = 1, 16 do
+    local best, best_start, best_finish, best_head
+    for _, field in ipairs(redis.call('HKEYS', book)) do
+      if string.sub(field, 1, 2) == 'c:' then
+        local key = string.sub(field, 3)
+        local head = redis.call('ZRANGE', key .. ':waiting', 0, 0, 'WITHSCORES')
+        if #head == 0 then
+          redis.call('HDEL', book, field, 'w:' .. key, 'v:' .. key)
+        else
+          redis.call('ZREMRANGEBYSCORE', key, '-inf', now)
+          redis.call('ZREMRANGEBYSCORE', key .. ':promised', '-inf', now)
+          local held = redis.call('ZCARD', key) + redis.call('ZCARD', key .. ':promised')
+          if held < tonumber(redis.call('HGET', book, field)) then
+            local weight = tonumber(redis.call('HGET', book, 'w:' .. key) or '1')
+            if not weight or weight <= 0 then
+              weight = 1
+            end
+            local start = math.max(tonumber(redis.call('HGET', book, 'v:' .. key) or '0'), v)
+            local finish = start + 1 / weight
+            local at = tonumber(head[2])
+            if not best or finish < best_finish or (finish == best_finish and at < best_head) then
+              best, best_start, best_finish, best_head = key, start, finish, at
+            end
+          end
+        end
+      end
+    end
+    if not best then
+      break
+    end
+    local popped = redis.call('ZPOPMIN', best .. ':waiting')
+    local token = tostring(redis.call('HINCRBY', book, 'token', 1))
+    if redis.call(ARGV[3], ARGV[2] .. popped[1], best .. '\n' .. token) > 0 then
+      redis.call('ZADD', KEYS[4], now + 1000, token)
+      redis.call('ZADD', best .. ':promised', now + 1000, token)
+      redis.call('HSET', book, 'v:' .. best, tostring(best_finish), 'v', tostring(best_start))
+      break
+    end
+  end
+end
+return {removed, global, tier}

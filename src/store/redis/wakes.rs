@@ -1,0 +1,136 @@
+//! One wake-up per freed slot: this worker's side.
+//!
+//! A call refused for a full tier queues its worker in the tier's wait queue in Redis (the
+//! acquire script does it, in the same call). A release hands the freed slot's turn to one
+//! queued worker of the whole fleet and tells it alone, on its own channel, which tier
+//! woke it (`slot_release.lua`), with a token: until an acquire names it (for a second at
+//! most) the slot is promised to this worker, so nobody else takes it meanwhile. Here the
+//! wake is counted for that tier: the fair queue
+//! takes the counts and sends one acquire for each, TierSlotLimit's waiter of the tier is
+//! notified. Nobody else tries, so the Redis work per call stays at one acquire and one
+//! release however many workers wait.
+//!
+//! A wake this worker has no call left for (they were served or gave up meanwhile) is
+//! passed on after [`PASS_AFTER`]: the release script runs again without a lease, frees
+//! the promise and wakes the next queued worker. A wake for a worker that is gone reaches nobody, and the
+//! release script skips it.
+//!
+//! Events that may have freed slots for any tier (a release in this process while Redis is
+//! away, Redis back from an outage, a pub/sub reconnection that may have lost a message)
+//! wake *everyone* here: every waiter tries again, as before wake-ups were targeted.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio::sync::Notify;
+
+use super::lock;
+use crate::Tier;
+
+/// How long a wake may go unanswered by an acquire of its tier before it is passed on.
+pub(super) const PASS_AFTER: Duration = Duration::from_millis(50);
+
+#[derive(Default)]
+pub(super) struct Wakes {
+    /// Tier key -> tier, for every tier this worker queued a call of.
+    tiers: Mutex<HashMap<String, Tier>>,
+    /// Wakes the fair queue has not taken yet, by tier key.
+    pending: Mutex<HashMap<String, u32>>,
+    /// Every waiter must try again (see the module's doc) since the last take.
+    everyone: AtomicBool,
+    /// What TierSlotLimit's waiter of each tier waits on, by tier key.
+    notify: Mutex<HashMap<String, Arc<Notify>>>,
+    /// The tokens of the wakes no acquire of their tier has answered yet, oldest first.
+    unanswered: Mutex<HashMap<String, VecDeque<String>>>,
+}
+
+impl Wakes {
+    /// A call of `tier` (under `tier_key`) may queue: remember the name a wake will carry.
+    pub(super) fn queueing(&self, tier_key: &str, tier: &Tier) {
+        let mut tiers = lock(&self.tiers);
+        if !tiers.contains_key(tier_key) {
+            tiers.insert(tier_key.to_owned(), tier.clone());
+        }
+    }
+
+    /// An acquire of `tier_key` is on its way: it answers the oldest wake of that tier, if
+    /// any; its token goes with the acquire.
+    pub(super) fn answer(&self, tier_key: &str) -> Option<String> {
+        let mut unanswered = lock(&self.unanswered);
+        let waiting = unanswered.get_mut(tier_key)?;
+        let token = waiting.pop_front()?;
+        if waiting.is_empty() {
+            unanswered.remove(tier_key);
+        }
+        Some(token)
+    }
+
+    /// A release woke this worker for `tier_key` with `token`. `true` when the wake was
+    /// counted: it must be answered within [`PASS_AFTER`], or passed on.
+    pub(super) fn woken(&self, tier_key: &str, token: &str) -> bool {
+        if !lock(&self.tiers).contains_key(tier_key) {
+            return false; // never queued here: pass it on at once
+        }
+        *lock(&self.pending).entry(tier_key.to_owned()).or_default() += 1;
+        self.notify_for(tier_key).notify_one();
+        lock(&self.unanswered)
+            .entry(tier_key.to_owned())
+            .or_default()
+            .push_back(token.to_owned());
+        true
+    }
+
+    /// Whether the wake `token` of `tier_key` is still unanswered; forgets it if so.
+    pub(super) fn unanswered(&self, tier_key: &str, token: &str) -> bool {
+        let mut unanswered = lock(&self.unanswered);
+        let Some(waiting) = unanswered.get_mut(tier_key) else {
+            return false;
+        };
+        let Some(at) = waiting.iter().position(|t| t == token) else {
+            return false;
+        };
+        waiting.remove(at);
+        if waiting.is_empty() {
+            unanswered.remove(tier_key);
+        }
+        if let Some(n) = lock(&self.pending).get_mut(tier_key) {
+            *n = n.saturating_sub(1);
+        }
+        true
+    }
+
+    /// Every waiter must try again.
+    pub(super) fn everyone(&self) {
+        self.everyone.store(true, Ordering::Release);
+        for notify in lock(&self.notify).values() {
+            notify.notify_waiters();
+        }
+    }
+
+    /// The tiers woken since the last take, one entry per wake; `None` when every waiter
+    /// must try again.
+    pub(super) fn take(&self) -> Option<Vec<Tier>> {
+        let pending = std::mem::take(&mut *lock(&self.pending));
+        if self.everyone.swap(false, Ordering::AcqRel) {
+            return None;
+        }
+        let tiers = lock(&self.tiers);
+        Some(
+            pending
+                .into_iter()
+                .filter_map(|(key, n)| Some((tiers.get(&key)?.clone(), n)))
+                .flat_map(|(tier, n)| std::iter::repeat_n(tier, n as usize))
+                .collect(),
+        )
+    }
+
+    /// What a waiter of `tier_key` waits on.
+    pub(super) fn notify_for(&self, tier_key: &str) -> Arc<Notify> {
+        lock(&self.notify)
+            .entry(tier_key.to_owned())
+            .or_default()
+            .clone()
+    }
+}
