@@ -27,6 +27,10 @@
 //! [`expected_workers`](crate::StoreBuilder::expected_workers); one slot each when it knows
 //! nothing), and at most what the other workers did not hold the last time it saw the
 //! counts (for one lease TTL: their calls may still run, and none of them can be renewed).
+//! While settling it also keeps, per tier and in all, to what it held when the fault began:
+//! Redis answers again, so the wait is short, and a count of the others seen before the
+//! fault may be stale (with wake-ups a worker sees a tier's count only when it acquires in
+//! it), while the calls every worker held then were within the caps together.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
@@ -41,6 +45,10 @@ use crate::store::StoreFuture;
 use crate::store::keys::Keys;
 use crate::store::slots::{Holder, SlotLease, SlotLimits, SlotQueue, SlotRefusal};
 use crate::{TenantId, Tier};
+
+/// How old a count of the others' calls in a tier may be, when a fault begins, to bound this
+/// worker's share while restricted.
+const FRESH: Duration = Duration::from_secs(1);
 
 /// How often a worker says it is alive, and how long that lasts.
 const WORKER_HEARTBEAT: Duration = Duration::from_secs(1);
@@ -113,8 +121,8 @@ impl Held {
 #[derive(Clone, Debug, Default)]
 struct Others {
     global: u32,
-    /// By tier key.
-    tiers: HashMap<String, u32>,
+    /// By tier key, with when each was seen.
+    tiers: HashMap<String, (u32, Instant)>,
     at: Option<Instant>,
 }
 
@@ -125,6 +133,16 @@ struct Restriction {
     settling: Option<(u32, Instant)>,
     /// The others' counts when the restriction began.
     frozen: Option<Others>,
+    /// This worker's calls in flight when the restriction began.
+    own: Option<Own>,
+}
+
+/// This worker's calls in flight when a restriction began, all and by tier key.
+#[derive(Debug)]
+struct Own {
+    at: Instant,
+    global: usize,
+    tiers: HashMap<String, usize>,
 }
 
 /// This worker's side of the shared slots.
@@ -181,8 +199,22 @@ impl SlotState {
 
     /// Keeps to the share from now on (until [`restricted`](Self::restricted) says not).
     pub(super) fn freeze(&self) {
+        let own = {
+            let held = lock(&self.held);
+            let mut tiers: HashMap<String, usize> = HashMap::new();
+            for h in held.values() {
+                *tiers.entry(h.tier_key.clone()).or_default() += 1;
+            }
+            Own {
+                at: Instant::now(),
+                global: held.len(),
+                tiers,
+            }
+        };
         let others = lock(&self.others).clone();
-        lock(&self.restriction).frozen.get_or_insert(others);
+        let mut restriction = lock(&self.restriction);
+        restriction.frozen.get_or_insert(others);
+        restriction.own.get_or_insert(own);
     }
 
     /// Whether this worker keeps to its share now; ends a settling that ran out.
@@ -198,6 +230,7 @@ impl SlotState {
             return true;
         }
         restriction.frozen = None;
+        restriction.own = None;
         false
     }
 
@@ -211,12 +244,35 @@ impl SlotState {
         limits: SlotLimits,
     ) -> Result<(), SlotRefusal> {
         let share = limits.share_of(self.fleet());
+        let in_tier = held.values().filter(|h| h.tier_key == tier_key).count();
         let (others_global, others_tier) = {
             let restriction = lock(&self.restriction);
+            // Settling (Redis answers again, the counts are being rebuilt): what the others
+            // held is unknown until they are back, and a count seen before the fault may be
+            // stale. What this worker held then is known, and all the workers' together
+            // were within the caps: keep to that.
+            let own = restriction.own.as_ref();
+            let own_tier = own.and_then(|own| own.tiers.get(tier_key).copied());
+            if let (Some(_), Some(own)) = (&restriction.settling, own)
+                && (held.len() >= own.global || in_tier >= own_tier.unwrap_or(0))
+            {
+                return Err(SlotRefusal::Full);
+            }
             match &restriction.frozen {
                 Some(others) if others.at.is_some_and(|at| at.elapsed() < limits.lease_ttl) => {
-                    let tier = others.tiers.get(tier_key).copied().unwrap_or(0);
-                    (others.global, tier)
+                    // A tier's count seen long before the fault may be stale (with wake-ups a
+                    // worker sees it only when it acquires or releases in the tier): then
+                    // keep to what this worker held in the tier when the fault began.
+                    let fault = own.map_or_else(Instant::now, |own| own.at);
+                    match others.tiers.get(tier_key) {
+                        Some(&(tier, seen)) if fault.saturating_duration_since(seen) <= FRESH => {
+                            (others.global, tier)
+                        }
+                        _ if in_tier >= own_tier.unwrap_or(0) => {
+                            return Err(SlotRefusal::Full);
+                        }
+                        _ => (others.global, 0),
+                    }
                 }
                 _ => (0, 0),
             }
@@ -225,7 +281,6 @@ impl SlotState {
             .global
             .min(limits.global.saturating_sub(others_global));
         let tier_room = share.tier.min(limits.tier.saturating_sub(others_tier));
-        let in_tier = held.values().filter(|h| h.tier_key == tier_key).count();
         if held.len() >= global_room as usize || in_tier >= tier_room as usize {
             return Err(SlotRefusal::Full);
         }
@@ -258,7 +313,9 @@ impl SlotState {
         others.global = minus(global, shared(None));
         if let Some((key, count)) = tier {
             let mine = shared(Some(key));
-            others.tiers.insert(key.to_owned(), minus(count, mine));
+            others
+                .tiers
+                .insert(key.to_owned(), (minus(count, mine), Instant::now()));
         }
         others.at = Some(Instant::now());
     }
@@ -668,11 +725,17 @@ impl RedisStore {
             });
             let all = async { Ok(futures_util::future::join_all(calls).await) };
             let done = self.guard(all).await.unwrap_or_default();
-            let global = done.iter().flatten().filter_map(|a| a.get(1)).last();
-            if let Some(&global) = global
-                && !self.slots.restricted(self.is_degraded())
-            {
-                self.slots.saw(u32::try_from(global).unwrap_or(0), None);
+            // Each release's counts (with the slots it promised a woken worker) are the
+            // freshest view of the others' calls in its tier.
+            if !self.slots.restricted(self.is_degraded()) {
+                let count = |n: i64| u32::try_from(n).unwrap_or(0);
+                for ((_, key), answer) in leases.iter().zip(&done) {
+                    if let Some(&[_, global, tier, ..]) = answer.as_deref()
+                        && key.starts_with(&self.keys.slots_tier_prefix)
+                    {
+                        self.slots.saw(count(global), Some((key, count(tier))));
+                    }
+                }
             }
             let mut unreleased = lock(&self.slots.unreleased);
             for (i, lease) in leases.into_iter().enumerate() {
