@@ -14,7 +14,9 @@ use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use fairgate::{Job, Origin, SlotLimits, SlotPolicy, Store, Tier, TierSlotLimitLayer};
+use fairgate::{
+    FairgateLayer, Job, Origin, SlotLimits, SlotPolicy, Store, Tier, TierSlotLimitLayer,
+};
 use support::{Redis, RedisServer, Target, on_node_and_cluster, request};
 use tokio::time::Instant;
 use tower::{Layer, ServiceExt, service_fn};
@@ -63,6 +65,8 @@ on_node_and_cluster!(multi_thread:
     redis_killed_mid_load_no_request_fails_and_each_worker_keeps_to_its_share,
     a_release_in_one_worker_wakes_a_waiter_in_another_at_once,
     while_the_slot_keys_shard_is_away_the_fallback_gives_slots,
+    each_freed_slot_wakes_one_queued_worker_whose_acquire_takes_it,
+    a_tier_that_starts_waiting_is_not_held_behind_a_flood_queued_before_it,
 );
 
 /// While the shard of the slot keys is away (on a cluster the other shards still answer),
@@ -301,9 +305,11 @@ async fn redis_killed_mid_load_no_request_fails_and_each_worker_keeps_to_its_sha
         redis.store(fast()).await.unwrap(),
         redis.store(fast()).await.unwrap(),
     );
+    let lease_ttl = Duration::from_secs(1);
     let policy = SlotPolicy::builder()
         .global_max(8)
         .tier("premium", 8, Duration::from_secs(60))
+        .lease_ttl(lease_ttl)
         .build()
         .unwrap();
     // Both workers have said they are alive.
@@ -326,14 +332,18 @@ async fn redis_killed_mid_load_no_request_fails_and_each_worker_keeps_to_its_sha
     let (a, b) = (load(&one, &shared_probe, 40), load(&two, &shared_probe, 40));
     tokio::time::sleep(Duration::from_millis(100)).await;
     redis.kill_slots_shard();
+    let killed = Instant::now();
     assert_eq!(
         a.await.unwrap() + b.await.unwrap(),
         0,
         "no request failed across the outage"
     );
+    // Until one lease TTL has passed each worker also kept to what it held at the fault
+    // (the probe above counted both together: never more than 8).
+    assert!(shared_probe.lock().unwrap().max <= 8);
+    tokio::time::sleep(lease_ttl.saturating_sub(killed.elapsed())).await;
 
-    // Degraded: each worker keeps to global / workers alive = 4, and to what the other did
-    // not hold when Redis went (its calls may still run): together never more than 8.
+    // Degraded, past one lease TTL: each worker keeps to global / workers alive = 4.
     assert!(one.is_degraded() && two.is_degraded());
     let (probe_one, probe_two) = (
         Arc::new(Mutex::new(Probe::default())),
@@ -585,6 +595,144 @@ async fn a_release_in_one_worker_wakes_a_waiter_in_another_at_once(target: Targe
     assert!(
         after < Duration::from_secs(2),
         "woken by the poll, not the announcement: {after:?}"
+    );
+}
+
+/// How many workers wait in `tier`'s wait queue in Redis.
+fn queued(redis: &Redis, tier: &str) -> u32 {
+    let queue = redis.key(&format!("{{slots}}:tier:{tier}:waiting"));
+    redis
+        .slots_cli(&["ZCARD", &queue])
+        .trim()
+        .parse()
+        .unwrap_or(0)
+}
+
+/// How many wake-ups releases have sent (each names a token of its own).
+fn wake_ups(redis: &Redis) -> u32 {
+    let book = redis.key("{slots}:waits");
+    redis
+        .slots_cli(&["HGET", &book, "token"])
+        .trim()
+        .parse()
+        .unwrap_or(0)
+}
+
+async fn until(what: &str, within: Duration, mut done: impl FnMut() -> bool) {
+    let deadline = Instant::now() + within;
+    while !done() {
+        assert!(Instant::now() < deadline, "{what}: not within {within:?}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// Three workers each wait for the one slot another holds. Each release wakes exactly one
+/// of them (a wake-up is a token: three releases with waiters, three tokens), and its one
+/// acquire takes the slot: a refused acquire would queue it again and cost a fourth. The
+/// safety-net poll is ten minutes on Redis here, so only wake-ups can serve them.
+async fn each_freed_slot_wakes_one_queued_worker_whose_acquire_takes_it(target: Target) {
+    let redis = target.start_own().await;
+    let policy = SlotPolicy::builder()
+        .global_max(1)
+        .tier("pro", 1, Duration::from_secs(30))
+        .poll_interval(Duration::from_secs(60))
+        .build()
+        .unwrap();
+    let upstream =
+        service_fn(|_: http::Request<()>| async { Ok::<_, Infallible>(http::Response::new(())) });
+    let job = || Job::new("acme", Origin::UserAction).tier("pro");
+    let holder = TierSlotLimitLayer::new(worker(&redis).await, policy.clone()).layer(upstream);
+    let held = holder.oneshot(request(job())).await.unwrap();
+    let mut waiting = Vec::new();
+    for _ in 0..3 {
+        let waiter = TierSlotLimitLayer::new(worker(&redis).await, policy.clone()).layer(upstream);
+        waiting.push(tokio::spawn(async move {
+            waiter.oneshot(request(job())).await.map(drop)
+        }));
+    }
+    until("three workers queued", Duration::from_secs(5), || {
+        queued(&redis, "pro") == 3
+    })
+    .await;
+    assert_eq!(wake_ups(&redis), 0);
+    let released = Instant::now();
+    drop(held);
+    for waiter in waiting {
+        waiter.await.unwrap().expect("every waiter gets the slot");
+    }
+    let took = released.elapsed();
+    println!("{target:?}: three queued workers served one after another in {took:?}");
+    assert_eq!(wake_ups(&redis), 3, "one wake-up per freed slot");
+    assert_eq!(queued(&redis, "pro"), 0);
+    assert!(
+        took < Duration::from_secs(5),
+        "served by the poll: {took:?}"
+    );
+}
+
+/// The fleet's fair queuing between tiers: one worker floods `guest` (weight 1) through the
+/// whole stack and its calls queue in Redis; then another sends `premium` (weight 3). The
+/// premium calls go within the next few freed slots, about three for each guest, not after
+/// the guests queued before them.
+async fn a_tier_that_starts_waiting_is_not_held_behind_a_flood_queued_before_it(target: Target) {
+    let redis = target.start_own().await;
+    let policy = SlotPolicy::builder()
+        .global_max(2)
+        .tier("guest", 2, Duration::from_secs(60))
+        .tier("premium", 2, Duration::from_secs(60))
+        .poll_interval(Duration::from_secs(60))
+        .build()
+        .unwrap();
+    let done: Arc<Mutex<Vec<String>>> = Arc::default();
+    let stack = |store: Store| {
+        let done = done.clone();
+        let upstream = service_fn(move |req: http::Request<()>| {
+            let done = done.clone();
+            async move {
+                let job = req.extensions().get::<Job>().expect("a job");
+                let tier = job.tier_name().expect("a tier").as_str().to_owned();
+                tokio::time::sleep(Duration::from_millis(10)).await;
+                done.lock().unwrap().push(tier);
+                Ok::<_, Infallible>(http::Response::new(String::new()))
+            }
+        });
+        let stack = FairgateLayer::builder(store)
+            .slots(policy.clone())
+            .window(64)
+            .build()
+            .unwrap()
+            .layer(upstream);
+        tower::util::BoxCloneService::new(stack.map_response(drop))
+    };
+    let (flood, paying) = (stack(worker(&redis).await), stack(worker(&redis).await));
+    let call = |service: &tower::util::BoxCloneService<_, (), _>, tier: &str, i: usize| {
+        let service = service.clone();
+        let job = Job::new(format!("{tier}-{i}"), Origin::UserAction).tier(tier);
+        tokio::spawn(async move { service.oneshot(request(job)).await })
+    };
+    let guests: Vec<_> = (0..40).map(|i| call(&flood, "guest", i)).collect();
+    until("the guests queued in redis", Duration::from_secs(5), || {
+        queued(&redis, "guest") == 1
+    })
+    .await;
+    let before = done.lock().unwrap().len();
+    let premium: Vec<_> = (0..6).map(|i| call(&paying, "premium", i)).collect();
+    for call in premium.into_iter().chain(guests) {
+        call.await.unwrap().expect("every call is served");
+    }
+    let done = done.lock().unwrap();
+    let last_premium = done.iter().rposition(|t| t == "premium").unwrap();
+    let guests_meanwhile = done[before..last_premium]
+        .iter()
+        .filter(|t| *t == "guest")
+        .count();
+    println!(
+        "{target:?}: premium sent after {before} guests were served; {guests_meanwhile} more \
+         guests were served before the last of the 6 premium calls"
+    );
+    assert!(
+        guests_meanwhile <= 8,
+        "{guests_meanwhile} guests before the last premium call"
     );
 }
 

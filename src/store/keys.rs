@@ -21,8 +21,6 @@ pub(crate) struct Keys {
     /// `prefix:{slots}:waits`: the wait book, the caps, weights and virtual times of the
     /// tiers with a worker queued for a slot.
     pub(crate) slots_waits: String,
-    /// `prefix:{slots}:tier:`: what every tier's lease set key starts with.
-    pub(crate) slots_tier_prefix: String,
     /// `prefix:{slots}:promised`: the slots a release woke a worker for, until its acquire
     /// comes (or a second passes), scored by expiry: nobody else takes them meanwhile.
     pub(crate) slots_promised: String,
@@ -54,7 +52,6 @@ impl Keys {
             slots_global: slots("global"),
             slots_workers: slots("workers"),
             slots_waits: slots("waits"),
-            slots_tier_prefix: slots("tier:"),
             slots_promised: slots("promised"),
             slots_wake: slots("wake:"),
             slots_epoch: slots("epoch"),
@@ -91,7 +88,7 @@ impl Keys {
     /// `prefix:{slots}:tier:<escaped tier>` — every slot key shares one hash tag, so the
     /// acquire script's global and tier sets live in one Cluster slot.
     pub(crate) fn slots_tier(&self, tier: &crate::Tier) -> String {
-        let mut key = self.slots_tier_prefix.clone();
+        let mut key = format!("{}:{{slots}}:tier:", self.prefix);
         escape_into(&mut key, tier.as_str());
         key
     }

@@ -475,7 +475,7 @@ impl RedisStore {
     }
 
     pub(super) fn mark_degraded(&self, reason: &str) {
-        // From now on this worker keeps to its share, from what it knew of the others.
+        // From now on this worker keeps to its share, and for a lease TTL to what it holds.
         self.slots.freeze();
         if !self.degraded.swap(true, Ordering::AcqRel) {
             tracing::warn!(

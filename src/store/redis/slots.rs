@@ -22,15 +22,14 @@
 //! worker keeps to its share as if degraded: a worker that resynced first cannot take the
 //! slots of calls another worker has not put back yet.
 //!
-//! While restricted (degraded or settling), a worker's share is the caps divided by the
-//! workers it knows of (the last count seen alive, at least
+//! While restricted (degraded or settling), a worker keeps to its share: the caps divided by
+//! the workers it knows of (the last count seen alive, at least
 //! [`expected_workers`](crate::StoreBuilder::expected_workers); one slot each when it knows
-//! nothing), and at most what the other workers did not hold the last time it saw the
-//! counts (for one lease TTL: their calls may still run, and none of them can be renewed).
-//! While settling it also keeps, per tier and in all, to what it held when the fault began:
-//! Redis answers again, so the wait is short, and a count of the others seen before the
-//! fault may be stale (with wake-ups a worker sees a tier's count only when it acquires in
-//! it), while the calls every worker held then were within the caps together.
+//! nothing). With other workers alive, for one lease TTL after the fault it also keeps, in
+//! all and per tier, to what it held when the fault began: all the workers' calls then
+//! were within the caps together, while the others' counts it saw before may be stale (one
+//! of them may have held more than its share, and the others' full shares would pass the
+//! cap). Past the TTL those calls are taken to be over, as their leases would be.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
@@ -45,10 +44,6 @@ use crate::store::StoreFuture;
 use crate::store::keys::Keys;
 use crate::store::slots::{Holder, SlotLease, SlotLimits, SlotQueue, SlotRefusal};
 use crate::{TenantId, Tier};
-
-/// How old a count of the others' calls in a tier may be, when a fault begins, to bound this
-/// worker's share while restricted.
-const FRESH: Duration = Duration::from_secs(1);
 
 /// How often a worker says it is alive, and how long that lasts.
 const WORKER_HEARTBEAT: Duration = Duration::from_secs(1);
@@ -117,23 +112,13 @@ impl Held {
     }
 }
 
-/// What the other workers held the last time this worker saw the counts.
-#[derive(Clone, Debug, Default)]
-struct Others {
-    global: u32,
-    /// By tier key, with when each was seen.
-    tiers: HashMap<String, (u32, Instant)>,
-    at: Option<Instant>,
-}
-
 /// Why this worker keeps to its share although Redis may answer.
 #[derive(Debug, Default)]
 struct Restriction {
     /// After a new epoch: until this many workers are back in it, or until the instant.
     settling: Option<(u32, Instant)>,
-    /// The others' counts when the restriction began.
-    frozen: Option<Others>,
-    /// This worker's calls in flight when the restriction began.
+    /// This worker's calls in flight when the restriction began, if Redis counted them
+    /// then (it had synced).
     own: Option<Own>,
 }
 
@@ -160,7 +145,6 @@ pub(super) struct SlotState {
     expected_workers: Option<u32>,
     /// The epoch this worker's calls were last put back in (`None`: never).
     epoch: Mutex<Option<String>>,
-    others: Mutex<Others>,
     restriction: Mutex<Restriction>,
     /// One resync at a time; the others wait for it and reuse its result.
     resyncing: tokio::sync::Mutex<()>,
@@ -178,7 +162,6 @@ impl SlotState {
             alive_workers: AtomicU32::new(0),
             expected_workers,
             epoch: Mutex::new(None),
-            others: Mutex::new(Others::default()),
             restriction: Mutex::new(Restriction::default()),
             resyncing: tokio::sync::Mutex::new(()),
             recovering: AtomicBool::new(false),
@@ -197,24 +180,29 @@ impl SlotState {
         }
     }
 
-    /// Keeps to the share from now on (until [`restricted`](Self::restricted) says not).
+    /// Keeps to the share from now on (until [`restricted`](Self::restricted) says not),
+    /// and to what this worker holds now, if Redis counted it.
     pub(super) fn freeze(&self) {
+        if lock(&self.epoch).is_none() {
+            return; // never counted in Redis: it holds nothing the others counted on
+        }
         let own = {
+            // Not an acquire under way: Redis may have refused it.
             let held = lock(&self.held);
+            let counted = held.values().filter(|h| h.counted != Counted::Acquiring);
             let mut tiers: HashMap<String, usize> = HashMap::new();
-            for h in held.values() {
+            let mut global = 0;
+            for h in counted {
                 *tiers.entry(h.tier_key.clone()).or_default() += 1;
+                global += 1;
             }
             Own {
                 at: Instant::now(),
-                global: held.len(),
+                global,
                 tiers,
             }
         };
-        let others = lock(&self.others).clone();
-        let mut restriction = lock(&self.restriction);
-        restriction.frozen.get_or_insert(others);
-        restriction.own.get_or_insert(own);
+        lock(&self.restriction).own.get_or_insert(own);
     }
 
     /// Whether this worker keeps to its share now; ends a settling that ran out.
@@ -229,7 +217,6 @@ impl SlotState {
         if degraded || restriction.settling.is_some() {
             return true;
         }
-        restriction.frozen = None;
         restriction.own = None;
         false
     }
@@ -243,46 +230,25 @@ impl SlotState {
         tenant_key: Option<&str>,
         limits: SlotLimits,
     ) -> Result<(), SlotRefusal> {
-        let share = limits.share_of(self.fleet());
+        let fleet = self.fleet();
+        let share = limits.share_of(fleet);
         let in_tier = held.values().filter(|h| h.tier_key == tier_key).count();
-        let (others_global, others_tier) = {
-            let restriction = lock(&self.restriction);
-            // Settling (Redis answers again, the counts are being rebuilt): what the others
-            // held is unknown until they are back, and a count seen before the fault may be
-            // stale. What this worker held then is known, and all the workers' together
-            // were within the caps: keep to that.
-            let own = restriction.own.as_ref();
-            let own_tier = own.and_then(|own| own.tiers.get(tier_key).copied());
-            if let (Some(_), Some(own)) = (&restriction.settling, own)
-                && (held.len() >= own.global || in_tier >= own_tier.unwrap_or(0))
-            {
+        if held.len() >= share.global as usize || in_tier >= share.tier as usize {
+            return Err(SlotRefusal::Full);
+        }
+        // For one lease TTL after the fault, also no more than this worker held when it
+        // began: what the others held then is not known here (a count seen before may be
+        // stale: one of them may hold more than its share, which the others' shares would
+        // then pass the cap by), but all the workers' calls together were within the caps.
+        // Past the TTL the calls of then are taken to be over, as their leases would be.
+        if fleet > 1
+            && let Some(own) = &lock(&self.restriction).own
+            && own.at.elapsed() < limits.lease_ttl
+        {
+            let own_tier = own.tiers.get(tier_key).copied().unwrap_or(0);
+            if held.len() >= own.global || in_tier >= own_tier {
                 return Err(SlotRefusal::Full);
             }
-            match &restriction.frozen {
-                Some(others) if others.at.is_some_and(|at| at.elapsed() < limits.lease_ttl) => {
-                    // A tier's count seen long before the fault may be stale (with wake-ups a
-                    // worker sees it only when it acquires or releases in the tier): then
-                    // keep to what this worker held in the tier when the fault began.
-                    let fault = own.map_or_else(Instant::now, |own| own.at);
-                    match others.tiers.get(tier_key) {
-                        Some(&(tier, seen)) if fault.saturating_duration_since(seen) <= FRESH => {
-                            (others.global, tier)
-                        }
-                        _ if in_tier >= own_tier.unwrap_or(0) => {
-                            return Err(SlotRefusal::Full);
-                        }
-                        _ => (others.global, 0),
-                    }
-                }
-                _ => (0, 0),
-            }
-        };
-        let global_room = share
-            .global
-            .min(limits.global.saturating_sub(others_global));
-        let tier_room = share.tier.min(limits.tier.saturating_sub(others_tier));
-        if held.len() >= global_room as usize || in_tier >= tier_room as usize {
-            return Err(SlotRefusal::Full);
         }
         // The tenant's share: its cap divided as the others are (the others' tenant counts
         // are not tracked; the share alone keeps the fleet under the cap).
@@ -296,28 +262,6 @@ impl SlotState {
             }
         }
         Ok(())
-    }
-
-    /// Remembers what the others held, from counts Redis just gave (not while restricted:
-    /// then Redis may not count every call).
-    fn saw(&self, global: u32, tier: Option<(&str, u32)>) {
-        let held = lock(&self.held);
-        let shared = |key: Option<&str>| {
-            held.values()
-                .filter(|h| h.counted == Counted::Shared && key.is_none_or(|k| h.tier_key == k))
-                .count()
-        };
-        let minus =
-            |count: u32, mine: usize| count.saturating_sub(u32::try_from(mine).unwrap_or(u32::MAX));
-        let mut others = lock(&self.others);
-        others.global = minus(global, shared(None));
-        if let Some((key, count)) = tier {
-            let mine = shared(Some(key));
-            others
-                .tiers
-                .insert(key.to_owned(), (minus(count, mine), Instant::now()));
-        }
-        others.at = Some(Instant::now());
     }
 
     /// A new epoch began for this worker: keep to the share until `need` workers are back.
@@ -497,12 +441,11 @@ impl RedisStore {
                 let answer = this
                     .guard(acquire.invoke_async::<Vec<i64>>(&mut conn))
                     .await;
-                let Some(&[status, global, in_tier, ..]) = answer.as_deref() else {
+                let Some(&[status, _global, _tier, ..]) = answer.as_deref() else {
                     drop(unclaimed); // maybe granted, surely not held: release it later
                     return this.acquire_fallback(&tier, tenant.as_ref(), limits);
                 };
                 let count = |n: i64| u32::try_from(n).unwrap_or(0);
-                let (global, in_tier) = (count(global), count(in_tier));
                 // 2: the tier had room, the tenant's own cap did not.
                 let refusal = match answer.as_deref().and_then(|a| a.get(3)) {
                     Some(2) => SlotRefusal::TenantCap,
@@ -534,9 +477,6 @@ impl RedisStore {
                         held.counted = Counted::Shared;
                         held.renewed = Instant::now();
                     }
-                }
-                if !this.slots.restricted(this.is_degraded()) {
-                    this.slots.saw(global, Some((&tier_key, in_tier)));
                 }
                 if status == 0 {
                     return Err(refusal);
@@ -725,18 +665,6 @@ impl RedisStore {
             });
             let all = async { Ok(futures_util::future::join_all(calls).await) };
             let done = self.guard(all).await.unwrap_or_default();
-            // Each release's counts (with the slots it promised a woken worker) are the
-            // freshest view of the others' calls in its tier.
-            if !self.slots.restricted(self.is_degraded()) {
-                let count = |n: i64| u32::try_from(n).unwrap_or(0);
-                for ((_, key), answer) in leases.iter().zip(&done) {
-                    if let Some(&[_, global, tier, ..]) = answer.as_deref()
-                        && key.starts_with(&self.keys.slots_tier_prefix)
-                    {
-                        self.slots.saw(count(global), Some((key, count(tier))));
-                    }
-                }
-            }
             let mut unreleased = lock(&self.slots.unreleased);
             for (i, lease) in leases.into_iter().enumerate() {
                 if done.get(i).is_none_or(Option::is_none) {
@@ -915,8 +843,8 @@ impl RedisStore {
         else {
             return;
         };
-        let (alive, global) = match answer.as_slice() {
-            [alive, global, ..] => (alive.parse().unwrap_or(1), global.parse().unwrap_or(0)),
+        let alive = match answer.as_slice() {
+            [alive, _global, ..] => alive.parse().unwrap_or(1),
             _ => {
                 // Redis lost this worker's bookkeeping: put its calls back.
                 self.resync(false, Some(epoch)).await;
@@ -935,9 +863,6 @@ impl RedisStore {
             answer[2..].iter().any(|id| held.contains_key(id))
         };
         self.slots.workers_seen(alive);
-        if !self.slots.restricted(self.is_degraded()) {
-            self.slots.saw(global, None);
-        }
         if lost {
             self.resync(false, None).await;
         }

@@ -13,7 +13,7 @@
 -- ARGV[3] 'PUBLISH' (one node) or 'SPUBLISH' (a cluster: sharded pub/sub; the channels
 -- share the lease sets' hash tag, so they belong to this shard), ARGV[4] the token passed
 -- on, or ''
--- Returns {removed, global count, tier count}, counting the promised slots.
+-- Returns {removed, global count, tier count} (before the wake-up's promise).
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local removed = 0
@@ -74,10 +74,4 @@ if (removed == 1 or ARGV[1] == '') and global + redis.call('ZCARD', KEYS[4]) < g
     end
   end
 end
--- The counts as an acquire sees them: with the slots promised to woken workers.
-redis.call('ZREMRANGEBYSCORE', KEYS[2] .. ':promised', '-inf', now)
-return {
-  removed,
-  global + redis.call('ZCARD', KEYS[4]),
-  tier + redis.call('ZCARD', KEYS[2] .. ':promised')
-}
+return {removed, global, tier}
