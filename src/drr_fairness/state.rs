@@ -18,7 +18,7 @@ use crate::admission::{Busy, SlowWait, TierLimit};
 use crate::error::ConfigError;
 use crate::metrics::Metric;
 use crate::rng::Rng;
-use crate::store::{SlotLease, SlotQueue, SlotRefusal, StoreFuture};
+use crate::store::{SlotLease, SlotQueue, SlotRefusal, SlotWakes, StoreFuture};
 use crate::{Job, Priority, Store, TenantId, Tier};
 
 /// Tier name -> DRR weight.
@@ -314,9 +314,18 @@ async fn watch_releases(shared: Arc<Shared>) {
                 .get_or_insert_with(|| seed.map_or_else(Rng::from_entropy, Rng::seeded));
             interval.mul_f64(0.5 + rng.unit())
         };
+        // A wake-up that came before this watch listened.
+        if let Some(woken) = shared.store.take_slot_wakes() {
+            shared.slot_freed(woken);
+            continue;
+        }
         let woken = tokio::select! {
-            _ = released => shared.store.take_slot_wakes(),
-            _ = tokio::time::sleep(poll) => None,
+            _ = released => match shared.store.take_slot_wakes() {
+                Some(woken) => woken,
+                None if shared.store.wakes_one_by_one() => SlotWakes::Tiers(Vec::new()),
+                None => SlotWakes::Everyone,
+            },
+            _ = tokio::time::sleep(poll) => SlotWakes::Everyone,
         };
         shared.slot_freed(woken);
     }
@@ -667,11 +676,12 @@ impl Shared {
                     let Some(gate) = &g.gate else {
                         return;
                     };
-                    // Queued if refused; kept queued after taking the last room if more
-                    // of the group wait than the acquires under way (this one included).
+                    // Queued if refused, for every request of the group (those with an
+                    // acquire under way too: refused, they wait again); kept queued after
+                    // taking the last room if others are left.
                     let queue = SlotQueue {
                         weight: self.weights.of(Some(&gate.tier)),
-                        more: g.scheduler.len() > gate.acquiring + 1,
+                        waiting: u32::try_from(g.scheduler.len()).unwrap_or(u32::MAX),
                     };
                     let acquire = self.store.acquire_slot(
                         &gate.tier,
@@ -708,7 +718,7 @@ impl Shared {
                                 class,
                                 ahead,
                                 tenant,
-                                more: queue.more,
+                                more: queue.waiting > 1,
                                 slot: pending,
                             });
                             continue;
@@ -948,15 +958,15 @@ impl Shared {
     }
 
     /// Slots may have come free: for the tiers a release woke this worker for (one acquire
-    /// per wake-up), or, with `None`, for anyone (every blocked group tries again). Then
-    /// dispatch, in fair order.
-    fn slot_freed(self: &Arc<Self>, woken: Option<Vec<Tier>>) {
+    /// per wake-up), or for anyone (every blocked group tries again). Then dispatch, in
+    /// fair order.
+    fn slot_freed(self: &Arc<Self>, woken: SlotWakes) {
         let mut after = AfterUnlock::default();
         let depth = {
             let mut state = self.lock();
             match woken {
-                None => state.unblock_all(),
-                Some(tiers) => {
+                SlotWakes::Everyone => state.unblock_all(),
+                SlotWakes::Tiers(tiers) => {
                     let mut wakes: HashMap<usize, usize> = HashMap::new();
                     for tier in tiers {
                         if let Some(&group) = state.by_tier.get(&tier) {

@@ -605,11 +605,12 @@ impl Store {
         }
     }
 
-    /// The tiers a release woke this worker for since the last call, one entry per freed
-    /// slot; `None` when every waiter should try again (the memory store, a slot freed here
-    /// while this worker keeps to its own share, Redis back from an outage, a wake-up that
-    /// may have been lost).
-    pub(crate) fn take_slot_wakes(&self) -> Option<Vec<Tier>> {
+    /// What woke this worker's slot waiters since the last call (Redis): the tiers releases
+    /// woke it for, one entry per freed slot, or everyone (a slot freed here while this
+    /// worker keeps to its own share, Redis back from an outage, a wake-up that may have
+    /// been lost). `None`: nothing did, or the memory store, whose releases only notify
+    /// [`slot_released`](Self::slot_released).
+    pub(crate) fn take_slot_wakes(&self) -> Option<SlotWakes> {
         match &*self.backend {
             Backend::Memory(_) => None,
             #[cfg(feature = "redis")]
@@ -660,6 +661,15 @@ impl Store {
             Backend::Redis(redis) => redis.slot_released(),
         }
     }
+}
+
+/// What woke a worker's slot waiters ([`Store::take_slot_wakes`]).
+#[derive(Debug)]
+pub(crate) enum SlotWakes {
+    /// Every waiter tries again.
+    Everyone,
+    /// One acquire per entry, for its tier.
+    Tiers(Vec<Tier>),
 }
 
 /// Redis did not take a write; it holds in this process only.

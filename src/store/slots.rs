@@ -61,9 +61,9 @@ impl SlotLimits {
 pub(crate) struct SlotQueue {
     /// The tier's weight, for the fleet's start-time fair queuing between tiers.
     pub(crate) weight: u32,
-    /// More calls of the tier wait behind this one here: granted the last room, the worker
-    /// stays queued.
-    pub(crate) more: bool,
+    /// How many calls of the tier wait at this worker, this one included: the worker is
+    /// woken that many times (granted the last room, it stays queued for the rest).
+    pub(crate) waiting: u32,
 }
 
 /// A held slot. Dropping it gives the slot back (on Redis: at once by a best-effort

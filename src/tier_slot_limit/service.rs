@@ -98,7 +98,7 @@ where
         };
         let mut first_try = None;
         if turn.is_some() {
-            let queue = shared.queue(limit, state.waiting());
+            let queue = shared.queue(limit, state.waiting() + 1);
             match shared
                 .store
                 .acquire_slot(&tier, tenant.as_ref(), shared.limits(limit), queue)
@@ -110,7 +110,7 @@ where
                 }
                 // Refused (the wait tries again, and a tenant over its cap then waits apart).
                 Ok(Err(_)) => {}
-                Err(pending) => first_try = Some(pending),
+                Err(pending) => first_try = Some((pending, queue)),
             }
         }
         if shared.hopeless(&state, limit) {

@@ -202,18 +202,19 @@ impl Shared {
     }
 
     /// How an acquire for a call that waits if refused queues on Redis (none for a tier
-    /// that fails fast: its refused calls do not wait). `others` of its tier wait here.
-    pub(super) fn queue(&self, limit: TierLimit, others: usize) -> Option<SlotQueue> {
+    /// that fails fast: its refused calls do not wait): `waiting` calls of its tier wait
+    /// here, this one included.
+    pub(super) fn queue(&self, limit: TierLimit, waiting: usize) -> Option<SlotQueue> {
         (!limit.max_wait.is_zero()).then_some(SlotQueue {
             weight: 1,
-            more: others > 0,
+            waiting: u32::try_from(waiting.max(1)).unwrap_or(u32::MAX),
         })
     }
 
-    /// Takes `lease` as the slot of a waiting call; remembers whether it took the last
-    /// room while this worker stayed queued (`more`).
+    /// Takes `lease` as the slot of a waiting call acquired with `queue`; remembers whether
+    /// it took the last room while this worker stayed queued for the others.
     fn granted(&self, state: &TierState, lease: &SlotLease, queue: Option<SlotQueue>) {
-        let last = lease.room() == 0 && queue.is_some_and(|q| q.more);
+        let last = lease.room() == 0 && queue.is_some_and(|q| q.waiting > 1);
         state.full.store(last, Ordering::Relaxed);
     }
 }
@@ -316,6 +317,12 @@ impl Drop for Waiting<'_> {
     }
 }
 
+/// An acquire made but not yet polled, with how it queues.
+pub(super) type FirstTry = (
+    StoreFuture<Result<SlotLease, SlotRefusal>>,
+    Option<SlotQueue>,
+);
+
 /// Waits for a slot until the tier's max wait has passed since `started`.
 ///
 /// Takes the tier's turnstile first (arrival order), then tries the store each time a slot
@@ -327,7 +334,8 @@ impl Drop for Waiting<'_> {
 /// gives the turnstile back and waits for a release, then queues for it again.
 ///
 /// `first_try` is an acquire the caller made while holding `turn` but did not poll (a
-/// Redis round trip not yet begun): used as the first try instead of making another.
+/// Redis round trip not yet begun), with how it queues: used as the first try instead of
+/// making another.
 #[allow(clippy::too_many_arguments)]
 pub(super) async fn wait_for_slot(
     shared: Arc<Shared>,
@@ -337,7 +345,7 @@ pub(super) async fn wait_for_slot(
     started: Instant,
     mut tenant: Option<TenantLine>,
     mut turn: Option<OwnedSemaphorePermit>,
-    first_try: Option<StoreFuture<Result<SlotLease, SlotRefusal>>>,
+    first_try: Option<FirstTry>,
 ) -> Result<SlotPermit, Busy> {
     let deadline = crate::time::after(started, limit.max_wait);
     let mut slow = SlowWait::new(started, shared.policy.slow_wait);
@@ -372,24 +380,29 @@ pub(super) async fn wait_for_slot(
         loop {
             // Registered before trying, so a release between the try and the wait is not
             // missed (an acquire does nothing until polled, so this holds for `first_try`
-            // too). While freed slots wake workers one by one, a wake-up for this tier.
+            // too). While freed slots wake workers one by one, a wake-up for this tier is
+            // waited for; otherwise, and by a tenant over its own cap (not woken that way),
+            // any release.
             let woken = shared.store.slot_wake(&tier);
-            let released = match &woken {
-                Some(woken) => woken.notified(),
-                None => shared.store.slot_released().notified(),
-            };
-            tokio::pin!(released);
+            let tier_woken = woken.as_ref().map(|woken| woken.notified());
+            let released = shared.store.slot_released().notified();
+            tokio::pin!(tier_woken, released);
+            if let Some(tier_woken) = tier_woken.as_mut().as_pin_mut() {
+                tier_woken.enable();
+            }
             released.as_mut().enable();
             // The last slot here took the last room: the next comes with a wake-up.
             let full = woken.is_some() && state.full.swap(false, Ordering::Relaxed);
             let refusal = if full && first_try.is_none() {
                 SlotRefusal::Full
             } else {
-                let others = state.waiting.load(Ordering::Relaxed).saturating_sub(1);
-                let queue = shared.queue(limit, others);
-                let acquire = first_try
-                    .take()
-                    .unwrap_or_else(|| shared.store.acquire_slot(&tier, asking, limits, queue));
+                let (acquire, queue) = first_try.take().unwrap_or_else(|| {
+                    let queue = shared.queue(limit, state.waiting());
+                    (
+                        shared.store.acquire_slot(&tier, asking, limits, queue),
+                        queue,
+                    )
+                });
                 match acquire.await {
                     Ok(lease) => {
                         shared.granted(&state, &lease, queue);
@@ -413,9 +426,17 @@ pub(super) async fn wait_for_slot(
                 // Over its own cap: the tier's other tenants go on meanwhile.
                 holding = None;
             }
-            tokio::select! {
-                _ = released => {}
-                _ = sleep_until(wake) => {}
+            match tier_woken.as_mut().as_pin_mut().filter(|_| !apart) {
+                // A wake-up for the tier this notification would have carried goes on to
+                // the next waiter of the tier when it is dropped unclaimed (tokio's Notify).
+                Some(tier_woken) => tokio::select! {
+                    _ = tier_woken => {}
+                    _ = sleep_until(wake) => {}
+                },
+                None => tokio::select! {
+                    _ = released => {}
+                    _ = sleep_until(wake) => {}
+                },
             }
             slow.check(&tier);
             if holding.is_none() {

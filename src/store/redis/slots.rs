@@ -281,7 +281,10 @@ impl SlotState {
         match restriction.settling {
             Some((need, _)) if alive < need => {}
             _ => {
+                // Redis answers and every worker is back: the restriction is over, and the
+                // next fault must count this worker's calls afresh.
                 restriction.settling = None;
+                restriction.own = None;
                 self.alive_workers.store(alive.max(1), Ordering::Relaxed);
             }
         }
@@ -315,6 +318,46 @@ impl Drop for Unclaimed<'_> {
             lock(&self.store.slots.held).remove(&lease.0);
             let tenant = self.tenant_key.take().map(|key| (lease.0.clone(), key));
             lock(&self.store.slots.unreleased).extend(std::iter::once(lease).chain(tenant));
+        }
+    }
+}
+
+/// An acquire under way (see `Wakes::idle_since`), with the token of the wake-up it
+/// answers, if any. Unless the acquire took the slot, the token is passed on when dropped
+/// (refused, for instance by a tenant's own cap; timed out; its future dropped), so the
+/// freed slot goes to the next queued worker rather than waiting for its promise to run
+/// out.
+struct Answering<'a> {
+    store: &'a Arc<RedisStore>,
+    tier_key: &'a str,
+    token: Option<String>,
+}
+
+impl<'a> Answering<'a> {
+    fn new(store: &'a Arc<RedisStore>, tier_key: &'a str, token: Option<String>) -> Self {
+        store.wakes.acquiring(tier_key, true);
+        Answering {
+            store,
+            tier_key,
+            token,
+        }
+    }
+
+    fn arg(&self) -> &str {
+        self.token.as_deref().unwrap_or("")
+    }
+
+    /// The acquire took the slot: the wake-up is answered.
+    fn taken(mut self) {
+        self.token = None;
+    }
+}
+
+impl Drop for Answering<'_> {
+    fn drop(&mut self) {
+        self.store.wakes.acquiring(self.tier_key, false);
+        if let Some(token) = self.token.take() {
+            self.store.pass_wake(self.tier_key, &token, false);
         }
     }
 }
@@ -400,11 +443,11 @@ impl RedisStore {
             if queue.is_some() {
                 this.wakes.queueing(&tier_key, &tier);
             }
-            let (mode, weight) = match queue {
-                None => ("0", 1),
-                Some(SlotQueue { weight, more }) => (if more { "2" } else { "1" }, weight),
-            };
-            let mut resynced = false;
+            let (waiting, weight) = queue.map_or((0, 1), |q| (q.waiting, q.weight));
+            // The wake-up this acquire answers, if any (only a queued call answers one).
+            let token = queue.and_then(|_| this.wakes.answer(&tier_key));
+            let mut answering = Answering::new(&this, &tier_key, token);
+            let (mut resynced, mut late) = (false, false);
             loop {
                 this.reserve(&id, &tier_key, tenant_key.as_deref(), limits)?;
                 let unclaimed = Unclaimed {
@@ -414,8 +457,6 @@ impl RedisStore {
                 };
                 let epoch = lock(&this.slots.epoch).clone();
                 let mut conn = this.conn.clone();
-                // The wake-up this acquire answers, if any.
-                let token = this.wakes.answer(&tier_key).unwrap_or_default();
                 let mut acquire = this.slot_scripts.acquire.prepare_invoke();
                 acquire
                     .key(&this.keys.slots_global)
@@ -432,9 +473,9 @@ impl RedisStore {
                     .arg(&id)
                     .arg(&this.worker_id)
                     .arg(epoch.as_deref().unwrap_or(""))
-                    .arg(mode)
+                    .arg(waiting)
                     .arg(weight)
-                    .arg(&token);
+                    .arg(answering.arg());
                 if let (Some(key), Some(cap)) = (&tenant_key, limits.tenant) {
                     acquire.key(key).arg(cap);
                 }
@@ -479,8 +520,18 @@ impl RedisStore {
                     }
                 }
                 if status == 0 {
+                    // A wake-up that came while this acquire was on its way is for this
+                    // call: try once more with it, or the slot goes to nobody.
+                    if answering.token.is_none() && queue.is_some() && !late {
+                        answering.token = this.wakes.answer(&tier_key);
+                        if answering.token.is_some() {
+                            late = true;
+                            continue;
+                        }
+                    }
                     return Err(refusal);
                 }
+                answering.taken();
                 let lease = RedisLease {
                     store: this.clone(),
                     id,
@@ -632,8 +683,15 @@ impl RedisStore {
     }
 
     /// The release script for `id` of `tier_key`, or ('' and the wake's token) to pass a
-    /// wake-up on: it wakes one queued worker for the freed slot, maybe this one.
-    fn release_call(&self, id: &str, tier_key: &str, token: &str) -> redis::ScriptInvocation<'_> {
+    /// wake-up on (leaving the tier's queue with `leave`): it wakes one queued worker for
+    /// the freed slot, maybe this one.
+    fn release_call(
+        &self,
+        id: &str,
+        tier_key: &str,
+        token: &str,
+        leave: bool,
+    ) -> redis::ScriptInvocation<'_> {
         let mut release = self.slot_scripts.release.prepare_invoke();
         release
             .key(&self.keys.slots_global)
@@ -647,8 +705,24 @@ impl RedisStore {
             } else {
                 "PUBLISH"
             })
-            .arg(token);
+            .arg(token)
+            .arg(if leave { self.worker_id.as_str() } else { "" });
         release
+    }
+
+    /// Passes a wake-up of `tier_key` on to the next queued worker (in the background),
+    /// leaving the tier's queue with `leave`.
+    fn pass_wake(self: &Arc<Self>, tier_key: &str, token: &str, leave: bool) {
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return; // its promise runs out within a second
+        };
+        let this = self.clone();
+        let (tier_key, token) = (tier_key.to_owned(), token.to_owned());
+        runtime.spawn(async move {
+            let mut conn = this.conn.clone();
+            let pass = this.release_call("", &tier_key, &token, leave);
+            let _ = this.guard(pass.invoke_async::<Vec<i64>>(&mut conn)).await;
+        });
     }
 
     /// Releases leases in Redis (one script each, pipelined), keeping for later those Redis
@@ -660,7 +734,7 @@ impl RedisStore {
         } else {
             let calls = leases.iter().map(|(id, tier_key)| {
                 let mut conn = self.conn.clone();
-                let release = self.release_call(id, tier_key, "");
+                let release = self.release_call(id, tier_key, "", false);
                 async move { release.invoke_async::<Vec<i64>>(&mut conn).await.ok() }
             });
             let all = async { Ok(futures_util::future::join_all(calls).await) };
@@ -678,7 +752,8 @@ impl RedisStore {
     }
 
     /// A release woke this worker (`payload`: the tier key and the wake's token): count it
-    /// for that tier's waiters, and pass it on if no acquire of the tier answers it in time.
+    /// for that tier's waiters, and pass it on, leaving the tier's queue, if no acquire of
+    /// the tier answers it in time (or at once, for a tier this worker never queued in).
     pub(super) fn wake_arrived(self: &Arc<Self>, payload: &[u8]) {
         let Some((tier_key, token)) = std::str::from_utf8(payload)
             .ok()
@@ -686,25 +761,23 @@ impl RedisStore {
         else {
             return;
         };
-        let (tier_key, token) = (tier_key.to_owned(), token.to_owned());
-        let counted = self.wakes.woken(&tier_key, &token);
-        if counted {
-            self.fallback.slots.released.notify_waiters();
+        if !self.wakes.woken(tier_key, token) {
+            return self.pass_wake(tier_key, token, true);
         }
+        self.fallback.slots.released.notify_waiters();
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return;
         };
         let this = self.clone();
+        let (tier_key, token) = (tier_key.to_owned(), token.to_owned());
         runtime.spawn(async move {
-            if counted {
-                tokio::time::sleep(super::wakes::PASS_AFTER).await;
-                if !this.wakes.unanswered(&tier_key, &token) {
-                    return;
-                }
+            tokio::time::sleep(super::wakes::PASS_AFTER).await;
+            if let Some(arrived) = this.wakes.unanswered(&tier_key, &token) {
+                // Left unused with no acquire of the tier on its way since: no call of
+                // the tier waits here any more.
+                let leave = this.wakes.idle_since(&tier_key, arrived);
+                this.pass_wake(&tier_key, &token, leave);
             }
-            let mut conn = this.conn.clone();
-            let pass = this.release_call("", &tier_key, &token);
-            let _ = this.guard(pass.invoke_async::<Vec<i64>>(&mut conn)).await;
         });
     }
 
@@ -714,7 +787,7 @@ impl RedisStore {
         self.fallback.slots.released.notify_waiters();
     }
 
-    pub(crate) fn take_slot_wakes(&self) -> Option<Vec<Tier>> {
+    pub(crate) fn take_slot_wakes(&self) -> Option<crate::store::SlotWakes> {
         self.wakes.take()
     }
 

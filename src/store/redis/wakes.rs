@@ -25,9 +25,11 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tokio::sync::Notify;
+use tokio::time::Instant;
 
 use super::lock;
 use crate::Tier;
+use crate::store::SlotWakes;
 
 /// How long a wake may go unanswered by an acquire of its tier before it is passed on.
 pub(super) const PASS_AFTER: Duration = Duration::from_millis(50);
@@ -42,8 +44,10 @@ pub(super) struct Wakes {
     everyone: AtomicBool,
     /// What TierSlotLimit's waiter of each tier waits on, by tier key.
     notify: Mutex<HashMap<String, Arc<Notify>>>,
-    /// The tokens of the wakes no acquire of their tier has answered yet, oldest first.
-    unanswered: Mutex<HashMap<String, VecDeque<String>>>,
+    /// The wakes no acquire of their tier has answered yet, oldest first: token, arrival.
+    unanswered: Mutex<HashMap<String, VecDeque<(String, Instant)>>>,
+    /// Acquires of each tier under way here, and when one was last sent or answered.
+    acquires: Mutex<HashMap<String, (u32, Instant)>>,
 }
 
 impl Wakes {
@@ -60,7 +64,7 @@ impl Wakes {
     pub(super) fn answer(&self, tier_key: &str) -> Option<String> {
         let mut unanswered = lock(&self.unanswered);
         let waiting = unanswered.get_mut(tier_key)?;
-        let token = waiting.pop_front()?;
+        let (token, _) = waiting.pop_front()?;
         if waiting.is_empty() {
             unanswered.remove(tier_key);
         }
@@ -73,32 +77,49 @@ impl Wakes {
         if !lock(&self.tiers).contains_key(tier_key) {
             return false; // never queued here: pass it on at once
         }
-        *lock(&self.pending).entry(tier_key.to_owned()).or_default() += 1;
-        self.notify_for(tier_key).notify_one();
+        // The token first: a waiter the notification wakes takes it with its acquire.
         lock(&self.unanswered)
             .entry(tier_key.to_owned())
             .or_default()
-            .push_back(token.to_owned());
+            .push_back((token.to_owned(), Instant::now()));
+        *lock(&self.pending).entry(tier_key.to_owned()).or_default() += 1;
+        self.notify_for(tier_key).notify_one();
         true
     }
 
-    /// Whether the wake `token` of `tier_key` is still unanswered; forgets it if so.
-    pub(super) fn unanswered(&self, tier_key: &str, token: &str) -> bool {
+    /// When the wake `token` of `tier_key` arrived, if it is still unanswered; forgets it
+    /// if so.
+    pub(super) fn unanswered(&self, tier_key: &str, token: &str) -> Option<Instant> {
         let mut unanswered = lock(&self.unanswered);
-        let Some(waiting) = unanswered.get_mut(tier_key) else {
-            return false;
-        };
-        let Some(at) = waiting.iter().position(|t| t == token) else {
-            return false;
-        };
-        waiting.remove(at);
+        let waiting = unanswered.get_mut(tier_key)?;
+        let at = waiting.iter().position(|(t, _)| t == token)?;
+        let (_, arrived) = waiting.remove(at)?;
         if waiting.is_empty() {
             unanswered.remove(tier_key);
         }
         if let Some(n) = lock(&self.pending).get_mut(tier_key) {
             *n = n.saturating_sub(1);
         }
-        true
+        Some(arrived)
+    }
+
+    /// An acquire of `tier_key` starts (`true`) or ends.
+    pub(super) fn acquiring(&self, tier_key: &str, starts: bool) {
+        let mut acquires = lock(&self.acquires);
+        let (n, at) = acquires
+            .entry(tier_key.to_owned())
+            .or_insert((0, Instant::now()));
+        *n = if starts { *n + 1 } else { n.saturating_sub(1) };
+        *at = Instant::now();
+    }
+
+    /// Whether no acquire of `tier_key` is under way here, nor was sent or answered since
+    /// `since`: a wake that came then went unused because no call of the tier waits here
+    /// (rather than because one was on its way, whose answer keeps the queue right).
+    pub(super) fn idle_since(&self, tier_key: &str, since: Instant) -> bool {
+        lock(&self.acquires)
+            .get(tier_key)
+            .is_none_or(|&(n, at)| n == 0 && at < since)
     }
 
     /// Every waiter must try again.
@@ -109,21 +130,20 @@ impl Wakes {
         }
     }
 
-    /// The tiers woken since the last take, one entry per wake; `None` when every waiter
-    /// must try again.
-    pub(super) fn take(&self) -> Option<Vec<Tier>> {
+    /// What woke this worker since the last take: every waiter, or tiers (one entry per
+    /// wake-up); `None` when nothing did.
+    pub(super) fn take(&self) -> Option<SlotWakes> {
         let pending = std::mem::take(&mut *lock(&self.pending));
         if self.everyone.swap(false, Ordering::AcqRel) {
-            return None;
+            return Some(SlotWakes::Everyone);
         }
         let tiers = lock(&self.tiers);
-        Some(
-            pending
-                .into_iter()
-                .filter_map(|(key, n)| Some((tiers.get(&key)?.clone(), n)))
-                .flat_map(|(tier, n)| std::iter::repeat_n(tier, n as usize))
-                .collect(),
-        )
+        let woken: Vec<Tier> = pending
+            .into_iter()
+            .filter_map(|(key, n)| Some((tiers.get(&key)?.clone(), n)))
+            .flat_map(|(tier, n)| std::iter::repeat_n(tier, n as usize))
+            .collect();
+        (!woken.is_empty()).then_some(SlotWakes::Tiers(woken))
     }
 
     /// What a waiter of `tier_key` waits on.

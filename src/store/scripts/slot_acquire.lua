@@ -6,7 +6,8 @@
 -- the worker: Redis was wiped or restarted, or the worker was away), nothing is taken and
 -- the worker is told to resync first.
 -- A worker whose call waits for a full tier queues itself in the tier's wait queue (one
--- entry per worker, the oldest first); slot_release.lua wakes the head when a slot frees.
+-- entry per worker, the oldest first, with how many of its calls wait in `<tier set>:wants`);
+-- slot_release.lua wakes the head when a slot frees.
 -- A slot a release woke a worker for is promised to it for a second: counted against the
 -- global and the tier cap for everyone else until its acquire, which names the wake's
 -- token, comes.
@@ -15,10 +16,11 @@
 -- wait queue, KEYS[7] the promised slots (tokens scored by expiry), KEYS[8] the tier's
 -- promised slots
 -- ARGV[1] global cap, ARGV[2] tier cap, ARGV[3] lease TTL in ms, ARGV[4] lease id,
--- ARGV[5] worker id, ARGV[6] the epoch the worker synced to, ARGV[7] queueing: '0' never,
--- '1' when refused, '2' when refused and, after a grant that leaves no room, again (more
--- calls of the tier wait behind this one), ARGV[8] the tier's weight, ARGV[9] the token of
--- the wake-up this acquire answers, or ''
+-- ARGV[5] worker id, ARGV[6] the epoch the worker synced to, ARGV[7] how many calls of the
+-- tier wait at this worker, this one included ('0': never queue): refused, the worker
+-- queues with that many; granted, it stays queued (in its place) with one less, or leaves
+-- the queue with the last. ARGV[8] the tier's weight, ARGV[9] the token of the wake-up this
+-- acquire answers, or ''
 -- With a tenant cap (absent otherwise: then nothing is counted per tenant):
 -- KEYS[9] the tenant's lease set in this tier, ARGV[10] the tenant cap
 -- Returns {status, global count, tier count, reason, room} (counting the promised slots):
@@ -32,8 +34,11 @@ local record = redis.call('ZSCORE', KEYS[3], ARGV[5])
 if redis.call('GET', KEYS[4]) ~= ARGV[6] or not record or tonumber(record) <= now then
   return {-1, 0, 0}
 end
-local function queue()
+local waiting = tonumber(ARGV[7]) or 0
+local wants = KEYS[2] .. ':wants'
+local function queue(n)
   redis.call('ZADD', KEYS[6], 'NX', now, ARGV[5])
+  redis.call('HSET', wants, ARGV[5], n)
   redis.call('HSET', KEYS[5], 'global', ARGV[1], 'c:' .. KEYS[2], ARGV[2], 'w:' .. KEYS[2], ARGV[8])
 end
 if ARGV[9] ~= '' then
@@ -47,8 +52,8 @@ redis.call('ZREMRANGEBYSCORE', KEYS[8], '-inf', now)
 local global = redis.call('ZCARD', KEYS[1]) + redis.call('ZCARD', KEYS[7])
 local tier = redis.call('ZCARD', KEYS[2]) + redis.call('ZCARD', KEYS[8])
 if global >= tonumber(ARGV[1]) or tier >= tonumber(ARGV[2]) then
-  if ARGV[7] ~= '0' then
-    queue()
+  if waiting > 0 then
+    queue(waiting)
   end
   return {0, global, tier, 1}
 end
@@ -65,11 +70,10 @@ if KEYS[9] then
   redis.call('ZADD', KEYS[9], expiry, ARGV[4])
 end
 local room = math.min(tonumber(ARGV[1]) - global, tonumber(ARGV[2]) - tier) - 1
-if ARGV[7] ~= '0' then
-  -- Served: to the back of the queue if more of its calls wait and none can follow now.
+if waiting > 1 then
+  queue(waiting - 1)
+elseif waiting > 0 then
   redis.call('ZREM', KEYS[6], ARGV[5])
-  if ARGV[7] == '2' and room <= 0 then
-    queue()
-  end
+  redis.call('HDEL', wants, ARGV[5])
 end
 return {1, global + 1, tier + 1, 0, math.max(room, 0)}

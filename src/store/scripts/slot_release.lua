@@ -2,17 +2,18 @@
 -- queued worker and room under their cap, the one whose turn it is by start-time fair
 -- queuing on the tiers' weights (a tier that starts waiting starts at the current virtual
 -- time, so a flood queued before it cannot hold it back), and in that tier the worker
--- queued longest. The worker is popped and told on its own channel; one no longer listening
--- (gone) is skipped. The message is the tier key and a token; the slot is promised to the
--- worker (see slot_acquire.lua) until its acquire names the token, for a second at most.
--- With no lease id, only wakes: a woken worker whose calls had gone passes the slot on,
--- naming the token it got.
+-- queued longest. The worker is told on its own channel and goes to the back of the queue,
+-- or leaves it when that was the last of its calls waiting; one no longer listening (gone)
+-- leaves it and is skipped. The message is the tier key and a token; the slot is promised
+-- to the worker (see slot_acquire.lua) until its acquire names the token, for a second at
+-- most. With no lease id, only wakes: a woken worker whose calls had gone passes the slot
+-- on, naming the token it got, and leaves the tier's queue.
 -- KEYS[1] global lease set, KEYS[2] tier lease set, KEYS[3] wait book (slot_acquire.lua),
 -- KEYS[4] the promised slots (each also in `<tier key>:promised`)
 -- ARGV[1] lease id or '', ARGV[2] the wake channels' prefix (the worker id follows),
 -- ARGV[3] 'PUBLISH' (one node) or 'SPUBLISH' (a cluster: sharded pub/sub; the channels
 -- share the lease sets' hash tag, so they belong to this shard), ARGV[4] the token passed
--- on, or ''
+-- on, or '', ARGV[5] the worker passing it on, or ''
 -- Returns {removed, global count, tier count} (before the wake-up's promise).
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -25,6 +26,13 @@ if ARGV[4] ~= '' then
   redis.call('ZREM', KEYS[4], ARGV[4])
   redis.call('ZREM', KEYS[2] .. ':promised', ARGV[4])
 end
+local function unqueue(key, worker)
+  redis.call('ZREM', key .. ':waiting', worker)
+  redis.call('HDEL', key .. ':wants', worker)
+end
+if ARGV[5] ~= '' then
+  unqueue(KEYS[2], ARGV[5])
+end
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
 redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now)
 redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', now)
@@ -35,7 +43,7 @@ local gcap = tonumber(redis.call('HGET', book, 'global') or '0')
 if (removed == 1 or ARGV[1] == '') and global + redis.call('ZCARD', KEYS[4]) < gcap then
   local v = tonumber(redis.call('HGET', book, 'v') or '0')
   for _ = 1, 16 do
-    local best, best_start, best_finish, best_head
+    local best, best_start, best_finish, best_head, best_worker
     for _, field in ipairs(redis.call('HKEYS', book)) do
       if string.sub(field, 1, 2) == 'c:' then
         local key = string.sub(field, 3)
@@ -55,7 +63,8 @@ if (removed == 1 or ARGV[1] == '') and global + redis.call('ZCARD', KEYS[4]) < g
             local finish = start + 1 / weight
             local at = tonumber(head[2])
             if not best or finish < best_finish or (finish == best_finish and at < best_head) then
-              best, best_start, best_finish, best_head = key, start, finish, at
+              best, best_start, best_finish = key, start, finish
+              best_head, best_worker = at, head[1]
             end
           end
         end
@@ -64,14 +73,19 @@ if (removed == 1 or ARGV[1] == '') and global + redis.call('ZCARD', KEYS[4]) < g
     if not best then
       break
     end
-    local popped = redis.call('ZPOPMIN', best .. ':waiting')
     local token = tostring(redis.call('HINCRBY', book, 'token', 1))
-    if redis.call(ARGV[3], ARGV[2] .. popped[1], best .. '\n' .. token) > 0 then
+    if redis.call(ARGV[3], ARGV[2] .. best_worker, best .. '\n' .. token) > 0 then
       redis.call('ZADD', KEYS[4], now + 1000, token)
       redis.call('ZADD', best .. ':promised', now + 1000, token)
       redis.call('HSET', book, 'v:' .. best, tostring(best_finish), 'v', tostring(best_start))
+      if redis.call('HINCRBY', best .. ':wants', best_worker, -1) > 0 then
+        redis.call('ZADD', best .. ':waiting', 'XX', now, best_worker)
+      else
+        unqueue(best, best_worker)
+      end
       break
     end
+    unqueue(best, best_worker)
   end
 end
 return {removed, global, tier}
