@@ -202,7 +202,7 @@ async fn run(workers: usize) -> Run {
     let seen = seen.lock().unwrap();
     let max = seen.max[""];
     assert!(
-        max <= GLOBAL_CAP && max >= GLOBAL_CAP * 3 / 4,
+        (GLOBAL_CAP * 3 / 4..=GLOBAL_CAP).contains(&max),
         "the global cap was held and nearly reached (contention): {max}"
     );
     for (tier, cap) in TIER_CAPS {
