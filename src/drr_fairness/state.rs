@@ -223,6 +223,8 @@ struct AfterUnlock {
     watch: bool,
     /// Slots to give back, outside the lock.
     drop_leases: Vec<SlotLease>,
+    /// Wake-ups to pass on (tier, how many, whether the worker leaves the tier's queue).
+    declined: Vec<(Tier, usize, bool)>,
 }
 
 impl AfterUnlock {
@@ -239,6 +241,9 @@ impl AfterUnlock {
             metrics::gauge!(Metric::FairnessIndex.name()).set(index.unwrap_or(1.0));
         }
         drop(self.drop_leases);
+        for (tier, n, leave) in self.declined {
+            shared.store.decline_slot_wakes(&tier, n, leave);
+        }
         let spawns = !self.acquires.is_empty() || self.watch;
         let runtime = spawns
             .then(tokio::runtime::Handle::try_current)
@@ -974,8 +979,25 @@ impl Shared {
                         }
                     }
                     for (group, n) in wakes {
-                        if let Some(gate) = state.groups[group].gate.as_mut() {
-                            gate.at_once = if gate.blocked { n } else { gate.at_once.max(n) };
+                        let g = &mut state.groups[group];
+                        let waiting = g.scheduler.len();
+                        let Some(gate) = g.gate.as_mut() else {
+                            continue;
+                        };
+                        // One acquire per wake-up, for requests no acquire is on its way
+                        // for; the wake-ups beyond those go on to the next worker now.
+                        let usable = n.min(waiting.saturating_sub(gate.acquiring));
+                        if usable < n {
+                            after
+                                .declined
+                                .push((gate.tier.clone(), n - usable, waiting == 0));
+                        }
+                        if usable > 0 {
+                            gate.at_once = if gate.blocked {
+                                usable
+                            } else {
+                                gate.at_once.max(usable)
+                            };
                             gate.blocked = false;
                         }
                     }

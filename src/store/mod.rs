@@ -618,6 +618,20 @@ impl Store {
         }
     }
 
+    /// Passes on at once `n` wake-ups of `tier` no call here can answer (the fair queue
+    /// has fewer requests of the tier than wake-ups), so the slots go to the next queued
+    /// worker now rather than after the unanswered wake-ups' delay; with `leave`, no call
+    /// of the tier waits here and the worker leaves the tier's queue.
+    pub(crate) fn decline_slot_wakes(&self, tier: &Tier, n: usize, leave: bool) {
+        match &*self.backend {
+            Backend::Memory(_) => {
+                let _ = (tier, n, leave);
+            }
+            #[cfg(feature = "redis")]
+            Backend::Redis(redis) => redis.decline_slot_wakes(tier, n, leave),
+        }
+    }
+
     /// What a waiter of `tier` waits on when freed slots wake one worker each (Redis, up);
     /// `None`: wait on [`slot_released`](Self::slot_released).
     pub(crate) fn slot_wake(&self, tier: &Tier) -> Option<Arc<tokio::sync::Notify>> {

@@ -781,6 +781,18 @@ impl RedisStore {
         });
     }
 
+    /// Passes on at once `n` wake-ups of `tier` this worker has no call to answer with
+    /// (leaving the tier's queue with `leave`: no call of the tier waits here).
+    pub(crate) fn decline_slot_wakes(self: &Arc<Self>, tier: &Tier, n: usize, leave: bool) {
+        let tier_key = self.keys.slots_tier(tier);
+        for _ in 0..n {
+            let Some(token) = self.wakes.answer(&tier_key) else {
+                return;
+            };
+            self.pass_wake(&tier_key, &token, leave);
+        }
+    }
+
     /// Every waiter of this worker tries again (see `redis/wakes.rs`).
     pub(super) fn wake_everyone(&self) {
         self.wakes.everyone();
