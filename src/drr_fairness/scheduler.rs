@@ -1112,14 +1112,7 @@ impl<T> Scheduler<T> {
     pub fn pop_class(&mut self, class: Priority) -> Option<Dispatched<T>> {
         let ci = class_index(class);
         let (item, tenant, cost) = self.classes[ci].pop(&mut self.entries, self.quantum)?;
-        self.len = self.len.saturating_sub(1);
-        self.after_removal(ci);
-        Some(Dispatched {
-            item,
-            class: CLASSES[ci],
-            tenant,
-            cost: cost.unsigned_abs(),
-        })
+        Some(self.dispatched(ci, item, tenant, cost))
     }
 
     /// [`Scheduler::pop_class`], letting `decide` pass over (or stop at) the
@@ -1137,14 +1130,7 @@ impl<T> Scheduler<T> {
         let ci = class_index(class);
         let (item, tenant, cost) =
             self.classes[ci].pop_where(&mut self.entries, self.quantum, decide)?;
-        self.len = self.len.saturating_sub(1);
-        self.after_removal(ci);
-        Some(Dispatched {
-            item,
-            class: CLASSES[ci],
-            tenant,
-            cost: cost.unsigned_abs(),
-        })
+        Some(self.dispatched(ci, item, tenant, cost))
     }
 
     /// Takes the next waiting item of `tenant` in `class`, whatever its
@@ -1169,14 +1155,7 @@ impl<T> Scheduler<T> {
         let id = owner.id.clone();
         let entry = self.entries.take_at(head)?;
         queue.detach(&mut self.entries, head, &entry);
-        self.len = self.len.saturating_sub(1);
-        self.after_removal(ci);
-        Some(Dispatched {
-            item: entry.item,
-            class: CLASSES[ci],
-            tenant: id,
-            cost: cost.unsigned_abs(),
-        })
+        Some(self.dispatched(ci, entry.item, id, cost))
     }
 
     /// Charges a request that went out without waiting in the queue (there
@@ -1228,8 +1207,7 @@ impl<T> Scheduler<T> {
         let ci = class_index(entry.class);
         let queue = self.classes.get_mut(ci)?;
         queue.detach(&mut self.entries, key.index, &entry);
-        self.len = self.len.saturating_sub(1);
-        self.after_removal(ci);
+        self.removed(ci);
         Some(entry.item)
     }
 
@@ -1294,7 +1272,20 @@ impl<T> Scheduler<T> {
         self.classes[class_index(class)].busy
     }
 
-    fn after_removal(&mut self, ci: usize) {
+    /// An item of class `ci` was popped for `tenant` at `cost`: counted out, and handed out.
+    fn dispatched(&mut self, ci: usize, item: T, tenant: TenantId, cost: i64) -> Dispatched<T> {
+        self.removed(ci);
+        Dispatched {
+            item,
+            class: CLASSES[ci],
+            tenant,
+            cost: cost.unsigned_abs(),
+        }
+    }
+
+    /// An item of class `ci` left the queue.
+    fn removed(&mut self, ci: usize) {
+        self.len = self.len.saturating_sub(1);
         if let Some(queue) = self.classes.get_mut(ci)
             && queue.len == 0
         {
