@@ -152,6 +152,37 @@ impl State {
         }
     }
 
+    /// Releases woke this worker for `tiers` (an entry per freed slot): the group of each
+    /// may send one acquire per wake-up, for requests no acquire is on its way for; the
+    /// wake-ups beyond those go to `declined`, to be passed on to the next worker now.
+    fn woken(&mut self, tiers: Vec<Tier>, declined: &mut Vec<(Tier, usize, bool)>) {
+        let mut wakes: HashMap<usize, usize> = HashMap::new();
+        for tier in tiers {
+            if let Some(&group) = self.by_tier.get(&tier) {
+                *wakes.entry(group).or_default() += 1;
+            }
+        }
+        for (group, n) in wakes {
+            let g = &mut self.groups[group];
+            let waiting = g.scheduler.len();
+            let Some(gate) = g.gate.as_mut() else {
+                continue;
+            };
+            let usable = n.min(waiting.saturating_sub(gate.acquiring));
+            if usable < n {
+                declined.push((gate.tier.clone(), n - usable, waiting == 0));
+            }
+            if usable > 0 {
+                gate.at_once = if gate.blocked {
+                    usable
+                } else {
+                    gate.at_once.max(usable)
+                };
+                gate.blocked = false;
+            }
+        }
+    }
+
     /// A request of `class` left the queue: a class with nothing left waiting banks no
     /// round-robin credit (as inside one scheduler).
     fn left(&mut self, class: Priority) {
@@ -888,21 +919,42 @@ impl Shared {
             }
             return self.slot_answer(group, class, ahead, more, answer.ok());
         }
+        self.then_dispatch(|state, after| {
+            if let Some(gate) = Self::acquire_answered(state, group, class, ahead) {
+                Self::acquired_for(gate, &tenant);
+            }
+            self.hold_tenant(state, group, tenant, after);
+        });
+    }
+
+    /// Changes the state under the lock, dispatches in fair order, and does the rest
+    /// (wakers, metrics, acquires to send, leases to drop) once the lock is released.
+    fn then_dispatch(self: &Arc<Self>, change: impl FnOnce(&mut State, &mut AfterUnlock)) {
         let mut after = AfterUnlock::default();
         let depth = {
             let mut state = self.lock();
-            state.in_flight = state.in_flight.saturating_sub(1);
-            let g = &mut state.groups[group];
-            if let Some(gate) = g.gate.as_mut() {
-                gate.acquiring = gate.acquiring.saturating_sub(1);
-                Self::acquired_for(gate, &tenant);
-            }
-            g.vtime[class as usize] -= ahead;
-            self.hold_tenant(&mut state, group, tenant, &mut after);
+            change(&mut state, &mut after);
             self.dispatch(&mut state, &mut after);
             after.depth.map(|p| (p, state.class_len(p)))
         };
         after.run(self, depth);
+    }
+
+    /// An acquire `dispatch` sent for `group` in `class` is answered: its window place and
+    /// the step of virtual time charged ahead for it are given back (a dispatch charges its
+    /// own). The group's gate, to account for the answer.
+    fn acquire_answered(
+        state: &mut State,
+        group: usize,
+        class: Priority,
+        ahead: f64,
+    ) -> Option<&mut Gate> {
+        state.in_flight = state.in_flight.saturating_sub(1);
+        let g = &mut state.groups[group];
+        g.vtime[class as usize] -= ahead;
+        let gate = g.gate.as_mut()?;
+        gate.acquiring = gate.acquiring.saturating_sub(1);
+        Some(gate)
     }
 
     /// An acquire for `tenant` is answered.
@@ -926,13 +978,8 @@ impl Shared {
         more: bool,
         lease: Option<SlotLease>,
     ) {
-        let mut after = AfterUnlock::default();
-        let depth = {
-            let mut state = self.lock();
-            state.in_flight = state.in_flight.saturating_sub(1);
-            let g = &mut state.groups[group];
-            if let Some(gate) = g.gate.as_mut() {
-                gate.acquiring = gate.acquiring.saturating_sub(1);
+        self.then_dispatch(|state, after| {
+            if let Some(gate) = Self::acquire_answered(state, group, class, ahead) {
                 // Doubling, but never past the room the caps had left (with the acquires
                 // still under way): on Redis the answer says how much.
                 gate.at_once = match &lease {
@@ -944,69 +991,27 @@ impl Shared {
                     None => 1,
                 };
             }
-            // The step charged ahead when the acquire was sent; the dispatch charges its own.
-            g.vtime[class as usize] -= ahead;
             match lease {
                 Some(lease) => {
                     let last = more && lease.room() == 0;
-                    self.hand_next(&mut state, group, class, Some(lease), &mut after);
+                    self.hand_next(state, group, class, Some(lease), after);
                     if last {
-                        self.block(&mut state, group, &mut after);
+                        self.block(state, group, after);
                     }
                 }
-                None => self.block(&mut state, group, &mut after),
+                None => self.block(state, group, after),
             }
-            self.dispatch(&mut state, &mut after);
-            after.depth.map(|p| (p, state.class_len(p)))
-        };
-        after.run(self, depth);
+        });
     }
 
     /// Slots may have come free: for the tiers a release woke this worker for (one acquire
     /// per wake-up), or for anyone (every blocked group tries again). Then dispatch, in
     /// fair order.
     fn slot_freed(self: &Arc<Self>, woken: SlotWakes) {
-        let mut after = AfterUnlock::default();
-        let depth = {
-            let mut state = self.lock();
-            match woken {
-                SlotWakes::Everyone => state.unblock_all(),
-                SlotWakes::Tiers(tiers) => {
-                    let mut wakes: HashMap<usize, usize> = HashMap::new();
-                    for tier in tiers {
-                        if let Some(&group) = state.by_tier.get(&tier) {
-                            *wakes.entry(group).or_default() += 1;
-                        }
-                    }
-                    for (group, n) in wakes {
-                        let g = &mut state.groups[group];
-                        let waiting = g.scheduler.len();
-                        let Some(gate) = g.gate.as_mut() else {
-                            continue;
-                        };
-                        // One acquire per wake-up, for requests no acquire is on its way
-                        // for; the wake-ups beyond those go on to the next worker now.
-                        let usable = n.min(waiting.saturating_sub(gate.acquiring));
-                        if usable < n {
-                            after
-                                .declined
-                                .push((gate.tier.clone(), n - usable, waiting == 0));
-                        }
-                        if usable > 0 {
-                            gate.at_once = if gate.blocked {
-                                usable
-                            } else {
-                                gate.at_once.max(usable)
-                            };
-                            gate.blocked = false;
-                        }
-                    }
-                }
-            }
-            self.dispatch(&mut state, &mut after);
-            after.depth.map(|p| (p, state.class_len(p)))
-        };
-        after.run(self, depth);
+        self.then_dispatch(|state, after| match woken {
+            SlotWakes::Everyone => state.unblock_all(),
+            SlotWakes::Tiers(tiers) => state.woken(tiers, &mut after.declined),
+        });
     }
 
     /// A permit came back: its request, if the scheduler counted it (`tenant`), is no longer
@@ -1019,9 +1024,7 @@ impl Shared {
         tenant: Option<&TenantId>,
         lease: Option<SlotLease>,
     ) {
-        let mut after = AfterUnlock::default();
-        let depth = {
-            let mut state = self.lock();
+        self.then_dispatch(|state, _| {
             state.in_flight = state.in_flight.saturating_sub(1);
             if let Some(tenant) = tenant {
                 state.groups[group].scheduler.complete(class, tenant);
@@ -1034,10 +1037,7 @@ impl Shared {
                     state.unblock_all();
                 }
             }
-            self.dispatch(&mut state, &mut after);
-            after.depth.map(|p| (p, state.class_len(p)))
-        };
-        after.run(self, depth);
+        });
     }
 
     pub(super) fn settle(&self, job: &Job, actual: u64) {
