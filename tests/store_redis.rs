@@ -11,7 +11,7 @@ use std::convert::Infallible;
 use std::time::Duration;
 
 use fairgate::{Job, Origin, Priority, PriorityClassifyLayer, Store, TenantId};
-use support::{EventCounter, Redis, Target, on_node_and_cluster, request};
+use support::{EventCounter, Redis, Target, on_node_and_cluster, request, wait_until};
 use tokio::time::{Instant, timeout};
 use tower::{Layer, ServiceExt, service_fn};
 
@@ -49,14 +49,6 @@ async fn classify(store: &Store, job: Job) -> Priority {
 
 fn chat(tenant: &str) -> Job {
     Job::new(tenant, Origin::UserAction)
-}
-
-async fn wait_until(what: &str, mut done: impl FnMut() -> bool) {
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while !done() {
-        assert!(Instant::now() < deadline, "timed out waiting until {what}");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
 }
 
 on_node_and_cluster!(

@@ -17,7 +17,7 @@ use std::time::Duration;
 use fairgate::{
     FairgateLayer, Job, Origin, SlotLimits, SlotPolicy, Store, Tier, TierSlotLimitLayer,
 };
-use support::{Redis, RedisServer, Target, on_node_and_cluster, request};
+use support::{Redis, RedisServer, Target, on_node_and_cluster, request, wait_until};
 use tokio::time::Instant;
 use tower::{Layer, ServiceExt, service_fn};
 
@@ -560,21 +560,45 @@ async fn a_lease_given_back_while_redis_is_away_is_released_when_it_returns(targ
     wait_for_leases(&redis, 0, Duration::from_secs(3)).await;
 }
 
-async fn a_release_in_one_worker_wakes_a_waiter_in_another_at_once(target: Target) {
-    let redis = target.start().await;
-    let (one, two) = (worker(&redis).await, worker(&redis).await);
-    // A one-minute safety-net poll: only the pub/sub announcement can wake the waiter soon.
-    let policy = SlotPolicy::builder()
+/// One `pro` slot in all, and a safety-net poll of a minute (ten on Redis while wake-ups
+/// are targeted): only a wake-up can serve a waiter soon.
+fn one_slot_no_poll() -> SlotPolicy {
+    SlotPolicy::builder()
         .global_max(1)
         .tier("pro", 1, Duration::from_secs(30))
         .poll_interval(Duration::from_secs(60))
         .build()
-        .unwrap();
+        .unwrap()
+}
+
+/// A TierSlotLimit on `store` around an upstream that answers at once.
+fn answering_at_once(
+    store: Store,
+    policy: SlotPolicy,
+) -> impl tower::Service<
+    http::Request<()>,
+    Response: Send + 'static,
+    Error: std::fmt::Debug + Send + 'static,
+    Future: Send,
+> + Clone
++ Send
++ 'static {
     let upstream =
         service_fn(|_: http::Request<()>| async { Ok::<_, Infallible>(http::Response::new(())) });
-    let holder = TierSlotLimitLayer::new(one, policy.clone()).layer(upstream);
-    let waiter = TierSlotLimitLayer::new(two, policy).layer(upstream);
-    let job = || Job::new("acme", Origin::UserAction).tier("pro");
+    TierSlotLimitLayer::new(store, policy).layer(upstream)
+}
+
+fn pro_job() -> Job {
+    Job::new("acme", Origin::UserAction).tier("pro")
+}
+
+async fn a_release_in_one_worker_wakes_a_waiter_in_another_at_once(target: Target) {
+    let redis = target.start().await;
+    let (one, two) = (worker(&redis).await, worker(&redis).await);
+    let policy = one_slot_no_poll();
+    let holder = answering_at_once(one, policy.clone());
+    let waiter = answering_at_once(two, policy);
+    let job = pro_job;
 
     let held = holder.oneshot(request(job())).await.unwrap();
     let waiting = tokio::spawn(async move {
@@ -618,42 +642,23 @@ fn wake_ups(redis: &Redis) -> u32 {
         .unwrap_or(0)
 }
 
-async fn until(what: &str, within: Duration, mut done: impl FnMut() -> bool) {
-    let deadline = Instant::now() + within;
-    while !done() {
-        assert!(Instant::now() < deadline, "{what}: not within {within:?}");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-}
-
 /// Three workers each wait for the one slot another holds. Each release wakes exactly one
 /// of them (a wake-up is a token: three releases with waiters, three tokens), and its one
 /// acquire takes the slot: a refused acquire would queue it again and cost a fourth. The
 /// safety-net poll is ten minutes on Redis here, so only wake-ups can serve them.
 async fn each_freed_slot_wakes_one_queued_worker_whose_acquire_takes_it(target: Target) {
     let redis = target.start_own().await;
-    let policy = SlotPolicy::builder()
-        .global_max(1)
-        .tier("pro", 1, Duration::from_secs(30))
-        .poll_interval(Duration::from_secs(60))
-        .build()
-        .unwrap();
-    let upstream =
-        service_fn(|_: http::Request<()>| async { Ok::<_, Infallible>(http::Response::new(())) });
-    let job = || Job::new("acme", Origin::UserAction).tier("pro");
-    let holder = TierSlotLimitLayer::new(worker(&redis).await, policy.clone()).layer(upstream);
-    let held = holder.oneshot(request(job())).await.unwrap();
+    let policy = one_slot_no_poll();
+    let holder = answering_at_once(worker(&redis).await, policy.clone());
+    let held = holder.oneshot(request(pro_job())).await.unwrap();
     let mut waiting = Vec::new();
     for _ in 0..3 {
-        let waiter = TierSlotLimitLayer::new(worker(&redis).await, policy.clone()).layer(upstream);
+        let waiter = answering_at_once(worker(&redis).await, policy.clone());
         waiting.push(tokio::spawn(async move {
-            waiter.oneshot(request(job())).await.map(drop)
+            waiter.oneshot(request(pro_job())).await.map(drop)
         }));
     }
-    until("three workers queued", Duration::from_secs(5), || {
-        queued(&redis, "pro") == 3
-    })
-    .await;
+    wait_until("three workers queued", || queued(&redis, "pro") == 3).await;
     assert_eq!(wake_ups(&redis), 0);
     let released = Instant::now();
     drop(held);
@@ -711,7 +716,7 @@ async fn a_tier_that_starts_waiting_is_not_held_behind_a_flood_queued_before_it(
         tokio::spawn(async move { service.oneshot(request(job)).await })
     };
     let guests: Vec<_> = (0..40).map(|i| call(&flood, "guest", i)).collect();
-    until("the guests queued in redis", Duration::from_secs(5), || {
+    wait_until("the guests queued in redis", || {
         queued(&redis, "guest") == 1
     })
     .await;
@@ -730,8 +735,9 @@ async fn a_tier_that_starts_waiting_is_not_held_behind_a_flood_queued_before_it(
         "{target:?}: premium sent after {before} guests were served; {guests_meanwhile} more \
          guests were served before the last of the 6 premium calls"
     );
+    // In arrival order all 40 guests would go first; by weight about one in four slots.
     assert!(
-        guests_meanwhile <= 8,
+        guests_meanwhile <= 12,
         "{guests_meanwhile} guests before the last premium call"
     );
 }

@@ -1074,6 +1074,18 @@ pub fn rfc3339(at: std::time::SystemTime) -> String {
     )
 }
 
+/// Waits (real time, polling every 10 ms) until `done`, for at most 5 s.
+pub async fn wait_until(what: &str, mut done: impl FnMut() -> bool) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    while !done() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "timed out waiting until {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
 /// What the spawned tasks returned, in the order given (a panic in one fails the test).
 pub async fn joined<T>(handles: Vec<tokio::task::JoinHandle<T>>) -> Vec<T> {
     let mut all = Vec::with_capacity(handles.len());
