@@ -342,6 +342,16 @@ async fn a_storm_of_eight_workers_stays_under_2_percent_429_at_the_providers_rat
     assert_eq!(learned.output_tokens, Some(8_000));
 }
 
+/// Two workers (store handles) on one throwaway Redis, which lives as long as the server.
+#[cfg(feature = "redis")]
+async fn two_workers() -> (support::RedisServer, [Store; 2]) {
+    let server = support::RedisServer::start();
+    let url = server.url();
+    let connect = || Store::builder().redis(&url);
+    let stores = [connect().await.unwrap(), connect().await.unwrap()];
+    (server, stores)
+}
+
 #[cfg(feature = "redis")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_storm_of_two_workers_on_one_redis_stays_under_2_percent_429_at_the_providers_rate() {
@@ -533,11 +543,8 @@ async fn the_pacer_follows_a_limit_that_changes_mid_run_on_two_workers_on_one_re
     // Real time, scaled: 1,200 RPM (20 a second), then 480 (8 a second), then 1,200 again,
     // 2.5 s each after 1.5 s of warm-up (slow start and the first reservations); two
     // workers sharing one throwaway Redis, 10 callers each.
-    let server = support::RedisServer::start();
-    let url = server.url();
-    let connect = || Store::builder().redis(&url);
+    let (_server, stores) = two_workers().await;
     let provider = Anthropic::new(1_200, 10_000_000, 10_000_000, Duration::from_millis(20));
-    let stores = [connect().await.unwrap(), connect().await.unwrap()];
     let phase = Duration::from_millis(2_500);
     let start = Instant::now() + Duration::from_millis(1_500);
     let end = start + phase * 3;
@@ -907,11 +914,8 @@ async fn while_redis_is_away_each_worker_paces_at_its_share_of_the_learned_rate(
     // Real time, scaled: 600 RPM learned by two workers on one Redis; then Redis dies and
     // one worker paces alone against half of it (0.95 x 600 / 2 = 285 a minute, 4.75 a
     // second), as the slot caps and configured pacing are split.
-    let mut server = support::RedisServer::start();
-    let url = server.url();
-    let connect = || Store::builder().redis(&url);
+    let (mut server, [one, _two]) = two_workers().await;
     let provider = Anthropic::new(600, 10_000_000, 10_000_000, Duration::from_millis(5));
-    let (one, _two) = (connect().await.unwrap(), connect().await.unwrap());
     let alive = Instant::now() + Duration::from_secs(5);
     while one.alive_workers() < 2 && Instant::now() < alive {
         tokio::time::sleep(Duration::from_millis(50)).await;
