@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 use fairgate::Job;
 
 pub mod anthropic;
+pub mod rate_limited;
 #[cfg(feature = "redis")]
 mod target;
 #[cfg(feature = "redis")]
