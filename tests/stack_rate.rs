@@ -16,9 +16,12 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
-use fairgate::{BackoffPolicy, BoxError, Busy, FairgateLayer, Job, Origin, Store};
+use fairgate::{BackoffPolicy, BoxError, FairgateLayer, Job, Origin, Store};
 use metrics_util::debugging::{DebugValue, DebuggingRecorder};
-use support::rate_limited::{CALL_ID, RateLimited, Started, longest_idle_while_waiting};
+use support::rate_limited::{
+    Answer, CALL_ID, Outcome, RateLimited, Reason, Started, answer, busy_reasons, count,
+    first_start, longest_idle_while_waiting, share_broken, waiting,
+};
 use support::{joined, percentile};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
@@ -39,79 +42,6 @@ fn secs(secs: f64) -> Duration {
 /// One paced interval of learned pacing at `rpm`: it aims at 0.95 of the learned rate.
 fn interval(rpm: f64) -> Duration {
     secs(60.0 / (0.95 * rpm))
-}
-
-/// What `Busy` waited for.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Reason {
-    Slot,
-    Rate,
-    Cooldown,
-    /// A message that names none of them.
-    Unknown,
-}
-
-impl Reason {
-    fn label(self) -> &'static str {
-        match self {
-            Reason::Slot => "slot",
-            Reason::Rate => "rate",
-            Reason::Cooldown => "cooldown",
-            Reason::Unknown => "unknown",
-        }
-    }
-}
-
-/// What `busy` waited for, read from its message.
-///
-/// TODO(issue 18): once `Busy::reason()` lands, read it instead:
-/// `match busy.reason() { fairgate::BusyReason::Slot => Reason::Slot, ... }` — the asserts
-/// on the message below stay (the message must say it too).
-fn reason(busy: &Busy) -> Reason {
-    let text = busy.to_string();
-    if text.contains("cooldown") {
-        Reason::Cooldown
-    } else if text.contains("rate") {
-        Reason::Rate
-    } else if text.contains("no slot") {
-        Reason::Slot
-    } else {
-        Reason::Unknown
-    }
-}
-
-/// What a caller was answered.
-#[derive(Clone, Debug)]
-enum Answer {
-    Status(u16),
-    Busy(Reason, String),
-    Other(String),
-}
-
-/// One request as its caller saw it.
-#[derive(Clone, Debug)]
-struct Outcome {
-    id: u64,
-    sent: Instant,
-    done: Instant,
-    answer: Answer,
-}
-
-impl Outcome {
-    fn took(&self) -> Duration {
-        self.done - self.sent
-    }
-
-    fn ok(&self) -> bool {
-        matches!(self.answer, Answer::Status(200))
-    }
-
-    fn busy(&self) -> Option<Reason> {
-        match self.answer {
-            Answer::Busy(reason, _) => Some(reason),
-            _ => None,
-        }
-    }
 }
 
 /// The stack over a rate-limited upstream, and the test's clock.
@@ -172,13 +102,7 @@ impl Rig {
         tokio::spawn(async move {
             tokio::time::sleep_until(when).await;
             let sent = Instant::now();
-            let answer = match stack.oneshot(req).await {
-                Ok(status) => Answer::Status(status),
-                Err(e) => match e.downcast_ref::<Busy>() {
-                    Some(busy) => Answer::Busy(reason(busy), busy.to_string()),
-                    None => Answer::Other(e.to_string()),
-                },
-            };
+            let answer = answer(stack.oneshot(req).await);
             Outcome {
                 id,
                 sent,
@@ -200,76 +124,6 @@ fn user(tenant: &str, tier: &str) -> Job {
 
 fn batch(tenant: &str, tier: &str) -> Job {
     Job::new(tenant, Origin::BatchJob).tier(tier)
-}
-
-/// The first prefix of `dispatches` (tiers, in start order) in which `light` has more than
-/// its share against `heavy` at weights `heavy_weight : 1`, with one call of slack:
-/// `light > heavy / heavy_weight + 1`. `None` if every prefix keeps the share.
-fn share_broken(
-    dispatches: &[&str],
-    heavy: &str,
-    light: &str,
-    heavy_weight: usize,
-) -> Option<(usize, usize, usize)> {
-    let (mut h, mut l) = (0, 0);
-    for (i, tier) in dispatches.iter().enumerate() {
-        if *tier == heavy {
-            h += 1;
-        } else if *tier == light {
-            l += 1;
-        }
-        if l * heavy_weight > h + heavy_weight {
-            return Some((i + 1, h, l));
-        }
-    }
-    None
-}
-
-fn count(outcomes: &[Outcome], what: impl Fn(&Outcome) -> bool) -> usize {
-    outcomes.iter().filter(|o| what(o)).count()
-}
-
-/// Busy answers by reason, for the printout.
-fn busy_reasons(outcomes: &[Outcome]) -> String {
-    let mut out = Vec::new();
-    for reason in [
-        Reason::Slot,
-        Reason::Rate,
-        Reason::Cooldown,
-        Reason::Unknown,
-    ] {
-        let n = count(outcomes, |o| o.busy() == Some(reason));
-        if n > 0 {
-            out.push(format!("{} {n}", reason.label()));
-        }
-    }
-    if let Some(Answer::Other(e)) = outcomes
-        .iter()
-        .map(|o| &o.answer)
-        .find(|a| matches!(a, Answer::Other(_)))
-    {
-        let n = count(outcomes, |o| matches!(o.answer, Answer::Other(_)));
-        out.push(format!("other errors {n} (first: {e})"));
-    }
-    if out.is_empty() {
-        "none".to_owned()
-    } else {
-        out.join(", ")
-    }
-}
-
-/// The first time each request reached the upstream, by its id.
-fn first_start(calls: &[Started], id: u64) -> Option<Instant> {
-    calls.iter().find(|c| c.id == Some(id)).map(|c| c.at)
-}
-
-/// When each request waited in the stack: from when it was sent until it first reached the
-/// upstream, or until it was answered without reaching it.
-fn waiting(outcomes: &[Outcome], calls: &[Started]) -> Vec<(Instant, Instant)> {
-    outcomes
-        .iter()
-        .map(|o| (o.sent, first_start(calls, o.id).unwrap_or(o.done)))
-        .collect()
 }
 
 // 1. A guest flood at the provider's rate.
@@ -300,7 +154,7 @@ async fn guest_flood_at_the_providers_rate_premium_gets_its_weighted_share_of_pa
         .collect();
     let in_window = |tier: &str| window.iter().filter(|t| **t == tier).count();
     let (p, g) = (in_window("premium"), in_window("guest"));
-    let broken = share_broken(&window, "premium", "guest", 3);
+    let broken = share_broken(&window, "premium", "guest", 3, 1);
     let took: Vec<Duration> = premium.iter().map(Outcome::took).collect();
     println!(
         "guest flood at 60 RPM: premium {} of 20 served ({}), p50 {:?}, max {:?}; \
@@ -707,10 +561,10 @@ async fn busy_behind_a_full_tier_says_it_waited_for_a_slot() {
 fn the_share_rule_counts_prefixes() {
     // The SFQ order of weights 3:1 keeps the share; a guest run breaks it.
     let fair = ["guest", "premium", "premium", "premium", "guest", "premium"];
-    assert_eq!(share_broken(&fair, "premium", "guest", 3), None);
+    assert_eq!(share_broken(&fair, "premium", "guest", 3, 1), None);
     let unfair = ["guest", "guest", "premium", "premium"];
     assert_eq!(
-        share_broken(&unfair, "premium", "guest", 3),
+        share_broken(&unfair, "premium", "guest", 3, 1),
         Some((2, 0, 2))
     );
 }

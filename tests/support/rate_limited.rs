@@ -12,7 +12,7 @@
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
-use fairgate::{BoxError, Job, Priority};
+use fairgate::{BoxError, Busy, Job, Priority};
 use tokio::time::Instant;
 use tower::{Service, service_fn};
 
@@ -294,4 +294,161 @@ pub fn longest_idle_while_waiting(
         t += step;
     }
     longest
+}
+
+// The callers' side: what each request was answered, and rules over the record.
+
+/// What `Busy` waited for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Reason {
+    Slot,
+    Rate,
+    Cooldown,
+    /// A message that names none of them.
+    Unknown,
+}
+
+impl Reason {
+    pub fn label(self) -> &'static str {
+        match self {
+            Reason::Slot => "slot",
+            Reason::Rate => "rate",
+            Reason::Cooldown => "cooldown",
+            Reason::Unknown => "unknown",
+        }
+    }
+}
+
+/// What `busy` waited for, read from its message.
+///
+/// TODO(issue 18): once `Busy::reason()` lands, read it instead:
+/// `match busy.reason() { fairgate::BusyReason::Slot => Reason::Slot, ... }` — the asserts
+/// on the message below stay (the message must say it too).
+pub fn reason(busy: &Busy) -> Reason {
+    let text = busy.to_string();
+    if text.contains("cooldown") {
+        Reason::Cooldown
+    } else if text.contains("rate") {
+        Reason::Rate
+    } else if text.contains("no slot") {
+        Reason::Slot
+    } else {
+        Reason::Unknown
+    }
+}
+
+/// What a caller was answered.
+#[derive(Clone, Debug)]
+pub enum Answer {
+    Status(u16),
+    Busy(Reason, String),
+    Other(String),
+}
+
+/// One request as its caller saw it.
+#[derive(Clone, Debug)]
+pub struct Outcome {
+    pub id: u64,
+    pub sent: Instant,
+    pub done: Instant,
+    pub answer: Answer,
+}
+
+impl Outcome {
+    pub fn took(&self) -> Duration {
+        self.done - self.sent
+    }
+
+    pub fn ok(&self) -> bool {
+        matches!(self.answer, Answer::Status(200))
+    }
+
+    pub fn busy(&self) -> Option<Reason> {
+        match self.answer {
+            Answer::Busy(reason, _) => Some(reason),
+            _ => None,
+        }
+    }
+}
+
+/// What a caller of the stack (answering the status) was answered.
+pub fn answer(result: Result<u16, BoxError>) -> Answer {
+    match result {
+        Ok(status) => Answer::Status(status),
+        Err(e) => match e.downcast_ref::<Busy>() {
+            Some(busy) => Answer::Busy(reason(busy), busy.to_string()),
+            None => Answer::Other(e.to_string()),
+        },
+    }
+}
+
+/// The first prefix of `dispatches` (tiers, in start order) in which `light` has more than
+/// its share against `heavy` at weights `heavy_weight : 1`, with `slack` calls of slack:
+/// `light > heavy / heavy_weight + slack`. `None` if every prefix keeps the share.
+pub fn share_broken(
+    dispatches: &[&str],
+    heavy: &str,
+    light: &str,
+    heavy_weight: usize,
+    slack: usize,
+) -> Option<(usize, usize, usize)> {
+    let (mut h, mut l) = (0, 0);
+    for (i, tier) in dispatches.iter().enumerate() {
+        if *tier == heavy {
+            h += 1;
+        } else if *tier == light {
+            l += 1;
+        }
+        if l * heavy_weight > h + slack * heavy_weight {
+            return Some((i + 1, h, l));
+        }
+    }
+    None
+}
+
+pub fn count(outcomes: &[Outcome], what: impl Fn(&Outcome) -> bool) -> usize {
+    outcomes.iter().filter(|o| what(o)).count()
+}
+
+/// Busy answers by reason, for the printout.
+pub fn busy_reasons(outcomes: &[Outcome]) -> String {
+    let mut out = Vec::new();
+    for reason in [
+        Reason::Slot,
+        Reason::Rate,
+        Reason::Cooldown,
+        Reason::Unknown,
+    ] {
+        let n = count(outcomes, |o| o.busy() == Some(reason));
+        if n > 0 {
+            out.push(format!("{} {n}", reason.label()));
+        }
+    }
+    if let Some(Answer::Other(e)) = outcomes
+        .iter()
+        .map(|o| &o.answer)
+        .find(|a| matches!(a, Answer::Other(_)))
+    {
+        let n = count(outcomes, |o| matches!(o.answer, Answer::Other(_)));
+        out.push(format!("other errors {n} (first: {e})"));
+    }
+    if out.is_empty() {
+        "none".to_owned()
+    } else {
+        out.join(", ")
+    }
+}
+
+/// The first time each request reached the upstream, by its id.
+pub fn first_start(calls: &[Started], id: u64) -> Option<Instant> {
+    calls.iter().find(|c| c.id == Some(id)).map(|c| c.at)
+}
+
+/// When each request waited in the stack: from when it was sent until it first reached the
+/// upstream, or until it was answered without reaching it.
+pub fn waiting(outcomes: &[Outcome], calls: &[Started]) -> Vec<(Instant, Instant)> {
+    outcomes
+        .iter()
+        .map(|o| (o.sent, first_start(calls, o.id).unwrap_or(o.done)))
+        .collect()
 }
