@@ -16,6 +16,14 @@ use fairgate::{BoxError, Busy, Job, Priority};
 use tokio::time::Instant;
 use tower::{Service, service_fn};
 
+/// The frames of a streamed answer.
+type Frames = std::pin::Pin<
+    Box<dyn futures_util::Stream<Item = Result<http_body::Frame<bytes::Bytes>, BoxError>> + Send>,
+>;
+
+/// The body of a streamed answer ([`RateLimited::streaming_service`]).
+pub type Streaming = http_body_util::StreamBody<Frames>;
+
 /// The header a test puts on each request to find it in the record.
 pub const CALL_ID: &str = "x-call-id";
 
@@ -233,6 +241,44 @@ impl RateLimited {
             async move {
                 tokio::time::sleep(this.latency).await;
                 Ok::<_, BoxError>(this.answer(throttled))
+            }
+        })
+    }
+
+    /// As [`service`](RateLimited::service), but streaming, as the Messages API does: the
+    /// answer's head (status and rate-limit headers) comes `head` after the call arrives,
+    /// and its body ends when the call's `latency` is up.
+    pub fn streaming_service(
+        &self,
+        head: Duration,
+    ) -> impl Service<
+        http::Request<String>,
+        Response = http::Response<Streaming>,
+        Error = BoxError,
+        Future: Send + 'static,
+    > + Clone
+    + Send
+    + Sync
+    + 'static {
+        let this = self.clone();
+        service_fn(move |req: http::Request<String>| {
+            let this = this.clone();
+            let id = req
+                .headers()
+                .get(CALL_ID)
+                .and_then(|v| v.to_str().ok())
+                .and_then(|v| v.parse().ok());
+            let job = req.extensions().get::<Job>().expect("a job").clone();
+            let throttled = this.arrive(&job, id);
+            let rest = this.latency.saturating_sub(head);
+            async move {
+                tokio::time::sleep(head).await;
+                let response = this.answer(throttled);
+                let body: Frames = Box::pin(futures_util::stream::once(async move {
+                    tokio::time::sleep(rest).await;
+                    Ok(http_body::Frame::data(bytes::Bytes::from_static(b"{}")))
+                }));
+                Ok::<_, BoxError>(response.map(|_| http_body_util::StreamBody::new(body)))
             }
         })
     }
