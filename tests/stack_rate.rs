@@ -204,6 +204,8 @@ async fn guest_flood_at_the_providers_rate_premium_gets_its_weighted_share_of_pa
         "guest {g} dispatches against premium {p}: more than a 1:3 share (+1)"
     );
     assert_eq!(broken, None, "a guest went while premium's share was owed");
+    // Learned pacing's bar holds whoever goes: the provider is never overdriven.
+    assert_eq!(rig.upstream.throttled(), 0, "429s from the provider");
 }
 
 // 2. A light tenant behind a hog.
@@ -240,6 +242,8 @@ async fn light_tenant_behind_a_hog_is_served_within_two_paced_intervals_plus_its
     );
     assert!(light.ok(), "B is served: {light:?}");
     assert!(light.took() <= bound, "B took {:?}", light.took());
+    // Learned pacing's bar holds whoever goes: the provider is never overdriven.
+    assert_eq!(rig.upstream.throttled(), 0, "429s from the provider");
 }
 
 // 3. Critical behind batch.
@@ -271,15 +275,18 @@ async fn critical_calls_behind_a_batch_backlog_are_answered_within_10_s() {
     println!(
         "critical behind batch at 50 RPM: the 5 user actions answered after {took:?} \
          (busy: {}); batch calls started after they arrived and before the last of them: \
-         {batch_between}; batch {} served, busy: {}",
+         {batch_between}; batch {} served, busy: {}; upstream 429s {}",
         busy_reasons(&users),
         count(&backlog, Outcome::ok),
         busy_reasons(&backlog),
+        rig.upstream.throttled(),
     );
     for o in &users {
         assert!(o.ok(), "every user action is served: {o:?}");
         assert!(o.took() <= secs(10.0), "a user action took {:?}", o.took());
     }
+    // Learned pacing's bar holds whoever goes: the provider is never overdriven.
+    assert_eq!(rig.upstream.throttled(), 0, "429s from the provider");
 }
 
 // 4. Abandoned reservations.
@@ -318,6 +325,8 @@ async fn calls_that_left_leave_no_gap_pro_calls_after_a_guest_timeout_are_served
         assert!(o.took() <= secs(13.0), "a pro call took {:?}", o.took());
     }
     assert!(idle <= idle_bound, "idle {idle:?} while calls waited");
+    // Learned pacing's bar holds whoever goes: the provider is never overdriven.
+    assert_eq!(rig.upstream.throttled(), 0, "429s from the provider");
 }
 
 // 5. Cold start: no warm-up, a slow upstream with generous limits (4,000 RPM: only the slot

@@ -209,6 +209,8 @@ async fn two_workers_guest_flood_at_the_providers_rate_premium_gets_its_weighted
         "guest {g} dispatches against premium {p}: more than a 1:3 share (+2)"
     );
     assert_eq!(broken, None, "a guest went while premium's share was owed");
+    // Learned pacing's bar holds whoever goes: the provider is never overdriven.
+    assert_eq!(fleet.upstream.throttled(), 0, "429s from the provider");
 }
 
 // 2. A light tenant behind a hog, on two workers.
@@ -248,6 +250,8 @@ async fn two_workers_light_tenant_behind_a_hog_is_served_within_two_paced_interv
     );
     assert!(light.ok(), "B is served: {light:?}");
     assert!(light.took() <= bound, "B took {:?}", light.took());
+    // Learned pacing's bar holds whoever goes: the provider is never overdriven.
+    assert_eq!(fleet.upstream.throttled(), 0, "429s from the provider");
 }
 
 // 4. Abandoned reservations, on two workers.
@@ -297,4 +301,6 @@ async fn two_workers_calls_that_left_leave_no_gap_pro_calls_after_a_guest_timeou
         assert!(o.took() <= bound, "a pro call took {:?}", o.took());
     }
     assert!(idle <= idle_bound, "idle {idle:?} while calls waited");
+    // Learned pacing's bar holds whoever goes: the provider is never overdriven.
+    assert_eq!(fleet.upstream.throttled(), 0, "429s from the provider");
 }
