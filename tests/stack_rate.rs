@@ -16,6 +16,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
+use fairgate::retry_after_backoff::Pacing;
 use fairgate::{BackoffPolicy, BoxError, FairgateBody, FairgateLayer, Job, Origin, Store};
 use http_body_util::BodyExt;
 use metrics_util::debugging::{DebugValue, DebuggingRecorder};
@@ -56,8 +57,13 @@ struct Rig {
 impl Rig {
     /// `FairgateLayer::new(Store::memory())` but for the seeded jitter.
     fn cold(upstream: RateLimited) -> Rig {
+        Rig::cold_with(upstream, BackoffPolicy::builder().seed(18).build().unwrap())
+    }
+
+    /// As [`cold`](Rig::cold), with `backoff` for the 429 hygiene and the pacing.
+    fn cold_with(upstream: RateLimited, backoff: BackoffPolicy) -> Rig {
         let fairgate = FairgateLayer::builder(Store::memory())
-            .backoff(BackoffPolicy::builder().seed(18).build().unwrap())
+            .backoff(backoff)
             .build()
             .unwrap();
         let service = fairgate
@@ -98,7 +104,12 @@ impl Rig {
     /// As [`cold`](Rig::cold), after one warm-up call (slow start is over, the limits are
     /// learned); then the upstream's record and the test's clock start afresh.
     async fn warm(upstream: RateLimited) -> Rig {
-        let mut rig = Rig::cold(upstream);
+        Rig::warm_with(upstream, BackoffPolicy::builder().seed(18).build().unwrap()).await
+    }
+
+    /// As [`warm`](Rig::warm), with `backoff` for the 429 hygiene and the pacing.
+    async fn warm_with(upstream: RateLimited, backoff: BackoffPolicy) -> Rig {
+        let mut rig = Rig::cold_with(upstream, backoff);
         let warm = rig.send(
             ZERO,
             Job::new("warm-up", Origin::UserAction).tier("premium"),
@@ -465,6 +476,116 @@ async fn a_429_retry_re_enters_the_fair_queue_behind_the_critical_calls_queued_b
     assert_eq!(
         ahead, 0,
         "the retry went ahead of critical calls queued before it"
+    );
+}
+
+// The other rate gates: a configured `Pacing` (in process, and shared through the store),
+// and the cooldown gate with its recovery probe.
+
+/// Case 2 under a configured pacing of 50 RPM (learned pacing off) in front of an upstream
+/// with room to spare: B is served within 2 paced intervals (60 / 50 s: a configured
+/// pacing aims at its whole limit) plus its call.
+async fn light_tenant_behind_a_hog_under(pacing: Pacing) {
+    let call = ms(300);
+    let backoff = BackoffPolicy::builder()
+        .seed(18)
+        .learned_pacing(false)
+        .pacing(pacing.clone())
+        .build()
+        .unwrap();
+    let rig = Rig::warm_with(RateLimited::new(4_000, call), backoff).await;
+    let hog: Vec<_> = (0..40)
+        .map(|_| rig.send(ZERO, user("tenant-a", "pro").cost(1_000)))
+        .collect();
+    let light = rig.send(secs(2.0), user("tenant-b", "pro").cost(1_000));
+    let light = light.await.unwrap();
+    let hog = joined(hog).await;
+
+    let calls = rig.upstream.calls();
+    let b_start = first_start(&calls, light.id);
+    let bound = 2 * secs(60.0 / 50.0) + call + ms(100);
+    println!(
+        "hog under a configured pacing of 50 RPM ({}): B answered {:?} after it was sent \
+         ({:?}; bound {bound:?}), reached the upstream {:?} after it was sent; A {} served, \
+         busy: {}",
+        if pacing.is_shared() {
+            "shared"
+        } else {
+            "in process"
+        },
+        light.took(),
+        light.answer,
+        b_start.map(|at| at - light.sent),
+        count(&hog, Outcome::ok),
+        busy_reasons(&hog),
+    );
+    assert!(light.ok(), "B is served: {light:?}");
+    assert!(light.took() <= bound, "B took {:?}", light.took());
+}
+
+#[tokio::test(start_paused = true)]
+async fn configured_pacing_light_tenant_behind_a_hog_is_served_within_two_paced_intervals() {
+    light_tenant_behind_a_hog_under(Pacing::new().requests_per_minute(50)).await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn shared_configured_pacing_light_tenant_behind_a_hog_is_served_within_two_intervals() {
+    light_tenant_behind_a_hog_under(Pacing::new().requests_per_minute(50).shared()).await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn after_a_429_the_reopened_gate_serves_waiting_critical_calls_before_a_batch_backlog() {
+    // The first batch call is answered 429 with `retry-after: 2`: the gate closes until
+    // about 2.3 s. A batch backlog queues behind it at 0.5 s, three user actions at 1 s.
+    // When the gate reopens, the recovery probe and the calls after it go in fair order:
+    // critical first (270 : 5 against batch), whoever asked first.
+    let first = Arc::new(AtomicBool::new(true));
+    let upstream = RateLimited::new(50, ms(300)).throttling(move |job, _| {
+        (job.tenant().as_str() == "batch-a" && first.swap(false, Ordering::Relaxed)).then_some(2)
+    });
+    let rig = Rig::warm(upstream).await;
+    let trigger = rig.send(ZERO, batch("batch-a", "pro").cost(1_000));
+    let backlog: Vec<_> = (0..30)
+        .map(|_| rig.send(ms(500), batch("batch-b", "pro").cost(1_000)))
+        .collect();
+    let critical: Vec<_> = (0..3)
+        .map(|_| rig.send(secs(1.0), user("user-c", "pro").cost(1_000)))
+        .collect();
+    let critical = joined(critical).await;
+    let backlog = joined(backlog).await;
+    let trigger = trigger.await.unwrap();
+
+    let calls = rig.upstream.calls();
+    let after: Vec<(String, f64)> = calls
+        .iter()
+        .skip(1)
+        .take(6)
+        .map(|c| (c.tenant.clone(), rig.t(c.at)))
+        .collect();
+    let first_critical: Vec<usize> = calls
+        .iter()
+        .enumerate()
+        .filter(|(_, c)| c.tenant == "user-c")
+        .map(|(i, _)| i)
+        .collect();
+    println!(
+        "after a 429 (retry-after 2): the first calls after it at the upstream (tenant, s): \
+         {after:?}; the user actions were the upstream's calls {first_critical:?} (0 = the \
+         429); user actions answered after {:?} (busy: {}); the 429'd call {:?}; backlog {} \
+         served, busy: {}",
+        critical.iter().map(Outcome::took).collect::<Vec<_>>(),
+        busy_reasons(&critical),
+        trigger.answer,
+        count(&backlog, Outcome::ok),
+        busy_reasons(&backlog),
+    );
+    for o in &critical {
+        assert!(o.ok(), "every user action is served: {o:?}");
+    }
+    assert_eq!(
+        first_critical,
+        vec![1, 2, 3],
+        "the probe and the next two after the 429 are the user actions"
     );
 }
 
