@@ -197,6 +197,11 @@ pub struct Job {
     /// The store on which an outer layer already holds a slot for this request (see
     /// `crate::admission`), by [`Store::id`](crate::Store).
     slot_held: Option<usize>,
+    /// The upstream key of the next attempt, as the retry layer chose it: the rate gate
+    /// the fair queue consults for it.
+    upstream: Option<Arc<str>>,
+    /// Where the fair queue below puts what the attempt took from the rate gate.
+    attempt: Option<crate::gate::AttemptCell>,
 }
 
 impl Job {
@@ -211,6 +216,8 @@ impl Job {
             priority: None,
             arrived: None,
             slot_held: None,
+            upstream: None,
+            attempt: None,
         }
     }
 
@@ -292,6 +299,23 @@ impl Job {
     pub(crate) fn restamp(&mut self) {
         self.arrived = Some(Instant::now());
         self.slot_held = None;
+    }
+
+    /// The upstream key and receipt cell of the next attempt (the retry layer, when the
+    /// fair queue below holds its rate gate).
+    pub(crate) fn set_attempt(&mut self, upstream: Arc<str>, cell: crate::gate::AttemptCell) {
+        self.upstream = Some(upstream);
+        self.attempt = Some(cell);
+    }
+
+    /// The upstream key the retry layer chose for this attempt, if it did.
+    pub(crate) fn upstream(&self) -> Option<&Arc<str>> {
+        self.upstream.as_ref()
+    }
+
+    /// Where the fair queue puts what the attempt took from the rate gate.
+    pub(crate) fn attempt_cell(&self) -> Option<&crate::gate::AttemptCell> {
+        self.attempt.as_ref()
     }
 
     /// Whether a layer outside the one asking already holds a slot for this request on

@@ -85,6 +85,7 @@ pub mod body;
 pub mod drr_fairness;
 pub mod error;
 pub mod extract;
+pub mod gate;
 mod job;
 pub mod metrics;
 pub mod priority_classify;
@@ -107,6 +108,7 @@ pub use crate::drr_fairness::error::QueueFull;
 pub use crate::drr_fairness::{DrrFairness, DrrFairnessLayer};
 pub use crate::error::{BoxError, ConfigError, MissingJob};
 pub use crate::extract::{JobLayer, Unidentified};
+pub use crate::gate::{RateGate, WaitReason};
 pub use crate::job::{Job, JobRequest, Origin, Priority, TenantId, Tier};
 pub use crate::priority_classify::{
     ClassifyRule, DefaultRule, DemotionPolicy, PriorityClassify, PriorityClassifyLayer,

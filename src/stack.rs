@@ -267,14 +267,18 @@ impl FairgateBuilder {
     /// # Errors
     /// What the fair queue's builder refuses (a window, quantum or weight of 0, ...).
     pub fn build(self) -> Result<FairgateLayer, ConfigError> {
-        let fair = self.fair.build()?;
+        // One order under every limit: the fair queue consults the retry layer's rate gate
+        // (learned and configured pacing, the cooldown gate, slow start, the probe).
+        let (retry, rate) =
+            RetryAfterBackoffLayer::new(self.store.clone(), self.backoff).with_gate_below();
+        let fair = self.fair.rate_gate(rate).build()?;
         let mut classify = PriorityClassifyLayer::new(self.store.clone());
         if let Some(policy) = self.demotion {
             classify = classify.demotion(policy);
         }
         Ok(FairgateLayer {
             classify,
-            retry: RetryAfterBackoffLayer::new(self.store.clone(), self.backoff),
+            retry,
             fair,
             slots: TierSlotLimitLayer::new(self.store.clone(), self.slots),
             store: self.store,

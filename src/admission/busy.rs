@@ -4,8 +4,11 @@ use std::fmt;
 use std::time::Duration;
 
 use crate::Tier;
+use crate::gate::WaitReason;
 
-/// No slot came free for the request's tier within its max wait: the `SERVER_BUSY` answer.
+/// The request could not go within its tier's max wait: the `SERVER_BUSY` answer. Its
+/// [`reason`](Busy::reason) says what it waited for: a slot, the provider's rate, or the
+/// upstream's cooldown gate.
 ///
 /// With feature `axum` it converts into a response: `503 Service Unavailable`, a
 /// `Retry-After` header in whole seconds (rounded up) and the body
@@ -15,18 +18,32 @@ pub struct Busy {
     tier: Tier,
     waited: Duration,
     retry_after: Duration,
+    reason: WaitReason,
 }
 
 impl Busy {
+    /// A request that waited for a slot.
     pub(crate) fn new(tier: Tier, waited: Duration, retry_after: Duration) -> Self {
         Busy {
             tier,
             waited,
             retry_after,
+            reason: WaitReason::Slot,
         }
     }
 
-    /// The tier that had no slot.
+    /// The same answer, for a request that waited for `reason`.
+    pub(crate) fn because(mut self, reason: WaitReason) -> Self {
+        self.reason = reason;
+        self
+    }
+
+    /// What the request waited for when its max wait ran out.
+    pub fn reason(&self) -> WaitReason {
+        self.reason
+    }
+
+    /// The tier of the request.
     pub fn tier(&self) -> &Tier {
         &self.tier
     }
@@ -49,13 +66,25 @@ impl Busy {
 
 impl fmt::Display for Busy {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(
-            f,
-            "server busy: no slot for tier {} after {:.1} s; retry after {} s",
-            self.tier,
-            self.waited.as_secs_f64(),
-            self.retry_after_secs()
-        )
+        let waited = self.waited.as_secs_f64();
+        match self.reason {
+            WaitReason::Slot => write!(
+                f,
+                "server busy: no slot for tier {} after {waited:.1} s",
+                self.tier
+            )?,
+            WaitReason::Rate => write!(
+                f,
+                "server busy: tier {} waited {waited:.1} s for the provider's rate limit",
+                self.tier
+            )?,
+            WaitReason::Cooldown => write!(
+                f,
+                "server busy: tier {} waited {waited:.1} s behind the upstream's cooldown after a throttle",
+                self.tier
+            )?,
+        }
+        write!(f, "; retry after {} s", self.retry_after_secs())
     }
 }
 

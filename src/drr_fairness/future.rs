@@ -80,6 +80,7 @@ where
     E: Into<BoxError>,
     S: Service<Req, Future = F, Response = T, Error = E>,
     T: GuardResponse<Permit>,
+    Req: crate::JobRequest,
 {
     type Output = Result<T::Output, BoxError>;
 
@@ -112,10 +113,13 @@ where
                         this.state.set(State::Done);
                         return Poll::Ready(Err(e.into()));
                     }
-                    let permit = permit.take();
+                    let mut permit = permit.take();
                     let Some((mut inner, req)) = call.take() else {
                         panic!("DrrFairness ResponseFuture polled after completion");
                     };
+                    if let Some(permit) = permit.as_mut() {
+                        permit.going(req.job());
+                    }
                     let fut = inner.call(req);
                     this.state.set(State::Calling { fut, permit });
                 }

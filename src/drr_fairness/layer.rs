@@ -47,6 +47,7 @@ impl DrrFairnessLayer {
             config: SchedulerConfig::default(),
             weights: TierWeights::default(),
             fairness_window: Duration::from_secs(60),
+            rate: None,
         }
     }
 
@@ -118,9 +119,21 @@ pub struct DrrFairnessBuilder {
     config: SchedulerConfig,
     weights: TierWeights,
     fairness_window: Duration,
+    rate: Option<crate::RateGate>,
 }
 
 impl DrrFairnessBuilder {
+    /// Consults `gate` — the provider's rate of each upstream key, the cooldown gate after
+    /// a 429, slow start and the recovery probe, from
+    /// [`RetryAfterBackoffLayer::with_gate_below`](crate::RetryAfterBackoffLayer::with_gate_below)
+    /// — when dispatching: the next request to go is the head of the fair order among those
+    /// the rate lets go, and it takes its rate cells then. Without it, this layer orders
+    /// only what its window and the slot caps hold back.
+    pub fn rate_gate(mut self, gate: crate::RateGate) -> Self {
+        self.rate = Some(gate);
+        self
+    }
+
     /// Credit in tokens a tenant of weight 1 gets per round (default 5,000: about one
     /// typical request, so a visit is short and a newcomer waits little).
     pub fn quantum(mut self, tokens: u64) -> Self {
@@ -193,6 +206,7 @@ impl DrrFairnessBuilder {
             self.config,
             self.weights,
             self.fairness_window,
+            self.rate,
         )?;
         Ok(DrrFairnessLayer {
             shared: Arc::new(shared),

@@ -21,9 +21,14 @@
 //!   Varghese 1995) with the sparse-flow `new`/`old` lists of RFC 8290 §4.2
 //!   (fq_codel's "DRR++"). A tenant that is not listed and gets a waiting
 //!   item joins the back of `new` with a deficit of `quantum × weight`. The
-//!   head tenant (of `new`, else `old`) is either served (deficit -= charged
-//!   cost, stays at the head while its deficit lasts) or topped up by
-//!   `quantum × weight` and moved to the back of `old`. Costs are charged as
+//!   head tenant of `old` is either served (deficit -= charged cost, stays at
+//!   the head while its deficit lasts) or topped up by `quantum × weight` and
+//!   moved to the back of `old`. Tenants on `new` take turns one request at a
+//!   time while their first grant lasts (served, each goes to the back of
+//!   `new`), then move to `old` the same way: a tenant that dumps many small
+//!   requests holds a newcomer behind one of them, not behind a whole quantum
+//!   of them (which would be many calls when requests are small), and its
+//!   service is still bounded by its one grant. Costs are charged as
 //!   `min(max(cost, 1), quantum × max_charge_quanta)` so one giant prompt
 //!   cannot stall its class. A tenant whose queue empties is not forgotten
 //!   at once; see the next section.
@@ -820,6 +825,17 @@ impl Class {
         }
     }
 
+    /// A tenant on `new` was served one request: it goes to the back of `new`. Newcomers
+    /// take turns one request at a time while their first grant lasts, so a tenant that
+    /// dumps many small requests holds a newcomer behind one of them, not behind a whole
+    /// quantum of them; its service is still bounded by its one grant.
+    fn newcomer_served(&mut self, t: u32) {
+        if self.tenant(t).is_some_and(|tenant| tenant.list == Some(ListKind::New)) {
+            self.unlink(t);
+            self.link_back(ListKind::New, t);
+        }
+    }
+
     /// DRR++ dispatch inside the class. Each loop iteration either returns,
     /// forgets or parks an empty tenant (each at most once), or tops up one tenant by
     /// at least 1 while no cost exceeds max_charge, so the loop ends (bounds
@@ -896,6 +912,7 @@ impl Class {
             let id = tenant.id.clone();
             let entry = entries.take_at(head)?;
             self.detach(entries, head, &entry);
+            self.newcomer_served(t);
             #[cfg(test)]
             self.trace.push(Visit::Dispatch(id.clone()));
             return Some((entry.item, id, cost));
@@ -1155,7 +1172,19 @@ impl<T> Scheduler<T> {
         let id = owner.id.clone();
         let entry = self.entries.take_at(head)?;
         queue.detach(&mut self.entries, head, &entry);
+        queue.newcomer_served(t);
         Some(self.dispatched(ci, entry.item, id, cost))
+    }
+
+    /// The next waiting item of `tenant` in `class` (the one [`Scheduler::pop_tenant`]
+    /// would take), without taking it.
+    pub fn peek_tenant(&self, class: Priority, tenant: &TenantId) -> Option<&T> {
+        let queue = &self.classes[class_index(class)];
+        let (_, Some(t)) = queue.lookup(tenant) else {
+            return None;
+        };
+        let head = queue.tenant(t)?.head;
+        self.entries.get(head).map(|entry| &entry.item)
     }
 
     /// Charges a request that went out without waiting in the queue (there
@@ -1303,7 +1332,7 @@ impl<T> Scheduler<T> {
 /// round robin, or the reference's random choice (seeded). Used by
 /// [`Scheduler::pop`], and by a caller that picks over several schedulers
 /// (the layer keeps one per tier) with [`Scheduler::pop_class`].
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 pub(crate) struct ClassPicker {
     weights: [u64; 3],
     selection: ClassSelection,
@@ -2608,7 +2637,8 @@ mod tests {
         let order: Vec<i32> = std::iter::from_fn(|| s.pop().map(|d| d.item)).collect();
         assert_eq!(order.len(), 4);
         let standard: Vec<i32> = order.into_iter().filter(|&x| x != 6).collect();
-        assert_eq!(standard, vec![1, 2, 4]);
+        // Newcomers take turns one request at a time.
+        assert_eq!(standard, vec![1, 4, 2]);
         assert_eq!(Rejected::TenantFull(()).to_string(), "tenant queue is full");
     }
 

@@ -16,6 +16,7 @@ use super::fairness::FairnessWindow;
 use super::scheduler::{ClassPicker, Key, Pick, Rejected, Scheduler, SchedulerConfig};
 use crate::admission::{Busy, SlowWait, TierLimit};
 use crate::error::ConfigError;
+use crate::gate::{RateGate, Receipt, Verdict, WaitReason};
 use crate::metrics::Metric;
 use crate::rng::Rng;
 use crate::store::{SlotLease, SlotQueue, SlotRefusal, SlotWakes, StoreFuture};
@@ -53,6 +54,10 @@ pub(super) struct Waiter {
     weight: u32,
     /// Names the request in `State::handed` once it is dispatched with a slot.
     id: u64,
+    /// The upstream key its attempt goes to (the rate gate's), if the retry layer named it.
+    key: Option<Arc<str>>,
+    /// Its estimated input tokens, for the rate gate.
+    cost: u32,
 }
 
 /// The requests of one tier under the store's slot policy (or, group 0, of every request no
@@ -67,6 +72,8 @@ struct Group {
     /// The last step of `vtime` per class: charged ahead for an acquire under way, so the
     /// next pick sees the group as served and other tiers get their turn meanwhile.
     last_step: [f64; 3],
+    /// What the group's requests waited for last: the reason of a `Busy`.
+    held_for: WaitReason,
 }
 
 struct Gate {
@@ -84,8 +91,9 @@ struct Gate {
     /// passed over in DRR order (the rest of the group goes on) until a slot may have come
     /// free. Always empty otherwise.
     held_tenants: HashSet<TenantId>,
-    /// A tier that caps tenants: tenants an acquire is under way for (Redis), passed over
-    /// meanwhile so the acquires sent together are for different tenants.
+    /// A tier that caps tenants, or any tier under a rate gate: tenants an acquire is under
+    /// way for (Redis), passed over meanwhile so the acquires sent together are for
+    /// different tenants, in DRR order.
     acquiring_for: HashMap<TenantId, usize>,
 }
 
@@ -104,6 +112,7 @@ impl Group {
             gate,
             vtime: [0.0; 3],
             last_step: [0.0; 3],
+            held_for: WaitReason::Slot,
         })
     }
 
@@ -123,8 +132,12 @@ struct State {
     in_flight: usize,
     /// A task waits for a slot to come free elsewhere (another worker, another layer).
     watching: bool,
-    /// Dispatched requests whose ticket has not claimed its permit yet: their slots.
-    handed: HashMap<u64, SlotLease>,
+    /// Dispatched requests whose ticket has not claimed its permit yet: their slots and
+    /// rate receipts.
+    handed: HashMap<u64, Handed>,
+    /// The rate gate held the fair order's head back: dispatch again then (`Some(None)`:
+    /// when the gate notifies).
+    rate_wait: Option<Option<Instant>>,
     next_id: u64,
     fairness: FairnessWindow,
     /// The watcher's poll jitter, seeded from the slot policy (`SlotPolicyBuilder::seed`)
@@ -132,7 +145,27 @@ struct State {
     rng: Option<Rng>,
 }
 
+/// What a dispatched request takes with it.
+#[derive(Default)]
+struct Handed {
+    lease: Option<SlotLease>,
+    receipt: Option<Receipt>,
+}
+
 impl State {
+    /// The rate gate holds the head back until `at` (`None`: until it notifies).
+    fn hold_for_rate(&mut self, at: Option<Instant>, after: &mut AfterUnlock) {
+        self.rate_wait = Some(match (self.rate_wait, at) {
+            (Some(Some(known)), Some(at)) => Some(known.min(at)),
+            (Some(Some(known)), None) => Some(known),
+            (_, at) => at,
+        });
+        if !self.watching {
+            self.watching = true;
+            after.watch = true;
+        }
+    }
+
     fn class_len(&self, class: Priority) -> usize {
         self.groups
             .iter()
@@ -197,6 +230,8 @@ pub(super) struct Shared {
     max_in_flight: usize,
     weights: TierWeights,
     config: SchedulerConfig,
+    /// The provider's rate, consulted at each dispatch (see `crate::gate`).
+    rate: Option<RateGate>,
     state: Mutex<State>,
 }
 
@@ -239,6 +274,9 @@ struct Acquire {
     /// More of the group's requests waited behind it: granted the last room, this worker
     /// stayed queued for a wake-up (Redis).
     more: bool,
+    /// The rate cells taken for the request whose turn it was, and its tenant: the slot
+    /// goes to that tenant's request.
+    rate: Option<(TenantId, Receipt)>,
     slot: StoreFuture<Result<SlotLease, SlotRefusal>>,
 }
 
@@ -252,8 +290,8 @@ struct AfterUnlock {
     /// Slot acquires to send (Redis).
     acquires: Vec<Acquire>,
     watch: bool,
-    /// Slots to give back, outside the lock.
-    drop_leases: Vec<SlotLease>,
+    /// Slots and rate cells to give back, outside the lock.
+    drop_handed: Vec<Handed>,
     /// Wake-ups to pass on (tier, how many, whether the worker leaves the tier's queue).
     declined: Vec<(Tier, usize, bool)>,
 }
@@ -271,7 +309,7 @@ impl AfterUnlock {
             // No backlogged tenant in the window: nothing was unfair.
             metrics::gauge!(Metric::FairnessIndex.name()).set(index.unwrap_or(1.0));
         }
-        drop(self.drop_leases);
+        drop(self.drop_handed);
         for (tier, n, leave) in self.declined {
             shared.store.decline_slot_wakes(&tier, n, leave);
         }
@@ -290,10 +328,11 @@ impl AfterUnlock {
                             ahead,
                             tenant,
                             more,
+                            rate,
                             slot,
                         } = acquire;
                         let answer = slot.await;
-                        shared.answer(group, class, ahead, tenant, more, answer);
+                        shared.answer(group, class, ahead, tenant, more, rate, answer);
                     });
                 }
                 // Nothing can send it (no runtime): unsent, it holds nothing.
@@ -305,14 +344,22 @@ impl AfterUnlock {
                         tenant,
                         ..
                     } = acquire;
-                    shared.answer(group, class, ahead, tenant, false, Err(SlotRefusal::Full));
+                    shared.answer(
+                        group,
+                        class,
+                        ahead,
+                        tenant,
+                        false,
+                        None,
+                        Err(SlotRefusal::Full),
+                    );
                 }
             }
         }
         if self.watch
             && let Some(runtime) = &runtime
         {
-            runtime.spawn(watch_releases(shared.clone()));
+            runtime.spawn(watch(shared.clone()));
         }
         for waker in self.wake.into_iter() {
             waker.wake();
@@ -320,18 +367,30 @@ impl AfterUnlock {
     }
 }
 
-/// Waits while a gated group is blocked for a slot to come free anywhere on the store (on
-/// Redis, a release that woke this worker for a tier; in process, any release), with a
-/// jittered poll as the safety net, and dispatches again. Ends when nothing is blocked.
-async fn watch_releases(shared: Arc<Shared>) {
+/// Waits while something holds the fair order's head back — a tier blocked for a slot to
+/// come free anywhere on the store (on Redis, a release that woke this worker for a tier;
+/// in process, any release, with a jittered poll as the safety net), or the rate gate
+/// (until its time, or its notification) — and dispatches again. Ends when nothing waits.
+async fn watch(shared: Arc<Shared>) {
     loop {
         let released = shared.store.slot_released().notified();
         tokio::pin!(released);
         released.as_mut().enable();
-        let poll = {
+        // `notify_one`: a change made before this listens is kept for it.
+        let changed = shared.rate.as_ref().map(|rate| rate.inner.changed());
+        let rate_changed = async {
+            match &changed {
+                Some(notify) => notify.notified().await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::pin!(rate_changed);
+        let (slots, rate_wait, poll) = {
             let mut state = shared.lock();
             let gates = || state.groups.iter().filter_map(|g| g.gate.as_ref());
-            if !gates().any(Gate::waits) {
+            let slots = gates().any(Gate::waits);
+            let rate_wait = state.rate_wait;
+            if !slots && rate_wait.is_none() {
                 state.watching = false;
                 return;
             }
@@ -348,22 +407,34 @@ async fn watch_releases(shared: Arc<Shared>) {
             let rng = state
                 .rng
                 .get_or_insert_with(|| seed.map_or_else(Rng::from_entropy, Rng::seeded));
-            interval.mul_f64(0.5 + rng.unit())
+            (slots, rate_wait, interval.mul_f64(0.5 + rng.unit()))
         };
         // A wake-up that came before this watch listened.
-        if let Some(woken) = shared.store.take_slot_wakes() {
+        if slots && let Some(woken) = shared.store.take_slot_wakes() {
             shared.slot_freed(woken);
             continue;
         }
-        let woken = tokio::select! {
-            _ = released => match shared.store.take_slot_wakes() {
-                Some(woken) => woken,
-                None if shared.store.wakes_one_by_one() => SlotWakes::Tiers(Vec::new()),
-                None => SlotWakes::Everyone,
-            },
-            _ = tokio::time::sleep(poll) => SlotWakes::Everyone,
-        };
-        shared.slot_freed(woken);
+        // A gate waiting for a notification is asked again now and then all the same.
+        let rate_at = rate_wait.map(|at| {
+            let safety = Instant::now() + Duration::from_millis(250);
+            at.map_or(safety, |at| at.min(safety))
+        });
+        let far = Instant::now() + Duration::from_secs(3600);
+        tokio::select! {
+            _ = &mut released, if slots => {
+                let woken = match shared.store.take_slot_wakes() {
+                    Some(woken) => woken,
+                    None if shared.store.wakes_one_by_one() => SlotWakes::Tiers(Vec::new()),
+                    None => SlotWakes::Everyone,
+                };
+                shared.slot_freed(woken);
+            }
+            _ = tokio::time::sleep(poll), if slots => shared.slot_freed(SlotWakes::Everyone),
+            _ = &mut rate_changed, if rate_at.is_some() => shared.rate_opened(),
+            _ = tokio::time::sleep_until(rate_at.unwrap_or(far)), if rate_at.is_some() => {
+                shared.rate_opened();
+            }
+        }
     }
 }
 
@@ -388,6 +459,7 @@ impl Shared {
         config: SchedulerConfig,
         weights: TierWeights,
         fairness_window: Duration,
+        rate: Option<RateGate>,
     ) -> Result<Self, ConfigError> {
         if max_in_flight == 0 {
             return Err(ConfigError::new("max_in_flight must be at least 1"));
@@ -403,6 +475,7 @@ impl Shared {
             store,
             max_in_flight,
             weights,
+            rate,
             state: Mutex::new(State {
                 groups: vec![Group::new(&config, None)?],
                 by_tier: HashMap::new(),
@@ -410,6 +483,7 @@ impl Shared {
                 in_flight: 0,
                 watching: false,
                 handed: HashMap::new(),
+                rate_wait: None,
                 next_id: 0,
                 fairness: FairnessWindow::new(fairness_window),
                 rng: None,
@@ -529,6 +603,18 @@ impl Shared {
                 Err(_) => return Err(QueueFull::new(class, tenant.clone(), false)),
             };
             let room = state.len() == 0 && state.in_flight < self.max_in_flight;
+            let key = job.upstream().cloned();
+            let receipt = match room {
+                true => self.rate_now(
+                    &mut state,
+                    place.group,
+                    key.as_ref(),
+                    job.estimated_tokens(),
+                    &mut after,
+                ),
+                false => None,
+            };
+            let room = room && receipt.as_ref().is_none_or(Option::is_some);
             let slot = match (&place.patience, room) {
                 (_, false) => None,
                 (None, true) => Some(None),
@@ -553,7 +639,10 @@ impl Shared {
                     place.group,
                     class,
                     charged.map(|_| tenant.clone()),
-                    lease,
+                    Handed {
+                        lease,
+                        receipt: receipt.flatten(),
+                    },
                     arrived,
                 ))
             } else {
@@ -564,10 +653,14 @@ impl Shared {
                 }
                 state.next_id += 1;
                 let id = state.next_id;
+                // Not dispatched: what the rate gate gave goes back to it.
+                drop(receipt);
                 let waiter = Waiter {
                     waker: None,
                     weight,
                     id,
+                    key,
+                    cost: job.estimated_tokens(),
                 };
                 let group = &mut state.groups[place.group];
                 let was_idle = group.scheduler.class_len(class) == 0;
@@ -625,6 +718,58 @@ impl Shared {
         }
     }
 
+    /// The rate gate's word on a request that could go at once: `None` without a rate gate,
+    /// `Some(Some(receipt))` when it may go, `Some(None)` when the gate holds it (it queues,
+    /// and the queue waits for the gate).
+    fn rate_now(
+        &self,
+        state: &mut State,
+        group: usize,
+        key: Option<&Arc<str>>,
+        cost: u32,
+        after: &mut AfterUnlock,
+    ) -> Option<Option<Receipt>> {
+        let rate = self.rate.as_ref()?;
+        let key = key.cloned().unwrap_or_else(|| rate.inner.default_key());
+        Some(match rate.inner.clone().check(&key, cost) {
+            Verdict::Go(receipt) => Some(receipt),
+            Verdict::Until(at, reason) => {
+                state.groups[group].held_for = reason;
+                state.hold_for_rate(Some(at), after);
+                None
+            }
+            Verdict::Notified(reason) => {
+                state.groups[group].held_for = reason;
+                state.hold_for_rate(None, after);
+                None
+            }
+        })
+    }
+
+    /// The rate gate's word on the request whose turn it is in `class` of `group` (its
+    /// tenant by DRR, passing over tenants held at their cap): `Ok` with its tenant and what
+    /// it took when it may go (`None` without a rate gate), `Err` when the gate holds it,
+    /// or nobody of the group may go now.
+    fn rate_turn(
+        &self,
+        state: &mut State,
+        group: usize,
+        class: Priority,
+        after: &mut AfterUnlock,
+    ) -> Result<Option<(TenantId, Receipt)>, ()> {
+        if self.rate.is_none() {
+            return Ok(None);
+        }
+        let g = &mut state.groups[group];
+        let tenant = Self::next_tenant(g, class).ok_or(())?;
+        let head = g.scheduler.peek_tenant(class, &tenant).ok_or(())?;
+        let (key, cost) = (head.key.clone(), head.cost);
+        match self.rate_now(state, group, key.as_ref(), cost, after) {
+            Some(Some(receipt)) => Ok(Some((tenant, receipt))),
+            _ => Err(()),
+        }
+    }
+
     /// Tries to take a slot for `group` at once: `Some(Some(lease))` taken, `None` when the
     /// tier (or the global cap) is full — the group is then blocked — or when the store needs
     /// a round trip (Redis): then the request queues and the dispatcher sends the acquire.
@@ -673,12 +818,17 @@ impl Shared {
     /// held is `stuck` until the next dispatch.
     fn dispatch(self: &Arc<Self>, state: &mut State, after: &mut AfterUnlock) {
         let mut stuck: Vec<(usize, Priority)> = Vec::new();
+        // Set again below if the rate gate still holds the head back.
+        state.rate_wait = None;
         while state.in_flight < self.max_in_flight {
             let candidates = Priority::ALL.map(|class| {
                 state.groups.iter().enumerate().any(|(i, g)| {
                     g.may_go() && g.scheduler.class_len(class) > 0 && !stuck.contains(&(i, class))
                 })
             });
+            // A pick the rate gate holds back is not a turn taken: the class keeps its
+            // round-robin credit.
+            let picker = state.picker.clone();
             let Some(class) = state.picker.pick(candidates) else {
                 return;
             };
@@ -692,15 +842,25 @@ impl Shared {
             else {
                 return;
             };
+            let rate = match self.rate_turn(state, group, class, after) {
+                Ok(rate) => rate,
+                Err(()) => {
+                    state.picker = picker;
+                    stuck.push((group, class));
+                    continue;
+                }
+            };
             let lease = match &state.groups[group].gate {
                 None => None,
                 Some(gate) => {
                     let Some(policy) = self.store.slot_policy() else {
                         return;
                     };
-                    let tenant = match gate.limit.tenant_cap {
-                        None => None,
-                        Some(_) => match Self::next_tenant(&mut state.groups[group], class) {
+                    let tenant = match (gate.limit.tenant_cap, &rate) {
+                        (None, _) => None,
+                        (Some(_), Some((tenant, _))) => Some(tenant.clone()),
+                        (Some(_), None) => match Self::next_tenant(&mut state.groups[group], class)
+                        {
                             Some(tenant) => Some(tenant),
                             None => {
                                 stuck.push((group, class));
@@ -743,7 +903,10 @@ impl Shared {
                             let g = &mut state.groups[group];
                             if let Some(gate) = g.gate.as_mut() {
                                 gate.acquiring += 1;
-                                if let Some(tenant) = &tenant {
+                                // Passed over meanwhile, so the acquires sent together go
+                                // to different tenants in DRR order.
+                                let whose = tenant.as_ref().or(rate.as_ref().map(|(t, _)| t));
+                                if let Some(tenant) = whose {
                                     *gate.acquiring_for.entry(tenant.clone()).or_default() += 1;
                                 }
                             }
@@ -755,6 +918,7 @@ impl Shared {
                                 ahead,
                                 tenant,
                                 more: queue.waiting > 1,
+                                rate,
                                 slot: pending,
                             });
                             continue;
@@ -762,11 +926,12 @@ impl Shared {
                     }
                 }
             };
-            self.hand_next(state, group, class, lease, after);
+            self.hand_next(state, group, class, lease, rate, after);
         }
     }
 
     fn block(&self, state: &mut State, group: usize, after: &mut AfterUnlock) {
+        state.groups[group].held_for = WaitReason::Slot;
         if let Some(gate) = state.groups[group].gate.as_mut() {
             gate.blocked = true;
             gate.at_once = 1;
@@ -778,48 +943,46 @@ impl Shared {
     }
 
     /// Pops the next request of `group` in `class` (or, if none is left there, of its
-    /// highest class with one) and hands it the window place and `lease`.
+    /// highest class with one) and hands it the window place, `lease` and the rate cells.
+    /// A slot counted for a tenant (a tier that caps tenants), or taken together with rate
+    /// cells for the request whose turn it was, goes to that tenant's request.
     fn hand_next(
         &self,
         state: &mut State,
         group: usize,
         class: Priority,
         lease: Option<SlotLease>,
+        rate: Option<(TenantId, Receipt)>,
         after: &mut AfterUnlock,
     ) {
+        let (for_tenant, receipt) = match rate {
+            Some((tenant, receipt)) => (Some(tenant), Some(receipt)),
+            None => (lease.as_ref().and_then(SlotLease::tenant).cloned(), None),
+        };
+        let handed = Handed { lease, receipt };
         let g = &mut state.groups[group];
-        if let Some(tenant) = lease.as_ref().and_then(SlotLease::tenant) {
-            // The slot counts for its tenant (a tier that caps tenants): it goes to that
-            // tenant's request, in the class it was taken for or its highest with one.
-            let tenant = tenant.clone();
-            let next = std::iter::once(class).chain(Priority::ALL).find_map(|c| {
+        let next = match &for_tenant {
+            Some(tenant) => std::iter::once(class).chain(Priority::ALL).find_map(|c| {
                 let active = g.scheduler.active_tenants(c);
-                g.scheduler
-                    .pop_tenant(c, &tenant)
-                    .map(|next| (active, next))
-            });
-            match next {
-                Some((active, next)) => self.handed(state, group, active, next, lease, after),
-                None => after.drop_leases.extend(lease),
+                g.scheduler.pop_tenant(c, tenant).map(|next| (active, next))
+            }),
+            None => {
+                // The class the slot was taken for, or (its requests went away meanwhile)
+                // the group's highest class with one.
+                std::iter::once(class)
+                    .chain(Priority::ALL)
+                    .find(|&c| g.scheduler.class_len(c) > 0)
+                    .and_then(|c| {
+                        let active = g.scheduler.active_tenants(c);
+                        g.scheduler.pop_class(c).map(|next| (active, next))
+                    })
             }
-            return;
+        };
+        match next {
+            Some((active, next)) => self.handed(state, group, active, next, handed, after),
+            // Nothing of it waits any more: the slot and the cells go back.
+            None => after.drop_handed.push(handed),
         }
-        // The class the slot was taken for, or (its requests went away meanwhile) the
-        // group's highest class with one.
-        let class = std::iter::once(class)
-            .chain(Priority::ALL)
-            .find(|&c| g.scheduler.class_len(c) > 0);
-        let Some(class) = class else {
-            // Nothing of this group waits any more: the slot goes back.
-            after.drop_leases.extend(lease);
-            return;
-        };
-        let active = g.scheduler.active_tenants(class);
-        let Some(next) = g.scheduler.pop_class(class) else {
-            after.drop_leases.extend(lease);
-            return;
-        };
-        self.handed(state, group, active, next, lease, after);
     }
 
     /// Hands `next` (popped from `group`, whose class had `active` tenants waiting) the
@@ -830,7 +993,7 @@ impl Shared {
         group: usize,
         active: usize,
         next: super::scheduler::Dispatched<Waiter>,
-        lease: Option<SlotLease>,
+        handed: Handed,
         after: &mut AfterUnlock,
     ) {
         let class = next.class;
@@ -850,8 +1013,8 @@ impl Shared {
             Instant::now(),
         );
         after.depth = Some(next.class);
-        if let Some(lease) = lease {
-            state.handed.insert(next.item.id, lease);
+        if handed.lease.is_some() || handed.receipt.is_some() {
+            state.handed.insert(next.item.id, handed);
         }
         after.served.push((next.tenant, next.cost));
         if let Some(waker) = next.item.waker {
@@ -866,11 +1029,13 @@ impl Shared {
         let Group {
             scheduler, gate, ..
         } = group;
-        let gate = gate.as_ref()?;
+        let gate = gate.as_ref();
         let mut next = None;
         // Never `Take`: nothing is popped here.
         let _ = scheduler.pop_class_where(class, |tenant| {
-            if gate.held_tenants.contains(tenant) || gate.acquiring_for.contains_key(tenant) {
+            if gate.is_some_and(|gate| {
+                gate.held_tenants.contains(tenant) || gate.acquiring_for.contains_key(tenant)
+            }) {
                 Pick::Skip
             } else {
                 next = Some(tenant.clone());
@@ -889,6 +1054,7 @@ impl Shared {
         tenant: TenantId,
         after: &mut AfterUnlock,
     ) {
+        state.groups[group].held_for = WaitReason::Slot;
         if let Some(gate) = state.groups[group].gate.as_mut() {
             gate.held_tenants.insert(tenant);
         }
@@ -908,21 +1074,32 @@ impl Shared {
         ahead: f64,
         tenant: Option<TenantId>,
         more: bool,
+        rate: Option<(TenantId, Receipt)>,
         answer: Result<SlotLease, SlotRefusal>,
     ) {
         let Some(tenant) = tenant else {
-            return self.slot_answer(group, class, ahead, more, answer.ok());
+            if let Some((tenant, _)) = &rate
+                && let Some(gate) = self.lock().groups[group].gate.as_mut()
+            {
+                Self::acquired_for(gate, tenant);
+            }
+            return self.slot_answer(group, class, ahead, more, rate, answer.ok());
         };
         if !matches!(answer, Err(SlotRefusal::TenantCap)) {
             if let Some(gate) = self.lock().groups[group].gate.as_mut() {
                 Self::acquired_for(gate, &tenant);
             }
-            return self.slot_answer(group, class, ahead, more, answer.ok());
+            return self.slot_answer(group, class, ahead, more, rate, answer.ok());
         }
         self.then_dispatch(|state, after| {
             if let Some(gate) = Self::acquire_answered(state, group, class, ahead) {
                 Self::acquired_for(gate, &tenant);
             }
+            // Not dispatched: the rate cells go back to the gate.
+            after.drop_handed.push(Handed {
+                lease: None,
+                receipt: rate.map(|(_, receipt)| receipt),
+            });
             self.hold_tenant(state, group, tenant, after);
         });
     }
@@ -976,6 +1153,7 @@ impl Shared {
         class: Priority,
         ahead: f64,
         more: bool,
+        rate: Option<(TenantId, Receipt)>,
         lease: Option<SlotLease>,
     ) {
         self.then_dispatch(|state, after| {
@@ -994,12 +1172,18 @@ impl Shared {
             match lease {
                 Some(lease) => {
                     let last = more && lease.room() == 0;
-                    self.hand_next(state, group, class, Some(lease), after);
+                    self.hand_next(state, group, class, Some(lease), rate, after);
                     if last {
                         self.block(state, group, after);
                     }
                 }
-                None => self.block(state, group, after),
+                None => {
+                    after.drop_handed.push(Handed {
+                        lease: None,
+                        receipt: rate.map(|(_, receipt)| receipt),
+                    });
+                    self.block(state, group, after);
+                }
             }
         });
     }
@@ -1012,6 +1196,11 @@ impl Shared {
             SlotWakes::Everyone => state.unblock_all(),
             SlotWakes::Tiers(tiers) => state.woken(tiers, &mut after.declined),
         });
+    }
+
+    /// The rate gate may have opened: dispatch again, in fair order.
+    fn rate_opened(self: &Arc<Self>) {
+        self.then_dispatch(|_, _| {});
     }
 
     /// A permit came back: its request, if the scheduler counted it (`tenant`), is no longer
@@ -1080,6 +1269,8 @@ pub struct Permit {
     /// The tenant the scheduler counts this request in flight for, to report its completion.
     charged: Option<TenantId>,
     slot: Option<SlotLease>,
+    /// What the call took from the rate gate, until it goes upstream.
+    receipt: Option<Receipt>,
 }
 
 impl Permit {
@@ -1088,9 +1279,13 @@ impl Permit {
         group: usize,
         class: Priority,
         charged: Option<TenantId>,
-        slot: Option<SlotLease>,
+        handed: Handed,
         arrived: Instant,
     ) -> Self {
+        let Handed {
+            lease: slot,
+            receipt,
+        } = handed;
         if let Some(lease) = &slot {
             crate::metrics::slot_taken(lease.tier(), lease.is_fallback());
             crate::metrics::slot_wait(lease.tier(), arrived.elapsed());
@@ -1101,12 +1296,24 @@ impl Permit {
             class,
             charged,
             slot,
+            receipt,
         }
     }
 
     /// Whether the permit holds the request's slot too.
     pub fn holds_slot(&self) -> bool {
         self.slot.is_some()
+    }
+
+    /// The call goes upstream now: its rate cells are spent, and the receipt goes to the
+    /// retry layer above through the job's attempt cell (if it left one).
+    pub(super) fn going(&mut self, job: Option<&Job>) {
+        if let Some(mut receipt) = self.receipt.take() {
+            receipt.mark_used();
+            if let Some(cell) = job.and_then(Job::attempt_cell) {
+                cell.put(receipt);
+            }
+        }
     }
 }
 
@@ -1158,6 +1365,7 @@ impl Ticket {
         let expired = self.poll_timer(cx, &shared);
         let busy = {
             let mut state = shared.lock();
+            let reason = state.groups[self.group].held_for;
             if let Some(waiter) = state.groups[self.group].scheduler.get_mut(self.key) {
                 if !expired {
                     match &mut waiter.waker {
@@ -1168,12 +1376,12 @@ impl Ticket {
                 }
                 state.groups[self.group].scheduler.remove(self.key);
                 state.left(self.class);
-                Some(state.class_len(self.class))
+                Some((state.class_len(self.class), reason))
             } else {
                 None
             }
         };
-        if let Some(depth) = busy {
+        if let Some((depth, reason)) = busy {
             // Its max wait passed while it waited: out of the queue, `Busy`.
             self.shared = None;
             AfterUnlock::default().run(&shared, Some((self.class, depth)));
@@ -1187,23 +1395,24 @@ impl Ticket {
                     },
                 )
             });
-            crate::metrics::server_busy(&tier);
+            crate::metrics::server_busy(&tier, reason);
             let retry_after = shared
                 .store
                 .slot_policy()
                 .map_or(Duration::from_secs(5), |p| p.retry_after());
-            return Poll::Ready(Err(Busy::new(tier, self.arrived.elapsed(), retry_after)));
+            let busy = Busy::new(tier, self.arrived.elapsed(), retry_after).because(reason);
+            return Poll::Ready(Err(busy));
         }
         // Only this ticket removes its own entry, so a missing entry was popped: the
         // releasing side already counted the permit (and took the slot) for us.
-        let slot = shared.lock().handed.remove(&self.id);
+        let handed = shared.lock().handed.remove(&self.id).unwrap_or_default();
         self.shared = None;
         Poll::Ready(Ok(Permit::new(
             shared,
             self.group,
             self.class,
             Some(self.tenant.clone()),
-            slot,
+            handed,
             self.arrived,
         )))
     }
@@ -1261,8 +1470,8 @@ impl Drop for Ticket {
             Some(depth) => AfterUnlock::default().run(&shared, Some((self.class, depth))),
             // Dispatched but never claimed: the permit (and slot) are ours to give back.
             None => {
-                let slot = shared.lock().handed.remove(&self.id);
-                shared.release(self.group, self.class, Some(&self.tenant), slot);
+                let handed = shared.lock().handed.remove(&self.id).unwrap_or_default();
+                shared.release(self.group, self.class, Some(&self.tenant), handed.lease);
             }
         }
     }

@@ -22,6 +22,7 @@ use super::telemetry;
 use super::usage::Usage;
 use crate::admission::Busy;
 use crate::error::{BoxError, MissingJob};
+use crate::gate::{AttemptCell, Receipt};
 use crate::store::{DIMS, PaceAsk, PaceGrant, StoreFuture};
 use crate::{JobRequest, TenantId};
 
@@ -118,6 +119,10 @@ pub(super) struct Call<S, Req, C> {
     pub(super) reserved: bool,
     /// The tier's max wait, while the first attempt is held here (see `Patience`).
     pub(super) patience: Option<Patience>,
+    /// With the rate gate in a fair queue below: where it puts what the attempt took.
+    pub(super) attempt: Option<AttemptCell>,
+    /// What the attempt under way took from the rate gate, until its answer is reported.
+    pub(super) receipt: Option<Receipt>,
 }
 
 /// The tier's max wait under the store's slot caps, counted from the request's arrival:
@@ -151,8 +156,9 @@ impl Patience {
             .timer
             .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(deadline)));
         timer.as_mut().poll(cx).is_ready().then(|| {
-            crate::metrics::server_busy(&self.tier);
+            crate::metrics::server_busy(&self.tier, crate::gate::WaitReason::Rate);
             Busy::new(self.tier.clone(), self.arrived.elapsed(), self.retry_after)
+                .because(crate::gate::WaitReason::Rate)
         })
     }
 }
@@ -407,138 +413,141 @@ where
                         *answered = None;
                         *relimit = None;
                     }
-                    if let Some(reservation) = reserve.as_mut() {
-                        let wait = ready!(Pin::new(reservation).poll(cx));
-                        *reserve = None;
-                        call.reserved = true;
-                        if !wait.is_zero() {
-                            *sleep = sleep_for(wait);
-                            continue;
+                    // With the rate gate below, the fair queue waits for all of this.
+                    if !call.shared.core.gated_below() {
+                        if let Some(reservation) = reserve.as_mut() {
+                            let wait = ready!(Pin::new(reservation).poll(cx));
+                            *reserve = None;
+                            call.reserved = true;
+                            if !wait.is_zero() {
+                                *sleep = sleep_for(wait);
+                                continue;
+                            }
                         }
-                    }
-                    let core = &call.shared.core;
-                    if let Some(pending) = learn.as_mut() {
-                        let grant = ready!(Pin::new(pending).poll(cx));
-                        *learn = None;
-                        let asked = call.ask.take();
-                        let block = asked.as_ref().map_or(1, |asked| asked.block);
-                        core.granted(&call.upstream, &grant, call.need, block);
-                        // Another block may be asked for once this one's cells are credited.
-                        drop(asked);
-                        if !grant.hold.is_zero() {
-                            // Another call is probing this key (cold start or recovery):
-                            // ask again a random moment later, or when its lease ends.
+                        let core = &call.shared.core;
+                        if let Some(pending) = learn.as_mut() {
+                            let grant = ready!(Pin::new(pending).poll(cx));
+                            *learn = None;
+                            let asked = call.ask.take();
+                            let block = asked.as_ref().map_or(1, |asked| asked.block);
+                            core.granted(&call.upstream, &grant, call.need, block);
+                            // Another block may be asked for once this one's cells are credited.
+                            drop(asked);
+                            if !grant.hold.is_zero() {
+                                // Another call is probing this key (cold start or recovery):
+                                // ask again a random moment later, or when its lease ends.
+                                if call.held.is_none() {
+                                    call.held = Some(Held::new(core));
+                                }
+                                let wait = grant.hold.mul_f64(0.5 + 0.5 * core.unit());
+                                *sleep = sleep_for(wait.max(Duration::from_millis(1)));
+                                let notify = core.answered.clone();
+                                *answered = Some(Box::pin(async move { notify.notified().await }));
+                                continue;
+                            }
+                            if grant.probe {
+                                telemetry::probe(if grant.mode == 0 {
+                                    "cold_start"
+                                } else {
+                                    "recovery"
+                                });
+                            }
+                            call.probe = grant.probe;
+                            call.learned = true;
+                            call.charged = taken(call.need, &grant.limits);
+                            if grant.mode == 2 {
+                                telemetry::pacing_wait(grant.wait);
+                            }
+                            if !grant.wait.is_zero() {
+                                call.paced_under = Some(grant.limits);
+                                *relimit = Some(core.limits_changed());
+                                *sleep = sleep_for(grant.wait);
+                                continue;
+                            }
+                        }
+                        if let Some(left) = core.store.cooldown(&call.upstream) {
+                            // Held behind the gate. A retry with nothing else held goes when the
+                            // gate reopens (it keeps the band its own delay was drawn in); the
+                            // rest go at random points of a window (each worker from its own
+                            // offset into it), after one probe for the whole fleet.
+                            let lone = call.retries > 0 && !core.others_held(call.held.is_some());
                             if call.held.is_none() {
                                 call.held = Some(Held::new(core));
                             }
-                            let wait = grant.hold.mul_f64(0.5 + 0.5 * core.unit());
-                            *sleep = sleep_for(wait.max(Duration::from_millis(1)));
-                            let notify = core.answered.clone();
-                            *answered = Some(Box::pin(async move { notify.notified().await }));
-                            continue;
-                        }
-                        if grant.probe {
-                            telemetry::probe(if grant.mode == 0 {
-                                "cold_start"
+                            core.note_at_limit(&call.upstream);
+                            let wait = if lone {
+                                left
                             } else {
-                                "recovery"
-                            });
-                        }
-                        call.probe = grant.probe;
-                        call.learned = true;
-                        call.charged = taken(call.need, &grant.limits);
-                        if grant.mode == 2 {
-                            telemetry::pacing_wait(grant.wait);
-                        }
-                        if !grant.wait.is_zero() {
-                            call.paced_under = Some(grant.limits);
-                            *relimit = Some(core.limits_changed());
-                            *sleep = sleep_for(grant.wait);
+                                core.release_after(&call.upstream, left)
+                            };
+                            telemetry::cooldown_wait(wait);
+                            call.learned = false;
+                            call.ask = None;
+                            *sleep = sleep_for(wait.max(Duration::from_millis(1)));
                             continue;
                         }
-                    }
-                    if let Some(left) = core.store.cooldown(&call.upstream) {
-                        // Held behind the gate. A retry with nothing else held goes when the
-                        // gate reopens (it keeps the band its own delay was drawn in); the
-                        // rest go at random points of a window (each worker from its own
-                        // offset into it), after one probe for the whole fleet.
-                        let lone = call.retries > 0 && !core.others_held(call.held.is_some());
-                        if call.held.is_none() {
-                            call.held = Some(Held::new(core));
-                        }
-                        core.note_at_limit(&call.upstream);
-                        let wait = if lone {
-                            left
-                        } else {
-                            core.release_after(&call.upstream, left)
-                        };
-                        telemetry::cooldown_wait(wait);
-                        call.learned = false;
-                        call.ask = None;
-                        *sleep = sleep_for(wait.max(Duration::from_millis(1)));
-                        continue;
-                    }
-                    if !call.learned {
-                        let asked = match call.ask.take() {
-                            Some(asked) => asked,
-                            None => match core.admit_learned(&call.upstream, call.cost) {
-                                Learned::Go(wait, need, charged) => {
-                                    call.learned = true;
-                                    call.need = need;
-                                    call.charged = charged;
-                                    if !wait.is_zero() {
-                                        telemetry::pacing_wait(wait);
-                                        call.paced_under = Some(core.limits_of(&call.upstream));
-                                        *relimit = Some(core.limits_changed());
-                                        *sleep = sleep_for(wait);
-                                        continue;
-                                    }
-                                    Ask {
-                                        ask: PaceAsk::default(),
-                                        block: 0,
-                                        _asked: None,
-                                    }
-                                }
-                                Learned::Ask(asked, need) => {
-                                    call.need = need;
-                                    asked
-                                }
-                            },
-                        };
                         if !call.learned {
-                            // Not before this worker's release after the key's last
-                            // reopening, unless nothing else is held.
-                            if core.others_held(call.held.is_some())
-                                && let Some(wait) = core.release_in(&call.upstream)
-                            {
-                                *sleep = sleep_for(wait.max(Duration::from_millis(1)));
+                            let asked = match call.ask.take() {
+                                Some(asked) => asked,
+                                None => match core.admit_learned(&call.upstream, call.cost) {
+                                    Learned::Go(wait, need, charged) => {
+                                        call.learned = true;
+                                        call.need = need;
+                                        call.charged = charged;
+                                        if !wait.is_zero() {
+                                            telemetry::pacing_wait(wait);
+                                            call.paced_under = Some(core.limits_of(&call.upstream));
+                                            *relimit = Some(core.limits_changed());
+                                            *sleep = sleep_for(wait);
+                                            continue;
+                                        }
+                                        Ask {
+                                            ask: PaceAsk::default(),
+                                            block: 0,
+                                            _asked: None,
+                                        }
+                                    }
+                                    Learned::Ask(asked, need) => {
+                                        call.need = need;
+                                        asked
+                                    }
+                                },
+                            };
+                            if !call.learned {
+                                // Not before this worker's release after the key's last
+                                // reopening, unless nothing else is held.
+                                if core.others_held(call.held.is_some())
+                                    && let Some(wait) = core.release_in(&call.upstream)
+                                {
+                                    *sleep = sleep_for(wait.max(Duration::from_millis(1)));
+                                    continue;
+                                }
+                                *learn = Some(core.store.pace_learned(&call.upstream, &asked.ask));
+                                call.ask = Some(asked);
                                 continue;
                             }
-                            *learn = Some(core.store.pace_learned(&call.upstream, &asked.ask));
-                            call.ask = Some(asked);
+                        }
+                        if let Some(limits) = call.paced_under.take()
+                            && core.limits_of(&call.upstream) != limits
+                        {
+                            // The limits changed while this call waited: ask again.
+                            call.learned = false;
                             continue;
                         }
-                    }
-                    if let Some(limits) = call.paced_under.take()
-                        && core.limits_of(&call.upstream) != limits
-                    {
-                        // The limits changed while this call waited: ask again.
-                        call.learned = false;
-                        continue;
-                    }
-                    call.held = None;
-                    if let Some(pacing) = core.shared_pacing()
-                        && !call.reserved
-                    {
-                        let (limits, n) = pacing.limits(call.cost);
-                        *reserve = Some(core.store.pace(&core.policy.upstream, &limits[..n]));
-                        continue;
-                    }
-                    if let Some(pacer) = &core.pacer
-                        && let Some(wait) = pacer.admit(&mut call.pace_step, call.cost)
-                    {
-                        *sleep = sleep_for(wait);
-                        continue;
+                        call.held = None;
+                        if let Some(pacing) = core.shared_pacing()
+                            && !call.reserved
+                        {
+                            let (limits, n) = pacing.limits(call.cost);
+                            *reserve = Some(core.store.pace(&core.policy.upstream, &limits[..n]));
+                            continue;
+                        }
+                        if let Some(pacer) = &core.pacer
+                            && let Some(wait) = pacer.admit(&mut call.pace_step, call.cost)
+                        {
+                            *sleep = sleep_for(wait);
+                            continue;
+                        }
                     }
                     if let Err(e) = ready!(call.service.poll_ready(cx)) {
                         this.state.set(State::Done);
@@ -564,6 +573,14 @@ where
                             return Poll::Ready(Err(e.into()));
                         }
                     };
+                    if let Some(receipt) = call.attempt.as_ref().and_then(AttemptCell::take) {
+                        // What the fair queue took for this attempt: its answer corrects
+                        // the charges and, for a probe, tells the fleet.
+                        call.probe = receipt.probe;
+                        call.need = receipt.need;
+                        call.charged = receipt.charged;
+                        call.receipt = Some(receipt);
+                    }
                     let outcome = call.judge(response.status(), response.headers());
                     let (head, body) = response.into_parts();
                     if outcome.retry.is_some() && outcome.status == StatusCode::TOO_MANY_REQUESTS {
@@ -649,12 +666,15 @@ where
                         *report = None;
                         // Calls held behind this probe ask again now.
                         core.answered.notify_waiters();
+                        core.gate_changed.notify_one();
                     }
                     if throttle.is_some() || gate.is_some() || report.is_some() {
                         return Poll::Pending;
                     }
                     // The gate and the learned bucket now say what this answer taught.
                     call.probe = false;
+                    // The rate gate may let the next call go (a probe's answer is in).
+                    call.receipt = None;
                     match then.take() {
                         Some(Then::Retry(delay)) => {
                             call.retries += 1;
@@ -664,6 +684,11 @@ where
                             // (a tier's max wait) from now, and it takes its own slot.
                             if let Some(job) = call.next.as_mut().and_then(|r| r.job_mut()) {
                                 job.restamp();
+                                if let Some(cell) = call.attempt.as_mut() {
+                                    // A fresh cell: the retry is a new attempt.
+                                    *cell = AttemptCell::default();
+                                    job.set_attempt(call.upstream.clone(), cell.clone());
+                                }
                             }
                             call.spare = call
                                 .next

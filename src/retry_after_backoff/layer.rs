@@ -59,6 +59,13 @@ pub(super) struct Core {
     /// Notified when this worker learns that a key's limits changed: calls waiting for
     /// cells reserved under the old ones ask again.
     limits_changed: Arc<tokio::sync::Notify>,
+    /// The rate gate's state per key, when a fair queue below consults it.
+    pub(super) gates: Mutex<super::gate::KeyGates>,
+    /// Notified when a rate gate may have opened (one fair queue listens).
+    pub(super) gate_changed: Arc<tokio::sync::Notify>,
+    /// A fair queue below holds this layer's rate gate: calls go straight down, and the
+    /// fair queue waits for the rate in its own order.
+    pub(super) gated_below: std::sync::atomic::AtomicBool,
 }
 
 /// A call counted as held while this lives.
@@ -209,6 +216,25 @@ impl Core {
     pub(super) fn limits_changed(&self) -> std::pin::Pin<Box<dyn Future<Output = ()> + Send>> {
         let notify = self.limits_changed.clone();
         Box::pin(async move { notify.notified().await })
+    }
+
+    /// Whether `key` has had no answer yet (slow start), as far as this worker knows.
+    pub(super) fn is_cold(&self, key: &Arc<str>) -> bool {
+        let mut views = crate::sync::lock(&self.views);
+        views.get(key, self.policy.learned_pacing, &self.loud).mode == 0
+    }
+
+    /// Whether calls to `key` go one probe at a time: no answer yet (slow start), or
+    /// recovering from a throttle, as far as this worker knows.
+    pub(super) fn probes(&self, key: &Arc<str>) -> bool {
+        let mut views = crate::sync::lock(&self.views);
+        let mut view = views.get(key, self.policy.learned_pacing, &self.loud);
+        view.mode == 0 || view.recovering(Instant::now())
+    }
+
+    /// Whether a fair queue below holds this layer's rate gate.
+    pub(super) fn gated_below(&self) -> bool {
+        self.gated_below.load(Ordering::Acquire)
     }
 
     /// The limits this worker knows for `key` (0: not learned).
@@ -446,6 +472,9 @@ impl RetryAfterBackoffLayer {
                     release: Mutex::default(),
                     answered: Arc::default(),
                     limits_changed: Arc::default(),
+                    gates: Mutex::default(),
+                    gate_changed: Arc::default(),
+                    gated_below: std::sync::atomic::AtomicBool::new(false),
                 }),
                 cloner: ByClone,
             }),
@@ -479,6 +508,36 @@ impl<C, K> RetryAfterBackoffLayer<C, K> {
             shared: self.shared,
             key: Arc::new(key),
         }
+    }
+
+    /// Hands this layer's rate limits to a fair queue below it: returns the layer and its
+    /// [`RateGate`](crate::RateGate), to pass to
+    /// [`DrrFairnessBuilder::rate_gate`](crate::drr_fairness::DrrFairnessBuilder::rate_gate).
+    ///
+    /// The layer (and every clone of it, before or after) then no longer holds calls for
+    /// the cooldown gate, slow start, the recovery probe, learned pacing or a configured
+    /// [`Pacing`](super::Pacing): it sends each attempt straight down, naming its upstream
+    /// key on the request's [`Job`](crate::Job), and the fair queue dispatches its waiting
+    /// requests in fair order as the gate lets them go, taking each call's cells when it
+    /// dispatches it. What stays here: reading `retry-after` and the rate-limit headers
+    /// (they feed the gate), attributing throttles, deciding whether and when to retry; a
+    /// retry goes through the fair queue again. [`FairgateLayer`](crate::FairgateLayer)
+    /// does this wiring itself.
+    ///
+    /// ```
+    /// use fairgate::{BackoffPolicy, DrrFairnessLayer, RetryAfterBackoffLayer, Store};
+    ///
+    /// let store = Store::memory();
+    /// let (retry, rate) =
+    ///     RetryAfterBackoffLayer::new(store.clone(), BackoffPolicy::default()).with_gate_below();
+    /// let fair = DrrFairnessLayer::builder(store, 32).rate_gate(rate).build()?;
+    /// # let _ = (retry, fair);
+    /// # Ok::<(), fairgate::ConfigError>(())
+    /// ```
+    pub fn with_gate_below(self) -> (Self, crate::RateGate) {
+        self.shared.core.gated_below.store(true, Ordering::Release);
+        let inner: Arc<dyn crate::gate::RateLimit> = self.shared.core.clone();
+        (self, crate::RateGate { inner })
     }
 
     /// The policy.

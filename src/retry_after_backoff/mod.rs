@@ -152,6 +152,7 @@
 mod body;
 pub mod decide;
 pub mod future;
+mod gate;
 mod layer;
 mod learned;
 pub mod metrics;

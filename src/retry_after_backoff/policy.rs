@@ -53,6 +53,7 @@ pub struct BackoffPolicy {
     /// Thousandths of each learned rate aimed at.
     pub(super) learned_headroom: u32,
     pub(super) usage_correction: bool,
+    pub(super) slow_start_max: Duration,
 }
 
 /// The retry budget's settings, as tower's `TpsBudget` takes them.
@@ -86,6 +87,7 @@ impl Default for BackoffPolicy {
             learned_pacing: true,
             learned_headroom: 950,
             usage_correction: true,
+            slow_start_max: Duration::from_millis(500),
         }
     }
 }
@@ -291,6 +293,21 @@ impl BackoffPolicyBuilder {
     /// [`peek_frame_limit`](Self::peek_frame_limit).
     pub fn peek_timeout(mut self, timeout: Duration) -> Self {
         self.policy.peek_timeout = timeout;
+        self
+    }
+
+    /// How long slow start holds a fair queue's other calls at most while the first call
+    /// to a key that has told no limits yet is out (default 500 ms).
+    ///
+    /// Until an answer has told an upstream key's limits, one call (the head of the fair
+    /// queue) goes first and the rest wait for its answer. A slow answer (a long
+    /// generation) would hold every caller for its whole length, so past this the calls go
+    /// at the slot caps until an answer teaches the limits: the provider's buckets start
+    /// full, so a start-up burst within the caps is what they are sized for. Applies where
+    /// the fair queue holds the rate gate (see
+    /// [`RetryAfterBackoffLayer::with_gate_below`](crate::RetryAfterBackoffLayer::with_gate_below)).
+    pub fn slow_start_max(mut self, max: Duration) -> Self {
+        self.policy.slow_start_max = max;
         self
     }
 

@@ -14,6 +14,7 @@ use super::learned::{OneUpstream, UpstreamKey};
 use super::request::{ByClone, CloneRequest, TypeName};
 use crate::JobRequest;
 use crate::error::BoxError;
+use crate::gate::AttemptCell;
 use crate::store::DIMS;
 
 /// Retries "try later" answers by the server's word, records throttles, and holds calls
@@ -86,11 +87,13 @@ where
         let arrived = job.arrival();
         // With the store's slot caps, the tier's max wait bounds this layer's holds too (the
         // gate, pacing, slow start): dispatched or `Busy` within it, wherever it waited.
+        let gated = self.shared.core.gated_below();
         let patience = self
             .shared
             .core
             .store
             .slot_policy()
+            .filter(|_| !gated)
             .map(|policy| Patience::new(policy, job, arrived));
         let job = &*job;
         let tenant = job.tenant().clone();
@@ -100,11 +103,42 @@ where
         if let Some(budget) = &core.budget {
             budget.deposit();
         }
-        let spare = shared.cloner.clone_request(&req);
         let upstream: Arc<str> = match self.key.upstream_key(&req) {
             Some(key) => Arc::from(format!("{}/{key}", core.policy.upstream)),
             None => core.policy.upstream.clone(),
         };
+        let attempt = gated.then(AttemptCell::default);
+        if let (Some(cell), Some(job)) = (&attempt, req.job_mut()) {
+            job.set_attempt(upstream.clone(), cell.clone());
+        }
+        let spare = shared.cloner.clone_request(&req);
+        if gated {
+            // The fair queue below waits for the rate, in its order.
+            let service = self.inner.clone();
+            let call = Call {
+                shared,
+                service,
+                next: None,
+                spare,
+                tenant,
+                cost,
+                retries: 0,
+                pace_step: 0,
+                upstream,
+                learned: false,
+                ask: None,
+                need: [0; DIMS],
+                charged: [0; DIMS],
+                paced_under: None,
+                probe: false,
+                held: None,
+                reserved: false,
+                patience: None,
+                attempt,
+                receipt: None,
+            };
+            return ResponseFuture::calling(self.inner.call(req), call);
+        }
         let mut pace_step = 0;
         // Fast path: the gate is open (a local read), learned pacing lets the call go now
         // without asking the store, and the configured pacing lets it go now.
@@ -152,6 +186,8 @@ where
             held: None,
             reserved: false,
             patience,
+            attempt: None,
+            receipt: None,
         };
         if go_now {
             call.pace_step = 0;

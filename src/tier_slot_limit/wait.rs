@@ -172,7 +172,7 @@ impl Shared {
     }
 
     pub(super) fn busy(&self, tier: Tier, started: Instant) -> Busy {
-        metrics::server_busy(&tier);
+        metrics::server_busy(&tier, crate::gate::WaitReason::Slot);
         Busy::new(tier, started.elapsed(), self.policy.retry_after)
     }
 

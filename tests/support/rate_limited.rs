@@ -365,19 +365,27 @@ impl Reason {
     }
 }
 
-/// What `busy` waited for, read from its message.
-///
-/// TODO(issue 18): once `Busy::reason()` lands, read it instead:
-/// `match busy.reason() { fairgate::BusyReason::Slot => Reason::Slot, ... }` — the asserts
-/// on the message below stay (the message must say it too).
+/// What `busy` waited for: its [`Busy::reason`], which its message must say too (a
+/// disagreement reads as `Unknown`, so the asserts on the reason fail).
 pub fn reason(busy: &Busy) -> Reason {
+    let reason = match busy.reason() {
+        fairgate::WaitReason::Slot => Reason::Slot,
+        fairgate::WaitReason::Rate => Reason::Rate,
+        fairgate::WaitReason::Cooldown => Reason::Cooldown,
+        _ => Reason::Unknown,
+    };
     let text = busy.to_string();
-    if text.contains("cooldown") {
+    let said = if text.contains("cooldown") {
         Reason::Cooldown
     } else if text.contains("rate") {
         Reason::Rate
     } else if text.contains("no slot") {
         Reason::Slot
+    } else {
+        Reason::Unknown
+    };
+    if said.label() == reason.label() {
+        reason
     } else {
         Reason::Unknown
     }

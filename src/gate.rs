@@ -1,0 +1,159 @@
+//! Gates: the limits the fair queue consults when it dispatches.
+//!
+//! Who goes next is decided in one place, [`DrrFairness`](crate::DrrFairness)'s fair order
+//! (class by weight, tier by start-time fair queuing, tenant by DRR), whatever holds calls
+//! back. A limit is a *gate* handed to the fair queue: when the fair queue is about to
+//! dispatch its next request, it asks each gate whether a call of that tier, tenant and
+//! cost may go now; if one may, it takes what the call needs from each gate at that
+//! moment, for that request; if not, nothing is taken and the fair queue waits until the
+//! gate says it may have opened (a time, or a notification). A request waiting in the
+//! queue holds nothing, so one that leaves (`Busy`, `QueueFull`, dropped) leaves no gap.
+//!
+//! Two kinds of gate exist:
+//! - the slot caps ([`SlotPolicy`](crate::SlotPolicy)): global, per tier, per tenant;
+//! - the rate of an upstream key, a [`RateGate`]: the learned limits (requests, input and
+//!   output tokens), a configured [`Pacing`](crate::retry_after_backoff::Pacing), the
+//!   cooldown gate after a 429, slow start and the recovery probe. It is made by
+//!   [`RetryAfterBackoffLayer::with_gate_below`](crate::RetryAfterBackoffLayer::with_gate_below)
+//!   and passed to [`DrrFairnessLayer::builder`](crate::DrrFairnessLayer::builder)'s
+//!   [`rate_gate`](crate::drr_fairness::DrrFairnessBuilder::rate_gate);
+//!   [`FairgateLayer`](crate::FairgateLayer) does that wiring itself.
+
+use std::fmt;
+use std::sync::Arc;
+
+use tokio::time::Instant;
+
+use crate::store::DIMS;
+
+/// What a request waited for, when it waited too long: the answer's reason.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum WaitReason {
+    /// A slot: the global cap, its tier's cap or its tenant's cap was full.
+    Slot,
+    /// The provider's rate: learned limits, configured pacing, slow start or the probe.
+    Rate,
+    /// The upstream's cooldown gate, closed after a 429 or a `-remaining: 0`.
+    Cooldown,
+}
+
+impl WaitReason {
+    /// The reason as a metric label and in messages: `slot`, `rate`, `cooldown`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            WaitReason::Slot => "slot",
+            WaitReason::Rate => "rate",
+            WaitReason::Cooldown => "cooldown",
+        }
+    }
+}
+
+impl fmt::Display for WaitReason {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// What a rate gate says about the next call of an upstream key.
+pub(crate) enum Verdict {
+    /// It goes now, with what was taken for it.
+    Go(Receipt),
+    /// Not before then.
+    Until(Instant, WaitReason),
+    /// Not until the gate notifies (an answer the store or a probe is awaited for).
+    Notified(WaitReason),
+}
+
+/// What a dispatched call took from a rate gate: given to the call, so the retry layer
+/// can correct the token charges from the answer's usage, and report a probe's answer.
+/// Dropped unused, the cells go back to the gate (and a probe's lease is let go).
+pub(crate) struct Receipt {
+    pub(crate) key: Arc<str>,
+    /// Cells per dimension the call needed, and those taken (0 where no limit is known).
+    pub(crate) need: [u32; DIMS],
+    pub(crate) charged: [u32; DIMS],
+    /// This call is the key's probe (slow start or recovery): its answer tells the fleet.
+    pub(crate) probe: bool,
+    /// Set once the call went upstream: the cells are spent.
+    pub(crate) used: bool,
+    pub(crate) gate: Option<Arc<dyn RateLimit>>,
+}
+
+impl Receipt {
+    /// The call went upstream: its cells are spent whatever happens next.
+    pub(crate) fn mark_used(&mut self) {
+        self.used = true;
+    }
+}
+
+impl Drop for Receipt {
+    fn drop(&mut self) {
+        if let Some(gate) = self.gate.take() {
+            gate.returned(&self.key, self.used, self.probe, self.charged);
+        }
+    }
+}
+
+impl fmt::Debug for Receipt {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Receipt")
+            .field("key", &self.key)
+            .field("charged", &self.charged)
+            .field("probe", &self.probe)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The rate of upstream keys, as the fair queue consults it. Implemented by the retry
+/// layer's core (the learned limits, pacing, cooldown gate and probe live there).
+pub(crate) trait RateLimit: Send + Sync + 'static {
+    /// The key of a request that names none.
+    fn default_key(&self) -> Arc<str>;
+    /// Whether a call of `cost` input tokens to `key` may go now; takes its cells if so.
+    fn check(self: Arc<Self>, key: &Arc<str>, cost: u32) -> Verdict;
+    /// A receipt comes back: `used` if its call went upstream. Unused cells are kept for
+    /// the next call; a probe that never went lets the next call probe.
+    fn returned(&self, key: &Arc<str>, used: bool, probe: bool, charged: [u32; DIMS]);
+    /// Resolves when the gate may have opened (an answer came, a reservation was granted).
+    fn changed(&self) -> Arc<tokio::sync::Notify>;
+}
+
+/// The rate gate of a [`RetryAfterBackoffLayer`](crate::RetryAfterBackoffLayer), handed to
+/// the fair queue below it (see the [module docs](self)).
+///
+/// # Clone
+/// Cheap; clones are the same gate.
+#[derive(Clone)]
+pub struct RateGate {
+    pub(crate) inner: Arc<dyn RateLimit>,
+}
+
+impl fmt::Debug for RateGate {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RateGate")
+            .field("default_key", &self.inner.default_key())
+            .finish()
+    }
+}
+
+/// The cell a retry layer hands each attempt, through the request's [`Job`](crate::Job):
+/// the fair queue below puts the attempt's [`Receipt`] in it when it dispatches.
+#[derive(Clone, Default)]
+pub(crate) struct AttemptCell(pub(crate) Arc<std::sync::Mutex<Option<Receipt>>>);
+
+impl AttemptCell {
+    pub(crate) fn put(&self, receipt: Receipt) {
+        *crate::sync::lock(&self.0) = Some(receipt);
+    }
+
+    pub(crate) fn take(&self) -> Option<Receipt> {
+        crate::sync::lock(&self.0).take()
+    }
+}
+
+impl fmt::Debug for AttemptCell {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("AttemptCell")
+    }
+}

@@ -1,0 +1,313 @@
+//! The retry layer's rate gate, as a fair queue below consults it (see [`crate::gate`]).
+//!
+//! The same limits the layer waits for when it works alone — the cooldown gate, the
+//! recovery probe, slow start, learned pacing and a configured [`Pacing`](super::Pacing) —
+//! answered for the one call the fair queue is about to dispatch. Cells are taken for that
+//! call only, when it may go: at most one call's cells per key are reserved ahead (on Redis
+//! a quarter second of the rate, as the layer alone does), and cells a call did not use go
+//! back to the next one, so callers that leave waste nothing.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+use super::layer::{Core, Learned, taken};
+use crate::gate::{RateLimit, Receipt, Verdict, WaitReason};
+use crate::store::{DIMS, PaceGrant};
+
+/// One upstream key's gate state in this worker.
+#[derive(Debug, Default)]
+pub(super) struct KeyGate {
+    /// Cells taken ahead for the next call to go, usable from their time.
+    ready: Option<Ready>,
+    /// A reservation is on its way to the store.
+    asking: bool,
+    /// Another call (in another worker) is probing the key: ask again then, or at the next
+    /// answer.
+    hold_until: Option<Instant>,
+    /// This worker's probe is out: nobody else goes until its answer.
+    probing: bool,
+    /// When this worker first found the key cold (no answer yet): slow start holds the
+    /// other calls for at most `slow_start_max` from then.
+    cold_since: Option<Instant>,
+    /// Configured pacing in process: the dimensions already taken for the next call.
+    pace_step: usize,
+    /// Configured pacing through the store: reserved for the next call, usable from then.
+    paced: Option<Instant>,
+    pacing_asking: bool,
+}
+
+#[derive(Debug)]
+struct Ready {
+    due: Instant,
+    cost: u32,
+    need: [u32; DIMS],
+    charged: [u32; DIMS],
+    probe: bool,
+}
+
+/// The per-key gates of one layer.
+pub(super) type KeyGates = HashMap<Arc<str>, KeyGate>;
+
+impl Core {
+    /// Applies the store's answer to a reservation made for the next call of `key`.
+    fn apply_grant(
+        &self,
+        gate: &mut KeyGate,
+        key: &Arc<str>,
+        grant: &PaceGrant,
+        need: [u32; DIMS],
+        block: u32,
+        cost: u32,
+    ) {
+        self.granted(key, grant, need, block);
+        let now = Instant::now();
+        if !grant.hold.is_zero() {
+            // Another worker's probe: ask again a random moment later, or at an answer.
+            let wait = grant.hold.mul_f64(0.5 + 0.5 * self.unit());
+            gate.hold_until = Some(now + wait.max(Duration::from_millis(1)));
+            return;
+        }
+        gate.ready = Some(Ready {
+            due: now + grant.wait,
+            cost,
+            need,
+            charged: taken(need, &grant.limits),
+            probe: grant.probe,
+        });
+    }
+
+    /// Slow start past its bound: the key is still cold (no answer yet) and this worker
+    /// has held its calls for `slow_start_max`.
+    fn cold_start_over(&self, gate: &mut KeyGate, key: &Arc<str>, now: Instant) -> bool {
+        if !self.is_cold(key) {
+            gate.cold_since = None;
+            return false;
+        }
+        let since = *gate.cold_since.get_or_insert(now);
+        now.saturating_duration_since(since) >= self.policy.slow_start_max
+    }
+
+    /// The configured pacing's verdict for the next call of `cost`: `None` when it may go.
+    fn configured_pacing(
+        self: &Arc<Self>,
+        gate: &mut KeyGate,
+        key: &Arc<str>,
+        cost: u32,
+        now: Instant,
+    ) -> Option<Verdict> {
+        if let Some(pacing) = self.shared_pacing() {
+            match gate.paced {
+                Some(at) if at > now => return Some(Verdict::Until(at, WaitReason::Rate)),
+                Some(_) => {}
+                None if gate.pacing_asking => return Some(Verdict::Notified(WaitReason::Rate)),
+                None => {
+                    let (limits, n) = pacing.limits(cost);
+                    match self
+                        .store
+                        .pace(&self.policy.upstream, &limits[..n])
+                        .into_ready()
+                    {
+                        Ok(wait) => {
+                            gate.paced = Some(now + wait);
+                            if !wait.is_zero() {
+                                return Some(Verdict::Until(now + wait, WaitReason::Rate));
+                            }
+                        }
+                        Err(pending) => {
+                            gate.pacing_asking = true;
+                            let core = self.clone();
+                            let key = key.clone();
+                            spawn_or_drop(async move {
+                                let wait = pending.await;
+                                let mut gates = crate::sync::lock(&core.gates);
+                                let gate = gates.entry(key).or_default();
+                                gate.pacing_asking = false;
+                                gate.paced = Some(Instant::now() + wait);
+                                drop(gates);
+                                core.gate_changed.notify_one();
+                            });
+                            return Some(Verdict::Notified(WaitReason::Rate));
+                        }
+                    }
+                }
+            }
+        }
+        if let Some(pacer) = &self.pacer
+            && let Some(wait) = pacer.admit(&mut gate.pace_step, cost)
+        {
+            return Some(Verdict::Until(now + wait, WaitReason::Rate));
+        }
+        None
+    }
+}
+
+/// Runs `fut` on the current runtime; without one nothing can send it, and it is dropped
+/// (unsent, it holds nothing; the fair queue's poll asks again).
+fn spawn_or_drop(fut: impl Future<Output = ()> + Send + 'static) {
+    if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+        runtime.spawn(fut);
+    }
+}
+
+impl RateLimit for Core {
+    fn default_key(&self) -> Arc<str> {
+        self.policy.upstream.clone()
+    }
+
+    fn check(self: Arc<Self>, key: &Arc<str>, cost: u32) -> Verdict {
+        let now = Instant::now();
+        let mut gates = crate::sync::lock(&self.gates);
+        let gate = gates.entry(key.clone()).or_default();
+        if let Some(left) = self.store.cooldown(key) {
+            // Closed after a throttle: this worker's release is its own random point of the
+            // window after the reopening, and then one probe goes for the fleet.
+            self.note_at_limit(key);
+            let at = self.note_reopen(key, left);
+            return Verdict::Until(at, WaitReason::Cooldown);
+        }
+        if let Some(wait) = self.release_in(key) {
+            return Verdict::Until(now + wait, WaitReason::Cooldown);
+        }
+        let cold_over = self.cold_start_over(gate, key, now);
+        if gate.probing && !self.probes(key) {
+            // Another answer ended slow start or recovery before the probe's own did.
+            gate.probing = false;
+        }
+        if !cold_over {
+            if gate.probing {
+                return Verdict::Notified(WaitReason::Rate);
+            }
+            match gate.hold_until {
+                Some(at) if at > now => return Verdict::Until(at, WaitReason::Rate),
+                _ => gate.hold_until = None,
+            }
+            if gate.asking {
+                return Verdict::Notified(WaitReason::Rate);
+            }
+            if gate.ready.is_none() {
+                match self.admit_learned(key, cost) {
+                    Learned::Go(wait, need, charged) => {
+                        gate.ready = Some(Ready {
+                            due: now + wait,
+                            cost,
+                            need,
+                            charged,
+                            probe: false,
+                        });
+                    }
+                    Learned::Ask(asked, need) => {
+                        match self.store.pace_learned(key, &asked.ask).into_ready() {
+                            Ok(grant) => {
+                                self.apply_grant(gate, key, &grant, need, asked.block, cost);
+                            }
+                            Err(pending) => {
+                                gate.asking = true;
+                                let core = self.clone();
+                                let key = key.clone();
+                                spawn_or_drop(async move {
+                                    let grant = pending.await;
+                                    let mut gates = crate::sync::lock(&core.gates);
+                                    let gate = gates.entry(key.clone()).or_default();
+                                    gate.asking = false;
+                                    core.apply_grant(gate, &key, &grant, need, asked.block, cost);
+                                    drop(gates);
+                                    drop(asked);
+                                    core.gate_changed.notify_one();
+                                });
+                                return Verdict::Notified(WaitReason::Rate);
+                            }
+                        }
+                    }
+                }
+                if let Some(at) = gate.hold_until {
+                    return Verdict::Until(at, WaitReason::Rate);
+                }
+            }
+            if let Some(ready) = &gate.ready
+                && ready.due > now
+            {
+                return Verdict::Until(ready.due, WaitReason::Rate);
+            }
+        }
+        if let Some(verdict) = self.configured_pacing(gate, key, cost, now) {
+            return verdict;
+        }
+        gate.pace_step = 0;
+        gate.paced = None;
+        let ready = if cold_over {
+            // No limit is known yet: nothing to take.
+            gate.ready.take().filter(|r| !r.probe).unwrap_or(Ready {
+                due: now,
+                cost,
+                need: [0; DIMS],
+                charged: [0; DIMS],
+                probe: false,
+            })
+        } else {
+            match gate.ready.take() {
+                Some(ready) => ready,
+                None => return Verdict::Notified(WaitReason::Rate),
+            }
+        };
+        if ready.probe {
+            gate.probing = true;
+        }
+        drop(gates);
+        if cost != ready.cost && ready.charged[1] > 0 {
+            // Reserved for another call's estimate: the difference in input tokens is
+            // charged (or given back) as a usage correction would be.
+            let diff = i64::from(cost) - i64::from(ready.cost);
+            let mut charge = [0; DIMS];
+            charge[1] = diff;
+            if ready.charged[3] > 0 {
+                charge[3] = diff;
+            }
+            self.correct_usage(key, charge, None);
+        }
+        let gate: Arc<dyn RateLimit> = self.clone();
+        Verdict::Go(Receipt {
+            key: key.clone(),
+            need: ready.need,
+            charged: ready.charged,
+            probe: ready.probe,
+            used: false,
+            gate: Some(gate),
+        })
+    }
+
+    fn returned(&self, key: &Arc<str>, used: bool, probe: bool, charged: [u32; DIMS]) {
+        let give_back = {
+            let mut gates = crate::sync::lock(&self.gates);
+            let gate = gates.entry(key.clone()).or_default();
+            if probe {
+                // Its answer is reported (or it never went): the next call may go or probe.
+                gate.probing = false;
+            }
+            let unused = !used && charged.iter().any(|c| *c > 0);
+            if unused && gate.ready.is_none() && !probe {
+                // Kept for the next call, at once.
+                gate.ready = Some(Ready {
+                    due: Instant::now(),
+                    cost: charged[1],
+                    need: charged,
+                    charged,
+                    probe: false,
+                });
+                false
+            } else {
+                unused
+            }
+        };
+        if give_back {
+            self.correct_usage(key, charged.map(|c| -i64::from(c)), None);
+        }
+        self.gate_changed.notify_one();
+    }
+
+    fn changed(&self) -> Arc<tokio::sync::Notify> {
+        self.gate_changed.clone()
+    }
+}
