@@ -26,14 +26,21 @@ async fn main() -> Result<(), BoxError> {
         .tier("free", 2, Duration::ZERO)
         .tier("pro", 4, Duration::from_secs(2))
         .build()?;
+    // The four layers, every wire in sight (`FairgateLayer` does the same in one line): the
+    // fair queue takes the slot layer's caps and the retry layer's rate gate, so whatever
+    // holds calls back, the next to go is the fair order's choice.
+    let slots = TierSlotLimitLayer::new(store.clone(), slots); // global + per-tier caps
+    let (retry, rate) = // 429 hygiene: decides retries; its rate gate goes to the fair queue
+        RetryAfterBackoffLayer::new(store.clone(), BackoffPolicy::default()).with_gate_below();
+    let fair = DrrFairnessLayer::builder(store.clone(), 32) // fair order, 32 in flight here
+        .slot_gate(slots.gate())
+        .rate_gate(rate)
+        .build()?;
     let claude = ServiceBuilder::new()
         .layer(PriorityClassifyLayer::new(store.clone())) // who goes first
-        .layer(RetryAfterBackoffLayer::new(
-            store.clone(),
-            BackoffPolicy::default(),
-        )) // 429 hygiene: waits and retries outside the queue, holding nothing
-        .layer(DrrFairnessLayer::new(store.clone(), 32)) // fair order, 32 in flight here
-        .layer(TierSlotLimitLayer::new(store.clone(), slots)) // global + per-tier caps
+        .layer(retry)
+        .layer(fair)
+        .layer(slots)
         // Stand-in for the HTTP client that calls https://api.anthropic.com/v1/messages:
         // it answers with the job it saw, in the response's extensions; tenant "umbrella"'s
         // first call is refused with a 429 and `retry-after: 2`.

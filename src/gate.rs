@@ -10,7 +10,9 @@
 //! queue holds nothing, so one that leaves (`Busy`, `QueueFull`, dropped) leaves no gap.
 //!
 //! Two kinds of gate exist:
-//! - the slot caps ([`SlotPolicy`](crate::SlotPolicy)): global, per tier, per tenant;
+//! - the slot caps, a [`SlotGate`]: global, per tier, per tenant ([`SlotPolicy`]), from
+//!   [`TierSlotLimitLayer::gate`](crate::TierSlotLimitLayer::gate), passed to
+//!   [`DrrFairnessBuilder::slot_gate`](crate::drr_fairness::DrrFairnessBuilder::slot_gate);
 //! - the rate of an upstream key, a [`RateGate`]: the learned limits (requests, input and
 //!   output tokens), a configured [`Pacing`](crate::retry_after_backoff::Pacing), the
 //!   cooldown gate after a 429, slow start and the recovery probe. It is made by
@@ -25,6 +27,7 @@ use std::sync::Arc;
 use tokio::time::Instant;
 
 use crate::store::DIMS;
+use crate::{SlotPolicy, Store};
 
 /// What a request waited for, when it waited too long: the answer's reason.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -133,6 +136,59 @@ impl fmt::Debug for RateGate {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("RateGate")
             .field("default_key", &self.inner.default_key())
+            .finish()
+    }
+}
+
+/// The slot caps of a [`TierSlotLimitLayer`](crate::TierSlotLimitLayer) — its store and its
+/// [`SlotPolicy`] — handed to the fair queue above it (see the [module docs](self)), from
+/// [`TierSlotLimitLayer::gate`](crate::TierSlotLimitLayer::gate).
+///
+/// A fair queue given it takes each request's slot when it dispatches the request, and
+/// marks the request's [`Job`](crate::Job) with this gate: the slot layer it came from lets
+/// such a request through without taking a second slot. Another slot layer (another gate,
+/// even on the same store) takes its own.
+///
+/// # Clone
+/// Cheap; clones are the same gate.
+#[derive(Clone)]
+pub struct SlotGate {
+    inner: Arc<SlotCaps>,
+}
+
+struct SlotCaps {
+    store: Store,
+    policy: SlotPolicy,
+}
+
+impl SlotGate {
+    pub(crate) fn new(store: Store, policy: SlotPolicy) -> Self {
+        SlotGate {
+            inner: Arc::new(SlotCaps { store, policy }),
+        }
+    }
+
+    /// The store the slots are counted in.
+    pub fn store(&self) -> &Store {
+        &self.inner.store
+    }
+
+    /// The caps.
+    pub fn policy(&self) -> &SlotPolicy {
+        &self.inner.policy
+    }
+
+    /// Whether `other` is this gate (or a clone of it).
+    pub(crate) fn same(&self, other: &SlotGate) -> bool {
+        Arc::ptr_eq(&self.inner, &other.inner)
+    }
+}
+
+impl fmt::Debug for SlotGate {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SlotGate")
+            .field("store", &self.inner.store)
+            .field("policy", &self.inner.policy)
             .finish()
     }
 }

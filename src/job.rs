@@ -194,9 +194,8 @@ pub struct Job {
     priority: Option<Priority>,
     /// When the request entered the first fairgate layer: every wait counts from here.
     arrived: Option<Instant>,
-    /// The store on which an outer layer already holds a slot for this request (see
-    /// `crate::admission`), by [`Store::id`](crate::Store).
-    slot_held: Option<usize>,
+    /// The slot gate an outer layer already took (or will take) this request's slot from.
+    slot_held: Option<crate::SlotGate>,
     /// The upstream key of the next attempt, as the retry layer chose it: the rate gate
     /// the fair queue consults for it.
     upstream: Option<Arc<str>>,
@@ -318,15 +317,15 @@ impl Job {
         self.attempt.as_ref()
     }
 
-    /// Whether a layer outside the one asking already holds a slot for this request on
-    /// `store` (a slot on another store counts against other caps).
-    pub(crate) fn slot_held_on(&self, store: &crate::Store) -> bool {
-        self.slot_held == Some(store.id())
+    /// Whether a layer outside the one asking already holds a slot of `gate` for this
+    /// request (a slot of another gate counts against other caps).
+    pub(crate) fn slot_held_by(&self, gate: &crate::SlotGate) -> bool {
+        self.slot_held.as_ref().is_some_and(|held| held.same(gate))
     }
 
-    /// Says that the request holds (or will hold before it goes further) a slot on `store`.
-    pub(crate) fn mark_slot_held_on(&mut self, store: &crate::Store) {
-        self.slot_held = Some(store.id());
+    /// Says that the request holds (or will hold before it goes further) a slot of `gate`.
+    pub(crate) fn mark_slot_held_by(&mut self, gate: &crate::SlotGate) {
+        self.slot_held = Some(gate.clone());
     }
 }
 

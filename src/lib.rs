@@ -33,13 +33,16 @@
 //! understand (the reference's `SERVER_BUSY`, or Anthropic's error shape).
 //!
 //! The order below is the recommended one, and why: classify first (the others read the
-//! priority); the retry layer outside the fair queue, so a call held by a closed cooldown
-//! gate or sleeping before a retry holds no window permit and no slot, and a retry queues
-//! fairly again; the fair queue outside the slot layer, so it dispatches a request only
-//! together with its tier slot and a flood of a full tier never holds the window another
-//! tier needs. Every layer also works alone and in any order; how they cooperate when
-//! stacked (through the [`Store`] and the [`Job`] only) is in [`admission`]. Every clone of a
-//! layer shares its limits: wrap the whole client or router, not each route.
+//! priority); the retry layer outside the fair queue, so a call sleeping before a retry
+//! holds no window permit and no slot, and a retry queues fairly again; the fair queue
+//! outside the slot layer. Who goes next is decided in one place, the fair queue, whatever
+//! holds calls back: it is handed the slot layer's caps and the retry layer's rate (the
+//! learned limits, pacing, the cooldown gate after a 429, slow start) as [`gate`]s, and
+//! dispatches the head of its fair order among the requests every gate lets go, taking a
+//! slot and rate cells for that request then. A waiting request holds nothing.
+//! [`FairgateLayer`] does this wiring; by hand it is two lines, below. Every layer also works
+//! alone and in any order, waiting for its own limit. Every clone of a layer shares its
+//! limits: wrap the whole client or router, not each route.
 //!
 //! ```
 //! use fairgate::{
@@ -56,11 +59,18 @@
 //! });
 //!
 //! let store = Store::memory(); // or Store::redis("redis://127.0.0.1/").await? (feature "redis")
+//! let slots = TierSlotLimitLayer::new(store.clone(), SlotPolicy::default()); // global + per-tier caps
+//! let (retry, rate) = // 429 hygiene; its rate gate goes to the fair queue
+//!     RetryAfterBackoffLayer::new(store.clone(), BackoffPolicy::default()).with_gate_below();
+//! let fair = DrrFairnessLayer::builder(store.clone(), 32) // fair order, 32 in flight here
+//!     .slot_gate(slots.gate())
+//!     .rate_gate(rate)
+//!     .build()?;
 //! let claude = ServiceBuilder::new()
 //!     .layer(PriorityClassifyLayer::new(store.clone())) // who goes first
-//!     .layer(RetryAfterBackoffLayer::new(store.clone(), BackoffPolicy::default())) // 429 hygiene
-//!     .layer(DrrFairnessLayer::new(store.clone(), 32)) // fair order, 32 in flight here
-//!     .layer(TierSlotLimitLayer::new(store.clone(), SlotPolicy::default())) // global + per-tier caps
+//!     .layer(retry)
+//!     .layer(fair)
+//!     .layer(slots)
 //!     .service(http_client);
 //!
 //! let prompt = "Summarise this thread.";
@@ -108,7 +118,7 @@ pub use crate::drr_fairness::error::QueueFull;
 pub use crate::drr_fairness::{DrrFairness, DrrFairnessLayer};
 pub use crate::error::{BoxError, ConfigError, MissingJob};
 pub use crate::extract::{JobLayer, Unidentified};
-pub use crate::gate::{RateGate, WaitReason};
+pub use crate::gate::{RateGate, SlotGate, WaitReason};
 pub use crate::job::{Job, JobRequest, Origin, Priority, TenantId, Tier};
 pub use crate::priority_classify::{
     ClassifyRule, DefaultRule, DemotionPolicy, PriorityClassify, PriorityClassifyLayer,

@@ -271,7 +271,8 @@ impl FairgateBuilder {
         // (learned and configured pacing, the cooldown gate, slow start, the probe).
         let (retry, rate) =
             RetryAfterBackoffLayer::new(self.store.clone(), self.backoff).with_gate_below();
-        let fair = self.fair.rate_gate(rate).build()?;
+        let slots = TierSlotLimitLayer::new(self.store.clone(), self.slots);
+        let fair = self.fair.slot_gate(slots.gate()).rate_gate(rate).build()?;
         let mut classify = PriorityClassifyLayer::new(self.store.clone());
         if let Some(policy) = self.demotion {
             classify = classify.demotion(policy);
@@ -280,7 +281,7 @@ impl FairgateBuilder {
             classify,
             retry,
             fair,
-            slots: TierSlotLimitLayer::new(self.store.clone(), self.slots),
+            slots,
             store: self.store,
         })
     }

@@ -683,8 +683,12 @@ async fn through_the_stack(share: f64) -> Duration {
     Instant::now() - start
 }
 
+/// Every waiting call honours the cooldown gate a 429 closes (the fair queue holds them
+/// all, not only the calls that arrive while it is closed): with 10% of the answers a 429
+/// with `retry-after: 1`, the gate is closed a good part of the run, and the run takes
+/// 2.4x the time of a clean one (it was 1.4x when calls already queued went past the gate).
 #[tokio::test(start_paused = true)]
-async fn random_429s_through_the_whole_stack_cost_less_than_half_the_throughput() {
+async fn random_429s_through_the_whole_stack_keep_two_fifths_of_the_throughput() {
     let clean = through_the_stack(0.0).await;
     let noisy = through_the_stack(0.10).await;
     let ratio = noisy.as_secs_f64() / clean.as_secs_f64();
@@ -694,7 +698,7 @@ async fn random_429s_through_the_whole_stack_cost_less_than_half_the_throughput(
         clean.as_secs_f64(),
         noisy.as_secs_f64()
     );
-    assert!(ratio <= 2.0, "{ratio:.2}x slower");
+    assert!(ratio <= 2.5, "{ratio:.2}x slower");
 }
 
 #[tokio::test(start_paused = true)]

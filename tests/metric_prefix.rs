@@ -37,13 +37,16 @@ async fn every_metric_is_published_under_the_chosen_prefix_and_it_is_set_once() 
                 .unwrap(),
         )
     });
+    let slots = TierSlotLimitLayer::new(store.clone(), SlotPolicy::default());
     let claude = ServiceBuilder::new()
         .layer(PriorityClassifyLayer::new(store.clone()))
-        .layer(DrrFairnessLayer::new(store.clone(), 1))
-        .layer(TierSlotLimitLayer::new(
-            store.clone(),
-            SlotPolicy::default(),
-        ))
+        .layer(
+            DrrFairnessLayer::builder(store.clone(), 1)
+                .slot_gate(slots.gate())
+                .build()
+                .unwrap(),
+        )
+        .layer(slots)
         .layer(RetryAfterBackoffLayer::new(
             store.clone(),
             BackoffPolicy::default(),

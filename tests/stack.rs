@@ -145,9 +145,10 @@ impl Upstream {
 /// The README's stack over `upstream`, with demotion off (these tests are about admission).
 struct Rig {
     store: Store,
+    retry: RetryAfterBackoffLayer,
     fair: DrrFairnessLayer,
+    slot_layer: TierSlotLimitLayer,
     upstream: Upstream,
-    policy: SlotPolicy,
     start: Instant,
 }
 
@@ -158,14 +159,24 @@ impl Rig {
         Rig::with_policy(upstream, SlotPolicy::default())
     }
 
+    /// The recommended stack built by hand, every wire in sight: the fair queue takes the
+    /// slot layer's caps and the retry layer's rate gate.
     fn with_policy(upstream: Upstream, policy: SlotPolicy) -> Self {
         let store = Store::memory();
-        let fair = DrrFairnessLayer::new(store.clone(), 32);
+        let slot_layer = TierSlotLimitLayer::new(store.clone(), policy);
+        let (retry, rate) =
+            RetryAfterBackoffLayer::new(store.clone(), BackoffPolicy::default()).with_gate_below();
+        let fair = DrrFairnessLayer::builder(store.clone(), 32)
+            .slot_gate(slot_layer.gate())
+            .rate_gate(rate)
+            .build()
+            .unwrap();
         Rig {
             store,
+            retry,
             fair,
+            slot_layer,
             upstream,
-            policy,
             start: Instant::now(),
         }
     }
@@ -196,15 +207,9 @@ impl Rig {
             .unwrap();
         let service = ServiceBuilder::new()
             .layer(PriorityClassifyLayer::new(self.store.clone()).demotion(demotion))
-            .layer(RetryAfterBackoffLayer::new(
-                self.store.clone(),
-                BackoffPolicy::default(),
-            ))
+            .layer(self.retry.clone())
             .layer(self.fair.clone())
-            .layer(TierSlotLimitLayer::new(
-                self.store.clone(),
-                self.policy.clone(),
-            ))
+            .layer(self.slot_layer.clone())
             .service(self.upstream.service())
             // The body is whole at once: dropping the response releases everything.
             .map_response(drop);

@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use fairgate::{
     BackoffPolicy, BoxError, Busy, DemotionPolicy, DrrFairnessLayer, Job, Origin,
-    PriorityClassifyLayer, QueueFull, RetryAfterBackoffLayer, SlotPolicy, Store,
+    PriorityClassifyLayer, QueueFull, RetryAfterBackoffLayer, SlotGate, SlotPolicy, Store,
     TierSlotLimitLayer,
 };
 use proptest::prelude::*;
@@ -45,6 +45,18 @@ struct Limits {
     window: usize,
     /// An optional per-tenant queue limit, so some requests end `QueueFull`.
     queue_per_tenant: Option<usize>,
+    /// The provider's rate in requests per minute, if it binds: the upstream keeps a token
+    /// bucket, sends Anthropic's rate-limit headers and answers 429 when over; the stack
+    /// learns the rate and its fair queue consults it.
+    rpm: Option<u32>,
+}
+
+impl Limits {
+    /// The time between two calls the stack paces to (0.95 of the rate).
+    fn paced_interval(&self) -> Option<Duration> {
+        self.rpm
+            .map(|rpm| Duration::from_secs_f64(60.0 / (0.95 * f64::from(rpm))))
+    }
 }
 
 impl Limits {
@@ -108,7 +120,16 @@ fn limits() -> impl Strategy<Value = Limits> {
             max_waits: waits.map(Duration::from_secs),
             window,
             queue_per_tenant,
+            rpm: None,
         })
+}
+
+/// The same, under a provider rate of 60 to 1,200 requests a minute.
+fn rated_limits() -> impl Strategy<Value = Limits> {
+    (limits(), 60..=1_200u32).prop_map(|(limits, rpm)| Limits {
+        rpm: Some(rpm),
+        ..limits
+    })
 }
 
 fn arrival() -> impl Strategy<Value = Arrival> {
@@ -170,6 +191,13 @@ struct Track {
     in_flight: u32,
     by_tier: [u32; 4],
     violations: Vec<String>,
+    /// The provider's request bucket (GCRA): its theoretical arrival time, past the start.
+    tat: Duration,
+    /// When the last call reached the upstream.
+    last_start: Option<Instant>,
+    /// When the last answer said the bucket was empty (`-remaining: 0`): the stack paces
+    /// from that answer, as from a call that went then.
+    last_empty: Option<Instant>,
 }
 
 type Shared = Arc<Mutex<Track>>;
@@ -192,9 +220,51 @@ impl Drop for InFlight {
 
 type Stack = tower::util::BoxCloneSyncService<http::Request<String>, (), BoxError>;
 
+/// Takes a cell of the provider's request bucket (GCRA, the bucket holding a second of the
+/// rate): the cells left, or `None` when it is empty (a 429). Always a cell without a rate.
+fn take_cell(t: &mut Track, limits: &Limits, origin: Instant) -> Option<u32> {
+    let Some(rpm) = limits.rpm else {
+        return Some(0);
+    };
+    let now = Instant::now().saturating_duration_since(origin);
+    let interval = Duration::from_secs_f64(60.0 / f64::from(rpm));
+    let capacity = (rpm / 60).max(1);
+    let tat = t.tat.max(now);
+    if tat.saturating_sub(now) > interval * (capacity - 1) {
+        return None;
+    }
+    t.tat = tat + interval;
+    let used = (t.tat - now).as_secs_f64() / interval.as_secs_f64();
+    Some((f64::from(capacity) - used).floor().max(0.0) as u32)
+}
+
+/// An answer with Anthropic's request-limit headers (under a rate), or a 429 when the
+/// bucket was empty.
+fn rated(
+    mut response: http::Response<String>,
+    limits: &Limits,
+    remaining: Option<u32>,
+) -> http::Response<String> {
+    let Some(rpm) = limits.rpm else {
+        return response;
+    };
+    let headers = response.headers_mut();
+    headers.insert("anthropic-ratelimit-requests-limit", rpm.into());
+    headers.insert(
+        "anthropic-ratelimit-requests-remaining",
+        remaining.unwrap_or(0).into(),
+    );
+    if remaining.is_none() {
+        *response.status_mut() = http::StatusCode::TOO_MANY_REQUESTS;
+        response.headers_mut().insert("retry-after", 1.into());
+    }
+    response
+}
+
 /// The recommended stack over a mock upstream that checks the caps at every call's start.
 fn stack(
     store: &Store,
+    retry: RetryAfterBackoffLayer,
     fair: &DrrFairnessLayer,
     slots: TierSlotLimitLayer,
     limits: &Limits,
@@ -207,13 +277,57 @@ fn stack(
         .build()
         .unwrap();
     let limits = limits.clone();
+    let origin = Instant::now();
     let upstream = service_fn(move |req: http::Request<String>| {
+        // The warm-up call (under a rate): answered at once, counted by the bucket only.
+        if req.body() == "warm-up" {
+            let mut t = track.lock().unwrap();
+            let remaining = take_cell(&mut t, &limits, origin);
+            t.last_start = Some(Instant::now());
+            let response = rated(http::Response::new(String::new()), &limits, remaining);
+            return futures_util::future::Either::Left(std::future::ready(Ok::<_, BoxError>(
+                response,
+            )));
+        }
         let id: usize = req.body().parse().expect("the body names the request");
         let arrival = &arrivals[id];
         let tier = arrival.counted();
+        let mut remaining = None;
         let guard = {
             let mut t = track.lock().unwrap();
             let now = Instant::now();
+            if limits.rpm.is_some() {
+                remaining = take_cell(&mut t, &limits, origin);
+                if remaining.is_none() {
+                    t.violations.push(format!(
+                        "request {id} answered 429: over the provider's rate"
+                    ));
+                }
+                // Within a tenant, class and tier, requests go in the order they came.
+                let sent = t.requests[id].sent;
+                let overtaken: Vec<usize> = t
+                    .requests
+                    .iter()
+                    .enumerate()
+                    .filter(|(other, seen)| {
+                        let a = &arrivals[*other];
+                        *other != id
+                            && seen.sent.is_some_and(|at| Some(at) < sent)
+                            && seen.started.is_none()
+                            && seen.end.is_none()
+                            && (a.tenant, a.origin, a.sla, a.counted())
+                                == (arrival.tenant, arrival.origin, arrival.sla, tier)
+                    })
+                    .map(|(other, _)| other)
+                    .collect();
+                for other in overtaken {
+                    t.violations.push(format!(
+                        "request {id} went before request {other} of its tenant, class and \
+                         tier, sent earlier"
+                    ));
+                }
+                t.last_start = Some(now);
+            }
             t.in_flight += 1;
             t.by_tier[tier] += 1;
             let (in_flight, in_tier) = (t.in_flight, t.by_tier[tier]);
@@ -239,23 +353,24 @@ fn stack(
             }
         };
         let call = arrival.call;
-        async move {
+        let limits = limits.clone();
+        let track = track.clone();
+        futures_util::future::Either::Right(async move {
             tokio::time::sleep(call).await;
+            if remaining == Some(0) && limits.rpm.is_some() {
+                track.lock().unwrap().last_empty = Some(Instant::now());
+            }
             drop(guard);
-            Ok::<_, BoxError>(http::Response::new(String::new()))
-        }
+            Ok::<_, BoxError>(rated(
+                http::Response::new(String::new()),
+                &limits,
+                remaining,
+            ))
+        })
     });
     let service = ServiceBuilder::new()
         .layer(PriorityClassifyLayer::new(store.clone()).demotion(demotion))
-        // Learned pacing's slow start holds calls at cold start by design (tested in
-        // tests/learned_pacing.rs); this model is about the fair queue and the slot caps.
-        .layer(RetryAfterBackoffLayer::new(
-            store.clone(),
-            BackoffPolicy::builder()
-                .learned_pacing(false)
-                .build()
-                .expect("a valid policy"),
-        ))
+        .layer(retry)
         .layer(fair.clone())
         .layer(slots)
         .service(upstream)
@@ -268,7 +383,29 @@ fn stack(
 async fn run(limits: Limits, arrivals: Vec<Arrival>) -> Vec<String> {
     let store = Store::memory();
     let slots = TierSlotLimitLayer::new(store.clone(), limits.policy());
-    let mut fair = DrrFairnessLayer::builder(store.clone(), limits.window);
+    let mut fair = DrrFairnessLayer::builder(store.clone(), limits.window).slot_gate(slots.gate());
+    let retry = match limits.rpm {
+        // Without a rate: learned pacing's slow start holds calls at cold start by design
+        // (tested in tests/learned_pacing.rs); this model is about the fair queue and caps.
+        None => RetryAfterBackoffLayer::new(
+            store.clone(),
+            BackoffPolicy::builder()
+                .learned_pacing(false)
+                .build()
+                .expect("a valid policy"),
+        ),
+        // Under a rate: learned, and consulted by the fair queue.
+        Some(_) => {
+            let policy = BackoffPolicy::builder()
+                .seed(7)
+                .build()
+                .expect("a valid policy");
+            let (retry, rate) =
+                RetryAfterBackoffLayer::new(store.clone(), policy).with_gate_below();
+            fair = fair.rate_gate(rate);
+            retry
+        }
+    };
     if let Some(limit) = limits.queue_per_tenant {
         fair = fair.max_queued_per_tenant(limit);
     }
@@ -280,12 +417,23 @@ async fn run(limits: Limits, arrivals: Vec<Arrival>) -> Vec<String> {
     let arrivals = Arc::new(arrivals);
     let stack = stack(
         &store,
+        retry,
         &fair,
         slots,
         &limits,
         arrivals.clone(),
         track.clone(),
     );
+    if limits.rpm.is_some() {
+        // One call first, so the rate is learned before the arrivals (slow start holds calls
+        // at cold start by design, tested in tests/stack_rate.rs).
+        let mut req = http::Request::new("warm-up".to_owned());
+        req.extensions_mut()
+            .insert(Job::new("warm-up", Origin::UserAction).tier("premium"));
+        if let Err(e) = stack.clone().oneshot(req).await {
+            return vec![format!("the warm-up call failed: {e}")];
+        }
+    }
     let start = Instant::now();
 
     let callers: Vec<_> = (0..arrivals.len())
@@ -360,7 +508,17 @@ async fn run(limits: Limits, arrivals: Vec<Arrival>) -> Vec<String> {
             let tier_full = t.by_tier[tier] >= limits.caps[tier];
             let global_full = t.in_flight >= limits.global;
             let window_full = window >= limits.window;
-            if !(tier_full || global_full || window_full) {
+            // The rate holds calls back only while it is spent: a call went within the last
+            // paced interval. An idle upstream with a request waiting and room for it is a
+            // cell held by nobody.
+            let now = Instant::now();
+            let rate_busy = limits.paced_interval().is_some_and(|interval| {
+                [t.last_start, t.last_empty]
+                    .into_iter()
+                    .flatten()
+                    .any(|at| now.saturating_duration_since(at) < interval + TICK + SLACK)
+            });
+            if !(tier_full || global_full || window_full || rate_busy) {
                 violations.push(format!(
                     "at {at:?}: request {id} ({}) waits with room: tier {}/{}, global {}/{}, \
                      window {window}/{}",
@@ -464,14 +622,32 @@ proptest! {
         let violations = runtime.block_on(run(limits.clone(), arrivals));
         prop_assert!(violations.is_empty(), "{limits:?}:\n{}", violations.join("\n"));
     }
+
+    /// The same under a random provider rate that the stack learns from the answers'
+    /// headers: no call is answered 429, no request waits while its tier, the window and
+    /// the rate have room (an idle upstream with a request waiting is a cell nobody used),
+    /// requests of one tenant, class and tier go in the order they came, every request
+    /// ends once, and a tier's max wait holds from arrival.
+    #[test]
+    fn under_a_random_rate_the_stack_keeps_the_caps_and_the_rate_and_wastes_no_cell(
+        limits in rated_limits(),
+        arrivals in prop::collection::vec(arrival(), 1..40),
+    ) {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .start_paused(true)
+            .build()
+            .unwrap();
+        let violations = runtime.block_on(run(limits.clone(), arrivals));
+        prop_assert!(violations.is_empty(), "{limits:?}:\n{}", violations.join("\n"));
+    }
 }
 
 // ---------- the seam between DrrFairness and TierSlotLimit ----------
 
-/// Five requests at once through a DrrFairness on `fair_store` (window 8) over a
-/// TierSlotLimit on another store capped at one call: the most calls in flight at once.
-async fn most_in_flight_with_slots_on_another_store(fair_store: Store) -> u32 {
-    let slot_store = Store::memory();
+/// Five requests at once through a DrrFairness (window 8), given `fair_gate` if any, over a
+/// TierSlotLimit capped at one call on `slot_store`: the most calls in flight at once.
+async fn most_in_flight_through(fair_gate: Option<SlotGate>, slot_store: Store) -> u32 {
     let policy = SlotPolicy::builder().global_max(1).build().unwrap();
     let counts = Arc::new(Mutex::new((0u32, 0u32)));
     let upstream = {
@@ -490,8 +666,12 @@ async fn most_in_flight_with_slots_on_another_store(fair_store: Store) -> u32 {
             }
         })
     };
+    let mut fair = DrrFairnessLayer::builder(Store::memory(), 8);
+    if let Some(gate) = fair_gate {
+        fair = fair.slot_gate(gate);
+    }
     let stack = ServiceBuilder::new()
-        .layer(DrrFairnessLayer::new(fair_store, 8))
+        .layer(fair.build().unwrap())
         .layer(TierSlotLimitLayer::new(slot_store, policy))
         .service(upstream)
         .map_response(drop);
@@ -509,20 +689,31 @@ async fn most_in_flight_with_slots_on_another_store(fair_store: Store) -> u32 {
     counts.lock().unwrap().1
 }
 
-/// A DrrFairness whose store has no slot policy takes no slot, so it must not tell a
-/// TierSlotLimit below it (on another store) that the request holds one.
+/// A DrrFairness given no slot gate takes no slot, so it must not tell the TierSlotLimit
+/// below it that the request holds one.
 #[tokio::test(start_paused = true)]
-async fn a_fair_queue_on_a_store_without_slot_policy_leaves_the_slot_layer_its_caps() {
-    let most = most_in_flight_with_slots_on_another_store(Store::memory()).await;
+async fn a_fair_queue_without_a_slot_gate_leaves_the_slot_layer_its_caps() {
+    let most = most_in_flight_through(None, Store::memory()).await;
     assert_eq!(most, 1, "the slot layer's global cap of 1 was skipped");
 }
 
-/// The same with a slot policy on the fair queue's store: the slot it takes there is not
-/// the slot layer's, whose caps (on its own store) must still hold.
+/// A DrrFairness given another slot layer's gate takes that layer's slot, not the one
+/// below it, whose caps must still hold: on another store, and on the same store (where a
+/// registry of policies kept in the store would mistake one for the other).
 #[tokio::test(start_paused = true)]
-async fn a_fair_queue_on_another_store_with_its_own_policy_leaves_the_slot_layer_its_caps() {
-    let fair_store = Store::memory();
-    let _register = TierSlotLimitLayer::new(fair_store.clone(), SlotPolicy::default());
-    let most = most_in_flight_with_slots_on_another_store(fair_store).await;
-    assert_eq!(most, 1, "the slot layer's global cap of 1 was skipped");
+async fn a_fair_queue_with_another_slot_layers_gate_leaves_the_slot_layer_its_caps() {
+    let other = TierSlotLimitLayer::new(Store::memory(), SlotPolicy::default());
+    let most = most_in_flight_through(Some(other.gate()), Store::memory()).await;
+    assert_eq!(
+        most, 1,
+        "another store: the slot layer's global cap of 1 was skipped"
+    );
+
+    let store = Store::memory();
+    let other = TierSlotLimitLayer::new(store.clone(), SlotPolicy::default());
+    let most = most_in_flight_through(Some(other.gate()), store).await;
+    assert_eq!(
+        most, 1,
+        "the same store: the slot layer's global cap of 1 was skipped"
+    );
 }

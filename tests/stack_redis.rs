@@ -127,7 +127,15 @@ impl Worker {
         let store = Store::redis(url)
             .await
             .expect("a store on the test's redis");
-        let fair = DrrFairnessLayer::new(store.clone(), 32);
+        // The recommended stack by hand, every wire in sight.
+        let slots = TierSlotLimitLayer::new(store.clone(), policy());
+        let (retry, rate) =
+            RetryAfterBackoffLayer::new(store.clone(), BackoffPolicy::default()).with_gate_below();
+        let fair = DrrFairnessLayer::builder(store.clone(), 32)
+            .slot_gate(slots.gate())
+            .rate_gate(rate)
+            .build()
+            .unwrap();
         let demotion = DemotionPolicy::builder()
             .default_daily_budget(u64::MAX)
             .throttle_limit(u32::MAX)
@@ -135,12 +143,9 @@ impl Worker {
             .unwrap();
         let service = ServiceBuilder::new()
             .layer(PriorityClassifyLayer::new(store.clone()).demotion(demotion))
-            .layer(RetryAfterBackoffLayer::new(
-                store.clone(),
-                BackoffPolicy::default(),
-            ))
+            .layer(retry)
             .layer(fair.clone())
-            .layer(TierSlotLimitLayer::new(store.clone(), policy()))
+            .layer(slots)
             .service(upstream.service())
             // The body is whole at once: dropping the response releases everything.
             .map_response(drop);

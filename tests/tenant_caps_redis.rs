@@ -92,7 +92,12 @@ async fn workers(url: &str, fair: bool, seen: &SeenRef) -> Vec<Worker> {
         let slots = TierSlotLimitLayer::new(store.clone(), policy());
         let worker = if fair {
             let worker = ServiceBuilder::new()
-                .layer(DrrFairnessLayer::new(store.clone(), 64))
+                .layer(
+                    DrrFairnessLayer::builder(store.clone(), 64)
+                        .slot_gate(slots.gate())
+                        .build()
+                        .unwrap(),
+                )
                 .layer(slots)
                 .service(upstream(seen.clone()))
                 .map_response(drop);

@@ -30,14 +30,20 @@ pub(crate) fn bench(c: &mut Criterion) {
     );
 
     let store = Store::memory();
+    // The recommended stack, wired as `FairgateLayer` wires it.
+    let slots = TierSlotLimitLayer::new(store.clone(), SlotPolicy::default());
+    let (retry, rate) =
+        RetryAfterBackoffLayer::new(store.clone(), BackoffPolicy::default()).with_gate_below();
+    let fair = DrrFairnessLayer::builder(store.clone(), 32)
+        .slot_gate(slots.gate())
+        .rate_gate(rate)
+        .build()
+        .expect("a valid window");
     let fairgate = ServiceBuilder::new()
-        .layer(PriorityClassifyLayer::new(store.clone()))
-        .layer(RetryAfterBackoffLayer::new(
-            store.clone(),
-            BackoffPolicy::default(),
-        ))
-        .layer(DrrFairnessLayer::new(store.clone(), 32))
-        .layer(TierSlotLimitLayer::new(store, SlotPolicy::default()))
+        .layer(PriorityClassifyLayer::new(store))
+        .layer(retry)
+        .layer(fair)
+        .layer(slots)
         .service(upstream());
     group.bench_function(BenchmarkId::new("fairgate", "memory"), |b| {
         b.to_async(&rt).iter(|| drive(&fairgate, 1));

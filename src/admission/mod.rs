@@ -1,36 +1,24 @@
-//! How the layers cooperate when they are stacked: what they share about admitting a request.
+//! What the layers share about admitting a request: the slot caps, the answer of a request
+//! that could not go in time, and the thresholds of demotion.
 //!
 //! The stack is the product: every promise holds from the moment a request enters the first
-//! fairgate layer until its answer ends. The layers import nothing of each other; they
-//! cooperate only through the [`Store`](crate::Store) and the request's [`Job`](crate::Job):
+//! fairgate layer until its answer ends.
 //!
 //! - **One arrival.** The first layer that sees a job stamps its arrival
 //!   ([`Job::arrived_at`](crate::Job::arrived_at)); every wait counts from that instant, so
-//!   a tier's max wait is end to end, wherever in the stack the request waited: the fair
-//!   queue, the slot layer, and [`RetryAfterBackoff`](crate::RetryAfterBackoff)'s holds of a
-//!   first attempt (the gate, pacing, slow start) all answer [`Busy`] at the deadline. A
-//!   retry is a new attempt: the retry layer starts its clock again.
-//! - **The caps are the store's.** [`TierSlotLimitLayer::new`](crate::TierSlotLimitLayer::new)
-//!   registers its [`SlotPolicy`] with its store (the first policy registered on a store is
-//!   the one shared; the caps are the fleet's budget, and the store is what the fleet
-//!   shares). A [`DrrFairness`](crate::DrrFairness) on the same store then dispatches only
-//!   requests whose tier slot it can take: it takes the slot itself, at the moment the
-//!   request is dispatched, in fair order among the requests that can go — a full tier never
-//!   holds a window permit another tier could use, and a flood of a capped tier never delays
-//!   another tier. It marks the job as holding a slot, and a `TierSlotLimit` below it lets
-//!   such a request through without taking a second one. In the other order (`TierSlotLimit`
-//!   outside `DrrFairness`) the slot layer takes the slot and the fair queue sees the mark.
-//! - **Waiting holds nothing.** A request holds upstream capacity (a window permit, a slot)
-//!   only while it can go upstream or is talking to it. Recommended order: `PriorityClassify`,
-//!   `RetryAfterBackoff`, `DrrFairness`, `TierSlotLimit`, then the client. With the retry layer
-//!   outside the fair queue, a call held behind a closed cooldown gate, or sleeping before a
-//!   retry, has given its permit and its slot back; the retry goes through the fair queue
-//!   again (charged its estimate again, as any call) and takes a slot again.
+//!   a tier's max wait is end to end, wherever in the stack the request waited. A retry is
+//!   a new attempt: the retry layer starts its clock again.
+//! - **One order.** The fair queue is handed the slot layer's caps and the retry layer's
+//!   rate as gates ([`crate::gate`]) and decides who goes next whatever holds calls back.
+//!   Nothing is registered in the store by one layer for another: the wires are passed, and
+//!   [`FairgateLayer`](crate::FairgateLayer) shows every one.
+//! - **Waiting holds nothing.** A request holds upstream capacity (a window permit, a slot,
+//!   rate cells) only while it can go upstream or is talking to it.
 //!
-//! Each layer still works alone and in any order. What the layers and the store both read
-//! lives here, so neither imports the other: the slot caps ([`SlotPolicy`]), the answer of a
-//! request that got no slot in time ([`Busy`]), and the thresholds of demotion
-//! ([`DemotionPolicy`], read by the store's atomic check-and-demote).
+//! What the layers and the store both read lives here, so neither imports the other: the
+//! slot caps ([`SlotPolicy`]), the answer of a request that could not go in time ([`Busy`],
+//! with what it waited for), and the thresholds of demotion ([`DemotionPolicy`], read by
+//! the store's atomic check-and-demote).
 
 mod busy;
 mod demotion;

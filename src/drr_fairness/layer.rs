@@ -48,6 +48,7 @@ impl DrrFairnessLayer {
             weights: TierWeights::default(),
             fairness_window: Duration::from_secs(60),
             rate: None,
+            slots: None,
         }
     }
 
@@ -120,9 +121,22 @@ pub struct DrrFairnessBuilder {
     weights: TierWeights,
     fairness_window: Duration,
     rate: Option<crate::RateGate>,
+    slots: Option<crate::SlotGate>,
 }
 
 impl DrrFairnessBuilder {
+    /// Takes each request's slot from `gate` — the global, tier and tenant caps of a
+    /// [`TierSlotLimitLayer`](crate::TierSlotLimitLayer), from its
+    /// [`gate`](crate::TierSlotLimitLayer::gate) — when it dispatches the request: the
+    /// window is handed out only together with a slot, in fair order among the requests
+    /// whose tier has room, so a full tier never holds the window another tier could use,
+    /// and a request is dispatched or told [`Busy`](crate::Busy) within its tier's max wait
+    /// of its arrival. The slot layer below lets such a request through.
+    pub fn slot_gate(mut self, gate: crate::SlotGate) -> Self {
+        self.slots = Some(gate);
+        self
+    }
+
     /// Consults `gate` — the provider's rate of each upstream key, the cooldown gate after
     /// a 429, slow start and the recovery probe, from
     /// [`RetryAfterBackoffLayer::with_gate_below`](crate::RetryAfterBackoffLayer::with_gate_below)
@@ -206,6 +220,7 @@ impl DrrFairnessBuilder {
             self.config,
             self.weights,
             self.fairness_window,
+            self.slots,
             self.rate,
         )?;
         Ok(DrrFairnessLayer {

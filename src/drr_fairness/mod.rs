@@ -48,10 +48,13 @@
 //! one refused by an optional queue limit with [`QueueFull`](error::QueueFull) — the
 //! incoming (youngest) request is the one refused.
 //!
-//! # With the store's slot caps: a permit only with a slot
-//! When a [`TierSlotLimitLayer`](crate::TierSlotLimitLayer) was built on the same store,
-//! its caps are the store's ([`crate::admission`]) and this layer dispatches a request only
-//! together with its tier slot. Requests wait in one DRR scheduler per tier; the next
+//! # With gates: one order under every limit
+//! Handed a slot layer's caps ([`DrrFairnessBuilder::slot_gate`]) this layer dispatches a
+//! request only together with its tier slot; handed a retry layer's rate
+//! ([`DrrFairnessBuilder::rate_gate`]: learned and configured pacing, the cooldown gate
+//! after a 429, slow start, the recovery probe), only when the rate lets it go, taking its
+//! cells then (see [`crate::gate`]). A request the rate holds back waits here, in fair
+//! order, holding nothing; one that leaves took nothing. Requests wait in one DRR scheduler per tier; the next
 //! dispatch picks the class by weighted round robin among the classes that have a request
 //! whose tier has room, then the tier by start-time fair queuing (cost served per unit of
 //! the tier's active weight, so tiers share as their tenants' weights say), then the tenant

@@ -830,7 +830,10 @@ impl Class {
     /// dumps many small requests holds a newcomer behind one of them, not behind a whole
     /// quantum of them; its service is still bounded by its one grant.
     fn newcomer_served(&mut self, t: u32) {
-        if self.tenant(t).is_some_and(|tenant| tenant.list == Some(ListKind::New)) {
+        if self
+            .tenant(t)
+            .is_some_and(|tenant| tenant.list == Some(ListKind::New))
+        {
             self.unlink(t);
             self.link_back(ListKind::New, t);
         }

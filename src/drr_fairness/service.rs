@@ -103,12 +103,12 @@ where
             return ResponseFuture::failed(MissingJob.into());
         };
         let arrived = job.arrival();
-        let held_above = job.slot_held_on(self.shared.store());
-        // Dispatched only with its slot when the store's policy gates it, so the slot layer
-        // below on the same store lets it through without taking a second one. Without a
-        // policy no slot is taken here, and the slot layer below must take one.
-        if self.shared.gates_slots() {
-            job.mark_slot_held_on(self.shared.store());
+        let gate = self.shared.slot_gate();
+        let held_above = gate.is_some_and(|gate| job.slot_held_by(gate));
+        // Dispatched only with its slot when this layer holds a slot gate, so the slot
+        // layer below that gave it lets it through without taking a second one.
+        if let Some(gate) = gate {
+            job.mark_slot_held_by(gate);
         }
         let job = &*job;
         // The future drives its own clone's readiness once dispatched (as tower's Buffer

@@ -16,7 +16,7 @@ use super::fairness::FairnessWindow;
 use super::scheduler::{ClassPicker, Key, Pick, Rejected, Scheduler, SchedulerConfig};
 use crate::admission::{Busy, SlowWait, TierLimit};
 use crate::error::ConfigError;
-use crate::gate::{RateGate, Receipt, Verdict, WaitReason};
+use crate::gate::{RateGate, Receipt, SlotGate, Verdict, WaitReason};
 use crate::metrics::Metric;
 use crate::rng::Rng;
 use crate::store::{SlotLease, SlotQueue, SlotRefusal, SlotWakes, StoreFuture};
@@ -230,7 +230,9 @@ pub(super) struct Shared {
     max_in_flight: usize,
     weights: TierWeights,
     config: SchedulerConfig,
-    /// The provider's rate, consulted at each dispatch (see `crate::gate`).
+    /// The slot caps, taken at each dispatch (see `crate::gate`).
+    slots: Option<SlotGate>,
+    /// The provider's rate, consulted at each dispatch.
     rate: Option<RateGate>,
     state: Mutex<State>,
 }
@@ -311,7 +313,7 @@ impl AfterUnlock {
         }
         drop(self.drop_handed);
         for (tier, n, leave) in self.declined {
-            shared.store.decline_slot_wakes(&tier, n, leave);
+            shared.slot_store().decline_slot_wakes(&tier, n, leave);
         }
         let spawns = !self.acquires.is_empty() || self.watch;
         let runtime = spawns
@@ -373,7 +375,7 @@ impl AfterUnlock {
 /// (until its time, or its notification) — and dispatches again. Ends when nothing waits.
 async fn watch(shared: Arc<Shared>) {
     loop {
-        let released = shared.store.slot_released().notified();
+        let released = shared.slot_store().slot_released().notified();
         tokio::pin!(released);
         released.as_mut().enable();
         // `notify_one`: a change made before this listens is kept for it.
@@ -396,12 +398,12 @@ async fn watch(shared: Arc<Shared>) {
             }
             // Held tenants are not woken one by one: they keep the policy's poll.
             let held = gates().any(|gate| !gate.held_tenants.is_empty());
-            let policy = shared.store.slot_policy();
+            let policy = shared.slot_policy();
             let interval = policy.map_or(Duration::from_millis(100), |p| p.poll_interval);
             let interval = if held {
                 interval
             } else {
-                shared.store.slot_poll(interval)
+                shared.slot_store().slot_poll(interval)
             };
             let seed = policy.and_then(|p| p.seed);
             let rng = state
@@ -410,7 +412,7 @@ async fn watch(shared: Arc<Shared>) {
             (slots, rate_wait, interval.mul_f64(0.5 + rng.unit()))
         };
         // A wake-up that came before this watch listened.
-        if slots && let Some(woken) = shared.store.take_slot_wakes() {
+        if slots && let Some(woken) = shared.slot_store().take_slot_wakes() {
             shared.slot_freed(woken);
             continue;
         }
@@ -422,9 +424,9 @@ async fn watch(shared: Arc<Shared>) {
         let far = Instant::now() + Duration::from_secs(3600);
         tokio::select! {
             _ = &mut released, if slots => {
-                let woken = match shared.store.take_slot_wakes() {
+                let woken = match shared.slot_store().take_slot_wakes() {
                     Some(woken) => woken,
-                    None if shared.store.wakes_one_by_one() => SlotWakes::Tiers(Vec::new()),
+                    None if shared.slot_store().wakes_one_by_one() => SlotWakes::Tiers(Vec::new()),
                     None => SlotWakes::Everyone,
                 };
                 shared.slot_freed(woken);
@@ -459,6 +461,7 @@ impl Shared {
         config: SchedulerConfig,
         weights: TierWeights,
         fairness_window: Duration,
+        slots: Option<SlotGate>,
         rate: Option<RateGate>,
     ) -> Result<Self, ConfigError> {
         if max_in_flight == 0 {
@@ -475,6 +478,7 @@ impl Shared {
             store,
             max_in_flight,
             weights,
+            slots,
             rate,
             state: Mutex::new(State {
                 groups: vec![Group::new(&config, None)?],
@@ -510,13 +514,19 @@ impl Shared {
         self.config.clone()
     }
 
-    pub(super) fn store(&self) -> &Store {
-        &self.store
+    /// The slot gate this layer takes each request's slot from, if it was given one.
+    pub(super) fn slot_gate(&self) -> Option<&SlotGate> {
+        self.slots.as_ref()
     }
 
-    /// Whether the store has a slot policy: then this layer takes each request's slot.
-    pub(super) fn gates_slots(&self) -> bool {
-        self.store.slot_policy().is_some()
+    /// The caps of the slot gate, if any.
+    fn slot_policy(&self) -> Option<&crate::SlotPolicy> {
+        self.slots.as_ref().map(SlotGate::policy)
+    }
+
+    /// The store the slot gate counts in (this layer's own without one).
+    fn slot_store(&self) -> &Store {
+        self.slots.as_ref().map_or(&self.store, SlotGate::store)
     }
 
     pub(super) fn in_flight(&self) -> usize {
@@ -552,7 +562,7 @@ impl Shared {
         job: &Job,
         held_above: bool,
     ) -> Result<Placement, ConfigError> {
-        let Some(policy) = self.store.slot_policy().filter(|_| !held_above) else {
+        let Some(policy) = self.slot_policy().filter(|_| !held_above) else {
             return Ok(Placement {
                 group: 0,
                 patience: None,
@@ -783,7 +793,7 @@ impl Shared {
         tenant: &TenantId,
         after: &mut AfterUnlock,
     ) -> Option<Option<SlotLease>> {
-        let policy = self.store.slot_policy()?;
+        let policy = self.slot_policy()?;
         let gate = state.groups[group].gate.as_ref()?;
         let capped = gate.limit.tenant_cap.is_some();
         if gate.blocked || (capped && gate.held_tenants.contains(tenant)) {
@@ -853,7 +863,7 @@ impl Shared {
             let lease = match &state.groups[group].gate {
                 None => None,
                 Some(gate) => {
-                    let Some(policy) = self.store.slot_policy() else {
+                    let Some(policy) = self.slot_policy() else {
                         return;
                     };
                     let tenant = match (gate.limit.tenant_cap, &rate) {
@@ -879,7 +889,7 @@ impl Shared {
                         weight: self.weights.of(Some(&gate.tier)),
                         waiting: u32::try_from(g.scheduler.len()).unwrap_or(u32::MAX),
                     };
-                    let acquire = self.store.acquire_slot(
+                    let acquire = self.slot_store().acquire_slot(
                         &gate.tier,
                         tenant.as_ref(),
                         policy.limits(gate.limit),
@@ -1222,7 +1232,7 @@ impl Shared {
                 // The slot is given back before the next dispatch tries to take one. On
                 // Redis the release wakes the worker whose turn it is, maybe this one.
                 drop(lease);
-                if !self.store.wakes_one_by_one() {
+                if !self.slot_store().wakes_one_by_one() {
                     state.unblock_all();
                 }
             }
@@ -1233,7 +1243,6 @@ impl Shared {
         let (class, _, estimated) = self.classify(job);
         let mut state = self.lock();
         let group = self
-            .store
             .slot_policy()
             .and_then(|policy| state.by_tier.get(&policy.limit(job.tier_name()).0).copied())
             .unwrap_or(0);
@@ -1397,7 +1406,6 @@ impl Ticket {
             });
             crate::metrics::server_busy(&tier, reason);
             let retry_after = shared
-                .store
                 .slot_policy()
                 .map_or(Duration::from_secs(5), |p| p.retry_after());
             let busy = Busy::new(tier, self.arrived.elapsed(), retry_after).because(reason);
@@ -1427,10 +1435,7 @@ impl Ticket {
         let deadline = crate::time::after(self.arrived, limit.max_wait);
         let arrived = self.arrived;
         let slow = self.slow.get_or_insert_with(|| {
-            let after = shared
-                .store
-                .slot_policy()
-                .map_or(Duration::MAX, |p| p.slow_wait);
+            let after = shared.slot_policy().map_or(Duration::MAX, |p| p.slow_wait);
             SlowWait::new(arrived, after)
         });
         loop {

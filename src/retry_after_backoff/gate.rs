@@ -158,6 +158,23 @@ impl RateLimit for Core {
     }
 
     fn check(self: Arc<Self>, key: &Arc<str>, cost: u32) -> Verdict {
+        if self.all_quiet(key)
+            && self.pacer.is_none()
+            && self.shared_pacing().is_none()
+            && self.store.cooldown(key).is_none()
+            && self.release_in(key).is_none()
+        {
+            // Nothing learned, cold or recovering, no pacing, the gate open: nothing to
+            // take, and no lock.
+            return Verdict::Go(Receipt {
+                key: key.clone(),
+                need: [0; DIMS],
+                charged: [0; DIMS],
+                probe: false,
+                used: false,
+                gate: None,
+            });
+        }
         let now = Instant::now();
         let mut gates = crate::sync::lock(&self.gates);
         let gate = gates.entry(key.clone()).or_default();

@@ -27,6 +27,8 @@ use crate::store::{DIMS, PaceAsk, PaceGrant};
 pub struct RetryAfterBackoffLayer<C = ByClone, K = OneUpstream> {
     pub(super) shared: Arc<Shared<C>>,
     pub(super) key: Arc<K>,
+    /// The tiers' max waits that bound a first attempt held here (see `max_waits`).
+    pub(super) waits: Option<Arc<crate::SlotPolicy>>,
 }
 
 /// What every service and future of one layer shares.
@@ -245,14 +247,19 @@ impl Core {
             .limits
     }
 
+    /// The layer's own key, known, and every view quiet (nothing learned, cold or
+    /// recovering): learned pacing has nothing to say, checked without a lock.
+    pub(super) fn all_quiet(&self, key: &Arc<str>) -> bool {
+        Arc::ptr_eq(key, &self.policy.upstream)
+            && self.default_known.load(Ordering::Acquire)
+            && self.loud.load(Ordering::Acquire) == 0
+    }
+
     /// Whether a call to `key` may go now without asking the store, or what to ask it.
     pub(super) fn admit_learned(self: &Arc<Self>, key: &Arc<str>, cost: u32) -> Learned {
         // The layer's own key, known, and every view quiet: it is quiet too, so the call goes
         // as without learned pacing, without the lock.
-        if Arc::ptr_eq(key, &self.policy.upstream)
-            && self.default_known.load(Ordering::Acquire)
-            && self.loud.load(Ordering::Acquire) == 0
-        {
+        if self.all_quiet(key) {
             return Learned::Go(Duration::ZERO, [0; DIMS], [0; DIMS]);
         }
         let mut views = crate::sync::lock(&self.views);
@@ -479,6 +486,7 @@ impl RetryAfterBackoffLayer {
                 cloner: ByClone,
             }),
             key: Arc::new(OneUpstream),
+            waits: None,
         }
     }
 }
@@ -494,6 +502,7 @@ impl<C, K> RetryAfterBackoffLayer<C, K> {
                 cloner,
             }),
             key: self.key,
+            waits: self.waits,
         }
     }
 
@@ -507,7 +516,19 @@ impl<C, K> RetryAfterBackoffLayer<C, K> {
         RetryAfterBackoffLayer {
             shared: self.shared,
             key: Arc::new(key),
+            waits: self.waits,
         }
+    }
+
+    /// Bounds a first attempt held here (behind the cooldown gate, by pacing, by slow
+    /// start) by its tier's max wait in `policy`, counted from the request's arrival: past
+    /// it the caller is told [`Busy`](crate::Busy) at once, as the slot caps would. For a
+    /// stack that does not hand this layer's gate to a fair queue
+    /// ([`with_gate_below`](Self::with_gate_below)), where the fair queue bounds every wait
+    /// itself.
+    pub fn max_waits(mut self, policy: crate::SlotPolicy) -> Self {
+        self.waits = Some(Arc::new(policy));
+        self
     }
 
     /// Hands this layer's rate limits to a fair queue below it: returns the layer and its
@@ -551,6 +572,7 @@ impl<C, K> Clone for RetryAfterBackoffLayer<C, K> {
         RetryAfterBackoffLayer {
             shared: self.shared.clone(),
             key: self.key.clone(),
+            waits: self.waits.clone(),
         }
     }
 }
@@ -574,6 +596,7 @@ impl<S, C, K> Layer<S> for RetryAfterBackoffLayer<C, K> {
             inner,
             shared: self.shared.clone(),
             key: self.key.clone(),
+            waits: self.waits.clone(),
         }
     }
 }

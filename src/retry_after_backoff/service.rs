@@ -24,6 +24,7 @@ pub struct RetryAfterBackoff<S, C = ByClone, K = OneUpstream> {
     pub(super) inner: S,
     pub(super) shared: Arc<Shared<C>>,
     pub(super) key: Arc<K>,
+    pub(super) waits: Option<Arc<crate::SlotPolicy>>,
 }
 
 impl<S, C, K> RetryAfterBackoff<S, C, K> {
@@ -49,6 +50,7 @@ impl<S: Clone, C, K> Clone for RetryAfterBackoff<S, C, K> {
             inner: self.inner.clone(),
             shared: self.shared.clone(),
             key: self.key.clone(),
+            waits: self.waits.clone(),
         }
     }
 }
@@ -89,10 +91,8 @@ where
         // gate, pacing, slow start): dispatched or `Busy` within it, wherever it waited.
         let gated = self.shared.core.gated_below();
         let patience = self
-            .shared
-            .core
-            .store
-            .slot_policy()
+            .waits
+            .as_deref()
             .filter(|_| !gated)
             .map(|policy| Patience::new(policy, job, arrived));
         let job = &*job;

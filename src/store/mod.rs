@@ -44,12 +44,11 @@ pub(crate) mod swept;
 use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
 use crate::admission::DemotionPolicy;
-use crate::admission::SlotPolicy;
 use crate::error::ConfigError;
 use crate::{TenantId, Tier};
 
@@ -166,9 +165,6 @@ impl<T> fmt::Debug for StoreFuture<T> {
 #[derive(Clone)]
 pub struct Store {
     backend: Arc<Backend>,
-    /// The caps of the fleet, registered by the first `TierSlotLimitLayer` built on this
-    /// store; read by `DrrFairness` to dispatch only requests whose slot it can take.
-    slot_policy: Arc<OnceLock<SlotPolicy>>,
 }
 
 // Lives behind the store's one `Arc`, so the size of a variant costs nothing per clone.
@@ -280,30 +276,7 @@ impl Store {
     fn from_backend(backend: Backend) -> Store {
         Store {
             backend: Arc::new(backend),
-            slot_policy: Arc::new(OnceLock::new()),
         }
-    }
-
-    /// Registers the caps every layer on this store shares (see [`crate::admission`]): the
-    /// first policy registered stays; a different one later is logged and not shared.
-    pub(crate) fn register_slot_policy(&self, policy: &SlotPolicy) {
-        let shared = self.slot_policy.get_or_init(|| policy.clone());
-        if !std::ptr::eq(shared, policy) && shared != policy {
-            tracing::warn!(
-                name: "slots.policy_conflict",
-                "a second, different slot policy on one store: the first one is shared"
-            );
-        }
-    }
-
-    /// Names this store (and its clones) while it lives: what a job's slot mark refers to.
-    pub(crate) fn id(&self) -> usize {
-        Arc::as_ptr(&self.slot_policy) as usize
-    }
-
-    /// The caps registered on this store, if a slot layer was built on it.
-    pub(crate) fn slot_policy(&self) -> Option<&SlotPolicy> {
-        self.slot_policy.get()
     }
 
     /// `"memory"` or `"redis"`.

@@ -21,16 +21,30 @@ pub struct TierSlotLimitLayer {
 impl TierSlotLimitLayer {
     /// Limits with `policy` ([`SlotPolicy::default`] for the reference's caps), counting slots
     /// in `store`.
-    ///
-    /// The policy is registered with the store (the first one registered on a store is the
-    /// one shared): a [`DrrFairness`](crate::DrrFairness) on the same store then takes each
-    /// request's slot when it dispatches it, so requests of a full tier wait in the fair
-    /// queue without holding its window. See [`crate::admission`].
     pub fn new(store: Store, policy: SlotPolicy) -> Self {
-        store.register_slot_policy(&policy);
         TierSlotLimitLayer {
             shared: Arc::new(Shared::new(store, policy)),
         }
+    }
+
+    /// These caps as a [`SlotGate`](crate::SlotGate), to hand to a fair queue above this
+    /// layer ([`DrrFairnessBuilder::slot_gate`](crate::drr_fairness::DrrFairnessBuilder::slot_gate)):
+    /// the fair queue then takes each request's slot when it dispatches it, in its fair
+    /// order among the requests whose tier has room, so a request of a full tier waits
+    /// without holding the window; this layer lets such a request through without taking
+    /// a second slot. [`FairgateLayer`](crate::FairgateLayer) does this wiring itself.
+    ///
+    /// ```
+    /// use fairgate::{DrrFairnessLayer, SlotPolicy, Store, TierSlotLimitLayer};
+    ///
+    /// let store = Store::memory();
+    /// let slots = TierSlotLimitLayer::new(store.clone(), SlotPolicy::default());
+    /// let fair = DrrFairnessLayer::builder(store, 32).slot_gate(slots.gate()).build()?;
+    /// # let _ = fair;
+    /// # Ok::<(), fairgate::ConfigError>(())
+    /// ```
+    pub fn gate(&self) -> crate::SlotGate {
+        self.shared.gate.clone()
     }
 }
 

@@ -20,11 +20,11 @@
 //! (the caps divided by the workers last seen alive): no request fails because Redis is
 //! down.
 //!
-//! The policy is registered with the store ([`crate::admission`]): stacked below a
-//! [`DrrFairness`](crate::DrrFairness) on the same store, the fair queue takes each
-//! request's slot when it dispatches it (in fair order, and the wait counts from the
-//! request's arrival), and this layer lets such a request through without taking a second
-//! one. Alone, or outside the fair queue, it takes and waits for the slots itself.
+//! Below a [`DrrFairness`](crate::DrrFairness) handed this layer's
+//! [`gate`](TierSlotLimitLayer::gate), the fair queue takes each request's slot when it
+//! dispatches it (in fair order, and the wait counts from the request's arrival), and this
+//! layer lets such a request through without taking a second one. Alone, or under a fair
+//! queue that was not handed its gate, it takes and waits for the slots itself.
 //!
 //! For an `http::Response<B>` the slot moves into the body and is given back when the body
 //! ends, fails or is dropped: a streamed answer keeps its slot until its last byte.

@@ -76,12 +76,12 @@ where
         };
         let shared = &self.shared;
         let started = job.arrival();
-        let held_above = job.slot_held_on(&shared.store);
-        job.mark_slot_held_on(&shared.store);
+        let held_above = job.slot_held_by(&shared.gate);
+        job.mark_slot_held_by(&shared.gate);
         let (tier, limit, state) = shared.resolve(job.tier_name());
         let inner = self.inner.clone();
         if held_above {
-            // An outer layer (DrrFairness on the same store) took this request's slot.
+            // An outer layer (a fair queue handed this layer's gate) took its slot.
             return ResponseFuture::acquired(SlotPermit::held_above(tier), inner, req);
         }
 

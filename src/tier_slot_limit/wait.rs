@@ -20,6 +20,9 @@ use crate::{TenantId, Tier, metrics};
 pub(super) struct Shared {
     pub(super) store: Store,
     pub(super) policy: SlotPolicy,
+    /// The same caps, as a fair queue above is handed them: requests it took a slot of this
+    /// gate for go through.
+    pub(super) gate: crate::SlotGate,
     /// Every configured tier's limit and state, built once: the tiers are fixed by the
     /// policy, so the request path finds both with one lookup and no lock.
     tiers: HashMap<Tier, (TierLimit, Arc<TierState>)>,
@@ -137,6 +140,7 @@ impl Shared {
             None => (policy.limit(None).1, Arc::new(TierState::new())),
         };
         Shared {
+            gate: crate::SlotGate::new(store.clone(), policy.clone()),
             store,
             policy,
             tiers,
