@@ -328,3 +328,139 @@ impl RateLimit for Core {
         self.gate_changed.clone()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::PaceAsk;
+    use crate::{BackoffPolicy, RetryAfterBackoffLayer, Store};
+
+    const KEY: &str = "default";
+
+    fn gate(store: &Store) -> (Arc<dyn RateLimit>, Arc<str>) {
+        let policy = BackoffPolicy::builder().seed(1).build().unwrap();
+        let (_, gate) = RetryAfterBackoffLayer::new(store.clone(), policy).with_gate_below();
+        let key = gate.inner.default_key();
+        (gate.inner, key)
+    }
+
+    /// The store learns `rpm` from an answer with a full bucket.
+    fn learn(store: &Store, rpm: u32) {
+        let mut learn = [(0, 0); DIMS];
+        learn[0] = (rpm, rpm);
+        let ask = PaceAsk {
+            headroom_permille: 950,
+            learn,
+            answered: 1,
+            ..PaceAsk::default()
+        };
+        let _ = store.pace_learned(KEY, &ask).into_ready();
+    }
+
+    fn go(verdict: Verdict) -> Receipt {
+        match verdict {
+            Verdict::Go(receipt) => receipt,
+            Verdict::Until(at, reason) => panic!("held until {at:?} for {reason}"),
+            Verdict::Notified(reason) => panic!("held for {reason} until notified"),
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_call_takes_its_cells_when_it_goes_and_the_next_waits_one_interval() {
+        let store = Store::memory();
+        learn(&store, 60);
+        let (gate, key) = gate(&store);
+        let mut first = go(gate.clone().check(&key, 10));
+        first.mark_used();
+        assert!(!first.probe);
+        assert_eq!(first.charged[0], 1, "a request cell taken");
+        // The next call's cells are reserved for whoever goes next, not for an asker.
+        let Verdict::Until(at, WaitReason::Rate) = gate.clone().check(&key, 10) else {
+            panic!("the second call of a 60 RPM key goes at once");
+        };
+        let interval = at.saturating_duration_since(Instant::now());
+        assert!(interval > Duration::from_millis(1_000) && interval < Duration::from_millis(1_100));
+        // Asking again changes nothing: one reservation ahead, not one per asker.
+        let Verdict::Until(again, _) = gate.clone().check(&key, 10) else {
+            panic!("held");
+        };
+        assert_eq!(again, at);
+        tokio::time::sleep_until(at).await;
+        go(gate.clone().check(&key, 10)).mark_used();
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn cells_a_call_did_not_use_go_to_the_next_call_at_once() {
+        let store = Store::memory();
+        learn(&store, 60);
+        let (gate, key) = gate(&store);
+        // Taken for a call that then left (its caller went away before it went upstream).
+        drop(go(gate.clone().check(&key, 10)));
+        let mut next = go(gate.clone().check(&key, 10));
+        assert_eq!(next.charged[0], 1);
+        next.mark_used();
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn slow_start_holds_the_rest_while_the_first_call_is_out_for_at_most_its_bound() {
+        let store = Store::memory();
+        let (gate, key) = gate(&store);
+        let mut probe = go(gate.clone().check(&key, 10));
+        assert!(probe.probe, "the first call to a cold key is its probe");
+        probe.mark_used();
+        assert!(matches!(
+            gate.clone().check(&key, 10),
+            Verdict::Notified(WaitReason::Rate)
+        ));
+        // The first answer is slow: past `slow_start_max` the rest go (nothing to take).
+        tokio::time::advance(Duration::from_millis(500)).await;
+        let mut after = go(gate.clone().check(&key, 10));
+        assert!(!after.probe);
+        assert_eq!(after.charged, [0; DIMS]);
+        after.mark_used();
+        drop(probe);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_probe_that_never_went_holds_the_rest_no_longer_than_slow_start() {
+        let store = Store::memory();
+        let (gate, key) = gate(&store);
+        let started = Instant::now();
+        let probe = go(gate.clone().check(&key, 10));
+        assert!(probe.probe);
+        drop(probe);
+        // Not held for its answer (none comes): the store's lease of the lost probe holds
+        // the rest until slow start's bound (500 ms), before the lease (1 s) runs out.
+        let next = loop {
+            match gate.clone().check(&key, 10) {
+                Verdict::Go(receipt) => break receipt,
+                Verdict::Until(at, WaitReason::Rate) => tokio::time::sleep_until(at).await,
+                Verdict::Until(_, reason) | Verdict::Notified(reason) => {
+                    panic!("a probe that never went holds nobody ({reason})")
+                }
+            }
+        };
+        assert!(
+            started.elapsed() <= Duration::from_millis(550),
+            "{:?}",
+            started.elapsed()
+        );
+        drop(next);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_closed_cooldown_holds_until_this_workers_release_and_says_cooldown() {
+        let store = Store::memory();
+        learn(&store, 6_000);
+        let (gate, key) = gate(&store);
+        let _ = store
+            .extend_cooldown(KEY, Duration::from_secs(2))
+            .into_ready();
+        let Verdict::Until(at, WaitReason::Cooldown) = gate.clone().check(&key, 10) else {
+            panic!("a closed gate holds the call");
+        };
+        let wait = at.saturating_duration_since(Instant::now());
+        // Reopening plus this worker's point of the release window (a fifth of the delay).
+        assert!(wait >= Duration::from_secs(2) && wait <= Duration::from_millis(2_400));
+    }
+}
