@@ -269,6 +269,12 @@ impl<T> Few<T> {
 /// An acquire `dispatch` sent for a group's next request in `class` (of `tenant`, in a tier
 /// that caps tenants), with the step of the group's virtual time charged ahead for it.
 struct Acquire {
+    sent: Sent,
+    slot: StoreFuture<Result<SlotLease, SlotRefusal>>,
+}
+
+/// What an acquire was sent for: its answer is handled with it.
+struct Sent {
     group: usize,
     class: Priority,
     ahead: f64,
@@ -279,7 +285,6 @@ struct Acquire {
     /// The rate cells taken for the request whose turn it was, and its tenant: the slot
     /// goes to that tenant's request.
     rate: Option<(TenantId, Receipt)>,
-    slot: StoreFuture<Result<SlotLease, SlotRefusal>>,
 }
 
 /// What a dispatch leaves to do once the lock is released.
@@ -324,37 +329,17 @@ impl AfterUnlock {
             match &runtime {
                 Some(runtime) => {
                     runtime.spawn(async move {
-                        let Acquire {
-                            group,
-                            class,
-                            ahead,
-                            tenant,
-                            more,
-                            rate,
-                            slot,
-                        } = acquire;
-                        let answer = slot.await;
-                        shared.answer(group, class, ahead, tenant, more, rate, answer);
+                        let answer = acquire.slot.await;
+                        shared.answer(acquire.sent, answer);
                     });
                 }
                 // Nothing can send it (no runtime): unsent, it holds nothing.
                 None => {
-                    let Acquire {
-                        group,
-                        class,
-                        ahead,
-                        tenant,
-                        ..
-                    } = acquire;
-                    shared.answer(
-                        group,
-                        class,
-                        ahead,
-                        tenant,
-                        false,
-                        None,
-                        Err(SlotRefusal::Full),
-                    );
+                    let sent = Sent {
+                        more: false,
+                        ..acquire.sent
+                    };
+                    shared.answer(sent, Err(SlotRefusal::Full));
                 }
             }
         }
@@ -923,12 +908,14 @@ impl Shared {
                             let ahead = g.last_step[ci];
                             g.vtime[ci] += ahead;
                             after.acquires.push(Acquire {
-                                group,
-                                class,
-                                ahead,
-                                tenant,
-                                more: queue.waiting > 1,
-                                rate,
+                                sent: Sent {
+                                    group,
+                                    class,
+                                    ahead,
+                                    tenant,
+                                    more: queue.waiting > 1,
+                                    rate,
+                                },
                                 slot: pending,
                             });
                             continue;
@@ -1077,16 +1064,15 @@ impl Shared {
     /// The answer to an acquire sent by `dispatch`: for a tenant (a tier that caps tenants)
     /// a refusal for the tenant's cap holds back that tenant only; anything else is
     /// `slot_answer`'s.
-    fn answer(
-        self: &Arc<Self>,
-        group: usize,
-        class: Priority,
-        ahead: f64,
-        tenant: Option<TenantId>,
-        more: bool,
-        rate: Option<(TenantId, Receipt)>,
-        answer: Result<SlotLease, SlotRefusal>,
-    ) {
+    fn answer(self: &Arc<Self>, sent: Sent, answer: Result<SlotLease, SlotRefusal>) {
+        let Sent {
+            group,
+            class,
+            ahead,
+            tenant,
+            more,
+            rate,
+        } = sent;
         let Some(tenant) = tenant else {
             if let Some((tenant, _)) = &rate
                 && let Some(gate) = self.lock().groups[group].gate.as_mut()
