@@ -199,7 +199,11 @@ fn rendered(error: &BoxError) -> Response<Body> {
 }
 
 /// Answers one request of the API port.
-pub(crate) async fn handle(gw: Arc<Gateway>, peer: IpAddr, req: Request<Incoming>) -> Response<Body> {
+pub(crate) async fn handle(
+    gw: Arc<Gateway>,
+    peer: IpAddr,
+    req: Request<Incoming>,
+) -> Response<Body> {
     let route = route(req.method(), req.uri().path());
     match route {
         Route::NotCanonical => {
@@ -429,10 +433,7 @@ fn streamed(gw: &Gateway, body: Incoming) -> Body {
                     Some((Err(stalled), (frames, shutdown, true)))
                 }
                 Ok(None) => None,
-                Ok(Some(frame)) => Some((
-                    frame.map_err(BoxError::from),
-                    (frames, shutdown, false),
-                )),
+                Ok(Some(frame)) => Some((frame.map_err(BoxError::from), (frames, shutdown, false))),
             }
         },
     );

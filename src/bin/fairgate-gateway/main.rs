@@ -77,7 +77,12 @@ pub(crate) struct Args {
     redis: Option<String>,
 
     /// Address of the admin listener: /metrics, /healthz, /readyz, /status.
-    #[arg(long, env = "FAIRGATE_ADMIN", value_name = "ADDR", default_value = "127.0.0.1:9464")]
+    #[arg(
+        long,
+        env = "FAIRGATE_ADMIN",
+        value_name = "ADDR",
+        default_value = "127.0.0.1:9464"
+    )]
     admin: SocketAddr,
 
     /// Connections open at once on the API port; at the cap a new one closes the oldest idle one.
@@ -111,12 +116,21 @@ pub(crate) struct Args {
     body_budget: usize,
 
     /// Failed authentications an address may make at once before it is slowed (429).
-    #[arg(long, env = "FAIRGATE_AUTH_FAILURE_BURST", value_name = "N", default_value_t = 20)]
+    #[arg(
+        long,
+        env = "FAIRGATE_AUTH_FAILURE_BURST",
+        value_name = "N",
+        default_value_t = 20
+    )]
     auth_failure_burst: u32,
 
     /// Failed authentications an address may make per second after its burst.
-    #[arg(long, env = "FAIRGATE_AUTH_FAILURE_RATE", value_name = "PER_SEC",
-          default_value_t = 1.0)]
+    #[arg(
+        long,
+        env = "FAIRGATE_AUTH_FAILURE_RATE",
+        value_name = "PER_SEC",
+        default_value_t = 1.0
+    )]
     auth_failure_rate: f64,
 
     /// How long calls in flight may take to finish after SIGTERM or Ctrl-C.
@@ -248,9 +262,7 @@ async fn reload(gw: &Gateway, args: &Args) {
 
 async fn open_store(args: &Args) -> Result<Store, String> {
     match &args.redis {
-        Some(url) => Store::redis(url)
-            .await
-            .map_err(|e| format!("--redis: {e}")),
+        Some(url) => Store::redis(url).await.map_err(|e| format!("--redis: {e}")),
         None => Ok(Store::memory()),
     }
 }

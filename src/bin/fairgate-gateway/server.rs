@@ -117,7 +117,8 @@ impl Connections {
             close: Notify::new(),
         });
         table.insert(id, conn.clone());
-        metrics::gauge!("gateway_connections_open", "listener" => self.name).set(table.len() as f64);
+        metrics::gauge!("gateway_connections_open", "listener" => self.name)
+            .set(table.len() as f64);
         Some((id, conn))
     }
 
@@ -145,7 +146,8 @@ impl Connections {
     fn remove(&self, id: u64) {
         let mut table = self.lock();
         table.remove(&id);
-        metrics::gauge!("gateway_connections_open", "listener" => self.name).set(table.len() as f64);
+        metrics::gauge!("gateway_connections_open", "listener" => self.name)
+            .set(table.len() as f64);
     }
 
     /// Closes idle connections past their header or keep-alive timeout.
@@ -407,20 +409,21 @@ async fn connection<H, Fut>(
         conn: conn.clone(),
         table: table.clone(),
     });
-    let service = {
-        let conn = conn.clone();
-        let table = table.clone();
-        service_fn(move |req: http::Request<Incoming>| {
-            let busy = Busy::begin(conn.clone(), table.clone());
-            let answer = handler(peer.ip(), req);
-            async move {
-                let response = answer.await;
-                Ok::<_, std::convert::Infallible>(
-                    response.map(|body| http_body_util::BodyExt::boxed_unsync(Holding::new(body, busy))),
-                )
-            }
-        })
-    };
+    let service =
+        {
+            let conn = conn.clone();
+            let table = table.clone();
+            service_fn(move |req: http::Request<Incoming>| {
+                let busy = Busy::begin(conn.clone(), table.clone());
+                let answer = handler(peer.ip(), req);
+                async move {
+                    let response = answer.await;
+                    Ok::<_, std::convert::Infallible>(response.map(|body| {
+                        http_body_util::BodyExt::boxed_unsync(Holding::new(body, busy))
+                    }))
+                }
+            })
+        };
     let http = hyper::server::conn::http1::Builder::new()
         .max_buf_size(MAX_HEAD)
         .serve_connection(io, service);
