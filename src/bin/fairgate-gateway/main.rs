@@ -63,12 +63,18 @@ pub(crate) struct Args {
     #[arg(long, env = "FAIRGATE_LISTEN", value_name = "ADDR")]
     listen: SocketAddr,
 
-    /// The Anthropic API, e.g. https://api.anthropic.com (http:// for a local mock).
-    #[arg(long, env = "FAIRGATE_UPSTREAM", value_name = "URL", value_parser = upstream_url)]
+    /// The Anthropic API, e.g. `https://api.anthropic.com` (`http://` for a local mock).
+    #[arg(long, env = "FAIRGATE_UPSTREAM", value_name = "URL", value_parser = upstream_url,
+          help = "The Anthropic API, e.g. https://api.anthropic.com (http:// for a local mock)")]
     upstream: Uri,
 
-    /// The clients' keys (TOML: [[keys]] key, tenant, tier; optional [limits], [[tiers]]).
-    #[arg(long, env = "FAIRGATE_KEYS", value_name = "FILE")]
+    /// The clients' keys (TOML: `[[keys]]` key, tenant, tier; optional `[limits]`, `[[tiers]]`).
+    #[arg(
+        long,
+        env = "FAIRGATE_KEYS",
+        value_name = "FILE",
+        help = "The clients' keys (TOML: [[keys]] key, tenant, tier; optional [limits], [[tiers]])"
+    )]
     keys: PathBuf,
 
     /// Share the caps with other gateways through Redis (default: this process only).
@@ -212,7 +218,7 @@ fn raise_open_files_limit() -> Option<u64> {
     let mut limit = getrlimit(Resource::Nofile);
     if limit.current != limit.maximum {
         limit.current = limit.maximum;
-        if let Err(e) = setrlimit(Resource::Nofile, limit.clone()) {
+        if let Err(e) = setrlimit(Resource::Nofile, limit) {
             warn!(error = %e, "cannot raise the open-files limit");
         }
     }
