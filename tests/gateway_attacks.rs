@@ -352,7 +352,8 @@ async fn trickled_heads_stalled_bodies_and_idle_connections_are_closed() {
         )
     });
 
-    // A connection that sends nothing, and one idle after a call: closed after keep-alive.
+    // A connection that sends nothing: closed after the header timeout; one idle after a
+    // call: closed after the keep-alive timeout.
     let idle = tokio::spawn(async move {
         let mut stream = TcpStream::connect(("127.0.0.1", port)).await.unwrap();
         let started = Instant::now();
@@ -402,7 +403,7 @@ async fn trickled_heads_stalled_bodies_and_idle_connections_are_closed() {
         "stalled body answered after {stalled:?}"
     );
     assert!(
-        idled >= Duration::from_millis(1_900) && idled < Duration::from_millis(3_500),
+        idled >= Duration::from_millis(900) && idled < Duration::from_millis(2_500),
         "silent connection closed after {idled:?}"
     );
     assert!(kept_answer.contains(MESSAGE_JSON), "{kept_answer}");
@@ -736,6 +737,14 @@ async fn sigterm_closes_idle_and_half_sent_connections_at_once_and_drains_calls(
     let (silent_closed, _) = closed_within(&mut silent).await;
     let (head_closed, _) = closed_within(&mut half_head).await;
     let (body_closed, answer) = closed_within(&mut half_body).await;
+    // While the call drains, the admin listener says so.
+    let readyz = client()
+        .get(format!("{}/readyz", gateway.admin_url()))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(readyz.status(), 503);
+    assert_eq!(readyz.text().await.unwrap(), "draining\n");
     let (status, body) = call.await.unwrap();
     let call_done = signalled.elapsed();
     let exit = gateway

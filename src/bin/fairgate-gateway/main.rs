@@ -392,11 +392,13 @@ async fn run(mut args: Args) -> Result<(), String> {
             args.drain_timeout,
         ))
     };
+    // The admin listener stays up while the API port drains (`/readyz` says so).
+    let (admin_stop, admin_stopped) = tokio::sync::watch::channel(false);
     let admin_server = tokio::spawn(server::serve(
         admin_listener,
         admin_conns,
         move |_, req| admin::handle(admin.clone(), req),
-        stopped,
+        admin_stopped,
         Duration::from_secs(1),
     ));
 
@@ -419,6 +421,7 @@ async fn run(mut args: Args) -> Result<(), String> {
     );
     let cut = api_server.await.unwrap_or(0);
     server::log_drained("api", cut);
+    let _ = admin_stop.send(true);
     let _ = admin_server.await;
     for task in background {
         task.abort();

@@ -4,7 +4,8 @@
 //! Each listener has a [`Connections`] table. A connection is *idle* while no request of
 //! it is being served (between requests, or while a request's head is still arriving). A
 //! sweeper closes idle connections whose head has taken longer than the header timeout
-//! (a trickled head) or that sent nothing for the keep-alive timeout. At the cap, a new
+//! (a trickled head, or a new connection that sends nothing) or that sent nothing for the
+//! keep-alive timeout after a request. At the cap, a new
 //! connection closes the oldest idle one (so a flood of idle sockets cannot lock a client
 //! out); when none is idle, the new one is refused. On shutdown idle connections close at
 //! once; the others finish their request (bounded by the drain time).
@@ -110,10 +111,12 @@ impl Connections {
             return None;
         }
         let id = self.next.fetch_add(1, Ordering::Relaxed);
+        let now = self.now_ms();
         let conn = Arc::new(Conn {
             active: AtomicUsize::new(0),
-            idle_since: AtomicU64::new(self.now_ms()),
-            head_started: AtomicU64::new(0),
+            idle_since: AtomicU64::new(now),
+            // A new connection owes its first head within the header timeout.
+            head_started: AtomicU64::new(now + 1),
             close: Notify::new(),
         });
         table.insert(id, conn.clone());
