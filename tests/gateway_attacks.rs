@@ -432,6 +432,30 @@ async fn a_client_is_served_within_a_second_while_ten_thousand_idle_sockets_are_
     }
     let mock = MockAnthropic::start();
     let gateway = Gateway::start(&mock.url(), &keys_toml(8, 200, ""), None);
+    // A client's keep-alive connection, served once before the flood.
+    let body = messages_body(false);
+    let request = format!(
+        "POST /v1/messages HTTP/1.1\r\nhost: gateway\r\nx-api-key: {PREMIUM_KEY}\r\n\
+         content-length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    let mut kept = TcpStream::connect(("127.0.0.1", gateway.port))
+        .await
+        .unwrap();
+    let read_answer = async |stream: &mut TcpStream| {
+        let mut answer = Vec::new();
+        let mut buf = [0u8; 4096];
+        while !String::from_utf8_lossy(&answer).contains(MESSAGE_JSON) {
+            match tokio::time::timeout(Duration::from_secs(5), stream.read(&mut buf)).await {
+                Ok(Ok(n)) if n > 0 => answer.extend_from_slice(&buf[..n]),
+                _ => break,
+            }
+        }
+        String::from_utf8_lossy(&answer).into_owned()
+    };
+    kept.write_all(request.as_bytes()).await.unwrap();
+    assert!(read_answer(&mut kept).await.starts_with("HTTP/1.1 200"));
+
     let started = Instant::now();
     let mut idle = Vec::with_capacity(n);
     for _ in 0..n {
@@ -463,6 +487,10 @@ async fn a_client_is_served_within_a_second_while_ten_thousand_idle_sockets_are_
     );
     assert!(took < Duration::from_secs(1), "the call took {took:?}");
     assert!(fds < 4_096 + 200, "{fds} files open");
+    // The flood closed idle sockets never served, not the client's kept-alive connection.
+    kept.write_all(request.as_bytes()).await.unwrap();
+    let answer = read_answer(&mut kept).await;
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
     drop(idle);
 }
 

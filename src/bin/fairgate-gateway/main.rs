@@ -460,3 +460,38 @@ pub(crate) fn main() {
         std::process::exit(1);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations_and_sizes_read_as_written() {
+        assert_eq!(duration("10s"), Ok(Duration::from_secs(10)));
+        assert_eq!(duration("500ms"), Ok(Duration::from_millis(500)));
+        assert_eq!(duration("2m"), Ok(Duration::from_secs(120)));
+        assert_eq!(duration("7"), Ok(Duration::from_secs(7)));
+        assert!(duration("0s").is_err());
+        assert!(duration("2d").is_err());
+        assert!(duration("ten").is_err());
+        assert_eq!(size("32MiB"), Ok(32 << 20));
+        assert_eq!(size("512KiB"), Ok(512 << 10));
+        assert_eq!(size("1000"), Ok(1000));
+        assert!(size("0").is_err());
+        assert!(size("3 parsecs").is_err());
+    }
+
+    #[test]
+    fn every_flag_reads_from_its_environment_variable_too() {
+        use clap::CommandFactory;
+        for arg in Args::command().get_arguments() {
+            let id = arg.get_id().as_str();
+            if id == "help" || id == "version" {
+                continue;
+            }
+            let env = arg.get_env().map(|v| v.to_string_lossy().into_owned());
+            let expected = format!("FAIRGATE_{}", id.to_uppercase());
+            assert_eq!(env.as_deref(), Some(expected.as_str()), "--{id}");
+        }
+    }
+}

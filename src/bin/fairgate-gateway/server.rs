@@ -5,9 +5,10 @@
 //! it is being served (between requests, or while a request's head is still arriving). A
 //! sweeper closes idle connections whose head has taken longer than the header timeout
 //! (a trickled head, or a new connection that sends nothing) or that sent nothing for the
-//! keep-alive timeout after a request. At the cap, a new
-//! connection closes the oldest idle one (so a flood of idle sockets cannot lock a client
-//! out); when none is idle, the new one is refused. On shutdown idle connections close at
+//! keep-alive timeout after a request. At the cap, a new connection closes the oldest idle
+//! one, preferring one never served a request (so a flood of idle sockets cannot lock a
+//! client out, nor push a client's pooled connections out first); when none is idle, the
+//! new one is refused. On shutdown idle connections close at
 //! once; the others finish their request (bounded by the drain time).
 
 use std::collections::BTreeMap;
@@ -15,7 +16,7 @@ use std::future::Future;
 use std::io;
 use std::net::{IpAddr, SocketAddr};
 use std::pin::Pin;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -55,6 +56,8 @@ struct Conn {
     idle_since: AtomicU64,
     /// When the bytes of the next request's head began (ms after the epoch, plus 1; 0: none).
     head_started: AtomicU64,
+    /// Whether a request of it has been served (or is being served).
+    served: AtomicBool,
     close: Notify,
 }
 
@@ -117,6 +120,7 @@ impl Connections {
             idle_since: AtomicU64::new(now),
             // A new connection owes its first head within the header timeout.
             head_started: AtomicU64::new(now + 1),
+            served: AtomicBool::new(false),
             close: Notify::new(),
         });
         table.insert(id, conn.clone());
@@ -125,15 +129,21 @@ impl Connections {
         Some((id, conn))
     }
 
+    /// Closes the oldest idle connection that has not been served a request yet (a socket
+    /// opened and left silent, or trickling), else the oldest idle one.
     fn evict_oldest_idle(&self, table: &mut BTreeMap<u64, Arc<Conn>>) -> bool {
+        let idle = |conn: &Arc<Conn>| conn.active.load(Ordering::SeqCst) == 0;
         let oldest = table
             .iter()
-            .find(|(_, conn)| conn.active.load(Ordering::SeqCst) == 0)
+            .find(|(_, conn)| idle(conn) && !conn.served.load(Ordering::Relaxed))
+            .or_else(|| table.iter().find(|(_, conn)| idle(conn)))
             .map(|(&id, _)| id);
         match oldest.and_then(|id| table.remove(&id)) {
             Some(conn) => {
                 conn.close.notify_one();
                 self.evicted.fetch_add(1, Ordering::Relaxed);
+                metrics::counter!("gateway_connections_evicted_total", "listener" => self.name)
+                    .increment(1);
                 true
             }
             None => false,
@@ -198,6 +208,7 @@ impl Busy {
     fn begin(conn: Arc<Conn>, table: Arc<Connections>) -> Busy {
         conn.active.fetch_add(1, Ordering::SeqCst);
         conn.head_started.store(0, Ordering::SeqCst);
+        conn.served.store(true, Ordering::Relaxed);
         Busy { conn, table }
     }
 }
