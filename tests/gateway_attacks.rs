@@ -586,7 +586,7 @@ async fn every_spelling_of_messages_goes_through_the_stack_or_is_refused() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn metrics_health_and_status_are_on_the_admin_port_only() {
     let _serial = SERIAL.lock().await;
-    let redis = RedisServer::start();
+    let mut redis = RedisServer::start();
     let mock = MockAnthropic::start();
     let gateway = Gateway::start(&mock.url(), &keys_toml(8, 200, ""), Some(&redis.url()));
     let response = post_messages(&gateway, PREMIUM_KEY, false).await.unwrap();
@@ -638,6 +638,87 @@ async fn metrics_health_and_status_are_on_the_admin_port_only() {
         assert!(json.contains(field), "{field} in {json}");
     }
     assert!(!json.contains(PREMIUM_KEY));
+
+    // Redis goes away: still ready (serving from in-process state), and saying so.
+    redis.kill();
+    let admin = gateway.admin_url();
+    let readyz = async || {
+        let response = client()
+            .get(format!("{admin}/readyz"))
+            .send()
+            .await
+            .unwrap();
+        (response.status().as_u16(), response.text().await.unwrap())
+    };
+    assert!(
+        eventually(Duration::from_secs(5), async || {
+            let (status, text) = readyz().await;
+            status == 200 && text.contains("degraded")
+        })
+        .await,
+        "{:?}",
+        readyz().await
+    );
+    let response = post_messages(&gateway, PREMIUM_KEY, false).await.unwrap();
+    assert_eq!(response.status(), 200, "served while degraded");
+    redis.restart();
+    assert!(
+        eventually(Duration::from_secs(10), async || {
+            readyz().await.1.contains("redis reachable")
+        })
+        .await,
+        "{:?}",
+        readyz().await
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn at_the_cap_with_every_connection_busy_a_new_one_is_refused() {
+    let _serial = SERIAL.lock().await;
+    let mock = MockAnthropic::start();
+    let gateway = Gateway::start_with(
+        &mock.url(),
+        &keys_toml(8, 200, ""),
+        None,
+        &["--max-connections", "2"],
+    );
+    let slow: Vec<_> = (0..2)
+        .map(|_| {
+            let url = gateway.url();
+            tokio::spawn(async move {
+                client()
+                    .post(format!("{url}/v1/messages"))
+                    .header("x-api-key", PREMIUM_KEY)
+                    .header("x-mock-delay-ms", "1500")
+                    .body(messages_body(false))
+                    .send()
+                    .await
+                    .unwrap()
+                    .status()
+                    .as_u16()
+            })
+        })
+        .collect();
+    assert!(eventually(Duration::from_secs(2), async || mock.in_flight() == 2).await);
+    let (status, answer) = raw(
+        gateway.port,
+        &post_head("/v1/messages", PREMIUM_KEY, 2),
+        b"{}",
+        Duration::from_secs(2),
+    )
+    .await;
+    assert_eq!((status, answer.as_str()), (0, ""), "refused, not queued");
+    for call in slow {
+        assert_eq!(call.await.unwrap(), 200, "the calls being served go on");
+    }
+    let response = post_messages(&gateway, PREMIUM_KEY, false).await.unwrap();
+    assert_eq!(response.status(), 200, "served once a connection is free");
+    let metrics = gateway.metrics().await;
+    assert_eq!(
+        metric_sum(&metrics, "gateway_connections_refused_total"),
+        1.0,
+        "{metrics}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
