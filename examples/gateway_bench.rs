@@ -74,6 +74,8 @@ fn start_gateway(upstream: &str, redis: Option<&str>) -> (Gateway, String) {
     cmd.args([
         "--listen",
         &format!("127.0.0.1:{port}"),
+        "--admin",
+        &format!("127.0.0.1:{}", free_port()),
         "--upstream",
         upstream,
     ])

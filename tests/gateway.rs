@@ -1,331 +1,25 @@
-//! The Anthropic-compatible gateway (`examples/gateway.rs`) end to end: the example runs as
-//! a real process (started as its README says, on a free loopback port), in front of the
-//! mock Anthropic upstream (`support/anthropic.rs`), and is driven by a real HTTP client
-//! and by the official Anthropic Python SDK.
+//! The Anthropic-compatible gateway (`fairgate-gateway`, `src/bin/fairgate-gateway/`) end
+//! to end: the program runs as a real process (started as its README says, on free
+//! loopback ports), in front of the mock Anthropic upstream (`support/anthropic.rs`), and
+//! is driven by a real HTTP client and by the official Anthropic Python SDK. The attacks
+//! on it are in `gateway_attacks.rs`.
 //!
 //! Every process is stopped by its pid when its guard drops, also when a test panics. The
 //! tests run one at a time (two cores; the flood and disconnect checks are timed).
-#![cfg(feature = "redis")]
+#![cfg(feature = "gateway")]
 
 mod support;
 
-use std::fs::File;
-use std::io::{Read, Seek, SeekFrom};
-use std::net::TcpListener;
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
-use std::sync::OnceLock;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use support::RedisServer;
 use support::anthropic::{MESSAGE_JSON, MockAnthropic, STREAM_TEXT, stream_body};
-
-/// The upstream key the gateway is started with.
-const UPSTREAM_KEY: &str = "sk-upstream-test-key";
-const PREMIUM_KEY: &str = "sk-gw-premium-1";
-const GUEST_KEY: &str = "sk-gw-guest-1";
+use support::gateway::*;
 
 /// One test at a time.
 static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
-
-fn target_tmp() -> PathBuf {
-    PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
-}
-
-/// The gateway example, built with this test's profile and features (a no-op when fresh:
-/// `cargo test --test gateway` alone builds no example).
-fn gateway_binary() -> PathBuf {
-    static BUILT: OnceLock<PathBuf> = OnceLock::new();
-    BUILT
-        .get_or_init(|| {
-            let exe = std::env::current_exe().unwrap();
-            let profile_dir = exe.parent().unwrap().parent().unwrap().to_path_buf();
-            let target_dir = profile_dir.parent().unwrap();
-            let mut features = vec!["redis"];
-            for (on, name) in [
-                (cfg!(feature = "axum"), "axum"),
-                (cfg!(feature = "reqwest"), "reqwest"),
-                (cfg!(feature = "tonic"), "tonic"),
-                (cfg!(feature = "full"), "full"),
-            ] {
-                if on {
-                    features.push(name);
-                }
-            }
-            let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-            let mut build = Command::new(cargo);
-            // Without the variables cargo sets for this test's run: build scripts that watch
-            // one (ring watches CARGO_MANIFEST_DIR) would be rerun by each build in turn.
-            for (name, _) in std::env::vars_os() {
-                let name = name.to_string_lossy();
-                if name.starts_with("CARGO_PKG_")
-                    || name.starts_with("CARGO_BIN_")
-                    || [
-                        "CARGO_MANIFEST_DIR",
-                        "CARGO_MANIFEST_PATH",
-                        "CARGO_CRATE_NAME",
-                        "CARGO_PRIMARY_PACKAGE",
-                        "CARGO_TARGET_TMPDIR",
-                        "CARGO_RUSTC_CURRENT_DIR",
-                        "OUT_DIR",
-                    ]
-                    .contains(&&*name)
-                {
-                    build.env_remove(&*name);
-                }
-            }
-            build
-                .args(["build", "--quiet", "--example", "gateway"])
-                .args(["--features", &features.join(",")])
-                .arg("--target-dir")
-                .arg(target_dir)
-                .current_dir(env!("CARGO_MANIFEST_DIR"));
-            match profile_dir.file_name().and_then(|n| n.to_str()) {
-                Some("debug") => {}
-                Some("release") => {
-                    build.arg("--release");
-                }
-                Some(other) => {
-                    build.args(["--profile", other]);
-                }
-                None => {}
-            }
-            let status = build.status().expect("run cargo build --example gateway");
-            assert!(status.success(), "cargo build --example gateway failed");
-            let path = profile_dir.join("examples").join("gateway");
-            assert!(path.exists(), "{} missing after the build", path.display());
-            path
-        })
-        .clone()
-}
-
-fn free_port() -> u16 {
-    let listener = TcpListener::bind("127.0.0.1:0").expect("bind a free port");
-    listener.local_addr().unwrap().port()
-}
-
-/// A keys file: a premium and a guest key, the guest with one slot and a short wait.
-fn keys_toml(global: u32, guest_wait_ms: u64, extra: &str) -> String {
-    format!(
-        r#"
-[[keys]]
-key = "{PREMIUM_KEY}"
-tenant = "team-premium"
-tier = "premium"
-
-[[keys]]
-key = "{GUEST_KEY}"
-tenant = "team-guest"
-tier = "guest"
-
-[limits]
-global_max = {global}
-retry_after_ms = 300
-lease_ttl_ms = 5000
-
-[[tiers]]
-name = "guest"
-cap = 1
-max_wait_ms = {guest_wait_ms}
-
-[[tiers]]
-name = "premium"
-cap = {global}
-max_wait_ms = 30000
-{extra}
-"#
-    )
-}
-
-/// A gateway process, SIGKILLed by its pid when dropped; its log goes to a file, printed
-/// when a test fails.
-struct Gateway {
-    child: Child,
-    port: u16,
-    log: PathBuf,
-}
-
-impl Gateway {
-    fn start(upstream: &str, keys: &str, redis: Option<&str>) -> Gateway {
-        static N: AtomicUsize = AtomicUsize::new(0);
-        let n = N.fetch_add(1, Ordering::SeqCst);
-        let id = format!("gateway-{}-{n}", std::process::id());
-        let keys_path = target_tmp().join(format!("{id}-keys.toml"));
-        std::fs::write(&keys_path, keys).unwrap();
-        for attempt in 0..3 {
-            let port = free_port();
-            let log = target_tmp().join(format!("{id}-{attempt}.log"));
-            let mut cmd = Command::new(gateway_binary());
-            cmd.args(["--listen", &format!("127.0.0.1:{port}")])
-                .args(["--upstream", upstream])
-                .arg("--keys")
-                .arg(&keys_path)
-                .env("ANTHROPIC_API_KEY", UPSTREAM_KEY)
-                .env(
-                    "RUST_LOG",
-                    std::env::var("GATEWAY_LOG").unwrap_or_else(|_| "info".into()),
-                )
-                .stdin(Stdio::null())
-                .stdout(Stdio::null())
-                .stderr(File::create(&log).unwrap());
-            if let Some(url) = redis {
-                cmd.args(["--redis", url]);
-            }
-            let child = cmd.spawn().expect("start the gateway");
-            let mut gateway = Gateway { child, port, log };
-            if gateway.wait_ready(Duration::from_secs(20)) {
-                return gateway;
-            }
-            eprintln!(
-                "gateway did not start (attempt {attempt}):\n{}",
-                gateway.log_text()
-            );
-        }
-        panic!("the gateway did not start");
-    }
-
-    /// Polls `/healthz` until it answers 200; false if the process exits first.
-    fn wait_ready(&mut self, within: Duration) -> bool {
-        let deadline = Instant::now() + within;
-        while Instant::now() < deadline {
-            if let Ok(Some(_)) = self.child.try_wait() {
-                return false;
-            }
-            if let Ok(mut stream) = std::net::TcpStream::connect(("127.0.0.1", self.port)) {
-                use std::io::Write;
-                let _ = stream.set_read_timeout(Some(Duration::from_secs(2)));
-                let _ = stream
-                    .write_all(b"GET /healthz HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n");
-                let mut answer = String::new();
-                let _ = stream.read_to_string(&mut answer);
-                if answer.starts_with("HTTP/1.1 200") {
-                    return true;
-                }
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        false
-    }
-
-    fn url(&self) -> String {
-        format!("http://127.0.0.1:{}", self.port)
-    }
-
-    fn log_text(&self) -> String {
-        let mut text = String::new();
-        if let Ok(mut file) = File::open(&self.log) {
-            let len = file.metadata().map(|m| m.len()).unwrap_or(0);
-            let _ = file.seek(SeekFrom::Start(len.saturating_sub(8_000)));
-            let _ = file.read_to_string(&mut text);
-        }
-        text
-    }
-
-    /// Sends SIGTERM by pid.
-    fn terminate(&self) {
-        let status = Command::new("kill")
-            .args(["-s", "TERM", &self.child.id().to_string()])
-            .status()
-            .expect("run kill");
-        assert!(status.success());
-    }
-
-    /// Waits up to `within` for the process to exit.
-    fn wait_exit(&mut self, within: Duration) -> Option<std::process::ExitStatus> {
-        let deadline = Instant::now() + within;
-        while Instant::now() < deadline {
-            if let Ok(Some(status)) = self.child.try_wait() {
-                return Some(status);
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        None
-    }
-
-    /// The Prometheus text of `/metrics`.
-    async fn metrics(&self) -> String {
-        client()
-            .get(format!("{}/metrics", self.url()))
-            .send()
-            .await
-            .expect("GET /metrics")
-            .text()
-            .await
-            .unwrap()
-    }
-
-    /// `claude_slots_in_use`, summed over tiers.
-    async fn slots_in_use(&self) -> f64 {
-        metric_sum(&self.metrics().await, "claude_slots_in_use")
-    }
-}
-
-impl Drop for Gateway {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        if std::thread::panicking() {
-            eprintln!(
-                "--- gateway log ({}) ---\n{}",
-                self.log.display(),
-                self.log_text()
-            );
-        }
-    }
-}
-
-fn metric_sum(text: &str, name: &str) -> f64 {
-    text.lines()
-        .filter(|line| {
-            line.strip_prefix(name)
-                .is_some_and(|rest| rest.starts_with('{') || rest.starts_with(' '))
-        })
-        .filter_map(|line| line.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
-}
-
-fn client() -> reqwest::Client {
-    reqwest::Client::builder()
-        .timeout(Duration::from_secs(60))
-        .pool_max_idle_per_host(0)
-        .build()
-        .unwrap()
-}
-
-fn messages_body(stream: bool) -> String {
-    format!(
-        r#"{{"model":"claude-mock-1","max_tokens":64,"stream":{stream},"messages":[{{"role":"user","content":"Hello"}}]}}"#
-    )
-}
-
-async fn post_messages(
-    gateway: &Gateway,
-    key: &str,
-    stream: bool,
-) -> reqwest::Result<reqwest::Response> {
-    client()
-        .post(format!("{}/v1/messages", gateway.url()))
-        .header("x-api-key", key)
-        .header("anthropic-version", "2023-06-01")
-        .header("content-type", "application/json")
-        .body(messages_body(stream))
-        .send()
-        .await
-}
-
-async fn eventually(within: Duration, mut check: impl AsyncFnMut() -> bool) -> bool {
-    let deadline = Instant::now() + within;
-    loop {
-        if check().await {
-            return true;
-        }
-        if Instant::now() >= deadline {
-            return false;
-        }
-        tokio::time::sleep(Duration::from_millis(25)).await;
-    }
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn answers_arrive_byte_for_byte_and_headers_pass_both_ways() {
@@ -437,9 +131,9 @@ async fn answers_arrive_byte_for_byte_and_headers_pass_both_ways() {
     assert_eq!(count.status(), 200);
     assert_eq!(count.text().await.unwrap(), r#"{"input_tokens":12}"#);
 
-    // /healthz and /metrics.
+    // /healthz and /metrics, on the admin listener.
     let health = client()
-        .get(format!("{}/healthz", gateway.url()))
+        .get(format!("{}/healthz", gateway.admin_url()))
         .send()
         .await
         .unwrap();
@@ -679,7 +373,8 @@ async fn sigterm_lets_a_stream_finish_then_the_gateway_exits() {
     assert!(status.success(), "{status}");
     assert!(
         client()
-            .get(format!("{}/healthz", gateway.url()))
+            .get(format!("{}/v1/models", gateway.url()))
+            .header("x-api-key", PREMIUM_KEY)
             .send()
             .await
             .is_err(),
@@ -860,11 +555,17 @@ fn a_bad_command_line_or_keys_file_is_refused_at_start_with_a_clear_message() {
         "--upstream",
         "http://127.0.0.1:9",
     ];
-    assert!(run(&["--listen", "127.0.0.1:0"], None).contains("--upstream is required"));
+    let err = run(&["--listen", "127.0.0.1:0"], None);
     assert!(
-        run(&["--listen", "nowhere", "--upstream", "http://x"], None).contains("--listen nowhere")
+        err.contains("required arguments were not provided") && err.contains("--upstream <URL>"),
+        "{err}"
     );
-    assert!(run(&["--bogus"], None).contains("unknown argument `--bogus`"));
+    let err = run(&["--listen", "nowhere", "--upstream", "http://x"], None);
+    assert!(err.contains("'nowhere' for '--listen <ADDR>'"), "{err}");
+    let err = run(&["--bogus"], None);
+    assert!(err.contains("unexpected argument '--bogus'"), "{err}");
+    let err = run(&["--listen", "127.0.0.1:0", "--upstream", "ftp://x"], None);
+    assert!(err.contains("give an http:// or https:// URL"), "{err}");
     let err = run(
         &base,
         Some("[[keys]]\nkey = \"sk-secret-1\"\ntenant = \"t\"\ntier = \"gold\"\n"),

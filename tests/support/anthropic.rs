@@ -114,6 +114,7 @@ struct Inner {
     max_in_flight: AtomicUsize,
     delay_ms: AtomicU64,
     event_gap_ms: AtomicU64,
+    normalise_paths: std::sync::atomic::AtomicBool,
     script: Mutex<VecDeque<Reply>>,
     recorded: Mutex<VecDeque<Recorded>>,
 }
@@ -185,6 +186,13 @@ impl MockAnthropic {
         self.inner
             .event_gap_ms
             .store(gap.as_millis() as u64, Ordering::Relaxed);
+    }
+
+    /// Routes on the path as a lenient server would read it: percent-decoded, `;` params
+    /// cut, empty and `.` segments dropped, `..` resolved, no trailing `/`. (The path is
+    /// recorded as received.)
+    pub fn set_normalise_paths(&self, on: bool) {
+        self.inner.normalise_paths.store(on, Ordering::Relaxed);
     }
 
     /// Answers the next `POST /v1/messages` with `reply` (scripted replies go first in first
@@ -304,7 +312,13 @@ async fn handle(State(inner): State<Arc<Inner>>, req: Request) -> Response {
     if delay > 0 {
         tokio::time::sleep(Duration::from_millis(delay)).await;
     }
-    let path = parts.uri.path();
+    let normalised;
+    let path = if inner.normalise_paths.load(Ordering::Relaxed) {
+        normalised = normalise(parts.uri.path());
+        normalised.as_str()
+    } else {
+        parts.uri.path()
+    };
     let (status, content_type, body, retry_after) = match (&parts.method, path) {
         (&Method::POST, "/v1/messages") => {
             let scripted = inner.script.lock().unwrap().pop_front();
@@ -433,4 +447,36 @@ fn guarded(chunks: Vec<Bytes>, guard: InFlight, gap: Duration) -> Body {
             Some((Ok::<_, std::io::Error>(chunk), (chunks, guard, false)))
         });
     Body::from_stream(stream)
+}
+
+/// `path` as a lenient server reads it (see [`MockAnthropic::set_normalise_paths`]).
+pub fn normalise(path: &str) -> String {
+    let bytes = path.as_bytes();
+    let mut decoded = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        if bytes[i] == b'%'
+            && i + 2 < bytes.len()
+            && let Ok(byte) = u8::from_str_radix(&path[i + 1..i + 3], 16)
+        {
+            decoded.push(byte);
+            i += 3;
+            continue;
+        }
+        decoded.push(bytes[i]);
+        i += 1;
+    }
+    let decoded = String::from_utf8_lossy(&decoded).into_owned();
+    let mut segments: Vec<&str> = Vec::new();
+    for segment in decoded.split('/') {
+        let segment = segment.split(';').next().unwrap_or("");
+        match segment {
+            "" | "." => {}
+            ".." => {
+                segments.pop();
+            }
+            other => segments.push(other),
+        }
+    }
+    format!("/{}", segments.join("/"))
 }

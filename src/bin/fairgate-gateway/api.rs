@@ -1,0 +1,478 @@
+//! The API port: route, authenticate from the headers, then (and only then) read a body.
+//!
+//! - The path is checked and routed first (the `routes` module).
+//! - The key is checked from the headers, failures slowed per address (the `auth` module);
+//!   an unknown key is answered before a byte of the body is read.
+//! - `POST /v1/messages` buffers its body (so a throttled call can be sent again) within
+//!   two bounds: one body at most `--max-body` (`413`, told at once from
+//!   `content-length`), all bodies being buffered at most `--body-budget` (`529` with
+//!   `retry-after` at once past it). A body that stalls for `--body-idle-timeout` gets
+//!   `408`; on shutdown a half-sent body gets `503` at once.
+//! - Forwarded paths stream their body through, under the same idle timeout.
+
+use std::net::IpAddr;
+use std::sync::atomic::AtomicU64;
+use std::sync::{Arc, RwLock};
+use std::time::Duration;
+
+use bytes::Bytes;
+use fairgate::extract::{FromHeaders, KeyTable, api_key};
+use fairgate::reject::{Style, render};
+use fairgate::{BoxError, FairgateLayer, JobLayer, Store, TenantId};
+use futures_util::StreamExt;
+use http::header::{self, HeaderValue};
+use http::{Request, Response, StatusCode};
+use http_body_util::{BodyExt, BodyStream, Full, StreamBody};
+use hyper::body::Incoming;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, watch};
+use tower::util::BoxCloneSyncService;
+use tower::{ServiceBuilder, ServiceExt, service_fn};
+use tracing::{debug, info, warn};
+
+use super::Body;
+use super::auth::{AuthGuard, Verdict};
+use super::config::Config;
+use super::routes::{Route, route};
+use super::server::{Holding, stopped};
+use super::upstream::{Upstream, full};
+
+/// `POST /v1/messages` through the stack: the buffered request in, the client's response out.
+type Messages = BoxCloneSyncService<Request<Full<Bytes>>, Response<Body>, BoxError>;
+
+/// What a keys file gives: replaced whole by a reload, while calls that began with the
+/// previous one finish with it.
+pub(crate) struct Live {
+    pub(crate) config: Config,
+    pub(crate) store: Store,
+    messages: Messages,
+}
+
+impl Live {
+    pub(crate) fn new(config: Config, store: Store, upstream: &Upstream) -> Result<Live, String> {
+        let fairgate = FairgateLayer::builder(store.clone())
+            .slots(config.policy.clone())
+            .window(config.window)
+            .demotion(config.demotion.clone())
+            .build()
+            .map_err(|e| format!("bad limits: {e}"))?;
+        let upstream = upstream.clone();
+        let send = service_fn(move |req: Request<Full<Bytes>>| {
+            let upstream = upstream.clone();
+            async move {
+                upstream
+                    .send(req.map(|body| body.map_err(|never| match never {}).boxed_unsync()))
+                    .await
+            }
+        });
+        let stack = ServiceBuilder::new()
+            .layer(JobLayer::new(FromHeaders::new().keys(config.keys.clone())))
+            .layer(fairgate)
+            .service(send)
+            .map_response(|response: Response<_>| {
+                response.map(|body| body.map_err(Into::<BoxError>::into).boxed_unsync())
+            });
+        Ok(Live {
+            config,
+            store,
+            messages: BoxCloneSyncService::new(stack),
+        })
+    }
+
+    pub(crate) fn keys(&self) -> &KeyTable {
+        &self.config.keys
+    }
+}
+
+/// The bytes all `/v1/messages` bodies being buffered may take together.
+pub(crate) struct BodyBudget {
+    permits: Arc<Semaphore>,
+    max: usize,
+}
+
+impl BodyBudget {
+    pub(crate) fn new(max: usize) -> BodyBudget {
+        let max = max.min(Semaphore::MAX_PERMITS);
+        BodyBudget {
+            permits: Arc::new(Semaphore::new(max)),
+            max,
+        }
+    }
+
+    fn take(&self, bytes: usize) -> Option<OwnedSemaphorePermit> {
+        let bytes = u32::try_from(bytes).ok()?;
+        self.permits.clone().try_acquire_many_owned(bytes).ok()
+    }
+
+    pub(crate) fn used(&self) -> usize {
+        self.max - self.permits.available_permits()
+    }
+
+    pub(crate) fn max(&self) -> usize {
+        self.max
+    }
+}
+
+/// The API port's limits on request bodies.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct BodyLimits {
+    pub(crate) max_body: usize,
+    pub(crate) idle: Duration,
+}
+
+/// Everything the API port's requests share.
+pub(crate) struct Gateway {
+    live: RwLock<Arc<Live>>,
+    pub(crate) upstream: Upstream,
+    pub(crate) budget: BodyBudget,
+    pub(crate) auth: AuthGuard,
+    pub(crate) bodies: BodyLimits,
+    pub(crate) shutdown: watch::Receiver<bool>,
+    pub(crate) reloads: AtomicU64,
+    pub(crate) failed_reloads: AtomicU64,
+}
+
+impl Gateway {
+    pub(crate) fn new(
+        live: Live,
+        upstream: Upstream,
+        budget: BodyBudget,
+        auth: AuthGuard,
+        bodies: BodyLimits,
+        shutdown: watch::Receiver<bool>,
+    ) -> Gateway {
+        Gateway {
+            live: RwLock::new(Arc::new(live)),
+            upstream,
+            budget,
+            auth,
+            bodies,
+            shutdown,
+            reloads: AtomicU64::new(0),
+            failed_reloads: AtomicU64::new(0),
+        }
+    }
+
+    /// The keys, limits and stack in force now.
+    pub(crate) fn live(&self) -> Arc<Live> {
+        self.live.read().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// Puts `live` in force for the calls that begin from now on.
+    pub(crate) fn replace(&self, live: Live) {
+        *self.live.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(live);
+    }
+
+    pub(crate) fn draining(&self) -> bool {
+        *self.shutdown.borrow()
+    }
+}
+
+/// Anthropic's error shape for the gateway's own refusals.
+pub(crate) fn error_response(status: StatusCode, kind: &str, message: &str) -> Response<Body> {
+    let body = format!(r#"{{"type":"error","error":{{"type":"{kind}","message":"{message}"}}}}"#);
+    let mut response = Response::new(full(body));
+    *response.status_mut() = status;
+    response.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    response
+}
+
+fn with_retry_after(mut response: Response<Body>, wait: Duration) -> Response<Body> {
+    let secs = wait.as_secs() + u64::from(wait.subsec_nanos() > 0);
+    response
+        .headers_mut()
+        .insert(header::RETRY_AFTER, HeaderValue::from(secs.max(1)));
+    response
+}
+
+fn closing(mut response: Response<Body>) -> Response<Body> {
+    response
+        .headers_mut()
+        .insert(header::CONNECTION, HeaderValue::from_static("close"));
+    response
+}
+
+fn rendered(error: &BoxError) -> Response<Body> {
+    render(error, Style::Anthropic).map(full)
+}
+
+/// Answers one request of the API port.
+pub(crate) async fn handle(
+    gw: Arc<Gateway>,
+    peer: IpAddr,
+    req: Request<Incoming>,
+) -> Response<Body> {
+    let route = route(req.method(), req.uri().path());
+    match route {
+        Route::NotCanonical => {
+            return closing(error_response(
+                StatusCode::BAD_REQUEST,
+                "invalid_request_error",
+                "the path is not in canonical form (no empty, `.` or `..` segments, no \
+                 percent-encoding, no `;`, no trailing `/`)",
+            ));
+        }
+        Route::NotFound => {
+            return error_response(StatusCode::NOT_FOUND, "not_found_error", "not found");
+        }
+        Route::Messages | Route::Forward => {}
+    }
+    let live = gw.live();
+    match gw.auth.check(peer, api_key(&req), live.keys()) {
+        Verdict::Known => {}
+        Verdict::Unknown => {
+            metrics::counter!("gateway_auth_failures_total", "answer" => "401").increment(1);
+            let reason = if api_key(&req).is_some() {
+                "unknown api key"
+            } else {
+                "no api key"
+            };
+            // The body is never read: the connection closes after the answer.
+            return closing(rendered(&BoxError::from(fairgate::Unidentified::new(
+                reason,
+            ))));
+        }
+        Verdict::Slowed(wait) => {
+            metrics::counter!("gateway_auth_failures_total", "answer" => "429").increment(1);
+            return closing(with_retry_after(
+                error_response(
+                    StatusCode::TOO_MANY_REQUESTS,
+                    "rate_limit_error",
+                    "too many failed authentications from this address",
+                ),
+                wait,
+            ));
+        }
+    }
+    if route == Route::Messages {
+        messages(&gw, live, req).await
+    } else {
+        forward(&gw, req).await
+    }
+}
+
+/// Why a body was not buffered.
+enum Unread {
+    TooLarge,
+    OverBudget,
+    Stalled,
+    ShuttingDown,
+    Failed(hyper::Error),
+}
+
+/// Reads `body` into one buffer, within the size limit and the budget.
+async fn buffer(
+    gw: &Gateway,
+    body: &mut Incoming,
+    declared: Option<usize>,
+) -> Result<(Bytes, OwnedSemaphorePermit), Unread> {
+    let max = gw.bodies.max_body;
+    if declared.is_some_and(|len| len > max) {
+        return Err(Unread::TooLarge);
+    }
+    let mut held = declared.unwrap_or(0).max(1);
+    let mut permit = gw.budget.take(held).ok_or(Unread::OverBudget)?;
+    let mut buf: Vec<u8> = Vec::with_capacity(declared.unwrap_or(0));
+    let mut shutdown = gw.shutdown.clone();
+    loop {
+        let frame = tokio::select! {
+            frame = tokio::time::timeout(gw.bodies.idle, body.frame()) => frame,
+            _ = stopped(&mut shutdown) => return Err(Unread::ShuttingDown),
+        };
+        let data = match frame {
+            Err(_) => return Err(Unread::Stalled),
+            Ok(None) => break,
+            Ok(Some(Err(e))) => return Err(Unread::Failed(e)),
+            Ok(Some(Ok(frame))) => match frame.into_data() {
+                Ok(data) => data,
+                Err(_) => continue, // trailers
+            },
+        };
+        let needed = buf.len() + data.len();
+        if needed > max {
+            return Err(Unread::TooLarge);
+        }
+        if needed > held {
+            // Grow by doubling (as a Vec would), every byte of it paid from the budget first.
+            let grown = needed.max(held.saturating_mul(2)).min(max);
+            let more = gw.budget.take(grown - held).ok_or(Unread::OverBudget)?;
+            permit.merge(more);
+            held = grown;
+            buf.reserve_exact(grown - buf.len());
+        }
+        buf.extend_from_slice(&data);
+    }
+    Ok((Bytes::from(buf), permit))
+}
+
+/// Reads and drops what is left of a refused body (at most `limit` bytes, each frame within
+/// `idle`), so the client, still sending, reads the answer instead of a reset connection.
+async fn discard(mut body: Incoming, limit: u64, idle: Duration) {
+    let mut read = 0u64;
+    while read < limit {
+        match tokio::time::timeout(idle, body.frame()).await {
+            Ok(Some(Ok(frame))) => {
+                read += frame.data_ref().map_or(0, |d| d.len() as u64);
+            }
+            _ => break,
+        }
+    }
+}
+
+async fn messages(gw: &Gateway, live: Arc<Live>, req: Request<Incoming>) -> Response<Body> {
+    let (parts, mut body) = req.into_parts();
+    let declared = parts
+        .headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok())
+        .map(|len| usize::try_from(len).unwrap_or(usize::MAX));
+    let (bytes, permit) = match buffer(gw, &mut body, declared).await {
+        Ok(read) => read,
+        Err(Unread::TooLarge) => {
+            // An authenticated client: read the rest of its body away (no buffering) so
+            // that it sees the 413, unless it waits for `100 Continue`, which it then
+            // never gets.
+            let expects = parts.headers.contains_key(header::EXPECT);
+            if !expects {
+                tokio::spawn(discard(body, 1 << 30, gw.bodies.idle));
+            }
+            let mb = gw.bodies.max_body >> 20;
+            return closing(error_response(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "request_too_large",
+                &format!("request body is larger than the gateway's {mb} MiB limit"),
+            ));
+        }
+        Err(Unread::OverBudget) => {
+            metrics::counter!("gateway_body_budget_refusals_total").increment(1);
+            info!("refused: the body budget is spent");
+            return closing(with_retry_after(
+                error_response(
+                    StatusCode::from_u16(529).unwrap_or(StatusCode::SERVICE_UNAVAILABLE),
+                    "overloaded_error",
+                    "the gateway is buffering too many request bodies",
+                ),
+                Duration::from_secs(1),
+            ));
+        }
+        Err(Unread::Stalled) => {
+            return closing(error_response(
+                StatusCode::REQUEST_TIMEOUT,
+                "invalid_request_error",
+                "the request body stopped arriving",
+            ));
+        }
+        Err(Unread::ShuttingDown) => {
+            return closing(error_response(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "overloaded_error",
+                "the gateway is shutting down",
+            ));
+        }
+        Err(Unread::Failed(e)) => {
+            debug!(error = %e, "reading a request body failed");
+            return closing(error_response(
+                StatusCode::BAD_REQUEST,
+                "invalid_request_error",
+                "could not read the request body",
+            ));
+        }
+    };
+    let size = bytes.len();
+    let req = Request::from_parts(parts, Full::new(bytes));
+    let started = tokio::time::Instant::now();
+    match live.messages.clone().oneshot(req).await {
+        Ok(response) => {
+            debug!(
+                status = response.status().as_u16(),
+                bytes = size,
+                ms = started.elapsed().as_millis() as u64,
+                "POST /v1/messages"
+            );
+            // The buffer's share of the budget comes back when the answer has been sent.
+            response.map(|body| Holding::new(body, permit).boxed_unsync())
+        }
+        Err(error) => {
+            let response = rendered(&error);
+            if response.status() == StatusCode::BAD_GATEWAY {
+                warn!(error = %error, "upstream call failed");
+            } else {
+                info!(status = response.status().as_u16(), reason = %error, "refused");
+            }
+            response
+        }
+    }
+}
+
+/// A request body passed through as it comes, each frame within the idle timeout, cut on
+/// shutdown.
+fn streamed(gw: &Gateway, body: Incoming) -> Body {
+    let idle = gw.bodies.idle;
+    let shutdown = gw.shutdown.clone();
+    let frames = BodyStream::new(body);
+    let stream = futures_util::stream::unfold(
+        (frames, shutdown, false),
+        move |(mut frames, mut shutdown, done)| async move {
+            if done {
+                return None;
+            }
+            let next = tokio::select! {
+                next = tokio::time::timeout(idle, frames.next()) => Some(next),
+                _ = stopped(&mut shutdown) => None,
+            };
+            let Some(next) = next else {
+                let cut: BoxError = "the gateway is shutting down".into();
+                return Some((Err(cut), (frames, shutdown, true)));
+            };
+            match next {
+                Err(_) => {
+                    let stalled: BoxError = "the request body stopped arriving".into();
+                    Some((Err(stalled), (frames, shutdown, true)))
+                }
+                Ok(None) => None,
+                Ok(Some(frame)) => Some((frame.map_err(BoxError::from), (frames, shutdown, false))),
+            }
+        },
+    );
+    StreamBody::new(stream).boxed_unsync()
+}
+
+async fn forward(gw: &Gateway, req: Request<Incoming>) -> Response<Body> {
+    let req = req.map(|body| streamed(gw, body));
+    match gw.upstream.send(req).await {
+        Ok(response) => response,
+        Err(error) => {
+            warn!(error = %error, "upstream call failed");
+            rendered(&error)
+        }
+    }
+}
+
+/// Checks every tenant's demotion now and then, so `claude_demoted_tenants` follows
+/// demotions that begin or run out while a tenant sends nothing (the store publishes the
+/// gauge when it is used). At most `per_tick` tenants a tick, in turn.
+pub(crate) async fn demotion_tick(gw: Arc<Gateway>, every: Duration, per_tick: usize) {
+    let mut tick = tokio::time::interval(every);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut next = 0usize;
+    loop {
+        tick.tick().await;
+        let live = gw.live();
+        let tenants = &live.config.tenants;
+        if tenants.is_empty() {
+            continue;
+        }
+        for _ in 0..per_tick.min(tenants.len()) {
+            next %= tenants.len();
+            let tenant = TenantId::new(tenants[next].clone());
+            let _ = live
+                .store
+                .check_demotion(&tenant, &live.config.demotion)
+                .await;
+            next += 1;
+        }
+    }
+}

@@ -1,0 +1,497 @@
+//! `fairgate-gateway`: an Anthropic-compatible gateway a team runs in front of the Anthropic
+//! API for its services in any language. Clients point their SDK's base URL at it and use
+//! a key from `keys.toml`; the gateway admits their calls fairly (the four fairgate layers)
+//! and calls the API with the team's one upstream key.
+//!
+//! ```sh
+//! cargo install --path . --features gateway
+//! ANTHROPIC_API_KEY=sk-ant-... fairgate-gateway --listen 127.0.0.1:8080 \
+//!     --upstream https://api.anthropic.com --keys keys.toml [--redis redis://127.0.0.1:6379/]
+//! ```
+//!
+//! Every flag can also come from the environment (`fairgate-gateway --help` names the
+//! variables). The modules:
+//! - `config`: the keys file, checked in full at start and on `SIGHUP`;
+//! - `routes`: canonical paths only, one admission path, an allow-list for the rest;
+//! - `auth`: the key check, failures slowed per address;
+//! - `api`: the API port (authenticate from the headers, then buffer within a budget);
+//! - `server`: connections (cap, header / body / keep-alive timeouts, drain);
+//! - `admin`: `/metrics`, `/healthz`, `/readyz`, `/status` on the admin listener;
+//! - `upstream`: the upstream client.
+
+mod admin;
+mod api;
+mod auth;
+mod config;
+mod routes;
+mod server;
+mod upstream;
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use clap::Parser;
+use fairgate::{BoxError, Store};
+use http::Uri;
+use metrics_exporter_prometheus::PrometheusBuilder;
+use tokio::signal::unix::{SignalKind, signal};
+use tracing::{info, warn};
+use tracing_subscriber::EnvFilter;
+
+use self::api::{BodyBudget, BodyLimits, Gateway, Live};
+use self::auth::AuthGuard;
+use self::server::{ConnLimits, Connections};
+use self::upstream::Upstream;
+
+/// The body of every response the gateway sends.
+pub(crate) type Body = http_body_util::combinators::UnsyncBoxBody<Bytes, BoxError>;
+
+/// An Anthropic-compatible gateway with fair, tier-aware admission control.
+///
+/// Clients use their own key from the keys file (`x-api-key` or `Authorization: Bearer`);
+/// the upstream is called with ANTHROPIC_API_KEY (required, from the environment only).
+/// SIGHUP reloads the keys file; SIGTERM or Ctrl-C drains and stops. Logs: RUST_LOG
+/// (default info), on stderr.
+#[derive(Debug, Parser)]
+#[command(name = "fairgate-gateway", version, about, long_about)]
+pub(crate) struct Args {
+    /// Address to serve the API on, e.g. 127.0.0.1:8080.
+    #[arg(long, env = "FAIRGATE_LISTEN", value_name = "ADDR")]
+    listen: SocketAddr,
+
+    /// The Anthropic API, e.g. `https://api.anthropic.com` (`http://` for a local mock).
+    #[arg(long, env = "FAIRGATE_UPSTREAM", value_name = "URL", value_parser = upstream_url,
+          help = "The Anthropic API, e.g. https://api.anthropic.com (http:// for a local mock)")]
+    upstream: Uri,
+
+    /// The clients' keys (TOML: `[[keys]]` key, tenant, tier; optional `[limits]`, `[[tiers]]`).
+    #[arg(
+        long,
+        env = "FAIRGATE_KEYS",
+        value_name = "FILE",
+        help = "The clients' keys (TOML: [[keys]] key, tenant, tier; optional [limits], [[tiers]])"
+    )]
+    keys: PathBuf,
+
+    /// Share the caps with other gateways through Redis (default: this process only).
+    #[arg(long, env = "FAIRGATE_REDIS", value_name = "URL", hide_env_values = true,
+          value_parser = redis_url)]
+    redis: Option<String>,
+
+    /// Address of the admin listener: /metrics, /healthz, /readyz, /status.
+    #[arg(
+        long,
+        env = "FAIRGATE_ADMIN",
+        value_name = "ADDR",
+        default_value = "127.0.0.1:9464"
+    )]
+    admin: SocketAddr,
+
+    /// Connections open at once on the API port; at the cap a new one closes the oldest idle one.
+    #[arg(long, env = "FAIRGATE_MAX_CONNECTIONS", value_name = "N", default_value_t = 4096,
+          value_parser = clap::value_parser!(u32).range(1..))]
+    max_connections: u32,
+
+    /// Time a client has to send a request's head (trickled heads are closed).
+    #[arg(long, env = "FAIRGATE_HEADER_TIMEOUT", value_name = "DURATION", default_value = "10s",
+          value_parser = duration)]
+    header_timeout: Duration,
+
+    /// Time a request body may stall between two reads (408 past it).
+    #[arg(long, env = "FAIRGATE_BODY_IDLE_TIMEOUT", value_name = "DURATION",
+          default_value = "10s", value_parser = duration)]
+    body_idle_timeout: Duration,
+
+    /// Time an idle keep-alive connection stays open.
+    #[arg(long, env = "FAIRGATE_KEEP_ALIVE_TIMEOUT", value_name = "DURATION",
+          default_value = "30s", value_parser = duration)]
+    keep_alive_timeout: Duration,
+
+    /// The largest /v1/messages body (413 past it), e.g. 32MiB.
+    #[arg(long, env = "FAIRGATE_MAX_BODY", value_name = "SIZE", default_value = "32MiB",
+          value_parser = size)]
+    max_body: usize,
+
+    /// Memory all /v1/messages bodies being buffered may take together (529 past it).
+    #[arg(long, env = "FAIRGATE_BODY_BUDGET", value_name = "SIZE", default_value = "128MiB",
+          value_parser = size)]
+    body_budget: usize,
+
+    /// Failed authentications an address may make at once before it is slowed (429).
+    #[arg(
+        long,
+        env = "FAIRGATE_AUTH_FAILURE_BURST",
+        value_name = "N",
+        default_value_t = 20
+    )]
+    auth_failure_burst: u32,
+
+    /// Failed authentications an address may make per second after its burst.
+    #[arg(
+        long,
+        env = "FAIRGATE_AUTH_FAILURE_RATE",
+        value_name = "PER_SEC",
+        default_value_t = 1.0
+    )]
+    auth_failure_rate: f64,
+
+    /// How long calls in flight may take to finish after SIGTERM or Ctrl-C.
+    #[arg(long, env = "FAIRGATE_DRAIN_TIMEOUT", value_name = "DURATION", default_value = "30s",
+          value_parser = duration)]
+    drain_timeout: Duration,
+}
+
+fn upstream_url(value: &str) -> Result<Uri, String> {
+    let parsed: Uri = value.parse().map_err(|e| format!("not a URL ({e})"))?;
+    match parsed.scheme_str() {
+        Some("http" | "https") if parsed.authority().is_some() => {}
+        _ => return Err("give an http:// or https:// URL with a host".into()),
+    }
+    if parsed.query().is_some() {
+        return Err("no query string, please".into());
+    }
+    Ok(parsed)
+}
+
+fn redis_url(value: &str) -> Result<String, String> {
+    if value.starts_with("redis://") || value.starts_with("rediss://") {
+        Ok(value.to_owned())
+    } else {
+        Err("give a redis:// or rediss:// URL".into())
+    }
+}
+
+/// `10s`, `500ms`, `2m`, `1h`, or a number of seconds.
+fn duration(value: &str) -> Result<Duration, String> {
+    let value = value.trim();
+    let split = value
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(value.len());
+    let (number, unit) = value.split_at(split);
+    let number: f64 = number
+        .parse()
+        .map_err(|_| format!("`{value}`: give a duration like 10s, 500ms or 2m"))?;
+    let secs = match unit.trim() {
+        "" | "s" => number,
+        "ms" => number / 1000.0,
+        "m" => number * 60.0,
+        "h" => number * 3600.0,
+        _ => return Err(format!("`{value}`: give a duration like 10s, 500ms or 2m")),
+    };
+    if !(secs > 0.0 && secs <= 86_400.0) {
+        return Err(format!("`{value}`: give more than 0 and at most a day"));
+    }
+    Ok(Duration::from_secs_f64(secs))
+}
+
+/// `32MiB`, `512KiB`, `1GiB`, or a number of bytes.
+fn size(value: &str) -> Result<usize, String> {
+    let value = value.trim();
+    let split = value
+        .find(|c: char| !c.is_ascii_digit())
+        .unwrap_or(value.len());
+    let (number, unit) = value.split_at(split);
+    let number: usize = number
+        .parse()
+        .map_err(|_| format!("`{value}`: give a size like 32MiB"))?;
+    let scale: usize = match unit.trim() {
+        "" | "B" => 1,
+        "KiB" | "K" | "KB" => 1 << 10,
+        "MiB" | "M" | "MB" => 1 << 20,
+        "GiB" | "G" | "GB" => 1 << 30,
+        _ => return Err(format!("`{value}`: give a size like 32MiB")),
+    };
+    match number.checked_mul(scale) {
+        Some(bytes) if bytes > 0 => Ok(bytes),
+        _ => Err(format!("`{value}`: give a size above 0")),
+    }
+}
+
+/// Raises the soft limit on open files to the hard one (each connection is one file), and
+/// returns it.
+fn raise_open_files_limit() -> Option<u64> {
+    use rustix::process::{Resource, getrlimit, setrlimit};
+    let mut limit = getrlimit(Resource::Nofile);
+    if limit.current != limit.maximum {
+        limit.current = limit.maximum;
+        if let Err(e) = setrlimit(Resource::Nofile, limit) {
+            warn!(error = %e, "cannot raise the open-files limit");
+        }
+    }
+    getrlimit(Resource::Nofile).current
+}
+
+/// Sockets and files kept for the upstream pool, Redis and the process itself.
+const RESERVED_FILES: u64 = 512;
+
+/// Reads the keys file again: the new keys, tiers and limits apply to calls that begin
+/// from now on; a bad file keeps the old one.
+async fn reload(gw: &Gateway, args: &Args) {
+    let result = async {
+        let config = config::load(&args.keys)?;
+        let current = gw.live();
+        // The caps are registered with the store when its first stack is built: new caps
+        // need a store of their own (on Redis the counts are Redis's and carry over).
+        let store = if config.policy == current.config.policy {
+            current.store.clone()
+        } else {
+            let store = open_store(args).await?;
+            if store.backend_name() == "memory" {
+                warn!(
+                    "new caps on the in-process store: calls in flight keep their slots in \
+                     the old one, daily token counts and demotions start over"
+                );
+            }
+            store
+        };
+        let keys = config.keys.len();
+        let tenants = config.tenants.len();
+        gw.replace(Live::new(config, store, &gw.upstream)?);
+        Ok::<_, String>((keys, tenants))
+    }
+    .await;
+    match result {
+        Ok((keys, tenants)) => {
+            gw.reloads.fetch_add(1, Ordering::Relaxed);
+            info!(keys, tenants, "SIGHUP: keys file reloaded");
+        }
+        Err(error) => {
+            gw.failed_reloads.fetch_add(1, Ordering::Relaxed);
+            warn!(%error, "SIGHUP: keys file not reloaded; keeping the previous one");
+        }
+    }
+}
+
+async fn open_store(args: &Args) -> Result<Store, String> {
+    match &args.redis {
+        Some(url) => Store::redis(url).await.map_err(|e| format!("--redis: {e}")),
+        None => Ok(Store::memory()),
+    }
+}
+
+async fn run(mut args: Args) -> Result<(), String> {
+    let config = config::load(&args.keys)?;
+    let api_key = std::env::var("ANTHROPIC_API_KEY").unwrap_or_default();
+    if api_key.trim().is_empty() {
+        return Err("ANTHROPIC_API_KEY is not set: the gateway calls the upstream with it".into());
+    }
+    if args.body_budget < args.max_body {
+        return Err(format!(
+            "--body-budget ({} bytes) must hold at least one --max-body ({} bytes)",
+            args.body_budget, args.max_body
+        ));
+    }
+    if let Some(files) = raise_open_files_limit() {
+        let fit = files.saturating_sub(RESERVED_FILES).max(1);
+        if u64::from(args.max_connections) > fit {
+            warn!(
+                max_connections = args.max_connections,
+                open_files_limit = files,
+                "--max-connections lowered to fit the open-files limit"
+            );
+            args.max_connections = u32::try_from(fit).unwrap_or(u32::MAX);
+        }
+    }
+    let upstream = Upstream::new(&args.upstream, api_key.trim())?;
+    let metrics = PrometheusBuilder::new()
+        .install_recorder()
+        .map_err(|e| format!("cannot install the metrics recorder: {e}"))?;
+    let store = open_store(&args).await?;
+    let tenants = config.tenants.len();
+    let (global_max, window) = (config.policy.global_max(), config.window);
+    let live = Live::new(config, store, &upstream)?;
+
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    let gw = Arc::new(Gateway::new(
+        live,
+        upstream,
+        BodyBudget::new(args.body_budget),
+        AuthGuard::new(args.auth_failure_burst, args.auth_failure_rate),
+        BodyLimits {
+            max_body: args.max_body,
+            idle: args.body_idle_timeout,
+        },
+        stopped.clone(),
+    ));
+
+    let listener = tokio::net::TcpListener::bind(args.listen)
+        .await
+        .map_err(|e| format!("--listen {}: {e}", args.listen))?;
+    let local = listener.local_addr().map_err(|e| e.to_string())?;
+    let admin_listener = tokio::net::TcpListener::bind(args.admin)
+        .await
+        .map_err(|e| format!("--admin {}: {e}", args.admin))?;
+    let admin_local = admin_listener.local_addr().map_err(|e| e.to_string())?;
+    let api_conns = Connections::new(
+        "api",
+        ConnLimits {
+            max: args.max_connections as usize,
+            header_timeout: args.header_timeout,
+            keep_alive: args.keep_alive_timeout,
+        },
+    );
+    let admin_conns = Connections::new(
+        "admin",
+        ConnLimits {
+            max: 64,
+            header_timeout: args.header_timeout,
+            keep_alive: args.keep_alive_timeout,
+        },
+    );
+    info!(
+        listen = %local,
+        admin = %admin_local,
+        upstream = %args.upstream,
+        store = if args.redis.is_some() { "redis" } else { "memory" },
+        tenants,
+        global_max,
+        window,
+        max_connections = args.max_connections,
+        "gateway listening"
+    );
+
+    let admin = Arc::new(admin::Admin {
+        gateway: gw.clone(),
+        connections: api_conns.clone(),
+        metrics: metrics.clone(),
+        started: Instant::now(),
+    });
+    let background = [
+        // Prometheus histograms need upkeep now and then.
+        tokio::spawn(async move {
+            let mut every = tokio::time::interval(Duration::from_secs(5));
+            loop {
+                every.tick().await;
+                metrics.run_upkeep();
+            }
+        }),
+        tokio::spawn(api::demotion_tick(gw.clone(), Duration::from_secs(1), 256)),
+        {
+            let gw = gw.clone();
+            tokio::spawn(async move {
+                let mut every = tokio::time::interval(Duration::from_secs(1));
+                loop {
+                    every.tick().await;
+                    metrics::gauge!("gateway_body_budget_used_bytes").set(gw.budget.used() as f64);
+                }
+            })
+        },
+    ];
+
+    let mut api_server = {
+        let gw = gw.clone();
+        tokio::spawn(server::serve(
+            listener,
+            api_conns,
+            move |peer, req| api::handle(gw.clone(), peer, req),
+            stopped.clone(),
+            args.drain_timeout,
+        ))
+    };
+    // The admin listener stays up while the API port drains (`/readyz` says so).
+    let (admin_stop, admin_stopped) = tokio::sync::watch::channel(false);
+    let admin_server = tokio::spawn(server::serve(
+        admin_listener,
+        admin_conns,
+        move |_, req| admin::handle(admin.clone(), req),
+        admin_stopped,
+        Duration::from_secs(1),
+    ));
+
+    let mut term = signal(SignalKind::terminate()).map_err(|e| format!("SIGTERM: {e}"))?;
+    let mut hup = signal(SignalKind::hangup()).map_err(|e| format!("SIGHUP: {e}"))?;
+    loop {
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => { info!("Ctrl-C: shutting down"); break; }
+            _ = term.recv() => { info!("SIGTERM: shutting down"); break; }
+            _ = hup.recv() => reload(&gw, &args).await,
+            result = &mut api_server => {
+                return Err(format!("the API listener stopped: {result:?}"));
+            }
+        }
+    }
+    let _ = stop.send(true);
+    info!(
+        drain_secs = args.drain_timeout.as_secs(),
+        "no new connections; idle ones closed; waiting for calls in flight"
+    );
+    let cut = api_server.await.unwrap_or(0);
+    server::log_drained("api", cut);
+    let _ = admin_stop.send(true);
+    let _ = admin_server.await;
+    for task in background {
+        task.abort();
+    }
+    // Every connection, call and slot is dropped by now; let the store send what it owes
+    // (released leases, batched counts) before the process ends.
+    let store = gw.live().store.clone();
+    let _ = tokio::time::timeout(Duration::from_secs(2), store.flush()).await;
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    info!("gateway stopped");
+    Ok(())
+}
+
+/// Runs the gateway: parses the command line (and environment), starts the runtime, serves
+/// until SIGTERM or Ctrl-C.
+pub(crate) fn main() {
+    let args = Args::parse();
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(runtime) => runtime,
+        Err(e) => {
+            eprintln!("fairgate-gateway: cannot start the runtime: {e}");
+            std::process::exit(1);
+        }
+    };
+    if let Err(message) = runtime.block_on(run(args)) {
+        eprintln!("fairgate-gateway: {message}");
+        std::process::exit(1);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations_and_sizes_read_as_written() {
+        assert_eq!(duration("10s"), Ok(Duration::from_secs(10)));
+        assert_eq!(duration("500ms"), Ok(Duration::from_millis(500)));
+        assert_eq!(duration("2m"), Ok(Duration::from_secs(120)));
+        assert_eq!(duration("7"), Ok(Duration::from_secs(7)));
+        assert!(duration("0s").is_err());
+        assert!(duration("2d").is_err());
+        assert!(duration("ten").is_err());
+        assert_eq!(size("32MiB"), Ok(32 << 20));
+        assert_eq!(size("512KiB"), Ok(512 << 10));
+        assert_eq!(size("1000"), Ok(1000));
+        assert!(size("0").is_err());
+        assert!(size("3 parsecs").is_err());
+    }
+
+    #[test]
+    fn every_flag_reads_from_its_environment_variable_too() {
+        use clap::CommandFactory;
+        for arg in Args::command().get_arguments() {
+            let id = arg.get_id().as_str();
+            if id == "help" || id == "version" {
+                continue;
+            }
+            let env = arg.get_env().map(|v| v.to_string_lossy().into_owned());
+            let expected = format!("FAIRGATE_{}", id.to_uppercase());
+            assert_eq!(env.as_deref(), Some(expected.as_str()), "--{id}");
+        }
+    }
+}

@@ -1,0 +1,135 @@
+//! The Anthropic API (or a mock): where calls go and with which key.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use fairgate::BoxError;
+use http::header::{self, HeaderMap, HeaderName, HeaderValue};
+use http::{Response, Uri};
+use hyper_rustls::HttpsConnector;
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+
+use super::Body;
+
+type HttpClient = Client<HttpsConnector<HttpConnector>, Body>;
+
+/// The upstream API: a pooled client, the base URL and the team's key.
+#[derive(Clone)]
+pub(crate) struct Upstream {
+    client: HttpClient,
+    scheme: http::uri::Scheme,
+    authority: http::uri::Authority,
+    /// A path prefix of the upstream URL, without the trailing `/` (usually empty).
+    base_path: String,
+    api_key: HeaderValue,
+}
+
+/// Headers that belong to one connection, never forwarded (RFC 9110 §7.6.1).
+const HOP_BY_HOP: [&str; 8] = [
+    "connection",
+    "keep-alive",
+    "proxy-authenticate",
+    "proxy-authorization",
+    "proxy-connection",
+    "te",
+    "trailer",
+    "upgrade",
+];
+
+pub(crate) fn strip_hop_by_hop(headers: &mut HeaderMap) {
+    // Headers the `Connection` header names are hop-by-hop too.
+    let named: Vec<HeaderName> = headers
+        .get_all(header::CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .filter_map(|name| HeaderName::try_from(name.trim()).ok())
+        .collect();
+    for name in named {
+        headers.remove(name);
+    }
+    for name in HOP_BY_HOP {
+        headers.remove(name);
+    }
+    headers.remove(header::TRANSFER_ENCODING);
+}
+
+impl Upstream {
+    pub(crate) fn new(url: &Uri, api_key: &str) -> Result<Upstream, String> {
+        let mut http = HttpConnector::new();
+        http.enforce_http(false); // https:// goes through rustls
+        http.set_nodelay(true); // a request's head and body go out at once
+        http.set_connect_timeout(Some(Duration::from_secs(10)));
+        let https = hyper_rustls::HttpsConnectorBuilder::new()
+            .with_webpki_roots()
+            .https_or_http()
+            .enable_http1()
+            .wrap_connector(http);
+        let client = Client::builder(TokioExecutor::new())
+            .pool_idle_timeout(Duration::from_secs(60))
+            .build(https);
+        let mut api_key = HeaderValue::from_str(api_key)
+            .map_err(|_| "ANTHROPIC_API_KEY is not a valid header value".to_owned())?;
+        api_key.set_sensitive(true);
+        Ok(Upstream {
+            client,
+            scheme: url.scheme().cloned().unwrap_or(http::uri::Scheme::HTTPS),
+            authority: url.authority().cloned().ok_or("no host")?,
+            base_path: url.path().trim_end_matches('/').to_owned(),
+            api_key,
+        })
+    }
+
+    /// `req` readdressed to the upstream at `path` (canonical, checked by the caller), with
+    /// the upstream key instead of the client's.
+    fn prepare<B>(&self, req: http::Request<B>) -> Result<http::Request<B>, BoxError> {
+        let (mut parts, body) = req.into_parts();
+        let path_and_query = parts
+            .uri
+            .path_and_query()
+            .map(|p| p.as_str())
+            .unwrap_or("/");
+        parts.uri = Uri::builder()
+            .scheme(self.scheme.clone())
+            .authority(self.authority.clone())
+            .path_and_query(format!("{}{path_and_query}", self.base_path))
+            .build()?;
+        let headers = &mut parts.headers;
+        strip_hop_by_hop(headers);
+        headers.remove(header::HOST);
+        headers.remove(header::CONTENT_LENGTH);
+        headers.remove(header::AUTHORIZATION);
+        headers.remove(header::EXPECT);
+        headers.insert("x-api-key", self.api_key.clone());
+        parts.version = http::Version::HTTP_11;
+        Ok(http::Request::from_parts(parts, body))
+    }
+
+    pub(crate) async fn send(&self, req: http::Request<Body>) -> Result<Response<Body>, BoxError> {
+        let req = self.prepare(req)?;
+        let response = self.client.request(req).await?;
+        Ok(downstream(response))
+    }
+}
+
+/// The upstream's answer as the client's: hop-by-hop headers dropped, the body streamed.
+fn downstream<B>(response: Response<B>) -> Response<Body>
+where
+    B: http_body::Body<Data = Bytes> + Send + 'static,
+    B::Error: Into<BoxError>,
+{
+    use http_body_util::BodyExt;
+    let (mut parts, body) = response.into_parts();
+    strip_hop_by_hop(&mut parts.headers);
+    Response::from_parts(parts, body.map_err(Into::into).boxed_unsync())
+}
+
+/// A body of `bytes`.
+pub(crate) fn full(bytes: impl Into<Bytes>) -> Body {
+    use http_body_util::BodyExt;
+    http_body_util::Full::new(bytes.into())
+        .map_err(|never| match never {})
+        .boxed_unsync()
+}

@@ -1,0 +1,329 @@
+//! The gateway program (`fairgate-gateway`) as a real process for tests: started as its
+//! README says on free loopback ports (API and admin), SIGKILLed by its pid when dropped,
+//! its log printed when a test fails.
+#![allow(dead_code, unreachable_pub)]
+
+use std::fs::File;
+use std::io::{Read, Seek, SeekFrom, Write};
+use std::net::{TcpListener, TcpStream};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+/// The upstream key the gateway is started with.
+pub const UPSTREAM_KEY: &str = "sk-upstream-test-key";
+pub const PREMIUM_KEY: &str = "sk-gw-premium-1";
+pub const GUEST_KEY: &str = "sk-gw-guest-1";
+
+pub fn target_tmp() -> PathBuf {
+    PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
+}
+
+/// The `fairgate-gateway` program, which cargo builds for the tests that need it.
+pub fn gateway_binary() -> PathBuf {
+    PathBuf::from(env!("CARGO_BIN_EXE_fairgate-gateway"))
+}
+
+pub fn free_port() -> u16 {
+    let listener = TcpListener::bind("127.0.0.1:0").expect("bind a free port");
+    listener.local_addr().unwrap().port()
+}
+
+/// A keys file: a premium and a guest key, the guest with one slot and a short wait.
+pub fn keys_toml(global: u32, guest_wait_ms: u64, extra: &str) -> String {
+    keys_toml_with_guest_cap(global, 1, guest_wait_ms, extra)
+}
+
+/// A keys file: a premium and a guest key, the guest with `guest_cap` slots.
+pub fn keys_toml_with_guest_cap(
+    global: u32,
+    guest_cap: u32,
+    guest_wait_ms: u64,
+    extra: &str,
+) -> String {
+    format!(
+        r#"
+[[keys]]
+key = "{PREMIUM_KEY}"
+tenant = "team-premium"
+tier = "premium"
+
+[[keys]]
+key = "{GUEST_KEY}"
+tenant = "team-guest"
+tier = "guest"
+
+[limits]
+global_max = {global}
+retry_after_ms = 300
+lease_ttl_ms = 5000
+
+[[tiers]]
+name = "guest"
+cap = {guest_cap}
+max_wait_ms = {guest_wait_ms}
+
+[[tiers]]
+name = "premium"
+cap = {global}
+max_wait_ms = 30000
+{extra}
+"#
+    )
+}
+
+/// A gateway process, SIGKILLed by its pid when dropped; its log goes to a file, printed
+/// when a test fails.
+pub struct Gateway {
+    child: Child,
+    pub port: u16,
+    pub admin_port: u16,
+    pub log: PathBuf,
+    pub keys_path: PathBuf,
+}
+
+impl Gateway {
+    pub fn start(upstream: &str, keys: &str, redis: Option<&str>) -> Gateway {
+        Gateway::start_with(upstream, keys, redis, &[])
+    }
+
+    /// Starts the gateway with `extra` flags after the usual ones.
+    pub fn start_with(upstream: &str, keys: &str, redis: Option<&str>, extra: &[&str]) -> Gateway {
+        static N: AtomicUsize = AtomicUsize::new(0);
+        let n = N.fetch_add(1, Ordering::SeqCst);
+        let id = format!("gateway-{}-{n}", std::process::id());
+        let keys_path = target_tmp().join(format!("{id}-keys.toml"));
+        std::fs::write(&keys_path, keys).unwrap();
+        for attempt in 0..3 {
+            let (port, admin_port) = (free_port(), free_port());
+            let log = target_tmp().join(format!("{id}-{attempt}.log"));
+            let mut cmd = Command::new(gateway_binary());
+            cmd.args(["--listen", &format!("127.0.0.1:{port}")])
+                .args(["--admin", &format!("127.0.0.1:{admin_port}")])
+                .args(["--upstream", upstream])
+                .arg("--keys")
+                .arg(&keys_path)
+                .args(extra)
+                .env("ANTHROPIC_API_KEY", UPSTREAM_KEY)
+                .env(
+                    "RUST_LOG",
+                    std::env::var("GATEWAY_LOG").unwrap_or_else(|_| "info".into()),
+                )
+                .stdin(Stdio::null())
+                .stdout(Stdio::null())
+                .stderr(File::create(&log).unwrap());
+            for (name, _) in std::env::vars_os() {
+                if name.to_string_lossy().starts_with("FAIRGATE_") {
+                    cmd.env_remove(name);
+                }
+            }
+            if let Some(url) = redis {
+                cmd.args(["--redis", url]);
+            }
+            let child = cmd.spawn().expect("start the gateway");
+            let mut gateway = Gateway {
+                child,
+                port,
+                admin_port,
+                log,
+                keys_path: keys_path.clone(),
+            };
+            if gateway.wait_ready(Duration::from_secs(20)) {
+                return gateway;
+            }
+            eprintln!(
+                "gateway did not start (attempt {attempt}):\n{}",
+                gateway.log_text()
+            );
+        }
+        panic!("the gateway did not start");
+    }
+
+    /// Polls the admin listener's `/healthz` until it answers 200; false if the process
+    /// exits first.
+    fn wait_ready(&mut self, within: Duration) -> bool {
+        let deadline = Instant::now() + within;
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                return false;
+            }
+            if raw_get(self.admin_port, "/healthz").starts_with("HTTP/1.1 200")
+                && TcpStream::connect(("127.0.0.1", self.port)).is_ok()
+            {
+                return true;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        false
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    pub fn url(&self) -> String {
+        format!("http://127.0.0.1:{}", self.port)
+    }
+
+    pub fn admin_url(&self) -> String {
+        format!("http://127.0.0.1:{}", self.admin_port)
+    }
+
+    pub fn log_text(&self) -> String {
+        let mut text = String::new();
+        if let Ok(mut file) = File::open(&self.log) {
+            let len = file.metadata().map(|m| m.len()).unwrap_or(0);
+            let _ = file.seek(SeekFrom::Start(len.saturating_sub(8_000)));
+            let _ = file.read_to_string(&mut text);
+        }
+        text
+    }
+
+    /// Sends `signal` (`TERM`, `HUP`, ...) by pid.
+    pub fn signal(&self, signal: &str) {
+        let status = Command::new("kill")
+            .args(["-s", signal, &self.child.id().to_string()])
+            .status()
+            .expect("run kill");
+        assert!(status.success());
+    }
+
+    /// Sends SIGTERM by pid.
+    pub fn terminate(&self) {
+        self.signal("TERM");
+    }
+
+    /// Waits up to `within` for the process to exit.
+    pub fn wait_exit(&mut self, within: Duration) -> Option<std::process::ExitStatus> {
+        let deadline = Instant::now() + within;
+        while Instant::now() < deadline {
+            if let Ok(Some(status)) = self.child.try_wait() {
+                return Some(status);
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        None
+    }
+
+    /// The Prometheus text of the admin listener's `/metrics`.
+    pub async fn metrics(&self) -> String {
+        client()
+            .get(format!("{}/metrics", self.admin_url()))
+            .send()
+            .await
+            .expect("GET /metrics")
+            .text()
+            .await
+            .unwrap()
+    }
+
+    /// `claude_slots_in_use`, summed over tiers.
+    pub async fn slots_in_use(&self) -> f64 {
+        metric_sum(&self.metrics().await, "claude_slots_in_use")
+    }
+
+    /// The process's resident memory (`VmRSS`), in bytes.
+    pub fn rss(&self) -> u64 {
+        rss_of(self.child.id())
+    }
+
+    /// File descriptors the process has open.
+    pub fn open_fds(&self) -> usize {
+        std::fs::read_dir(format!("/proc/{}/fd", self.child.id()))
+            .map(|dir| dir.count())
+            .unwrap_or(0)
+    }
+}
+
+impl Drop for Gateway {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        if std::thread::panicking() {
+            eprintln!(
+                "--- gateway log ({}) ---\n{}",
+                self.log.display(),
+                self.log_text()
+            );
+        }
+    }
+}
+
+/// `VmRSS` of process `pid`, in bytes (0 once it is gone).
+pub fn rss_of(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|status| {
+            let line = status.lines().find(|l| l.starts_with("VmRSS:"))?;
+            let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+            Some(kib * 1024)
+        })
+        .unwrap_or(0)
+}
+
+/// A `GET path` over a fresh connection; the raw answer (empty on failure).
+pub fn raw_get(port: u16, path: &str) -> String {
+    let Ok(mut stream) = TcpStream::connect(("127.0.0.1", port)) else {
+        return String::new();
+    };
+    let _ = stream.set_read_timeout(Some(Duration::from_secs(2)));
+    let _ = stream.write_all(
+        format!("GET {path} HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n").as_bytes(),
+    );
+    let mut answer = String::new();
+    let _ = stream.read_to_string(&mut answer);
+    answer
+}
+
+pub fn metric_sum(text: &str, name: &str) -> f64 {
+    text.lines()
+        .filter(|line| {
+            line.strip_prefix(name)
+                .is_some_and(|rest| rest.starts_with('{') || rest.starts_with(' '))
+        })
+        .filter_map(|line| line.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+pub fn client() -> reqwest::Client {
+    reqwest::Client::builder()
+        .timeout(Duration::from_secs(60))
+        .pool_max_idle_per_host(0)
+        .build()
+        .unwrap()
+}
+
+pub fn messages_body(stream: bool) -> String {
+    format!(
+        r#"{{"model":"claude-mock-1","max_tokens":64,"stream":{stream},"messages":[{{"role":"user","content":"Hello"}}]}}"#
+    )
+}
+
+pub async fn post_messages(
+    gateway: &Gateway,
+    key: &str,
+    stream: bool,
+) -> reqwest::Result<reqwest::Response> {
+    client()
+        .post(format!("{}/v1/messages", gateway.url()))
+        .header("x-api-key", key)
+        .header("anthropic-version", "2023-06-01")
+        .header("content-type", "application/json")
+        .body(messages_body(stream))
+        .send()
+        .await
+}
+
+pub async fn eventually(within: Duration, mut check: impl AsyncFnMut() -> bool) -> bool {
+    let deadline = Instant::now() + within;
+    loop {
+        if check().await {
+            return true;
+        }
+        if Instant::now() >= deadline {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+}
