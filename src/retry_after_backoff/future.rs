@@ -58,6 +58,11 @@ pin_project! {
             // changes, to ask again (see `Call::paced_under`).
             relimit: Option<Pin<Box<dyn Future<Output = ()> + Send>>>,
         },
+        // Sleeping before a retry that a fair queue below admits (it holds the rate gate),
+        // then the inner service's readiness.
+        Backoff {
+            sleep: Option<Pin<Box<Sleep>>>,
+        },
         Calling {
             #[pin]
             fut: F,
@@ -413,141 +418,138 @@ where
                         *answered = None;
                         *relimit = None;
                     }
-                    // With the rate gate below, the fair queue waits for all of this.
-                    if !call.shared.core.gated_below() {
-                        if let Some(reservation) = reserve.as_mut() {
-                            let wait = ready!(Pin::new(reservation).poll(cx));
-                            *reserve = None;
-                            call.reserved = true;
-                            if !wait.is_zero() {
-                                *sleep = sleep_for(wait);
-                                continue;
-                            }
-                        }
-                        let core = &call.shared.core;
-                        if let Some(pending) = learn.as_mut() {
-                            let grant = ready!(Pin::new(pending).poll(cx));
-                            *learn = None;
-                            let asked = call.ask.take();
-                            let block = asked.as_ref().map_or(1, |asked| asked.block);
-                            core.granted(&call.upstream, &grant, call.need, block);
-                            // Another block may be asked for once this one's cells are credited.
-                            drop(asked);
-                            if !grant.hold.is_zero() {
-                                // Another call is probing this key (cold start or recovery):
-                                // ask again a random moment later, or when its lease ends.
-                                if call.held.is_none() {
-                                    call.held = Some(Held::new(core));
-                                }
-                                let wait = grant.hold.mul_f64(0.5 + 0.5 * core.unit());
-                                *sleep = sleep_for(wait.max(Duration::from_millis(1)));
-                                let notify = core.answered.clone();
-                                *answered = Some(Box::pin(async move { notify.notified().await }));
-                                continue;
-                            }
-                            if grant.probe {
-                                telemetry::probe(if grant.mode == 0 {
-                                    "cold_start"
-                                } else {
-                                    "recovery"
-                                });
-                            }
-                            call.probe = grant.probe;
-                            call.learned = true;
-                            call.charged = taken(call.need, &grant.limits);
-                            if grant.mode == 2 {
-                                telemetry::pacing_wait(grant.wait);
-                            }
-                            if !grant.wait.is_zero() {
-                                call.paced_under = Some(grant.limits);
-                                *relimit = Some(core.limits_changed());
-                                *sleep = sleep_for(grant.wait);
-                                continue;
-                            }
-                        }
-                        if let Some(left) = core.store.cooldown(&call.upstream) {
-                            // Held behind the gate. A retry with nothing else held goes when the
-                            // gate reopens (it keeps the band its own delay was drawn in); the
-                            // rest go at random points of a window (each worker from its own
-                            // offset into it), after one probe for the whole fleet.
-                            let lone = call.retries > 0 && !core.others_held(call.held.is_some());
-                            if call.held.is_none() {
-                                call.held = Some(Held::new(core));
-                            }
-                            core.note_at_limit(&call.upstream);
-                            let wait = if lone {
-                                left
-                            } else {
-                                core.release_after(&call.upstream, left)
-                            };
-                            telemetry::cooldown_wait(wait);
-                            call.learned = false;
-                            call.ask = None;
-                            *sleep = sleep_for(wait.max(Duration::from_millis(1)));
-                            continue;
-                        }
-                        if !call.learned {
-                            let asked = match call.ask.take() {
-                                Some(asked) => asked,
-                                None => match core.admit_learned(&call.upstream, call.cost) {
-                                    Learned::Go(wait, need, charged) => {
-                                        call.learned = true;
-                                        call.need = need;
-                                        call.charged = charged;
-                                        if !wait.is_zero() {
-                                            telemetry::pacing_wait(wait);
-                                            call.paced_under = Some(core.limits_of(&call.upstream));
-                                            *relimit = Some(core.limits_changed());
-                                            *sleep = sleep_for(wait);
-                                            continue;
-                                        }
-                                        Ask {
-                                            ask: PaceAsk::default(),
-                                            block: 0,
-                                            _asked: None,
-                                        }
-                                    }
-                                    Learned::Ask(asked, need) => {
-                                        call.need = need;
-                                        asked
-                                    }
-                                },
-                            };
-                            if !call.learned {
-                                // Not before this worker's release after the key's last
-                                // reopening, unless nothing else is held.
-                                if core.others_held(call.held.is_some())
-                                    && let Some(wait) = core.release_in(&call.upstream)
-                                {
-                                    *sleep = sleep_for(wait.max(Duration::from_millis(1)));
-                                    continue;
-                                }
-                                *learn = Some(core.store.pace_learned(&call.upstream, &asked.ask));
-                                call.ask = Some(asked);
-                                continue;
-                            }
-                        }
-                        if let Some(limits) = call.paced_under.take()
-                            && core.limits_of(&call.upstream) != limits
-                        {
-                            // The limits changed while this call waited: ask again.
-                            call.learned = false;
-                            continue;
-                        }
-                        call.held = None;
-                        if let Some(pacing) = core.shared_pacing()
-                            && !call.reserved
-                        {
-                            let (limits, n) = pacing.limits(call.cost);
-                            *reserve = Some(core.store.pace(&core.policy.upstream, &limits[..n]));
-                            continue;
-                        }
-                        if let Some(pacer) = &core.pacer
-                            && let Some(wait) = pacer.admit(&mut call.pace_step, call.cost)
-                        {
+                    if let Some(reservation) = reserve.as_mut() {
+                        let wait = ready!(Pin::new(reservation).poll(cx));
+                        *reserve = None;
+                        call.reserved = true;
+                        if !wait.is_zero() {
                             *sleep = sleep_for(wait);
                             continue;
                         }
+                    }
+                    let core = &call.shared.core;
+                    if let Some(pending) = learn.as_mut() {
+                        let grant = ready!(Pin::new(pending).poll(cx));
+                        *learn = None;
+                        let asked = call.ask.take();
+                        let block = asked.as_ref().map_or(1, |asked| asked.block);
+                        core.granted(&call.upstream, &grant, call.need, block);
+                        // Another block may be asked for once this one's cells are credited.
+                        drop(asked);
+                        if !grant.hold.is_zero() {
+                            // Another call is probing this key (cold start or recovery):
+                            // ask again a random moment later, or when its lease ends.
+                            if call.held.is_none() {
+                                call.held = Some(Held::new(core));
+                            }
+                            let wait = grant.hold.mul_f64(0.5 + 0.5 * core.unit());
+                            *sleep = sleep_for(wait.max(Duration::from_millis(1)));
+                            let notify = core.answered.clone();
+                            *answered = Some(Box::pin(async move { notify.notified().await }));
+                            continue;
+                        }
+                        if grant.probe {
+                            telemetry::probe(if grant.mode == 0 {
+                                "cold_start"
+                            } else {
+                                "recovery"
+                            });
+                        }
+                        call.probe = grant.probe;
+                        call.learned = true;
+                        call.charged = taken(call.need, &grant.limits);
+                        if grant.mode == 2 {
+                            telemetry::pacing_wait(grant.wait);
+                        }
+                        if !grant.wait.is_zero() {
+                            call.paced_under = Some(grant.limits);
+                            *relimit = Some(core.limits_changed());
+                            *sleep = sleep_for(grant.wait);
+                            continue;
+                        }
+                    }
+                    if let Some(left) = core.store.cooldown(&call.upstream) {
+                        // Held behind the gate. A retry with nothing else held goes when the
+                        // gate reopens (it keeps the band its own delay was drawn in); the
+                        // rest go at random points of a window (each worker from its own
+                        // offset into it), after one probe for the whole fleet.
+                        let lone = call.retries > 0 && !core.others_held(call.held.is_some());
+                        if call.held.is_none() {
+                            call.held = Some(Held::new(core));
+                        }
+                        core.note_at_limit(&call.upstream);
+                        let wait = if lone {
+                            left
+                        } else {
+                            core.release_after(&call.upstream, left)
+                        };
+                        telemetry::cooldown_wait(wait);
+                        call.learned = false;
+                        call.ask = None;
+                        *sleep = sleep_for(wait.max(Duration::from_millis(1)));
+                        continue;
+                    }
+                    if !call.learned {
+                        let asked = match call.ask.take() {
+                            Some(asked) => asked,
+                            None => match core.admit_learned(&call.upstream, call.cost) {
+                                Learned::Go(wait, need, charged) => {
+                                    call.learned = true;
+                                    call.need = need;
+                                    call.charged = charged;
+                                    if !wait.is_zero() {
+                                        telemetry::pacing_wait(wait);
+                                        call.paced_under = Some(core.limits_of(&call.upstream));
+                                        *relimit = Some(core.limits_changed());
+                                        *sleep = sleep_for(wait);
+                                        continue;
+                                    }
+                                    Ask {
+                                        ask: PaceAsk::default(),
+                                        block: 0,
+                                        _asked: None,
+                                    }
+                                }
+                                Learned::Ask(asked, need) => {
+                                    call.need = need;
+                                    asked
+                                }
+                            },
+                        };
+                        if !call.learned {
+                            // Not before this worker's release after the key's last
+                            // reopening, unless nothing else is held.
+                            if core.others_held(call.held.is_some())
+                                && let Some(wait) = core.release_in(&call.upstream)
+                            {
+                                *sleep = sleep_for(wait.max(Duration::from_millis(1)));
+                                continue;
+                            }
+                            *learn = Some(core.store.pace_learned(&call.upstream, &asked.ask));
+                            call.ask = Some(asked);
+                            continue;
+                        }
+                    }
+                    if let Some(limits) = call.paced_under.take()
+                        && core.limits_of(&call.upstream) != limits
+                    {
+                        // The limits changed while this call waited: ask again.
+                        call.learned = false;
+                        continue;
+                    }
+                    call.held = None;
+                    if let Some(pacing) = core.shared_pacing()
+                        && !call.reserved
+                    {
+                        let (limits, n) = pacing.limits(call.cost);
+                        *reserve = Some(core.store.pace(&core.policy.upstream, &limits[..n]));
+                        continue;
+                    }
+                    if let Some(pacer) = &core.pacer
+                        && let Some(wait) = pacer.admit(&mut call.pace_step, call.cost)
+                    {
+                        *sleep = sleep_for(wait);
+                        continue;
                     }
                     if let Err(e) = ready!(call.service.poll_ready(cx)) {
                         this.state.set(State::Done);
@@ -561,6 +563,23 @@ where
                     call.pace_step = 0;
                     call.reserved = false;
                     call.learned = false;
+                    let fut = call.service.call(req);
+                    this.state.set(State::Calling { fut });
+                }
+                StateProj::Backoff { sleep } => {
+                    if let Some(timer) = sleep.as_mut() {
+                        ready!(timer.as_mut().poll(cx));
+                        *sleep = None;
+                    }
+                    if let Err(e) = ready!(call.service.poll_ready(cx)) {
+                        this.state.set(State::Done);
+                        return Poll::Ready(Err(e.into()));
+                    }
+                    let Some(req) = call.next.take() else {
+                        // Only reachable by polling after completion.
+                        this.state.set(State::Done);
+                        return Poll::Ready(Err(MissingJob.into()));
+                    };
                     let fut = call.service.call(req);
                     this.state.set(State::Calling { fut });
                 }
@@ -694,13 +713,19 @@ where
                                 .next
                                 .as_ref()
                                 .and_then(|req| call.shared.cloner.clone_request(req));
-                            this.state.set(State::Admitting {
-                                sleep: sleep_for(delay),
-                                reserve: None,
-                                learn: None,
-                                answered: None,
-                                relimit: None,
-                            });
+                            if call.attempt.is_some() {
+                                this.state.set(State::Backoff {
+                                    sleep: sleep_for(delay),
+                                });
+                            } else {
+                                this.state.set(State::Admitting {
+                                    sleep: sleep_for(delay),
+                                    reserve: None,
+                                    learn: None,
+                                    answered: None,
+                                    relimit: None,
+                                });
+                            }
                         }
                         Some(Then::Return(response)) => {
                             this.state.set(State::Done);
@@ -725,6 +750,7 @@ impl<F, S, Req, B: Body, C> fmt::Debug for ResponseFuture<F, S, Req, B, C> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let state = match &self.state {
             State::Admitting { .. } => "admitting",
+            State::Backoff { .. } => "backing off",
             State::Calling { .. } => "calling",
             State::Peeking { .. } => "peeking",
             State::Recording { .. } => "recording",

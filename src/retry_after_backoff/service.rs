@@ -112,38 +112,14 @@ where
             job.set_attempt(upstream.clone(), cell.clone());
         }
         let spare = shared.cloner.clone_request(&req);
-        if gated {
-            // The fair queue below waits for the rate, in its order.
-            let service = self.inner.clone();
-            let call = Call {
-                shared,
-                service,
-                next: None,
-                spare,
-                tenant,
-                cost,
-                retries: 0,
-                pace_step: 0,
-                upstream,
-                learned: false,
-                ask: None,
-                need: [0; DIMS],
-                charged: [0; DIMS],
-                paced_under: None,
-                probe: false,
-                held: None,
-                reserved: false,
-                patience: None,
-                attempt,
-                receipt: None,
-            };
-            return ResponseFuture::calling(self.inner.call(req), call);
-        }
         let mut pace_step = 0;
         // Fast path: the gate is open (a local read), learned pacing lets the call go now
         // without asking the store, and the configured pacing lets it go now.
         let (mut need, mut charged) = ([0; DIMS], [0; DIMS]);
-        let (learned, ask, first_wait) = if core.store.cooldown(&upstream).is_none() {
+        let (learned, ask, first_wait) = if gated {
+            // The fair queue below waits for the rate, in its order: straight down.
+            (true, None, Duration::ZERO)
+        } else if core.store.cooldown(&upstream).is_none() {
             match core.admit_learned(&upstream, cost) {
                 Learned::Go(wait, cells, taken) => {
                     (need, charged) = (cells, taken);
@@ -157,13 +133,14 @@ where
         } else {
             (false, None, Duration::ZERO)
         };
-        let go_now = learned
-            && first_wait.is_zero()
-            && core.shared_pacing().is_none()
-            && core
-                .pacer
-                .as_ref()
-                .is_none_or(|pacer| pacer.admit(&mut pace_step, cost).is_none());
+        let go_now = gated
+            || learned
+                && first_wait.is_zero()
+                && core.shared_pacing().is_none()
+                && core
+                    .pacer
+                    .as_ref()
+                    .is_none_or(|pacer| pacer.admit(&mut pace_step, cost).is_none());
         // The future keeps a clone for retries; the ready one is used now, or stays here
         // (still ready) when the call must wait.
         let service = self.inner.clone();
@@ -186,7 +163,7 @@ where
             held: None,
             reserved: false,
             patience,
-            attempt: None,
+            attempt,
             receipt: None,
         };
         if go_now {
