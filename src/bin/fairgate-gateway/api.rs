@@ -6,8 +6,8 @@
 //! - `POST /v1/messages` buffers its body (so a throttled call can be sent again) within
 //!   two bounds: one body at most `--max-body` (`413`, told at once from
 //!   `content-length`), all bodies being buffered at most `--body-budget` (`529` with
-//!   `retry-after` at once past it). A body that stalls for `--body-idle-timeout` gets
-//!   `408`; on shutdown a half-sent body gets `503` at once.
+//!   `retry-after` at once past it). A body that stalls for `--body-idle-timeout`, or is
+//!   not whole within `--body-timeout`, gets `408`; on shutdown a half-sent body gets `503` at once.
 //! - Forwarded paths stream their body through, under the same idle timeout.
 
 use std::net::IpAddr;
@@ -116,7 +116,10 @@ impl BodyBudget {
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct BodyLimits {
     pub(crate) max_body: usize,
+    /// How long a body may stall between two reads.
     pub(crate) idle: Duration,
+    /// How long a buffered (`/v1/messages`) body may take in all.
+    pub(crate) total: Duration,
 }
 
 /// Everything the API port's requests share.
@@ -276,9 +279,13 @@ async fn buffer(
     let mut permit = gw.budget.take(held).ok_or(Unread::OverBudget)?;
     let mut buf: Vec<u8> = Vec::with_capacity(declared.unwrap_or(0));
     let mut shutdown = gw.shutdown.clone();
+    // A body trickled just fast enough never idles: it must also end within the total.
+    let deadline = tokio::time::sleep(gw.bodies.total);
+    tokio::pin!(deadline);
     loop {
         let frame = tokio::select! {
             frame = tokio::time::timeout(gw.bodies.idle, body.frame()) => frame,
+            _ = &mut deadline => return Err(Unread::Stalled),
             _ = stopped(&mut shutdown) => return Err(Unread::ShuttingDown),
         };
         let data = match frame {

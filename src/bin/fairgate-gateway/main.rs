@@ -106,6 +106,11 @@ pub(crate) struct Args {
           default_value = "10s", value_parser = duration)]
     body_idle_timeout: Duration,
 
+    /// Time a /v1/messages body may take in all, however it trickles (408 past it).
+    #[arg(long, env = "FAIRGATE_BODY_TIMEOUT", value_name = "DURATION", default_value = "60s",
+          value_parser = duration)]
+    body_timeout: Duration,
+
     /// Time an idle keep-alive connection stays open.
     #[arg(long, env = "FAIRGATE_KEEP_ALIVE_TIMEOUT", value_name = "DURATION",
           default_value = "30s", value_parser = duration)]
@@ -314,6 +319,7 @@ async fn run(mut args: Args) -> Result<(), String> {
         BodyLimits {
             max_body: args.max_body,
             idle: args.body_idle_timeout,
+            total: args.body_timeout,
         },
         stopped.clone(),
     ));
