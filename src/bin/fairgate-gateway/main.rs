@@ -239,20 +239,9 @@ async fn reload(gw: &Gateway, args: &Args) {
     let result = async {
         let config = config::load(&args.keys)?;
         let current = gw.live();
-        // The caps are registered with the store when its first stack is built: new caps
-        // need a store of their own (on Redis the counts are Redis's and carry over).
-        let store = if config.policy == current.config.policy {
-            current.store.clone()
-        } else {
-            let store = open_store(args).await?;
-            if store.backend_name() == "memory" {
-                warn!(
-                    "new caps on the in-process store: calls in flight keep their slots in \
-                     the old one, daily token counts and demotions start over"
-                );
-            }
-            store
-        };
+        // The same store: new caps are the new stack's own (its fair queue is handed them),
+        // and calls in flight keep counting in the store against them.
+        let store = current.store.clone();
         let keys = config.keys.len();
         let tenants = config.tenants.len();
         gw.replace(Live::new(config, store, &gw.upstream)?);
