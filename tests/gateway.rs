@@ -47,8 +47,8 @@ async fn answers_arrive_byte_for_byte_and_headers_pass_both_ways() {
             .starts_with("req_mock_"),
         "{headers:?}"
     );
-    assert_eq!(headers["anthropic-ratelimit-requests-limit"], "1000");
-    assert_eq!(headers["anthropic-ratelimit-requests-remaining"], "999");
+    assert_eq!(headers["anthropic-ratelimit-requests-limit"], "1000000");
+    assert_eq!(headers["anthropic-ratelimit-requests-remaining"], "999999");
     assert_eq!(response.bytes().await.unwrap(), MESSAGE_JSON.as_bytes());
 
     let seen = mock.last_request().expect("the mock got the call");

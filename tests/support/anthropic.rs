@@ -9,8 +9,9 @@
 //!
 //! `x-mock-delay-ms` on a request (or [`MockAnthropic::set_delay`]) delays the answer's
 //! head; SSE events are [`MockAnthropic::set_event_gap`] apart. Every answer carries
-//! `request-id: req_mock_<n>` and `anthropic-ratelimit-requests-limit: 1000`; 429s carry
-//! `retry-after` and Anthropic's `rate_limit_error` body, 529s an `overloaded_error`.
+//! `request-id: req_mock_<n>` and `anthropic-ratelimit-requests-limit: 1000000` (so high
+//! that learned pacing never binds: the tests and the bench measure the gateway); 429s
+//! carry `retry-after` and Anthropic's `rate_limit_error` body, 529s an `overloaded_error`.
 //!
 //! `GET /v1/models` and `POST /v1/messages/count_tokens` answer small fixed JSON. The mock
 //! counts the calls in flight (a call ends when its answer's last byte is sent or the
@@ -411,11 +412,11 @@ fn common_headers(headers: &mut HeaderMap, n: u64) {
     );
     headers.insert(
         "anthropic-ratelimit-requests-limit",
-        HeaderValue::from_static("1000"),
+        HeaderValue::from_static("1000000"),
     );
     headers.insert(
         "anthropic-ratelimit-requests-remaining",
-        HeaderValue::from_static("999"),
+        HeaderValue::from_static("999999"),
     );
 }
 
