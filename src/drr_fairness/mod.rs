@@ -124,6 +124,8 @@
 pub mod error;
 mod fairness;
 pub mod future;
+#[cfg(test)]
+mod gate_tests;
 mod layer;
 pub mod scheduler;
 mod service;
