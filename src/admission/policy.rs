@@ -111,6 +111,13 @@ impl SlotPolicy {
         (self.default_tier.clone(), limit, tier.is_none())
     }
 
+    /// The configured tiers and their limits, by name.
+    pub fn tiers(&self) -> Vec<(Tier, TierLimit)> {
+        let mut tiers: Vec<_> = self.tiers.iter().map(|(t, l)| (t.clone(), *l)).collect();
+        tiers.sort_by(|a, b| a.0.as_str().cmp(b.0.as_str()));
+        tiers
+    }
+
     /// How long `Busy` tells callers to wait.
     pub fn retry_after(&self) -> Duration {
         self.retry_after

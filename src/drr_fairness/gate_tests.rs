@@ -55,12 +55,15 @@ impl RateLimit for Scripted {
     }
 }
 
+/// Who reached the upstream, in order: tenant and class.
+type Went = Arc<Mutex<Vec<(String, Priority)>>>;
+
 /// A fair queue (window 8) with the scripted gate, over an upstream that logs who went.
 fn fair(
     gate: Arc<Scripted>,
 ) -> (
     DrrFairnessLayer,
-    Arc<Mutex<Vec<(String, Priority)>>>,
+    Went,
     impl tower::Service<
         http::Request<()>,
         Response = http::Response<crate::body::GuardedBody<(), super::Permit>>,
@@ -72,7 +75,7 @@ fn fair(
         .rate_gate(RateGate { inner: gate })
         .build()
         .unwrap();
-    let went = Arc::new(Mutex::new(Vec::new()));
+    let went: Went = Arc::default();
     let log = went.clone();
     let service = layer.layer(service_fn(move |req: http::Request<()>| {
         let job = req.extensions().get::<Job>().cloned().unwrap();

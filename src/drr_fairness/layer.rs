@@ -70,6 +70,17 @@ impl DrrFairnessLayer {
         self.shared.queued(priority)
     }
 
+    /// The window: the most requests dispatched below this layer at once.
+    pub fn max_in_flight(&self) -> usize {
+        self.shared.max_in_flight()
+    }
+
+    /// Requests of `tier` waiting for their slot, when the layer holds a slot gate (the
+    /// tier the caps count them under; 0 without a slot gate).
+    pub fn queued_in_tier(&self, tier: &Tier) -> usize {
+        self.shared.queued_in_tier(tier)
+    }
+
     /// Jain's index over the weight-normalised served cost of the tenants that were
     /// backlogged in the fairness window, as published in `claude_drr_fairness_index`;
     /// `None` when no tenant was backlogged.

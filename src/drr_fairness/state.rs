@@ -526,6 +526,15 @@ impl Shared {
         }
     }
 
+    /// Requests of `tier` waiting for their slot (its group under the slot gate).
+    pub(super) fn queued_in_tier(&self, tier: &Tier) -> usize {
+        let state = self.lock();
+        state
+            .by_tier
+            .get(tier)
+            .map_or(0, |&group| state.groups[group].scheduler.len())
+    }
+
     pub(super) fn fairness_index(&self) -> Option<f64> {
         self.lock().fairness.index(Instant::now())
     }

@@ -6,6 +6,9 @@
 //! - `GET /readyz`: `200` once the keys are loaded, saying whether Redis answers or the
 //!   store serves from in-process state (degraded, still serving); `503` while draining.
 //! - `GET /status`: JSON: store, keys, connections, body budget, reloads.
+//! - `GET /`: the live page, and `GET /live`, the JSON it reads every second: calls in
+//!   flight and waiting per tier, `Busy` by reason, latency per class, top tenants, learned
+//!   limits and cooldown gates (see `dashboard.rs`).
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -50,6 +53,16 @@ pub(crate) async fn handle(admin: Arc<Admin>, req: Request<Incoming>) -> Respons
             admin.metrics.render(),
         ),
         "/healthz" => text(StatusCode::OK, "text/plain", "ok\n".into()),
+        "/" => text(
+            StatusCode::OK,
+            "text/html; charset=utf-8",
+            super::dashboard::PAGE.to_owned(),
+        ),
+        "/live" => {
+            let live = gw.live();
+            let body = super::dashboard::live_json(&live, &admin.metrics.render()).await;
+            text(StatusCode::OK, "application/json", body)
+        }
         "/readyz" => {
             let live = gw.live();
             let store = match (live.store.backend_name(), live.store.is_degraded()) {

@@ -44,6 +44,8 @@ type Messages = BoxCloneSyncService<Request<Full<Bytes>>, Response<Body>, BoxErr
 pub(crate) struct Live {
     pub(crate) config: Config,
     pub(crate) store: Store,
+    /// The fair queue's handle: calls waiting and in flight, for the admin page.
+    pub(crate) fair: fairgate::DrrFairnessLayer,
     messages: Messages,
 }
 
@@ -55,6 +57,7 @@ impl Live {
             .demotion(config.demotion.clone())
             .build()
             .map_err(|e| format!("bad limits: {e}"))?;
+        let fair = fairgate.fairness().clone();
         let upstream = upstream.clone();
         let send = service_fn(move |req: Request<Full<Bytes>>| {
             let upstream = upstream.clone();
@@ -74,6 +77,7 @@ impl Live {
         Ok(Live {
             config,
             store,
+            fair,
             messages: BoxCloneSyncService::new(stack),
         })
     }

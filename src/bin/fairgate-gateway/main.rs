@@ -17,12 +17,14 @@
 //! - `api`: the API port (authenticate from the headers, then buffer within a budget);
 //! - `server`: connections (cap, header / body / keep-alive timeouts, drain);
 //! - `admin`: `/metrics`, `/healthz`, `/readyz`, `/status` on the admin listener;
+//! - `dashboard`: the admin listener's live page (`/`) and its numbers (`/live`);
 //! - `upstream`: the upstream client.
 
 mod admin;
 mod api;
 mod auth;
 mod config;
+mod dashboard;
 mod routes;
 mod server;
 mod upstream;

@@ -1,0 +1,216 @@
+//! The admin listener's live page (`GET /`) and the numbers it shows (`GET /live`, JSON):
+//! who is waiting right now and for what.
+//!
+//! The page is plain HTML, CSS and a small script, served from the binary (no build step,
+//! nothing fetched from elsewhere); it reads `/live` every second. `/live` reads the same
+//! state the metrics do: the store for the slots in use (the whole fleet's on Redis) and the
+//! cooldown gates, the fair queue for the calls waiting here, and the metrics this process
+//! publishes for the rest (latency quantiles, `Busy` by reason, tokens per tenant, the
+//! fairness index, the learned limits, the demoted tenants).
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+
+use fairgate::{Priority, metrics};
+
+use super::api::Live;
+
+/// The page.
+pub(crate) const PAGE: &str = include_str!("dashboard.html");
+
+/// One sample of the metrics text: the labels and the value.
+struct Sample {
+    labels: BTreeMap<String, String>,
+    value: f64,
+}
+
+/// The samples of `name` in Prometheus text.
+fn samples(text: &str, name: &str) -> Vec<Sample> {
+    let mut out = Vec::new();
+    for line in text.lines() {
+        let Some(rest) = line.strip_prefix(name) else {
+            continue;
+        };
+        let (labels, value) = match rest.strip_prefix('{') {
+            Some(rest) => match rest.rsplit_once('}') {
+                Some((labels, value)) => (labels, value),
+                None => continue,
+            },
+            None if rest.starts_with(' ') => ("", rest),
+            None => continue,
+        };
+        let Ok(value) = value.trim().parse::<f64>() else {
+            continue;
+        };
+        let labels = labels
+            .split("\",")
+            .filter_map(|pair| {
+                let (key, value) = pair.split_once("=\"")?;
+                Some((
+                    key.trim().to_owned(),
+                    value.trim_end_matches('"').to_owned(),
+                ))
+            })
+            .collect();
+        out.push(Sample { labels, value });
+    }
+    out
+}
+
+fn label<'a>(sample: &'a Sample, key: &str) -> &'a str {
+    sample.labels.get(key).map_or("", String::as_str)
+}
+
+/// A JSON string.
+fn json(s: &str) -> String {
+    let mut out = String::with_capacity(s.len() + 2);
+    out.push('"');
+    for c in s.chars() {
+        match c {
+            '"' => out.push_str("\\\""),
+            '\\' => out.push_str("\\\\"),
+            c if (c as u32) < 0x20 => {
+                let _ = write!(out, "\\u{:04x}", c as u32);
+            }
+            c => out.push(c),
+        }
+    }
+    out.push('"');
+    out
+}
+
+/// A JSON number (`null` for what JSON cannot carry).
+fn num(x: f64) -> String {
+    if x.is_finite() {
+        format!("{x}")
+    } else {
+        "null".to_owned()
+    }
+}
+
+/// The numbers of the live page, as JSON.
+pub(crate) async fn live_json(live: &Live, metrics_text: &str) -> String {
+    let busy = samples(metrics_text, metrics::SERVER_BUSY);
+    let mut tiers = Vec::new();
+    for (tier, limit) in live.config.policy.tiers() {
+        let in_flight = live.store.slots_in_use(Some(&tier)).await;
+        let waiting = live.fair.queued_in_tier(&tier);
+        let by_reason = |reason: &str| -> f64 {
+            busy.iter()
+                .filter(|s| label(s, "tier") == tier.as_str() && label(s, "reason") == reason)
+                .fold(0.0, |sum, s| sum + s.value)
+        };
+        tiers.push(format!(
+            r#"{{"tier":{},"cap":{},"in_flight":{in_flight},"waiting":{waiting},"busy":{{"slot":{},"rate":{},"cooldown":{}}}}}"#,
+            json(tier.as_str()),
+            limit.cap,
+            num(by_reason("slot")),
+            num(by_reason("rate")),
+            num(by_reason("cooldown")),
+        ));
+    }
+    let latency = samples(metrics_text, metrics::REQUEST_LATENCY);
+    let quantile = |class: &str, q: &str| -> String {
+        latency
+            .iter()
+            .find(|s| label(s, "priority") == class && label(s, "quantile") == q)
+            .map_or("null".to_owned(), |s| num(s.value * 1000.0))
+    };
+    let classes: Vec<String> = Priority::ALL
+        .iter()
+        .map(|&class| {
+            format!(
+                r#"{{"class":{},"queued":{},"p50_ms":{},"p99_ms":{}}}"#,
+                json(class.as_str()),
+                live.fair.queued(Some(class)),
+                quantile(class.as_str(), "0.5"),
+                quantile(class.as_str(), "0.99"),
+            )
+        })
+        .collect();
+    let mut tokens = samples(metrics_text, metrics::INPUT_TOKENS);
+    let total = tokens.iter().fold(0.0, |sum, s| sum + s.value);
+    tokens.sort_by(|a, b| b.value.total_cmp(&a.value));
+    let tenants: Vec<String> = tokens
+        .iter()
+        .take(10)
+        .map(|s| {
+            let share = if total > 0.0 { s.value / total } else { 0.0 };
+            format!(
+                r#"{{"tenant":{},"tokens":{},"share":{}}}"#,
+                json(label(s, "tenant_id")),
+                num(s.value),
+                num(share)
+            )
+        })
+        .collect();
+    let gauge = |name: &str| -> String {
+        samples(metrics_text, name)
+            .first()
+            .map_or("null".to_owned(), |s| num(s.value))
+    };
+    let learned = samples(metrics_text, metrics::LEARNED_LIMIT);
+    let mut upstreams: Vec<String> = learned
+        .iter()
+        .map(|s| label(s, "upstream").to_owned())
+        .collect();
+    upstreams.push("default".to_owned());
+    upstreams.sort();
+    upstreams.dedup();
+    let gates: Vec<String> = upstreams
+        .iter()
+        .map(|upstream| {
+            let limits: Vec<String> = learned
+                .iter()
+                .filter(|s| label(s, "upstream") == upstream)
+                .map(|s| format!("{}:{}", json(label(s, "dimension")), num(s.value)))
+                .collect();
+            let closed = live.store.cooldown(upstream).map(|d| d.as_secs_f64());
+            format!(
+                r#"{{"upstream":{},"limits":{{{}}},"cooldown_secs":{}}}"#,
+                json(upstream),
+                limits.join(","),
+                closed.map_or("null".to_owned(), num),
+            )
+        })
+        .collect();
+    format!(
+        concat!(
+            r#"{{"store":{{"backend":{},"degraded":{}}},"#,
+            r#""window":{{"in_flight":{},"max":{},"queued":{}}},"#,
+            r#""tiers":[{}],"classes":[{}],"tenants":[{}],"fairness_index":{},"#,
+            r#""upstreams":[{}],"demoted_tenants":{}}}"#
+        ),
+        json(live.store.backend_name()),
+        live.store.is_degraded(),
+        live.fair.in_flight(),
+        live.fair.max_in_flight(),
+        live.fair.queued(None),
+        tiers.join(","),
+        classes.join(","),
+        tenants.join(","),
+        gauge(metrics::FAIRNESS_INDEX),
+        gates.join(","),
+        gauge(metrics::DEMOTED_TENANTS),
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn samples_are_read_with_their_labels_and_nothing_else_matches() {
+        let text = "# TYPE claude_server_busy_total counter\n\
+                    claude_server_busy_total{tier=\"guest\",reason=\"rate\"} 13\n\
+                    claude_server_busy_total_other 2\n\
+                    claude_demoted_tenants 1\n";
+        let busy = samples(text, "claude_server_busy_total");
+        assert_eq!(busy.len(), 1);
+        assert_eq!(label(&busy[0], "tier"), "guest");
+        assert_eq!(label(&busy[0], "reason"), "rate");
+        assert_eq!(busy[0].value, 13.0);
+        assert_eq!(samples(text, "claude_demoted_tenants")[0].value, 1.0);
+        assert_eq!(json("a\"b\\c\n"), r#""a\"b\\c\u000a""#);
+    }
+}
