@@ -37,9 +37,11 @@ fn frame(
         let f = f64::from(i) / 5.0;
         let x = LEFT + f * PLOT_W;
         let y = bottom - f * (bottom - top);
+        // Shares with two decimals, counts whole.
+        let digits = if y_max > 2.0 { 0 } else { 2 };
         let _ = writeln!(
             out,
-            r##"<text x="{x:.1}" y="{:.1}" text-anchor="middle" font-size="10">{:.0}</text><text x="{:.1}" y="{:.1}" text-anchor="end" font-size="10">{:.2}</text><line x1="{LEFT}" x2="{:.1}" y1="{y:.1}" y2="{y:.1}" stroke="#eee"/>"##,
+            r##"<text x="{x:.1}" y="{:.1}" text-anchor="middle" font-size="10">{:.0}</text><text x="{:.1}" y="{:.1}" text-anchor="end" font-size="10">{:.digits$}</text><line x1="{LEFT}" x2="{:.1}" y1="{y:.1}" y2="{y:.1}" stroke="#eee"/>"##,
             bottom + 14.0,
             f * x_max,
             LEFT - 4.0,
