@@ -1,0 +1,230 @@
+//! The simulator's picture, as hand-written SVG: the latency distribution per tier (CDF
+//! lines, naive dashed, fairgate solid) and the calls in flight per tier over time under
+//! each policy.
+
+use std::fmt::Write;
+
+use crate::engine::{Outcome, Run, Size, TIERS, in_flight_series, latencies_by_tier};
+
+const COLORS: [&str; 4] = ["#7b3294", "#2c7bb6", "#fdae61", "#d7191c"];
+const W: f64 = 900.0;
+const PANEL_H: f64 = 240.0;
+const LEFT: f64 = 60.0;
+const PLOT_W: f64 = W - LEFT - 150.0;
+
+/// A panel's frame: title, axes and ticks, its top at `top`.
+fn frame(
+    out: &mut String,
+    top: f64,
+    title: &str,
+    x_label: &str,
+    x_max: f64,
+    y_label: &str,
+    y_max: f64,
+) {
+    let bottom = top + PANEL_H - 40.0;
+    let _ = writeln!(
+        out,
+        r#"<text x="{LEFT}" y="{}" font-weight="bold">{title}</text>"#,
+        top - 8.0
+    );
+    let _ = writeln!(
+        out,
+        r##"<rect x="{LEFT}" y="{top}" width="{PLOT_W}" height="{}" fill="none" stroke="#888"/>"##,
+        bottom - top
+    );
+    for i in 0..=5 {
+        let f = f64::from(i) / 5.0;
+        let x = LEFT + f * PLOT_W;
+        let y = bottom - f * (bottom - top);
+        // Shares with two decimals, counts whole.
+        let digits = if y_max > 2.0 { 0 } else { 2 };
+        let _ = writeln!(
+            out,
+            r##"<text x="{x:.1}" y="{:.1}" text-anchor="middle" font-size="10">{:.0}</text><text x="{:.1}" y="{:.1}" text-anchor="end" font-size="10">{:.digits$}</text><line x1="{LEFT}" x2="{:.1}" y1="{y:.1}" y2="{y:.1}" stroke="#eee"/>"##,
+            bottom + 14.0,
+            f * x_max,
+            LEFT - 4.0,
+            y + 3.0,
+            f * y_max,
+            LEFT + PLOT_W
+        );
+    }
+    let _ = writeln!(
+        out,
+        r#"<text x="{:.1}" y="{:.1}" text-anchor="middle" font-size="11">{x_label}</text><text x="12" y="{:.1}" font-size="11" transform="rotate(-90 12 {:.1})" text-anchor="middle">{y_label}</text>"#,
+        LEFT + PLOT_W / 2.0,
+        bottom + 30.0,
+        (top + bottom) / 2.0,
+        (top + bottom) / 2.0
+    );
+}
+
+fn polyline(out: &mut String, points: &[(f64, f64)], color: &str, dashed: bool) {
+    let pts: Vec<String> = points
+        .iter()
+        .map(|(x, y)| format!("{x:.1},{y:.1}"))
+        .collect();
+    let dash = if dashed {
+        r#" stroke-dasharray="6 4""#
+    } else {
+        ""
+    };
+    let _ = writeln!(
+        out,
+        r#"<polyline fill="none" stroke="{color}" stroke-width="1.6"{dash} points="{}"/>"#,
+        pts.join(" ")
+    );
+}
+
+fn legend(out: &mut String, top: f64, extra: &[(&str, bool)]) {
+    let x = LEFT + PLOT_W + 15.0;
+    for (i, tier) in TIERS.iter().enumerate() {
+        let y = top + 14.0 + 16.0 * i as f64;
+        let _ = writeln!(
+            out,
+            r#"<line x1="{x}" x2="{}" y1="{y}" y2="{y}" stroke="{}" stroke-width="3"/><text x="{}" y="{}" font-size="11">{tier}</text>"#,
+            x + 20.0,
+            COLORS[i],
+            x + 26.0,
+            y + 4.0
+        );
+    }
+    for (i, (label, dashed)) in extra.iter().enumerate() {
+        let y = top + 90.0 + 16.0 * i as f64;
+        let dash = if *dashed {
+            r#" stroke-dasharray="6 4""#
+        } else {
+            ""
+        };
+        let _ = writeln!(
+            out,
+            r#"<line x1="{x}" x2="{}" y1="{y}" y2="{y}" stroke="black"{dash}/><text x="{}" y="{}" font-size="11">{label}</text>"#,
+            x + 20.0,
+            x + 26.0,
+            y + 4.0
+        );
+    }
+}
+
+/// Latency CDFs per tier, both policies.
+fn cdfs(out: &mut String, top: f64, o: &Outcome) {
+    let naive = latencies_by_tier(&o.naive_run, &o.workload);
+    let fair = latencies_by_tier(&o.fairgate_run, &o.workload);
+    let x_max = naive
+        .values()
+        .chain(fair.values())
+        .flatten()
+        .fold(1.0_f64, |m, v| m.max(*v))
+        .ceil();
+    let bottom = top + PANEL_H - 40.0;
+    frame(
+        out,
+        top,
+        "Latency of served calls per tier (CDF)",
+        "seconds from arrival to answer",
+        x_max,
+        "share of calls",
+        1.0,
+    );
+    for (by_tier, dashed) in [(&naive, true), (&fair, false)] {
+        for (i, tier) in TIERS.iter().enumerate() {
+            let Some(values) = by_tier.get(tier) else {
+                continue;
+            };
+            let mut v = values.clone();
+            v.sort_by(f64::total_cmp);
+            let n = v.len() as f64;
+            let step = (v.len() / 200).max(1);
+            let mut points: Vec<(f64, f64)> = v
+                .iter()
+                .enumerate()
+                .step_by(step)
+                .map(|(k, x)| {
+                    (
+                        LEFT + x / x_max * PLOT_W,
+                        bottom - (k as f64 + 1.0) / n * (bottom - top),
+                    )
+                })
+                .collect();
+            if let Some(x) = v.last() {
+                points.push((LEFT + x / x_max * PLOT_W, top));
+            }
+            polyline(out, &points, COLORS[i], dashed);
+        }
+    }
+    legend(out, top, &[("naive", true), ("fairgate", false)]);
+}
+
+/// Calls in flight per tier over time, one policy.
+fn in_flight(out: &mut String, top: f64, run: &Run, title: &str, until: f64, y_max: f64) {
+    let bottom = top + PANEL_H - 40.0;
+    frame(out, top, title, "seconds", until, "calls in flight", y_max);
+    let series = in_flight_series(run, (until / 300.0).max(0.1), until);
+    for (i, color) in COLORS.iter().enumerate() {
+        let points: Vec<(f64, f64)> = series
+            .iter()
+            .map(|(t, n)| {
+                (
+                    LEFT + t / until * PLOT_W,
+                    bottom - f64::from(n[i]) / y_max * (bottom - top),
+                )
+            })
+            .collect();
+        polyline(out, &points, color, false);
+    }
+    legend(out, top, &[]);
+}
+
+/// The whole picture for one scenario's runs.
+pub fn render(o: &Outcome, size: Size) -> String {
+    let until = o
+        .naive_run
+        .simulated
+        .max(o.fairgate_run.simulated)
+        .min(
+            o.workload
+                .last()
+                .map_or(60.0, |c| c.at.as_secs_f64() + 60.0),
+        )
+        .ceil();
+    let y_max = [&o.naive_run, &o.fairgate_run]
+        .iter()
+        .flat_map(|r| r.timeline.iter().map(|(_, n)| n.iter().sum::<u32>()))
+        .max()
+        .unwrap_or(1)
+        .max(1) as f64;
+    let height = 60.0 + 3.0 * (PANEL_H + 30.0);
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{height}" viewBox="0 0 {W} {height}" font-family="sans-serif" font-size="12">"#
+    );
+    let _ = writeln!(out, r#"<rect width="100%" height="100%" fill="white"/>"#);
+    let _ = writeln!(
+        out,
+        r#"<text x="{LEFT}" y="24" font-size="15" font-weight="bold">fairgate simulator: scenario {}, {}, {} size</text>"#,
+        o.id,
+        crate::engine::SCENARIOS[o.id - 1],
+        if size == Size::Full { "full" } else { "small" }
+    );
+    cdfs(&mut out, 60.0, o);
+    in_flight(
+        &mut out,
+        60.0 + PANEL_H + 30.0,
+        &o.naive_run,
+        "In flight per tier, naive (FIFO semaphore)",
+        until,
+        y_max,
+    );
+    in_flight(
+        &mut out,
+        60.0 + 2.0 * (PANEL_H + 30.0),
+        &o.fairgate_run,
+        "In flight per tier, fairgate",
+        until,
+        y_max,
+    );
+    out.push_str("</svg>\n");
+    out
+}
