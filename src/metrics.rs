@@ -231,12 +231,12 @@ pub const QUEUE_DEPTH: &str = "claude_queue_depth";
 /// Metric: gauge, Jain's fairness index over the weight-normalised served cost of the
 /// tenants that were backlogged in the fairness window (1.0 = perfectly fair).
 pub const FAIRNESS_INDEX: &str = "claude_drr_fairness_index";
-/// Gauge, slots this worker holds now, label `tier`.
-/// Metric: gauge, slots in use, label `tier`.
+/// Metric: gauge, slots this worker holds now, label `tier`.
 pub const SLOTS_IN_USE: &str = "claude_slots_in_use";
 /// Histogram, seconds a request waited for its slot, label `tier`.
 pub const SLOT_WAIT: &str = "claude_slot_wait_seconds";
-/// Counter, requests refused with `Busy` (`SERVER_BUSY`), label `tier`.
+/// Counter, requests refused with `Busy` (`SERVER_BUSY`), labels `tier` and `reason` (what
+/// the request waited for: `slot`, `rate` or `cooldown`).
 pub const SERVER_BUSY: &str = "claude_server_busy_total";
 /// Counter, slots taken from the in-process fallback because Redis was away, label `tier`.
 pub const SLOTS_FALLBACK: &str = "claude_slots_fallback_total";
