@@ -370,14 +370,16 @@ impl Call {
             .header(TIER, self.tier)
             .header(INPUT, self.input)
             .header(OUTPUT, self.output)
-            .header(
-                LATENCY,
-                self.latency
-                    .map_or(String::new(), |d| d.as_millis().to_string()),
-            )
-            .header(STATUS, self.status.map_or(String::new(), |s| s.to_string()))
             .body(r#"{"model":"claude-sonnet-4-5","max_tokens":1024,"messages":[]}"#.to_owned())
             .expect("a valid request");
+        if let Some(latency) = self.latency {
+            req.headers_mut()
+                .insert(LATENCY, http::HeaderValue::from(latency.as_millis() as u64));
+        }
+        if let Some(status) = self.status {
+            req.headers_mut()
+                .insert(STATUS, http::HeaderValue::from(status));
+        }
         let mut job = Job::new(self.tenant.as_str(), self.origin)
             .tier(self.tier)
             .cost(self.input);

@@ -39,9 +39,11 @@ fn frame(
         let y = bottom - f * (bottom - top);
         // Shares with two decimals, counts whole.
         let digits = if y_max > 2.0 { 0 } else { 2 };
+        // Seconds whole, tenths on a short axis (a replay's sub-second latencies).
+        let x_digits = if x_max < 5.0 { 1 } else { 0 };
         let _ = writeln!(
             out,
-            r##"<text x="{x:.1}" y="{:.1}" text-anchor="middle" font-size="10">{:.0}</text><text x="{:.1}" y="{:.1}" text-anchor="end" font-size="10">{:.digits$}</text><line x1="{LEFT}" x2="{:.1}" y1="{y:.1}" y2="{y:.1}" stroke="#eee"/>"##,
+            r##"<text x="{x:.1}" y="{:.1}" text-anchor="middle" font-size="10">{:.x_digits$}</text><text x="{:.1}" y="{:.1}" text-anchor="end" font-size="10">{:.digits$}</text><line x1="{LEFT}" x2="{:.1}" y1="{y:.1}" y2="{y:.1}" stroke="#eee"/>"##,
             bottom + 14.0,
             f * x_max,
             LEFT - 4.0,
@@ -197,22 +199,25 @@ pub fn render(o: &Outcome, size: Size) -> String {
 /// The same picture under `heading`, the two runs named by `runs` (a legend label and an
 /// in-flight panel's title each; the first is drawn dashed).
 pub fn render_with(o: &Outcome, heading: &str, runs: [(&str, &str); 2]) -> String {
-    let until = o
-        .naive_run
-        .simulated
-        .max(o.fairgate_run.simulated)
-        .min(
-            o.workload
-                .last()
-                .map_or(60.0, |c| c.at.as_secs_f64() + 60.0),
-        )
-        .ceil();
+    let until = o.naive_run.simulated.max(o.fairgate_run.simulated).min(
+        o.workload
+            .last()
+            .map_or(60.0, |c| c.at.as_secs_f64() + 60.0),
+    );
+    // Five ticks of whole seconds.
+    let until = (until / 5.0).ceil().max(1.0) * 5.0;
     let y_max = [&o.naive_run, &o.fairgate_run]
         .iter()
         .flat_map(|r| r.timeline.iter().map(|(_, n)| n.iter().sum::<u32>()))
         .max()
         .unwrap_or(1)
         .max(1) as f64;
+    // Five ticks of whole calls.
+    let y_max = if y_max > 2.0 {
+        (y_max / 5.0).ceil() * 5.0
+    } else {
+        y_max
+    };
     let height = 60.0 + 3.0 * (PANEL_H + 30.0);
     let mut out = String::new();
     let _ = writeln!(
