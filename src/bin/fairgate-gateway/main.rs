@@ -360,6 +360,7 @@ async fn run(mut args: Args) -> Result<(), String> {
         global_max,
         window,
         max_connections = args.max_connections,
+        record = args.record.as_ref().map(|path| path.display().to_string()),
         "gateway listening"
     );
 

@@ -417,6 +417,32 @@ mod tests {
     }
 
     #[test]
+    fn a_line_that_finds_the_queue_full_is_dropped_and_counted() {
+        use metrics_util::debugging::{DebugValue, DebuggingRecorder};
+        let metrics = DebuggingRecorder::new();
+        let snapshotter = metrics.snapshotter();
+        let _guard = metrics::set_default_local_recorder(&metrics);
+        // A writer that takes nothing: the queue holds one line.
+        let (lines, mut queued) = mpsc::channel(1);
+        let recorder = Recorder {
+            lines,
+            epoch: Instant::now(),
+        };
+        recorder.write("first\n".into());
+        recorder.write("second\n".into());
+        assert_eq!(queued.try_recv().as_deref(), Ok("first\n"));
+        assert!(queued.try_recv().is_err(), "the second line was dropped");
+        let dropped: Vec<DebugValue> = snapshotter
+            .snapshot()
+            .into_vec()
+            .into_iter()
+            .filter(|(key, ..)| key.key().name() == "gateway_record_dropped_total")
+            .map(|(.., value)| value)
+            .collect();
+        assert_eq!(dropped, [DebugValue::Counter(1)]);
+    }
+
+    #[test]
     fn tenants_are_hashed_and_strings_escaped() {
         assert_eq!(tenant_hash("team-premium").len(), 16);
         assert_ne!(tenant_hash("a"), tenant_hash("b"));
