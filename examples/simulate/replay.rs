@@ -47,6 +47,8 @@ impl Recorded {
         let tier = self.tier.clone().unwrap_or_default();
         match (self.status, self.upstream_ms) {
             (200, _) => Answer::Served,
+            // The client left before its answer began.
+            (499, _) => Answer::Refused(499),
             // Refused by the stack before any dispatch: busy.
             (_, None) => Answer::Busy(tier, fairgate::WaitReason::Slot),
             (status, Some(_)) => Answer::Refused(status),

@@ -17,7 +17,7 @@
 //! - `upstream_ms`: from the last dispatch to the upstream to the answer's last byte, null
 //!   when the call was never dispatched (refused by the stack);
 //! - `latency_ms`: from `at_ms` to the answer's last byte, what the client waited;
-//! - `status`: the status the client got.
+//! - `status`: the status the client got (`499` if it left before its answer began).
 //!
 //! Writing never holds a call up: lines go through a bounded channel to a writer thread,
 //! and a line that finds the channel full is dropped and counted
@@ -89,6 +89,7 @@ impl Recorder {
             recorder: self.clone(),
             arrived: Instant::now(),
             probe: Probe::default(),
+            written: false,
         }
     }
 
@@ -126,11 +127,13 @@ impl Probe {
     }
 }
 
-/// One call being recorded: its line is written by [`Trace::finish`].
+/// One call being recorded: its line is written by [`Trace::finish`], or when it is
+/// dropped unfinished (the client gone before its answer began) with status `499`.
 pub(crate) struct Trace {
     recorder: Arc<Recorder>,
     arrived: Instant,
     probe: Probe,
+    written: bool,
 }
 
 impl Trace {
@@ -139,7 +142,12 @@ impl Trace {
     }
 
     /// Writes the call's line: it ended now, answered `status`, its usage as `usage` read.
-    pub(crate) fn finish(self, status: u16, usage: &UsageScan) {
+    pub(crate) fn finish(mut self, status: u16, usage: &UsageScan) {
+        self.write(status, usage);
+    }
+
+    fn write(&mut self, status: u16, usage: &UsageScan) {
+        self.written = true;
         let now = Instant::now();
         let seen = self.probe.lock();
         // Every call that passed authentication has a job; without one there is no line.
@@ -167,6 +175,17 @@ impl Trace {
         self.recorder.write(line);
     }
 }
+
+impl Drop for Trace {
+    fn drop(&mut self) {
+        if !self.written {
+            self.write(CLIENT_GONE, &UsageScan::default());
+        }
+    }
+}
+
+/// The status of a call whose client left before its answer began (nginx's number).
+const CLIENT_GONE: u16 = 499;
 
 /// The first 16 hex digits of the SHA-256 of `tenant`.
 pub(crate) fn tenant_hash(tenant: &str) -> String {
@@ -440,6 +459,30 @@ mod tests {
             .map(|(.., value)| value)
             .collect();
         assert_eq!(dropped, [DebugValue::Counter(1)]);
+    }
+
+    #[test]
+    fn a_call_whose_client_left_before_its_answer_is_written_as_499() {
+        let (lines, mut queued) = mpsc::channel(4);
+        let recorder = Arc::new(Recorder {
+            lines,
+            epoch: Instant::now(),
+        });
+        let trace = recorder.begin();
+        trace
+            .probe()
+            .job(&Job::new("team-a", Origin::Scheduled).tier("pro").cost(40));
+        drop(trace);
+        let line = queued.try_recv().unwrap();
+        let expected = format!(
+            r#""tenant":"{}","tier":"pro","origin":"scheduled","sla_ms":null,"est_input_tokens":40,"input_tokens":null,"output_tokens":null,"upstream_ms":null,"#,
+            tenant_hash("team-a")
+        );
+        assert!(line.contains(&expected), "{line}");
+        assert!(line.ends_with(",\"status\":499}\n"), "{line}");
+        // Without a job (never admitted), nothing is written.
+        drop(recorder.begin());
+        assert!(queued.try_recv().is_err());
     }
 
     #[test]
