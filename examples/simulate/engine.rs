@@ -73,6 +73,10 @@ pub const TENANT: &str = "x-sim-tenant";
 pub const TIER: &str = "x-sim-tier";
 pub const INPUT: &str = "x-sim-input-tokens";
 pub const OUTPUT: &str = "x-sim-output-tokens";
+/// A replayed call's recorded upstream latency and status (`--replay`): the mock answers
+/// in that time, with that status when it was a 429 or a 5xx.
+pub const LATENCY: &str = "x-sim-latency-ms";
+pub const STATUS: &str = "x-sim-status";
 
 /// The provider's limits and latency.
 #[derive(Clone, Debug)]
@@ -194,7 +198,7 @@ impl MockClaude {
         s.served.clear();
     }
 
-    fn arrive(&self, tier: usize, input: u32, output: u32) -> Verdict {
+    fn arrive(&self, tier: usize, input: u32, output: u32, forced: Option<u16>) -> Verdict {
         let mut s = self.state.lock().unwrap();
         let now = Instant::now();
         let secs = now.saturating_duration_since(s.refilled).as_secs_f64();
@@ -203,6 +207,17 @@ impl MockClaude {
         s.input.refill(secs);
         s.output.refill(secs);
         s.attempts += 1;
+        match forced {
+            Some(429) => {
+                s.throttled += 1;
+                return Verdict::Throttled { retry_after: 1 };
+            }
+            Some(status) if status >= 500 => {
+                s.overloaded += 1;
+                return Verdict::Overloaded;
+            }
+            _ => {}
+        }
         let since = now.saturating_duration_since(s.start);
         if self
             .config
@@ -309,10 +324,17 @@ impl Service<http::Request<String>> for MockClaude {
         let tenant = header(&req, TENANT).to_owned();
         let input = header(&req, INPUT).parse().unwrap_or(1);
         let output = header(&req, OUTPUT).parse().unwrap_or(1);
-        let verdict = self.arrive(tier, input, output);
+        let forced = header(&req, STATUS).parse().ok();
+        let recorded = header(&req, LATENCY)
+            .parse()
+            .ok()
+            .map(Duration::from_millis);
+        let verdict = self.arrive(tier, input, output, forced);
         let latency = match verdict {
-            Verdict::Ok { output } => self.config.base + self.config.per_token * output,
-            _ => self.config.refusal,
+            Verdict::Ok { output } => {
+                recorded.unwrap_or_else(|| self.config.base + self.config.per_token * output)
+            }
+            _ => recorded.unwrap_or(self.config.refusal),
         };
         let this = self.clone();
         Box::pin(async move {
@@ -335,6 +357,10 @@ pub struct Call {
     pub sla: Option<Duration>,
     pub input: u32,
     pub output: u32,
+    /// A replayed call: the upstream's latency and status as recorded (`None`: the mock's
+    /// own model).
+    pub latency: Option<Duration>,
+    pub status: Option<u16>,
 }
 
 impl Call {
@@ -346,6 +372,14 @@ impl Call {
             .header(OUTPUT, self.output)
             .body(r#"{"model":"claude-sonnet-4-5","max_tokens":1024,"messages":[]}"#.to_owned())
             .expect("a valid request");
+        if let Some(latency) = self.latency {
+            req.headers_mut()
+                .insert(LATENCY, http::HeaderValue::from(latency.as_millis() as u64));
+        }
+        if let Some(status) = self.status {
+            req.headers_mut()
+                .insert(STATUS, http::HeaderValue::from(status));
+        }
         let mut job = Job::new(self.tenant.as_str(), self.origin)
             .tier(self.tier)
             .cost(self.input);
@@ -380,6 +414,8 @@ pub fn poisson(
             sla: (origin == Origin::Scheduled).then(|| Duration::from_secs(600)),
             input: rng.between(input.0, input.1),
             output: rng.between(output.0, output.1),
+            latency: None,
+            status: None,
         });
         t += rng.exp(1.0 / per_sec);
     }
@@ -391,8 +427,22 @@ pub enum Policy {
     /// A FIFO semaphore (`tower::limit::ConcurrencyLimit`) of `limit` calls, and up to four
     /// immediate retries of a 429 or 529.
     Naive { limit: usize },
-    /// `FairgateLayer` on `Store::memory()` with this window and these caps.
-    Fairgate { window: usize, slots: SlotPolicy },
+    /// `FairgateLayer` on `Store::memory()` with this window, these caps and this fair
+    /// queue.
+    Fairgate {
+        window: usize,
+        slots: SlotPolicy,
+        drr: Drr,
+    },
+}
+
+/// The fair queue's settings a replay's policy may change (the crate's defaults else).
+#[derive(Clone, Debug, Default)]
+pub struct Drr {
+    /// Tokens a tenant may send per visit.
+    pub quantum: Option<u64>,
+    /// Weights per tier.
+    pub tier_weights: Vec<(String, u32)>,
 }
 
 impl Policy {
@@ -400,6 +450,7 @@ impl Policy {
         Policy::Fairgate {
             window,
             slots: SlotPolicy::default(),
+            drr: Drr::default(),
         }
     }
 
@@ -420,10 +471,19 @@ fn stack(policy: &Policy, upstream: &MockClaude, seed: u64) -> Stack {
                 .layer(upstream.clone())
                 .map_response(|r: http::Response<String>| r.status().as_u16()),
         ),
-        Policy::Fairgate { window, slots } => {
+        Policy::Fairgate { window, slots, drr } => {
             let layer = FairgateLayer::builder(Store::memory())
                 .window(*window)
                 .slots(slots.clone())
+                .fairness(|mut fair| {
+                    if let Some(quantum) = drr.quantum {
+                        fair = fair.quantum(quantum);
+                    }
+                    for (tier, weight) in &drr.tier_weights {
+                        fair = fair.tier_weight(tier.as_str(), *weight);
+                    }
+                    fair
+                })
                 .backoff(
                     BackoffPolicy::builder()
                         .seed(seed)
@@ -499,6 +559,8 @@ pub async fn run(
             sla: None,
             input: 10,
             output: 10,
+            latency: None,
+            status: None,
         };
         let _ = stack.clone().oneshot(warm.request()).await;
         mock.restart_record();
@@ -677,6 +739,8 @@ async fn b_behind_a(seed: u64, size: Size) -> Outcome {
                 sla: None,
                 input: rng.between(600, 1_200),
                 output: rng.between(100, 300),
+                latency: None,
+                status: None,
             })
             .collect();
         calls.push(Call {
@@ -687,6 +751,8 @@ async fn b_behind_a(seed: u64, size: Size) -> Outcome {
             sla: None,
             input: rng.between(600, 1_200),
             output: rng.between(100, 300),
+            latency: None,
+            status: None,
         });
         let calls = sorted(calls);
         let horizon = Duration::from_secs(300);

@@ -39,9 +39,11 @@ fn frame(
         let y = bottom - f * (bottom - top);
         // Shares with two decimals, counts whole.
         let digits = if y_max > 2.0 { 0 } else { 2 };
+        // Seconds whole, tenths on a short axis (a replay's sub-second latencies).
+        let x_digits = if x_max < 5.0 { 1 } else { 0 };
         let _ = writeln!(
             out,
-            r##"<text x="{x:.1}" y="{:.1}" text-anchor="middle" font-size="10">{:.0}</text><text x="{:.1}" y="{:.1}" text-anchor="end" font-size="10">{:.digits$}</text><line x1="{LEFT}" x2="{:.1}" y1="{y:.1}" y2="{y:.1}" stroke="#eee"/>"##,
+            r##"<text x="{x:.1}" y="{:.1}" text-anchor="middle" font-size="10">{:.x_digits$}</text><text x="{:.1}" y="{:.1}" text-anchor="end" font-size="10">{:.digits$}</text><line x1="{LEFT}" x2="{:.1}" y1="{y:.1}" y2="{y:.1}" stroke="#eee"/>"##,
             bottom + 14.0,
             f * x_max,
             LEFT - 4.0,
@@ -108,7 +110,7 @@ fn legend(out: &mut String, top: f64, extra: &[(&str, bool)]) {
 }
 
 /// Latency CDFs per tier, both policies.
-fn cdfs(out: &mut String, top: f64, o: &Outcome) {
+fn cdfs(out: &mut String, top: f64, o: &Outcome, labels: [&str; 2]) {
     let naive = latencies_by_tier(&o.naive_run, &o.workload);
     let fair = latencies_by_tier(&o.fairgate_run, &o.workload);
     let x_max = naive
@@ -153,7 +155,7 @@ fn cdfs(out: &mut String, top: f64, o: &Outcome) {
             polyline(out, &points, COLORS[i], dashed);
         }
     }
-    legend(out, top, &[("naive", true), ("fairgate", false)]);
+    legend(out, top, &[(labels[0], true), (labels[1], false)]);
 }
 
 /// Calls in flight per tier over time, one policy.
@@ -178,22 +180,44 @@ fn in_flight(out: &mut String, top: f64, run: &Run, title: &str, until: f64, y_m
 
 /// The whole picture for one scenario's runs.
 pub fn render(o: &Outcome, size: Size) -> String {
-    let until = o
-        .naive_run
-        .simulated
-        .max(o.fairgate_run.simulated)
-        .min(
-            o.workload
-                .last()
-                .map_or(60.0, |c| c.at.as_secs_f64() + 60.0),
-        )
-        .ceil();
+    let heading = format!(
+        "fairgate simulator: scenario {}, {}, {} size",
+        o.id,
+        crate::engine::SCENARIOS[o.id - 1],
+        if size == Size::Full { "full" } else { "small" }
+    );
+    render_with(
+        o,
+        &heading,
+        [
+            ("naive", "In flight per tier, naive (FIFO semaphore)"),
+            ("fairgate", "In flight per tier, fairgate"),
+        ],
+    )
+}
+
+/// The same picture under `heading`, the two runs named by `runs` (a legend label and an
+/// in-flight panel's title each; the first is drawn dashed).
+pub fn render_with(o: &Outcome, heading: &str, runs: [(&str, &str); 2]) -> String {
+    let until = o.naive_run.simulated.max(o.fairgate_run.simulated).min(
+        o.workload
+            .last()
+            .map_or(60.0, |c| c.at.as_secs_f64() + 60.0),
+    );
+    // Five ticks of whole seconds.
+    let until = (until / 5.0).ceil().max(1.0) * 5.0;
     let y_max = [&o.naive_run, &o.fairgate_run]
         .iter()
         .flat_map(|r| r.timeline.iter().map(|(_, n)| n.iter().sum::<u32>()))
         .max()
         .unwrap_or(1)
         .max(1) as f64;
+    // Five ticks of whole calls.
+    let y_max = if y_max > 2.0 {
+        (y_max / 5.0).ceil() * 5.0
+    } else {
+        y_max
+    };
     let height = 60.0 + 3.0 * (PANEL_H + 30.0);
     let mut out = String::new();
     let _ = writeln!(
@@ -203,17 +227,15 @@ pub fn render(o: &Outcome, size: Size) -> String {
     let _ = writeln!(out, r#"<rect width="100%" height="100%" fill="white"/>"#);
     let _ = writeln!(
         out,
-        r#"<text x="{LEFT}" y="24" font-size="15" font-weight="bold">fairgate simulator: scenario {}, {}, {} size</text>"#,
-        o.id,
-        crate::engine::SCENARIOS[o.id - 1],
-        if size == Size::Full { "full" } else { "small" }
+        r#"<text x="{LEFT}" y="24" font-size="15" font-weight="bold">{}</text>"#,
+        escape(heading)
     );
-    cdfs(&mut out, 60.0, o);
+    cdfs(&mut out, 60.0, o, [runs[0].0, runs[1].0]);
     in_flight(
         &mut out,
         60.0 + PANEL_H + 30.0,
         &o.naive_run,
-        "In flight per tier, naive (FIFO semaphore)",
+        &escape(runs[0].1),
         until,
         y_max,
     );
@@ -221,10 +243,17 @@ pub fn render(o: &Outcome, size: Size) -> String {
         &mut out,
         60.0 + 2.0 * (PANEL_H + 30.0),
         &o.fairgate_run,
-        "In flight per tier, fairgate",
+        &escape(runs[1].1),
         until,
         y_max,
     );
     out.push_str("</svg>\n");
     out
+}
+
+/// `text` safe inside an SVG element.
+fn escape(text: &str) -> String {
+    text.replace('&', "&amp;")
+        .replace('<', "&lt;")
+        .replace('>', "&gt;")
 }

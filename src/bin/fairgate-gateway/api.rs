@@ -18,7 +18,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use fairgate::extract::{FromHeaders, KeyTable, api_key};
 use fairgate::reject::{Style, render};
-use fairgate::{BoxError, FairgateLayer, JobLayer, Store, TenantId};
+use fairgate::{BoxError, FairgateLayer, Job, JobLayer, Store, TenantId};
 use futures_util::StreamExt;
 use http::header::{self, HeaderValue};
 use http::{Request, Response, StatusCode};
@@ -32,6 +32,7 @@ use tracing::{debug, info, warn};
 use super::Body;
 use super::auth::{AuthGuard, Verdict};
 use super::config::Config;
+use super::record::{Probe, Recorder, Recording};
 use super::routes::{Route, route};
 use super::server::{Holding, stopped};
 use super::upstream::{Upstream, full};
@@ -61,6 +62,9 @@ impl Live {
         let upstream = upstream.clone();
         let send = service_fn(move |req: Request<Full<Bytes>>| {
             let upstream = upstream.clone();
+            if let Some(probe) = req.extensions().get::<Probe>() {
+                probe.dispatched();
+            }
             async move {
                 upstream
                     .send(req.map(|body| body.map_err(|never| match never {}).boxed_unsync()))
@@ -69,6 +73,16 @@ impl Live {
         });
         let stack = ServiceBuilder::new()
             .layer(JobLayer::new(FromHeaders::new().keys(config.keys.clone())))
+            // `--record`: the job as the stack admits it.
+            .map_request(|req: Request<Full<Bytes>>| {
+                if let (Some(probe), Some(job)) = (
+                    req.extensions().get::<Probe>(),
+                    req.extensions().get::<Job>(),
+                ) {
+                    probe.job(job);
+                }
+                req
+            })
             .layer(fairgate)
             .service(send)
             .map_response(|response: Response<_>| {
@@ -136,6 +150,8 @@ pub(crate) struct Gateway {
     pub(crate) shutdown: watch::Receiver<bool>,
     pub(crate) reloads: AtomicU64,
     pub(crate) failed_reloads: AtomicU64,
+    /// `--record`: where each admitted call's line goes.
+    pub(crate) recorder: Option<Arc<Recorder>>,
 }
 
 impl Gateway {
@@ -146,6 +162,7 @@ impl Gateway {
         auth: AuthGuard,
         bodies: BodyLimits,
         shutdown: watch::Receiver<bool>,
+        recorder: Option<Arc<Recorder>>,
     ) -> Gateway {
         Gateway {
             live: RwLock::new(Arc::new(live)),
@@ -156,6 +173,7 @@ impl Gateway {
             shutdown,
             reloads: AtomicU64::new(0),
             failed_reloads: AtomicU64::new(0),
+            recorder,
         }
     }
 
@@ -393,10 +411,15 @@ async fn messages(gw: &Gateway, live: Arc<Live>, req: Request<Incoming>) -> Resp
         }
     };
     let size = bytes.len();
-    let req = Request::from_parts(parts, Full::new(bytes));
+    let mut req = Request::from_parts(parts, Full::new(bytes));
     let started = tokio::time::Instant::now();
+    let trace = gw.recorder.as_ref().map(|recorder| recorder.begin());
+    if let Some(trace) = &trace {
+        req.extensions_mut().insert(trace.probe());
+    }
     match live.messages.clone().oneshot(req).await {
         Ok(response) => {
+            let status = response.status().as_u16();
             debug!(
                 status = response.status().as_u16(),
                 bytes = size,
@@ -404,10 +427,19 @@ async fn messages(gw: &Gateway, live: Arc<Live>, req: Request<Incoming>) -> Resp
                 "POST /v1/messages"
             );
             // The buffer's share of the budget comes back when the answer has been sent.
-            response.map(|body| Holding::new(body, permit).boxed_unsync())
+            response.map(|body| {
+                let body = Holding::new(body, permit).boxed_unsync();
+                match trace {
+                    Some(trace) => Recording::new(body, status, trace).boxed_unsync(),
+                    None => body,
+                }
+            })
         }
         Err(error) => {
             let response = rendered(&error);
+            if let Some(trace) = trace {
+                trace.finish(response.status().as_u16(), &Default::default());
+            }
             if response.status() == StatusCode::BAD_GATEWAY {
                 warn!(error = %error, "upstream call failed");
             } else {

@@ -18,6 +18,7 @@
 //! - `server`: connections (cap, header / body / keep-alive timeouts, drain);
 //! - `admin`: `/metrics`, `/healthz`, `/readyz`, `/status` on the admin listener;
 //! - `dashboard`: the admin listener's live page (`/`) and its numbers (`/live`);
+//! - `record`: `--record`, the admitted calls as JSON lines for the simulator's replay;
 //! - `upstream`: the upstream client.
 
 mod admin;
@@ -25,6 +26,7 @@ mod api;
 mod auth;
 mod config;
 mod dashboard;
+mod record;
 mod routes;
 mod server;
 mod upstream;
@@ -150,6 +152,11 @@ pub(crate) struct Args {
     #[arg(long, env = "FAIRGATE_DRAIN_TIMEOUT", value_name = "DURATION", default_value = "30s",
           value_parser = duration)]
     drain_timeout: Duration,
+
+    /// Record each POST /v1/messages call the admission stack saw to FILE (created or
+    /// truncated), one JSON line each when it ends: for the simulator's --replay.
+    #[arg(long, env = "FAIRGATE_RECORD", value_name = "FILE")]
+    record: Option<PathBuf>,
 }
 
 fn upstream_url(value: &str) -> Result<Uri, String> {
@@ -300,6 +307,10 @@ async fn run(mut args: Args) -> Result<(), String> {
     let tenants = config.tenants.len();
     let (global_max, window) = (config.policy.global_max(), config.window);
     let live = Live::new(config, store, &upstream)?;
+    let recorder = match &args.record {
+        Some(path) => Some(record::Recorder::start(path)?),
+        None => None,
+    };
 
     let (stop, stopped) = tokio::sync::watch::channel(false);
     let gw = Arc::new(Gateway::new(
@@ -313,6 +324,7 @@ async fn run(mut args: Args) -> Result<(), String> {
             total: args.body_timeout,
         },
         stopped.clone(),
+        recorder,
     ));
 
     let listener = tokio::net::TcpListener::bind(args.listen)
@@ -348,6 +360,7 @@ async fn run(mut args: Args) -> Result<(), String> {
         global_max,
         window,
         max_connections = args.max_connections,
+        record = args.record.as_ref().map(|path| path.display().to_string()),
         "gateway listening"
     );
 

@@ -1,0 +1,494 @@
+//! `--record FILE`: the admitted traffic as JSON lines, for the simulator's `--replay`.
+//!
+//! One line per `POST /v1/messages` call that went through the admission stack, written
+//! when the call ends (its answer's last byte sent, or the client gone):
+//!
+//! ```json
+//! {"at_ms":1532,"tenant":"9f86d081884c7d65","tier":"premium","origin":"user","sla_ms":null,"est_input_tokens":27,"input_tokens":12,"output_tokens":7,"upstream_ms":41,"latency_ms":44,"status":200}
+//! ```
+//!
+//! - `at_ms`: when the call entered the stack (its body read), ms after the recording began;
+//! - `tenant`: the first 16 hex digits of the SHA-256 of the tenant's name (never a key or
+//!   a name in clear);
+//! - `tier`, `origin` (`user`, `scheduled`, `batch`), `sla_ms` (or null), and
+//!   `est_input_tokens`: the call's `Job` as the stack saw it;
+//! - `input_tokens`, `output_tokens`: the answer's own `usage` (a JSON answer's, or a
+//!   stream's `message_start` / `message_delta`), null when it said none;
+//! - `upstream_ms`: from the last dispatch to the upstream to the answer's last byte, null
+//!   when the call was never dispatched (refused by the stack);
+//! - `latency_ms`: from `at_ms` to the answer's last byte, what the client waited;
+//! - `status`: the status the client got (`499` if it left before its answer began).
+//!
+//! Writing never holds a call up: lines go through a bounded channel to a writer thread,
+//! and a line that finds the channel full is dropped and counted
+//! (`gateway_record_dropped_total`). The writer flushes whenever it has nothing waiting,
+//! so the file is current within moments. The answer's body passes through untouched; the
+//! usage is read from it as it passes by a scanner that keeps a few bytes of state.
+
+use std::fs::File;
+use std::io::{BufWriter, Write};
+use std::path::Path;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
+
+use bytes::Bytes;
+use fairgate::{BoxError, Job, Origin};
+use http_body::{Frame, SizeHint};
+use sha2::{Digest, Sha256};
+use tokio::sync::mpsc;
+use tokio::time::Instant;
+use tracing::warn;
+
+use super::Body;
+
+/// Lines waiting for the writer at most; past it a line is dropped and counted.
+const QUEUE: usize = 4096;
+
+/// The open recording: a channel to its writer thread and the moment it began.
+pub(crate) struct Recorder {
+    lines: mpsc::Sender<String>,
+    epoch: Instant,
+}
+
+impl Recorder {
+    /// Creates (or truncates) `path` and starts the writer thread.
+    pub(crate) fn start(path: &Path) -> Result<Arc<Recorder>, String> {
+        let file = File::create(path).map_err(|e| format!("--record {}: {e}", path.display()))?;
+        let (lines, mut queued) = mpsc::channel::<String>(QUEUE);
+        let shown = path.display().to_string();
+        std::thread::Builder::new()
+            .name("record".into())
+            .spawn(move || {
+                let mut out = BufWriter::new(file);
+                let mut failed = false;
+                while let Some(line) = queued.blocking_recv() {
+                    let mut written = out.write_all(line.as_bytes());
+                    if queued.is_empty() {
+                        written = written.and_then(|()| out.flush());
+                    }
+                    if let Err(e) = written
+                        && !failed
+                    {
+                        failed = true;
+                        warn!(file = %shown, error = %e, "--record: cannot write");
+                    }
+                }
+                let _ = out.flush();
+            })
+            .map_err(|e| format!("--record: cannot start the writer: {e}"))?;
+        Ok(Arc::new(Recorder {
+            lines,
+            epoch: Instant::now(),
+        }))
+    }
+
+    /// A call entering the stack now.
+    pub(crate) fn begin(self: &Arc<Self>) -> Trace {
+        Trace {
+            recorder: self.clone(),
+            arrived: Instant::now(),
+            probe: Probe::default(),
+            written: false,
+        }
+    }
+
+    fn write(&self, line: String) {
+        if self.lines.try_send(line).is_err() {
+            metrics::counter!("gateway_record_dropped_total").increment(1);
+        }
+    }
+}
+
+/// What the stack tells about a call as it goes: its job, its last dispatch. Travels in
+/// the request's extensions (a retried request's clone shares it).
+#[derive(Clone, Default)]
+pub(crate) struct Probe(Arc<Mutex<Seen>>);
+
+#[derive(Default)]
+struct Seen {
+    job: Option<Job>,
+    dispatched: Option<Instant>,
+}
+
+impl Probe {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Seen> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The job the stack admits the call with.
+    pub(crate) fn job(&self, job: &Job) {
+        self.lock().job = Some(job.clone());
+    }
+
+    /// The call is being sent to the upstream (again) now.
+    pub(crate) fn dispatched(&self) {
+        self.lock().dispatched = Some(Instant::now());
+    }
+}
+
+/// One call being recorded: its line is written by [`Trace::finish`], or when it is
+/// dropped unfinished (the client gone before its answer began) with status `499`.
+pub(crate) struct Trace {
+    recorder: Arc<Recorder>,
+    arrived: Instant,
+    probe: Probe,
+    written: bool,
+}
+
+impl Trace {
+    pub(crate) fn probe(&self) -> Probe {
+        self.probe.clone()
+    }
+
+    /// Writes the call's line: it ended now, answered `status`, its usage as `usage` read.
+    pub(crate) fn finish(mut self, status: u16, usage: &UsageScan) {
+        self.write(status, usage);
+    }
+
+    fn write(&mut self, status: u16, usage: &UsageScan) {
+        self.written = true;
+        let now = Instant::now();
+        let seen = self.probe.lock();
+        // Every call that passed authentication has a job; without one there is no line.
+        let Some(job) = &seen.job else { return };
+        let ms = |since: Instant| now.saturating_duration_since(since).as_millis() as u64;
+        let line = format!(
+            "{{\"at_ms\":{},\"tenant\":\"{}\",\"tier\":{},\"origin\":\"{}\",\"sla_ms\":{},\
+             \"est_input_tokens\":{},\"input_tokens\":{},\"output_tokens\":{},\
+             \"upstream_ms\":{},\"latency_ms\":{},\"status\":{status}}}\n",
+            self.arrived
+                .saturating_duration_since(self.recorder.epoch)
+                .as_millis(),
+            tenant_hash(job.tenant().as_str()),
+            job.tier_name()
+                .map_or_else(|| "null".to_owned(), |t| json_string(t.as_str())),
+            origin_name(job.origin()),
+            or_null(job.sla_window().map(|d| d.as_millis() as u64)),
+            job.estimated_tokens(),
+            or_null(usage.input),
+            or_null(usage.output),
+            or_null(seen.dispatched.map(ms)),
+            ms(self.arrived),
+        );
+        drop(seen);
+        self.recorder.write(line);
+    }
+}
+
+impl Drop for Trace {
+    fn drop(&mut self) {
+        if !self.written {
+            self.write(CLIENT_GONE, &UsageScan::default());
+        }
+    }
+}
+
+/// The status of a call whose client left before its answer began (nginx's number).
+const CLIENT_GONE: u16 = 499;
+
+/// The first 16 hex digits of the SHA-256 of `tenant`.
+pub(crate) fn tenant_hash(tenant: &str) -> String {
+    Sha256::digest(tenant.as_bytes())[..8]
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+fn origin_name(origin: Origin) -> &'static str {
+    match origin {
+        Origin::UserAction => "user",
+        Origin::Scheduled => "scheduled",
+        Origin::BatchJob => "batch",
+    }
+}
+
+fn or_null(value: Option<u64>) -> String {
+    value.map_or_else(|| "null".to_owned(), |v| v.to_string())
+}
+
+/// `text` as a JSON string, quoted and escaped.
+fn json_string(text: &str) -> String {
+    let mut out = String::with_capacity(text.len() + 2);
+    out.push('"');
+    for c in text.chars() {
+        match c {
+            '"' => out.push_str("\\\""),
+            '\\' => out.push_str("\\\\"),
+            c if (c as u32) < 0x20 => out.push_str(&format!("\\u{:04x}", c as u32)),
+            c => out.push(c),
+        }
+    }
+    out.push('"');
+    out
+}
+
+/// Reads `"input_tokens": N` and `"output_tokens": N` out of JSON (or SSE carrying JSON)
+/// as it passes, a byte at a time, keeping the last value of each: a stream's
+/// `message_delta` then overrides its `message_start`. Its state is a few bytes, whatever
+/// the body's length; a key inside a string value (escaped quotes) is not taken for one.
+#[derive(Debug, Default)]
+pub(crate) struct UsageScan {
+    pub(crate) input: Option<u64>,
+    pub(crate) output: Option<u64>,
+    state: Scan,
+    /// The current string's first bytes, and its length.
+    key: [u8; 16],
+    key_len: usize,
+}
+
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+enum Scan {
+    #[default]
+    Outside,
+    InString {
+        escaped: bool,
+    },
+    /// After a usage key, before its `:`.
+    AfterKey(Field),
+    /// After the `:`, before the number.
+    Colon(Field),
+    Number(Field, u64),
+}
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Field {
+    Input,
+    Output,
+}
+
+impl UsageScan {
+    pub(crate) fn feed(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.byte(b);
+        }
+    }
+
+    /// The body ended: a number at its very end counts.
+    pub(crate) fn end(&mut self) {
+        if let Scan::Number(field, n) = self.state {
+            self.set(field, n);
+        }
+        self.state = Scan::Outside;
+    }
+
+    fn set(&mut self, field: Field, n: u64) {
+        match field {
+            Field::Input => self.input = Some(n),
+            Field::Output => self.output = Some(n),
+        }
+    }
+
+    fn byte(&mut self, b: u8) {
+        match self.state {
+            Scan::Outside => {
+                if b == b'"' {
+                    self.state = Scan::InString { escaped: false };
+                    self.key_len = 0;
+                }
+            }
+            Scan::InString { escaped: true } => {
+                self.push(b);
+                self.state = Scan::InString { escaped: false };
+            }
+            Scan::InString { escaped: false } => match b {
+                b'\\' => {
+                    self.push(b);
+                    self.state = Scan::InString { escaped: true };
+                }
+                b'"' => {
+                    let key = &self.key[..self.key_len.min(self.key.len())];
+                    self.state = match (self.key_len <= self.key.len(), key) {
+                        (true, b"input_tokens") => Scan::AfterKey(Field::Input),
+                        (true, b"output_tokens") => Scan::AfterKey(Field::Output),
+                        _ => Scan::Outside,
+                    };
+                }
+                _ => self.push(b),
+            },
+            Scan::AfterKey(field) => match b {
+                b' ' | b'\t' | b'\r' | b'\n' => {}
+                b':' => self.state = Scan::Colon(field),
+                _ => self.again(b),
+            },
+            Scan::Colon(field) => match b {
+                b' ' | b'\t' | b'\r' | b'\n' => {}
+                b'0'..=b'9' => self.state = Scan::Number(field, u64::from(b - b'0')),
+                _ => self.again(b),
+            },
+            Scan::Number(field, n) => match b {
+                b'0'..=b'9' => {
+                    let n = n.saturating_mul(10).saturating_add(u64::from(b - b'0'));
+                    self.state = Scan::Number(field, n);
+                }
+                _ => {
+                    self.set(field, n);
+                    self.again(b);
+                }
+            },
+        }
+    }
+
+    /// `b` read again from outside any string.
+    fn again(&mut self, b: u8) {
+        self.state = Scan::Outside;
+        self.byte(b);
+    }
+
+    fn push(&mut self, b: u8) {
+        if let Some(slot) = self.key.get_mut(self.key_len) {
+            *slot = b;
+        }
+        self.key_len = self.key_len.saturating_add(1);
+    }
+}
+
+/// The client's response body, passed through untouched while its usage is read; the
+/// call's line is written when it ends or is dropped (the client gone).
+pub(crate) struct Recording {
+    inner: Body,
+    scan: UsageScan,
+    status: u16,
+    trace: Option<Trace>,
+}
+
+impl Recording {
+    pub(crate) fn new(inner: Body, status: u16, trace: Trace) -> Recording {
+        Recording {
+            inner,
+            scan: UsageScan::default(),
+            status,
+            trace: Some(trace),
+        }
+    }
+
+    fn finish(&mut self) {
+        if let Some(trace) = self.trace.take() {
+            self.scan.end();
+            trace.finish(self.status, &self.scan);
+        }
+    }
+}
+
+impl http_body::Body for Recording {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        let polled = Pin::new(&mut self.inner).poll_frame(cx);
+        match &polled {
+            Poll::Ready(Some(Ok(frame))) => {
+                if let Some(data) = frame.data_ref() {
+                    let data = data.clone();
+                    self.scan.feed(&data);
+                }
+            }
+            Poll::Ready(None) => self.finish(),
+            _ => {}
+        }
+        polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+impl Drop for Recording {
+    fn drop(&mut self) {
+        self.finish();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn scanned(chunks: &[&str]) -> (Option<u64>, Option<u64>) {
+        let mut scan = UsageScan::default();
+        for chunk in chunks {
+            scan.feed(chunk.as_bytes());
+        }
+        scan.end();
+        (scan.input, scan.output)
+    }
+
+    #[test]
+    fn usage_is_read_from_a_json_answer_and_from_a_stream_split_anywhere() {
+        let json = r#"{"content":[{"type":"text","text":"x"}],"usage":{"cache_creation_input_tokens":99,"input_tokens":12,"output_tokens":7}}"#;
+        assert_eq!(scanned(&[json]), (Some(12), Some(7)));
+        for cut in 0..json.len() {
+            assert_eq!(scanned(&[&json[..cut], &json[cut..]]), (Some(12), Some(7)));
+        }
+        let stream = "event: message_start\ndata: {\"type\":\"message_start\",\"message\":{\"usage\":{\"input_tokens\":12,\"output_tokens\":1}}}\n\n\
+                      event: content_block_delta\ndata: {\"delta\":{\"text\":\"say \\\"output_tokens\\\": 5000\"}}\n\n\
+                      event: message_delta\ndata: {\"type\":\"message_delta\",\"usage\":{\"output_tokens\": 5}}\n\n";
+        assert_eq!(scanned(&[stream]), (Some(12), Some(5)));
+        assert_eq!(scanned(&["{\"output_tokens\":", "42"]), (None, Some(42)));
+        assert_eq!(scanned(&[r#"{"type":"error"}"#]), (None, None));
+    }
+
+    #[test]
+    fn a_line_that_finds_the_queue_full_is_dropped_and_counted() {
+        use metrics_util::debugging::{DebugValue, DebuggingRecorder};
+        let metrics = DebuggingRecorder::new();
+        let snapshotter = metrics.snapshotter();
+        let _guard = metrics::set_default_local_recorder(&metrics);
+        // A writer that takes nothing: the queue holds one line.
+        let (lines, mut queued) = mpsc::channel(1);
+        let recorder = Recorder {
+            lines,
+            epoch: Instant::now(),
+        };
+        recorder.write("first\n".into());
+        recorder.write("second\n".into());
+        assert_eq!(queued.try_recv().as_deref(), Ok("first\n"));
+        assert!(queued.try_recv().is_err(), "the second line was dropped");
+        let dropped: Vec<DebugValue> = snapshotter
+            .snapshot()
+            .into_vec()
+            .into_iter()
+            .filter(|(key, ..)| key.key().name() == "gateway_record_dropped_total")
+            .map(|(.., value)| value)
+            .collect();
+        assert_eq!(dropped, [DebugValue::Counter(1)]);
+    }
+
+    #[test]
+    fn a_call_whose_client_left_before_its_answer_is_written_as_499() {
+        let (lines, mut queued) = mpsc::channel(4);
+        let recorder = Arc::new(Recorder {
+            lines,
+            epoch: Instant::now(),
+        });
+        let trace = recorder.begin();
+        trace
+            .probe()
+            .job(&Job::new("team-a", Origin::Scheduled).tier("pro").cost(40));
+        drop(trace);
+        let line = queued.try_recv().unwrap();
+        let expected = format!(
+            r#""tenant":"{}","tier":"pro","origin":"scheduled","sla_ms":null,"est_input_tokens":40,"input_tokens":null,"output_tokens":null,"upstream_ms":null,"#,
+            tenant_hash("team-a")
+        );
+        assert!(line.contains(&expected), "{line}");
+        assert!(line.ends_with(",\"status\":499}\n"), "{line}");
+        // Without a job (never admitted), nothing is written.
+        drop(recorder.begin());
+        assert!(queued.try_recv().is_err());
+    }
+
+    #[test]
+    fn tenants_are_hashed_and_strings_escaped() {
+        assert_eq!(tenant_hash("team-premium").len(), 16);
+        assert_ne!(tenant_hash("a"), tenant_hash("b"));
+        assert_eq!(json_string("a\"b\\c\n"), r#""a\"b\\c\u000a""#);
+    }
+}
