@@ -137,6 +137,22 @@ async fn the_live_page_shows_who_waits_and_what_is_in_flight_as_the_gateway_coun
     assert_eq!(shown("guest", "n waiting").as_deref(), Some("2"));
     // The page and the upstream agree: what it shows in flight is what the upstream holds.
     assert_eq!(mock.in_flight(), 4);
+    // Tokens served per tenant, as the store counts them for the fair queue.
+    let tokens = |tenant: &str| -> Option<String> {
+        let at = live.find(&format!(r#""tenant":"{tenant}""#))?;
+        let rest = &live[at..];
+        let from = rest.find(r#""tokens":"#)? + 9;
+        Some(rest[from..from + rest[from..].find(',')?].to_owned())
+    };
+    for tenant in ["team-premium", "team-guest"] {
+        let shown = cell(&dom, "tenant", tenant, "n tokens");
+        println!(
+            "{tenant}: {shown:?} tokens served on the page, {:?} in /live",
+            tokens(tenant)
+        );
+        assert!(shown.is_some(), "{tenant} on the page");
+        assert_eq!(shown, tokens(tenant), "{tenant}'s tokens");
+    }
 
     let shot = target_tmp().join("gateway_page.png");
     let _ = std::fs::remove_file(&shot);

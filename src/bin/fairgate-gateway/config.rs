@@ -130,6 +130,8 @@ pub(crate) struct Config {
     pub(crate) window: usize,
     /// Every tenant the keys name, sorted (the demotion gauge's tick looks at each).
     pub(crate) tenants: Vec<String>,
+    /// Each tenant's tier (of its first key): its weight on the live page.
+    pub(crate) tenant_tiers: std::collections::BTreeMap<String, String>,
     pub(crate) demotion: DemotionPolicy,
 }
 
@@ -258,6 +260,7 @@ pub(crate) fn parse(text: &str) -> Result<Config, Refusal> {
 
     let mut keys = KeyTable::new();
     let mut tenants = HashSet::new();
+    let mut tenant_tiers = std::collections::BTreeMap::new();
     for (i, entry) in file.keys.iter().enumerate() {
         let n = i + 1;
         let span = Some(entry.span());
@@ -299,6 +302,9 @@ pub(crate) fn parse(text: &str) -> Result<Config, Refusal> {
         }
         keys.insert(key, entry.tenant.as_str(), entry.tier.as_str());
         tenants.insert(entry.tenant.clone());
+        tenant_tiers
+            .entry(entry.tenant.clone())
+            .or_insert_with(|| entry.tier.clone());
     }
     let window = match &limits.window {
         Some(window) if *window.get_ref() == 0 => {
@@ -333,6 +339,7 @@ pub(crate) fn parse(text: &str) -> Result<Config, Refusal> {
         policy,
         window,
         tenants,
+        tenant_tiers,
         demotion,
     })
 }

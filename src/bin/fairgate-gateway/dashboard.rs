@@ -5,18 +5,22 @@
 //! nothing fetched from elsewhere); it reads `/live` every second. `/live` reads the same
 //! state the metrics do: the store for the slots in use (the whole fleet's on Redis) and the
 //! cooldown gates, the fair queue for the calls waiting here, and the metrics this process
-//! publishes for the rest (latency quantiles, `Busy` by reason, tokens per tenant, the
-//! fairness index, the learned limits, the demoted tenants).
+//! publishes for the rest (latency quantiles, `Busy` by reason, this worker's fairness
+//! index, the learned limits, the demoted tenants). The tenants' served tokens come from the
+//! store too (the fleet's on Redis), and Jain's index over them is the fleet's.
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 
-use fairgate::{Priority, metrics};
+use fairgate::{Priority, TenantId, metrics};
 
 use super::api::Live;
 
 /// The page.
 pub(crate) const PAGE: &str = include_str!("dashboard.html");
+
+/// The tenants whose served tokens are read for the page (a store read each, every second).
+const MAX_TENANTS: usize = 200;
 
 /// One sample of the metrics text: the labels and the value.
 struct Sample {
@@ -128,18 +132,45 @@ pub(crate) async fn live_json(live: &Live, metrics_text: &str) -> String {
             )
         })
         .collect();
-    let mut tokens = samples(metrics_text, metrics::INPUT_TOKENS);
-    let total = tokens.iter().fold(0.0, |sum, s| sum + s.value);
-    tokens.sort_by(|a, b| b.value.total_cmp(&a.value));
-    let tenants: Vec<String> = tokens
+    // Served tokens per tenant in the store's window (every worker's, on Redis), weighed by
+    // the tenant's tier as the fair queue weighs it (pro and premium 3, others 1).
+    let mut served = Vec::new();
+    for tenant in live.config.tenants.iter().take(MAX_TENANTS) {
+        let tokens = live
+            .store
+            .served_cost(&TenantId::from(tenant.as_str()))
+            .await;
+        let tier = live
+            .config
+            .tenant_tiers
+            .get(tenant)
+            .map_or("", String::as_str);
+        let weight = if matches!(tier, "pro" | "premium") {
+            3.0
+        } else {
+            1.0
+        };
+        served.push((tenant, tier, weight, tokens as f64));
+    }
+    let total = served.iter().fold(0.0, |sum, s| sum + s.3);
+    let active: Vec<f64> = served
+        .iter()
+        .filter(|s| s.3 > 0.0)
+        .map(|s| s.3 / s.2)
+        .collect();
+    let fleet_jain = fairgate::drr_fairness::scheduler::jain_index(active.iter().copied());
+    served.sort_by(|a, b| b.3.total_cmp(&a.3));
+    let tenants: Vec<String> = served
         .iter()
         .take(10)
-        .map(|s| {
-            let share = if total > 0.0 { s.value / total } else { 0.0 };
+        .map(|(tenant, tier, weight, tokens)| {
+            let share = if total > 0.0 { tokens / total } else { 0.0 };
             format!(
-                r#"{{"tenant":{},"tokens":{},"share":{}}}"#,
-                json(label(s, "tenant_id")),
-                num(s.value),
+                r#"{{"tenant":{},"tier":{},"weight":{},"tokens":{},"share":{}}}"#,
+                json(tenant),
+                json(tier),
+                num(*weight),
+                num(*tokens),
                 num(share)
             )
         })
@@ -179,6 +210,7 @@ pub(crate) async fn live_json(live: &Live, metrics_text: &str) -> String {
             r#"{{"store":{{"backend":{},"degraded":{}}},"#,
             r#""window":{{"in_flight":{},"max":{},"queued":{}}},"#,
             r#""tiers":[{}],"classes":[{}],"tenants":[{}],"fairness_index":{},"#,
+            r#""worker_fairness_index":{},"#,
             r#""upstreams":[{}],"demoted_tenants":{}}}"#
         ),
         json(live.store.backend_name()),
@@ -189,6 +221,7 @@ pub(crate) async fn live_json(live: &Live, metrics_text: &str) -> String {
         tiers.join(","),
         classes.join(","),
         tenants.join(","),
+        fleet_jain.map_or("null".to_owned(), num),
         gauge(metrics::FAIRNESS_INDEX),
         gates.join(","),
         gauge(metrics::DEMOTED_TENANTS),
