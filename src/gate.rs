@@ -88,6 +88,11 @@ impl Receipt {
     pub(crate) fn mark_used(&mut self) {
         self.used = true;
     }
+
+    /// Whether the call's answer has anything to settle: cells taken, or a probe.
+    pub(crate) fn tells_something(&self) -> bool {
+        self.probe || self.gate.is_some()
+    }
 }
 
 impl Drop for Receipt {

@@ -1314,7 +1314,10 @@ impl Permit {
     pub(super) fn going(&mut self, job: Option<&Job>) {
         if let Some(mut receipt) = self.receipt.take() {
             receipt.mark_used();
-            if let Some(cell) = job.and_then(Job::attempt_cell) {
+            // A receipt of nothing (no limit learned, no probe) tells the retry layer nothing.
+            if receipt.tells_something()
+                && let Some(cell) = job.and_then(Job::attempt_cell)
+            {
                 cell.put(receipt);
             }
         }

@@ -1,6 +1,6 @@
 use std::collections::HashMap;
 use std::fmt;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -55,6 +55,10 @@ pub(super) struct Core {
     /// Per upstream key: the gate's last known reopening and this worker's release after it
     /// (see `note_reopen`).
     release: Mutex<HashMap<Arc<str>, (Instant, Instant)>>,
+    /// The latest release of them all, in milliseconds after `created`: before it has
+    /// passed, `release_in` looks; after, nothing is ahead and no lock is taken.
+    release_latest_ms: AtomicU64,
+    created: Instant,
     /// Notified when an answer was reported to the store: calls held behind a probe in
     /// this worker ask again at once, in the order they wait.
     pub(super) answered: Arc<tokio::sync::Notify>,
@@ -160,6 +164,9 @@ impl Core {
             _ => {
                 let at = reopen + self.policy.spread_for(left).mul_f64(self.unit());
                 release.insert(key.clone(), (reopen, at));
+                let ms = at.saturating_duration_since(self.created).as_millis() + 1;
+                self.release_latest_ms
+                    .fetch_max(u64::try_from(ms).unwrap_or(u64::MAX), Ordering::AcqRel);
                 at
             }
         }
@@ -175,6 +182,13 @@ impl Core {
 
     /// How long until this worker's release after `key`'s last reopening, if still ahead.
     pub(super) fn release_in(&self, key: &Arc<str>) -> Option<Duration> {
+        let latest = self.release_latest_ms.load(Ordering::Acquire);
+        if latest == 0
+            || Instant::now().saturating_duration_since(self.created).as_millis()
+                > u128::from(latest)
+        {
+            return None;
+        }
         let release = crate::sync::lock(&self.release);
         let (_, at) = *release.get(key)?;
         Some(at.saturating_duration_since(Instant::now())).filter(|d| !d.is_zero())
@@ -477,6 +491,8 @@ impl RetryAfterBackoffLayer {
                     default_known: std::sync::atomic::AtomicBool::new(false),
                     held: AtomicUsize::new(0),
                     release: Mutex::default(),
+                    release_latest_ms: AtomicU64::new(0),
+                    created: Instant::now(),
                     answered: Arc::default(),
                     limits_changed: Arc::default(),
                     gates: Mutex::default(),
