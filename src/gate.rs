@@ -60,13 +60,17 @@ impl fmt::Display for WaitReason {
 
 /// What a rate gate says about the next call of an upstream key.
 pub(crate) enum Verdict {
-    /// It goes now, with what was taken for it.
-    Go(Receipt),
+    /// It goes now, with what was taken for it (`None`: nothing, no limit applies).
+    Go(Taken),
     /// Not before then.
     Until(Instant, WaitReason),
     /// Not until the gate notifies (an answer the store or a probe is awaited for).
     Notified(WaitReason),
 }
+
+/// What a dispatched call took from a rate gate, boxed (most calls take nothing: `None`,
+/// and the futures that carry it stay small).
+pub(crate) type Taken = Option<Box<Receipt>>;
 
 /// What a dispatched call took from a rate gate: given to the call, so the retry layer
 /// can correct the token charges from the answer's usage, and report a probe's answer.
@@ -201,14 +205,14 @@ impl fmt::Debug for SlotGate {
 /// The cell a retry layer hands each attempt, through the request's [`Job`](crate::Job):
 /// the fair queue below puts the attempt's [`Receipt`] in it when it dispatches.
 #[derive(Clone, Default)]
-pub(crate) struct AttemptCell(pub(crate) Arc<std::sync::Mutex<Option<Receipt>>>);
+pub(crate) struct AttemptCell(pub(crate) Arc<std::sync::Mutex<Taken>>);
 
 impl AttemptCell {
-    pub(crate) fn put(&self, receipt: Receipt) {
+    pub(crate) fn put(&self, receipt: Box<Receipt>) {
         *crate::sync::lock(&self.0) = Some(receipt);
     }
 
-    pub(crate) fn take(&self) -> Option<Receipt> {
+    pub(crate) fn take(&self) -> Taken {
         crate::sync::lock(&self.0).take()
     }
 }

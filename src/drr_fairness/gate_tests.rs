@@ -35,14 +35,14 @@ impl RateLimit for Scripted {
         }
         self.given.fetch_add(1, Ordering::SeqCst);
         let gate: Arc<dyn RateLimit> = self.clone();
-        Verdict::Go(Receipt {
+        Verdict::Go(Some(Box::new(Receipt {
             key: key.clone(),
             need: [1; DIMS],
             charged: [1, 0, 0, 0],
             probe: false,
             used: false,
             gate: Some(gate),
-        })
+        })))
     }
 
     fn returned(&self, _key: &Arc<str>, used: bool, _probe: bool, _charged: [u32; DIMS]) {

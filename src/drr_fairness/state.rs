@@ -16,7 +16,7 @@ use super::fairness::FairnessWindow;
 use super::scheduler::{ClassPicker, Key, Pick, Rejected, Scheduler, SchedulerConfig};
 use crate::admission::{Busy, SlowWait, TierLimit};
 use crate::error::ConfigError;
-use crate::gate::{RateGate, Receipt, SlotGate, Verdict, WaitReason};
+use crate::gate::{RateGate, SlotGate, Taken, Verdict, WaitReason};
 use crate::metrics::Metric;
 use crate::rng::Rng;
 use crate::store::{SlotLease, SlotQueue, SlotRefusal, SlotWakes, StoreFuture};
@@ -149,7 +149,7 @@ struct State {
 #[derive(Default)]
 struct Handed {
     lease: Option<SlotLease>,
-    receipt: Option<Receipt>,
+    receipt: Taken,
 }
 
 impl State {
@@ -284,7 +284,7 @@ struct Sent {
     more: bool,
     /// The rate cells taken for the request whose turn it was, and its tenant: the slot
     /// goes to that tenant's request.
-    rate: Option<(TenantId, Receipt)>,
+    rate: Option<(TenantId, Taken)>,
 }
 
 /// What a dispatch leaves to do once the lock is released.
@@ -645,7 +645,7 @@ impl Shared {
                     charged.map(|_| tenant.clone()),
                     Handed {
                         lease,
-                        receipt: receipt.flatten(),
+                        receipt: receipt.flatten().flatten(),
                     },
                     arrived,
                 ))
@@ -723,8 +723,8 @@ impl Shared {
     }
 
     /// The rate gate's word on a request that could go at once: `None` without a rate gate,
-    /// `Some(Some(receipt))` when it may go, `Some(None)` when the gate holds it (it queues,
-    /// and the queue waits for the gate).
+    /// `Some(Some(taken))` when it may go (with what it took, if anything), `Some(None)` when
+    /// the gate holds it (it queues, and the queue waits for the gate).
     fn rate_now(
         &self,
         state: &mut State,
@@ -732,11 +732,11 @@ impl Shared {
         key: Option<&Arc<str>>,
         cost: u32,
         after: &mut AfterUnlock,
-    ) -> Option<Option<Receipt>> {
+    ) -> Option<Option<Taken>> {
         let rate = self.rate.as_ref()?;
         let key = key.cloned().unwrap_or_else(|| rate.inner.default_key());
         Some(match rate.inner.clone().check(&key, cost) {
-            Verdict::Go(receipt) => Some(receipt),
+            Verdict::Go(taken) => Some(taken),
             Verdict::Until(at, reason) => {
                 state.groups[group].held_for = reason;
                 state.hold_for_rate(Some(at), after);
@@ -760,7 +760,7 @@ impl Shared {
         group: usize,
         class: Priority,
         after: &mut AfterUnlock,
-    ) -> Result<Option<(TenantId, Receipt)>, ()> {
+    ) -> Result<Option<(TenantId, Taken)>, ()> {
         if self.rate.is_none() {
             return Ok(None);
         }
@@ -958,11 +958,11 @@ impl Shared {
         group: usize,
         class: Priority,
         lease: Option<SlotLease>,
-        rate: Option<(TenantId, Receipt)>,
+        rate: Option<(TenantId, Taken)>,
         after: &mut AfterUnlock,
     ) {
         let (for_tenant, receipt) = match rate {
-            Some((tenant, receipt)) => (Some(tenant), Some(receipt)),
+            Some((tenant, receipt)) => (Some(tenant), receipt),
             None => (lease.as_ref().and_then(SlotLease::tenant).cloned(), None),
         };
         let handed = Handed { lease, receipt };
@@ -1103,7 +1103,7 @@ impl Shared {
             // Not dispatched: the rate cells go back to the gate.
             after.drop_handed.push(Handed {
                 lease: None,
-                receipt: rate.map(|(_, receipt)| receipt),
+                receipt: rate.and_then(|(_, receipt)| receipt),
             });
             self.hold_tenant(state, group, tenant, after);
         });
@@ -1158,7 +1158,7 @@ impl Shared {
         class: Priority,
         ahead: f64,
         more: bool,
-        rate: Option<(TenantId, Receipt)>,
+        rate: Option<(TenantId, Taken)>,
         lease: Option<SlotLease>,
     ) {
         self.then_dispatch(|state, after| {
@@ -1185,7 +1185,7 @@ impl Shared {
                 None => {
                     after.drop_handed.push(Handed {
                         lease: None,
-                        receipt: rate.map(|(_, receipt)| receipt),
+                        receipt: rate.and_then(|(_, receipt)| receipt),
                     });
                     self.block(state, group, after);
                 }
@@ -1274,7 +1274,7 @@ pub struct Permit {
     charged: Option<TenantId>,
     slot: Option<SlotLease>,
     /// What the call took from the rate gate, until it goes upstream.
-    receipt: Option<Receipt>,
+    receipt: Taken,
 }
 
 impl Permit {

@@ -22,7 +22,7 @@ use super::telemetry;
 use super::usage::Usage;
 use crate::admission::Busy;
 use crate::error::{BoxError, MissingJob};
-use crate::gate::{AttemptCell, Receipt};
+use crate::gate::{AttemptCell, Taken};
 use crate::store::{DIMS, PaceAsk, PaceGrant, StoreFuture};
 use crate::{JobRequest, TenantId};
 
@@ -127,7 +127,7 @@ pub(super) struct Call<S, Req, C> {
     /// With the rate gate in a fair queue below: where it puts what the attempt took.
     pub(super) attempt: Option<AttemptCell>,
     /// What the attempt under way took from the rate gate, until its answer is reported.
-    pub(super) receipt: Option<Receipt>,
+    pub(super) receipt: Taken,
 }
 
 /// The tier's max wait under the store's slot caps, counted from the request's arrival:

@@ -166,14 +166,7 @@ impl RateLimit for Core {
         {
             // Nothing learned, cold or recovering, no pacing, the gate open: nothing to
             // take, and no lock.
-            return Verdict::Go(Receipt {
-                key: key.clone(),
-                need: [0; DIMS],
-                charged: [0; DIMS],
-                probe: false,
-                used: false,
-                gate: None,
-            });
+            return Verdict::Go(None);
         }
         let now = Instant::now();
         let mut gates = crate::sync::lock(&self.gates);
@@ -285,14 +278,14 @@ impl RateLimit for Core {
             self.correct_usage(key, charge, None);
         }
         let gate: Arc<dyn RateLimit> = self.clone();
-        Verdict::Go(Receipt {
+        Verdict::Go(Some(Box::new(Receipt {
             key: key.clone(),
             need: ready.need,
             charged: ready.charged,
             probe: ready.probe,
             used: false,
             gate: Some(gate),
-        })
+        })))
     }
 
     fn returned(&self, key: &Arc<str>, used: bool, probe: bool, charged: [u32; DIMS]) {
@@ -357,9 +350,10 @@ mod tests {
         let _ = store.pace_learned(KEY, &ask).into_ready();
     }
 
-    fn go(verdict: Verdict) -> Receipt {
+    fn go(verdict: Verdict) -> Box<Receipt> {
         match verdict {
-            Verdict::Go(receipt) => receipt,
+            Verdict::Go(Some(receipt)) => receipt,
+            Verdict::Go(None) => panic!("went with nothing taken"),
             Verdict::Until(at, reason) => panic!("held until {at:?} for {reason}"),
             Verdict::Notified(reason) => panic!("held for {reason} until notified"),
         }
