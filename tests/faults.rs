@@ -5,7 +5,14 @@
 //!
 //! One case per fault: Redis down at start (then up), hung (SIGSTOP, then SIGCONT), killed
 //! and replaced by a fresh empty server on the same port, wiped (FLUSHALL), and restarted.
-//! Each asserts that no request failed and that no cap was exceeded, and prints the maxima.
+//! Each asserts that no request failed (a `Busy` answered at once because Redis was away is
+//! counted apart) and that no cap was exceeded, and prints the maxima and the calls
+//! completed per half second.
+//!
+//! Then outages with the gateway's defaults scaled down (`slot_worker outage`): Redis
+//! SIGKILLed for 20 s under three saturating workers and an idle one, and one worker of
+//! three partitioned from Redis by a TCP proxy under each `OutagePolicy`; calls per second
+//! before, during and after, and the caps.
 //!
 //! The same cases on a Redis Cluster of the test's own (3 masters, 3 replicas): four workers
 //! sharing the caps through it, and the master that owns the slot keys SIGKILLed mid-load
