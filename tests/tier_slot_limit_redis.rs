@@ -943,6 +943,48 @@ async fn redis_away_a_worker_keeps_what_it_held_for_a_lease_ttl_then_follows_its
     held_two.clear();
     assert_eq!(take(&two, &guest).await.unwrap_err(), SlotRefusal::Store);
     drop(held_one);
+
+    // The layers answer such a call `Busy` for the store at once, not at the max wait
+    // (60 s here): TierSlotLimit alone, and the fair queue taking the slots.
+    let policy = SlotPolicy::builder()
+        .global_max(8)
+        .tier("pro", 8, Duration::from_secs(60))
+        .lease_ttl(ttl)
+        .build()
+        .unwrap();
+    let upstream =
+        service_fn(|_: http::Request<()>| async { Ok::<_, Infallible>(http::Response::new(())) });
+    let alone = TierSlotLimitLayer::new(two.clone(), policy.clone()).layer(upstream);
+    let answering = service_fn(|_: http::Request<()>| async {
+        Ok::<_, Infallible>(http::Response::new(String::new()))
+    });
+    let stack = FairgateLayer::builder(two.clone())
+        .slots(policy)
+        .build()
+        .unwrap()
+        .layer(answering);
+    let sent = Instant::now();
+    let busy = [
+        alone
+            .oneshot(request(pro_job()))
+            .await
+            .map(drop)
+            .unwrap_err(),
+        stack
+            .oneshot(request(pro_job()))
+            .await
+            .map(drop)
+            .unwrap_err(),
+    ];
+    for e in busy {
+        let busy = e.downcast_ref::<fairgate::Busy>().expect("busy");
+        assert_eq!(busy.reason(), fairgate::WaitReason::Store, "{busy}");
+    }
+    assert!(
+        sent.elapsed() < Duration::from_secs(1),
+        "{:?}",
+        sent.elapsed()
+    );
 }
 
 /// Five workers queue for the one slot another holds, and go away (their stores dropped,
