@@ -32,7 +32,7 @@
 //! `--lease-ttl-ms=N`), so a call can get `Busy` before a lease expires, through the whole
 //! recommended stack and the store's defaults. Each caller draws each call's tier
 //! (premium:pro:free:guest = 60:40:30:20) and its length (100 ms +/- 30%, or
-//! `--call-ms=N` +/- 30%); a caller
+//! `--call-ms=N` +/- 30%; `--wait-scale=1`: the gateway's max waits unscaled); a caller
 //! answered `Busy` tries again 100 ms later, as a client whose retry goes to another
 //! worker. The observer counts calls in flight as in `faults`, and calls completed per
 //! 100 ms of its clock (`obs:done:<n>`). Prints `READY`, then `ok=N busy=N failed=N`, then
@@ -118,6 +118,7 @@ async fn main() -> Result<(), BoxError> {
             lease_ttl: Duration::from_millis(ttl),
             probe_at: probe_at.map(Duration::from_millis),
             call_ms: flag("--call-ms=").map_or(Ok(100), |v| v.parse())?,
+            wait_scale: flag("--wait-scale=").map_or(Ok(10), |v| v.parse())?,
         };
         return outage(builder, url, observer, run).await;
     }
@@ -445,11 +446,13 @@ struct Outage {
     probe_at: Option<Duration>,
     /// The mean call length.
     call_ms: u64,
+    /// The gateway's max waits divided by this.
+    wait_scale: u64,
 }
 
-/// The gateway's caps and max waits scaled by 1/10, with the lease TTL given.
-fn outage_policy(lease_ttl: Duration) -> SlotPolicy {
-    let ms = Duration::from_millis;
+/// The gateway's caps, its max waits divided by `wait_scale`, and the lease TTL given.
+fn outage_policy(lease_ttl: Duration, wait_scale: u64) -> SlotPolicy {
+    let ms = |n: u64| Duration::from_millis(n * 10 / wait_scale.max(1));
     SlotPolicy::builder()
         .global_max(OUTAGE_GLOBAL)
         .tier("premium", 30, ms(6_000))
@@ -497,7 +500,7 @@ async fn outage(
         .await?;
     println!("READY");
     let ready = tokio::time::Instant::now();
-    let policy = outage_policy(run.lease_ttl);
+    let policy = outage_policy(run.lease_ttl, run.wait_scale);
     let observe = redis::Script::new(OBSERVE);
     let tier_caps: std::collections::HashMap<&'static str, u32> = TIERS
         .iter()
