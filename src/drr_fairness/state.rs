@@ -806,7 +806,7 @@ impl Shared {
                 self.block(state, group, after);
                 None
             }
-            Ok(Err(_)) => {
+            Ok(Err(SlotRefusal::Store)) => {
                 self.refuse(state, group, after);
                 None
             }

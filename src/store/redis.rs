@@ -266,7 +266,8 @@ impl StoreBuilder {
     /// under any fault; an outage longer than a lease TTL stops every worker).
     ///
     /// A worker that never reached Redis (down at start) serves its share as
-    /// [`expected_workers`](StoreBuilder::expected_workers) says, whatever the policy.
+    /// [`expected_workers`](StoreBuilder::expected_workers) says, and one that knows it is
+    /// alone (one worker seen alive, none expected) the whole caps, whatever the policy.
     pub fn after_outage(mut self, policy: OutagePolicy) -> Self {
         self.redis.after_outage = policy;
         self
