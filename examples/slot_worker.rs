@@ -22,7 +22,24 @@
 //! recommended stack (`FairgateLayer`: the fair queue takes the slots). Every call counts
 //! itself in flight on a second Redis, the OBSERVER, for its whole duration (5-49 ms, and
 //! 400 ms for every 7th, a streamed answer): the current count, the maximum, and the time
-//! spent over each cap, globally and per tier (`obs:*` keys). Prints `ok=N busy=N failed=N`.
+//! spent over each cap, globally and per tier (`obs:*` keys). Prints
+//! `ok=N store=N busy=N failed=N` (`store`: answered `Busy` at once because Redis was away,
+//! after which the caller waits 20 ms; `busy`: any other `Busy`).
+//!
+//! `outage URL OBSERVER CALLERS MILLIS` (the outage suite, `tests/faults.rs`): the
+//! gateway's caps and max waits scaled by 1/10 with its lease (global 30; premium 30 / 6 s,
+//! pro 20 / 4.5 s, free 15 / 1.2 s, guest 5 / 0.8 s; lease TTL 3 s, or
+//! `--lease-ttl-ms=N`), so a call can get `Busy` before a lease expires, through the whole
+//! recommended stack and the store's defaults. Each caller draws each call's tier
+//! (premium:pro:free:guest = 60:40:30:20) and its length (100 ms +/- 30%, or
+//! `--call-ms=N` +/- 30%; `--wait-scale=1`: the gateway's max waits unscaled); a caller
+//! answered `Busy` tries again 100 ms later, as a client whose retry goes to another
+//! worker. The observer counts calls in flight as in `faults`, and calls completed per
+//! 100 ms of its clock (`obs:done:<n>`). Prints `READY`, then `ok=N busy=N failed=N`, then
+//! `busy store=N (max M ms) slot=N (max M ms) other=N`. `--after-outage=refuse|share`: the
+//! store's [`OutagePolicy`](fairgate::OutagePolicy). `--probe-at=MS` (with 0 callers): an
+//! idle worker that, MS ms after `READY`, sends one call of each tier at once and prints
+//! `probe TIER ok|busy:REASON MS` for each, then stays idle until MILLIS have passed.
 //!
 //! `--cluster` (anywhere; any mode): URL is a comma-separated list of a Redis
 //! Cluster's node URLs, and the store is built with `redis_cluster`. `--slots-only`
@@ -35,7 +52,10 @@
 use std::convert::Infallible;
 use std::time::Duration;
 
-use fairgate::{BoxError, Busy, FairgateLayer, Job, Origin, SlotPolicy, Store, TierSlotLimitLayer};
+use fairgate::{
+    BoxError, Busy, FairgateLayer, Job, Origin, OutagePolicy, SlotPolicy, Store,
+    TierSlotLimitLayer, WaitReason,
+};
 use tower::{Layer, ServiceExt, service_fn};
 
 const TIERS: [&str; 4] = ["premium", "pro", "free", "guest"];
@@ -68,7 +88,7 @@ async fn main() -> Result<(), BoxError> {
         Some(prefix) => Store::builder().key_prefix(prefix),
         None => Store::builder(),
     };
-    args.retain(|a| a != "--cluster" && a != "--slots-only" && !a.starts_with("--key-prefix="));
+    args.retain(|a| !a.starts_with("--"));
     let (mode, url) = match args.as_slice() {
         [mode, url, ..] => (mode.as_str(), url.as_str()),
         _ => {
@@ -81,6 +101,27 @@ async fn main() -> Result<(), BoxError> {
     };
     let number =
         |i: usize| -> Result<usize, BoxError> { Ok(args.get(i).ok_or("missing number")?.parse()?) };
+    if mode == "outage" {
+        let observer = args.get(2).ok_or("missing observer url")?;
+        let flag =
+            |name: &str| std::env::args().find_map(|a| a.strip_prefix(name).map(str::to_owned));
+        let ttl = flag("--lease-ttl-ms=").map_or(Ok(3_000), |v| v.parse())?;
+        let builder = match flag("--after-outage=").as_deref() {
+            Some("refuse") => builder.after_outage(OutagePolicy::Refuse),
+            Some("share") | None => builder.after_outage(OutagePolicy::Share),
+            Some(other) => return Err(format!("unknown outage policy {other}").into()),
+        };
+        let probe_at = flag("--probe-at=").map(|v| v.parse()).transpose()?;
+        let run = Outage {
+            callers: number(3)?,
+            millis: number(4)?,
+            lease_ttl: Duration::from_millis(ttl),
+            probe_at: probe_at.map(Duration::from_millis),
+            call_ms: flag("--call-ms=").map_or(Ok(100), |v| v.parse())?,
+            wait_scale: flag("--wait-scale=").map_or(Ok(10), |v| v.parse())?,
+        };
+        return outage(builder, url, observer, run).await;
+    }
     if mode == "faults" {
         let observer = args.get(2).ok_or("missing observer url")?;
         let builder = match args.get(5) {
@@ -249,10 +290,13 @@ const FAULT_GLOBAL: u32 = 8;
 
 /// Moves the in-flight counts (global `KEYS[1..4]`, tier `KEYS[5..8]`: now, max, over since,
 /// ms over) by `ARGV[1]` against the caps `ARGV[2]` (global) and `ARGV[3]` (tier), on the
-/// observer's clock.
+/// observer's clock; a call that ends (`-1`) is counted done in its 100 ms.
 const OBSERVE: &str = r"
 local t = redis.call('TIME')
 local ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+if tonumber(ARGV[1]) < 0 then
+  redis.call('INCR', 'obs:done:' .. math.floor(ms / 100))
+end
 local function move(base, cap)
   local now = redis.call('INCRBY', KEYS[base], ARGV[1])
   if now > tonumber(redis.call('GET', KEYS[base + 1]) or '0') then
@@ -347,7 +391,7 @@ async fn faults(
     let tasks = (0..callers).map(|caller| {
         let service = service.clone();
         tokio::spawn(async move {
-            let (mut ok, mut busy, mut failed) = (0, 0, 0);
+            let (mut ok, mut store, mut busy, mut failed) = (0, 0, 0, 0);
             let mut call = 0;
             while tokio::time::Instant::now() < until {
                 let tier = TIERS[(caller + call) % TIERS.len()];
@@ -365,6 +409,14 @@ async fn faults(
                 // The response (and the slot it holds) is dropped when the call returns.
                 match service.clone().oneshot(req).await {
                     Ok(()) => ok += 1,
+                    // Refused at once while Redis is away: a client tries again shortly.
+                    Err(e)
+                        if e.downcast_ref::<Busy>()
+                            .is_some_and(|b| b.reason() == WaitReason::Store) =>
+                    {
+                        store += 1;
+                        tokio::time::sleep(Duration::from_millis(20)).await;
+                    }
                     Err(e) if e.is::<Busy>() => busy += 1,
                     Err(e) => {
                         eprintln!("call failed: {e}");
@@ -373,14 +425,213 @@ async fn faults(
                 }
                 call += 1;
             }
-            (ok, busy, failed)
+            (ok, store, busy, failed)
         })
     });
-    let (mut ok, mut busy, mut failed) = (0, 0, 0);
+    let (mut ok, mut store, mut busy, mut failed) = (0, 0, 0, 0);
     for task in futures_util::future::join_all(tasks).await {
-        let (o, b, f) = task?;
-        (ok, busy, failed) = (ok + o, busy + b, failed + f);
+        let (o, r, b, f) = task?;
+        (ok, store, busy, failed) = (ok + o, store + r, busy + b, failed + f);
     }
-    println!("ok={ok} busy={busy} failed={failed}");
+    println!("ok={ok} store={store} busy={busy} failed={failed}");
+    Ok(())
+}
+
+/// The outage suite's run: `callers` callers for `millis` ms (or, with `probe_at`, one call
+/// of each tier at that time), on a lease of `lease_ttl`.
+struct Outage {
+    callers: usize,
+    millis: usize,
+    lease_ttl: Duration,
+    probe_at: Option<Duration>,
+    /// The mean call length.
+    call_ms: u64,
+    /// The gateway's max waits divided by this.
+    wait_scale: u64,
+}
+
+/// The gateway's caps, its max waits divided by `wait_scale`, and the lease TTL given.
+fn outage_policy(lease_ttl: Duration, wait_scale: u64) -> SlotPolicy {
+    let ms = |n: u64| Duration::from_millis(n * 10 / wait_scale.max(1));
+    SlotPolicy::builder()
+        .global_max(OUTAGE_GLOBAL)
+        .tier("premium", 30, ms(6_000))
+        .tier("pro", 20, ms(4_500))
+        .tier("free", 15, ms(1_200))
+        .tier("guest", 5, ms(800))
+        .lease_ttl(lease_ttl)
+        .build()
+        .expect("a valid policy")
+}
+
+const OUTAGE_GLOBAL: u32 = 30;
+
+/// A tier drawn premium:pro:free:guest = 60:40:30:20 from `x`, and a call length of
+/// `call_ms` +/- 30%, from a small LCG.
+fn draw(x: &mut u64, call_ms: u64) -> (&'static str, Duration) {
+    let mut next = || {
+        *x = x
+            .wrapping_mul(6_364_136_223_846_793_005)
+            .wrapping_add(1_442_695_040_888_963_407);
+        *x >> 33
+    };
+    let tier = match next() % 150 {
+        0..60 => "premium",
+        60..100 => "pro",
+        100..130 => "free",
+        _ => "guest",
+    };
+    let spread = call_ms * 3 / 5 + 1;
+    (
+        tier,
+        Duration::from_millis(call_ms * 7 / 10 + next() % spread),
+    )
+}
+
+async fn outage(
+    builder: fairgate::StoreBuilder,
+    url: &str,
+    observer: &str,
+    run: Outage,
+) -> Result<(), BoxError> {
+    let store = builder.redis(url).await?;
+    let probe = redis::Client::open(observer)?
+        .get_multiplexed_async_connection()
+        .await?;
+    println!("READY");
+    let ready = tokio::time::Instant::now();
+    let policy = outage_policy(run.lease_ttl, run.wait_scale);
+    let observe = redis::Script::new(OBSERVE);
+    let tier_caps: std::collections::HashMap<&'static str, u32> = TIERS
+        .iter()
+        .map(|&t| (t, policy.limit(Some(&t.into())).1.cap))
+        .collect();
+    let upstream = service_fn(move |req: http::Request<()>| {
+        let (mut probe, observe) = (probe.clone(), observe.clone());
+        let tier = req.extensions().get::<Job>().and_then(Job::tier_name);
+        let tier = tier.map_or("guest", |t| t.as_str()).to_owned();
+        let cap = tier_caps.get(tier.as_str()).copied().unwrap_or(0);
+        let hold = req
+            .extensions()
+            .get::<Duration>()
+            .copied()
+            .unwrap_or_default();
+        async move {
+            let keys = |part: &str| {
+                [
+                    format!("obs:now{part}"),
+                    format!("obs:max{part}"),
+                    format!("obs:since{part}"),
+                    format!("obs:over_ms{part}"),
+                ]
+            };
+            let (global, tier) = (keys(""), keys(&format!(":{tier}")));
+            let call = |delta: i32| {
+                let mut call = observe.prepare_invoke();
+                call.key(&global[..])
+                    .key(&tier[..])
+                    .arg(delta)
+                    .arg(OUTAGE_GLOBAL)
+                    .arg(cap);
+                call
+            };
+            let _: u32 = call(1).invoke_async(&mut probe).await?;
+            tokio::time::sleep(hold).await;
+            let _: u32 = call(-1).invoke_async(&mut probe).await?;
+            Ok::<_, redis::RedisError>(http::Response::new(String::new()))
+        }
+    });
+    let stack = FairgateLayer::builder(store)
+        .slots(policy)
+        .window(256)
+        .build()?
+        .layer(upstream);
+    let service = tower::util::BoxCloneService::new(stack.map_response(drop));
+    let request = |tenant: String, tier: &str, hold: Duration| {
+        let mut req = http::Request::new(());
+        req.extensions_mut()
+            .insert(Job::new(tenant, Origin::UserAction).tier(tier));
+        req.extensions_mut().insert(hold);
+        req
+    };
+    if let Some(at) = run.probe_at {
+        tokio::time::sleep_until(ready + at).await;
+        let calls = TIERS.map(|tier| {
+            let service = service.clone();
+            let req = request(format!("probe-{tier}"), tier, Duration::from_millis(100));
+            async move {
+                let sent = tokio::time::Instant::now();
+                let answer = service.oneshot(req).await;
+                let ms = sent.elapsed().as_millis();
+                match answer {
+                    Ok(()) => format!("probe {tier} ok {ms}"),
+                    Err(e) => match e.downcast_ref::<Busy>() {
+                        Some(busy) => format!("probe {tier} busy:{} {ms}", busy.reason()),
+                        None => format!("probe {tier} failed {ms}"),
+                    },
+                }
+            }
+        });
+        for line in futures_util::future::join_all(calls).await {
+            println!("{line}");
+        }
+        // Still one of the fleet until the run ends, as an idle gateway is.
+        tokio::time::sleep_until(ready + Duration::from_millis(run.millis as u64)).await;
+        return Ok(());
+    }
+    let until = ready + Duration::from_millis(run.millis as u64);
+    let call_ms = run.call_ms;
+    let tasks = (0..run.callers).map(|caller| {
+        let service = service.clone();
+        tokio::spawn(async move {
+            let mut x = caller as u64 * 7_919 + u64::from(std::process::id());
+            // ok, failed, busy for the store (count, max wait), busy for a slot, other
+            let mut seen = [0u64; 7];
+            while tokio::time::Instant::now() < until {
+                let (tier, hold) = draw(&mut x, call_ms);
+                let req = request(format!("tenant-{caller}"), tier, hold);
+                match service.clone().oneshot(req).await {
+                    Ok(()) => seen[0] += 1,
+                    Err(e) => {
+                        match e.downcast_ref::<Busy>() {
+                            Some(busy) => {
+                                let ms = u64::try_from(busy.waited().as_millis()).unwrap_or(0);
+                                let at = match busy.reason() {
+                                    WaitReason::Store => 2,
+                                    WaitReason::Slot => 4,
+                                    _ => 6,
+                                };
+                                seen[at] += 1;
+                                if at < 6 {
+                                    seen[at + 1] = seen[at + 1].max(ms);
+                                }
+                            }
+                            None => {
+                                eprintln!("call failed: {e}");
+                                seen[1] += 1;
+                            }
+                        }
+                        // A client's retry goes to another worker, or comes back later.
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                    }
+                }
+            }
+            seen
+        })
+    });
+    let mut total = [0u64; 7];
+    for task in futures_util::future::join_all(tasks).await {
+        let seen = task?;
+        for (i, n) in seen.into_iter().enumerate() {
+            total[i] = if i == 3 || i == 5 {
+                total[i].max(n)
+            } else {
+                total[i] + n
+            };
+        }
+    }
+    let [ok, failed, store, store_ms, slot, slot_ms, other] = total;
+    println!("ok={ok} busy={} failed={failed}", store + slot + other);
+    println!("busy store={store} (max {store_ms} ms) slot={slot} (max {slot_ms} ms) other={other}");
     Ok(())
 }

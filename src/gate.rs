@@ -39,15 +39,20 @@ pub enum WaitReason {
     Rate,
     /// The upstream's cooldown gate, closed after a 429 or a `-remaining: 0`.
     Cooldown,
+    /// The shared store: Redis is away and this worker cannot admit the call soundly (see
+    /// [`SlotRefusal::Store`](crate::SlotRefusal::Store)); answered at once, not at the
+    /// max wait.
+    Store,
 }
 
 impl WaitReason {
-    /// The reason as a metric label and in messages: `slot`, `rate`, `cooldown`.
+    /// The reason as a metric label and in messages: `slot`, `rate`, `cooldown`, `store`.
     pub fn as_str(self) -> &'static str {
         match self {
             WaitReason::Slot => "slot",
             WaitReason::Rate => "rate",
             WaitReason::Cooldown => "cooldown",
+            WaitReason::Store => "store",
         }
     }
 }

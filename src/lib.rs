@@ -127,7 +127,7 @@ pub use crate::reject::Rejection;
 pub use crate::retry_after_backoff::{BackoffPolicy, RetryAfterBackoff, RetryAfterBackoffLayer};
 pub use crate::stack::{Fairgate, FairgateBody, FairgateBuilder, FairgateLayer};
 pub use crate::store::{
-    Demotion, SlotLease, SlotLimits, SlotRefusal, Store, StoreBuilder, StoreFuture,
+    Demotion, OutagePolicy, SlotLease, SlotLimits, SlotRefusal, Store, StoreBuilder, StoreFuture,
     StoreUnavailable,
 };
 pub use crate::tier_slot_limit::{

@@ -15,7 +15,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use fairgate::{
-    FairgateLayer, Job, Origin, SlotLimits, SlotPolicy, Store, Tier, TierSlotLimitLayer,
+    FairgateLayer, Job, Origin, OutagePolicy, SlotLimits, SlotPolicy, SlotRefusal, Store, Tier,
+    TierSlotLimitLayer,
 };
 use support::{Redis, RedisServer, Target, on_node_and_cluster, request, wait_until};
 use tokio::time::Instant;
@@ -60,6 +61,8 @@ on_node_and_cluster!(
     a_lease_gone_from_redis_while_its_call_runs_is_put_back_by_the_heartbeat,
     a_worker_that_never_reached_redis_takes_its_share_of_the_expected_fleet,
     while_degraded_the_redis_leases_still_held_count_against_the_share,
+    redis_away_a_worker_keeps_what_it_held_for_a_lease_ttl_then_follows_its_outage_policy,
+    wait_queue_entries_of_workers_gone_expire_within_a_worker_ttl,
 );
 on_node_and_cluster!(multi_thread:
     redis_killed_mid_load_no_request_fails_and_each_worker_keeps_to_its_share,
@@ -230,6 +233,8 @@ struct Probe {
     max: u32,
 }
 
+/// Runs `callers` x `calls` premium calls of 5 ms through TierSlotLimit; how many failed
+/// (a `Busy` for the store's absence is an answer, not a failure).
 async fn run_load(
     store: Store,
     policy: SlotPolicy,
@@ -257,8 +262,13 @@ async fn run_load(
             let mut failed = 0;
             for _ in 0..calls {
                 let job = Job::new(format!("t{c}"), Origin::UserAction).tier("premium");
-                if service.clone().oneshot(request(job)).await.is_err() {
-                    failed += 1;
+                match service.clone().oneshot(request(job)).await {
+                    Ok(_) => {}
+                    // Redis away, and nothing this worker can admit soundly: said so.
+                    Err(e)
+                        if e.downcast_ref::<fairgate::Busy>()
+                            .is_some_and(|b| b.reason() == fairgate::WaitReason::Store) => {}
+                    Err(_) => failed += 1,
                 }
             }
             failed
@@ -336,12 +346,15 @@ async fn redis_killed_mid_load_no_request_fails_and_each_worker_keeps_to_its_sha
     assert_eq!(
         a.await.unwrap() + b.await.unwrap(),
         0,
-        "no request failed across the outage"
+        "no request failed across the outage (but those refused at once for it)"
     );
     // Until one lease TTL has passed each worker also kept to what it held at the fault
     // (the probe above counted both together: never more than 8).
     assert!(shared_probe.lock().unwrap().max <= 8);
-    tokio::time::sleep(lease_ttl.saturating_sub(killed.elapsed())).await;
+    // A worker that fell idle before the kill noticed it at its next heartbeat (within a
+    // second); one lease TTL after that it serves its share.
+    let noticed = Duration::from_millis(1_200);
+    tokio::time::sleep((noticed + lease_ttl).saturating_sub(killed.elapsed())).await;
 
     // Degraded, past one lease TTL: each worker keeps to global / workers alive = 4.
     assert!(one.is_degraded() && two.is_degraded());
@@ -848,5 +861,164 @@ async fn while_degraded_the_redis_leases_still_held_count_against_the_share(targ
     assert_eq!(fallback.len(), 5);
     assert_eq!(store.slots_in_use(None).await, 8);
     drop(fallback);
+    drop(held);
+}
+
+/// Redis away with two workers alive (each one's share: 4 of 8): for a lease TTL each keeps
+/// exactly what it held, per tier and in all, however far from its share; a call of its own
+/// that ends frees a slot for the next of its tier; a tier it held nothing of is refused at
+/// once for the store's absence. Past the TTL, the outage policy: the share, or nothing.
+async fn redis_away_a_worker_keeps_what_it_held_for_a_lease_ttl_then_follows_its_outage_policy(
+    target: Target,
+) {
+    let mut redis = target.start_own().await;
+    let builder = || {
+        Store::builder()
+            .op_timeout(Duration::from_millis(100))
+            .probe_interval(Duration::from_millis(20))
+            .flush_interval(Duration::from_millis(20))
+    };
+    let one = redis.store(builder()).await.unwrap();
+    let two = redis
+        .store(builder().after_outage(OutagePolicy::Refuse))
+        .await
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while one.alive_workers() < 2 || two.alive_workers() < 2 {
+        assert!(Instant::now() < deadline, "workers never saw each other");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let ttl = Duration::from_millis(2_000);
+    let limits = SlotLimits {
+        lease_ttl: ttl,
+        ..limits(8)
+    };
+    let (pro, free, guest) = (Tier::new("pro"), Tier::new("free"), Tier::new("guest"));
+    let take = |store: &Store, tier: &Tier| store.try_acquire_slot_for(tier, None, limits);
+    let mut held_one = Vec::new();
+    for _ in 0..6 {
+        held_one.push(take(&one, &pro).await.unwrap());
+    }
+    let mut held_two = vec![
+        take(&two, &pro).await.unwrap(),
+        take(&two, &free).await.unwrap(),
+    ];
+    let taken = Instant::now();
+    redis.kill_slots_shard();
+    for store in [&one, &two] {
+        let _ = store.slots_in_use(None).await; // fails: the slot keys are away
+        assert!(store.is_degraded());
+    }
+
+    // Within the TTL: what each held, per tier.
+    let refused = Instant::now();
+    assert_eq!(take(&one, &pro).await.unwrap_err(), SlotRefusal::Full);
+    assert_eq!(take(&one, &free).await.unwrap_err(), SlotRefusal::Store);
+    assert_eq!(take(&two, &guest).await.unwrap_err(), SlotRefusal::Store);
+    assert_eq!(take(&two, &free).await.unwrap_err(), SlotRefusal::Full);
+    assert!(
+        refused.elapsed() < Duration::from_millis(50),
+        "refused at once"
+    );
+    held_one.truncate(5);
+    let again = take(&one, &pro).await.expect("its own freed slot");
+    assert!(again.is_fallback());
+    held_one.push(again);
+    assert_eq!(take(&one, &pro).await.unwrap_err(), SlotRefusal::Full);
+    held_two.pop();
+    held_two.push(take(&two, &free).await.expect("its own freed slot"));
+    assert!(
+        taken.elapsed() < ttl,
+        "too slow to check within the TTL: {:?}",
+        taken.elapsed()
+    );
+
+    // Past the TTL: worker one shares (4 of 8), worker two refuses.
+    tokio::time::sleep((ttl + Duration::from_millis(100)).saturating_sub(taken.elapsed())).await;
+    assert_eq!(take(&one, &pro).await.unwrap_err(), SlotRefusal::Full);
+    held_one.truncate(3);
+    held_one.push(take(&one, &free).await.expect("its share"));
+    assert_eq!(take(&one, &pro).await.unwrap_err(), SlotRefusal::Full);
+    assert_eq!(take(&two, &pro).await.unwrap_err(), SlotRefusal::Store);
+    held_two.clear();
+    assert_eq!(take(&two, &guest).await.unwrap_err(), SlotRefusal::Store);
+    drop(held_one);
+
+    // The layers answer such a call `Busy` for the store at once, not at the max wait
+    // (60 s here): TierSlotLimit alone, and the fair queue taking the slots.
+    let policy = SlotPolicy::builder()
+        .global_max(8)
+        .tier("pro", 8, Duration::from_secs(60))
+        .lease_ttl(ttl)
+        .build()
+        .unwrap();
+    let upstream =
+        service_fn(|_: http::Request<()>| async { Ok::<_, Infallible>(http::Response::new(())) });
+    let alone = TierSlotLimitLayer::new(two.clone(), policy.clone()).layer(upstream);
+    let answering = service_fn(|_: http::Request<()>| async {
+        Ok::<_, Infallible>(http::Response::new(String::new()))
+    });
+    let stack = FairgateLayer::builder(two.clone())
+        .slots(policy)
+        .build()
+        .unwrap()
+        .layer(answering);
+    let sent = Instant::now();
+    let busy = [
+        alone
+            .oneshot(request(pro_job()))
+            .await
+            .map(drop)
+            .unwrap_err(),
+        stack
+            .oneshot(request(pro_job()))
+            .await
+            .map(drop)
+            .unwrap_err(),
+    ];
+    for e in busy {
+        let busy = e.downcast_ref::<fairgate::Busy>().expect("busy");
+        assert_eq!(busy.reason(), fairgate::WaitReason::Store, "{busy}");
+    }
+    assert!(
+        sent.elapsed() < Duration::from_secs(1),
+        "{:?}",
+        sent.elapsed()
+    );
+}
+
+/// Five workers queue for the one slot another holds, and go away (their stores dropped,
+/// as a process killed): their entries in the tier's wait queue are gone within a worker
+/// TTL (3 s) and a heartbeat of the worker left, far within a lease TTL (30 s), although no
+/// release comes to find them. (Before: they stayed until a release reached each.)
+async fn wait_queue_entries_of_workers_gone_expire_within_a_worker_ttl(target: Target) {
+    let redis = target.start_own().await;
+    let policy = one_slot_no_poll();
+    let holder = answering_at_once(worker(&redis).await, policy.clone());
+    let held = holder.oneshot(request(pro_job())).await.unwrap();
+    for n in 1..=5 {
+        let waiter = answering_at_once(worker(&redis).await, policy.clone());
+        let call = tokio::spawn(async move { waiter.oneshot(request(pro_job())).await.map(drop) });
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while queued(&redis, "pro") < n {
+            assert!(Instant::now() < deadline, "worker {n} never queued");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        call.abort();
+        let _ = call.await;
+    }
+    let gone = Instant::now();
+    while queued(&redis, "pro") > 0 {
+        assert!(
+            gone.elapsed() < Duration::from_secs(8),
+            "{} entries of workers gone still queued",
+            queued(&redis, "pro")
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    println!(
+        "{target:?}: 5 wait-queue entries of workers gone expired {:?} after they went",
+        gone.elapsed()
+    );
     drop(held);
 }

@@ -7,8 +7,8 @@ use crate::Tier;
 use crate::gate::WaitReason;
 
 /// The request could not go within its tier's max wait: the `SERVER_BUSY` answer. Its
-/// [`reason`](Busy::reason) says what it waited for: a slot, the provider's rate, or the
-/// upstream's cooldown gate.
+/// [`reason`](Busy::reason) says what it waited for: a slot, the provider's rate, the
+/// upstream's cooldown gate, or (answered at once) the shared store, away.
 ///
 /// With feature `axum` it converts into a response: `503 Service Unavailable`, a
 /// `Retry-After` header in whole seconds (rounded up) and the body
@@ -81,6 +81,11 @@ impl fmt::Display for Busy {
             WaitReason::Cooldown => write!(
                 f,
                 "server busy: tier {} waited {waited:.1} s behind the upstream's cooldown after a throttle",
+                self.tier
+            )?,
+            WaitReason::Store => write!(
+                f,
+                "server busy: the shared store is away and this worker cannot admit a call of tier {} soundly (after {waited:.1} s)",
                 self.tier
             )?,
         }

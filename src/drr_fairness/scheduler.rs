@@ -1252,6 +1252,15 @@ impl<T> Scheduler<T> {
             .map(|entry| &mut entry.item)
     }
 
+    /// Every still-waiting item, mutably, in no particular order (e.g. to wake them all).
+    pub fn items_mut(&mut self) -> impl Iterator<Item = &mut T> {
+        self.entries
+            .slots
+            .iter_mut()
+            .flatten()
+            .map(|entry| &mut entry.item)
+    }
+
     /// Settles a dispatched request once its real usage is known: charges
     /// (`actual > estimated`) or refunds the difference of the charged costs
     /// to the tenant's deficit, if `class` still knows the tenant (items

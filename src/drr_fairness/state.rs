@@ -606,6 +606,14 @@ impl Shared {
                 // Only a scheduler refusing the layer's own (validated) config; unreachable.
                 Err(_) => return Err(QueueFull::new(class, tenant.clone(), false)),
             };
+            // A tier the store refused for its absence asks again for each arrival: Redis
+            // may be back, or the outage policy may now serve it.
+            let g = &mut state.groups[place.group];
+            if g.held_for == WaitReason::Store
+                && let Some(gate) = g.gate.as_mut()
+            {
+                gate.blocked = false;
+            }
             let room = state.len() == 0 && state.in_flight < self.max_in_flight;
             let key = job.upstream().cloned();
             let receipt = match room {
@@ -807,6 +815,10 @@ impl Shared {
                 self.block(state, group, after);
                 None
             }
+            Ok(Err(SlotRefusal::Store)) => {
+                self.refuse(state, group, after);
+                None
+            }
             // Not sent: dropped unpolled, it holds nothing.
             Err(_) => None,
         }
@@ -896,6 +908,7 @@ impl Shared {
                                 (SlotRefusal::TenantCap, Some(tenant)) => {
                                     self.hold_tenant(state, group, tenant, after);
                                 }
+                                (SlotRefusal::Store, _) => self.refuse(state, group, after),
                                 _ => self.block(state, group, after),
                             }
                             continue;
@@ -945,6 +958,21 @@ impl Shared {
         if !state.watching {
             state.watching = true;
             after.watch = true;
+        }
+    }
+
+    /// The store refused the group's tier for its own absence (Redis away, and this worker
+    /// cannot admit a call of the tier soundly, `SlotRefusal::Store`): waiting would not
+    /// help, so every request of the group is woken to answer `Busy` at once, as is any
+    /// that arrives before the group tries again (see `Ticket::poll_turn`).
+    fn refuse(&self, state: &mut State, group: usize, after: &mut AfterUnlock) {
+        self.block(state, group, after);
+        let g = &mut state.groups[group];
+        g.held_for = WaitReason::Store;
+        for waiter in g.scheduler.items_mut() {
+            if let Some(waker) = waiter.waker.take() {
+                after.wake.push(waker);
+            }
         }
     }
 
@@ -1088,13 +1116,13 @@ impl Shared {
             {
                 Self::acquired_for(gate, tenant);
             }
-            return self.slot_answer(group, class, ahead, more, rate, answer.ok());
+            return self.slot_answer(group, class, ahead, more, rate, answer);
         };
         if !matches!(answer, Err(SlotRefusal::TenantCap)) {
             if let Some(gate) = self.lock().groups[group].gate.as_mut() {
                 Self::acquired_for(gate, &tenant);
             }
-            return self.slot_answer(group, class, ahead, more, rate, answer.ok());
+            return self.slot_answer(group, class, ahead, more, rate, answer);
         }
         self.then_dispatch(|state, after| {
             if let Some(gate) = Self::acquire_answered(state, group, class, ahead) {
@@ -1159,35 +1187,38 @@ impl Shared {
         ahead: f64,
         more: bool,
         rate: Option<(TenantId, Taken)>,
-        lease: Option<SlotLease>,
+        lease: Result<SlotLease, SlotRefusal>,
     ) {
         self.then_dispatch(|state, after| {
             if let Some(gate) = Self::acquire_answered(state, group, class, ahead) {
                 // Doubling, but never past the room the caps had left (with the acquires
                 // still under way): on Redis the answer says how much.
                 gate.at_once = match &lease {
-                    Some(lease) => {
+                    Ok(lease) => {
                         let room = usize::try_from(lease.room()).unwrap_or(usize::MAX);
                         let cap = room.saturating_add(gate.acquiring).max(1);
                         gate.at_once.saturating_mul(2).min(cap)
                     }
-                    None => 1,
+                    Err(_) => 1,
                 };
             }
             match lease {
-                Some(lease) => {
+                Ok(lease) => {
                     let last = more && lease.room() == 0;
                     self.hand_next(state, group, class, Some(lease), rate, after);
                     if last {
                         self.block(state, group, after);
                     }
                 }
-                None => {
+                Err(refusal) => {
                     after.drop_handed.push(Handed {
                         lease: None,
                         receipt: rate.and_then(|(_, receipt)| receipt),
                     });
-                    self.block(state, group, after);
+                    match refusal {
+                        SlotRefusal::Store => self.refuse(state, group, after),
+                        _ => self.block(state, group, after),
+                    }
                 }
             }
         });
@@ -1373,8 +1404,11 @@ impl Ticket {
         let busy = {
             let mut state = shared.lock();
             let reason = state.groups[self.group].held_for;
+            // Refused for the store's absence: answered at once, not at the max wait.
+            let refused = reason == WaitReason::Store
+                && (state.groups[self.group].gate.as_ref()).is_some_and(|gate| gate.blocked);
             if let Some(waiter) = state.groups[self.group].scheduler.get_mut(self.key) {
-                if !expired {
+                if !expired && !refused {
                     match &mut waiter.waker {
                         Some(waker) if waker.will_wake(cx.waker()) => {}
                         slot => *slot = Some(cx.waker().clone()),

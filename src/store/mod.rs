@@ -7,8 +7,9 @@
 //!   for tests and for the simulator.
 //! - **redis** (`Store::redis`, feature `redis`): state shared by every worker on one Redis.
 //!   Every multi-key operation is one Lua script using the server's clock. When Redis is
-//!   unreachable the store degrades to in-process state at once (no request fails), logs
-//!   `queue.redis_unavailable` once per outage, and returns to Redis by itself.
+//!   unreachable the store degrades to in-process state at once, logs
+//!   `queue.redis_unavailable` once per outage, and returns to Redis by itself; slots then
+//!   follow [`StoreBuilder::after_outage`].
 //!
 //! The operations are those the layers need — throttles, daily tokens, budgets and demotion
 //! (PriorityClassify); served cost (DrrFairness); slot leases (TierSlotLimit); cooldown gates
@@ -199,6 +200,32 @@ pub struct StoreBuilder {
     pub(crate) redis: RedisOptions,
 }
 
+/// What a worker does with new calls once Redis has been away longer than a lease TTL
+/// ([`StoreBuilder::after_outage`]).
+///
+/// For the first lease TTL after Redis goes away a worker keeps to what it held (see
+/// [`StoreBuilder::after_outage`]): sound whether Redis died or only this worker was cut
+/// off from it. Past that TTL the two cannot be told apart from here, and the other
+/// workers may by then have been given this worker's expired leases, so one of two things
+/// must give:
+///
+/// - [`Share`](OutagePolicy::Share) (the default): serve the caps divided by the workers
+///   last seen alive. Available: a dead Redis costs nothing more, and the caps hold. Under
+///   a partition (this worker cut off, the others still on Redis) the fleet can run over
+///   the caps by at most the cut-off workers' shares.
+/// - [`Refuse`](OutagePolicy::Refuse): refuse every new call at once
+///   ([`SlotRefusal::Store`]) until Redis answers. Sound under any fault; a Redis outage
+///   longer than a lease TTL is then an outage of every worker.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum OutagePolicy {
+    /// Serve a share of the caps: the caps divided by the workers last seen alive.
+    #[default]
+    Share,
+    /// Refuse every new call until Redis answers.
+    Refuse,
+}
+
 /// Options that only the Redis backend uses (kept here so the builder is one type).
 #[derive(Clone, Debug)]
 #[cfg_attr(not(feature = "redis"), allow(dead_code))]
@@ -209,6 +236,7 @@ pub(crate) struct RedisOptions {
     pub(crate) flush_interval: Duration,
     pub(crate) probe_interval: Duration,
     pub(crate) expected_workers: Option<u32>,
+    pub(crate) after_outage: OutagePolicy,
     /// The CA (PEM) trusted for `rediss://`, instead of the system's roots.
     pub(crate) tls_ca_pem: Option<Vec<u8>>,
 }
@@ -224,6 +252,7 @@ impl Default for StoreBuilder {
                 flush_interval: Duration::from_millis(250),
                 probe_interval: Duration::from_millis(250),
                 expected_workers: None,
+                after_outage: OutagePolicy::default(),
                 tls_ca_pem: None,
             },
         }

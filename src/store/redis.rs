@@ -28,7 +28,10 @@ use tokio::time::Instant;
 
 use super::keys::Keys;
 use super::memory::MemoryState;
-use super::{Backend, Demotion, RedisOptions, Store, StoreBuilder, StoreFuture, StoreUnavailable};
+use super::{
+    Backend, Demotion, OutagePolicy, RedisOptions, Store, StoreBuilder, StoreFuture,
+    StoreUnavailable,
+};
 use crate::TenantId;
 use crate::admission::DemotionPolicy;
 use crate::error::ConfigError;
@@ -243,6 +246,33 @@ impl StoreBuilder {
         self
     }
 
+    /// What a worker does with new calls when Redis has been away longer than a lease TTL
+    /// (default [`OutagePolicy::Share`]).
+    ///
+    /// When Redis goes away (a call fails or times out), a worker that had reached it keeps,
+    /// for the life of the leases it held then, to exactly what it held, per tier and in
+    /// all: a call of its own that ends frees a slot for its next call of that tier, in fair
+    /// order. That is sound whether Redis died or only this worker is cut off from it: all
+    /// the fleet's calls were within the caps at the fault, and Redis counts every lease
+    /// until it expires. A call it cannot admit soundly (a tier it held nothing of, a worker
+    /// that was idle) is refused at once with [`SlotRefusal::Store`](crate::SlotRefusal::Store), which the layers answer
+    /// with [`Busy`](crate::Busy) whose reason is
+    /// [`WaitReason::Store`](crate::WaitReason::Store).
+    ///
+    /// Past one lease TTL, `policy` decides: [`OutagePolicy::Share`] serves the caps
+    /// divided by the workers last seen alive (the caps hold if Redis is down; a partition
+    /// that cut off some workers can pass them by those workers' shares);
+    /// [`OutagePolicy::Refuse`] refuses every new call until Redis answers (the caps hold
+    /// under any fault; an outage longer than a lease TTL stops every worker).
+    ///
+    /// A worker that never reached Redis (down at start) serves its share as
+    /// [`expected_workers`](StoreBuilder::expected_workers) says, and one that knows it is
+    /// alone (one worker seen alive, none expected) the whole caps, whatever the policy.
+    pub fn after_outage(mut self, policy: OutagePolicy) -> Self {
+        self.redis.after_outage = policy;
+        self
+    }
+
     /// Trusts this CA (PEM, one or more certificates) for `rediss://` instead of the
     /// system's roots: for a managed Redis with a private CA, or a test's own certificate.
     /// Applies to [`redis`](StoreBuilder::redis) and
@@ -343,7 +373,7 @@ impl StoreBuilder {
             keys,
             scripts: Scripts::new(),
             slot_scripts: SlotScripts::new(),
-            slots: SlotState::new(opts.expected_workers),
+            slots: SlotState::new(opts.expected_workers, opts.after_outage),
             wakes: wakes::Wakes::default(),
             throttle_window_ms: duration_ms(self.throttle_window),
             fallback: MemoryState::new(self.throttle_window, false),

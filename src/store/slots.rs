@@ -32,6 +32,7 @@ pub struct SlotLimits {
 
 /// Why an acquire took no slot.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum SlotRefusal {
     /// The global or the tier cap is reached: a slot of the tier must come free.
     Full,
@@ -39,6 +40,13 @@ pub enum SlotRefusal {
     /// ([`SlotLimits::tenant`]): one of the tenant's calls must end. Other tenants of the
     /// tier may still get slots.
     TenantCap,
+    /// The shared store (Redis) is away and this worker cannot admit the call soundly: it
+    /// held no slot of the tier (or none at all) when Redis went away, so none of its own
+    /// will come free, and the other workers' calls are not known here; or Redis has been
+    /// away longer than a lease TTL and the store was told to refuse then
+    /// ([`OutagePolicy::Refuse`](crate::OutagePolicy::Refuse)). Waiting would not help:
+    /// answer at once, so the caller can try another worker.
+    Store,
 }
 
 impl SlotLimits {

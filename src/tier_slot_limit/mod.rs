@@ -16,9 +16,11 @@
 //! its expiry, taken by one Lua script that drops expired leases and checks both caps, and
 //! renewed by a heartbeat while its call runs. A crashed worker's slots therefore come back
 //! within one lease TTL (30 s), however busy the others are. When Redis is unreachable the
-//! layer keeps serving from an in-process count sized to this worker's share of the caps
-//! (the caps divided by the workers last seen alive): no request fails because Redis is
-//! down.
+//! layer keeps serving in process: for one lease TTL exactly the slots this worker held at
+//! the fault, per tier (a call of a tier it held nothing of is answered [`Busy`]
+//! at once, reason [`WaitReason::Store`](crate::WaitReason::Store), so the client can try
+//! another worker); then, by the store's [`OutagePolicy`](crate::OutagePolicy), its share
+//! of the caps (the caps divided by the workers last seen alive) or nothing.
 //!
 //! Below a [`DrrFairness`](crate::DrrFairness) handed this layer's
 //! [`gate`](TierSlotLimitLayer::gate), the fair queue takes each request's slot when it

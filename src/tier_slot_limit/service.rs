@@ -9,6 +9,8 @@ use super::wait::{Shared, SlotPermit, wait_for_slot};
 use crate::JobRequest;
 use crate::body::GuardResponse;
 use crate::error::BoxError;
+use crate::gate::WaitReason;
+use crate::store::SlotRefusal;
 
 /// Holds every call to a slot: a global cap and a cap per tier, shared by every worker on
 /// the store; see the [module docs](crate::tier_slot_limit).
@@ -107,6 +109,11 @@ where
                 Ok(Ok(lease)) => {
                     let permit = SlotPermit::new(lease, state);
                     return ResponseFuture::acquired(permit, inner, req);
+                }
+                // Redis is away and this worker cannot admit it soundly: say so at once.
+                Ok(Err(SlotRefusal::Store)) => {
+                    let busy = shared.busy_because(tier, started, WaitReason::Store);
+                    return ResponseFuture::busy(busy);
                 }
                 // Refused (the wait tries again, and a tenant over its cap then waits apart).
                 Ok(Err(_)) => {}

@@ -11,6 +11,7 @@ use tokio::time::{Instant, sleep_until};
 
 use super::{Busy, SlotPolicy, TierLimit};
 use crate::admission::SlowWait;
+use crate::gate::WaitReason;
 use crate::rng::Rng;
 use crate::store::{SlotLease, SlotLimits, SlotQueue, SlotRefusal, Store, StoreFuture};
 use crate::sync::lock;
@@ -176,8 +177,14 @@ impl Shared {
     }
 
     pub(super) fn busy(&self, tier: Tier, started: Instant) -> Busy {
-        metrics::server_busy(&tier, crate::gate::WaitReason::Slot);
-        Busy::new(tier, started.elapsed(), self.policy.retry_after)
+        self.busy_because(tier, started, WaitReason::Slot)
+    }
+
+    /// `Busy` for `reason`: [`WaitReason::Store`] when the store refused the call because
+    /// Redis is away ([`SlotRefusal::Store`]), at once rather than at the max wait.
+    pub(super) fn busy_because(&self, tier: Tier, started: Instant, reason: WaitReason) -> Busy {
+        metrics::server_busy(&tier, reason);
+        Busy::new(tier, started.elapsed(), self.policy.retry_after).because(reason)
     }
 
     /// Early rejection: requests of this tier already wait here, and the wait this one can
@@ -416,6 +423,9 @@ pub(super) async fn wait_for_slot(
                     Err(refusal) => refusal,
                 }
             };
+            if refusal == SlotRefusal::Store {
+                return Err(shared.busy_because(tier, started, WaitReason::Store));
+            }
             let now = Instant::now();
             if now >= deadline {
                 return Err(busy());

@@ -22,17 +22,25 @@
 //! worker keeps to its share as if degraded: a worker that resynced first cannot take the
 //! slots of calls another worker has not put back yet.
 //!
-//! While restricted (degraded or settling), a worker keeps to its share: the caps divided by
-//! the workers it knows of (the last count seen alive, at least
-//! [`expected_workers`](crate::StoreBuilder::expected_workers); one slot each when it knows
-//! nothing). With other workers alive, for one lease TTL after the fault it also keeps, in
-//! all and per tier, to what it held when the fault began: all the workers' calls then
-//! were within the caps together, while the others' counts it saw before may be stale (one
-//! of them may have held more than its share, and the others' full shares would pass the
-//! cap). Past the TTL those calls are taken to be over, as their leases would be.
+//! While Redis is away, a worker that had synced and knows of other workers keeps, for one
+//! lease TTL, to exactly the leases it held when the fault began, per tier and in all (and
+//! per tenant, with a tenant cap), each as long as it lives in Redis: all the workers'
+//! calls then were within the caps together, and no other worker can be given those slots
+//! before they expire, whether Redis died or only this worker is cut off from it. A call of
+//! its own that ends frees its slot for its next call of the tier; a call of a tier it
+//! held nothing of is refused at once ([`SlotRefusal::Store`]): nothing of its own will
+//! come free, and what the others hold is not known here. Past the TTL, the store's
+//! [`OutagePolicy`] decides: its share of the caps (the caps divided by the workers last
+//! seen alive), or nothing.
+//!
+//! Otherwise while restricted (Redis away and never synced, or alone; settling after a new
+//! epoch) a worker keeps to its share: the caps divided by the workers it knows of (the
+//! last count seen alive, at least [`expected_workers`](crate::StoreBuilder::expected_workers);
+//! one slot each when it knows nothing), and while settling within a TTL of the fault also
+//! to what it held when the fault began.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -40,14 +48,18 @@ use redis::Script;
 use tokio::time::Instant;
 
 use super::{RedisStore, duration_ms, lock};
-use crate::store::StoreFuture;
 use crate::store::keys::Keys;
 use crate::store::slots::{Holder, SlotLease, SlotLimits, SlotQueue, SlotRefusal};
+use crate::store::{OutagePolicy, StoreFuture};
 use crate::{TenantId, Tier};
 
 /// How often a worker says it is alive, and how long that lasts.
 const WORKER_HEARTBEAT: Duration = Duration::from_secs(1);
 const WORKER_TTL: Duration = Duration::from_secs(3);
+/// A worker that has not said it is alive for this long is not woken for a freed slot (it
+/// crashed, or is cut off from Redis while its subscription lingers): the slot would be
+/// promised to it for nothing.
+const WORKER_SILENT: Duration = Duration::from_millis(1_500);
 
 pub(super) struct SlotScripts {
     acquire: Script,
@@ -98,6 +110,8 @@ struct Held {
     ttl: Duration,
     renewed: Instant,
     counted: Counted,
+    /// When the call took its slot.
+    since: Instant,
 }
 
 impl Held {
@@ -122,12 +136,40 @@ struct Restriction {
     own: Option<Own>,
 }
 
-/// This worker's calls in flight when a restriction began, all and by tier key.
+/// This worker's leases in Redis when a restriction began: by tier key and by tenant key,
+/// when each expires there at the earliest. A lease taken or renewed by a call sent at
+/// `renewed` lives in Redis until at least `renewed + ttl` (the server adds the TTL to its
+/// own clock when the script runs, after the call was sent), so until then no other worker
+/// can be given its slot, even if only this worker is cut off from Redis.
 #[derive(Debug)]
 struct Own {
     at: Instant,
-    global: usize,
-    tiers: HashMap<String, usize>,
+    tiers: HashMap<String, Vec<Instant>>,
+    tenants: HashMap<String, Vec<Instant>>,
+}
+
+impl Own {
+    /// How many calls were counted in all, and in `tier_key`, when the restriction began.
+    fn counted(&self, tier_key: &str) -> (usize, usize) {
+        let global = self.tiers.values().map(Vec::len).sum();
+        (global, self.tiers.get(tier_key).map_or(0, Vec::len))
+    }
+
+    /// How many of the leases of `key` (in `map`) still live in Redis at `now`.
+    fn live(map: &HashMap<String, Vec<Instant>>, key: &str, now: Instant) -> usize {
+        map.get(key).map_or(0, |expiries| {
+            expiries.iter().filter(|&&at| at > now).count()
+        })
+    }
+
+    /// How many of all its leases still live in Redis at `now`.
+    fn live_global(&self, now: Instant) -> usize {
+        self.tiers
+            .values()
+            .flatten()
+            .filter(|&&at| at > now)
+            .count()
+    }
 }
 
 /// This worker's side of the shared slots.
@@ -151,10 +193,15 @@ pub(super) struct SlotState {
     /// Back from an outage, putting its calls back: no new fallback slot, or it would be
     /// missed by the resync under way.
     pub(super) recovering: AtomicBool,
+    /// What to do once Redis has been away longer than a lease TTL.
+    after_outage: OutagePolicy,
+    /// How long this worker's calls hold their slots, on average (microseconds; a moving
+    /// average over the last calls or so).
+    hold_us: AtomicU64,
 }
 
 impl SlotState {
-    pub(super) fn new(expected_workers: Option<u32>) -> Self {
+    pub(super) fn new(expected_workers: Option<u32>, after_outage: OutagePolicy) -> Self {
         SlotState {
             held: Mutex::new(HashMap::new()),
             unreleased: Mutex::new(Vec::new()),
@@ -165,7 +212,22 @@ impl SlotState {
             restriction: Mutex::new(Restriction::default()),
             resyncing: tokio::sync::Mutex::new(()),
             recovering: AtomicBool::new(false),
+            after_outage,
+            hold_us: AtomicU64::new(0),
         }
+    }
+
+    /// A call that held its slot since `since` ended.
+    fn held_for(&self, since: Instant) {
+        let sample = u64::try_from(since.elapsed().as_micros()).unwrap_or(u64::MAX);
+        let _ = self
+            .hold_us
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |avg| {
+                Some(match avg {
+                    0 => sample,
+                    avg => avg - avg / 8 + sample / 8,
+                })
+            });
     }
 
     /// The workers this one shares the caps with, as far as it knows: the last count seen
@@ -181,25 +243,28 @@ impl SlotState {
     }
 
     /// Keeps to the share from now on (until [`restricted`](Self::restricted) says not),
-    /// and to what this worker holds now, if Redis counted it.
+    /// and to the leases this worker holds in Redis now, if Redis counted its calls.
     pub(super) fn freeze(&self) {
         if lock(&self.epoch).is_none() {
             return; // never counted in Redis: it holds nothing the others counted on
         }
         let own = {
-            // Not an acquire under way: Redis may have refused it.
+            // Leases only: an acquire under way may have been refused, a fallback slot is
+            // not in Redis.
             let held = lock(&self.held);
-            let counted = held.values().filter(|h| h.counted != Counted::Acquiring);
-            let mut tiers: HashMap<String, usize> = HashMap::new();
-            let mut global = 0;
-            for h in counted {
-                *tiers.entry(h.tier_key.clone()).or_default() += 1;
-                global += 1;
+            let mut tiers: HashMap<String, Vec<Instant>> = HashMap::new();
+            let mut tenants: HashMap<String, Vec<Instant>> = HashMap::new();
+            for h in held.values().filter(|h| h.counted == Counted::Shared) {
+                let expiry = crate::time::after(h.renewed, h.ttl);
+                tiers.entry(h.tier_key.clone()).or_default().push(expiry);
+                if let Some(key) = &h.tenant_key {
+                    tenants.entry(key.clone()).or_default().push(expiry);
+                }
             }
             Own {
                 at: Instant::now(),
-                global,
                 tiers,
+                tenants,
             }
         };
         lock(&self.restriction).own.get_or_insert(own);
@@ -221,45 +286,82 @@ impl SlotState {
         false
     }
 
-    /// Whether one more call of `tier_key` (and `tenant_key`, with a tenant cap) fits this
-    /// worker's share, counting every call it has in flight; if not, which cap it misses.
+    /// Whether one more call of `tier_key` (and `tenant_key`, with a tenant cap) fits what
+    /// this worker may hold while restricted (Redis away when `degraded`, else settling
+    /// after a new epoch), counting every call it has in flight; if not, why.
+    ///
+    /// Redis away, with other workers alive, a worker that had synced keeps for one lease
+    /// TTL to the leases it held when Redis went away, as long as each lives in Redis: all
+    /// the fleet's calls were within the caps then, and the others cannot be given those
+    /// slots before the leases expire, whether Redis died or only this worker is cut off. A
+    /// call of a tier (or a capped tenant) it holds no live lease of cannot be admitted
+    /// soundly: [`SlotRefusal::Store`], at once. Past the TTL, the [`OutagePolicy`].
+    /// Otherwise (never synced, alone, settling) it keeps to its share of the caps, and
+    /// while settling within a TTL of the fault also to what it held then.
     fn fits(
         &self,
         held: &HashMap<String, Held>,
         tier_key: &str,
         tenant_key: Option<&str>,
         limits: SlotLimits,
+        degraded: bool,
     ) -> Result<(), SlotRefusal> {
         let fleet = self.fleet();
-        let share = limits.share_of(fleet);
         let in_tier = held.values().filter(|h| h.tier_key == tier_key).count();
+        let of_tenant = |key: &str| {
+            held.values()
+                .filter(|h| h.tenant_key.as_deref() == Some(key))
+                .count()
+        };
+        let restriction = lock(&self.restriction);
+        let own = restriction.own.as_ref().filter(|_| fleet > 1);
+        let within_ttl = own.is_some_and(|own| own.at.elapsed() < limits.lease_ttl);
+        match own {
+            Some(own) if degraded && within_ttl => {
+                // A lease that expires before a call of the usual length would end is not
+                // used for a new one: under a partition the call would outlive it, while
+                // another worker may be given its slot.
+                let hold = Duration::from_micros(self.hold_us.load(Ordering::Relaxed));
+                let now = crate::time::after(Instant::now(), hold);
+                let tier_live = Own::live(&own.tiers, tier_key, now);
+                if tier_live == 0 {
+                    return Err(SlotRefusal::Store);
+                }
+                if held.len() >= own.live_global(now) || in_tier >= tier_live {
+                    return Err(SlotRefusal::Full); // one of its own calls must end
+                }
+                if let (Some(key), Some(_)) = (tenant_key, limits.tenant) {
+                    match Own::live(&own.tenants, key, now) {
+                        0 => return Err(SlotRefusal::Store),
+                        live if of_tenant(key) >= live => return Err(SlotRefusal::TenantCap),
+                        _ => {}
+                    }
+                }
+                return Ok(());
+            }
+            Some(_) if degraded && self.after_outage == OutagePolicy::Refuse => {
+                return Err(SlotRefusal::Store);
+            }
+            _ => {}
+        }
+        let share = limits.share_of(fleet);
         if held.len() >= share.global as usize || in_tier >= share.tier as usize {
             return Err(SlotRefusal::Full);
         }
-        // For one lease TTL after the fault, also no more than this worker held when it
-        // began: what the others held then is not known here (a count seen before may be
-        // stale: one of them may hold more than its share, which the others' shares would
-        // then pass the cap by), but all the workers' calls together were within the caps.
-        // Past the TTL the calls of then are taken to be over, as their leases would be.
-        if fleet > 1
-            && let Some(own) = &lock(&self.restriction).own
-            && own.at.elapsed() < limits.lease_ttl
-        {
-            let own_tier = own.tiers.get(tier_key).copied().unwrap_or(0);
-            if held.len() >= own.global || in_tier >= own_tier {
+        // Settling after a new epoch, within a TTL of the fault: also no more than this
+        // worker held when it began (the others' counts seen before may be stale).
+        if let Some(own) = own.filter(|_| within_ttl) {
+            let (global, own_tier) = own.counted(tier_key);
+            if held.len() >= global || in_tier >= own_tier {
                 return Err(SlotRefusal::Full);
             }
         }
         // The tenant's share: its cap divided as the others are (the others' tenant counts
         // are not tracked; the share alone keeps the fleet under the cap).
-        if let (Some(key), Some(cap)) = (tenant_key, share.tenant) {
-            let mine = held
-                .values()
-                .filter(|h| h.tenant_key.as_deref() == Some(key))
-                .count();
-            if mine >= cap as usize {
-                return Err(SlotRefusal::TenantCap);
-            }
+        if let (Some(key), Some(cap)) = (tenant_key, share.tenant)
+            && of_tenant(key) >= cap as usize
+        {
+            return Err(SlotRefusal::TenantCap);
         }
         Ok(())
     }
@@ -378,6 +480,9 @@ impl RedisLease {
     /// global set (so it announces nothing a second time).
     pub(crate) fn release(&self, tier: &Tier, tenant: Option<&TenantId>) {
         let held = lock(&self.store.slots.held).remove(&self.id);
+        if let Some(h) = &held {
+            self.store.slots.held_for(h.since);
+        }
         if held.as_ref().is_some_and(|h| h.counted == Counted::Local) {
             // Never put in Redis (a resync on the way finds it gone and releases it).
             self.store.wake_everyone();
@@ -515,8 +620,9 @@ impl RedisStore {
                     if status == 0 {
                         held.remove(&id);
                     } else if let Some(held) = held.get_mut(&id) {
+                        // `renewed` stays when the acquire was sent: the lease lives in
+                        // Redis at least a TTL from then.
                         held.counted = Counted::Shared;
-                        held.renewed = Instant::now();
                     }
                 }
                 if status == 0 {
@@ -553,7 +659,8 @@ impl RedisStore {
         let restricted = self.slots.restricted(self.is_degraded());
         let mut held = lock(&self.slots.held);
         if restricted {
-            self.slots.fits(&held, tier_key, tenant_key, limits)?;
+            self.slots
+                .fits(&held, tier_key, tenant_key, limits, self.is_degraded())?;
         }
         held.insert(
             id.to_owned(),
@@ -563,6 +670,7 @@ impl RedisStore {
                 ttl: limits.lease_ttl,
                 renewed: Instant::now(),
                 counted: Counted::Acquiring,
+                since: Instant::now(),
             },
         );
         Ok(())
@@ -585,7 +693,7 @@ impl RedisStore {
         let tenant_key = tenant.map(|tenant| self.keys.slots_tenant(tier, tenant));
         let mut held = lock(&self.slots.held);
         self.slots
-            .fits(&held, &tier_key, tenant_key.as_deref(), limits)?;
+            .fits(&held, &tier_key, tenant_key.as_deref(), limits, true)?;
         held.insert(
             id.clone(),
             Held {
@@ -594,6 +702,7 @@ impl RedisStore {
                 ttl: limits.lease_ttl,
                 renewed: Instant::now(),
                 counted: Counted::Local,
+                since: Instant::now(),
             },
         );
         drop(held);
@@ -629,6 +738,8 @@ impl RedisStore {
             invocation.key(tier_key).arg(id).arg(*ttl_ms);
         }
         let mut conn = self.conn.clone();
+        // Before the call: the leases put back live in Redis at least a TTL from then.
+        let now = Instant::now();
         let answer = self
             .guard(invocation.invoke_async::<Vec<String>>(&mut conn))
             .await;
@@ -637,7 +748,6 @@ impl RedisStore {
             return false;
         };
         let alive: u32 = alive.parse().unwrap_or(1);
-        let now = Instant::now();
         // Calls, not entries: a call counted for its tenant has two.
         let put_back = leases
             .iter()
@@ -698,6 +808,7 @@ impl RedisStore {
             .key(tier_key)
             .key(&self.keys.slots_waits)
             .key(&self.keys.slots_promised)
+            .key(&self.keys.slots_workers)
             .arg(id)
             .arg(&self.keys.slots_wake)
             .arg(if self.target.is_cluster() {
@@ -706,7 +817,8 @@ impl RedisStore {
                 "PUBLISH"
             })
             .arg(token)
-            .arg(if leave { self.worker_id.as_str() } else { "" });
+            .arg(if leave { self.worker_id.as_str() } else { "" })
+            .arg(duration_ms(WORKER_TTL.saturating_sub(WORKER_SILENT)));
         release
     }
 
@@ -915,6 +1027,7 @@ impl RedisStore {
             .key(&self.keys.slots_global)
             .key(&self.keys.slots_workers)
             .key(&self.keys.slots_epoch)
+            .key(&self.keys.slots_waits)
             .arg(&self.worker_id)
             .arg(duration_ms(WORKER_TTL))
             .arg(epoch.as_deref().unwrap_or(""));

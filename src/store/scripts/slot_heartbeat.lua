@@ -2,8 +2,12 @@
 -- XX: a lease released meanwhile is never brought back here. A lease that is gone (expired
 -- unrenewed, or removed) is reported instead, so the worker can put back those it still
 -- holds; a worker whose bookkeeping is gone (as in slot_acquire.lua) is told to resync.
--- KEYS[1] global lease set, KEYS[2] worker set, KEYS[3] epoch key,
--- KEYS[4..n] the tier set of each lease below
+-- Also drops from the tiers' wait queues (slot_acquire.lua) every worker no longer alive
+-- (no record for a worker TTL: crashed, or restarted under a new id), so a dead worker's
+-- entry is gone within a worker TTL and a heartbeat, not only when a release reaches it.
+-- Not in the first worker TTL of an epoch, while the live workers put themselves back.
+-- KEYS[1] global lease set, KEYS[2] worker set, KEYS[3] epoch key, KEYS[4] wait book
+-- (slot_acquire.lua), KEYS[5..n] the tier set of each lease below
 -- ARGV[1] worker id, ARGV[2] worker TTL in ms, ARGV[3] the worker's epoch,
 -- then per lease: its id, its TTL in ms
 -- Returns {'-1'} to resync, else {workers alive, global count, ids of missing leases...}.
@@ -16,10 +20,24 @@ end
 redis.call('ZADD', KEYS[2], now + tonumber(ARGV[2]), ARGV[1])
 redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now)
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+local epoch_began = (tonumber(string.match(ARGV[3], '^(%d+)%.')) or 0) * 1000
+if now - epoch_began >= tonumber(ARGV[2]) then
+  for _, field in ipairs(redis.call('HKEYS', KEYS[4])) do
+    if string.sub(field, 1, 2) == 'c:' then
+      local key = string.sub(field, 3)
+      for _, worker in ipairs(redis.call('ZRANGE', key .. ':waiting', 0, -1)) do
+        if not redis.call('ZSCORE', KEYS[2], worker) then
+          redis.call('ZREM', key .. ':waiting', worker)
+          redis.call('HDEL', key .. ':wants', worker)
+        end
+      end
+    end
+  end
+end
 local missing = {}
-for i = 4, #KEYS do
-  local id = ARGV[2 * i - 4]
-  local expiry = now + tonumber(ARGV[2 * i - 3])
+for i = 5, #KEYS do
+  local id = ARGV[2 * i - 6]
+  local expiry = now + tonumber(ARGV[2 * i - 5])
   if redis.call('ZSCORE', KEYS[1], id) then
     redis.call('ZADD', KEYS[1], 'XX', expiry, id)
     redis.call('ZADD', KEYS[i], 'XX', expiry, id)

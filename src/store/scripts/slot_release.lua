@@ -3,17 +3,21 @@
 -- queuing on the tiers' weights (a tier that starts waiting starts at the current virtual
 -- time, so a flood queued before it cannot hold it back), and in that tier the worker
 -- queued longest. The worker is told on its own channel and goes to the back of the queue,
--- or leaves it when that was the last of its calls waiting; one no longer listening (gone)
--- leaves it and is skipped. The message is the tier key and a token; the slot is promised
+-- or leaves it when that was the last of its calls waiting; one no longer listening (gone),
+-- or no longer saying it is alive (its record in the worker set missing or not renewed
+-- for a while: crashed, or cut off from Redis while its subscription lingers), leaves it
+-- and is skipped, so a freed slot is not promised to a worker that cannot take it. The message is the tier key and a token; the slot is promised
 -- to the worker (see slot_acquire.lua) until its acquire names the token, for a second at
 -- most. With no lease id, only wakes: a woken worker whose calls had gone passes the slot
 -- on, naming the token it got, and leaves the tier's queue.
 -- KEYS[1] global lease set, KEYS[2] tier lease set, KEYS[3] wait book (slot_acquire.lua),
--- KEYS[4] the promised slots (each also in `<tier key>:promised`)
+-- KEYS[4] the promised slots (each also in `<tier key>:promised`), KEYS[5] the worker set
+-- (slot_heartbeat.lua)
 -- ARGV[1] lease id or '', ARGV[2] the wake channels' prefix (the worker id follows),
 -- ARGV[3] 'PUBLISH' (one node) or 'SPUBLISH' (a cluster: sharded pub/sub; the channels
 -- share the lease sets' hash tag, so they belong to this shard), ARGV[4] the token passed
--- on, or '', ARGV[5] the worker passing it on, or ''
+-- on, or '', ARGV[5] the worker passing it on, or '', ARGV[6] how long (ms) a live
+-- worker's record has left at least (a worker TTL less the heartbeat's slack)
 -- Returns {removed, global count, tier count} (before the wake-up's promise).
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -73,8 +77,9 @@ if (removed == 1 or ARGV[1] == '') and global + redis.call('ZCARD', KEYS[4]) < g
     if not best then
       break
     end
-    local token = tostring(redis.call('HINCRBY', book, 'token', 1))
-    if redis.call(ARGV[3], ARGV[2] .. best_worker, best .. '\n' .. token) > 0 then
+    local record = tonumber(redis.call('ZSCORE', KEYS[5], best_worker) or '0')
+    local token = record > now + tonumber(ARGV[6]) and tostring(redis.call('HINCRBY', book, 'token', 1))
+    if token and redis.call(ARGV[3], ARGV[2] .. best_worker, best .. '\n' .. token) > 0 then
       redis.call('ZADD', KEYS[4], now + 1000, token)
       redis.call('ZADD', best .. ':promised', now + 1000, token)
       redis.call('HSET', book, 'v:' .. best, tostring(best_finish), 'v', tostring(best_start))
