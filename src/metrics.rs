@@ -236,7 +236,8 @@ pub const SLOTS_IN_USE: &str = "claude_slots_in_use";
 /// Histogram, seconds a request waited for its slot, label `tier`.
 pub const SLOT_WAIT: &str = "claude_slot_wait_seconds";
 /// Counter, requests refused with `Busy` (`SERVER_BUSY`), labels `tier` and `reason` (what
-/// the request waited for: `slot`, `rate` or `cooldown`).
+/// the request waited for: `slot`, `rate`, `cooldown`, or `store` when Redis was away and
+/// the call could not be admitted soundly).
 pub const SERVER_BUSY: &str = "claude_server_busy_total";
 /// Counter, slots taken from the in-process fallback because Redis was away, label `tier`.
 pub const SLOTS_FALLBACK: &str = "claude_slots_fallback_total";

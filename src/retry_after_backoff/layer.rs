@@ -184,7 +184,9 @@ impl Core {
     pub(super) fn release_in(&self, key: &Arc<str>) -> Option<Duration> {
         let latest = self.release_latest_ms.load(Ordering::Acquire);
         if latest == 0
-            || Instant::now().saturating_duration_since(self.created).as_millis()
+            || Instant::now()
+                .saturating_duration_since(self.created)
+                .as_millis()
                 > u128::from(latest)
         {
             return None;

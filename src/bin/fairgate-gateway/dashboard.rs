@@ -105,12 +105,13 @@ pub(crate) async fn live_json(live: &Live, metrics_text: &str) -> String {
                 .fold(0.0, |sum, s| sum + s.value)
         };
         tiers.push(format!(
-            r#"{{"tier":{},"cap":{},"in_flight":{in_flight},"waiting":{waiting},"busy":{{"slot":{},"rate":{},"cooldown":{}}}}}"#,
+            r#"{{"tier":{},"cap":{},"in_flight":{in_flight},"waiting":{waiting},"busy":{{"slot":{},"rate":{},"cooldown":{},"store":{}}}}}"#,
             json(tier.as_str()),
             limit.cap,
             num(by_reason("slot")),
             num(by_reason("rate")),
             num(by_reason("cooldown")),
+            num(by_reason("store")),
         ));
     }
     let latency = samples(metrics_text, metrics::REQUEST_LATENCY);
