@@ -728,6 +728,12 @@ async fn a_tier_that_starts_waiting_is_not_held_behind_a_flood_queued_before_it(
         let job = Job::new(format!("{tier}-{i}"), Origin::UserAction).tier(tier);
         tokio::spawn(async move { service.oneshot(request(job)).await })
     };
+    // Each worker past its slow start first (one call until an answer came): this is about
+    // the order between tiers, not about a cold start.
+    for (service, tier) in [(&paying, "premium"), (&flood, "guest")] {
+        call(service, tier, 99).await.unwrap().expect("a warm-up call");
+    }
+    done.lock().unwrap().clear();
     let guests: Vec<_> = (0..40).map(|i| call(&flood, "guest", i)).collect();
     wait_until("the guests queued in redis", || {
         queued(&redis, "guest") == 1
@@ -748,9 +754,10 @@ async fn a_tier_that_starts_waiting_is_not_held_behind_a_flood_queued_before_it(
         "{target:?}: premium sent after {before} guests were served; {guests_meanwhile} more \
          guests were served before the last of the 6 premium calls"
     );
-    // In arrival order all 40 guests would go first; by weight about one in four slots.
+    // In arrival order all 40 guests would go first; by weight about one in four slots
+    // (2 measured, every run; the margin is for a loaded machine).
     assert!(
-        guests_meanwhile <= 12,
+        guests_meanwhile <= 6,
         "{guests_meanwhile} guests before the last premium call"
     );
 }
