@@ -144,6 +144,15 @@ pub(crate) trait RateLimit: Send + Sync + 'static {
 #[derive(Clone)]
 pub struct RateGate {
     pub(crate) inner: Arc<dyn RateLimit>,
+    /// The key of a request that names none.
+    pub(crate) default_key: Arc<str>,
+}
+
+impl RateGate {
+    pub(crate) fn new(inner: Arc<dyn RateLimit>) -> Self {
+        let default_key = inner.default_key();
+        RateGate { inner, default_key }
+    }
 }
 
 impl fmt::Debug for RateGate {

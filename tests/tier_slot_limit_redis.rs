@@ -731,7 +731,10 @@ async fn a_tier_that_starts_waiting_is_not_held_behind_a_flood_queued_before_it(
     // Each worker past its slow start first (one call until an answer came): this is about
     // the order between tiers, not about a cold start.
     for (service, tier) in [(&paying, "premium"), (&flood, "guest")] {
-        call(service, tier, 99).await.unwrap().expect("a warm-up call");
+        call(service, tier, 99)
+            .await
+            .unwrap()
+            .expect("a warm-up call");
     }
     done.lock().unwrap().clear();
     let guests: Vec<_> = (0..40).map(|i| call(&flood, "guest", i)).collect();

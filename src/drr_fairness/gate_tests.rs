@@ -72,7 +72,7 @@ fn fair(
     > + Clone,
 ) {
     let layer = DrrFairnessLayer::builder(Store::memory(), 8)
-        .rate_gate(RateGate { inner: gate })
+        .rate_gate(RateGate::new(gate))
         .build()
         .unwrap();
     let went: Went = Arc::default();

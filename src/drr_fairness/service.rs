@@ -107,7 +107,7 @@ where
         let held_above = gate.is_some_and(|gate| job.slot_held_by(gate));
         // Dispatched only with its slot when this layer holds a slot gate, so the slot
         // layer below that gave it lets it through without taking a second one.
-        if let Some(gate) = gate {
+        if let Some(gate) = gate.filter(|_| !held_above) {
             job.mark_slot_held_by(gate);
         }
         let job = &*job;

@@ -615,12 +615,12 @@ impl Shared {
                 gate.blocked = false;
             }
             let room = state.len() == 0 && state.in_flight < self.max_in_flight;
-            let key = job.upstream().cloned();
+            let key = job.upstream();
             let receipt = match room {
                 true => self.rate_now(
                     &mut state,
                     place.group,
-                    key.as_ref(),
+                    key,
                     job.estimated_tokens(),
                     &mut after,
                 ),
@@ -671,7 +671,7 @@ impl Shared {
                     waker: None,
                     weight,
                     id,
-                    key,
+                    key: key.cloned(),
                     cost: job.estimated_tokens(),
                 };
                 let group = &mut state.groups[place.group];
@@ -742,8 +742,8 @@ impl Shared {
         after: &mut AfterUnlock,
     ) -> Option<Option<Taken>> {
         let rate = self.rate.as_ref()?;
-        let key = key.cloned().unwrap_or_else(|| rate.inner.default_key());
-        Some(match rate.inner.clone().check(&key, cost) {
+        let key = key.unwrap_or(&rate.default_key);
+        Some(match rate.inner.clone().check(key, cost) {
             Verdict::Go(taken) => Some(taken),
             Verdict::Until(at, reason) => {
                 state.groups[group].held_for = reason;

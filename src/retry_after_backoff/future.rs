@@ -703,9 +703,10 @@ where
                             // (a tier's max wait) from now, and it takes its own slot.
                             if let Some(job) = call.next.as_mut().and_then(|r| r.job_mut()) {
                                 job.restamp();
-                                if let Some(cell) = call.attempt.as_mut() {
-                                    // A fresh cell: the retry is a new attempt.
-                                    *cell = AttemptCell::default();
+                                // A fresh cell: the retry is a new attempt (after a throttle
+                                // its key is recovering, so one is needed).
+                                call.attempt = call.shared.core.attempt_cell(&call.upstream);
+                                if let Some(cell) = &call.attempt {
                                     job.set_attempt(call.upstream.clone(), cell.clone());
                                 }
                             }
@@ -713,7 +714,7 @@ where
                                 .next
                                 .as_ref()
                                 .and_then(|req| call.shared.cloner.clone_request(req));
-                            if call.attempt.is_some() {
+                            if call.shared.core.gated_below() {
                                 this.state.set(State::Backoff {
                                     sleep: sleep_for(delay),
                                 });

@@ -333,8 +333,7 @@ mod tests {
     fn gate(store: &Store) -> (Arc<dyn RateLimit>, Arc<str>) {
         let policy = BackoffPolicy::builder().seed(1).build().unwrap();
         let (_, gate) = RetryAfterBackoffLayer::new(store.clone(), policy).with_gate_below();
-        let key = gate.inner.default_key();
-        (gate.inner, key)
+        (gate.inner, gate.default_key)
     }
 
     /// The store learns `rpm` from an answer with a full bucket.

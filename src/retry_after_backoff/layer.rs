@@ -250,6 +250,14 @@ impl Core {
         view.mode == 0 || view.recovering(Instant::now())
     }
 
+    /// Where the fair queue below puts what an attempt to `key` took from the rate gate:
+    /// `None` without a fair queue below, or while the gate has nothing to take for it (no
+    /// limit learned, cold or recovering, no pacing: its key is then the layer's own).
+    pub(super) fn attempt_cell(&self, key: &Arc<str>) -> Option<crate::gate::AttemptCell> {
+        let quiet = self.all_quiet(key) && self.pacer.is_none() && self.shared_pacing().is_none();
+        (self.gated_below() && !quiet).then(crate::gate::AttemptCell::default)
+    }
+
     /// Whether a fair queue below holds this layer's rate gate.
     pub(super) fn gated_below(&self) -> bool {
         self.gated_below.load(Ordering::Acquire)
@@ -576,7 +584,7 @@ impl<C, K> RetryAfterBackoffLayer<C, K> {
     pub fn with_gate_below(self) -> (Self, crate::RateGate) {
         self.shared.core.gated_below.store(true, Ordering::Release);
         let inner: Arc<dyn crate::gate::RateLimit> = self.shared.core.clone();
-        (self, crate::RateGate { inner })
+        (self, crate::RateGate::new(inner))
     }
 
     /// The policy.

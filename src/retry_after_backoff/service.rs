@@ -14,7 +14,6 @@ use super::learned::{OneUpstream, UpstreamKey};
 use super::request::{ByClone, CloneRequest, TypeName};
 use crate::JobRequest;
 use crate::error::BoxError;
-use crate::gate::AttemptCell;
 use crate::store::DIMS;
 
 /// Retries "try later" answers by the server's word, records throttles, and holds calls
@@ -107,7 +106,7 @@ where
             Some(key) => Arc::from(format!("{}/{key}", core.policy.upstream)),
             None => core.policy.upstream.clone(),
         };
-        let attempt = gated.then(AttemptCell::default);
+        let attempt = core.attempt_cell(&upstream);
         if let (Some(cell), Some(job)) = (&attempt, req.job_mut()) {
             job.set_attempt(upstream.clone(), cell.clone());
         }

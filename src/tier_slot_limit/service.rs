@@ -79,7 +79,9 @@ where
         let shared = &self.shared;
         let started = job.arrival();
         let held_above = job.slot_held_by(&shared.gate);
-        job.mark_slot_held_by(&shared.gate);
+        if !held_above {
+            job.mark_slot_held_by(&shared.gate);
+        }
         let (tier, limit, state) = shared.resolve(job.tier_name());
         let inner = self.inner.clone();
         if held_above {
