@@ -206,13 +206,21 @@ pub(crate) async fn live_json(live: &Live, metrics_text: &str) -> String {
             )
         })
         .collect();
+    let probes = samples(metrics_text, metrics::PROBES);
+    let probes_of = |reason: &str| -> f64 {
+        probes
+            .iter()
+            .filter(|s| label(s, "reason") == reason)
+            .fold(0.0, |sum, s| sum + s.value)
+    };
     format!(
         concat!(
             r#"{{"store":{{"backend":{},"degraded":{}}},"#,
             r#""window":{{"in_flight":{},"max":{},"queued":{}}},"#,
             r#""tiers":[{}],"classes":[{}],"tenants":[{}],"fairness_index":{},"#,
             r#""worker_fairness_index":{},"#,
-            r#""upstreams":[{}],"demoted_tenants":{}}}"#
+            r#""upstreams":[{}],"input_tokens_last_minute":{},"#,
+            r#""probes":{{"cold_start":{},"recovery":{}}},"demoted_tenants":{}}}"#
         ),
         json(live.store.backend_name()),
         live.store.is_degraded(),
@@ -225,6 +233,9 @@ pub(crate) async fn live_json(live: &Live, metrics_text: &str) -> String {
         fleet_jain.map_or("null".to_owned(), num),
         gauge(metrics::FAIRNESS_INDEX),
         gates.join(","),
+        num(total),
+        num(probes_of("cold_start")),
+        num(probes_of("recovery")),
         gauge(metrics::DEMOTED_TENANTS),
     )
 }
