@@ -10,11 +10,11 @@
 //! store too (the fleet's on Redis), and Jain's index over them is the fleet's.
 
 use std::collections::BTreeMap;
-use std::fmt::Write as _;
 
 use fairgate::{Priority, TenantId, metrics};
 
 use super::api::Live;
+use super::record::json_string as json;
 
 /// The page.
 pub(crate) const PAGE: &str = include_str!("dashboard.html");
@@ -63,24 +63,6 @@ fn samples(text: &str, name: &str) -> Vec<Sample> {
 
 fn label<'a>(sample: &'a Sample, key: &str) -> &'a str {
     sample.labels.get(key).map_or("", String::as_str)
-}
-
-/// A JSON string.
-fn json(s: &str) -> String {
-    let mut out = String::with_capacity(s.len() + 2);
-    out.push('"');
-    for c in s.chars() {
-        match c {
-            '"' => out.push_str("\\\""),
-            '\\' => out.push_str("\\\\"),
-            c if (c as u32) < 0x20 => {
-                let _ = write!(out, "\\u{:04x}", c as u32);
-            }
-            c => out.push(c),
-        }
-    }
-    out.push('"');
-    out
 }
 
 /// A JSON number (`null` for what JSON cannot carry).
@@ -256,6 +238,5 @@ mod tests {
         assert_eq!(label(&busy[0], "reason"), "rate");
         assert_eq!(busy[0].value, 13.0);
         assert_eq!(samples(text, "claude_demoted_tenants")[0].value, 1.0);
-        assert_eq!(json("a\"b\\c\n"), r#""a\"b\\c\u000a""#);
     }
 }

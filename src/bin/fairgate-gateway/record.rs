@@ -208,7 +208,7 @@ fn or_null(value: Option<u64>) -> String {
 }
 
 /// `text` as a JSON string, quoted and escaped.
-fn json_string(text: &str) -> String {
+pub(crate) fn json_string(text: &str) -> String {
     let mut out = String::with_capacity(text.len() + 2);
     out.push('"');
     for c in text.chars() {
