@@ -128,6 +128,8 @@ pub(super) struct Call<S, Req, C> {
     pub(super) attempt: Option<AttemptCell>,
     /// What the attempt under way took from the rate gate, until its answer is reported.
     pub(super) receipt: Taken,
+    /// A fair queue below holds the rate gate: attempts go straight down.
+    pub(super) gated: bool,
 }
 
 /// The tier's max wait under the store's slot caps, counted from the request's arrival:
@@ -705,7 +707,11 @@ where
                                 job.restamp();
                                 // A fresh cell: the retry is a new attempt (after a throttle
                                 // its key is recovering, so one is needed).
-                                call.attempt = call.shared.core.attempt_cell(&call.upstream);
+                                call.attempt = call
+                                    .shared
+                                    .core
+                                    .attempt_cell(&call.upstream)
+                                    .filter(|_| call.gated);
                                 if let Some(cell) = &call.attempt {
                                     job.set_attempt(call.upstream.clone(), cell.clone());
                                 }
@@ -714,7 +720,7 @@ where
                                 .next
                                 .as_ref()
                                 .and_then(|req| call.shared.cloner.clone_request(req));
-                            if call.shared.core.gated_below() {
+                            if call.gated {
                                 this.state.set(State::Backoff {
                                     sleep: sleep_for(delay),
                                 });

@@ -457,3 +457,50 @@ mod tests {
         assert!(wait >= Duration::from_secs(2) && wait <= Duration::from_millis(2_400));
     }
 }
+
+#[cfg(test)]
+mod wiring_tests {
+    use std::time::Duration;
+
+    use tokio::time::Instant;
+    use tower::{Layer, ServiceExt, service_fn};
+
+    use crate::retry_after_backoff::Pacing;
+    use crate::{BackoffPolicy, Job, Origin, RetryAfterBackoffLayer, Store};
+
+    #[tokio::test(start_paused = true)]
+    async fn a_clone_taken_before_the_gate_went_below_still_waits_for_its_own_pacing() {
+        let policy = BackoffPolicy::builder()
+            .pacing(Pacing::new().requests_per_minute(60))
+            .seed(1)
+            .build()
+            .unwrap();
+        let before = RetryAfterBackoffLayer::new(Store::memory(), policy);
+        let (after, _gate) = before.clone().with_gate_below();
+        let upstream = service_fn(|_req: http::Request<String>| async {
+            Ok::<_, std::convert::Infallible>(http::Response::new(String::new()))
+        });
+        let request = || {
+            let mut req = http::Request::new(String::new());
+            req.extensions_mut()
+                .insert(Job::new("t", Origin::UserAction));
+            req
+        };
+        // The layer handed its gate down sends both at once (a fair queue below would pace).
+        let start = Instant::now();
+        let gated = after.layer(upstream);
+        gated.clone().oneshot(request()).await.unwrap();
+        gated.oneshot(request()).await.unwrap();
+        assert_eq!(start.elapsed(), Duration::ZERO);
+        // A clone taken before is still a layer of its own: it paces, one call a second.
+        let start = Instant::now();
+        let alone = before.layer(upstream);
+        alone.clone().oneshot(request()).await.unwrap();
+        alone.oneshot(request()).await.unwrap();
+        assert!(
+            start.elapsed() >= Duration::from_millis(900),
+            "{:?}",
+            start.elapsed()
+        );
+    }
+}

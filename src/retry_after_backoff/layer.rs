@@ -29,6 +29,9 @@ pub struct RetryAfterBackoffLayer<C = ByClone, K = OneUpstream> {
     pub(super) key: Arc<K>,
     /// The tiers' max waits that bound a first attempt held here (see `max_waits`).
     pub(super) waits: Option<Arc<crate::SlotPolicy>>,
+    /// A fair queue below holds this layer's rate gate (see `with_gate_below`): calls go
+    /// straight down, and the fair queue waits for the rate in its own order.
+    pub(super) gated: bool,
 }
 
 /// What every service and future of one layer shares.
@@ -69,9 +72,6 @@ pub(super) struct Core {
     pub(super) gates: Mutex<super::gate::KeyGates>,
     /// Notified when a rate gate may have opened (one fair queue listens).
     pub(super) gate_changed: Arc<tokio::sync::Notify>,
-    /// A fair queue below holds this layer's rate gate: calls go straight down, and the
-    /// fair queue waits for the rate in its own order.
-    pub(super) gated_below: std::sync::atomic::AtomicBool,
 }
 
 /// A call counted as held while this lives.
@@ -250,17 +250,12 @@ impl Core {
         view.mode == 0 || view.recovering(Instant::now())
     }
 
-    /// Where the fair queue below puts what an attempt to `key` took from the rate gate:
-    /// `None` without a fair queue below, or while the gate has nothing to take for it (no
-    /// limit learned, cold or recovering, no pacing: its key is then the layer's own).
+    /// Where a fair queue below puts what an attempt to `key` took from the rate gate;
+    /// `None` while the gate has nothing to take for it (no limit learned, cold or
+    /// recovering, no pacing: its key is then the layer's own).
     pub(super) fn attempt_cell(&self, key: &Arc<str>) -> Option<crate::gate::AttemptCell> {
         let quiet = self.all_quiet(key) && self.pacer.is_none() && self.shared_pacing().is_none();
-        (self.gated_below() && !quiet).then(crate::gate::AttemptCell::default)
-    }
-
-    /// Whether a fair queue below holds this layer's rate gate.
-    pub(super) fn gated_below(&self) -> bool {
-        self.gated_below.load(Ordering::Acquire)
+        (!quiet).then(crate::gate::AttemptCell::default)
     }
 
     /// The limits this worker knows for `key` (0: not learned).
@@ -507,12 +502,12 @@ impl RetryAfterBackoffLayer {
                     limits_changed: Arc::default(),
                     gates: Mutex::default(),
                     gate_changed: Arc::default(),
-                    gated_below: std::sync::atomic::AtomicBool::new(false),
                 }),
                 cloner: ByClone,
             }),
             key: Arc::new(OneUpstream),
             waits: None,
+            gated: false,
         }
     }
 }
@@ -529,6 +524,7 @@ impl<C, K> RetryAfterBackoffLayer<C, K> {
             }),
             key: self.key,
             waits: self.waits,
+            gated: self.gated,
         }
     }
 
@@ -543,6 +539,7 @@ impl<C, K> RetryAfterBackoffLayer<C, K> {
             shared: self.shared,
             key: Arc::new(key),
             waits: self.waits,
+            gated: self.gated,
         }
     }
 
@@ -561,7 +558,8 @@ impl<C, K> RetryAfterBackoffLayer<C, K> {
     /// [`RateGate`](crate::RateGate), to pass to
     /// [`DrrFairnessBuilder::rate_gate`](crate::drr_fairness::DrrFairnessBuilder::rate_gate).
     ///
-    /// The layer (and every clone of it, before or after) then no longer holds calls for
+    /// The layer returned (and its clones, and the services it makes; not a clone taken
+    /// before) then no longer holds calls for
     /// the cooldown gate, slow start, the recovery probe, learned pacing or a configured
     /// [`Pacing`](super::Pacing): it sends each attempt straight down, naming its upstream
     /// key on the request's [`Job`](crate::Job), and the fair queue dispatches its waiting
@@ -581,8 +579,8 @@ impl<C, K> RetryAfterBackoffLayer<C, K> {
     /// # let _ = (retry, fair);
     /// # Ok::<(), fairgate::ConfigError>(())
     /// ```
-    pub fn with_gate_below(self) -> (Self, crate::RateGate) {
-        self.shared.core.gated_below.store(true, Ordering::Release);
+    pub fn with_gate_below(mut self) -> (Self, crate::RateGate) {
+        self.gated = true;
         let inner: Arc<dyn crate::gate::RateLimit> = self.shared.core.clone();
         (self, crate::RateGate::new(inner))
     }
@@ -599,6 +597,7 @@ impl<C, K> Clone for RetryAfterBackoffLayer<C, K> {
             shared: self.shared.clone(),
             key: self.key.clone(),
             waits: self.waits.clone(),
+            gated: self.gated,
         }
     }
 }
@@ -623,6 +622,7 @@ impl<S, C, K> Layer<S> for RetryAfterBackoffLayer<C, K> {
             shared: self.shared.clone(),
             key: self.key.clone(),
             waits: self.waits.clone(),
+            gated: self.gated,
         }
     }
 }

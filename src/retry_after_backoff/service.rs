@@ -24,6 +24,7 @@ pub struct RetryAfterBackoff<S, C = ByClone, K = OneUpstream> {
     pub(super) shared: Arc<Shared<C>>,
     pub(super) key: Arc<K>,
     pub(super) waits: Option<Arc<crate::SlotPolicy>>,
+    pub(super) gated: bool,
 }
 
 impl<S, C, K> RetryAfterBackoff<S, C, K> {
@@ -50,6 +51,7 @@ impl<S: Clone, C, K> Clone for RetryAfterBackoff<S, C, K> {
             shared: self.shared.clone(),
             key: self.key.clone(),
             waits: self.waits.clone(),
+            gated: self.gated,
         }
     }
 }
@@ -88,7 +90,7 @@ where
         let arrived = job.arrival();
         // With the store's slot caps, the tier's max wait bounds this layer's holds too (the
         // gate, pacing, slow start): dispatched or `Busy` within it, wherever it waited.
-        let gated = self.shared.core.gated_below();
+        let gated = self.gated;
         let patience = self
             .waits
             .as_deref()
@@ -106,7 +108,7 @@ where
             Some(key) => Arc::from(format!("{}/{key}", core.policy.upstream)),
             None => core.policy.upstream.clone(),
         };
-        let attempt = core.attempt_cell(&upstream);
+        let attempt = core.attempt_cell(&upstream).filter(|_| gated);
         if let (Some(cell), Some(job)) = (&attempt, req.job_mut()) {
             job.set_attempt(upstream.clone(), cell.clone());
         }
@@ -164,6 +166,7 @@ where
             patience,
             attempt,
             receipt: None,
+            gated,
         };
         if go_now {
             call.pace_step = 0;
