@@ -213,8 +213,15 @@ async fn run(workers: usize) -> Run {
         );
     }
     let sha = |source: &str| redis::Script::new(source).get_hash().to_owned();
-    let acquire = sha(include_str!("../src/store/scripts/slot_acquire.lua"));
-    let release = sha(include_str!("../src/store/scripts/slot_release.lua"));
+    // The slot scripts are sent with the fleet order's prelude.
+    let acquire = sha(concat!(
+        include_str!("../src/store/scripts/slot_queue.lua"),
+        include_str!("../src/store/scripts/slot_acquire.lua")
+    ));
+    let release = sha(concat!(
+        include_str!("../src/store/scripts/slot_queue.lua"),
+        include_str!("../src/store/scripts/slot_release.lua")
+    ));
     let scripts: Vec<&String> = lines
         .iter()
         .filter(|l| l.contains("\"EVALSHA\"") || l.contains("\"evalsha\""))

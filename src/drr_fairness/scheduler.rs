@@ -1306,6 +1306,25 @@ impl<T> Scheduler<T> {
         self.classes[class_index(class)].len
     }
 
+    /// Number of `tenant`'s waiting items in `class`.
+    pub fn tenant_len(&self, class: Priority, tenant: &TenantId) -> usize {
+        let queue = &self.classes[class_index(class)];
+        match queue.lookup(tenant) {
+            (_, Some(t)) => queue.tenant(t).map_or(0, |t| t.len as usize),
+            _ => 0,
+        }
+    }
+
+    /// The tenants with waiting items in `class`, in no particular order.
+    pub fn waiting_tenants(&self, class: Priority) -> impl Iterator<Item = &TenantId> {
+        self.classes[class_index(class)]
+            .tenants
+            .iter()
+            .flatten()
+            .filter(|t| t.len > 0)
+            .map(|t| &t.id)
+    }
+
     /// Number of tenants with waiting items in `class`. A tenant that emptied
     /// less than a round ago is still listed (with its deficit, see the
     /// module doc) but is not counted: it has nothing waiting.

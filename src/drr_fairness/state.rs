@@ -1,7 +1,7 @@
 //! The state one layer shares between all its services and futures: a scheduler per tier
 //! group, the in-flight count and the waiters' wakers, behind one mutex.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
@@ -19,7 +19,9 @@ use crate::error::ConfigError;
 use crate::gate::{RateGate, SlotGate, Taken, Verdict, WaitReason};
 use crate::metrics::Metric;
 use crate::rng::Rng;
-use crate::store::{SlotLease, SlotQueue, SlotRefusal, SlotWakes, StoreFuture};
+use crate::store::{
+    SlotLease, SlotQueue, SlotRefusal, SlotWake, SlotWakes, StoreFuture, flow_name,
+};
 use crate::{Job, Priority, Store, TenantId, Tier};
 
 /// Tier name -> DRR weight.
@@ -91,16 +93,28 @@ struct Gate {
     /// passed over in DRR order (the rest of the group goes on) until a slot may have come
     /// free. Always empty otherwise.
     held_tenants: HashSet<TenantId>,
-    /// A tier that caps tenants, or any tier under a rate gate: tenants an acquire is under
-    /// way for (Redis), passed over meanwhile so the acquires sent together are for
-    /// different tenants, in DRR order.
+    /// A tier that caps tenants, any tier under a rate gate, or the fleet's order: tenants
+    /// an acquire is under way for (Redis), passed over meanwhile so the acquires sent
+    /// together are for different tenants, in DRR order.
     acquiring_for: HashMap<TenantId, usize>,
+    /// The fleet's order (Redis): wake-ups for a tenant's next call of a class, each to be
+    /// answered by an acquire for that call, oldest first.
+    owed: VecDeque<(Priority, TenantId)>,
+    /// The fleet's order: the flows (class, tenant) this worker is queued in, as far as it
+    /// knows, and those still to be queued while the tier is full (an acquire refused
+    /// queues its flow).
+    queued: HashSet<(Priority, TenantId)>,
+    to_queue: VecDeque<(Priority, TenantId)>,
 }
 
 impl Gate {
-    /// Whether something here waits for a slot to come free.
+    /// Whether something here waits for a slot to come free (or, queued in the fleet's
+    /// order, for the wake-up that says whose it is).
     fn waits(&self) -> bool {
-        self.blocked || !self.held_tenants.is_empty()
+        self.blocked
+            || !self.held_tenants.is_empty()
+            || !self.queued.is_empty()
+            || !self.owed.is_empty()
     }
 }
 
@@ -163,6 +177,9 @@ impl State {
         if !self.watching {
             self.watching = true;
             after.watch = true;
+        } else {
+            // The watcher may sleep on an older time (or none): it looks again.
+            after.rewatch = true;
         }
     }
 
@@ -177,25 +194,54 @@ impl State {
         self.groups.iter().map(|g| g.scheduler.len()).sum()
     }
 
-    /// A slot may have come free: every blocked tier may try again.
-    fn unblock_all(&mut self) {
+    /// A slot may have come free: every blocked tier may try again. With `lost`, the
+    /// shared store may have lost its wait queue (Redis back, or a missed message): every
+    /// flow queues again.
+    fn unblock_all(&mut self, lost: bool) {
         for gate in self.groups.iter_mut().filter_map(|g| g.gate.as_mut()) {
             gate.blocked = false;
             gate.held_tenants.clear();
+            if lost {
+                gate.queued.clear();
+            }
         }
     }
 
-    /// Releases woke this worker for `tiers` (an entry per freed slot): the group of each
-    /// may send one acquire per wake-up, for requests no acquire is on its way for; the
-    /// wake-ups beyond those go to `declined`, to be passed on to the next worker now.
-    fn woken(&mut self, tiers: Vec<Tier>, declined: &mut Vec<(Tier, usize, bool)>) {
-        let mut wakes: HashMap<usize, usize> = HashMap::new();
-        for tier in tiers {
-            if let Some(&group) = self.by_tier.get(&tier) {
-                *wakes.entry(group).or_default() += 1;
+    /// Releases woke this worker (an entry per freed slot): a wake for a flow is owed an
+    /// acquire for that tenant's next call, or declined (passed on, leaving the flow) when
+    /// none waits here; a wake for the tier lets its group send one acquire, for requests
+    /// no acquire is on its way for, and the wake-ups beyond those are declined.
+    fn woken(&mut self, wakes: Vec<SlotWake>, declined: &mut Vec<Declined>) {
+        let mut tiers: HashMap<usize, usize> = HashMap::new();
+        for SlotWake { tier, flow } in wakes {
+            let Some(&group) = self.by_tier.get(&tier) else {
+                continue;
+            };
+            let g = &mut self.groups[group];
+            let Some(gate) = g.gate.as_mut() else {
+                continue;
+            };
+            match flow {
+                Some((class, tenant)) => {
+                    let waits = Priority::ALL
+                        .into_iter()
+                        .any(|c| g.scheduler.tenant_len(c, &tenant) > 0);
+                    if waits {
+                        gate.owed.push_back((class, tenant));
+                    } else {
+                        gate.queued.remove(&(class, tenant.clone()));
+                        declined.push(Declined {
+                            tier,
+                            flow: flow_name(class, Some(&tenant)),
+                            n: 1,
+                            leave: true,
+                        });
+                    }
+                }
+                None => *tiers.entry(group).or_default() += 1,
             }
         }
-        for (group, n) in wakes {
+        for (group, n) in tiers {
             let g = &mut self.groups[group];
             let waiting = g.scheduler.len();
             let Some(gate) = g.gate.as_mut() else {
@@ -203,7 +249,12 @@ impl State {
             };
             let usable = n.min(waiting.saturating_sub(gate.acquiring));
             if usable < n {
-                declined.push((gate.tier.clone(), n - usable, waiting == 0));
+                declined.push(Declined {
+                    tier: gate.tier.clone(),
+                    flow: flow_name(Priority::Standard, None),
+                    n: n - usable,
+                    leave: waiting == 0,
+                });
             }
             if usable > 0 {
                 gate.at_once = if gate.blocked {
@@ -235,6 +286,8 @@ pub(super) struct Shared {
     /// The provider's rate, consulted at each dispatch.
     rate: Option<RateGate>,
     state: Mutex<State>,
+    /// Tells a running watcher to look at the state again (see `State::hold_for_rate`).
+    rewatch: tokio::sync::Notify,
 }
 
 /// Usually one (a dispatch hands out one place at a time): the first kept inline, so the
@@ -279,8 +332,11 @@ struct Sent {
     class: Priority,
     ahead: f64,
     tenant: Option<TenantId>,
-    /// More of the group's requests waited behind it: granted the last room, this worker
-    /// stayed queued for a wake-up (Redis).
+    /// The tenant whose request the slot goes to (a tier that caps tenants, a rate gate,
+    /// or the fleet's order), passed over by the next acquires until the answer.
+    target: Option<TenantId>,
+    /// More requests of its flow (of the group, outside the fleet's order) waited behind
+    /// it: granted the last room, this worker stayed queued for a wake-up (Redis).
     more: bool,
     /// The rate cells taken for the request whose turn it was, and its tenant: the slot
     /// goes to that tenant's request.
@@ -297,10 +353,21 @@ struct AfterUnlock {
     /// Slot acquires to send (Redis).
     acquires: Vec<Acquire>,
     watch: bool,
+    /// The rate gate's time changed while a watcher runs.
+    rewatch: bool,
     /// Slots and rate cells to give back, outside the lock.
     drop_handed: Vec<Handed>,
-    /// Wake-ups to pass on (tier, how many, whether the worker leaves the tier's queue).
-    declined: Vec<(Tier, usize, bool)>,
+    /// Wake-ups to pass on.
+    declined: Vec<Declined>,
+}
+
+/// Wake-ups of a flow this worker has no call for: passed on to the next in the fleet's
+/// order, the worker leaving the flow with `leave`.
+struct Declined {
+    tier: Tier,
+    flow: String,
+    n: usize,
+    leave: bool,
 }
 
 impl AfterUnlock {
@@ -317,8 +384,16 @@ impl AfterUnlock {
             metrics::gauge!(Metric::FairnessIndex.name()).set(index.unwrap_or(1.0));
         }
         drop(self.drop_handed);
-        for (tier, n, leave) in self.declined {
-            shared.slot_store().decline_slot_wakes(&tier, n, leave);
+        for Declined {
+            tier,
+            flow,
+            n,
+            leave,
+        } in self.declined
+        {
+            shared
+                .slot_store()
+                .decline_slot_wakes(&tier, &flow, n, leave);
         }
         let spawns = !self.acquires.is_empty() || self.watch;
         let runtime = spawns
@@ -347,6 +422,9 @@ impl AfterUnlock {
             && let Some(runtime) = &runtime
         {
             runtime.spawn(watch(shared.clone()));
+        }
+        if self.rewatch {
+            shared.rewatch.notify_one();
         }
         for waker in self.wake.into_iter() {
             waker.wake();
@@ -411,13 +489,14 @@ async fn watch(shared: Arc<Shared>) {
             _ = &mut released, if slots => {
                 let woken = match shared.slot_store().take_slot_wakes() {
                     Some(woken) => woken,
-                    None if shared.slot_store().wakes_one_by_one() => SlotWakes::Tiers(Vec::new()),
+                    None if shared.slot_store().wakes_one_by_one() => SlotWakes::Flows(Vec::new()),
                     None => SlotWakes::Everyone,
                 };
                 shared.slot_freed(woken);
             }
-            _ = tokio::time::sleep(poll), if slots => shared.slot_freed(SlotWakes::Everyone),
+            _ = tokio::time::sleep(poll), if slots => shared.slot_poll(),
             _ = &mut rate_changed, if rate_at.is_some() => shared.rate_opened(),
+            _ = shared.rewatch.notified() => {}
             _ = tokio::time::sleep_until(rate_at.unwrap_or(far)), if rate_at.is_some() => {
                 shared.rate_opened();
             }
@@ -465,6 +544,7 @@ impl Shared {
             weights,
             slots,
             rate,
+            rewatch: tokio::sync::Notify::new(),
             state: Mutex::new(State {
                 groups: vec![Group::new(&config, None)?],
                 by_tier: HashMap::new(),
@@ -574,6 +654,9 @@ impl Shared {
                     at_once: 1,
                     held_tenants: HashSet::new(),
                     acquiring_for: HashMap::new(),
+                    owed: VecDeque::new(),
+                    queued: HashSet::new(),
+                    to_queue: VecDeque::new(),
                 };
                 state.groups.push(Group::new(&self.config, Some(gate))?);
                 let group = state.groups.len() - 1;
@@ -684,6 +767,15 @@ impl Shared {
                         if was_idle {
                             Self::catch_up(&mut state, place.group, class);
                         }
+                        // A newcomer flow of a full tier queues in the fleet's order now, so
+                        // it may take the next slot freed anywhere.
+                        if self.fleet()
+                            && let Some(gate) = state.groups[place.group].gate.as_mut()
+                            && gate.blocked
+                            && !gate.queued.contains(&(class, tenant.clone()))
+                        {
+                            gate.to_queue.push_back((class, tenant.clone()));
+                        }
                         self.dispatch(&mut state, &mut after);
                         after.depth = Some(class);
                         let depth = state.class_len(class);
@@ -772,12 +864,27 @@ impl Shared {
         if self.rate.is_none() {
             return Ok(None);
         }
-        let g = &mut state.groups[group];
-        let tenant = Self::next_tenant(g, class).ok_or(())?;
-        let head = g.scheduler.peek_tenant(class, &tenant).ok_or(())?;
+        let tenant = Self::next_tenant(&mut state.groups[group], class).ok_or(())?;
+        self.rate_for(state, group, class, &tenant, after)
+    }
+
+    /// `rate_turn` for `tenant`'s next request in `class`.
+    fn rate_for(
+        &self,
+        state: &mut State,
+        group: usize,
+        class: Priority,
+        tenant: &TenantId,
+        after: &mut AfterUnlock,
+    ) -> Result<Option<(TenantId, Taken)>, ()> {
+        if self.rate.is_none() {
+            return Ok(None);
+        }
+        let g = &state.groups[group];
+        let head = g.scheduler.peek_tenant(class, tenant).ok_or(())?;
         let (key, cost) = (head.key.clone(), head.cost);
         match self.rate_now(state, group, key.as_ref(), cost, after) {
-            Some(Some(receipt)) => Ok(Some((tenant, receipt))),
+            Some(Some(receipt)) => Ok(Some((tenant.clone(), receipt))),
             _ => Err(()),
         }
     }
@@ -824,18 +931,19 @@ impl Shared {
         }
     }
 
-    /// Dispatches waiting requests in fair order while the window has room: the class by
-    /// weighted round robin among the classes with a request that may go, the group (tier)
-    /// by start-time fair queuing, the tenant by DRR. A gated group's request goes only with
-    /// its slot: taken here when the store answers at once (memory), else sent (Redis) and
-    /// handed to the group's next request when the answer comes (see `slot_answer`). In a
-    /// tier that caps tenants the slot is taken for the tenant whose DRR turn it is, passing
-    /// over tenants held at their cap; a group (in a class) whose waiting tenants are all
-    /// held is `stuck` until the next dispatch.
+    /// Dispatches waiting requests in fair order while the window has room: first what the
+    /// fleet's order owes (`dispatch_flows`), then the class by weighted round robin among
+    /// the classes with a request that may go, the group (tier) by start-time fair queuing,
+    /// the tenant by DRR. A gated group's request goes only with its slot (`take_slot`).
+    /// A group (in a class) whose waiting tenants are all held is `stuck` until the next
+    /// dispatch.
     fn dispatch(self: &Arc<Self>, state: &mut State, after: &mut AfterUnlock) {
         let mut stuck: Vec<(usize, Priority)> = Vec::new();
         // Set again below if the rate gate still holds the head back.
         state.rate_wait = None;
+        if !self.dispatch_flows(state, after) {
+            return;
+        }
         while state.in_flight < self.max_in_flight {
             let candidates = Priority::ALL.map(|class| {
                 state.groups.iter().enumerate().any(|(i, g)| {
@@ -866,92 +974,278 @@ impl Shared {
                     continue;
                 }
             };
-            let lease = match &state.groups[group].gate {
-                None => None,
-                Some(gate) => {
-                    let Some(policy) = self.slot_policy() else {
-                        return;
-                    };
-                    let tenant = match (gate.limit.tenant_cap, &rate) {
-                        (None, _) => None,
-                        (Some(_), Some((tenant, _))) => Some(tenant.clone()),
-                        (Some(_), None) => match Self::next_tenant(&mut state.groups[group], class)
-                        {
-                            Some(tenant) => Some(tenant),
-                            None => {
-                                stuck.push((group, class));
-                                continue;
-                            }
-                        },
-                    };
-                    let g = &state.groups[group];
-                    let Some(gate) = &g.gate else {
-                        return;
-                    };
-                    // Queued if refused, for every request of the group (those with an
-                    // acquire under way too: refused, they wait again); kept queued after
-                    // taking the last room if others are left.
-                    let queue = SlotQueue {
-                        weight: self.weights.of(Some(&gate.tier)),
-                        waiting: u32::try_from(g.scheduler.len()).unwrap_or(u32::MAX),
-                    };
-                    let acquire = self.slot_store().acquire_slot(
-                        &gate.tier,
-                        tenant.as_ref(),
-                        policy.limits(gate.limit),
-                        Some(queue),
-                    );
-                    match acquire.into_ready() {
-                        Ok(Ok(lease)) => Some(lease),
-                        Ok(Err(refusal)) => {
-                            match (refusal, tenant) {
-                                (SlotRefusal::TenantCap, Some(tenant)) => {
-                                    self.hold_tenant(state, group, tenant, after);
-                                }
-                                (SlotRefusal::Store, _) => self.refuse(state, group, after),
-                                _ => self.block(state, group, after),
-                            }
-                            continue;
-                        }
-                        Err(pending) => {
-                            // The window place is reserved for the request the answer will
-                            // be handed to.
-                            state.in_flight += 1;
-                            let g = &mut state.groups[group];
-                            if let Some(gate) = g.gate.as_mut() {
-                                gate.acquiring += 1;
-                                // Passed over meanwhile, so the acquires sent together go
-                                // to different tenants in DRR order.
-                                let whose = tenant.as_ref().or(rate.as_ref().map(|(t, _)| t));
-                                if let Some(tenant) = whose {
-                                    *gate.acquiring_for.entry(tenant.clone()).or_default() += 1;
-                                }
-                            }
-                            let ahead = g.last_step[ci];
-                            g.vtime[ci] += ahead;
-                            after.acquires.push(Acquire {
-                                sent: Sent {
-                                    group,
-                                    class,
-                                    ahead,
-                                    tenant,
-                                    more: queue.waiting > 1,
-                                    rate,
-                                },
-                                slot: pending,
-                            });
+            let Some(gate) = &state.groups[group].gate else {
+                self.hand_next(state, group, class, None, rate, None, after);
+                continue;
+            };
+            // The slot is taken for the request whose turn it is: a tier that caps tenants
+            // counts it for its tenant, and the fleet's order queues its flow.
+            let target = match &rate {
+                Some((tenant, _)) => Some(tenant.clone()),
+                None if gate.limit.tenant_cap.is_some() || self.fleet() => {
+                    match Self::next_tenant(&mut state.groups[group], class) {
+                        Some(tenant) => Some(tenant),
+                        None => {
+                            stuck.push((group, class));
                             continue;
                         }
                     }
                 }
+                None => None,
             };
-            self.hand_next(state, group, class, lease, rate, after);
+            if !self.take_slot(state, group, class, target, rate, after) {
+                return;
+            }
         }
     }
 
+    /// Whether freed slots go in the fleet's order: a shared store whose releases wake the
+    /// worker of the flow whose turn it is (Redis, while it answers).
+    fn fleet(&self) -> bool {
+        let store = self.slot_store();
+        store.is_remote() && store.wakes_one_by_one()
+    }
+
+    /// The fleet's order first: an acquire for each wake-up owed to a tenant's call (the
+    /// fleet picked it), then, while its tier is full, one for each flow of this worker not
+    /// yet queued in Redis (refused, the acquire queues it). `false` when the slot policy
+    /// is gone.
+    fn dispatch_flows(&self, state: &mut State, after: &mut AfterUnlock) -> bool {
+        for group in 0..state.groups.len() {
+            Self::requeue_if_lost(&mut state.groups[group]);
+            while state.in_flight < self.max_in_flight {
+                let Some(gate) = state.groups[group].gate.as_mut() else {
+                    break;
+                };
+                let ((class, tenant), owed) = match gate.owed.pop_front() {
+                    Some(flow) => (flow, true),
+                    None if gate.blocked => match gate.to_queue.pop_front() {
+                        Some(flow) => (flow, false),
+                        None => break,
+                    },
+                    None => break,
+                };
+                let g = &mut state.groups[group];
+                let Some(gate) = &mut g.gate else {
+                    break;
+                };
+                if !owed {
+                    if gate.acquiring_for.contains_key(&tenant) {
+                        // Its acquire's answer says whether it is queued: looked at again then.
+                        gate.to_queue.push_front((class, tenant));
+                        break;
+                    }
+                    if gate.queued.contains(&(class, tenant.clone()))
+                        || g.scheduler.tenant_len(class, &tenant) == 0
+                    {
+                        continue;
+                    }
+                }
+                let g = &state.groups[group];
+                let Some(gate) = &g.gate else {
+                    break;
+                };
+                // A wake names the class its flow queued in; the tenant's next call may be
+                // of another by now.
+                let Some(call) = std::iter::once(class)
+                    .chain(Priority::ALL)
+                    .find(|&c| g.scheduler.tenant_len(c, &tenant) > 0)
+                else {
+                    after.declined.push(Declined {
+                        tier: gate.tier.clone(),
+                        flow: flow_name(class, Some(&tenant)),
+                        n: 1,
+                        leave: true,
+                    });
+                    continue;
+                };
+                let rate = match self.rate_for(state, group, call, &tenant, after) {
+                    Ok(rate) => rate,
+                    Err(()) => {
+                        // Its rate cells are not there yet: the provider's rate binds, not
+                        // the slots. The slot goes on to the next in the fleet's order now,
+                        // and the flow queues again once its cells are there.
+                        let Some(gate) = state.groups[group].gate.as_mut() else {
+                            break;
+                        };
+                        if owed {
+                            // An acquire of the flow on its way says itself whether the
+                            // flow stays queued: leaving now could undo what it does.
+                            let leave = !gate.acquiring_for.contains_key(&tenant);
+                            after.declined.push(Declined {
+                                tier: gate.tier.clone(),
+                                flow: flow_name(class, Some(&tenant)),
+                                n: 1,
+                                leave,
+                            });
+                            if leave {
+                                gate.queued.remove(&(class, tenant.clone()));
+                                gate.to_queue.push_back((class, tenant));
+                            }
+                            continue;
+                        }
+                        gate.to_queue.push_front((class, tenant));
+                        break;
+                    }
+                };
+                if !self.take_slot(state, group, call, Some(tenant), rate, after) {
+                    return false;
+                }
+            }
+        }
+        true
+    }
+
+    /// A full tier with calls waiting here but nothing that will wake them — no flow
+    /// queued in the fleet's order, none to queue, no acquire or wake-up under way — queues
+    /// every flow again.
+    fn requeue_if_lost(group: &mut Group) {
+        let Group {
+            scheduler, gate, ..
+        } = group;
+        let Some(gate) = gate.as_mut() else {
+            return;
+        };
+        if !gate.blocked
+            || scheduler.is_empty()
+            || !gate.queued.is_empty()
+            || !gate.to_queue.is_empty()
+            || !gate.owed.is_empty()
+            || gate.acquiring > 0
+        {
+            return;
+        }
+        for class in Priority::ALL {
+            for tenant in scheduler.waiting_tenants(class) {
+                gate.to_queue.push_back((class, tenant.clone()));
+            }
+        }
+    }
+
+    /// How the acquire for `group`'s next call in `class` (`target`'s, if named) queues if
+    /// refused: in the fleet's order, the flow of `target` with its calls waiting here;
+    /// else the worker, with every call of the group (those with an acquire under way too:
+    /// refused, they wait again). Kept queued after taking the last room if others are
+    /// left.
+    fn slot_queue(
+        &self,
+        g: &Group,
+        gate: &Gate,
+        class: Priority,
+        target: Option<&TenantId>,
+    ) -> SlotQueue {
+        let flow = target.filter(|_| self.fleet());
+        let waiting = match flow {
+            Some(tenant) => g.scheduler.tenant_len(class, tenant),
+            None => g.scheduler.len(),
+        };
+        let cost = flow
+            .and_then(|tenant| g.scheduler.peek_tenant(class, tenant))
+            .map_or(1, |head| {
+                u64::from(head.cost).clamp(1, self.config.max_charge())
+            });
+        SlotQueue {
+            weight: self.weights.of(Some(&gate.tier)),
+            class,
+            class_weight: self.config.class_weights.get(class),
+            tenant: flow.cloned(),
+            cost,
+            waiting: u32::try_from(waiting).unwrap_or(u32::MAX),
+        }
+    }
+
+    /// Takes the slot of `group`'s next call in `class` — `target`'s call when named (a
+    /// tier that caps tenants counts it for that tenant) — with the rate cells already taken
+    /// for it: handed over at once when the store answers at once (memory), else the
+    /// acquire is sent (Redis) and the answer handed over when it comes (`answer`). `false`
+    /// when no slot policy is left to take it under.
+    fn take_slot(
+        &self,
+        state: &mut State,
+        group: usize,
+        class: Priority,
+        target: Option<TenantId>,
+        rate: Option<(TenantId, Taken)>,
+        after: &mut AfterUnlock,
+    ) -> bool {
+        let Some(policy) = self.slot_policy() else {
+            return false;
+        };
+        let g = &state.groups[group];
+        let Some(gate) = &g.gate else {
+            return false;
+        };
+        let tenant = target.clone().filter(|_| gate.limit.tenant_cap.is_some());
+        let queue = self.slot_queue(g, gate, class, target.as_ref());
+        let more = queue.waiting > 1;
+        let acquire = self.slot_store().acquire_slot(
+            &gate.tier,
+            tenant.as_ref(),
+            policy.limits(gate.limit),
+            Some(queue),
+        );
+        match acquire.into_ready() {
+            Ok(Ok(lease)) => self.hand_next(state, group, class, Some(lease), rate, target, after),
+            Ok(Err(refusal)) => match (refusal, tenant) {
+                (SlotRefusal::TenantCap, Some(tenant)) => {
+                    self.hold_tenant(state, group, tenant, after);
+                }
+                (SlotRefusal::Store, _) => self.refuse(state, group, after),
+                _ => self.block(state, group, after),
+            },
+            Err(pending) => {
+                // The window place is reserved for the request the answer will be handed to.
+                state.in_flight += 1;
+                let g = &mut state.groups[group];
+                if let Some(gate) = g.gate.as_mut() {
+                    gate.acquiring += 1;
+                    // Passed over meanwhile, so the acquires sent together go to different
+                    // tenants in DRR order.
+                    if let Some(tenant) = &target {
+                        *gate.acquiring_for.entry(tenant.clone()).or_default() += 1;
+                    }
+                }
+                let ci = class as usize;
+                let ahead = g.last_step[ci];
+                g.vtime[ci] += ahead;
+                after.acquires.push(Acquire {
+                    sent: Sent {
+                        group,
+                        class,
+                        ahead,
+                        tenant,
+                        target,
+                        more,
+                        rate,
+                    },
+                    slot: pending,
+                });
+            }
+        }
+        true
+    }
+
+    /// The group's tier (or the global cap) is full: its calls wait for a wake-up. In the
+    /// fleet's order, every flow of the group not yet queued in Redis is to be queued.
     fn block(&self, state: &mut State, group: usize, after: &mut AfterUnlock) {
-        state.groups[group].held_for = WaitReason::Slot;
-        if let Some(gate) = state.groups[group].gate.as_mut() {
+        let fleet = self.fleet();
+        let Group {
+            scheduler,
+            gate,
+            held_for,
+            ..
+        } = &mut state.groups[group];
+        *held_for = WaitReason::Slot;
+        if let Some(gate) = gate.as_mut() {
+            if fleet && !gate.blocked {
+                for class in Priority::ALL {
+                    for tenant in scheduler.waiting_tenants(class) {
+                        if !gate.queued.contains(&(class, tenant.clone())) {
+                            gate.to_queue.push_back((class, tenant.clone()));
+                        }
+                    }
+                }
+            }
             gate.blocked = true;
             gate.at_once = 1;
         }
@@ -978,8 +1272,9 @@ impl Shared {
 
     /// Pops the next request of `group` in `class` (or, if none is left there, of its
     /// highest class with one) and hands it the window place, `lease` and the rate cells.
-    /// A slot counted for a tenant (a tier that caps tenants), or taken together with rate
-    /// cells for the request whose turn it was, goes to that tenant's request.
+    /// A slot taken for a tenant's request (`target`: a tier that caps tenants, the fleet's
+    /// order), or together with rate cells for the request whose turn it was, goes to that
+    /// tenant's request, or back if it has none left.
     fn hand_next(
         &self,
         state: &mut State,
@@ -987,11 +1282,12 @@ impl Shared {
         class: Priority,
         lease: Option<SlotLease>,
         rate: Option<(TenantId, Taken)>,
+        target: Option<TenantId>,
         after: &mut AfterUnlock,
     ) {
         let (for_tenant, receipt) = match rate {
             Some((tenant, receipt)) => (Some(tenant), receipt),
-            None => (lease.as_ref().and_then(SlotLease::tenant).cloned(), None),
+            None => (target, None),
         };
         let handed = Handed { lease, receipt };
         let g = &mut state.groups[group];
@@ -1100,41 +1396,57 @@ impl Shared {
 
     /// The answer to an acquire sent by `dispatch`: for a tenant (a tier that caps tenants)
     /// a refusal for the tenant's cap holds back that tenant only; anything else is
-    /// `slot_answer`'s.
+    /// `slot_answer`'s. In the fleet's order, the flow is now queued in Redis if it was
+    /// refused, or granted with more of its calls left here.
     fn answer(self: &Arc<Self>, sent: Sent, answer: Result<SlotLease, SlotRefusal>) {
-        let Sent {
-            group,
-            class,
-            ahead,
-            tenant,
-            more,
-            rate,
-        } = sent;
-        let Some(tenant) = tenant else {
-            if let Some((tenant, _)) = &rate
-                && let Some(gate) = self.lock().groups[group].gate.as_mut()
-            {
-                Self::acquired_for(gate, tenant);
+        let fleet = self.fleet();
+        if let Some(target) = &sent.target
+            && let Some(gate) = self.lock().groups[sent.group].gate.as_mut()
+        {
+            Self::acquired_for(gate, target);
+            let flow = (sent.class, target.clone());
+            match &answer {
+                Err(SlotRefusal::Full) if fleet => {
+                    gate.queued.insert(flow);
+                }
+                Ok(_) if fleet && sent.more => {
+                    gate.queued.insert(flow);
+                }
+                Ok(_) => {
+                    gate.queued.remove(&flow);
+                }
+                Err(_) => {}
             }
-            return self.slot_answer(group, class, ahead, more, rate, answer);
-        };
-        if !matches!(answer, Err(SlotRefusal::TenantCap)) {
-            if let Some(gate) = self.lock().groups[group].gate.as_mut() {
-                Self::acquired_for(gate, &tenant);
-            }
-            return self.slot_answer(group, class, ahead, more, rate, answer);
         }
-        self.then_dispatch(|state, after| {
-            if let Some(gate) = Self::acquire_answered(state, group, class, ahead) {
-                Self::acquired_for(gate, &tenant);
+        match (answer, sent.tenant) {
+            (Err(SlotRefusal::TenantCap), Some(tenant)) => {
+                let Sent {
+                    group,
+                    class,
+                    ahead,
+                    rate,
+                    ..
+                } = sent;
+                self.then_dispatch(|state, after| {
+                    Self::acquire_answered(state, group, class, ahead);
+                    // Not dispatched: the rate cells go back to the gate.
+                    after.drop_handed.push(Handed {
+                        lease: None,
+                        receipt: rate.and_then(|(_, receipt)| receipt),
+                    });
+                    self.hold_tenant(state, group, tenant, after);
+                });
             }
-            // Not dispatched: the rate cells go back to the gate.
-            after.drop_handed.push(Handed {
-                lease: None,
-                receipt: rate.and_then(|(_, receipt)| receipt),
-            });
-            self.hold_tenant(state, group, tenant, after);
-        });
+            (answer, _) => self.slot_answer(
+                sent.group,
+                sent.class,
+                sent.ahead,
+                sent.more,
+                sent.rate,
+                sent.target,
+                answer,
+            ),
+        }
     }
 
     /// Changes the state under the lock, dispatches in fair order, and does the rest
@@ -1187,6 +1499,7 @@ impl Shared {
         ahead: f64,
         more: bool,
         rate: Option<(TenantId, Taken)>,
+        target: Option<TenantId>,
         lease: Result<SlotLease, SlotRefusal>,
     ) {
         self.then_dispatch(|state, after| {
@@ -1205,7 +1518,7 @@ impl Shared {
             match lease {
                 Ok(lease) => {
                     let last = more && lease.room() == 0;
-                    self.hand_next(state, group, class, Some(lease), rate, after);
+                    self.hand_next(state, group, class, Some(lease), rate, target, after);
                     if last {
                         self.block(state, group, after);
                     }
@@ -1229,9 +1542,15 @@ impl Shared {
     /// fair order.
     fn slot_freed(self: &Arc<Self>, woken: SlotWakes) {
         self.then_dispatch(|state, after| match woken {
-            SlotWakes::Everyone => state.unblock_all(),
-            SlotWakes::Tiers(tiers) => state.woken(tiers, &mut after.declined),
+            SlotWakes::Everyone => state.unblock_all(true),
+            SlotWakes::Flows(wakes) => state.woken(wakes, &mut after.declined),
         });
+    }
+
+    /// The watcher's safety net (a lost wake-up, an expired lease): every blocked tier
+    /// tries again; the flows this worker queued stay queued.
+    fn slot_poll(self: &Arc<Self>) {
+        self.then_dispatch(|state, _| state.unblock_all(false));
     }
 
     /// The rate gate may have opened: dispatch again, in fair order.
@@ -1259,7 +1578,7 @@ impl Shared {
                 // Redis the release wakes the worker whose turn it is, maybe this one.
                 drop(lease);
                 if !self.slot_store().wakes_one_by_one() {
-                    state.unblock_all();
+                    state.unblock_all(false);
                 }
             }
         });

@@ -51,7 +51,7 @@ use std::time::Duration;
 
 use crate::admission::DemotionPolicy;
 use crate::error::ConfigError;
-use crate::{TenantId, Tier};
+use crate::{Priority, TenantId, Tier};
 
 use memory::MemoryState;
 
@@ -60,8 +60,8 @@ pub use self::pacing::{LearnedLimits, PaceLimit};
 #[cfg(feature = "redis")]
 pub use self::redis::RedisStoreError;
 pub use self::served::SERVED_WINDOW;
-pub(crate) use self::slots::SlotQueue;
 pub use self::slots::{SlotLease, SlotLimits, SlotRefusal};
+pub(crate) use self::slots::{SlotQueue, flow_name};
 
 /// One worker's share of a limit that `workers` processes keep alone while Redis is away:
 /// divided among them, at least 1.
@@ -620,17 +620,17 @@ impl Store {
         }
     }
 
-    /// Passes on at once `n` wake-ups of `tier` no call here can answer (the fair queue
-    /// has fewer requests of the tier than wake-ups), so the slots go to the next queued
-    /// worker now rather than after the unanswered wake-ups' delay; with `leave`, no call
-    /// of the tier waits here and the worker leaves the tier's queue.
-    pub(crate) fn decline_slot_wakes(&self, tier: &Tier, n: usize, leave: bool) {
+    /// Passes on at once `n` wake-ups of `flow` in `tier` no call here can answer (the
+    /// fair queue has fewer requests of the flow than wake-ups), so the slots go to the
+    /// next flow in the fleet's order now rather than after the unanswered wake-ups'
+    /// delay; with `leave`, no call of the flow waits here and the worker leaves it.
+    pub(crate) fn decline_slot_wakes(&self, tier: &Tier, flow: &str, n: usize, leave: bool) {
         match &*self.backend {
             Backend::Memory(_) => {
-                let _ = (tier, n, leave);
+                let _ = (tier, flow, n, leave);
             }
             #[cfg(feature = "redis")]
-            Backend::Redis(redis) => redis.decline_slot_wakes(tier, n, leave),
+            Backend::Redis(redis) => redis.decline_slot_wakes(tier, flow, n, leave),
         }
     }
 
@@ -684,8 +684,29 @@ impl Store {
 pub(crate) enum SlotWakes {
     /// Every waiter tries again.
     Everyone,
-    /// One acquire per entry, for its tier.
-    Tiers(Vec<Tier>),
+    /// One acquire per entry, for its flow.
+    Flows(Vec<SlotWake>),
+}
+
+/// A release woke this worker for a slot of `tier`, for the next call of a flow: a tenant's
+/// calls of one class, in the fleet's fair order (`None`: the worker's own order of the
+/// tier, as TierSlotLimit alone queues).
+#[derive(Debug)]
+pub(crate) struct SlotWake {
+    pub(crate) tier: Tier,
+    pub(crate) flow: Option<(Priority, TenantId)>,
+}
+
+impl SlotWake {
+    /// The wake of `tier` for the flow named `<class index>|<tenant>`.
+    #[cfg_attr(not(feature = "redis"), allow(dead_code))]
+    pub(crate) fn parse(tier: Tier, flow: &str) -> SlotWake {
+        let flow = flow.split_once('|').and_then(|(class, tenant)| {
+            let class = *Priority::ALL.get(class.parse::<usize>().ok()?)?;
+            (!tenant.is_empty()).then(|| (class, TenantId::new(tenant)))
+        });
+        SlotWake { tier, flow }
+    }
 }
 
 /// Redis did not take a write; it holds in this process only.

@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use tokio::sync::Notify;
 
-use crate::{TenantId, Tier};
+use crate::{Priority, TenantId, Tier};
 
 /// The caps one acquire is checked against, and how long a Redis lease lives unrenewed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -63,15 +63,42 @@ impl SlotLimits {
 }
 
 /// How an acquire made for a call that will wait if refused queues for a freed slot on
-/// Redis: refused, the worker is queued in the tier's wait queue, and a release wakes it
-/// alone (the memory store ignores it: its releases wake the local waiters directly).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// Redis: refused, the worker is queued in the call's flow (its tenant and class in the
+/// tier), and a release wakes the worker of the flow whose turn it is in the fleet's fair
+/// order (the memory store ignores it: its releases wake the local waiters directly).
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) struct SlotQueue {
     /// The tier's weight, for the fleet's start-time fair queuing between tiers.
     pub(crate) weight: u32,
-    /// How many calls of the tier wait at this worker, this one included: the worker is
+    /// The call's class, and the class's weight between classes.
+    pub(crate) class: Priority,
+    pub(crate) class_weight: u32,
+    /// The call's tenant; `None` for a worker that orders its calls of the tier itself
+    /// (one flow per tier).
+    pub(crate) tenant: Option<TenantId>,
+    /// What the call costs in tokens, as the fair queue charges it.
+    pub(crate) cost: u64,
+    /// How many calls of the flow wait at this worker, this one included: the worker is
     /// woken that many times (granted the last room, it stays queued for the rest).
     pub(crate) waiting: u32,
+}
+
+impl SlotQueue {
+    /// The flow's name in a wake-up: `<class index>|<tenant>`.
+    #[cfg_attr(not(feature = "redis"), allow(dead_code))]
+    pub(crate) fn flow(&self) -> String {
+        flow_name(self.class, self.tenant.as_ref())
+    }
+}
+
+/// A flow's name in the wait queue and in a wake-up: `<class index>|<tenant>` (the tenant
+/// empty for a worker's own order of a tier).
+pub(crate) fn flow_name(class: Priority, tenant: Option<&TenantId>) -> String {
+    format!(
+        "{}|{}",
+        class as u8,
+        tenant.map_or("", |tenant| tenant.as_str())
+    )
 }
 
 /// A held slot. Dropping it gives the slot back (on Redis: at once by a best-effort

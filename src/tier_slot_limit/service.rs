@@ -105,7 +105,7 @@ where
             let queue = shared.queue(limit, state.waiting() + 1);
             match shared
                 .store
-                .acquire_slot(&tier, tenant.as_ref(), shared.limits(limit), queue)
+                .acquire_slot(&tier, tenant.as_ref(), shared.limits(limit), queue.clone())
                 .into_ready()
             {
                 Ok(Ok(lease)) => {

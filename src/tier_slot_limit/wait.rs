@@ -216,8 +216,13 @@ impl Shared {
     /// that fails fast: its refused calls do not wait): `waiting` calls of its tier wait
     /// here, this one included.
     pub(super) fn queue(&self, limit: TierLimit, waiting: usize) -> Option<SlotQueue> {
-        (!limit.max_wait.is_zero()).then_some(SlotQueue {
+        // Its calls of the tier are one flow, in the order this layer keeps.
+        (!limit.max_wait.is_zero()).then(|| SlotQueue {
             weight: 1,
+            class: crate::Priority::Standard,
+            class_weight: 1,
+            tenant: None,
+            cost: 1,
             waiting: u32::try_from(waiting.max(1)).unwrap_or(u32::MAX),
         })
     }
@@ -410,7 +415,9 @@ pub(super) async fn wait_for_slot(
                 let (acquire, queue) = first_try.take().unwrap_or_else(|| {
                     let queue = shared.queue(limit, state.waiting());
                     (
-                        shared.store.acquire_slot(&tier, asking, limits, queue),
+                        shared
+                            .store
+                            .acquire_slot(&tier, asking, limits, queue.clone()),
                         queue,
                     )
                 });

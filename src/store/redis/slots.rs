@@ -72,9 +72,19 @@ pub(super) struct SlotScripts {
 impl SlotScripts {
     pub(super) fn new() -> Self {
         SlotScripts {
-            acquire: Script::new(include_str!("../scripts/slot_acquire.lua")),
-            release: Script::new(include_str!("../scripts/slot_release.lua")),
-            heartbeat: Script::new(include_str!("../scripts/slot_heartbeat.lua")),
+            // The fleet's fair order is one prelude of the three that change it.
+            acquire: Script::new(concat!(
+                include_str!("../scripts/slot_queue.lua"),
+                include_str!("../scripts/slot_acquire.lua")
+            )),
+            release: Script::new(concat!(
+                include_str!("../scripts/slot_queue.lua"),
+                include_str!("../scripts/slot_release.lua")
+            )),
+            heartbeat: Script::new(concat!(
+                include_str!("../scripts/slot_queue.lua"),
+                include_str!("../scripts/slot_heartbeat.lua")
+            )),
             resync: Script::new(include_str!("../scripts/slot_resync.lua")),
             in_use: Script::new(include_str!("../scripts/slots_in_use.lua")),
         }
@@ -459,7 +469,7 @@ impl Drop for Answering<'_> {
     fn drop(&mut self) {
         self.store.wakes.acquiring(self.tier_key, false);
         if let Some(token) = self.token.take() {
-            self.store.pass_wake(self.tier_key, &token, false);
+            self.store.pass_wake(self.tier_key, &token, None);
         }
     }
 }
@@ -548,9 +558,15 @@ impl RedisStore {
             if queue.is_some() {
                 this.wakes.queueing(&tier_key, &tier);
             }
-            let (waiting, weight) = queue.map_or((0, 1), |q| (q.waiting, q.weight));
-            // The wake-up this acquire answers, if any (only a queued call answers one).
-            let token = queue.and_then(|_| this.wakes.answer(&tier_key));
+            let flow = queue.as_ref().map(SlotQueue::flow);
+            let (waiting, weight) = queue.as_ref().map_or((0, 1), |q| (q.waiting, q.weight));
+            let (class, class_weight) = queue
+                .as_ref()
+                .map_or((1, 1), |q| (q.class as u8, q.class_weight));
+            let cost = queue.as_ref().map_or(1, |q| q.cost.max(1));
+            // The wake-up of its flow this acquire answers, if any (only a queued call
+            // answers one).
+            let token = flow.as_ref().and_then(|f| this.wakes.answer(&tier_key, f));
             let mut answering = Answering::new(&this, &tier_key, token);
             let (mut resynced, mut late) = (false, false);
             loop {
@@ -580,7 +596,16 @@ impl RedisStore {
                     .arg(epoch.as_deref().unwrap_or(""))
                     .arg(waiting)
                     .arg(weight)
-                    .arg(answering.arg());
+                    .arg(answering.arg())
+                    .arg(class)
+                    .arg(class_weight)
+                    .arg(
+                        queue
+                            .as_ref()
+                            .and_then(|q| q.tenant.as_ref())
+                            .map_or("", |t| t.as_str()),
+                    )
+                    .arg(cost);
                 if let (Some(key), Some(cap)) = (&tenant_key, limits.tenant) {
                     acquire.key(key).arg(cap);
                 }
@@ -628,8 +653,11 @@ impl RedisStore {
                 if status == 0 {
                     // A wake-up that came while this acquire was on its way is for this
                     // call: try once more with it, or the slot goes to nobody.
-                    if answering.token.is_none() && queue.is_some() && !late {
-                        answering.token = this.wakes.answer(&tier_key);
+                    if answering.token.is_none()
+                        && let Some(flow) = &flow
+                        && !late
+                    {
+                        answering.token = this.wakes.answer(&tier_key, flow);
                         if answering.token.is_some() {
                             late = true;
                             continue;
@@ -793,14 +821,14 @@ impl RedisStore {
     }
 
     /// The release script for `id` of `tier_key`, or ('' and the wake's token) to pass a
-    /// wake-up on (leaving the tier's queue with `leave`): it wakes one queued worker for
-    /// the freed slot, maybe this one.
+    /// wake-up on (this worker leaving the flow `leave`, if any): it wakes one queued worker
+    /// for the freed slot, maybe this one.
     fn release_call(
         &self,
         id: &str,
         tier_key: &str,
         token: &str,
-        leave: bool,
+        leave: Option<&str>,
     ) -> redis::ScriptInvocation<'_> {
         let mut release = self.slot_scripts.release.prepare_invoke();
         release
@@ -817,22 +845,23 @@ impl RedisStore {
                 "PUBLISH"
             })
             .arg(token)
-            .arg(if leave { self.worker_id.as_str() } else { "" })
+            .arg(leave.map_or(String::new(), |flow| format!("{}|{flow}", self.worker_id)))
             .arg(duration_ms(WORKER_TTL.saturating_sub(WORKER_SILENT)));
         release
     }
 
-    /// Passes a wake-up of `tier_key` on to the next queued worker (in the background),
-    /// leaving the tier's queue with `leave`.
-    fn pass_wake(self: &Arc<Self>, tier_key: &str, token: &str, leave: bool) {
+    /// Passes a wake-up of `tier_key` on to the next flow in the fleet's order (in the
+    /// background), this worker leaving the flow `leave`, if any.
+    fn pass_wake(self: &Arc<Self>, tier_key: &str, token: &str, leave: Option<&str>) {
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return; // its promise runs out within a second
         };
         let this = self.clone();
         let (tier_key, token) = (tier_key.to_owned(), token.to_owned());
+        let leave = leave.map(str::to_owned);
         runtime.spawn(async move {
             let mut conn = this.conn.clone();
-            let pass = this.release_call("", &tier_key, &token, leave);
+            let pass = this.release_call("", &tier_key, &token, leave.as_deref());
             let _ = this.guard(pass.invoke_async::<Vec<i64>>(&mut conn)).await;
         });
     }
@@ -846,7 +875,7 @@ impl RedisStore {
         } else {
             let calls = leases.iter().map(|(id, tier_key)| {
                 let mut conn = self.conn.clone();
-                let release = self.release_call(id, tier_key, "", false);
+                let release = self.release_call(id, tier_key, "", None);
                 async move { release.invoke_async::<Vec<i64>>(&mut conn).await.ok() }
             });
             let all = async { Ok(futures_util::future::join_all(calls).await) };
@@ -863,18 +892,20 @@ impl RedisStore {
         }
     }
 
-    /// A release woke this worker (`payload`: the tier key and the wake's token): count it
-    /// for that tier's waiters, and pass it on, leaving the tier's queue, if no acquire of
-    /// the tier answers it in time (or at once, for a tier this worker never queued in).
+    /// A release woke this worker (`payload`: the tier key, the wake's token, the flow's
+    /// class and tenant, a line each): keep it for that flow, and pass it on, leaving the
+    /// flow, if no acquire of the tier answers it in time (or at once, for a tier this
+    /// worker never queued in).
     pub(super) fn wake_arrived(self: &Arc<Self>, payload: &[u8]) {
-        let Some((tier_key, token)) = std::str::from_utf8(payload)
+        let Some([tier_key, token, class, tenant]) = std::str::from_utf8(payload)
             .ok()
-            .and_then(|p| p.split_once('\n'))
+            .and_then(|p| <[&str; 4]>::try_from(p.splitn(4, '\n').collect::<Vec<_>>()).ok())
         else {
             return;
         };
-        if !self.wakes.woken(tier_key, token) {
-            return self.pass_wake(tier_key, token, true);
+        let flow = format!("{class}|{tenant}");
+        if !self.wakes.woken(tier_key, token, &flow) {
+            return self.pass_wake(tier_key, token, Some(&flow));
         }
         self.fallback.slots.released.notify_waiters();
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
@@ -884,24 +915,30 @@ impl RedisStore {
         let (tier_key, token) = (tier_key.to_owned(), token.to_owned());
         runtime.spawn(async move {
             tokio::time::sleep(super::wakes::PASS_AFTER).await;
-            if let Some(arrived) = this.wakes.unanswered(&tier_key, &token) {
+            if let Some((arrived, flow)) = this.wakes.unanswered(&tier_key, &token) {
                 // Left unused with no acquire of the tier on its way since: no call of
-                // the tier waits here any more.
+                // the flow waits here any more.
                 let leave = this.wakes.idle_since(&tier_key, arrived);
-                this.pass_wake(&tier_key, &token, leave);
+                this.pass_wake(&tier_key, &token, leave.then_some(flow.as_str()));
             }
         });
     }
 
-    /// Passes on at once `n` wake-ups of `tier` this worker has no call to answer with
-    /// (leaving the tier's queue with `leave`: no call of the tier waits here).
-    pub(crate) fn decline_slot_wakes(self: &Arc<Self>, tier: &Tier, n: usize, leave: bool) {
+    /// Passes on at once `n` wake-ups of `flow` in `tier` this worker has no call to answer
+    /// with (leaving the flow with `leave`: no call of it waits here).
+    pub(crate) fn decline_slot_wakes(
+        self: &Arc<Self>,
+        tier: &Tier,
+        flow: &str,
+        n: usize,
+        leave: bool,
+    ) {
         let tier_key = self.keys.slots_tier(tier);
         for _ in 0..n {
-            let Some(token) = self.wakes.answer(&tier_key) else {
+            let Some(token) = self.wakes.answer(&tier_key, flow) else {
                 return;
             };
-            self.pass_wake(&tier_key, &token, leave);
+            self.pass_wake(&tier_key, &token, leave.then_some(flow));
         }
     }
 

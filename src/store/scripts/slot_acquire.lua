@@ -5,9 +5,9 @@
 -- that says so is gone (no epoch key, another epoch than the worker's, or no live record of
 -- the worker: Redis was wiped or restarted, or the worker was away), nothing is taken and
 -- the worker is told to resync first.
--- A worker whose call waits for a full tier queues itself in the tier's wait queue (one
--- entry per worker, the oldest first, with how many of its calls wait in `<tier set>:wants`);
--- slot_release.lua wakes the head when a slot frees.
+-- A worker whose call waits for a full tier queues itself in the flow of the call (its
+-- tenant and class in the tier; see slot_queue.lua) with how many of the flow's calls wait
+-- there; slot_release.lua wakes the worker of the flow whose turn it is when a slot frees.
 -- A slot a release woke a worker for is promised to it for a second: counted against the
 -- global and the tier cap for everyone else until its acquire, which names the wake's
 -- token, comes.
@@ -17,12 +17,14 @@
 -- promised slots
 -- ARGV[1] global cap, ARGV[2] tier cap, ARGV[3] lease TTL in ms, ARGV[4] lease id,
 -- ARGV[5] worker id, ARGV[6] the epoch the worker synced to, ARGV[7] how many calls of the
--- tier wait at this worker, this one included ('0': never queue): refused, the worker
+-- flow wait at this worker, this one included ('0': never queue): refused, the worker
 -- queues with that many; granted, it stays queued (in its place) with one less, or leaves
--- the queue with the last. ARGV[8] the tier's weight, ARGV[9] the token of the wake-up this
--- acquire answers, or ''
+-- the flow with the last. ARGV[8] the tier's weight, ARGV[9] the token of the wake-up this
+-- acquire answers, or '', ARGV[10] the flow's class (0-2), ARGV[11] the class's weight,
+-- ARGV[12] the flow's tenant ('' for a worker that orders its calls of the tier itself),
+-- ARGV[13] what the flow's next call here costs
 -- With a tenant cap (absent otherwise: then nothing is counted per tenant):
--- KEYS[9] the tenant's lease set in this tier, ARGV[10] the tenant cap
+-- KEYS[9] the tenant's lease set in this tier, ARGV[14] the tenant cap
 -- Returns {status, global count, tier count, reason, room} (counting the promised slots):
 -- status 1 when the lease was taken, 0 when a cap is reached, -1 when the worker must
 -- resync; reason (with status 0) 1 when the global or tier cap is reached, 2 when only the
@@ -35,11 +37,11 @@ if redis.call('GET', KEYS[4]) ~= ARGV[6] or not record or tonumber(record) <= no
   return {-1, 0, 0}
 end
 local waiting = tonumber(ARGV[7]) or 0
-local wants = KEYS[2] .. ':wants'
+local class, tenant = ARGV[10], ARGV[12]
 local function queue(n)
-  redis.call('ZADD', KEYS[6], 'NX', now, ARGV[5])
-  redis.call('HSET', wants, ARGV[5], n)
-  redis.call('HSET', KEYS[5], 'global', ARGV[1], 'c:' .. KEYS[2], ARGV[2], 'w:' .. KEYS[2], ARGV[8])
+  join(KEYS[5], KEYS[2], ARGV[5], class, tenant, n, ARGV[13], now)
+  redis.call('HSET', KEYS[5], 'global', ARGV[1], 'c:' .. KEYS[2], ARGV[2], 'w:' .. KEYS[2], ARGV[8],
+    'k:' .. class, ARGV[11])
 end
 if ARGV[9] ~= '' then
   redis.call('ZREM', KEYS[7], ARGV[9])
@@ -59,7 +61,7 @@ if global >= tonumber(ARGV[1]) or tier >= tonumber(ARGV[2]) then
 end
 if KEYS[9] then
   redis.call('ZREMRANGEBYSCORE', KEYS[9], '-inf', now)
-  if redis.call('ZCARD', KEYS[9]) >= tonumber(ARGV[10]) then
+  if redis.call('ZCARD', KEYS[9]) >= tonumber(ARGV[14]) then
     return {0, global, tier, 2}
   end
 end
@@ -73,7 +75,6 @@ local room = math.min(tonumber(ARGV[1]) - global, tonumber(ARGV[2]) - tier) - 1
 if waiting > 1 then
   queue(waiting - 1)
 elseif waiting > 0 then
-  redis.call('ZREM', KEYS[6], ARGV[5])
-  redis.call('HDEL', wants, ARGV[5])
+  leave(KEYS[2], ARGV[5], class, tenant)
 end
 return {1, global + 1, tier + 1, 0, math.max(room, 0)}

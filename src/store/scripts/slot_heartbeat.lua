@@ -25,10 +25,10 @@ if now - epoch_began >= tonumber(ARGV[2]) then
   for _, field in ipairs(redis.call('HKEYS', KEYS[4])) do
     if string.sub(field, 1, 2) == 'c:' then
       local key = string.sub(field, 3)
-      for _, worker in ipairs(redis.call('ZRANGE', key .. ':waiting', 0, -1)) do
-        if not redis.call('ZSCORE', KEYS[2], worker) then
-          redis.call('ZREM', key .. ':waiting', worker)
-          redis.call('HDEL', key .. ':wants', worker)
+      for _, entry in ipairs(redis.call('ZRANGE', key .. ':waiting', 0, -1)) do
+        local worker = string.match(entry, '^([^|]*)|')
+        if not worker or not redis.call('ZSCORE', KEYS[2], worker) then
+          leave_entry(key, entry)
         end
       end
     end

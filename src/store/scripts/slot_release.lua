@@ -1,23 +1,28 @@
--- Gives a slot lease back and wakes one waiting worker for the slot: of the tiers with a
--- queued worker and room under their cap, the one whose turn it is by start-time fair
--- queuing on the tiers' weights (a tier that starts waiting starts at the current virtual
--- time, so a flood queued before it cannot hold it back), and in that tier the worker
--- queued longest. The worker is told on its own channel and goes to the back of the queue,
--- or leaves it when that was the last of its calls waiting; one no longer listening (gone),
--- or no longer saying it is alive (its record in the worker set missing or not renewed
--- for a while: crashed, or cut off from Redis while its subscription lingers), leaves it
--- and is skipped, so a freed slot is not promised to a worker that cannot take it. The message is the tier key and a token; the slot is promised
--- to the worker (see slot_acquire.lua) until its acquire names the token, for a second at
--- most. With no lease id, only wakes: a woken worker whose calls had gone passes the slot
--- on, naming the token it got, and leaves the tier's queue.
+-- Gives a slot lease back and wakes one waiting worker for the slot, in the fleet's fair
+-- order (slot_queue.lua): of the tiers with a queued flow and room under their cap, the
+-- class by start-time fair queuing on the class weights, then the tier in that class by
+-- start-time fair queuing on the tier weights (a class or tier that starts waiting starts
+-- at the current virtual time, so a flood queued before it cannot hold it back), then the
+-- flow with the smallest start tag, then the worker queued longest for that flow. The flow
+-- is charged what the worker said its next call costs. The worker is told on its own
+-- channel and goes to the back of the flow's workers, or leaves the flow when that was the
+-- last of its calls there; one no longer listening (gone), or no longer saying it is alive
+-- (its record in the worker set missing or not renewed for a while: crashed, or cut off
+-- from Redis while its subscription lingers), leaves it and is skipped, so a freed slot is
+-- not promised to a worker that cannot take it. The message is the tier key, a token, the
+-- class and the tenant, one per line; the slot is promised to the worker (see
+-- slot_acquire.lua) until its acquire names the token, for a second at most. With no lease
+-- id, only wakes: a woken worker whose calls had gone passes the slot on, naming the token
+-- it got, and leaves the flow.
 -- KEYS[1] global lease set, KEYS[2] tier lease set, KEYS[3] wait book (slot_acquire.lua),
 -- KEYS[4] the promised slots (each also in `<tier key>:promised`), KEYS[5] the worker set
 -- (slot_heartbeat.lua)
 -- ARGV[1] lease id or '', ARGV[2] the wake channels' prefix (the worker id follows),
 -- ARGV[3] 'PUBLISH' (one node) or 'SPUBLISH' (a cluster: sharded pub/sub; the channels
 -- share the lease sets' hash tag, so they belong to this shard), ARGV[4] the token passed
--- on, or '', ARGV[5] the worker passing it on, or '', ARGV[6] how long (ms) a live
--- worker's record has left at least (a worker TTL less the heartbeat's slack)
+-- on, or '', ARGV[5] the entry (`worker|class|tenant`) leaving its flow, or '', ARGV[6] how
+-- long (ms) a live worker's record has left at least (a worker TTL less the heartbeat's
+-- slack)
 -- Returns {removed, global count, tier count} (before the wake-up's promise).
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -30,12 +35,8 @@ if ARGV[4] ~= '' then
   redis.call('ZREM', KEYS[4], ARGV[4])
   redis.call('ZREM', KEYS[2] .. ':promised', ARGV[4])
 end
-local function unqueue(key, worker)
-  redis.call('ZREM', key .. ':waiting', worker)
-  redis.call('HDEL', key .. ':wants', worker)
-end
 if ARGV[5] ~= '' then
-  unqueue(KEYS[2], ARGV[5])
+  leave_entry(KEYS[2], ARGV[5])
 end
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
 redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now)
@@ -43,54 +44,124 @@ redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', now)
 local global = redis.call('ZCARD', KEYS[1])
 local tier = redis.call('ZCARD', KEYS[2])
 local book = KEYS[3]
-local gcap = tonumber(redis.call('HGET', book, 'global') or '0')
-if (removed == 1 or ARGV[1] == '') and global + redis.call('ZCARD', KEYS[4]) < gcap then
-  local v = tonumber(redis.call('HGET', book, 'v') or '0')
-  for _ = 1, 16 do
-    local best, best_start, best_finish, best_head, best_worker
-    for _, field in ipairs(redis.call('HKEYS', book)) do
-      if string.sub(field, 1, 2) == 'c:' then
-        local key = string.sub(field, 3)
-        local head = redis.call('ZRANGE', key .. ':waiting', 0, 0, 'WITHSCORES')
-        if #head == 0 then
-          redis.call('HDEL', book, field, 'w:' .. key, 'v:' .. key)
-        else
-          redis.call('ZREMRANGEBYSCORE', key, '-inf', now)
-          redis.call('ZREMRANGEBYSCORE', key .. ':promised', '-inf', now)
-          local held = redis.call('ZCARD', key) + redis.call('ZCARD', key .. ':promised')
-          if held < tonumber(redis.call('HGET', book, field)) then
-            local weight = tonumber(redis.call('HGET', book, 'w:' .. key) or '1')
-            if not weight or weight <= 0 then
-              weight = 1
-            end
-            local start = math.max(tonumber(redis.call('HGET', book, 'v:' .. key) or '0'), v)
-            local finish = start + 1 / weight
-            local at = tonumber(head[2])
-            if not best or finish < best_finish or (finish == best_finish and at < best_head) then
-              best, best_start, best_finish = key, start, finish
-              best_head, best_worker = at, head[1]
-            end
-          end
+local function num(field, default)
+  return tonumber(redis.call('HGET', book, field) or '') or default
+end
+local function weight(field)
+  local w = num(field, 1)
+  if w <= 0 then
+    return 1
+  end
+  return w
+end
+
+-- The tiers with a queued flow and room under their cap; a tier nobody waits in any more
+-- forgets its order.
+local function open_tiers()
+  local open = {}
+  for _, field in ipairs(redis.call('HKEYS', book)) do
+    if string.sub(field, 1, 2) == 'c:' then
+      local key = string.sub(field, 3)
+      if redis.call('ZCARD', key .. ':waiting') == 0 then
+        redis.call('HDEL', book, field, 'w:' .. key)
+        for class = 0, 2 do
+          redis.call('HDEL', book, 'v:' .. class .. ':' .. key, 't:' .. class .. ':' .. key)
+          redis.call('DEL', key .. ':fin:' .. class)
+        end
+      else
+        redis.call('ZREMRANGEBYSCORE', key, '-inf', now)
+        redis.call('ZREMRANGEBYSCORE', key .. ':promised', '-inf', now)
+        local held = redis.call('ZCARD', key) + redis.call('ZCARD', key .. ':promised')
+        if held < tonumber(redis.call('HGET', book, field)) then
+          open[#open + 1] = key
         end
       end
     end
-    if not best then
-      break
+  end
+  return open
+end
+
+-- Fair queuing among `choices` (name, start tag, weight): the least finish tag, the first
+-- listed on a tie. A choice's start tag was set when it started waiting (slot_queue.lua),
+-- at the latest the virtual time then, and is its last finish since.
+local function fairest(choices)
+  local best
+  for _, c in ipairs(choices) do
+    local start = c[2]
+    local finish = start + 1 / c[3]
+    if not best or finish < best[3] then
+      best = {c[1], start, finish}
     end
-    local record = tonumber(redis.call('ZSCORE', KEYS[5], best_worker) or '0')
-    local token = record > now + tonumber(ARGV[6]) and tostring(redis.call('HINCRBY', book, 'token', 1))
-    if token and redis.call(ARGV[3], ARGV[2] .. best_worker, best .. '\n' .. token) > 0 then
-      redis.call('ZADD', KEYS[4], now + 1000, token)
-      redis.call('ZADD', best .. ':promised', now + 1000, token)
-      redis.call('HSET', book, 'v:' .. best, tostring(best_finish), 'v', tostring(best_start))
-      if redis.call('HINCRBY', best .. ':wants', best_worker, -1) > 0 then
-        redis.call('ZADD', best .. ':waiting', 'XX', now, best_worker)
-      else
-        unqueue(best, best_worker)
+  end
+  return best
+end
+
+-- The class, tier and flow whose turn it is: {class, tier key, tenant, start tag}, with
+-- the virtual times to set when it is served.
+local function pick(open)
+  local classes = {}
+  for class = 0, 2 do
+    for _, key in ipairs(open) do
+      if redis.call('ZCARD', key .. ':flows:' .. class) > 0 then
+        classes[#classes + 1] = {class, num('u:' .. class, num('u', 0)), weight('k:' .. class)}
+        break
       end
+    end
+  end
+  local class = fairest(classes)
+  if not class then
+    return nil
+  end
+  local c = class[1]
+  local tiers = {}
+  for _, key in ipairs(open) do
+    if redis.call('ZCARD', key .. ':flows:' .. c) > 0 then
+      tiers[#tiers + 1] = {key, num('v:' .. c .. ':' .. key, num('v:' .. c, 0)), weight('w:' .. key)}
+    end
+  end
+  local tier_turn = fairest(tiers)
+  local key = tier_turn[1]
+  local head = redis.call('ZRANGE', key .. ':flows:' .. c, 0, 0, 'WITHSCORES')
+  return {c, key, head[1], tonumber(head[2]), class, tier_turn}
+end
+
+if (removed == 1 or ARGV[1] == '') and global + redis.call('ZCARD', KEYS[4]) < num('global', 0) then
+  for _ = 1, 16 do
+    local turn = pick(open_tiers())
+    if not turn then
       break
     end
-    unqueue(best, best_worker)
+    local class, key, tenant, start = turn[1], turn[2], turn[3], turn[4]
+    local workers = flow_workers(key, class, tenant)
+    local worker = redis.call('ZRANGE', workers, 0, 0)[1]
+    if not worker then
+      -- A flow with no worker (left behind by a wipe of part of the queue): forget it.
+      redis.call('ZREM', key .. ':flows:' .. class, tenant)
+    else
+      local record = tonumber(redis.call('ZSCORE', KEYS[5], worker) or '0')
+      local token = record > now + tonumber(ARGV[6]) and tostring(redis.call('HINCRBY', book, 'token', 1))
+      local message = key .. '\n' .. (token or '') .. '\n' .. class .. '\n' .. tenant
+      if token and redis.call(ARGV[3], ARGV[2] .. worker, message) > 0 then
+        redis.call('ZADD', KEYS[4], now + 1000, token)
+        redis.call('ZADD', key .. ':promised', now + 1000, token)
+        local class_turn, tier_turn = turn[5], turn[6]
+        redis.call('HSET', book, 'u:' .. class, tag(class_turn[3]), 'u', tag(class_turn[2]),
+          'v:' .. class .. ':' .. key, tag(tier_turn[3]), 'v:' .. class, tag(tier_turn[2]),
+          't:' .. class .. ':' .. key, tag(start))
+        local m = member(worker, class, tenant)
+        local cost = math.max(tonumber(redis.call('HGET', key .. ':costs', m) or '1') or 1, 1)
+        redis.call('ZADD', key .. ':flows:' .. class, tag(start + cost), tenant)
+        -- Finish tags behind the virtual time give a returning flow nothing: dropped.
+        redis.call('ZREMRANGEBYSCORE', key .. ':fin:' .. class, '-inf', tag(start))
+        if redis.call('HINCRBY', key .. ':wants', m, -1) > 0 then
+          redis.call('ZADD', workers, 'XX', now, worker)
+        else
+          leave(key, worker, class, tenant)
+        end
+        break
+      end
+      leave(key, worker, class, tenant)
+    end
   end
 end
 return {removed, global, tier}
