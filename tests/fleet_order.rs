@@ -63,8 +63,10 @@ type Service = BoxCloneService<http::Request<()>, (), fairgate::BoxError>;
 struct Fleet {
     upstream: Arc<Mutex<Upstream>>,
     workers: Vec<Service>,
+    fair_queues: Vec<fairgate::DrrFairnessLayer>,
     stores: Vec<Store>,
     stop: Arc<AtomicBool>,
+    started: Instant,
     callers: Vec<tokio::task::JoinHandle<()>>,
 }
 
@@ -91,8 +93,10 @@ impl Fleet {
         let mut fleet = Fleet {
             upstream: upstream.clone(),
             workers: Vec::new(),
+            fair_queues: Vec::new(),
             stores: Vec::new(),
             stop: Arc::new(AtomicBool::new(false)),
+            started: Instant::now(),
             callers: Vec::new(),
         };
         for _ in 0..workers {
@@ -119,12 +123,13 @@ impl Fleet {
                     Ok::<_, std::convert::Infallible>(http::Response::new(String::new()))
                 }
             });
-            let service = FairgateLayer::builder(store.clone())
+            let layer = FairgateLayer::builder(store.clone())
                 .slots(policy())
                 .window(8)
                 .build()
-                .expect("a stack")
-                .layer(call);
+                .expect("a stack");
+            fleet.fair_queues.push(layer.fairness().clone());
+            let service = layer.layer(call);
             fleet
                 .workers
                 .push(BoxCloneService::new(service.map_response(drop)));
@@ -162,16 +167,36 @@ impl Fleet {
         served
     }
 
+    /// The fairness index each worker publishes, once every worker sent what it served.
+    async fn fairness_indexes(&self) -> Vec<Option<f64>> {
+        for store in &self.stores {
+            store.flush().await;
+        }
+        // Each worker reads the fleet's index after its own send: read again once all sent.
+        for store in &self.stores {
+            store.flush().await;
+        }
+        self.fair_queues
+            .iter()
+            .map(|q| q.fairness_index())
+            .collect()
+    }
+
     fn starts(&self) -> Vec<Start> {
         self.upstream.lock().unwrap().starts.clone()
     }
 
     /// Stops the callers; the most calls ever in flight at once at the upstream.
-    async fn stop(self) -> u32 {
+    /// Stops the callers and waits until their last calls are over.
+    async fn stop_callers(&mut self) {
         self.stop.store(true, Ordering::Relaxed);
-        for caller in self.callers {
+        for caller in self.callers.drain(..) {
             let _ = tokio::time::timeout(Duration::from_secs(10), caller).await;
         }
+    }
+
+    async fn stop(mut self) -> u32 {
+        self.stop_callers().await;
         drop(self.workers);
         drop(self.stores);
         let max = self.upstream.lock().unwrap().max_in_flight;
@@ -253,7 +278,26 @@ async fn tier_weights_hold_across_the_fleet() {
     let from = Instant::now();
     tokio::time::sleep(MEASURE).await;
     let served = fleet.served(from, MEASURE);
+    fleet.stop_callers().await;
+    let indexes = fleet.fairness_indexes().await;
+    // Over the whole run (the fairness window is a minute): served cost over weight.
+    let everything = fleet.served(fleet.started, Duration::from_secs(3600));
     fleet.stop().await;
+    let normalised: Vec<f64> = everything
+        .iter()
+        .map(|(tenant, n)| *n as f64 / if tenant == "paying" { 3.0 } else { 1.0 })
+        .collect();
+    let expected = jain(&normalised);
+    println!(
+        "fairness index on each worker: {indexes:?}, from the upstream's count: {expected:.3}"
+    );
+    for index in &indexes {
+        let index = index.expect("an index");
+        assert!(
+            (index - expected).abs() < 0.03,
+            "a worker publishes {index:.3}; the fleet's is {expected:.3}"
+        );
+    }
     let pro = served["paying"] as f64;
     let free: f64 = (1..4)
         .map(|w| served.get(&format!("free-{w}")).copied().unwrap_or(0) as f64)

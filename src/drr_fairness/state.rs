@@ -347,7 +347,8 @@ struct Sent {
 #[derive(Default)]
 struct AfterUnlock {
     wake: Few<Waker>,
-    served: Few<(TenantId, u64)>,
+    /// Dispatches to record in the store: tenant, cost, tier weight, whether it queued.
+    served: Few<(TenantId, u64, u32, bool)>,
     depth: Option<Priority>,
     index: Option<Option<f64>>,
     /// Slot acquires to send (Redis).
@@ -372,15 +373,18 @@ struct Declined {
 
 impl AfterUnlock {
     fn run(self, shared: &Arc<Shared>, depths: Option<(Priority, usize)>) {
-        for (tenant, cost) in self.served.into_iter() {
+        for (tenant, cost, weight, queued) in self.served.into_iter() {
             shared.store.add_served_cost(&tenant, cost);
+            shared.store.add_fairness(&tenant, weight, cost, queued);
         }
         if let Some((priority, depth)) = depths {
             metrics::gauge!(Metric::QueueDepth.name(), "priority" => priority.as_str())
                 .set(depth as f64);
         }
         if let Some(index) = self.index {
-            // No backlogged tenant in the window: nothing was unfair.
+            // The fleet's when the store knows it, so every worker says the same; no
+            // backlogged tenant in the window: nothing was unfair.
+            let index = shared.store.fleet_fairness_index().unwrap_or(index);
             metrics::gauge!(Metric::FairnessIndex.name()).set(index.unwrap_or(1.0));
         }
         drop(self.drop_handed);
@@ -616,7 +620,8 @@ impl Shared {
     }
 
     pub(super) fn fairness_index(&self) -> Option<f64> {
-        self.lock().fairness.index(Instant::now())
+        let local = self.lock().fairness.index(Instant::now());
+        self.store.fleet_fairness_index().unwrap_or(local)
     }
 
     /// The weight, class and cost of `job`.
@@ -728,7 +733,7 @@ impl Shared {
                 after.index = state
                     .fairness
                     .record(tenant, weight, cost, false, Instant::now());
-                after.served.push((tenant.clone(), cost));
+                after.served.push((tenant.clone(), cost, weight, false));
                 Admission::Now(Permit::new(
                     self.clone(),
                     place.group,
@@ -1346,7 +1351,9 @@ impl Shared {
         if handed.lease.is_some() || handed.receipt.is_some() {
             state.handed.insert(next.item.id, handed);
         }
-        after.served.push((next.tenant, next.cost));
+        after
+            .served
+            .push((next.tenant, next.cost, next.item.weight, true));
         if let Some(waker) = next.item.waker {
             after.wake.push(waker);
         }

@@ -2,7 +2,15 @@
 //! buckets are a second wide: sooner would only cost more script calls, one per tenant and
 //! worker), one script per tenant (`scripts/add_served_cost.lua`), read back over the window
 //! with `scripts/served_cost.lua`. Server time decides the window, so every worker agrees.
+//!
+//! The fleet's fairness index: the fair queues' dispatches (cost over weight, and whether
+//! the tenant waited) go with the same send, in one call for the whole batch, into one hash
+//! (`scripts/fairness_add.lua`); the index over every worker's record is read back right
+//! after (`scripts/fairness_index.lua`) and kept for the fair queues to publish, so every
+//! worker publishes the same number.
 
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -22,7 +30,22 @@ pub(crate) struct ServedRedis {
     sent: Mutex<Option<Instant>>,
     add: Script,
     read: Script,
+    /// The fair queues' dispatches not sent yet: per tenant, cost over weight, and whether
+    /// any of it waited in a queue.
+    fairness: Mutex<HashMap<TenantId, (f64, bool)>>,
+    /// A fair queue records here: the fleet's index is worth reading.
+    fairness_wanted: AtomicBool,
+    /// The fleet's index as last read, and when (`None` inside: nobody waited).
+    fleet_index: Mutex<Option<(Option<f64>, Instant)>>,
+    fairness_add: Script,
+    fairness_read: Script,
 }
+
+/// The fleet's fairness window is the served cost's, in ten buckets.
+const FAIRNESS_BUCKET: Duration = Duration::from_secs(SERVED_WINDOW.as_secs() / 10);
+
+/// An index read longer ago than this is not the fleet's any more (Redis away, say).
+const FLEET_INDEX_FRESH: Duration = Duration::from_secs(5);
 
 /// How often the counts go to Redis in the background: the width of a bucket.
 const SEND_EVERY: Duration = Duration::from_secs(1);
@@ -34,13 +57,23 @@ impl ServedRedis {
             sent: Mutex::new(None),
             add: Script::new(include_str!("../scripts/add_served_cost.lua")),
             read: Script::new(include_str!("../scripts/served_cost.lua")),
+            fairness: Mutex::default(),
+            fairness_wanted: AtomicBool::new(false),
+            fleet_index: Mutex::new(None),
+            fairness_add: Script::new(include_str!("../scripts/fairness_add.lua")),
+            fairness_read: Script::new(include_str!("../scripts/fairness_index.lua")),
         }
     }
 }
 
 impl ServedRedis {
-    pub(super) fn scripts(&self) -> [&Script; 2] {
-        [&self.add, &self.read]
+    pub(super) fn scripts(&self) -> [&Script; 4] {
+        [
+            &self.add,
+            &self.read,
+            &self.fairness_add,
+            &self.fairness_read,
+        ]
     }
 }
 
@@ -65,6 +98,64 @@ impl RedisStore {
         let window = SERVED_WINDOW.as_secs();
         self.flush_batch(&self.served.pending, "served", &self.served.add, &[window])
             .await;
+        if self.served.fairness_wanted.load(Ordering::Relaxed) {
+            self.flush_fairness().await;
+        }
+    }
+
+    /// A fair queue's dispatch, for the fleet's fairness index.
+    pub(crate) fn add_fairness(&self, tenant: &TenantId, weight: u32, cost: u64, queued: bool) {
+        self.served.fairness_wanted.store(true, Ordering::Relaxed);
+        let mut pending = super::lock(&self.served.fairness);
+        let entry = pending.entry(tenant.clone()).or_default();
+        entry.0 += cost as f64 / f64::from(weight.max(1));
+        entry.1 |= queued;
+    }
+
+    /// Sends the fair queues' dispatches (kept for the next send if Redis does not take
+    /// them), then reads the fleet's index back.
+    async fn flush_fairness(&self) {
+        let pending = std::mem::take(&mut *super::lock(&self.served.fairness));
+        let key = self.keys.global("fairness", "window");
+        let (window, width) = (SERVED_WINDOW.as_secs(), FAIRNESS_BUCKET.as_secs());
+        if !pending.is_empty() {
+            let mut add = self.served.fairness_add.key(&key);
+            add.arg(window).arg(width);
+            for (tenant, (served, queued)) in &pending {
+                add.arg(tenant.as_str())
+                    .arg(*served)
+                    .arg(if *queued { 1 } else { 0 });
+            }
+            let mut conn = self.conn.clone();
+            if self
+                .guard(add.invoke_async::<i64>(&mut conn))
+                .await
+                .is_none()
+            {
+                let mut kept = super::lock(&self.served.fairness);
+                for (tenant, (served, queued)) in pending {
+                    let entry = kept.entry(tenant).or_default();
+                    entry.0 += served;
+                    entry.1 |= queued;
+                }
+                return;
+            }
+        }
+        let mut conn = self.conn.clone();
+        let mut read = self.served.fairness_read.key(&key);
+        read.arg(window).arg(width);
+        if let Some(index) = self.guard(read.invoke_async::<String>(&mut conn)).await {
+            let index = index.parse::<f64>().ok().filter(|i| i.is_finite());
+            *super::lock(&self.served.fleet_index) = Some((index, Instant::now()));
+        }
+    }
+
+    /// The fleet's fairness index as last read, if fresh: `Some(None)` when no tenant
+    /// waited in a queue anywhere in the window.
+    pub(crate) fn fleet_fairness_index(&self) -> Option<Option<f64>> {
+        let read = *super::lock(&self.served.fleet_index);
+        read.filter(|(_, at)| at.elapsed() < FLEET_INDEX_FRESH && !self.is_degraded())
+            .map(|(index, _)| index)
     }
 
     pub(crate) fn served_cost(self: &Arc<Self>, tenant: &TenantId) -> StoreFuture<u64> {
