@@ -208,6 +208,32 @@ impl Fleet {
     }
 }
 
+/// What the fleet's order still keeps once nothing waits (flows, their workers, finish
+/// tags, counts), after the last releases had a moment to land.
+async fn queue_leftovers(server: &RedisServer) -> Vec<String> {
+    let mut left = Vec::new();
+    for _ in 0..20 {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let out = std::process::Command::new("redis-cli")
+            .args(["-p", &server.port().to_string(), "--scan"])
+            .output()
+            .expect("redis-cli");
+        left = String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .filter(|key| {
+                [":flows:", ":fw:", ":fin:", ":wants", ":costs", ":waiting"]
+                    .iter()
+                    .any(|part| key.contains(part))
+            })
+            .map(str::to_owned)
+            .collect();
+        if left.is_empty() {
+            break;
+        }
+    }
+    left
+}
+
 /// Jain's fairness index of what each tenant got, each divided by its fair weight.
 fn jain(shares: &[f64]) -> f64 {
     let sum: f64 = shares.iter().sum();
@@ -229,6 +255,11 @@ async fn light_against_hog(redis: Redis<'_>, workers: usize) {
     tokio::time::sleep(MEASURE).await;
     let served = fleet.served(from, MEASURE);
     fleet.stop().await;
+    if let Redis::Node(server) = &redis {
+        // Nothing waits any more: the fleet's order keeps nothing of anyone.
+        let left = queue_leftovers(server).await;
+        assert!(left.is_empty(), "left in Redis: {left:?}");
+    }
     let (light, hog) = (served["light"] as f64, served["hog"] as f64);
     let share = light / (light + hog);
     let index = jain(&[light, hog]);
