@@ -262,7 +262,7 @@ impl Pacer {
         for (limiter, limit) in self.limiters.iter().zip(&limits[..n]).skip(*step) {
             // `cells()` is clamped to the burst (a call larger than the whole burst takes it
             // all), so governor never refuses it as too large.
-            if let Ok(Err(not_until)) = limiter.check_n(nonzero(limit.cells())) {
+            if let Ok(Err(not_until)) = limiter.check_n(nonzero(limit.cells().unsigned_abs())) {
                 let wait = not_until.wait_time_from(TokioClock.now());
                 // Never a zero wait: that would spin.
                 return Some(wait.max(Duration::from_millis(1)));
