@@ -9,8 +9,9 @@ use super::RedisStore;
 use crate::store::StoreFuture;
 use crate::store::pacing::{DIMS, LearnedLimits, PaceAsk, PaceGrant, PaceLimit};
 
-pub(super) static PACE: LazyLock<Script> =
-    LazyLock::new(|| Script::new(include_str!("../scripts/pace.lua")));
+pub(super) const PACE_SOURCE: &str = include_str!("../scripts/pace.lua");
+
+pub(super) static PACE: LazyLock<Script> = LazyLock::new(|| Script::new(PACE_SOURCE));
 
 impl RedisStore {
     pub(crate) fn pace(self: &Arc<Self>, key: &str, limits: &[PaceLimit]) -> StoreFuture<Duration> {
@@ -52,8 +53,10 @@ pub(super) fn pace_args(limits: &[PaceLimit]) -> Vec<i64> {
         .collect()
 }
 
+pub(super) const LEARNED_PACE_SOURCE: &str = include_str!("../scripts/learned_pace.lua");
+
 pub(super) static LEARNED_PACE: LazyLock<Script> =
-    LazyLock::new(|| Script::new(include_str!("../scripts/learned_pace.lua")));
+    LazyLock::new(|| Script::new(LEARNED_PACE_SOURCE));
 
 impl RedisStore {
     pub(crate) fn pace_learned(
