@@ -96,6 +96,7 @@ pub mod drr_fairness;
 pub mod error;
 pub mod extract;
 pub mod gate;
+mod gcra;
 mod job;
 pub mod metrics;
 pub mod priority_classify;

@@ -77,7 +77,7 @@
 //!   its own delay ends or the gate reopens, within [0.96 R, 1.44 R] of the server's delay
 //!   R; held calls are spread over a fifth of R (no fixed floor) from each worker's offset.
 //! - **Pacing** ([`Pacing`], optional): GCRA limits on requests, input tokens and output
-//!   tokens per minute, before any 429 — per layer in process (`governor`), or
+//!   tokens per minute, before any 429 — per layer in process, or
 //!   [shared](Pacing::shared) by every worker through the store (one GCRA script on Redis
 //!   that reserves all dimensions at once, server time).
 //!

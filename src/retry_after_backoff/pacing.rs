@@ -1,21 +1,17 @@
-//! Proactive pacing under provider limits, in process: GCRA through `governor`, on tokio's
+//! Proactive pacing under provider limits, in process: the crate's GCRA core on tokio's
 //! clock (so paused-time tests drive it).
 //!
 //! Each configured dimension (requests, input tokens, output tokens per minute) is one GCRA
 //! limiter. A call takes its cells from the dimensions in order and keeps what it took while
 //! it waits for the next one, so nothing is charged twice and no cell is lost.
 
-use std::num::NonZeroU32;
-use std::ops::Add;
+use std::sync::Mutex;
 use std::time::Duration;
 
-use governor::clock::{Clock, Reference};
-use governor::middleware::NoOpMiddleware;
-use governor::nanos::Nanos;
-use governor::state::{InMemoryState, NotKeyed};
-use governor::{Quota, RateLimiter};
+use tokio::time::Instant;
 
 use crate::error::ConfigError;
+use crate::gcra::Gcra;
 use crate::store::PaceLimit;
 
 /// Limits to stay under before any 429: requests, input tokens and output tokens per minute.
@@ -102,7 +98,7 @@ impl Pacing {
     /// Paces through the [`Store`](crate::Store) ([`Store::pace`](crate::Store::pace)), so
     /// every layer and worker on the store shares the limits: one GCRA script on Redis
     /// (server time), reserving all dimensions at once. Default: each layer paces alone, in
-    /// process (`governor`), and the limits are that layer's.
+    /// process, and the limits are that layer's.
     pub fn shared(mut self) -> Self {
         self.shared = true;
         self
@@ -179,94 +175,55 @@ impl Pacing {
     }
 }
 
-/// tokio's clock for governor (paused time moves it).
-#[derive(Clone, Copy, Debug, Default)]
-pub(crate) struct TokioClock;
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
-pub(crate) struct TokioInstant(tokio::time::Instant);
-
-impl Add<Nanos> for TokioInstant {
-    type Output = TokioInstant;
-
-    fn add(self, other: Nanos) -> TokioInstant {
-        TokioInstant(self.0 + Duration::from(other))
-    }
-}
-
-impl Reference for TokioInstant {
-    fn duration_since(&self, earlier: Self) -> Nanos {
-        self.0.saturating_duration_since(earlier.0).into()
-    }
-
-    fn saturating_sub(&self, duration: Nanos) -> Self {
-        self.0
-            .checked_sub(duration.into())
-            .map_or(*self, TokioInstant)
-    }
-}
-
-impl Clock for TokioClock {
-    type Instant = TokioInstant;
-
-    fn now(&self) -> TokioInstant {
-        TokioInstant(tokio::time::Instant::now())
-    }
-}
-
-type Limiter = RateLimiter<NotKeyed, InMemoryState, TokioClock, NoOpMiddleware<TokioInstant>>;
-
-/// The running limiters of one layer: one per dimension of [`Pacing::limits`], in its order.
+/// The running buckets of one layer: one per dimension of [`Pacing::limits`], in its order,
+/// counting nanoseconds from `base` on tokio's clock (so paused-time tests drive it).
+#[derive(Debug)]
 pub(crate) struct Pacer {
     pacing: Pacing,
-    limiters: Vec<Limiter>,
-}
-
-impl std::fmt::Debug for Pacer {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Pacer")
-            .field("pacing", &self.pacing)
-            .finish_non_exhaustive()
-    }
-}
-
-fn nonzero(n: u64) -> NonZeroU32 {
-    u32::try_from(n)
-        .ok()
-        .and_then(NonZeroU32::new)
-        .unwrap_or(NonZeroU32::MIN)
+    rates: Vec<Gcra>,
+    tats: Mutex<Vec<i64>>,
+    base: Instant,
 }
 
 impl Pacer {
     pub(crate) fn new(pacing: &Pacing) -> Self {
         // Rate and burst do not depend on the call's tokens.
         let (limits, n) = pacing.limits(0);
-        let limiters = limits[..n]
+        let rates: Vec<Gcra> = limits[..n]
             .iter()
             .map(|limit| {
-                let quota = Quota::per_minute(nonzero(limit.per_minute.into()))
-                    .allow_burst(nonzero(limit.burst.into()));
-                Limiter::direct_with_clock(quota, TokioClock)
+                let interval = 60_000_000_000 / i64::from(limit.per_minute.max(1));
+                Gcra::new(interval, i64::from(limit.burst))
             })
             .collect();
         Pacer {
             pacing: pacing.clone(),
-            limiters,
+            tats: Mutex::new(vec![0; rates.len()]),
+            rates,
+            base: Instant::now(),
         }
     }
 
     /// Takes the cells of a call with `input_tokens` from dimension `*step` on; `None` once
     /// all are taken, else how long to wait before trying dimension `*step` again.
+    ///
+    /// Unlike the store's pacing this does not reserve: a call that must wait takes nothing
+    /// from that dimension and asks again (it keeps what earlier dimensions gave it).
     pub(crate) fn admit(&self, step: &mut usize, input_tokens: u32) -> Option<Duration> {
         let (limits, n) = self.pacing.limits(input_tokens);
-        for (limiter, limit) in self.limiters.iter().zip(&limits[..n]).skip(*step) {
-            // `cells()` is clamped to the burst (a call larger than the whole burst takes it
-            // all), so governor never refuses it as too large.
-            if let Ok(Err(not_until)) = limiter.check_n(nonzero(limit.cells())) {
-                let wait = not_until.wait_time_from(TokioClock.now());
+        let since = Instant::now().saturating_duration_since(self.base);
+        let now = i64::try_from(since.as_nanos()).unwrap_or(i64::MAX / 4);
+        let mut tats = crate::sync::lock(&self.tats);
+        let dims = self.rates.iter().zip(tats.iter_mut()).zip(&limits[..n]);
+        for ((rate, tat), limit) in dims.skip(*step) {
+            let cells = i64::from(limit.cells);
+            let at = rate.conforms_at(*tat, now, cells);
+            if at > now {
+                let wait = Duration::from_nanos(u64::try_from(at - now).unwrap_or(u64::MAX));
                 // Never a zero wait: that would spin.
                 return Some(wait.max(Duration::from_millis(1)));
             }
+            *tat = rate.take(*tat, now, cells);
             *step += 1;
         }
         None
@@ -276,6 +233,160 @@ impl Pacer {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
+    use proptest::test_runner::{Config, RngSeed, TestRunner};
+
+    /// governor's GCRA on tokio's clock, one limiter per dimension: what the pacer must
+    /// answer as.
+    mod reference {
+        use std::num::NonZeroU32;
+        use std::ops::Add;
+        use std::time::Duration;
+
+        use governor::clock::{Clock, Reference};
+        use governor::middleware::NoOpMiddleware;
+        use governor::nanos::Nanos;
+        use governor::state::{InMemoryState, NotKeyed};
+        use governor::{Quota, RateLimiter};
+
+        use super::Pacing;
+
+        #[derive(Clone, Copy, Debug, Default)]
+        pub(super) struct TokioClock;
+
+        #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+        pub(super) struct TokioInstant(tokio::time::Instant);
+
+        impl Add<Nanos> for TokioInstant {
+            type Output = TokioInstant;
+
+            fn add(self, other: Nanos) -> TokioInstant {
+                TokioInstant(self.0 + Duration::from(other))
+            }
+        }
+
+        impl Reference for TokioInstant {
+            fn duration_since(&self, earlier: Self) -> Nanos {
+                self.0.saturating_duration_since(earlier.0).into()
+            }
+
+            fn saturating_sub(&self, duration: Nanos) -> Self {
+                self.0
+                    .checked_sub(duration.into())
+                    .map_or(*self, TokioInstant)
+            }
+        }
+
+        impl Clock for TokioClock {
+            type Instant = TokioInstant;
+
+            fn now(&self) -> TokioInstant {
+                TokioInstant(tokio::time::Instant::now())
+            }
+        }
+
+        type Limiter =
+            RateLimiter<NotKeyed, InMemoryState, TokioClock, NoOpMiddleware<TokioInstant>>;
+
+        fn nonzero(n: i64) -> NonZeroU32 {
+            u32::try_from(n)
+                .ok()
+                .and_then(NonZeroU32::new)
+                .unwrap_or(NonZeroU32::MIN)
+        }
+
+        pub(super) struct Governed(Pacing, Vec<Limiter>);
+
+        impl Governed {
+            pub(super) fn new(pacing: &Pacing) -> Self {
+                let (limits, n) = pacing.limits(0);
+                let limiters = limits[..n]
+                    .iter()
+                    .map(|limit| {
+                        let quota = Quota::per_minute(nonzero(limit.per_minute.into()))
+                            .allow_burst(nonzero(limit.burst.into()));
+                        Limiter::direct_with_clock(quota, TokioClock)
+                    })
+                    .collect();
+                Governed(pacing.clone(), limiters)
+            }
+
+            pub(super) fn admit(&self, step: &mut usize, input_tokens: u32) -> Option<Duration> {
+                let (limits, n) = self.0.limits(input_tokens);
+                for (limiter, limit) in self.1.iter().zip(&limits[..n]).skip(*step) {
+                    if let Ok(Err(not_until)) = limiter.check_n(nonzero(limit.cells())) {
+                        let wait = not_until.wait_time_from(TokioClock.now());
+                        return Some(wait.max(Duration::from_millis(1)));
+                    }
+                    *step += 1;
+                }
+                None
+            }
+        }
+    }
+
+    fn pacing() -> impl Strategy<Value = Pacing> {
+        (
+            prop::option::of(1u32..600),
+            prop::option::of(1u32..100_000),
+            prop::option::of(1u32..20_000),
+            1u32..5,
+            1u32..3_000,
+        )
+            .prop_map(|(rpm, itpm, otpm, burst, output)| {
+                let mut pacing = Pacing::new()
+                    .request_burst(burst)
+                    .expected_output_tokens(output);
+                pacing.requests_per_minute = rpm;
+                pacing.input_tokens_per_minute = itpm;
+                pacing.output_tokens_per_minute = otpm;
+                pacing
+            })
+    }
+
+    /// Calls as (time since the previous one in µs, input tokens, whether it is a new call
+    /// or the previous one asking again).
+    fn calls() -> impl Strategy<Value = Vec<(u64, u32, bool)>> {
+        let advance = prop_oneof![0u64..10, 0u64..2_000_000, 0u64..90_000_000];
+        let tokens = prop_oneof![0u32..100, 0u32..150_000];
+        prop::collection::vec((advance, tokens, any::<bool>()), 1..80)
+    }
+
+    #[test]
+    fn the_pacer_answers_as_governor_does() {
+        let mut runner = TestRunner::new(Config {
+            cases: 128,
+            rng_seed: RngSeed::Fixed(0x676f_7665),
+            failure_persistence: None,
+            ..Config::default()
+        });
+        let result = runner.run(&(pacing(), calls()), |(pacing, calls)| {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_time()
+                .start_paused(true)
+                .build()
+                .expect("runtime");
+            runtime.block_on(async {
+                let ours = Pacer::new(&pacing);
+                let governed = reference::Governed::new(&pacing);
+                let (mut step, mut expected_step) = (0, 0);
+                for (i, (advance, tokens, new_call)) in calls.into_iter().enumerate() {
+                    tokio::time::advance(Duration::from_micros(advance)).await;
+                    if new_call {
+                        (step, expected_step) = (0, 0);
+                    }
+                    let answer = ours.admit(&mut step, tokens);
+                    let expected = governed.admit(&mut expected_step, tokens);
+                    prop_assert_eq!(answer, expected, "call {}", i);
+                    prop_assert_eq!(step, expected_step, "call {}", i);
+                }
+                Ok(())
+            })
+        });
+        if let Err(failure) = result {
+            panic!("{failure}");
+        }
+    }
 
     #[tokio::test(start_paused = true)]
     async fn requests_go_out_evenly_and_tokens_in_bursts() {

@@ -1,5 +1,5 @@
 //! Shared pacing (GCRA) in process: the memory store's, and the Redis store's fallback. The
-//! same arithmetic as `scripts/pace.lua`.
+//! arithmetic is the crate's GCRA core; this module keeps the buckets per key.
 //!
 //! A call *reserves* its cells in every dimension at once and is told when to go: the
 //! earliest moment every dimension conforms. Reserving (instead of "try again later") keeps
@@ -10,6 +10,8 @@ use std::sync::Mutex;
 use std::time::Duration;
 
 use tokio::time::Instant;
+
+use crate::gcra::{self, Gcra};
 
 /// One dimension of a pacing request.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -24,17 +26,26 @@ pub struct PaceLimit {
 }
 
 impl PaceLimit {
-    /// The emission interval and this call's tolerance, in microseconds: a call of `n`
-    /// cells conforms once the theoretical arrival time is at most `(burst - n)` intervals
-    /// ahead (the bucket holds `burst` cells).
-    pub(crate) fn interval_and_tolerance_us(&self) -> (u64, u64) {
-        let interval = 60_000_000 / u64::from(self.per_minute.max(1));
-        let room = u64::from(self.burst.max(1)) - self.cells();
-        (interval, interval * room)
+    /// The bucket, in microseconds: one cell per `60 s / per_minute`, `burst` cells.
+    pub(crate) fn rate(&self) -> Gcra {
+        Gcra::new(
+            60_000_000 / i64::from(self.per_minute.max(1)),
+            i64::from(self.burst),
+        )
     }
 
-    pub(crate) fn cells(&self) -> u64 {
-        u64::from(self.cells.clamp(1, self.burst.max(1)))
+    /// The emission interval and this call's tolerance, in microseconds: a call of `n`
+    /// cells conforms once the theoretical arrival time is at most `(burst - n)` intervals
+    /// ahead.
+    #[cfg_attr(not(feature = "redis"), allow(dead_code))]
+    pub(crate) fn interval_and_tolerance_us(&self) -> (i64, i64) {
+        let rate = self.rate();
+        (rate.interval(), rate.tolerance(self.cells()))
+    }
+
+    /// The cells this call takes (at least 1, at most the burst).
+    pub(crate) fn cells(&self) -> i64 {
+        self.rate().cells(i64::from(self.cells))
     }
 
     /// One worker's share of the limit when `workers` pace alone (Redis away): rate and
@@ -52,9 +63,9 @@ impl PaceLimit {
 /// Theoretical arrival times per pacing key and dimension, and the learned buckets.
 #[derive(Debug)]
 pub(crate) struct Pacers {
-    tats: Mutex<HashMap<String, Vec<Instant>>>,
+    tats: Mutex<HashMap<String, Vec<i64>>>,
     learned: Mutex<HashMap<String, LearnedBucket>>,
-    /// The learned buckets count time in microseconds from here.
+    /// Time is counted in microseconds from here.
     base: Instant,
 }
 
@@ -69,9 +80,19 @@ impl Default for Pacers {
 }
 
 impl Pacers {
+    /// Microseconds since `base`.
+    fn now_us(&self) -> i64 {
+        let since = Instant::now().saturating_duration_since(self.base);
+        i64::try_from(since.as_micros()).unwrap_or(i64::MAX / 4)
+    }
+
     /// Reserves the cells of `limits` under `key`; returns how long to wait before going.
     pub(crate) fn reserve(&self, key: &str, limits: &[PaceLimit]) -> Duration {
-        let now = Instant::now();
+        micros(self.reserve_at(key, limits, self.now_us()))
+    }
+
+    /// [`reserve`](Pacers::reserve) at `now` (microseconds); returns the wait in microseconds.
+    pub(crate) fn reserve_at(&self, key: &str, limits: &[PaceLimit], now: i64) -> i64 {
         let mut tats = crate::sync::lock(&self.tats);
         if tats.len() > 1024 {
             tats.retain(|_, dims| dims.iter().any(|tat| *tat > now));
@@ -81,33 +102,23 @@ impl Pacers {
             tats.insert(key.to_owned(), Vec::new());
         }
         let Some(dims) = tats.get_mut(key) else {
-            return Duration::ZERO; // unreachable: inserted above
+            return 0; // unreachable: inserted above
         };
+        // A dimension not seen before starts idle.
         dims.resize(limits.len().max(dims.len()), now);
-        let mut send = now;
-        for (limit, tat) in limits.iter().zip(dims.iter()) {
-            let (_, tolerance) = limit.interval_and_tolerance_us();
-            let at = (*tat).max(now);
-            let at = at
-                .checked_sub(Duration::from_micros(tolerance))
-                .unwrap_or(now);
-            send = send.max(at);
-        }
-        for (limit, tat) in limits.iter().zip(dims.iter_mut()) {
-            let (interval, _) = limit.interval_and_tolerance_us();
-            *tat = (*tat).max(send) + Duration::from_micros(interval * limit.cells());
-        }
-        send.saturating_duration_since(now)
+        let send = gcra::reserve(now, dims, |i| {
+            limits.get(i).map(|limit| (limit.rate(), limit.cells()))
+        });
+        send - now
     }
 
     /// Applies `ask` to the learned bucket of `key` (see [`LearnedBucket::apply`]).
     pub(crate) fn learned(&self, key: &str, ask: &PaceAsk) -> PaceGrant {
-        let now = i64::try_from(
-            Instant::now()
-                .saturating_duration_since(self.base)
-                .as_micros(),
-        )
-        .unwrap_or(i64::MAX / 4);
+        self.learned_at(key, ask, self.now_us())
+    }
+
+    /// [`learned`](Pacers::learned) at `now` (microseconds).
+    pub(crate) fn learned_at(&self, key: &str, ask: &PaceAsk, now: i64) -> PaceGrant {
         let mut learned = crate::sync::lock(&self.learned);
         if learned.len() > 1024 {
             learned.retain(|_, bucket| !bucket.is_idle(now));
@@ -224,7 +235,7 @@ pub(crate) struct PaceGrant {
 
 /// One upstream key's mirror of the provider's buckets: per dimension the learned limit and
 /// a GCRA theoretical arrival time, plus the slow-start / recovery probe lease. Times in
-/// microseconds on the store's clock. The same arithmetic as `scripts/learned_pace.lua`.
+/// microseconds on the store's clock.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub(crate) struct LearnedBucket {
     pub(crate) limit: [u32; DIMS],
@@ -236,13 +247,12 @@ pub(crate) struct LearnedBucket {
     pub(crate) recover_until: i64,
 }
 
-/// The emission interval (µs per cell) and capacity (cells) the pacer uses for a dimension
-/// whose provider limit is `limit` per minute, aiming at `headroom_permille` (the policy's
-/// 0.1-1, or a worker's share of it while Redis is away): the rate is a
-/// little under the provider's; requests may burst one second's worth (the provider
-/// enforces per-minute limits over shorter intervals too), tokens their whole minute (the
-/// provider's bucket).
-pub(crate) fn interval_and_capacity(dim: usize, limit: u32, headroom_permille: u32) -> (i64, i64) {
+/// The bucket (µs per cell, capacity in cells) the pacer uses for a dimension whose
+/// provider limit is `limit` per minute, aiming at `headroom_permille` (the policy's 0.1-1,
+/// or a worker's share of it while Redis is away): the rate is a little under the
+/// provider's; requests may burst one second's worth (the provider enforces per-minute
+/// limits over shorter intervals too), tokens their whole minute (the provider's bucket).
+pub(crate) fn learned_rate(dim: usize, limit: u32, headroom_permille: u32) -> Gcra {
     let per_minute =
         (f64::from(limit) * f64::from(headroom_permille.clamp(1, 1000)) / 1000.0).max(1.0);
     let interval = (60_000_000.0 / per_minute).max(1.0) as i64;
@@ -251,7 +261,11 @@ pub(crate) fn interval_and_capacity(dim: usize, limit: u32, headroom_permille: u
     } else {
         per_minute.floor().max(1.0)
     } as i64;
-    (interval, capacity)
+    Gcra::new(interval, capacity)
+}
+
+fn micros(us: i64) -> Duration {
+    Duration::from_micros(u64::try_from(us).unwrap_or(0))
 }
 
 impl LearnedBucket {
@@ -273,9 +287,7 @@ impl LearnedBucket {
                 continue; // stale: a newer answer changed this limit
             }
             learned_any = true;
-            let (interval, capacity) = interval_and_capacity(d, limit, h);
-            let room = i64::from(remaining.min(limit)).min(capacity);
-            let floor = now.saturating_add((capacity - room).saturating_mul(interval));
+            let floor = learned_rate(d, limit, h).with_room(now, i64::from(remaining.min(limit)));
             if self.limit[d] != limit {
                 // A new limit: start again from what the provider says is left.
                 self.limit[d] = limit;
@@ -309,11 +321,8 @@ impl LearnedBucket {
         // 2. Corrections after the fact.
         for d in 0..DIMS {
             if ask.charge[d] != 0 && self.limit[d] > 0 {
-                let (interval, _) = interval_and_capacity(d, self.limit[d], h);
-                self.tat[d] = self.tat[d]
-                    .max(now)
-                    .saturating_add(ask.charge[d].saturating_mul(interval))
-                    .max(now);
+                let rate = learned_rate(d, self.limit[d], h);
+                self.tat[d] = rate.charge(self.tat[d], now, ask.charge[d]);
             }
         }
         let mut grant = PaceGrant {
@@ -336,25 +345,12 @@ impl LearnedBucket {
             grant.probe = true;
         }
         // 4. Take the cells: GCRA over every learned dimension at once.
-        let mut send = now;
-        for d in 0..DIMS {
-            if self.limit[d] == 0 || ask.take[d] == 0 {
-                continue;
-            }
-            let (interval, capacity) = interval_and_capacity(d, self.limit[d], h);
-            let cells = i64::from(ask.take[d]).clamp(1, capacity);
-            let tolerance = (capacity - cells) * interval;
-            send = send.max(self.tat[d].max(now) - tolerance);
-        }
-        for d in 0..DIMS {
-            if self.limit[d] == 0 || ask.take[d] == 0 {
-                continue;
-            }
-            let (interval, capacity) = interval_and_capacity(d, self.limit[d], h);
-            let cells = i64::from(ask.take[d]).clamp(1, capacity);
-            self.tat[d] = self.tat[d].max(send).saturating_add(cells * interval);
-        }
-        grant.wait = Duration::from_micros(u64::try_from(send - now).unwrap_or(0));
+        let limits = self.limit;
+        let send = gcra::reserve(now, &mut self.tat, |d| {
+            (limits[d] > 0 && ask.take[d] > 0)
+                .then(|| (learned_rate(d, limits[d], h), i64::from(ask.take[d])))
+        });
+        grant.wait = micros(send - now);
         grant
     }
 }

@@ -39,6 +39,8 @@ use crate::error::ConfigError;
 mod conn;
 mod cooldown;
 mod pacing;
+#[cfg(test)]
+mod pacing_differential;
 mod pubsub;
 mod served;
 mod slots;

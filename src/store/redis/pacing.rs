@@ -9,19 +9,14 @@ use super::RedisStore;
 use crate::store::StoreFuture;
 use crate::store::pacing::{DIMS, LearnedLimits, PaceAsk, PaceGrant, PaceLimit};
 
-pub(super) static PACE: LazyLock<Script> =
-    LazyLock::new(|| Script::new(include_str!("../scripts/pace.lua")));
+pub(super) const PACE_SOURCE: &str = include_str!("../scripts/pace.lua");
+
+pub(super) static PACE: LazyLock<Script> = LazyLock::new(|| Script::new(PACE_SOURCE));
 
 impl RedisStore {
     pub(crate) fn pace(self: &Arc<Self>, key: &str, limits: &[PaceLimit]) -> StoreFuture<Duration> {
         let redis_key = self.keys.global("pace", key);
-        let args: Vec<u64> = limits
-            .iter()
-            .flat_map(|limit| {
-                let (interval, tolerance) = limit.interval_and_tolerance_us();
-                [interval, tolerance, limit.cells()]
-            })
-            .collect();
+        let args = pace_args(limits);
         let local_key = key.to_owned();
         let local_limits = limits.to_vec();
         let workers = self.known_workers();
@@ -46,8 +41,22 @@ impl RedisStore {
     }
 }
 
+/// The pace script's arguments: per dimension its interval, this call's tolerance and cells
+/// (microseconds and cells).
+pub(super) fn pace_args(limits: &[PaceLimit]) -> Vec<i64> {
+    limits
+        .iter()
+        .flat_map(|limit| {
+            let (interval, tolerance) = limit.interval_and_tolerance_us();
+            [interval, tolerance, limit.cells()]
+        })
+        .collect()
+}
+
+pub(super) const LEARNED_PACE_SOURCE: &str = include_str!("../scripts/learned_pace.lua");
+
 pub(super) static LEARNED_PACE: LazyLock<Script> =
-    LazyLock::new(|| Script::new(include_str!("../scripts/learned_pace.lua")));
+    LazyLock::new(|| Script::new(LEARNED_PACE_SOURCE));
 
 impl RedisStore {
     pub(crate) fn pace_learned(
@@ -56,22 +65,7 @@ impl RedisStore {
         ask: &PaceAsk,
     ) -> StoreFuture<PaceGrant> {
         let redis_key = self.keys.global("learn", key);
-        let mut args: Vec<i64> = vec![
-            i64::from(ask.headroom_permille),
-            i64::from(ask.answered),
-            ask.probe_lease_us,
-            ask.recover_us,
-            ask.poll_us,
-        ];
-        for d in 0..DIMS {
-            args.extend([
-                i64::from(ask.learn[d].0),
-                i64::from(ask.learn[d].1),
-                ask.charge[d],
-                i64::from(ask.take[d]),
-            ]);
-        }
-        args.push(i64::from(ask.queued));
+        let args = learned_args(ask);
         let local_key = key.to_owned();
         let mut local_ask = *ask;
         // Alone while Redis is away: this worker's own mirror (learned afresh from the
@@ -88,17 +82,7 @@ impl RedisStore {
                     .arg(&args[..])
                     .invoke_async(&mut conn)
                     .await?;
-                let get = |i: usize| out.get(i).copied().unwrap_or(0);
-                let micros = |v: i64| Duration::from_micros(u64::try_from(v).unwrap_or(0));
-                let limit = |i: usize| u32::try_from(get(i)).unwrap_or(0);
-                Ok(PaceGrant {
-                    wait: micros(get(0)),
-                    hold: micros(get(1)),
-                    probe: get(2) == 1,
-                    mode: u8::try_from(get(3)).unwrap_or(0),
-                    recovering: get(4) == 1,
-                    limits: [limit(5), limit(6), limit(7), limit(8)],
-                })
+                Ok(learned_grant(&out))
             },
         )
     }
@@ -119,5 +103,41 @@ impl RedisStore {
                 Ok(LearnedLimits::from_array([get(0), get(1), get(2), get(3)]))
             },
         )
+    }
+}
+
+/// The learned pace script's arguments (see the script's header).
+pub(super) fn learned_args(ask: &PaceAsk) -> Vec<i64> {
+    let mut args: Vec<i64> = vec![
+        i64::from(ask.headroom_permille),
+        i64::from(ask.answered),
+        ask.probe_lease_us,
+        ask.recover_us,
+        ask.poll_us,
+    ];
+    for d in 0..DIMS {
+        args.extend([
+            i64::from(ask.learn[d].0),
+            i64::from(ask.learn[d].1),
+            ask.charge[d],
+            i64::from(ask.take[d]),
+        ]);
+    }
+    args.push(i64::from(ask.queued));
+    args
+}
+
+/// The learned pace script's reply as a grant.
+pub(super) fn learned_grant(out: &[i64]) -> PaceGrant {
+    let get = |i: usize| out.get(i).copied().unwrap_or(0);
+    let micros = |v: i64| Duration::from_micros(u64::try_from(v).unwrap_or(0));
+    let limit = |i: usize| u32::try_from(get(i)).unwrap_or(0);
+    PaceGrant {
+        wait: micros(get(0)),
+        hold: micros(get(1)),
+        probe: get(2) == 1,
+        mode: u8::try_from(get(3)).unwrap_or(0),
+        recovering: get(4) == 1,
+        limits: [limit(5), limit(6), limit(7), limit(8)],
     }
 }

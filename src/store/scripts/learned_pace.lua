@@ -1,7 +1,9 @@
 -- Learned pacing for one upstream key, in one step (server clock): learn the provider's
 -- limits and resynchronise from -remaining, charge corrections, take the cells of the calls
 -- about to go, or hold them behind a probe (cold start, recovery after a throttle).
--- The same arithmetic as store/pacing.rs (LearnedBucket::apply).
+-- The rules are LearnedBucket::apply's, over the crate's GCRA core (gcra.rs); the test
+-- learned_pace_script_answers_as_the_memory_store checks that this script answers as the
+-- memory store does, with the TIME read below replaced by its own clock.
 -- KEYS[1] hash: l1..l4 limits, t1..t4 theoretical arrival times (us), m mode,
 --         pu probe lease end (us), ru recovery end (us)
 -- ARGV[1] headroom (thousandths), ARGV[2] answered (0 none, 1 ok, 2 throttle),

@@ -1,5 +1,7 @@
 -- Reserves a call's cells in every pacing dimension at once (GCRA, server clock) and
--- returns how long the call waits before it goes. The same arithmetic as store/pacing.rs.
+-- returns how long the call waits before it goes. The GCRA rules are the crate's core
+-- (gcra.rs); the test pace_script_answers_as_the_memory_store checks that this script
+-- answers as the memory store does, with the TIME read below replaced by its own clock.
 -- KEYS[1] hash of theoretical arrival times in microseconds, one field per dimension
 -- ARGV triples per dimension: emission interval (us), this call's tolerance (us):
 -- (burst - cells) intervals, cells
