@@ -41,6 +41,19 @@
 //! idle worker that, MS ms after `READY`, sends one call of each tier at once and prints
 //! `probe TIER ok|busy:REASON MS` for each, then stays idle until MILLIS have passed.
 //!
+//! `fleet URL OBSERVER MILLIS SPEC...` (the fleet's fair order counted from outside,
+//! `tests/fleet_processes.rs`): the whole recommended stack (`FairgateLayer`, window 8) under
+//! global cap 8 with tier caps of 8 that never bind, so the fleet's fair order alone decides
+//! who gets a freed slot. Each SPEC, `CALLERS:TENANT:TIER:ORIGIN` (origin `user`, `scheduled`
+//! or `batch`), runs CALLERS callers sending that tenant's calls (each estimated at 100
+//! tokens, below the daily budget that would demote it) one after another for MILLIS ms.
+//! A call lasts 30-50 ms at the upstream stand-in, which counts it on the OBSERVER: in flight
+//! now and the maximum (`obs:now`, `obs:max`), in flight from this process (`obs:now:<pid>`,
+//! so a test that kills it can take its calls back out), and its start as
+//! `<ms on the observer's clock>:<tenant>` appended to `obs:starts`. Writes
+//! `obs:began:<pid>` (the observer's ms) when its callers begin. Prints `READY` once its store
+//! is built, then `ok=N busy=N failed=N`. `--lease-ttl-ms=N`: the lease TTL (default 30 s).
+//!
 //! `--cluster` (anywhere; any mode): URL is a comma-separated list of a Redis
 //! Cluster's node URLs, and the store is built with `redis_cluster`. `--slots-only`
 //! (`faults`): TierSlotLimit alone instead of the whole recommended stack.
@@ -94,7 +107,8 @@ async fn main() -> Result<(), BoxError> {
         _ => {
             return Err(
                 "usage: slot_worker load URL CALLERS CALLS [PROBE_URL] | hold URL N \
-                 | hold-tenant URL N | faults URL OBSERVER CALLERS MILLIS [EXPECTED_WORKERS]"
+                 | hold-tenant URL N | faults URL OBSERVER CALLERS MILLIS [EXPECTED_WORKERS] \
+                 | outage URL OBSERVER CALLERS MILLIS | fleet URL OBSERVER MILLIS SPEC..."
                     .into(),
             );
         }
@@ -121,6 +135,21 @@ async fn main() -> Result<(), BoxError> {
             wait_scale: flag("--wait-scale=").map_or(Ok(10), |v| v.parse())?,
         };
         return outage(builder, url, observer, run).await;
+    }
+    if mode == "fleet" {
+        let observer = args.get(2).ok_or("missing observer url")?;
+        let millis = number(3)?;
+        let specs = args
+            .iter()
+            .skip(4)
+            .map(|spec| Spec::parse(spec))
+            .collect::<Result<Vec<_>, _>>()?;
+        let lease_ttl = std::env::args()
+            .find_map(|a| a.strip_prefix("--lease-ttl-ms=").map(str::to_owned))
+            .map(|v| v.parse().map(Duration::from_millis))
+            .transpose()?;
+        let store = build(builder, url, cluster).await?;
+        return fleet(store, observer, millis, lease_ttl, specs).await;
     }
     if mode == "faults" {
         let observer = args.get(2).ok_or("missing observer url")?;
@@ -633,5 +662,150 @@ async fn outage(
     let [ok, failed, store, store_ms, slot, slot_ms, other] = total;
     println!("ok={ok} busy={} failed={failed}", store + slot + other);
     println!("busy store={store} (max {store_ms} ms) slot={slot} (max {slot_ms} ms) other={other}");
+    Ok(())
+}
+
+/// One kind of caller of `fleet`: `callers` of them send `tenant`'s calls in `tier`.
+struct Spec {
+    callers: usize,
+    tenant: String,
+    tier: String,
+    origin: Origin,
+}
+
+impl Spec {
+    /// `CALLERS:TENANT:TIER:ORIGIN`.
+    fn parse(spec: &str) -> Result<Spec, BoxError> {
+        let parts: Vec<&str> = spec.split(':').collect();
+        let [callers, tenant, tier, origin] = parts.as_slice() else {
+            return Err(format!("a spec is CALLERS:TENANT:TIER:ORIGIN, not {spec}").into());
+        };
+        let origin = match *origin {
+            "user" => Origin::UserAction,
+            "scheduled" => Origin::Scheduled,
+            "batch" => Origin::BatchJob,
+            other => return Err(format!("unknown origin {other}").into()),
+        };
+        Ok(Spec {
+            callers: callers.parse()?,
+            tenant: (*tenant).to_owned(),
+            tier: (*tier).to_owned(),
+            origin,
+        })
+    }
+}
+
+/// `fleet`'s caps: global 8; tier caps of 8 that never bind.
+fn fleet_policy(lease_ttl: Option<Duration>) -> SlotPolicy {
+    let mut builder = SlotPolicy::builder().global_max(FLEET_GLOBAL);
+    for tier in TIERS {
+        builder = builder.tier(tier, FLEET_GLOBAL, Duration::from_secs(120));
+    }
+    if let Some(ttl) = lease_ttl {
+        builder = builder.lease_ttl(ttl);
+    }
+    builder.build().expect("a valid policy")
+}
+
+const FLEET_GLOBAL: u32 = 8;
+
+/// Moves the calls in flight (`KEYS[1]` now, `KEYS[2]` the maximum, `KEYS[3]` this
+/// process's) by `ARGV[1]`; a call that starts (`1`) appends `<ms>:<tenant ARGV[2]>` to
+/// `KEYS[4]`, on the observer's clock, so every process's starts share one order and clock.
+const FLEET_OBSERVE: &str = r"
+local now = redis.call('INCRBY', KEYS[1], ARGV[1])
+redis.call('INCRBY', KEYS[3], ARGV[1])
+if now > tonumber(redis.call('GET', KEYS[2]) or '0') then redis.call('SET', KEYS[2], now) end
+if tonumber(ARGV[1]) > 0 then
+  local t = redis.call('TIME')
+  local ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  redis.call('RPUSH', KEYS[4], ms .. ':' .. ARGV[2])
+end
+return now";
+
+async fn fleet(
+    store: Store,
+    observer: &str,
+    millis: usize,
+    lease_ttl: Option<Duration>,
+    specs: Vec<Spec>,
+) -> Result<(), BoxError> {
+    let mut probe = redis::Client::open(observer)?
+        .get_multiplexed_async_connection()
+        .await?;
+    let mine = format!("obs:now:{}", std::process::id());
+    let observe = redis::Script::new(FLEET_OBSERVE);
+    let calls = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let upstream = {
+        let probe = probe.clone();
+        service_fn(move |req: http::Request<()>| {
+            let (mut probe, observe, mine) = (probe.clone(), observe.clone(), mine.clone());
+            let job = req.extensions().get::<Job>();
+            let tenant = job.map_or("", |j| j.tenant().as_str()).to_owned();
+            // 30 to 50 ms in a fixed sequence, so the slots free one by one.
+            let n = calls.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
+            let hold = Duration::from_millis(30 + n * 7_919 % 21);
+            async move {
+                let call = |delta: i32| {
+                    let mut call = observe.prepare_invoke();
+                    call.key("obs:now")
+                        .key("obs:max")
+                        .key(&mine)
+                        .key("obs:starts")
+                        .arg(delta)
+                        .arg(&tenant);
+                    call
+                };
+                let _: i64 = call(1).invoke_async(&mut probe).await?;
+                tokio::time::sleep(hold).await;
+                let _: i64 = call(-1).invoke_async(&mut probe).await?;
+                Ok::<_, redis::RedisError>(http::Response::new(String::new()))
+            }
+        })
+    };
+    let stack = FairgateLayer::builder(store)
+        .slots(fleet_policy(lease_ttl))
+        .window(8)
+        .build()?
+        .layer(upstream);
+    let service = tower::util::BoxCloneService::new(stack.map_response(drop));
+    println!("READY");
+    let began: Vec<i64> = redis::cmd("TIME").query_async(&mut probe).await?;
+    let _: () = redis::cmd("SET")
+        .arg(format!("obs:began:{}", std::process::id()))
+        .arg(began[0] * 1_000 + began[1] / 1_000)
+        .query_async(&mut probe)
+        .await?;
+    let until = tokio::time::Instant::now() + Duration::from_millis(millis as u64);
+    let mut tasks = Vec::new();
+    for spec in &specs {
+        for _ in 0..spec.callers {
+            let service = service.clone();
+            let (tenant, tier, origin) = (spec.tenant.clone(), spec.tier.clone(), spec.origin);
+            tasks.push(tokio::spawn(async move {
+                let (mut ok, mut busy, mut failed) = (0, 0, 0);
+                while tokio::time::Instant::now() < until {
+                    let mut req = http::Request::new(());
+                    let job = Job::new(tenant.as_str(), origin).tier(tier.as_str());
+                    req.extensions_mut().insert(job.cost(100));
+                    match service.clone().oneshot(req).await {
+                        Ok(()) => ok += 1,
+                        Err(e) if e.is::<Busy>() => busy += 1,
+                        Err(e) => {
+                            eprintln!("call failed: {e}");
+                            failed += 1;
+                        }
+                    }
+                }
+                (ok, busy, failed)
+            }));
+        }
+    }
+    let (mut ok, mut busy, mut failed) = (0, 0, 0);
+    for task in futures_util::future::join_all(tasks).await {
+        let (o, b, f) = task?;
+        (ok, busy, failed) = (ok + o, busy + b, failed + f);
+    }
+    println!("ok={ok} busy={busy} failed={failed}");
     Ok(())
 }
