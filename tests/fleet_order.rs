@@ -150,7 +150,10 @@ impl Fleet {
                     let mut req = http::Request::new(());
                     let job = Job::new(tenant.as_str(), origin).tier(tier.as_str());
                     req.extensions_mut().insert(job.cost(COST));
-                    let _ = service.clone().oneshot(req).await;
+                    if service.clone().oneshot(req).await.is_err() {
+                        // Refused (`Busy`): a client waits a moment before it tries again.
+                        tokio::time::sleep(Duration::from_millis(20)).await;
+                    }
                 }
             }));
         }
@@ -292,6 +295,53 @@ async fn a_tenant_on_one_of_sixteen_workers_gets_its_fair_half() {
 async fn a_tenant_on_one_of_four_workers_gets_its_fair_half_on_a_cluster() {
     let cluster = RedisCluster::shared();
     light_against_hog(Redis::Cluster(cluster), 4).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenant_on_one_of_sixteen_workers_gets_its_fair_half_on_a_cluster() {
+    let cluster = RedisCluster::shared();
+    light_against_hog(Redis::Cluster(cluster), 16).await;
+}
+
+/// Redis killed under the light/hog load, then back (a fresh, empty server on its port):
+/// meanwhile each worker keeps its own order within its share of the caps, and once the
+/// workers have put their calls back the fleet's order holds again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_fleets_order_comes_back_with_redis() {
+    let _serial = SERIAL.lock().await;
+    let mut server = RedisServer::start();
+    let mut fleet = Fleet::start(&Redis::Node(&server), 4).await;
+    for w in 0..4 {
+        fleet.callers(w, 12, "hog", "pro", Origin::UserAction);
+    }
+    fleet.callers(0, 12, "light", "pro", Origin::UserAction);
+    tokio::time::sleep(WARM_UP).await;
+    server.kill();
+    let away = Instant::now();
+    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    let outage = fleet.served(away, Duration::from_millis(1_500));
+    server.restart();
+    // Noticed at the next probe, then every worker resyncs.
+    tokio::time::sleep(Duration::from_millis(2_000)).await;
+    let from = Instant::now();
+    tokio::time::sleep(MEASURE).await;
+    let served = fleet.served(from, MEASURE);
+    fleet.stop().await;
+    let share = |served: &HashMap<String, usize>| {
+        let light = served.get("light").copied().unwrap_or(0) as f64;
+        light / (light + served.get("hog").copied().unwrap_or(0) as f64)
+    };
+    println!(
+        "light's share: {:.1}% while Redis was away (each worker's own order), {:.1}% once \
+         it was back ({served:?})",
+        share(&outage) * 100.0,
+        share(&served) * 100.0
+    );
+    assert!(
+        share(&served) >= 0.45,
+        "light got {:.1}% once Redis was back",
+        share(&served) * 100.0
+    );
 }
 
 /// Tier pro (weight 3) on worker 0 against tier free (weight 1) on workers 1-3, both

@@ -470,16 +470,13 @@ fn a_killed_process_neither_stalls_the_others_nor_keeps_its_place() {
 /// safety-net poll (every 0.5-1.5 s) takes them again: from 4.5 s on, the fleet starts
 /// calls as fast as before.
 ///
-/// Fails since 4e52e5f (passes on its parent): the live workers keep only the slots that
-/// go round between them (8 less those the dead worker held: 94 calls/s against 188 before,
-/// and no better once the leases have run out). A worker queued in the fleet's order takes
-/// a slot only when a release wakes it for one, and a lease that expires wakes nobody; the
-/// safety net, the fair queue's watcher polling about every second, never fires on a busy
-/// worker, because every wake-up (one per ~40 ms here) starts its timer again. With the
-/// poll's deadline kept across wake-ups the rate is back to ~190 calls/s 3-4 s after the
-/// kill.
+/// A worker queued in the fleet's order takes a slot when a release wakes it for one, and a
+/// lease that expires wakes nobody: the fair queue's watcher polls (about every second,
+/// its deadline kept across the wake-ups of a busy worker), and a slot taken with room left
+/// lets the tier try again for the rest. Without either, the live workers kept only the
+/// slots going round between them (94 calls/s against 188 before, no better once the
+/// leases had run out).
 #[test]
-#[ignore = "fails: a killed worker's slots are not taken again while the others are busy"]
 fn a_killed_process_gives_its_slots_back_once_its_leases_run_out() {
     let seen = kill_case();
     assert!(

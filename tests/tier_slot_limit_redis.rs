@@ -738,8 +738,9 @@ async fn a_tier_that_starts_waiting_is_not_held_behind_a_flood_queued_before_it(
     }
     done.lock().unwrap().clear();
     let guests: Vec<_> = (0..40).map(|i| call(&flood, "guest", i)).collect();
+    // Each guest's calls are a flow of their own in the fleet's order.
     wait_until("the guests queued in redis", || {
-        queued(&redis, "guest") == 1
+        queued(&redis, "guest") >= 1
     })
     .await;
     let before = done.lock().unwrap().len();

@@ -343,6 +343,14 @@ struct Sent {
     rate: Option<(TenantId, Taken)>,
 }
 
+/// What goes to the next request of a group: its slot, the rate cells taken for the request
+/// whose turn it was (and its tenant), or the tenant the slot was taken for.
+struct Grant {
+    lease: Option<SlotLease>,
+    rate: Option<(TenantId, Taken)>,
+    target: Option<TenantId>,
+}
+
 /// What a dispatch leaves to do once the lock is released.
 #[derive(Default)]
 struct AfterUnlock {
@@ -441,6 +449,10 @@ impl AfterUnlock {
 /// in process, any release, with a jittered poll as the safety net), or the rate gate
 /// (until its time, or its notification) — and dispatches again. Ends when nothing waits.
 async fn watch(shared: Arc<Shared>) {
+    // The poll's time is kept across wake-ups: a busy worker is woken far more often than
+    // it polls, and the poll must still come (a slot freed by an expired lease wakes
+    // nobody).
+    let mut poll_at: Option<Instant> = None;
     loop {
         let released = shared.slot_store().slot_released().notified();
         tokio::pin!(released);
@@ -498,7 +510,10 @@ async fn watch(shared: Arc<Shared>) {
                 };
                 shared.slot_freed(woken);
             }
-            _ = tokio::time::sleep(poll), if slots => shared.slot_poll(),
+            _ = tokio::time::sleep_until(*poll_at.get_or_insert_with(|| Instant::now() + poll)), if slots => {
+                poll_at = None;
+                shared.slot_poll();
+            }
             _ = &mut rate_changed, if rate_at.is_some() => shared.rate_opened(),
             _ = shared.rewatch.notified() => {}
             _ = tokio::time::sleep_until(rate_at.unwrap_or(far)), if rate_at.is_some() => {
@@ -980,7 +995,12 @@ impl Shared {
                 }
             };
             let Some(gate) = &state.groups[group].gate else {
-                self.hand_next(state, group, class, None, rate, None, after);
+                let grant = Grant {
+                    lease: None,
+                    rate,
+                    target: None,
+                };
+                self.hand_next(state, group, class, grant, after);
                 continue;
             };
             // The slot is taken for the request whose turn it is: a tier that caps tenants
@@ -1190,7 +1210,14 @@ impl Shared {
             Some(queue),
         );
         match acquire.into_ready() {
-            Ok(Ok(lease)) => self.hand_next(state, group, class, Some(lease), rate, target, after),
+            Ok(Ok(lease)) => {
+                let grant = Grant {
+                    lease: Some(lease),
+                    rate,
+                    target,
+                };
+                self.hand_next(state, group, class, grant, after);
+            }
             Ok(Err(refusal)) => match (refusal, tenant) {
                 (SlotRefusal::TenantCap, Some(tenant)) => {
                     self.hold_tenant(state, group, tenant, after);
@@ -1285,11 +1312,14 @@ impl Shared {
         state: &mut State,
         group: usize,
         class: Priority,
-        lease: Option<SlotLease>,
-        rate: Option<(TenantId, Taken)>,
-        target: Option<TenantId>,
+        grant: Grant,
         after: &mut AfterUnlock,
     ) {
+        let Grant {
+            lease,
+            rate,
+            target,
+        } = grant;
         let (for_tenant, receipt) = match rate {
             Some((tenant, receipt)) => (Some(tenant), receipt),
             None => (target, None),
@@ -1425,7 +1455,7 @@ impl Shared {
                 Err(_) => {}
             }
         }
-        match (answer, sent.tenant) {
+        match (answer, sent.tenant.clone()) {
             (Err(SlotRefusal::TenantCap), Some(tenant)) => {
                 let Sent {
                     group,
@@ -1444,15 +1474,7 @@ impl Shared {
                     self.hold_tenant(state, group, tenant, after);
                 });
             }
-            (answer, _) => self.slot_answer(
-                sent.group,
-                sent.class,
-                sent.ahead,
-                sent.more,
-                sent.rate,
-                sent.target,
-                answer,
-            ),
+            (answer, _) => self.slot_answer(sent, answer),
         }
     }
 
@@ -1498,17 +1520,19 @@ impl Shared {
 
     /// The answer to an acquire sent by `dispatch` for `group`. A slot that took the last
     /// room, for an acquire that stayed queued (`more`), blocks the group as a refusal
-    /// would: the next slot comes with a wake-up, not from another try.
-    fn slot_answer(
-        self: &Arc<Self>,
-        group: usize,
-        class: Priority,
-        ahead: f64,
-        more: bool,
-        rate: Option<(TenantId, Taken)>,
-        target: Option<TenantId>,
-        lease: Result<SlotLease, SlotRefusal>,
-    ) {
+    /// would: the next slot comes with a wake-up, not from another try. A slot taken with
+    /// room left (a lease that expired, say, freed it without a wake-up) lets the group try
+    /// again for the rest.
+    fn slot_answer(self: &Arc<Self>, sent: Sent, lease: Result<SlotLease, SlotRefusal>) {
+        let Sent {
+            group,
+            class,
+            ahead,
+            more,
+            rate,
+            target,
+            ..
+        } = sent;
         self.then_dispatch(|state, after| {
             if let Some(gate) = Self::acquire_answered(state, group, class, ahead) {
                 // Doubling, but never past the room the caps had left (with the acquires
@@ -1524,10 +1548,19 @@ impl Shared {
             }
             match lease {
                 Ok(lease) => {
-                    let last = more && lease.room() == 0;
-                    self.hand_next(state, group, class, Some(lease), rate, target, after);
-                    if last {
+                    let room = lease.room();
+                    let grant = Grant {
+                        lease: Some(lease),
+                        rate,
+                        target,
+                    };
+                    self.hand_next(state, group, class, grant, after);
+                    if more && room == 0 {
                         self.block(state, group, after);
+                    } else if room > 0
+                        && let Some(gate) = state.groups[group].gate.as_mut()
+                    {
+                        gate.blocked = false;
                     }
                 }
                 Err(refusal) => {
