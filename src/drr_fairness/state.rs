@@ -1036,15 +1036,19 @@ impl Shared {
     /// yet queued in Redis (refused, the acquire queues it). `false` when the slot policy
     /// is gone.
     fn dispatch_flows(&self, state: &mut State, after: &mut AfterUnlock) -> bool {
+        // Outside the fleet's order (memory, Redis away) a full tier waits for any release.
+        let fleet = self.fleet();
         for group in 0..state.groups.len() {
-            Self::requeue_if_lost(&mut state.groups[group]);
+            if fleet {
+                Self::requeue_if_lost(&mut state.groups[group]);
+            }
             while state.in_flight < self.max_in_flight {
                 let Some(gate) = state.groups[group].gate.as_mut() else {
                     break;
                 };
                 let ((class, tenant), owed) = match gate.owed.pop_front() {
                     Some(flow) => (flow, true),
-                    None if gate.blocked => match gate.to_queue.pop_front() {
+                    None if fleet && gate.blocked => match gate.to_queue.pop_front() {
                         Some(flow) => (flow, false),
                         None => break,
                     },
