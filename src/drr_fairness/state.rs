@@ -20,7 +20,7 @@ use crate::gate::{RateGate, SlotGate, Taken, Verdict, WaitReason};
 use crate::metrics::Metric;
 use crate::rng::Rng;
 use crate::store::{
-    SlotLease, SlotQueue, SlotRefusal, SlotWake, SlotWakes, StoreFuture, flow_name,
+    SlotLease, SlotLimits, SlotQueue, SlotRefusal, SlotWake, SlotWakes, StoreFuture, flow_name,
 };
 use crate::{Job, Priority, Store, TenantId, Tier};
 
@@ -915,7 +915,7 @@ impl Shared {
         }
         match self
             .store
-            .try_acquire_slot_for(&gate.tier, Some(tenant), policy.limits(gate.limit))
+            .try_acquire_slot_for(&gate.tier, Some(tenant), SlotLimits::of(policy, gate.limit))
             .into_ready()
         {
             Ok(Ok(lease)) => Some(Some(lease)),
@@ -1186,7 +1186,7 @@ impl Shared {
         let acquire = self.slot_store().acquire_slot(
             &gate.tier,
             tenant.as_ref(),
-            policy.limits(gate.limit),
+            SlotLimits::of(policy, gate.limit),
             Some(queue),
         );
         match acquire.into_ready() {

@@ -1,9 +1,4 @@
 //! The future of [`RetryAfterBackoff`](crate::RetryAfterBackoff).
-//!
-//! A call moves through states: admitting (this layer's waits, see `admit.rs`) or backing
-//! off (a fair queue below waits for the rate), calling, peeking at a 429's body, recording
-//! the answer in the store, then admitting again for a retry or done. Each state is polled
-//! by one method of [`Call`](super::call::Call), which says the [`Step`] to take next.
 
 use std::fmt;
 use std::future::Future;
@@ -40,6 +35,10 @@ pin_project! {
 }
 
 pin_project! {
+    /// Where a call is: admitting (this layer's waits, see `admit.rs`) or backing off (a
+    /// fair queue below waits for the rate), calling, peeking at a 429's body, recording the
+    /// answer in the store, then admitting again for a retry, or done. Each state is polled
+    /// by one method of `Call`, which says the `Step` to take next.
     #[project = StateProj]
     pub(super) enum State<F, B>
     where
