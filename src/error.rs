@@ -22,6 +22,21 @@ impl fmt::Display for MissingJob {
 
 impl std::error::Error for MissingJob {}
 
+/// A layer's response future was polled again after it had completed.
+///
+/// Like any future, a layer's response future is polled until it completes, then dropped;
+/// polled again, it answers this error instead of panicking.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PolledAfterCompletion;
+
+impl fmt::Display for PolledAfterCompletion {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("fairgate response future polled after completion")
+    }
+}
+
+impl std::error::Error for PolledAfterCompletion {}
+
 /// A configuration value was refused when it was built.
 ///
 /// The message names the field and the rule it broke, e.g. `"throttle limit must be at least 1"`.

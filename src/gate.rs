@@ -26,42 +26,9 @@ use std::sync::Arc;
 
 use tokio::time::Instant;
 
+pub use crate::admission::WaitReason;
 use crate::store::DIMS;
 use crate::{SlotPolicy, Store};
-
-/// What a request waited for, when it waited too long: the answer's reason.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-#[non_exhaustive]
-pub enum WaitReason {
-    /// A slot: the global cap, its tier's cap or its tenant's cap was full.
-    Slot,
-    /// The provider's rate: learned limits, configured pacing, slow start or the probe.
-    Rate,
-    /// The upstream's cooldown gate, closed after a 429 or a `-remaining: 0`.
-    Cooldown,
-    /// The shared store: Redis is away and this worker cannot admit the call soundly (see
-    /// [`SlotRefusal::Store`](crate::SlotRefusal::Store)); answered at once, not at the
-    /// max wait.
-    Store,
-}
-
-impl WaitReason {
-    /// The reason as a metric label and in messages: `slot`, `rate`, `cooldown`, `store`.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            WaitReason::Slot => "slot",
-            WaitReason::Rate => "rate",
-            WaitReason::Cooldown => "cooldown",
-            WaitReason::Store => "store",
-        }
-    }
-}
-
-impl fmt::Display for WaitReason {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
 
 /// What a rate gate says about the next call of an upstream key.
 pub(crate) enum Verdict {

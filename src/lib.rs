@@ -98,6 +98,7 @@ pub mod extract;
 pub mod gate;
 mod gcra;
 mod job;
+mod labels;
 pub mod metrics;
 pub mod priority_classify;
 pub mod reject;
@@ -120,7 +121,8 @@ pub use crate::drr_fairness::{DrrFairness, DrrFairnessLayer};
 pub use crate::error::{BoxError, ConfigError, MissingJob};
 pub use crate::extract::{JobLayer, Unidentified};
 pub use crate::gate::{RateGate, SlotGate, WaitReason};
-pub use crate::job::{Job, JobRequest, Origin, Priority, TenantId, Tier};
+pub use crate::job::{Job, JobRequest, Origin};
+pub use crate::labels::{Priority, TenantId, Tier};
 pub use crate::priority_classify::{
     ClassifyRule, DefaultRule, DemotionPolicy, PriorityClassify, PriorityClassifyLayer,
 };

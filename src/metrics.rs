@@ -263,7 +263,7 @@ pub(crate) fn slot_wait(tier: &crate::Tier, waited: Duration) {
         .record(waited.as_secs_f64());
 }
 
-pub(crate) fn server_busy(tier: &crate::Tier, reason: crate::gate::WaitReason) {
+pub(crate) fn server_busy(tier: &crate::Tier, reason: crate::admission::WaitReason) {
     metrics::counter!(Metric::ServerBusy.name(), "tier" => tier_label(tier), "reason" => reason.as_str())
         .increment(1);
 }

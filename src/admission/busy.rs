@@ -4,7 +4,6 @@ use std::fmt;
 use std::time::Duration;
 
 use crate::Tier;
-use crate::gate::WaitReason;
 
 /// The request could not go within its tier's max wait: the `SERVER_BUSY` answer. Its
 /// [`reason`](Busy::reason) says what it waited for: a slot, the provider's rate, the
@@ -110,5 +109,39 @@ impl axum::response::IntoResponse for Busy {
             body,
         )
             .into_response()
+    }
+}
+
+/// What a request waited for, when it waited too long: the answer's reason.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum WaitReason {
+    /// A slot: the global cap, its tier's cap or its tenant's cap was full.
+    Slot,
+    /// The provider's rate: learned limits, configured pacing, slow start or the probe.
+    Rate,
+    /// The upstream's cooldown gate, closed after a 429 or a `-remaining: 0`.
+    Cooldown,
+    /// The shared store: Redis is away and this worker cannot admit the call soundly (see
+    /// [`SlotRefusal::Store`](crate::SlotRefusal::Store)); answered at once, not at the
+    /// max wait.
+    Store,
+}
+
+impl WaitReason {
+    /// The reason as a metric label and in messages: `slot`, `rate`, `cooldown`, `store`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            WaitReason::Slot => "slot",
+            WaitReason::Rate => "rate",
+            WaitReason::Cooldown => "cooldown",
+            WaitReason::Store => "store",
+        }
+    }
+}
+
+impl fmt::Display for WaitReason {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
     }
 }

@@ -24,7 +24,7 @@ mod busy;
 mod demotion;
 mod policy;
 
-pub use self::busy::Busy;
+pub use self::busy::{Busy, WaitReason};
 pub use self::demotion::{DemotionPolicy, DemotionPolicyBuilder};
 pub use self::policy::{SlotPolicy, SlotPolicyBuilder, TierLimit};
 

@@ -3,7 +3,6 @@ use std::time::Duration;
 
 use crate::Tier;
 use crate::error::ConfigError;
-use crate::store::SlotLimits;
 
 /// The cap and the patience of one tier.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -126,16 +125,6 @@ impl SlotPolicy {
     /// How long a Redis lease lives without a heartbeat.
     pub fn lease_ttl(&self) -> Duration {
         self.lease_ttl
-    }
-
-    /// The caps an acquire for a tier of `limit` is checked against.
-    pub(crate) fn limits(&self, limit: TierLimit) -> SlotLimits {
-        SlotLimits {
-            global: self.global_max,
-            tier: limit.cap,
-            tenant: limit.tenant_cap,
-            lease_ttl: self.lease_ttl,
-        }
     }
 }
 
@@ -317,7 +306,10 @@ mod tests {
         for tier in policy.tiers.values() {
             assert_eq!(tier.tenant_cap, None);
         }
-        assert_eq!(policy.limits(policy.limit(None).1).tenant, None);
+        assert_eq!(
+            crate::store::SlotLimits::of(&policy, policy.limit(None).1).tenant,
+            None
+        );
     }
 
     #[test]
@@ -325,7 +317,7 @@ mod tests {
         let policy = SlotPolicy::builder().tenant_cap("free", 3).build().unwrap();
         let (_, free, _) = policy.limit(Some(&Tier::new("free")));
         assert_eq!(free.tenant_cap, Some(3));
-        assert_eq!(policy.limits(free).tenant, Some(3));
+        assert_eq!(crate::store::SlotLimits::of(&policy, free).tenant, Some(3));
         assert_eq!(policy.limit(Some(&Tier::new("pro"))).1.tenant_cap, None);
     }
 

@@ -10,7 +10,7 @@ use tower_service::Service;
 
 use super::state::{Permit, Ticket};
 use crate::body::GuardResponse;
-use crate::error::BoxError;
+use crate::error::{BoxError, PolledAfterCompletion};
 
 pin_project! {
     /// Response future of [`DrrFairness`](crate::DrrFairness): waits for the request's
@@ -18,7 +18,8 @@ pin_project! {
     /// moves the permit ([`GuardResponse`]).
     ///
     /// Dropped while waiting, the request leaves the queue; dropped later, the permit is
-    /// given back. Either way nothing leaks.
+    /// given back. Either way nothing leaks. Polled again after it completed, it returns
+    /// [`PolledAfterCompletion`].
     pub struct ResponseFuture<F, S, Req> {
         #[pin]
         state: State<F, S, Req>,
@@ -106,7 +107,8 @@ where
                 }
                 StateProj::Ready { permit, call } => {
                     let Some((inner, _)) = call.as_mut() else {
-                        panic!("DrrFairness ResponseFuture polled after completion");
+                        this.state.set(State::Done);
+                        return Poll::Ready(Err(PolledAfterCompletion.into()));
                     };
                     if let Err(e) = ready!(inner.poll_ready(cx)) {
                         // The permit goes back with the state.
@@ -115,7 +117,8 @@ where
                     }
                     let mut permit = permit.take();
                     let Some((mut inner, req)) = call.take() else {
-                        panic!("DrrFairness ResponseFuture polled after completion");
+                        this.state.set(State::Done);
+                        return Poll::Ready(Err(PolledAfterCompletion.into()));
                     };
                     if let Some(permit) = permit.as_mut() {
                         permit.going(req.job());
@@ -129,9 +132,7 @@ where
                     this.state.set(State::Done);
                     return Poll::Ready(match (output, permit) {
                         (Ok(response), Some(permit)) => Ok(response.guard(permit)),
-                        (Ok(_), None) => {
-                            panic!("DrrFairness ResponseFuture polled after completion")
-                        }
+                        (Ok(_), None) => Err(PolledAfterCompletion.into()),
                         // The permit was dropped with the error: released at once.
                         (Err(e), _) => Err(e.into()),
                     });
@@ -139,11 +140,9 @@ where
                 StateProj::Failed { error } => {
                     let error = error.take();
                     this.state.set(State::Done);
-                    return Poll::Ready(Err(error.unwrap_or_else(|| {
-                        panic!("DrrFairness ResponseFuture polled after completion")
-                    })));
+                    return Poll::Ready(Err(error.unwrap_or_else(|| PolledAfterCompletion.into())));
                 }
-                StateProj::Done => panic!("DrrFairness ResponseFuture polled after completion"),
+                StateProj::Done => return Poll::Ready(Err(PolledAfterCompletion.into())),
             }
         }
     }
@@ -161,5 +160,41 @@ impl<F, S, Req> fmt::Debug for ResponseFuture<F, S, Req> {
         f.debug_struct("ResponseFuture")
             .field("state", &state)
             .finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::convert::Infallible;
+    use std::future::{Future, poll_fn};
+    use std::pin::pin;
+
+    use tower::{Layer, Service, ServiceExt, service_fn};
+
+    use crate::error::{MissingJob, PolledAfterCompletion};
+    use crate::{DrrFairnessLayer, Job, Origin, Store};
+
+    #[tokio::test]
+    async fn a_poll_after_completion_is_an_error() {
+        let layer = DrrFairnessLayer::builder(Store::memory(), 1)
+            .build()
+            .unwrap();
+        let mut svc = layer.layer(service_fn(|_req: http::Request<String>| async {
+            Ok::<_, Infallible>(http::Response::new(String::new()))
+        }));
+        let mut req = http::Request::new(String::new());
+        req.extensions_mut()
+            .insert(Job::new("t", Origin::UserAction));
+        let mut fut = pin!(svc.ready().await.unwrap().call(req));
+        let response = fut.as_mut().await.unwrap();
+        let again = poll_fn(|cx| fut.as_mut().poll(cx)).await.unwrap_err();
+        assert!(again.is::<PolledAfterCompletion>(), "{again}");
+        drop(response);
+
+        // A refusal comes once too.
+        let mut fut = pin!(svc.call(http::Request::new(String::new())));
+        assert!(fut.as_mut().await.unwrap_err().is::<MissingJob>());
+        let again = poll_fn(|cx| fut.as_mut().poll(cx)).await.unwrap_err();
+        assert!(again.is::<PolledAfterCompletion>(), "{again}");
     }
 }

@@ -20,7 +20,7 @@ use crate::gate::{RateGate, SlotGate, Taken, Verdict, WaitReason};
 use crate::metrics::Metric;
 use crate::rng::Rng;
 use crate::store::{
-    SlotLease, SlotQueue, SlotRefusal, SlotWake, SlotWakes, StoreFuture, flow_name,
+    SlotLease, SlotLimits, SlotQueue, SlotRefusal, SlotWake, SlotWakes, StoreFuture, flow_name,
 };
 use crate::{Job, Priority, Store, TenantId, Tier};
 
@@ -343,11 +343,22 @@ struct Sent {
     rate: Option<(TenantId, Taken)>,
 }
 
-/// What goes to the next request of a group: its slot, the rate cells taken for the request
-/// whose turn it was (and its tenant), or the tenant the slot was taken for.
-struct Grant {
+/// What one step of `dispatch_flows` says.
+enum FlowStep {
+    /// On to the next flow of the group.
+    Next,
+    /// Nothing more in this group: on to the next group.
+    GroupDone,
+    /// The slot policy is gone.
+    PolicyGone,
+}
+
+/// A slot, or rate cells, on their way to the next request of a group (see `hand_next`).
+struct Handout {
     lease: Option<SlotLease>,
+    /// The rate cells taken for the request whose turn it was, and its tenant.
     rate: Option<(TenantId, Taken)>,
+    /// The tenant the slot was taken for (a tier that caps tenants, the fleet's order).
     target: Option<TenantId>,
 }
 
@@ -535,6 +546,17 @@ pub(super) enum Admission {
 struct Placement {
     group: usize,
     patience: Option<(Tier, TierLimit)>,
+}
+
+/// A request being admitted, as `admit` classified and placed it.
+#[derive(Clone, Copy)]
+struct Entry<'a> {
+    job: &'a Job,
+    class: Priority,
+    weight: u32,
+    cost: u64,
+    arrived: Instant,
+    group: usize,
 }
 
 impl Shared {
@@ -735,94 +757,144 @@ impl Shared {
                 (None, true) => Some(None),
                 (Some(_), true) => self.try_slot_now(&mut state, place.group, tenant, &mut after),
             };
-            if let Some(lease) = slot {
-                // Room, its slot, and nobody waiting: out at once, still charged to the
-                // tenant, so a tenant that filled the window queues behind those that did not.
-                state.in_flight += 1;
-                let group = &mut state.groups[place.group];
-                let charged = group
-                    .scheduler
-                    .dispatch_direct(class, tenant.clone(), weight, cost);
-                // `None`: the class is at its tenant capacity (billions); served, not charged.
-                let cost = charged.unwrap_or_else(|| self.config.max_charge().min(cost.max(1)));
-                after.index = state
-                    .fairness
-                    .record(tenant, weight, cost, false, Instant::now());
-                after.served.push((tenant.clone(), cost, weight, false));
-                Admission::Now(Permit::new(
-                    self.clone(),
-                    place.group,
-                    class,
-                    charged.map(|_| tenant.clone()),
-                    Handed {
+            let entry = Entry {
+                job,
+                class,
+                weight,
+                cost,
+                arrived,
+                group: place.group,
+            };
+            match slot {
+                Some(lease) => {
+                    let handed = Handed {
                         lease,
                         receipt: receipt.flatten().flatten(),
-                    },
-                    arrived,
-                ))
-            } else {
-                if let Some(limit) = self.config.max_per_class
-                    && state.class_len(class) >= limit
-                {
-                    return Err(QueueFull::new(class, tenant.clone(), false));
+                    };
+                    self.admit_now(&mut state, &entry, handed, &mut after)
                 }
-                state.next_id += 1;
-                let id = state.next_id;
-                // Not dispatched: what the rate gate gave goes back to it.
-                drop(receipt);
-                let waiter = Waiter {
-                    waker: None,
-                    weight,
-                    id,
-                    key: key.cloned(),
-                    cost: job.estimated_tokens(),
-                };
-                let group = &mut state.groups[place.group];
-                let was_idle = group.scheduler.class_len(class) == 0;
-                match group
-                    .scheduler
-                    .push(class, tenant.clone(), weight, cost, waiter)
-                {
-                    Ok(key) => {
-                        if was_idle {
-                            Self::catch_up(&mut state, place.group, class);
-                        }
-                        // A newcomer flow of a full tier queues in the fleet's order now, so
-                        // it may take the next slot freed anywhere.
-                        if self.fleet()
-                            && let Some(gate) = state.groups[place.group].gate.as_mut()
-                            && gate.blocked
-                            && !gate.queued.contains(&(class, tenant.clone()))
-                        {
-                            gate.to_queue.push_back((class, tenant.clone()));
-                        }
-                        self.dispatch(&mut state, &mut after);
-                        after.depth = Some(class);
-                        let depth = state.class_len(class);
-                        drop(state);
-                        after.run(self, Some((class, depth)));
-                        return Ok(Admission::Queued(Ticket {
-                            shared: Some(self.clone()),
-                            key,
-                            id,
-                            group: place.group,
-                            class,
-                            tenant: tenant.clone(),
-                            arrived,
-                            patience: place.patience,
-                            timer: None,
-                            slow: None,
-                        }));
-                    }
-                    Err(rejected) => {
-                        let tenant_limit = matches!(rejected, Rejected::TenantFull(_));
-                        return Err(QueueFull::new(class, tenant.clone(), tenant_limit));
-                    }
-                }
+                None => return self.enqueue(state, entry, place.patience, receipt, after),
             }
         };
         after.run(self, None);
         Ok(admission)
+    }
+
+    /// Room, its slot, and nobody waiting: out at once, still charged to the tenant, so a
+    /// tenant that filled the window queues behind those that did not.
+    fn admit_now(
+        self: &Arc<Self>,
+        state: &mut State,
+        entry: &Entry<'_>,
+        handed: Handed,
+        after: &mut AfterUnlock,
+    ) -> Admission {
+        let Entry {
+            class,
+            weight,
+            cost,
+            group,
+            ..
+        } = *entry;
+        let tenant = entry.job.tenant();
+        state.in_flight += 1;
+        let charged =
+            state.groups[group]
+                .scheduler
+                .dispatch_direct(class, tenant.clone(), weight, cost);
+        // `None`: the class is at its tenant capacity (billions); served, not charged.
+        let cost = charged.unwrap_or_else(|| self.config.max_charge().min(cost.max(1)));
+        after.index = state
+            .fairness
+            .record(tenant, weight, cost, false, Instant::now());
+        after.served.push((tenant.clone(), cost, weight, false));
+        Admission::Now(Permit::new(
+            self.clone(),
+            group,
+            class,
+            charged.map(|_| tenant.clone()),
+            handed,
+            entry.arrived,
+        ))
+    }
+
+    /// No room, or others waiting: a place in the queue (what the rate gate gave goes back),
+    /// else `QueueFull`. Dispatches, then runs what the dispatch left once the lock is
+    /// released.
+    fn enqueue(
+        self: &Arc<Self>,
+        mut state: MutexGuard<'_, State>,
+        entry: Entry<'_>,
+        patience: Option<(Tier, TierLimit)>,
+        receipt: Option<Option<Taken>>,
+        mut after: AfterUnlock,
+    ) -> Result<Admission, QueueFull> {
+        let Entry {
+            job,
+            class,
+            weight,
+            cost,
+            arrived,
+            group,
+        } = entry;
+        let tenant = job.tenant();
+        // Not dispatched: what the rate gate gave goes back to it.
+        drop(receipt);
+        if let Some(limit) = self.config.max_per_class
+            && state.class_len(class) >= limit
+        {
+            return Err(QueueFull::new(class, tenant.clone(), false));
+        }
+        state.next_id += 1;
+        let id = state.next_id;
+        let waiter = Waiter {
+            waker: None,
+            weight,
+            id,
+            key: job.upstream().cloned(),
+            cost: job.estimated_tokens(),
+        };
+        let g = &mut state.groups[group];
+        let was_idle = g.scheduler.class_len(class) == 0;
+        let key = match g
+            .scheduler
+            .push(class, tenant.clone(), weight, cost, waiter)
+        {
+            Ok(key) => key,
+            Err(rejected) => {
+                let tenant_limit = matches!(rejected, Rejected::TenantFull(_));
+                return Err(QueueFull::new(class, tenant.clone(), tenant_limit));
+            }
+        };
+        if was_idle {
+            Self::catch_up(&mut state, group, class);
+        }
+        // A newcomer flow of a full tier queues in the fleet's order now, so it may take the
+        // next slot freed anywhere.
+        if self.fleet()
+            && let Some(gate) = state.groups[group].gate.as_mut()
+            && gate.blocked
+            && !gate.queued.contains(&(class, tenant.clone()))
+        {
+            gate.to_queue.push_back((class, tenant.clone()));
+        }
+        self.dispatch(&mut state, &mut after);
+        after.depth = Some(class);
+        let depth = state.class_len(class);
+        drop(state);
+        after.run(self, Some((class, depth)));
+        Ok(Admission::Queued(Ticket {
+            shared: Some(self.clone()),
+            key,
+            id,
+            group,
+            class,
+            tenant: tenant.clone(),
+            arrived,
+            patience,
+            timer: None,
+            slow: None,
+        }))
     }
 
     /// A group that had nothing waiting in `class` starts no earlier than the groups that
@@ -930,7 +1002,7 @@ impl Shared {
         }
         match self
             .store
-            .try_acquire_slot_for(&gate.tier, Some(tenant), policy.limits(gate.limit))
+            .try_acquire_slot_for(&gate.tier, Some(tenant), SlotLimits::of(policy, gate.limit))
             .into_ready()
         {
             Ok(Ok(lease)) => Some(Some(lease)),
@@ -995,12 +1067,12 @@ impl Shared {
                 }
             };
             let Some(gate) = &state.groups[group].gate else {
-                let grant = Grant {
+                let handout = Handout {
                     lease: None,
                     rate,
                     target: None,
                 };
-                self.hand_next(state, group, class, grant, after);
+                self.hand_next(state, group, class, handout, after);
                 continue;
             };
             // The slot is taken for the request whose turn it is: a tier that caps tenants
@@ -1043,86 +1115,111 @@ impl Shared {
                 Self::requeue_if_lost(&mut state.groups[group]);
             }
             while state.in_flight < self.max_in_flight {
-                let Some(gate) = state.groups[group].gate.as_mut() else {
-                    break;
-                };
-                let ((class, tenant), owed) = match gate.owed.pop_front() {
-                    Some(flow) => (flow, true),
-                    None if fleet && gate.blocked => match gate.to_queue.pop_front() {
-                        Some(flow) => (flow, false),
-                        None => break,
-                    },
-                    None => break,
-                };
-                let g = &mut state.groups[group];
-                let Some(gate) = &mut g.gate else {
-                    break;
-                };
-                if !owed {
-                    if gate.acquiring_for.contains_key(&tenant) {
-                        // Its acquire's answer says whether it is queued: looked at again then.
-                        gate.to_queue.push_front((class, tenant));
-                        break;
-                    }
-                    if gate.queued.contains(&(class, tenant.clone()))
-                        || g.scheduler.tenant_len(class, &tenant) == 0
-                    {
-                        continue;
-                    }
-                }
-                let g = &state.groups[group];
-                let Some(gate) = &g.gate else {
-                    break;
-                };
-                // A wake names the class its flow queued in; the tenant's next call may be
-                // of another by now.
-                let Some(call) = std::iter::once(class)
-                    .chain(Priority::ALL)
-                    .find(|&c| g.scheduler.tenant_len(c, &tenant) > 0)
-                else {
-                    after.declined.push(Declined {
-                        tier: gate.tier.clone(),
-                        flow: flow_name(class, Some(&tenant)),
-                        n: 1,
-                        leave: true,
-                    });
-                    continue;
-                };
-                let rate = match self.rate_for(state, group, call, &tenant, after) {
-                    Ok(rate) => rate,
-                    Err(()) => {
-                        // Its rate cells are not there yet: the provider's rate binds, not
-                        // the slots. The slot goes on to the next in the fleet's order now,
-                        // and the flow queues again once its cells are there.
-                        let Some(gate) = state.groups[group].gate.as_mut() else {
-                            break;
-                        };
-                        if owed {
-                            // An acquire of the flow on its way says itself whether the
-                            // flow stays queued: leaving now could undo what it does.
-                            let leave = !gate.acquiring_for.contains_key(&tenant);
-                            after.declined.push(Declined {
-                                tier: gate.tier.clone(),
-                                flow: flow_name(class, Some(&tenant)),
-                                n: 1,
-                                leave,
-                            });
-                            if leave {
-                                gate.queued.remove(&(class, tenant.clone()));
-                                gate.to_queue.push_back((class, tenant));
-                            }
-                            continue;
-                        }
-                        gate.to_queue.push_front((class, tenant));
-                        break;
-                    }
-                };
-                if !self.take_slot(state, group, call, Some(tenant), rate, after) {
-                    return false;
+                match self.dispatch_flow(state, group, fleet, after) {
+                    FlowStep::Next => {}
+                    FlowStep::GroupDone => break,
+                    FlowStep::PolicyGone => return false,
                 }
             }
         }
         true
+    }
+
+    /// One acquire of `dispatch_flows` in `group`: for the next wake-up owed, else (in the
+    /// fleet's order) the next flow to queue while the tier is full.
+    fn dispatch_flow(
+        &self,
+        state: &mut State,
+        group: usize,
+        fleet: bool,
+        after: &mut AfterUnlock,
+    ) -> FlowStep {
+        let Some(gate) = state.groups[group].gate.as_mut() else {
+            return FlowStep::GroupDone;
+        };
+        let ((class, tenant), owed) = match gate.owed.pop_front() {
+            Some(flow) => (flow, true),
+            None if fleet && gate.blocked => match gate.to_queue.pop_front() {
+                Some(flow) => (flow, false),
+                None => return FlowStep::GroupDone,
+            },
+            None => return FlowStep::GroupDone,
+        };
+        let g = &mut state.groups[group];
+        let Some(gate) = &mut g.gate else {
+            return FlowStep::GroupDone;
+        };
+        if !owed {
+            if gate.acquiring_for.contains_key(&tenant) {
+                // Its acquire's answer says whether it is queued: looked at again then.
+                gate.to_queue.push_front((class, tenant));
+                return FlowStep::GroupDone;
+            }
+            if gate.queued.contains(&(class, tenant.clone()))
+                || g.scheduler.tenant_len(class, &tenant) == 0
+            {
+                return FlowStep::Next;
+            }
+        }
+        let g = &state.groups[group];
+        let Some(gate) = &g.gate else {
+            return FlowStep::GroupDone;
+        };
+        // A wake names the class its flow queued in; the tenant's next call may be of
+        // another by now.
+        let Some(call) = std::iter::once(class)
+            .chain(Priority::ALL)
+            .find(|&c| g.scheduler.tenant_len(c, &tenant) > 0)
+        else {
+            after.declined.push(Declined {
+                tier: gate.tier.clone(),
+                flow: flow_name(class, Some(&tenant)),
+                n: 1,
+                leave: true,
+            });
+            return FlowStep::Next;
+        };
+        let Ok(rate) = self.rate_for(state, group, call, &tenant, after) else {
+            return Self::flow_without_rate(state, group, (class, tenant), owed, after);
+        };
+        if self.take_slot(state, group, call, Some(tenant), rate, after) {
+            FlowStep::Next
+        } else {
+            FlowStep::PolicyGone
+        }
+    }
+
+    /// A flow's rate cells are not there yet: the provider's rate binds, not the slots. The
+    /// slot goes on to the next in the fleet's order now, and the flow queues again once its
+    /// cells are there.
+    fn flow_without_rate(
+        state: &mut State,
+        group: usize,
+        (class, tenant): (Priority, TenantId),
+        owed: bool,
+        after: &mut AfterUnlock,
+    ) -> FlowStep {
+        let Some(gate) = state.groups[group].gate.as_mut() else {
+            return FlowStep::GroupDone;
+        };
+        if !owed {
+            gate.to_queue.push_front((class, tenant));
+            return FlowStep::GroupDone;
+        }
+        // An acquire of the flow on its way says itself whether the flow stays queued:
+        // leaving now could undo what it does.
+        let leave = !gate.acquiring_for.contains_key(&tenant);
+        after.declined.push(Declined {
+            tier: gate.tier.clone(),
+            flow: flow_name(class, Some(&tenant)),
+            n: 1,
+            leave,
+        });
+        if leave {
+            gate.queued.remove(&(class, tenant.clone()));
+            gate.to_queue.push_back((class, tenant));
+        }
+        FlowStep::Next
     }
 
     /// A full tier with calls waiting here but nothing that will wake them — no flow
@@ -1210,17 +1307,17 @@ impl Shared {
         let acquire = self.slot_store().acquire_slot(
             &gate.tier,
             tenant.as_ref(),
-            policy.limits(gate.limit),
+            SlotLimits::of(policy, gate.limit),
             Some(queue),
         );
         match acquire.into_ready() {
             Ok(Ok(lease)) => {
-                let grant = Grant {
+                let handout = Handout {
                     lease: Some(lease),
                     rate,
                     target,
                 };
-                self.hand_next(state, group, class, grant, after);
+                self.hand_next(state, group, class, handout, after);
             }
             Ok(Err(refusal)) => match (refusal, tenant) {
                 (SlotRefusal::TenantCap, Some(tenant)) => {
@@ -1316,14 +1413,14 @@ impl Shared {
         state: &mut State,
         group: usize,
         class: Priority,
-        grant: Grant,
+        handout: Handout,
         after: &mut AfterUnlock,
     ) {
-        let Grant {
+        let Handout {
             lease,
             rate,
             target,
-        } = grant;
+        } = handout;
         let (for_tenant, receipt) = match rate {
             Some((tenant, receipt)) => (Some(tenant), receipt),
             None => (target, None),
@@ -1439,7 +1536,7 @@ impl Shared {
     /// a refusal for the tenant's cap holds back that tenant only; anything else is
     /// `slot_answer`'s. In the fleet's order, the flow is now queued in Redis if it was
     /// refused, or granted with more of its calls left here.
-    fn answer(self: &Arc<Self>, sent: Sent, answer: Result<SlotLease, SlotRefusal>) {
+    fn answer(self: &Arc<Self>, mut sent: Sent, answer: Result<SlotLease, SlotRefusal>) {
         let fleet = self.fleet();
         if let Some(target) = &sent.target
             && let Some(gate) = self.lock().groups[sent.group].gate.as_mut()
@@ -1459,7 +1556,7 @@ impl Shared {
                 Err(_) => {}
             }
         }
-        match (answer, sent.tenant.clone()) {
+        match (answer, sent.tenant.take()) {
             (Err(SlotRefusal::TenantCap), Some(tenant)) => {
                 let Sent {
                     group,
@@ -1553,12 +1650,12 @@ impl Shared {
             match lease {
                 Ok(lease) => {
                     let room = lease.room();
-                    let grant = Grant {
+                    let handout = Handout {
                         lease: Some(lease),
                         rate,
                         target,
                     };
-                    self.hand_next(state, group, class, grant, after);
+                    self.hand_next(state, group, class, handout, after);
                     if more && room == 0 {
                         self.block(state, group, after);
                     } else if room > 0

@@ -9,7 +9,7 @@ use pin_project_lite::pin_project;
 use tokio::time::Instant;
 use tower_service::Service;
 
-use crate::error::{BoxError, MissingJob};
+use crate::error::{BoxError, MissingJob, PolledAfterCompletion};
 use crate::store::{Demotion, StoreFuture};
 use crate::{JobRequest, Priority};
 
@@ -17,6 +17,8 @@ pin_project! {
     /// Response future of [`PriorityClassify`](crate::PriorityClassify): waits for the
     /// demotion check when it needs a round trip, then calls the inner service, and records
     /// the end-to-end latency under the request's priority.
+    ///
+    /// Polled again after it completed, it returns [`PolledAfterCompletion`].
     pub struct ResponseFuture<F, S, Req> {
         #[pin]
         state: State<F, S, Req>,
@@ -37,6 +39,7 @@ pin_project! {
             fut: F,
         },
         MissingJob,
+        Done,
     }
 }
 
@@ -97,35 +100,39 @@ where
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         loop {
             let mut this = self.as_mut().project();
-            match this.state.as_mut().project() {
+            let output = match this.state.as_mut().project() {
                 StateProj::Checking { check, call } => {
                     let demotion = ready!(Pin::new(check).poll(cx));
-                    let Some(PendingCall {
-                        mut inner,
-                        mut req,
-                        by_rule,
-                    }) = call.take()
-                    else {
-                        // Only reachable by polling after completion.
-                        return Poll::Ready(Err(MissingJob.into()));
-                    };
-                    let priority = match req.job_mut() {
-                        Some(job) => super::service::decide(job, by_rule, demotion),
-                        None => return Poll::Ready(Err(MissingJob.into())),
-                    };
-                    *this.priority = Some(priority);
-                    let fut = inner.call(req);
-                    this.state.set(State::Calling { fut });
+                    match call.take() {
+                        Some(PendingCall {
+                            mut inner,
+                            mut req,
+                            by_rule,
+                        }) => match req.job_mut() {
+                            Some(job) => {
+                                let priority = super::service::decide(job, by_rule, demotion);
+                                *this.priority = Some(priority);
+                                let fut = inner.call(req);
+                                this.state.set(State::Calling { fut });
+                                continue;
+                            }
+                            None => Err(MissingJob.into()),
+                        },
+                        None => Err(PolledAfterCompletion.into()),
+                    }
                 }
                 StateProj::Calling { fut } => {
                     let output = ready!(fut.poll(cx));
                     if let Some(priority) = *this.priority {
                         crate::metrics::request_latency(priority, this.started.elapsed());
                     }
-                    return Poll::Ready(output.map_err(Into::into));
+                    output.map_err(Into::into)
                 }
-                StateProj::MissingJob => return Poll::Ready(Err(MissingJob.into())),
-            }
+                StateProj::MissingJob => Err(MissingJob.into()),
+                StateProj::Done => Err(PolledAfterCompletion.into()),
+            };
+            this.state.set(State::Done);
+            return Poll::Ready(output);
         }
     }
 }
@@ -136,10 +143,44 @@ impl<F, S, Req> fmt::Debug for ResponseFuture<F, S, Req> {
             State::Checking { .. } => "checking",
             State::Calling { .. } => "calling",
             State::MissingJob => "missing job",
+            State::Done => "done",
         };
         f.debug_struct("ResponseFuture")
             .field("state", &state)
             .field("priority", &self.priority)
             .finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::convert::Infallible;
+    use std::future::{Future, poll_fn};
+    use std::pin::pin;
+
+    use tower::{Layer, Service, ServiceExt, service_fn};
+
+    use crate::error::{MissingJob, PolledAfterCompletion};
+    use crate::{Job, Origin, PriorityClassifyLayer, Store};
+
+    #[tokio::test]
+    async fn a_poll_after_completion_is_an_error() {
+        let layer = PriorityClassifyLayer::new(Store::memory());
+        let mut svc = layer.layer(service_fn(|_req: http::Request<String>| async {
+            Ok::<_, Infallible>(http::Response::new(String::new()))
+        }));
+        let mut req = http::Request::new(String::new());
+        req.extensions_mut()
+            .insert(Job::new("t", Origin::UserAction));
+        let mut fut = pin!(svc.ready().await.unwrap().call(req));
+        assert_eq!(fut.as_mut().await.unwrap().status(), 200);
+        let again = poll_fn(|cx| fut.as_mut().poll(cx)).await.unwrap_err();
+        assert!(again.is::<PolledAfterCompletion>(), "{again}");
+
+        // A refusal comes once too.
+        let mut fut = pin!(svc.call(http::Request::new(String::new())));
+        assert!(fut.as_mut().await.unwrap_err().is::<MissingJob>());
+        let again = poll_fn(|cx| fut.as_mut().poll(cx)).await.unwrap_err();
+        assert!(again.is::<PolledAfterCompletion>(), "{again}");
     }
 }

@@ -149,7 +149,9 @@
 //! # }
 //! ```
 
+mod admit;
 mod body;
+mod call;
 pub mod decide;
 pub mod future;
 mod gate;

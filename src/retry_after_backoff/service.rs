@@ -1,20 +1,20 @@
 use std::fmt;
 use std::sync::Arc;
 use std::task::{Context, Poll};
-use std::time::Duration;
 
 use http_body::Body;
 use tower::retry::budget::Budget;
 use tower_service::Service;
 
+use super::admit::Admission;
 use super::body::ResponseBody;
-use super::future::{Call, Patience, ResponseFuture};
-use super::layer::{Learned, Shared};
+use super::call::{Call, Charge, Patience, RateWaiter};
+use super::future::ResponseFuture;
+use super::layer::Shared;
 use super::learned::{OneUpstream, UpstreamKey};
 use super::request::{ByClone, CloneRequest, TypeName};
 use crate::JobRequest;
 use crate::error::BoxError;
-use crate::store::DIMS;
 
 /// Retries "try later" answers by the server's word, records throttles, and holds calls
 /// behind the upstream's shared cooldown gate; see the
@@ -96,7 +96,6 @@ where
             .as_deref()
             .filter(|_| !gated)
             .map(|policy| Patience::new(policy, job, arrived));
-        let job = &*job;
         let tenant = job.tenant().clone();
         let cost = job.estimated_tokens();
         let shared = self.shared.clone();
@@ -108,40 +107,16 @@ where
             Some(key) => Arc::from(format!("{}/{key}", core.policy.upstream)),
             None => core.policy.upstream.clone(),
         };
-        let attempt = core.attempt_cell(&upstream).filter(|_| gated);
-        if let (Some(cell), Some(job)) = (&attempt, req.job_mut()) {
-            job.set_attempt(upstream.clone(), cell.clone());
-        }
-        let spare = shared.cloner.clone_request(&req);
-        let mut pace_step = 0;
-        // Fast path: the gate is open (a local read), learned pacing lets the call go now
-        // without asking the store, and the configured pacing lets it go now.
-        let (mut need, mut charged) = ([0; DIMS], [0; DIMS]);
-        let (learned, ask, first_wait) = if gated {
-            // The fair queue below waits for the rate, in its order: straight down.
-            (true, None, Duration::ZERO)
-        } else if core.store.cooldown(&upstream).is_none() {
-            match core.admit_learned(&upstream, cost) {
-                Learned::Go(wait, cells, taken) => {
-                    (need, charged) = (cells, taken);
-                    (true, None, wait)
-                }
-                Learned::Ask(ask, cells) => {
-                    need = cells;
-                    (false, Some(ask), Duration::ZERO)
-                }
+        let rate = if gated {
+            let attempt = core.attempt_cell(&upstream);
+            if let (Some(cell), Some(job)) = (&attempt, req.job_mut()) {
+                job.set_attempt(upstream.clone(), cell.clone());
             }
+            RateWaiter::Below { attempt }
         } else {
-            (false, None, Duration::ZERO)
+            RateWaiter::Here { patience }
         };
-        let go_now = gated
-            || learned
-                && first_wait.is_zero()
-                && core.shared_pacing().is_none()
-                && core
-                    .pacer
-                    .as_ref()
-                    .is_none_or(|pacer| pacer.admit(&mut pace_step, cost).is_none());
+        let spare = shared.cloner.clone_request(&req);
         // The future keeps a clone for retries; the ready one is used now, or stays here
         // (still ready) when the call must wait.
         let service = self.inner.clone();
@@ -153,32 +128,20 @@ where
             tenant,
             cost,
             retries: 0,
-            pace_step,
             upstream,
-            learned,
-            ask,
-            need,
-            charged,
-            paced_under: None,
-            probe: false,
+            admission: Admission::default(),
+            charge: Charge::default(),
             held: None,
-            reserved: false,
-            patience,
-            attempt,
-            receipt: None,
-            gated,
+            rate,
         };
-        if go_now {
-            call.pace_step = 0;
-            call.learned = false;
-            ResponseFuture::calling(self.inner.call(req), call)
-        } else {
-            if !first_wait.is_zero() {
-                super::telemetry::pacing_wait(first_wait);
-                call.paced_under = Some(call.shared.core.limits_of(&call.upstream));
+        // The fair queue below waits for the rate, in its order: straight down.
+        let first_wait = if gated { None } else { call.first_wait() };
+        match first_wait {
+            None => ResponseFuture::calling(self.inner.call(req), call),
+            Some(wait) => {
+                call.next = Some(req);
+                ResponseFuture::admitting(call, wait)
             }
-            call.next = Some(req);
-            ResponseFuture::admitting(call, first_wait)
         }
     }
 }

@@ -50,6 +50,16 @@ pub enum SlotRefusal {
 }
 
 impl SlotLimits {
+    /// The caps an acquire for a tier of `limit` under `policy` is checked against.
+    pub(crate) fn of(policy: &crate::SlotPolicy, limit: crate::TierLimit) -> SlotLimits {
+        SlotLimits {
+            global: policy.global_max(),
+            tier: limit.cap,
+            tenant: limit.tenant_cap,
+            lease_ttl: policy.lease_ttl(),
+        }
+    }
+
     /// The caps shrunk for one of `workers` processes sharing them (at least 1 each).
     #[cfg_attr(not(feature = "redis"), allow(dead_code))]
     pub(crate) fn share_of(self, workers: u32) -> SlotLimits {

@@ -11,7 +11,7 @@ use tower_service::Service;
 use super::Busy;
 use super::wait::SlotPermit;
 use crate::body::GuardResponse;
-use crate::error::{BoxError, MissingJob};
+use crate::error::{BoxError, MissingJob, PolledAfterCompletion};
 
 /// The wait for a slot, boxed: it only exists when a request has to wait (or on Redis,
 /// where the acquire is a round trip anyway), never on the uncontended in-process path.
@@ -20,6 +20,8 @@ pub(super) type Wait = Pin<Box<dyn Future<Output = Result<SlotPermit, Busy>> + S
 pin_project! {
     /// Response future of [`TierSlotLimit`](crate::TierSlotLimit): waits for a slot, then for
     /// the inner service, calls it, and moves the slot into the response.
+    ///
+    /// Polled again after it completed, it returns [`PolledAfterCompletion`].
     pub struct ResponseFuture<S, Req>
     where
         S: Service<Req>,
@@ -38,6 +40,7 @@ pin_project! {
         Ready,
         Calling { #[pin] fut: F },
         Failed { error: Option<BoxError> },
+        Done,
     }
 }
 
@@ -86,31 +89,48 @@ where
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         loop {
             let mut this = self.as_mut().project();
-            match this.state.as_mut().project() {
-                StateProj::Waiting { wait } => {
-                    let permit = ready!(wait.as_mut().poll(cx))?;
-                    *this.permit = Some(permit);
-                    this.state.set(State::Ready);
-                }
+            let output = match this.state.as_mut().project() {
+                StateProj::Waiting { wait } => match ready!(wait.as_mut().poll(cx)) {
+                    Ok(permit) => {
+                        *this.permit = Some(permit);
+                        this.state.set(State::Ready);
+                        continue;
+                    }
+                    Err(busy) => Err(busy.into()),
+                },
                 StateProj::Ready => {
-                    let (inner, _) = this.call.as_mut().expect("polled after completion");
+                    let Some((inner, _)) = this.call.as_mut() else {
+                        this.state.set(State::Done);
+                        return Poll::Ready(Err(PolledAfterCompletion.into()));
+                    };
                     // Dropping the future here (e.g. a timeout) drops the permit with it.
-                    ready!(inner.poll_ready(cx)).map_err(Into::into)?;
-                    let (mut inner, req) = this.call.take().expect("polled after completion");
-                    let fut = inner.call(req);
-                    this.state.set(State::Calling { fut });
+                    match ready!(inner.poll_ready(cx)) {
+                        Ok(()) => match this.call.take() {
+                            Some((mut inner, req)) => {
+                                let fut = inner.call(req);
+                                this.state.set(State::Calling { fut });
+                                continue;
+                            }
+                            None => Err(PolledAfterCompletion.into()),
+                        },
+                        Err(e) => Err(e.into()),
+                    }
                 }
-                StateProj::Calling { fut } => {
-                    // On an error the permit drops here, with the future's state.
-                    let response = ready!(fut.poll(cx)).map_err(Into::into)?;
-                    let permit = this.permit.take().expect("polled after completion");
-                    return Poll::Ready(Ok(response.guard(permit)));
-                }
+                StateProj::Calling { fut } => match ready!(fut.poll(cx)) {
+                    Ok(response) => match this.permit.take() {
+                        Some(permit) => Ok(response.guard(permit)),
+                        None => Err(PolledAfterCompletion.into()),
+                    },
+                    // On an error the permit drops with the future.
+                    Err(e) => Err(e.into()),
+                },
                 StateProj::Failed { error } => {
-                    let error = error.take().expect("polled after completion");
-                    return Poll::Ready(Err(error));
+                    Err(error.take().unwrap_or_else(|| PolledAfterCompletion.into()))
                 }
-            }
+                StateProj::Done => Err(PolledAfterCompletion.into()),
+            };
+            this.state.set(State::Done);
+            return Poll::Ready(output);
         }
     }
 }
@@ -122,10 +142,45 @@ impl<S: Service<Req>, Req> fmt::Debug for ResponseFuture<S, Req> {
             State::Ready => "waiting for the inner service",
             State::Calling { .. } => "calling",
             State::Failed { .. } => "failed",
+            State::Done => "done",
         };
         f.debug_struct("ResponseFuture")
             .field("state", &state)
             .field("permit", &self.permit)
             .finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::convert::Infallible;
+    use std::future::{Future, poll_fn};
+    use std::pin::pin;
+
+    use tower::{Layer, Service, ServiceExt, service_fn};
+
+    use crate::error::{MissingJob, PolledAfterCompletion};
+    use crate::{Job, Origin, SlotPolicy, Store, TierSlotLimitLayer};
+
+    #[tokio::test]
+    async fn a_poll_after_completion_is_an_error() {
+        let layer = TierSlotLimitLayer::new(Store::memory(), SlotPolicy::default());
+        let mut svc = layer.layer(service_fn(|_req: http::Request<String>| async {
+            Ok::<_, Infallible>(http::Response::new(String::new()))
+        }));
+        let mut req = http::Request::new(String::new());
+        req.extensions_mut()
+            .insert(Job::new("t", Origin::UserAction));
+        let mut fut = pin!(svc.ready().await.unwrap().call(req));
+        let response = fut.as_mut().await.unwrap();
+        let again = poll_fn(|cx| fut.as_mut().poll(cx)).await.unwrap_err();
+        assert!(again.is::<PolledAfterCompletion>(), "{again}");
+        drop(response);
+
+        // A refusal comes once too.
+        let mut fut = pin!(svc.call(http::Request::new(String::new())));
+        assert!(fut.as_mut().await.unwrap_err().is::<MissingJob>());
+        let again = poll_fn(|cx| fut.as_mut().poll(cx)).await.unwrap_err();
+        assert!(again.is::<PolledAfterCompletion>(), "{again}");
     }
 }

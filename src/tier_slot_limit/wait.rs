@@ -173,7 +173,7 @@ impl Shared {
     }
 
     pub(super) fn limits(&self, limit: TierLimit) -> SlotLimits {
-        self.policy.limits(limit)
+        SlotLimits::of(&self.policy, limit)
     }
 
     pub(super) fn busy(&self, tier: Tier, started: Instant) -> Busy {
