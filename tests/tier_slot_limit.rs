@@ -573,20 +573,29 @@ async fn early_rejection_refuses_at_once_when_the_expected_wait_is_too_long() {
 async fn early_rejection_never_refuses_a_request_with_nobody_ahead() {
     let policy = SlotPolicy::builder()
         .global_max(2)
-        .tier("free", 2, Duration::ZERO)
+        .tier("free", 1, Duration::from_secs(45))
         .early_reject(true)
         .build()
         .unwrap();
     let (_, inner) = upstream(Duration::from_secs(60));
     let service = TierSlotLimitLayer::new(Store::memory(), policy).layer(inner);
-    // Calls hold their slot 60 s, far beyond the tier's max wait of zero...
+    // One call teaches the layer that a call holds its slot 60 s...
     service.clone().oneshot(request(job("free"))).await.unwrap();
-    // ...yet with a slot free and nobody waiting, the next one is admitted.
+    // ...and another holds the tier's one slot for the next 60 s.
+    let holding = service.clone().oneshot(request(job("free")));
+    // The answer is dropped when the call ends: its slot comes back then.
+    let holder = tokio::spawn(async move { holding.await.map(drop) });
+    tokio::time::sleep(Duration::from_secs(30)).await;
+    // The tier is full and the expected wait (60 s) is over the max wait (45 s), but nobody
+    // waits ahead: this call gets its own try, and the slot frees 30 s later, in time.
+    let started = Instant::now();
     service
         .clone()
         .oneshot(request(job("free")))
         .await
-        .expect("an idle tier admits");
+        .expect("nobody ahead: it waits for its slot");
+    assert_eq!(started.elapsed(), Duration::from_secs(30 + 60));
+    holder.await.unwrap().unwrap();
 }
 
 #[tokio::test]
