@@ -7,10 +7,11 @@
 //! ```
 //!
 //! The bounds (slowest call under 5 ms, memory after the rollover within 2x of before the
-//! million arrived) are asserted in release builds only, the call's time as its thread's
-//! CPU time (the wall-clock time is printed too: on a shared, busy machine it also counts
-//! the time the scheduler gave the core to someone else); a debug build runs 50,000 tenants
-//! and checks that the counts stay right.
+//! million arrived) are asserted in every build, the call's time as its thread's CPU time
+//! (the wall-clock time is printed too: on a shared, busy machine it also counts the time
+//! the scheduler gave the core to someone else). A debug build runs 50,000 tenants (its
+//! slowest call 0.4-0.7 ms, where work over all of them would take milliseconds) and
+//! checks that the counts stay right too.
 //!
 //! Time is tokio's paused clock, which the store's UTC day follows, so the test crosses
 //! midnight by advancing it a day. Memory is the live heap, counted by the allocator below.
@@ -218,15 +219,12 @@ async fn a_million_tenants_never_stall_a_call_and_their_memory_comes_back_after_
          live heap {before:.2} MB before, {peak:.1} MB with them, {after:.2} MB after the rollover"
     );
 
-    #[cfg(not(debug_assertions))]
-    {
-        assert!(
-            slowest.cpu <= Duration::from_millis(5),
-            "a call took {slowest}"
-        );
-        assert!(
-            after <= 2.0 * before,
-            "{after:.2} MB after the rollover, {before:.2} MB before the million"
-        );
-    }
+    assert!(
+        slowest.cpu <= Duration::from_millis(5),
+        "a call took {slowest}"
+    );
+    assert!(
+        after <= 2.0 * before,
+        "{after:.2} MB after the rollover, {before:.2} MB before the million"
+    );
 }
