@@ -116,7 +116,7 @@ impl<S, Req, C> Call<S, Req, C> {
         &mut self,
         cx: &mut Context<'_>,
         waits: &mut Waits,
-    ) -> Poll<Step<F, B>>
+    ) -> Poll<Step<B>>
     where
         S: Service<Req, Future = F, Error = E>,
         E: Into<BoxError>,

@@ -16,7 +16,7 @@ use tower_service::Service;
 use super::admit::{Admission, Waits, sleep_for};
 use super::body::{Filled, Peeked, ResponseBody};
 use super::decide::{self, Verdict};
-use super::future::{State, Step};
+use super::future::{Peek, Recording, Step};
 use super::layer::{Held, Shared};
 use super::request::CloneRequest;
 use super::telemetry;
@@ -207,12 +207,12 @@ impl<S, Req, C> Call<S, Req, C> {
     }
 
     /// Settles an outcome: spends the budget, records the throttle and the gate.
-    fn settle<F, B: Body>(
+    fn settle<B: Body>(
         &self,
         mut outcome: Outcome,
         response: http::Response<ResponseBody<B>>,
         spend_limit: bool,
-    ) -> State<F, B> {
+    ) -> Step<B> {
         let core = &self.shared.core;
         if spend_limit {
             // Waiting does not lift a spend limit: neither retry nor hold anyone back.
@@ -247,12 +247,12 @@ impl<S, Req, C> Call<S, Req, C> {
         if outcome.slow_down {
             self.log_throttled(&outcome);
         }
-        State::Recording {
+        Step::Record(Recording {
             throttle,
             gate,
             report,
-            then: Some(self.then(outcome, response, limits)),
-        }
+            then: self.then(outcome, response, limits),
+        })
     }
 
     fn log_throttled(&self, outcome: &Outcome) {
@@ -300,7 +300,7 @@ impl<S, Req, C> Call<S, Req, C> {
         &mut self,
         cx: &mut Context<'_>,
         sleep: &mut Option<Pin<Box<Sleep>>>,
-    ) -> Poll<Step<F, B>>
+    ) -> Poll<Step<B>>
     where
         S: Service<Req, Future = F, Error = E>,
         E: Into<BoxError>,
@@ -314,7 +314,7 @@ impl<S, Req, C> Call<S, Req, C> {
     }
 
     /// Once the inner service is ready, sends the next attempt.
-    pub(super) fn poll_send<F, B, E>(&mut self, cx: &mut Context<'_>) -> Poll<Step<F, B>>
+    pub(super) fn poll_send<F, B, E>(&mut self, cx: &mut Context<'_>) -> Poll<Step<B>>
     where
         S: Service<Req, Future = F, Error = E>,
         E: Into<BoxError>,
@@ -323,12 +323,19 @@ impl<S, Req, C> Call<S, Req, C> {
         if let Err(e) = ready!(self.service.poll_ready(cx)) {
             return Poll::Ready(Step::fail(e));
         }
-        let Some(req) = self.next.take() else {
+        Poll::Ready(Step::Send)
+    }
+
+    /// Sends the next attempt: its service said it is ready.
+    pub(super) fn send<F>(&mut self) -> Result<F, BoxError>
+    where
+        S: Service<Req, Future = F>,
+    {
+        match self.next.take() {
+            Some(req) => Ok(self.service.call(req)),
             // Only reachable by polling after completion.
-            return Poll::Ready(Step::fail(crate::error::PolledAfterCompletion));
-        };
-        let fut = self.service.call(req);
-        Poll::Ready(Step::To(State::Calling { fut }))
+            None => Err(crate::error::PolledAfterCompletion.into()),
+        }
     }
 
     /// Waiting for the attempt's answer; then judges its head.
@@ -336,7 +343,7 @@ impl<S, Req, C> Call<S, Req, C> {
         &mut self,
         cx: &mut Context<'_>,
         fut: Pin<&mut F>,
-    ) -> Poll<Step<F, B>>
+    ) -> Poll<Step<B>>
     where
         F: Future<Output = Result<http::Response<B>, E>>,
         E: Into<BoxError>,
@@ -367,26 +374,26 @@ impl<S, Req, C> Call<S, Req, C> {
             // Only a 429 about to be retried is read ahead: it may be the spend limit, which
             // must go back to the caller (with every byte).
             let timeout = self.shared.core.policy.peek_timeout;
-            return Poll::Ready(Step::To(State::Peeking {
-                head: Some(head),
-                peeked: Some(Peeked::new(body)),
+            return Poll::Ready(Step::Peek(Box::new(Peek {
+                head,
+                peeked: Peeked::new(body),
                 outcome,
                 deadline: tokio::time::sleep(timeout),
-            }));
+            })));
         }
         let response = http::Response::from_parts(head, ResponseBody::passthrough(body));
-        Poll::Ready(Step::To(self.settle(outcome, response, false)))
+        Poll::Ready(self.settle(outcome, response, false))
     }
 
     /// Reading a 429's body ahead until it can be judged, or the read is cut short.
-    pub(super) fn poll_peeking<F, B: Body>(
+    pub(super) fn poll_peeking<B: Body>(
         &mut self,
         cx: &mut Context<'_>,
         head: &mut Option<http::response::Parts>,
         peeked: &mut Option<Peeked<B>>,
         mut outcome: Outcome,
         deadline: Pin<&mut Sleep>,
-    ) -> Poll<Step<F, B>> {
+    ) -> Poll<Step<B>> {
         let policy = &self.shared.core.policy;
         // Why the reading stopped before the body could be judged, if it did.
         let cut = match peeked.as_mut() {
@@ -415,18 +422,18 @@ impl<S, Req, C> Call<S, Req, C> {
             telemetry::gave_up(reason);
             outcome.retry = None;
         }
-        Poll::Ready(Step::To(self.settle(outcome, response, spend_limit)))
+        Poll::Ready(self.settle(outcome, response, spend_limit))
     }
 
     /// Waiting for the store to take what the answer taught; then retries or returns.
-    pub(super) fn poll_recording<F, B: Body>(
+    pub(super) fn poll_recording<B: Body>(
         &mut self,
         cx: &mut Context<'_>,
         throttle: &mut Option<StoreFuture<u32>>,
         gate: &mut Option<StoreFuture<Duration>>,
         report: &mut Option<StoreFuture<PaceGrant>>,
         then: &mut Option<Then<B>>,
-    ) -> Poll<Step<F, B>>
+    ) -> Poll<Step<B>>
     where
         C: CloneRequest<Req>,
         Req: JobRequest,
@@ -462,14 +469,14 @@ impl<S, Req, C> Call<S, Req, C> {
         // The rate gate may let the next call go (a probe's answer is in).
         self.charge.receipt = None;
         Poll::Ready(match then.take() {
-            Some(Then::Retry(delay)) => Step::To(self.retry(delay)),
+            Some(Then::Retry(delay)) => self.retry(delay),
             Some(Then::Return(response)) => Step::Finish(Ok(response)),
             None => Step::fail(crate::error::PolledAfterCompletion),
         })
     }
 
     /// Makes the spare copy the next attempt, after `delay`.
-    fn retry<F, B: Body>(&mut self, delay: Duration) -> State<F, B>
+    fn retry<B: Body>(&mut self, delay: Duration) -> Step<B>
     where
         C: CloneRequest<Req>,
         Req: JobRequest,
@@ -495,13 +502,9 @@ impl<S, Req, C> Call<S, Req, C> {
             .as_ref()
             .and_then(|req| self.shared.cloner.clone_request(req));
         if self.rate.is_below() {
-            State::Backoff {
-                sleep: sleep_for(delay),
-            }
+            Step::Backoff(sleep_for(delay))
         } else {
-            State::Admitting {
-                waits: Waits::after(delay),
-            }
+            Step::Admit(Waits::after(delay))
         }
     }
 }

@@ -77,17 +77,43 @@ pin_project! {
     }
 }
 
-/// What polling one state leads to.
-pub(super) enum Step<F, B: Body> {
+/// What polling one state leads to: the next state's parts, never a whole `State`. The
+/// state holds the inner call's future, most of this future's size; passing it through a
+/// return value would copy it at every step.
+pub(super) enum Step<B: Body> {
     /// Poll the same state again: it set itself something new to wait for.
     Again,
-    /// Go on in this state.
-    To(State<F, B>),
+    /// The inner service is ready: send the next attempt.
+    Send,
+    /// Admit the next attempt after these waits.
+    Admit(Waits),
+    /// Sleep before a retry a fair queue below admits.
+    Backoff(Option<Pin<Box<Sleep>>>),
+    /// Read a 429's body ahead.
+    Peek(Box<Peek<B>>),
+    /// Record what the answer taught in the store.
+    Record(Recording<B>),
     /// The call's outcome.
     Finish(Result<http::Response<ResponseBody<B>>, BoxError>),
 }
 
-impl<F, B: Body> Step<F, B> {
+/// A 429 whose body is read ahead, until `deadline`.
+pub(super) struct Peek<B: Body> {
+    pub(super) head: http::response::Parts,
+    pub(super) peeked: Peeked<B>,
+    pub(super) outcome: Outcome,
+    pub(super) deadline: Sleep,
+}
+
+/// What goes to the store for an answer, and what follows once it took it.
+pub(super) struct Recording<B: Body> {
+    pub(super) throttle: Option<StoreFuture<u32>>,
+    pub(super) gate: Option<StoreFuture<std::time::Duration>>,
+    pub(super) report: Option<StoreFuture<PaceGrant>>,
+    pub(super) then: Then<B>,
+}
+
+impl<B: Body> Step<B> {
     pub(super) fn fail(error: impl Into<BoxError>) -> Self {
         Step::Finish(Err(error.into()))
     }
@@ -160,7 +186,39 @@ where
             };
             match step {
                 Step::Again => {}
-                Step::To(state) => this.state.set(state),
+                Step::Send => match this.call.as_mut().map(Call::send) {
+                    Some(Ok(fut)) => this.state.set(State::Calling { fut }),
+                    Some(Err(e)) => {
+                        this.state.set(State::Done);
+                        return Poll::Ready(Err(e));
+                    }
+                    None => {
+                        this.state.set(State::Done);
+                        return Poll::Ready(Err(PolledAfterCompletion.into()));
+                    }
+                },
+                Step::Admit(waits) => this.state.set(State::Admitting { waits }),
+                Step::Backoff(sleep) => this.state.set(State::Backoff { sleep }),
+                Step::Peek(peek) => {
+                    let Peek {
+                        head,
+                        peeked,
+                        outcome,
+                        deadline,
+                    } = *peek;
+                    this.state.set(State::Peeking {
+                        head: Some(head),
+                        peeked: Some(peeked),
+                        outcome,
+                        deadline,
+                    });
+                }
+                Step::Record(record) => this.state.set(State::Recording {
+                    throttle: record.throttle,
+                    gate: record.gate,
+                    report: record.report,
+                    then: Some(record.then),
+                }),
                 Step::Finish(output) => {
                     this.state.set(State::Done);
                     return Poll::Ready(output);
