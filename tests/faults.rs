@@ -704,11 +704,15 @@ fn redis_down_for_20_s_the_fleet_keeps_its_rate_for_a_lease_ttl_and_says_at_once
         );
     }
     // The bar is 80% over a 20 s outage with the default 30 s lease (85-86% measured
-    // with FAIRGATE_OUTAGE_DEFAULTS=1). Here the lease is 3 s, so the fault's detection (an
-    // operation timeout, slots freed meanwhile not reused) weighs ten times more in the
-    // window: 80-93% measured, 75% asserted so a loaded machine does not fail it.
+    // with FAIRGATE_OUTAGE_DEFAULTS=1; 83% with the fleet's order). Here the lease is 3 s,
+    // so the fault's detection (an operation timeout, slots freed meanwhile not reused) and
+    // how each worker's slots happened to be spread over the tiers at the fault weigh ten
+    // times more in the window: 78-93% measured before the fleet's order, 66-86% with it
+    // (a worker holding none of a tier at the fault answers its calls `Busy` at once; the
+    // fleet's order spreads a tier's slots over the workers less evenly than round robin
+    // did). 60% asserted: below, something more than that spread is wrong.
     assert!(
-        first_ttl >= 0.75 * rate_before,
+        first_ttl >= 0.60 * rate_before,
         "first lease TTL: {first_ttl:.0}/s against {rate_before:.0}/s before"
     );
     assert!(
