@@ -65,3 +65,49 @@ impl fmt::Display for ConfigError {
 }
 
 impl std::error::Error for ConfigError {}
+
+/// The check each layer's future passes: it answers once. Polled again after its response,
+/// or after refusing a request without a job, it answers [`PolledAfterCompletion`].
+#[cfg(test)]
+pub(crate) async fn answers_once<L, B: std::fmt::Debug>(layer: L)
+where
+    L: tower::Layer<
+            tower::util::BoxCloneService<
+                http::Request<String>,
+                http::Response<String>,
+                std::convert::Infallible,
+            >,
+        >,
+    L::Service:
+        tower::Service<http::Request<String>, Response = http::Response<B>, Error = BoxError>,
+{
+    use std::future::{Future, poll_fn};
+    use std::pin::pin;
+    use tower::{Service, ServiceExt};
+
+    let inner =
+        tower::util::BoxCloneService::new(tower::service_fn(|_req: http::Request<String>| async {
+            Ok::<_, std::convert::Infallible>(http::Response::new(String::new()))
+        }));
+    let mut svc = layer.layer(inner);
+    let mut req = http::Request::new(String::new());
+    req.extensions_mut()
+        .insert(crate::Job::new("t", crate::Origin::UserAction));
+    let mut fut = pin!(svc.ready().await.unwrap().call(req));
+    // Held while polled again: a slot or permit it carries stays taken meanwhile.
+    let response = fut.as_mut().await.unwrap();
+    assert_eq!(response.status(), 200);
+    let again = poll_fn(|cx| fut.as_mut().poll(cx)).await.unwrap_err();
+    assert!(again.is::<PolledAfterCompletion>(), "{again}");
+    drop(response);
+
+    let mut fut = pin!(
+        svc.ready()
+            .await
+            .unwrap()
+            .call(http::Request::new(String::new()))
+    );
+    assert!(fut.as_mut().await.unwrap_err().is::<MissingJob>());
+    let again = poll_fn(|cx| fut.as_mut().poll(cx)).await.unwrap_err();
+    assert!(again.is::<PolledAfterCompletion>(), "{again}");
+}

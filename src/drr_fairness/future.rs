@@ -165,36 +165,15 @@ impl<F, S, Req> fmt::Debug for ResponseFuture<F, S, Req> {
 
 #[cfg(test)]
 mod tests {
-    use std::convert::Infallible;
-    use std::future::{Future, poll_fn};
-    use std::pin::pin;
-
-    use tower::{Layer, Service, ServiceExt, service_fn};
-
-    use crate::error::{MissingJob, PolledAfterCompletion};
-    use crate::{DrrFairnessLayer, Job, Origin, Store};
+    use crate::{DrrFairnessLayer, Store};
 
     #[tokio::test]
     async fn a_poll_after_completion_is_an_error() {
-        let layer = DrrFairnessLayer::builder(Store::memory(), 1)
-            .build()
-            .unwrap();
-        let mut svc = layer.layer(service_fn(|_req: http::Request<String>| async {
-            Ok::<_, Infallible>(http::Response::new(String::new()))
-        }));
-        let mut req = http::Request::new(String::new());
-        req.extensions_mut()
-            .insert(Job::new("t", Origin::UserAction));
-        let mut fut = pin!(svc.ready().await.unwrap().call(req));
-        let response = fut.as_mut().await.unwrap();
-        let again = poll_fn(|cx| fut.as_mut().poll(cx)).await.unwrap_err();
-        assert!(again.is::<PolledAfterCompletion>(), "{again}");
-        drop(response);
-
-        // A refusal comes once too.
-        let mut fut = pin!(svc.call(http::Request::new(String::new())));
-        assert!(fut.as_mut().await.unwrap_err().is::<MissingJob>());
-        let again = poll_fn(|cx| fut.as_mut().poll(cx)).await.unwrap_err();
-        assert!(again.is::<PolledAfterCompletion>(), "{again}");
+        crate::error::answers_once(
+            DrrFairnessLayer::builder(Store::memory(), 1)
+                .build()
+                .unwrap(),
+        )
+        .await;
     }
 }

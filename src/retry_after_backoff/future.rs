@@ -249,33 +249,14 @@ impl<F, S, Req, B: Body, C> fmt::Debug for ResponseFuture<F, S, Req, B, C> {
 
 #[cfg(test)]
 mod tests {
-    use std::convert::Infallible;
-    use std::future::{Future, poll_fn};
-    use std::pin::pin;
-
-    use tower::{Layer, Service, ServiceExt, service_fn};
-
-    use crate::error::{MissingJob, PolledAfterCompletion};
-    use crate::{BackoffPolicy, Job, Origin, RetryAfterBackoffLayer, Store};
+    use crate::{BackoffPolicy, RetryAfterBackoffLayer, Store};
 
     #[tokio::test]
     async fn a_poll_after_completion_is_an_error() {
-        let layer = RetryAfterBackoffLayer::new(Store::memory(), BackoffPolicy::default());
-        let mut svc = layer.layer(service_fn(|_req: http::Request<String>| async {
-            Ok::<_, Infallible>(http::Response::new(String::new()))
-        }));
-        let mut req = http::Request::new(String::new());
-        req.extensions_mut()
-            .insert(Job::new("t", Origin::UserAction));
-        let mut fut = pin!(svc.ready().await.unwrap().call(req));
-        assert_eq!(fut.as_mut().await.unwrap().status(), 200);
-        let again = poll_fn(|cx| fut.as_mut().poll(cx)).await.unwrap_err();
-        assert!(again.is::<PolledAfterCompletion>(), "{again}");
-
-        // The answer of a request without a job comes once too.
-        let mut fut = pin!(svc.call(http::Request::new(String::new())));
-        assert!(fut.as_mut().await.unwrap_err().is::<MissingJob>());
-        let again = poll_fn(|cx| fut.as_mut().poll(cx)).await.unwrap_err();
-        assert!(again.is::<PolledAfterCompletion>(), "{again}");
+        crate::error::answers_once(RetryAfterBackoffLayer::new(
+            Store::memory(),
+            BackoffPolicy::default(),
+        ))
+        .await;
     }
 }
