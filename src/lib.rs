@@ -97,6 +97,7 @@ pub mod error;
 pub mod extract;
 pub mod gate;
 mod gcra;
+mod hash;
 mod job;
 mod labels;
 pub mod metrics;

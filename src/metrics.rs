@@ -7,12 +7,14 @@
 //! capped (see [`limit_tenant_labels`]) so a million tenants cannot explode a time-series
 //! database.
 
-use std::collections::HashSet;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{OnceLock, RwLock};
 use std::time::Duration;
 
+use metrics::{Key, Label, Level, Metadata};
+
 use crate::error::ConfigError;
+use crate::hash::HashMap;
 use crate::{Priority, TenantId};
 
 /// The prefix of every metric name unless [`set_metric_prefix`] chose another.
@@ -151,7 +153,8 @@ pub const STORE_DEGRADED: &str = "claude_store_degraded";
 pub const OTHER_TENANTS: &str = "_other";
 
 static TENANT_LABEL_LIMIT: AtomicUsize = AtomicUsize::new(1_000);
-static TENANT_LABELS: OnceLock<RwLock<HashSet<TenantId>>> = OnceLock::new();
+/// The labelled tenants, each with its input-token counter's key (built once).
+static TENANT_LABELS: OnceLock<RwLock<HashMap<TenantId, Key>>> = OnceLock::new();
 
 /// Caps how many distinct tenants get their own `tenant_id` label (default 1,000, process
 /// wide, first come first labelled); the rest are counted under [`OTHER_TENANTS`].
@@ -162,31 +165,68 @@ pub fn limit_tenant_labels(max: usize) {
 /// The label value for `tenant`: its name (shared with the `TenantId`, no copy), or
 /// [`OTHER_TENANTS`] past the cap.
 pub(crate) fn tenant_label(tenant: &TenantId) -> metrics::SharedString {
+    match labelled(tenant, |_| ()) {
+        Some(()) => metrics::SharedString::from(tenant.shared_name()),
+        None => metrics::SharedString::const_str(OTHER_TENANTS),
+    }
+}
+
+/// `f` on the input-token key of `tenant` when the tenant has (or now gets) its own label;
+/// `None` past the cap.
+fn labelled<T>(tenant: &TenantId, f: impl FnOnce(&Key) -> T) -> Option<T> {
     let labels = TENANT_LABELS.get_or_init(Default::default);
-    let known = labels
-        .read()
-        .unwrap_or_else(|e| e.into_inner())
-        .contains(tenant);
-    if known {
-        return metrics::SharedString::from(tenant.shared_name());
+    if let Some(key) = labels.read().unwrap_or_else(|e| e.into_inner()).get(tenant) {
+        return Some(f(key));
     }
     let mut labels = labels.write().unwrap_or_else(|e| e.into_inner());
-    if labels.len() < TENANT_LABEL_LIMIT.load(Ordering::Relaxed) {
-        labels.insert(tenant.clone());
-        metrics::SharedString::from(tenant.shared_name())
-    } else {
-        metrics::SharedString::const_str(OTHER_TENANTS)
+    if !labels.contains_key(tenant) && labels.len() >= TENANT_LABEL_LIMIT.load(Ordering::Relaxed) {
+        return None;
     }
+    let key = labels.entry(tenant.clone()).or_insert_with(|| {
+        let label = metrics::SharedString::from(tenant.shared_name());
+        labelled_key(Metric::InputTokens, "tenant_id", label)
+    });
+    Some(f(key))
+}
+
+/// The metadata every metric here registers with.
+static METADATA: Metadata<'static> =
+    Metadata::new(module_path!(), Level::INFO, Some(module_path!()));
+
+/// The key of `metric` with one label: built once and kept, so publishing costs no label
+/// allocation and no key hash per request (a recorder is still looked up at each use, so a
+/// recorder installed later, or a thread's local one, sees every value).
+fn labelled_key(metric: Metric, label: &'static str, value: metrics::SharedString) -> Key {
+    Key::from_parts(metric.name(), vec![Label::new(label, value)])
+}
+
+fn counter(key: &Key) -> metrics::Counter {
+    metrics::with_recorder(|recorder| recorder.register_counter(key, &METADATA))
+}
+
+fn gauge(key: &Key) -> metrics::Gauge {
+    metrics::with_recorder(|recorder| recorder.register_gauge(key, &METADATA))
+}
+
+fn histogram(key: &Key) -> metrics::Histogram {
+    metrics::with_recorder(|recorder| recorder.register_histogram(key, &METADATA))
 }
 
 pub(crate) fn request_latency(priority: Priority, elapsed: Duration) {
-    metrics::histogram!(Metric::RequestLatency.name(), "priority" => priority.as_str())
-        .record(elapsed.as_secs_f64());
+    static KEYS: OnceLock<[Key; 3]> = OnceLock::new();
+    let keys = KEYS.get_or_init(|| {
+        Priority::ALL.map(|p| labelled_key(Metric::RequestLatency, "priority", p.as_str().into()))
+    });
+    histogram(&keys[priority as usize]).record(elapsed.as_secs_f64());
 }
 
 pub(crate) fn input_tokens(tenant: &TenantId, tokens: u64) {
-    metrics::counter!(Metric::InputTokens.name(), "tenant_id" => tenant_label(tenant))
-        .increment(tokens);
+    if labelled(tenant, |key| counter(key).increment(tokens)).is_none() {
+        static OTHER: OnceLock<Key> = OnceLock::new();
+        let key = OTHER
+            .get_or_init(|| labelled_key(Metric::InputTokens, "tenant_id", OTHER_TENANTS.into()));
+        counter(key).increment(tokens);
+    }
 }
 
 pub(crate) fn demoted_tenants(count: usize) {
@@ -247,20 +287,55 @@ fn tier_label(tier: &crate::Tier) -> metrics::SharedString {
     metrics::SharedString::from(tier.shared_name())
 }
 
-pub(crate) fn slot_taken(tier: &crate::Tier, fallback: bool) {
-    metrics::gauge!(Metric::SlotsInUse.name(), "tier" => tier_label(tier)).increment(1.0);
-    if fallback {
-        metrics::counter!(Metric::SlotsFallback.name(), "tier" => tier_label(tier)).increment(1);
+/// The keys of the metrics labelled by tier alone, built once per tier.
+struct TierKeys {
+    in_use: Key,
+    fallback: Key,
+    wait: Key,
+}
+
+/// How many tiers keep their keys; past that (tiers are configured, so never in practice)
+/// the keys are built at each use.
+const TIER_KEYS_KEPT: usize = 256;
+
+static TIER_KEYS: OnceLock<RwLock<HashMap<crate::Tier, TierKeys>>> = OnceLock::new();
+
+fn with_tier_keys(tier: &crate::Tier, f: impl FnOnce(&TierKeys)) {
+    let kept = TIER_KEYS.get_or_init(Default::default);
+    if let Some(keys) = kept.read().unwrap_or_else(|e| e.into_inner()).get(tier) {
+        return f(keys);
+    }
+    let keys = TierKeys {
+        in_use: labelled_key(Metric::SlotsInUse, "tier", tier_label(tier)),
+        fallback: labelled_key(Metric::SlotsFallback, "tier", tier_label(tier)),
+        wait: labelled_key(Metric::SlotWait, "tier", tier_label(tier)),
+    };
+    let mut kept = kept.write().unwrap_or_else(|e| e.into_inner());
+    if kept.len() < TIER_KEYS_KEPT {
+        f(kept.entry(tier.clone()).or_insert(keys));
+    } else {
+        drop(kept);
+        f(&keys);
     }
 }
 
+pub(crate) fn slot_taken(tier: &crate::Tier, fallback: bool) {
+    with_tier_keys(tier, |keys| {
+        gauge(&keys.in_use).increment(1.0);
+        if fallback {
+            counter(&keys.fallback).increment(1);
+        }
+    });
+}
+
 pub(crate) fn slot_given_back(tier: &crate::Tier) {
-    metrics::gauge!(Metric::SlotsInUse.name(), "tier" => tier_label(tier)).decrement(1.0);
+    with_tier_keys(tier, |keys| gauge(&keys.in_use).decrement(1.0));
 }
 
 pub(crate) fn slot_wait(tier: &crate::Tier, waited: Duration) {
-    metrics::histogram!(Metric::SlotWait.name(), "tier" => tier_label(tier))
-        .record(waited.as_secs_f64());
+    with_tier_keys(tier, |keys| {
+        histogram(&keys.wait).record(waited.as_secs_f64())
+    });
 }
 
 pub(crate) fn server_busy(tier: &crate::Tier, reason: crate::admission::WaitReason) {

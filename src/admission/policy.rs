@@ -1,4 +1,4 @@
-use std::collections::HashMap;
+use crate::hash::HashMap;
 use std::time::Duration;
 
 use crate::Tier;
@@ -59,7 +59,7 @@ impl Default for SlotPolicy {
         };
         SlotPolicy {
             global_max: 30,
-            tiers: HashMap::from([
+            tiers: HashMap::from_iter([
                 (Tier::new(Tier::PREMIUM), tier(30, 60)),
                 (Tier::new(Tier::PRO), tier(20, 45)),
                 (Tier::new(Tier::FREE), tier(15, 12)),
@@ -81,7 +81,7 @@ impl SlotPolicy {
     pub fn builder() -> SlotPolicyBuilder {
         SlotPolicyBuilder {
             policy: SlotPolicy::default(),
-            tenant_caps: HashMap::new(),
+            tenant_caps: HashMap::default(),
         }
     }
 

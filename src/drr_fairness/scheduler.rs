@@ -162,7 +162,9 @@
 //! slot, even after the slab was truncated.
 
 use std::fmt;
-use std::hash::{BuildHasher, RandomState};
+use std::hash::BuildHasher;
+
+use crate::hash::Seeded;
 
 use hashbrown::HashTable;
 
@@ -570,7 +572,7 @@ enum Visit {
 #[derive(Debug, Default)]
 struct TenantIndex {
     slots: HashTable<u32>,
-    hasher: RandomState,
+    hasher: Seeded,
 }
 
 impl TenantIndex {

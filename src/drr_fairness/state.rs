@@ -1,7 +1,9 @@
 //! The state one layer shares between all its services and futures: a scheduler per tier
 //! group, the in-flight count and the waiters' wakers, behind one mutex.
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::VecDeque;
+
+use crate::hash::{HashMap, HashSet};
 use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
@@ -212,7 +214,7 @@ impl State {
     /// none waits here; a wake for the tier lets its group send one acquire, for requests
     /// no acquire is on its way for, and the wake-ups beyond those are declined.
     fn woken(&mut self, wakes: Vec<SlotWake>, declined: &mut Vec<Declined>) {
-        let mut tiers: HashMap<usize, usize> = HashMap::new();
+        let mut tiers: HashMap<usize, usize> = HashMap::default();
         for SlotWake { tier, flow } in wakes {
             let Some(&group) = self.by_tier.get(&tier) else {
                 continue;
@@ -588,11 +590,11 @@ impl Shared {
             rewatch: tokio::sync::Notify::new(),
             state: Mutex::new(State {
                 groups: vec![Group::new(&config, None)?],
-                by_tier: HashMap::new(),
+                by_tier: HashMap::default(),
                 picker: ClassPicker::new(&config),
                 in_flight: 0,
                 watching: false,
-                handed: HashMap::new(),
+                handed: HashMap::default(),
                 rate_wait: None,
                 next_id: 0,
                 fairness: FairnessWindow::new(fairness_window),
@@ -694,10 +696,10 @@ impl Shared {
                     blocked: false,
                     acquiring: 0,
                     at_once: 1,
-                    held_tenants: HashSet::new(),
-                    acquiring_for: HashMap::new(),
+                    held_tenants: HashSet::default(),
+                    acquiring_for: HashMap::default(),
                     owed: VecDeque::new(),
-                    queued: HashSet::new(),
+                    queued: HashSet::default(),
                     to_queue: VecDeque::new(),
                 };
                 state.groups.push(Group::new(&self.config, Some(gate))?);

@@ -7,7 +7,7 @@
 //! a quarter second of the rate, as the layer alone does), and cells a call did not use go
 //! back to the next one, so callers that leave waste nothing.
 
-use std::collections::HashMap;
+use crate::hash::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 

@@ -5,7 +5,7 @@
 //! The bucket itself (limits, theoretical arrival times, the probe lease) lives in the
 //! store (`store/pacing.rs`, `scripts/learned_pace.lua`).
 
-use std::collections::HashMap;
+use crate::hash::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;

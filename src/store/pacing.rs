@@ -5,7 +5,7 @@
 //! earliest moment every dimension conforms. Reserving (instead of "try again later") keeps
 //! the order of arrival and wakes each waiter once, at its own time.
 
-use std::collections::HashMap;
+use crate::hash::HashMap;
 use std::sync::Mutex;
 use std::time::Duration;
 

@@ -15,7 +15,7 @@
 //! error from the constructor, never a silent fallback; Redis *not there* at start (refused,
 //! timed out) is the degraded start of DESIGN §3.
 
-use std::collections::HashMap;
+use crate::hash::HashMap;
 use std::fmt;
 use std::future::Future;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -384,7 +384,7 @@ impl StoreBuilder {
             recovered: tokio::sync::watch::Sender::new(0),
             pending_tokens: Batch::default(),
             cache: Mutex::new(DemotionCache {
-                map: HashMap::new(),
+                map: HashMap::default(),
                 last_sweep: now,
             }),
             target,

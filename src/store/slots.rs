@@ -6,7 +6,7 @@
 //! tenant's, with a tenant cap) scored by its expiry, renewed by a heartbeat while held, so
 //! the slots of a crashed worker come back within one lease TTL.
 
-use std::collections::HashMap;
+use crate::hash::HashMap;
 use std::fmt;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;

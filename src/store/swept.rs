@@ -20,7 +20,9 @@
 //! buckets, `buckets / SWEEP_BUDGET` calls (about 30,000 calls for a million tenants). Every
 //! reader checks an entry's own expiry, so a lingering entry is memory, never a wrong answer.
 
-use std::hash::{BuildHasher, RandomState};
+use std::hash::BuildHasher;
+
+use crate::hash::Seeded;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
@@ -65,7 +67,7 @@ pub(crate) fn sweep_shard<V>(
 
 /// Hashes tenant names (seeded per table, so names cannot be chosen to collide).
 #[derive(Debug, Default)]
-pub(crate) struct TenantHasher(RandomState);
+pub(crate) struct TenantHasher(Seeded);
 
 impl TenantHasher {
     pub(crate) fn hash(&self, tenant: &TenantId) -> u64 {

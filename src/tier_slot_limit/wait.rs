@@ -1,6 +1,6 @@
 //! Waiting for a slot: in arrival order per tier, woken by releases, bounded by max wait.
 
-use std::collections::{HashMap, HashSet};
+use crate::hash::{HashMap, HashSet};
 use std::fmt;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -62,7 +62,7 @@ impl TierState {
             waiting: AtomicUsize::new(0),
             full: AtomicBool::new(false),
             avg_hold_ns: AtomicU64::new(0),
-            tenants: Mutex::new(HashMap::new()),
+            tenants: Mutex::new(HashMap::default()),
         }
     }
 
@@ -146,7 +146,7 @@ impl Shared {
             policy,
             tiers,
             default,
-            unknown_logged: Mutex::new(HashSet::new()),
+            unknown_logged: Mutex::new(HashSet::default()),
             rng: Mutex::new(rng),
         }
     }
