@@ -692,6 +692,13 @@ fn redis_down_for_20_s_the_fleet_keeps_its_rate_for_a_lease_ttl_and_says_at_once
         caps_report(&seen),
     );
     println!("outage, idle worker 1.5 s in: {}", probes.join(", "));
+    // Where a low first-TTL rate comes from: the calls completed per 100 ms around the kill.
+    if std::env::var_os("FAIRGATE_DEBUG_BUCKETS").is_some() {
+        let series: Vec<String> = (killed_at / 100 - 10..killed_at / 100 + 40)
+            .map(|b| buckets.get(&b).copied().unwrap_or(0).to_string())
+            .collect();
+        println!("buckets from kill-1s (100 ms each): {}", series.join(" "));
+    }
     assert_eq!(failed, 0, "a request failed");
     assert!(
         rate_before > 10.0,
