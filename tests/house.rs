@@ -25,7 +25,6 @@ const STILL_LONG: &[(&str, &str)] = &[
     ("src/bin/fairgate-gateway/main.rs", "run"),
     ("src/bin/fairgate-gateway/server.rs", "serve"),
     ("src/store/redis/slots.rs", "try_acquire_slot"),
-    ("src/tier_slot_limit/wait.rs", "wait_for_slot"),
 ];
 
 #[test]
