@@ -24,7 +24,6 @@ const STILL_LONG: &[(&str, &str)] = &[
     ("src/bin/fairgate-gateway/dashboard.rs", "live_json"),
     ("src/bin/fairgate-gateway/main.rs", "run"),
     ("src/bin/fairgate-gateway/server.rs", "serve"),
-    ("src/store/redis/slots.rs", "try_acquire_slot"),
 ];
 
 #[test]
