@@ -502,7 +502,9 @@ impl Waiter {
             let queue = self.shared.queue(self.limit, self.state.waiting());
             let asking = self.tenant.as_ref().map(|line| &line.tenant);
             let acquire =
-                (self.shared.store).acquire_slot(&self.tier, asking, self.limits, queue.clone());
+                self.shared
+                    .store
+                    .acquire_slot(&self.tier, asking, self.limits, queue.clone());
             (acquire, queue)
         }))
     }
