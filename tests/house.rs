@@ -16,51 +16,24 @@ use std::path::{Path, PathBuf};
 /// The longest function body the house allows, in lines.
 const MAX_FN_LINES: usize = 80;
 
-/// Functions still over the limit, to split: file and name. The list only shrinks: a
-/// function split below the limit must leave it, and no other may join it.
-const STILL_LONG: &[(&str, &str)] = &[
-    ("src/bin/fairgate-gateway/api.rs", "messages"),
-    ("src/bin/fairgate-gateway/config.rs", "parse"),
-    ("src/bin/fairgate-gateway/dashboard.rs", "live_json"),
-    ("src/bin/fairgate-gateway/main.rs", "run"),
-    ("src/bin/fairgate-gateway/server.rs", "serve"),
-    ("src/retry_after_backoff/gate.rs", "check"),
-    ("src/store/redis/slots.rs", "try_acquire_slot"),
-    ("src/tier_slot_limit/wait.rs", "wait_for_slot"),
-];
-
 #[test]
 fn no_function_is_longer_than_80_lines() {
-    let mut long = Vec::new();
-    for file in crate_files() {
-        for f in functions(&file) {
-            if f.lines > MAX_FN_LINES {
-                long.push(f);
-            }
-        }
-    }
+    let mut long: Vec<Function> = crate_files()
+        .iter()
+        .flat_map(functions)
+        .filter(|f| f.lines > MAX_FN_LINES)
+        .collect();
     long.sort_by_key(|f| std::cmp::Reverse(f.lines));
     let mut report = String::new();
     for f in &long {
-        let listed = STILL_LONG.contains(&(f.file.as_str(), f.name.as_str()));
-        if !listed {
-            let _ = writeln!(
-                report,
-                "  {:>4} lines  {}:{}  fn {}",
-                f.lines, f.file, f.line, f.name
-            );
-        }
-    }
-    for (file, name) in STILL_LONG {
-        if !long.iter().any(|f| f.file == *file && f.name == *name) {
-            let _ = writeln!(
-                report,
-                "  {file}  fn {name} is no longer over: take it off STILL_LONG"
-            );
-        }
+        let _ = writeln!(
+            report,
+            "  {:>4} lines  {}:{}  fn {}",
+            f.lines, f.file, f.line, f.name
+        );
     }
     assert!(
-        report.is_empty(),
+        long.is_empty(),
         "functions over {MAX_FN_LINES} lines outside tests:\n{report}"
     );
 }

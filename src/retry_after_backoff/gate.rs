@@ -7,7 +7,7 @@
 //! a quarter second of the rate, as the layer alone does), and cells a call did not use go
 //! back to the next one, so callers that leave waste nothing.
 
-use crate::hash::HashMap;
+use std::ops::ControlFlow;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -15,6 +15,7 @@ use tokio::time::Instant;
 
 use super::layer::{Core, Learned, taken};
 use crate::gate::{RateLimit, Receipt, Verdict, WaitReason};
+use crate::hash::HashMap;
 use crate::store::{DIMS, PaceGrant};
 
 /// One upstream key's gate state in this worker.
@@ -142,6 +143,171 @@ impl Core {
         }
         None
     }
+
+    /// Nothing learned, cold or recovering, no pacing, the gate open: nothing to take, and
+    /// no lock (the hot path: no clock read, no allocation).
+    fn nothing_to_take(&self, key: &Arc<str>) -> bool {
+        self.all_quiet(key)
+            && self.pacer.is_none()
+            && self.shared_pacing().is_none()
+            && self.store.cooldown(key).is_none()
+            && self.release_in(key).is_none()
+    }
+
+    /// Whether the next call of `cost` may go now, and with which cells; the caller holds
+    /// the lock on the gates throughout.
+    fn take_turn(
+        self: &Arc<Self>,
+        gate: &mut KeyGate,
+        key: &Arc<str>,
+        cost: u32,
+        now: Instant,
+    ) -> ControlFlow<Verdict, Ready> {
+        self.cooldown_over(key, now)?;
+        let cold_over = self.cold_start_over(gate, key, now);
+        if gate.probing && !self.probes(key) {
+            // Another answer ended slow start or recovery before the probe's own did.
+            gate.probing = false;
+        }
+        if !cold_over {
+            self.learned_turn(gate, key, cost, now)?;
+        }
+        if let Some(verdict) = self.configured_pacing(gate, key, cost, now) {
+            return ControlFlow::Break(verdict);
+        }
+        gate.pace_step = 0;
+        gate.paced = None;
+        let ready = if cold_over {
+            // No limit is known yet: nothing to take.
+            gate.ready.take().filter(|r| !r.probe).unwrap_or(Ready {
+                due: now,
+                cost,
+                need: [0; DIMS],
+                charged: [0; DIMS],
+                probe: false,
+            })
+        } else {
+            match gate.ready.take() {
+                Some(ready) => ready,
+                None => return ControlFlow::Break(Verdict::Notified(WaitReason::Rate)),
+            }
+        };
+        if ready.probe {
+            gate.probing = true;
+        }
+        ControlFlow::Continue(ready)
+    }
+
+    /// The cooldown gate after a throttle, and this worker's own release after it.
+    fn cooldown_over(&self, key: &Arc<str>, now: Instant) -> ControlFlow<Verdict> {
+        if let Some(left) = self.store.cooldown(key) {
+            // Closed after a throttle: this worker's release is its own random point of the
+            // window after the reopening, and then one probe goes for the fleet.
+            self.note_at_limit(key);
+            let at = self.note_reopen(key, left);
+            return ControlFlow::Break(Verdict::Until(at, WaitReason::Cooldown));
+        }
+        if let Some(wait) = self.release_in(key) {
+            return ControlFlow::Break(Verdict::Until(now + wait, WaitReason::Cooldown));
+        }
+        ControlFlow::Continue(())
+    }
+
+    /// The learned limits' turn: a probe out, another worker's probe, a reservation on its
+    /// way, or cells reserved ahead that are not due yet hold the call.
+    fn learned_turn(
+        self: &Arc<Self>,
+        gate: &mut KeyGate,
+        key: &Arc<str>,
+        cost: u32,
+        now: Instant,
+    ) -> ControlFlow<Verdict> {
+        if gate.probing {
+            return ControlFlow::Break(Verdict::Notified(WaitReason::Rate));
+        }
+        match gate.hold_until {
+            Some(at) if at > now => {
+                return ControlFlow::Break(Verdict::Until(at, WaitReason::Rate));
+            }
+            _ => gate.hold_until = None,
+        }
+        if gate.asking {
+            return ControlFlow::Break(Verdict::Notified(WaitReason::Rate));
+        }
+        if gate.ready.is_none() {
+            self.reserve_learned(gate, key, cost, now)?;
+            if let Some(at) = gate.hold_until {
+                return ControlFlow::Break(Verdict::Until(at, WaitReason::Rate));
+            }
+        }
+        if let Some(ready) = &gate.ready
+            && ready.due > now
+        {
+            return ControlFlow::Break(Verdict::Until(ready.due, WaitReason::Rate));
+        }
+        ControlFlow::Continue(())
+    }
+
+    /// Reserves the cells learned pacing asks of the next call: from this worker's credit,
+    /// or from the store, whose answer may come later (the call waits to be notified).
+    fn reserve_learned(
+        self: &Arc<Self>,
+        gate: &mut KeyGate,
+        key: &Arc<str>,
+        cost: u32,
+        now: Instant,
+    ) -> ControlFlow<Verdict> {
+        let (asked, need) = match self.admit_learned(key, cost) {
+            Learned::Go(wait, need, charged) => {
+                gate.ready = Some(Ready {
+                    due: now + wait,
+                    cost,
+                    need,
+                    charged,
+                    probe: false,
+                });
+                return ControlFlow::Continue(());
+            }
+            Learned::Ask(asked, need) => (asked, need),
+        };
+        match self.store.pace_learned(key, &asked.ask).into_ready() {
+            Ok(grant) => {
+                self.apply_grant(gate, key, &grant, need, asked.block, cost);
+                ControlFlow::Continue(())
+            }
+            Err(pending) => {
+                gate.asking = true;
+                let core = self.clone();
+                let key = key.clone();
+                spawn_or_drop(async move {
+                    let grant = pending.await;
+                    let mut gates = crate::sync::lock(&core.gates);
+                    let gate = gates.entry(key.clone()).or_default();
+                    gate.asking = false;
+                    core.apply_grant(gate, &key, &grant, need, asked.block, cost);
+                    drop(gates);
+                    drop(asked);
+                    core.gate_changed.notify_one();
+                });
+                ControlFlow::Break(Verdict::Notified(WaitReason::Rate))
+            }
+        }
+    }
+
+    /// Cells reserved for another call's estimate: the difference in input tokens is
+    /// charged (or given back) as a usage correction would be.
+    fn correct_estimate(&self, key: &Arc<str>, cost: u32, ready: &Ready) {
+        if cost == ready.cost || ready.charged[1] == 0 {
+            return;
+        }
+        let diff = i64::from(cost) - i64::from(ready.cost);
+        let mut charge = [0; DIMS];
+        charge[1] = diff;
+        if ready.charged[3] > 0 {
+            charge[3] = diff;
+        }
+        self.correct_usage(key, charge, None);
+    }
 }
 
 /// Runs `fut` on the current runtime; without one nothing can send it, and it is dropped
@@ -158,125 +324,18 @@ impl RateLimit for Core {
     }
 
     fn check(self: Arc<Self>, key: &Arc<str>, cost: u32) -> Verdict {
-        if self.all_quiet(key)
-            && self.pacer.is_none()
-            && self.shared_pacing().is_none()
-            && self.store.cooldown(key).is_none()
-            && self.release_in(key).is_none()
-        {
-            // Nothing learned, cold or recovering, no pacing, the gate open: nothing to
-            // take, and no lock.
+        if self.nothing_to_take(key) {
             return Verdict::Go(None);
         }
         let now = Instant::now();
         let mut gates = crate::sync::lock(&self.gates);
         let gate = gates.entry(key.clone()).or_default();
-        if let Some(left) = self.store.cooldown(key) {
-            // Closed after a throttle: this worker's release is its own random point of the
-            // window after the reopening, and then one probe goes for the fleet.
-            self.note_at_limit(key);
-            let at = self.note_reopen(key, left);
-            return Verdict::Until(at, WaitReason::Cooldown);
-        }
-        if let Some(wait) = self.release_in(key) {
-            return Verdict::Until(now + wait, WaitReason::Cooldown);
-        }
-        let cold_over = self.cold_start_over(gate, key, now);
-        if gate.probing && !self.probes(key) {
-            // Another answer ended slow start or recovery before the probe's own did.
-            gate.probing = false;
-        }
-        if !cold_over {
-            if gate.probing {
-                return Verdict::Notified(WaitReason::Rate);
-            }
-            match gate.hold_until {
-                Some(at) if at > now => return Verdict::Until(at, WaitReason::Rate),
-                _ => gate.hold_until = None,
-            }
-            if gate.asking {
-                return Verdict::Notified(WaitReason::Rate);
-            }
-            if gate.ready.is_none() {
-                match self.admit_learned(key, cost) {
-                    Learned::Go(wait, need, charged) => {
-                        gate.ready = Some(Ready {
-                            due: now + wait,
-                            cost,
-                            need,
-                            charged,
-                            probe: false,
-                        });
-                    }
-                    Learned::Ask(asked, need) => {
-                        match self.store.pace_learned(key, &asked.ask).into_ready() {
-                            Ok(grant) => {
-                                self.apply_grant(gate, key, &grant, need, asked.block, cost);
-                            }
-                            Err(pending) => {
-                                gate.asking = true;
-                                let core = self.clone();
-                                let key = key.clone();
-                                spawn_or_drop(async move {
-                                    let grant = pending.await;
-                                    let mut gates = crate::sync::lock(&core.gates);
-                                    let gate = gates.entry(key.clone()).or_default();
-                                    gate.asking = false;
-                                    core.apply_grant(gate, &key, &grant, need, asked.block, cost);
-                                    drop(gates);
-                                    drop(asked);
-                                    core.gate_changed.notify_one();
-                                });
-                                return Verdict::Notified(WaitReason::Rate);
-                            }
-                        }
-                    }
-                }
-                if let Some(at) = gate.hold_until {
-                    return Verdict::Until(at, WaitReason::Rate);
-                }
-            }
-            if let Some(ready) = &gate.ready
-                && ready.due > now
-            {
-                return Verdict::Until(ready.due, WaitReason::Rate);
-            }
-        }
-        if let Some(verdict) = self.configured_pacing(gate, key, cost, now) {
-            return verdict;
-        }
-        gate.pace_step = 0;
-        gate.paced = None;
-        let ready = if cold_over {
-            // No limit is known yet: nothing to take.
-            gate.ready.take().filter(|r| !r.probe).unwrap_or(Ready {
-                due: now,
-                cost,
-                need: [0; DIMS],
-                charged: [0; DIMS],
-                probe: false,
-            })
-        } else {
-            match gate.ready.take() {
-                Some(ready) => ready,
-                None => return Verdict::Notified(WaitReason::Rate),
-            }
+        let ready = match self.take_turn(gate, key, cost, now) {
+            ControlFlow::Continue(ready) => ready,
+            ControlFlow::Break(held) => return held,
         };
-        if ready.probe {
-            gate.probing = true;
-        }
         drop(gates);
-        if cost != ready.cost && ready.charged[1] > 0 {
-            // Reserved for another call's estimate: the difference in input tokens is
-            // charged (or given back) as a usage correction would be.
-            let diff = i64::from(cost) - i64::from(ready.cost);
-            let mut charge = [0; DIMS];
-            charge[1] = diff;
-            if ready.charged[3] > 0 {
-                charge[3] = diff;
-            }
-            self.correct_usage(key, charge, None);
-        }
+        self.correct_estimate(key, cost, &ready);
         let gate: Arc<dyn RateLimit> = self.clone();
         Verdict::Go(Some(Box::new(Receipt {
             key: key.clone(),

@@ -5,7 +5,7 @@ use std::task::{Context, Poll};
 use tower_service::Service;
 
 use super::future::ResponseFuture;
-use super::wait::{Shared, SlotPermit, wait_for_slot};
+use super::wait::{Shared, SlotPermit, SlotWait, wait_for_slot};
 use crate::JobRequest;
 use crate::body::GuardResponse;
 use crate::error::BoxError;
@@ -125,16 +125,16 @@ where
         if shared.hopeless(&state, limit) {
             return ResponseFuture::busy(shared.busy(tier, started));
         }
-        let wait = wait_for_slot(
-            shared.clone(),
+        let wait = wait_for_slot(SlotWait {
+            shared: shared.clone(),
             tier,
             limit,
             state,
             started,
-            line,
+            tenant: line,
             turn,
             first_try,
-        );
+        });
         ResponseFuture::waiting(Box::pin(wait), inner, req)
     }
 }

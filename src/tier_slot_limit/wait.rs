@@ -317,135 +317,159 @@ impl fmt::Debug for SlotPermit {
     }
 }
 
-/// Counts a waiter for the early-rejection estimate while it waits.
-struct Waiting<'a>(&'a TierState);
-
-impl<'a> Waiting<'a> {
-    fn enter(state: &'a TierState) -> Self {
-        state.waiting.fetch_add(1, Ordering::Relaxed);
-        Waiting(state)
-    }
-}
-
-impl Drop for Waiting<'_> {
-    fn drop(&mut self) {
-        self.0.waiting.fetch_sub(1, Ordering::Relaxed);
-    }
-}
-
 /// An acquire made but not yet polled, with how it queues.
 pub(super) type FirstTry = (
     StoreFuture<Result<SlotLease, SlotRefusal>>,
     Option<SlotQueue>,
 );
 
-/// Waits for a slot until the tier's max wait has passed since `started`.
+/// A request that waits for a slot, as the service hands it to [`wait_for_slot`].
+pub(super) struct SlotWait {
+    pub(super) shared: Arc<Shared>,
+    /// The tier the request counts under, with its limit and its state here.
+    pub(super) tier: Tier,
+    pub(super) limit: TierLimit,
+    pub(super) state: Arc<TierState>,
+    /// When the request arrived: its max wait runs from then.
+    pub(super) started: Instant,
+    /// Its place in its tenant's line, in a tier that caps tenants.
+    pub(super) tenant: Option<TenantLine>,
+    /// The tier's turnstile, when the caller already took it.
+    pub(super) turn: Option<OwnedSemaphorePermit>,
+    /// An acquire the caller made while holding `turn` but did not poll (a Redis round
+    /// trip not yet begun), with how it queues.
+    pub(super) first_try: Option<FirstTry>,
+}
+
+/// Waits for a slot until the tier's max wait has passed since the request arrived.
 ///
 /// Takes the tier's turnstile first (arrival order), then tries the store each time a slot
 /// may have come free: a local release or one announced by another worker wakes it at once,
 /// and a jittered poll catches anything missed.
 ///
-/// In a tier that caps tenants, `tenant` is the request's place in its tenant's line, taken
-/// before the turnstile (see [`TenantLine`]); refused for the tenant's cap, the request
-/// gives the turnstile back and waits for a release, then queues for it again.
+/// In a tier that caps tenants, the request first takes the head of its tenant's line,
+/// before the turnstile (see [`TenantLine`]); refused for the tenant's cap, it gives the
+/// turnstile back and waits for a release, then queues for it again.
 ///
-/// `first_try` is an acquire the caller made while holding `turn` but did not poll (a
-/// Redis round trip not yet begun), with how it queues: used as the first try instead of
-/// making another.
-#[allow(clippy::too_many_arguments)]
-pub(super) async fn wait_for_slot(
+/// An acquire the caller made but did not poll ([`SlotWait::first_try`]) is the first try
+/// instead of making another.
+pub(super) async fn wait_for_slot(mut wait: SlotWait) -> Result<SlotPermit, Busy> {
+    let mut turn = wait.turn.take();
+    let mut waiter = Waiter::new(wait);
+    waiter.take_tenant_turn().await?;
+    // Made before this wait began: if Redis went away since, drop it unpolled (nothing was
+    // sent, so nothing leaks) and take the fallback's answer as a fresh acquire would.
+    if waiter.first_try.is_some() && waiter.shared.store.is_degraded() {
+        waiter.first_try = None;
+    }
+    loop {
+        let turn = match turn.take() {
+            Some(turn) => turn,
+            None => {
+                let turnstile = waiter.state.turnstile.clone();
+                waiter.take_turn_of(turnstile).await?
+            }
+        };
+        if let Some(permit) = waiter.try_while_holding(turn).await? {
+            return Ok(permit);
+        }
+    }
+}
+
+/// One request's wait, from its first try to its slot or its `Busy`. It counts itself in
+/// its tier's waiters (the early-rejection estimate) while it lives.
+struct Waiter {
     shared: Arc<Shared>,
     tier: Tier,
     limit: TierLimit,
     state: Arc<TierState>,
     started: Instant,
-    mut tenant: Option<TenantLine>,
-    mut turn: Option<OwnedSemaphorePermit>,
+    limits: SlotLimits,
+    deadline: Instant,
+    slow: SlowWait,
+    tenant: Option<TenantLine>,
     first_try: Option<FirstTry>,
-) -> Result<SlotPermit, Busy> {
-    let deadline = crate::time::after(started, limit.max_wait);
-    let mut slow = SlowWait::new(started, shared.policy.slow_wait);
-    let _waiting = Waiting::enter(&state);
-    let busy = || shared.busy(tier.clone(), started);
+}
 
-    if let Some(line) = tenant.as_mut()
-        && line.turn.is_none()
-    {
-        let queue = line.line.clone();
-        line.turn = Some(
-            take_turn(queue, deadline, &mut slow, &tier)
-                .await
-                .ok_or_else(busy)?,
-        );
+impl Waiter {
+    fn new(wait: SlotWait) -> Self {
+        let deadline = crate::time::after(wait.started, wait.limit.max_wait);
+        let slow = SlowWait::new(wait.started, wait.shared.policy.slow_wait);
+        let limits = wait.shared.limits(wait.limit);
+        wait.state.waiting.fetch_add(1, Ordering::Relaxed);
+        Waiter {
+            shared: wait.shared,
+            tier: wait.tier,
+            limit: wait.limit,
+            state: wait.state,
+            started: wait.started,
+            limits,
+            deadline,
+            slow,
+            tenant: wait.tenant,
+            first_try: wait.first_try,
+        }
     }
-    let limits = shared.limits(limit);
-    let asking = tenant.as_ref().map(|line| &line.tenant);
-    // Made before this wait began: if Redis went away since, drop it unpolled (nothing was
-    // sent, so nothing leaks) and take the fallback's answer as a fresh acquire would.
-    let mut first_try = first_try.filter(|_| !shared.store.is_degraded());
-    loop {
-        let mut holding = Some(match turn.take() {
-            Some(turn) => turn,
-            None => {
-                let turnstile = state.turnstile.clone();
-                take_turn(turnstile, deadline, &mut slow, &tier)
-                    .await
-                    .ok_or_else(busy)?
-            }
-        });
+
+    fn busy(&self) -> Busy {
+        self.shared.busy(self.tier.clone(), self.started)
+    }
+
+    /// In a tier that caps tenants: the head of the tenant's line, unless already taken.
+    async fn take_tenant_turn(&mut self) -> Result<(), Busy> {
+        let Some(line) = self.tenant.as_ref().filter(|line| line.turn.is_none()) else {
+            return Ok(());
+        };
+        let queue = line.line.clone();
+        let turn = self.take_turn_of(queue).await?;
+        if let Some(line) = self.tenant.as_mut() {
+            line.turn = Some(turn);
+        }
+        Ok(())
+    }
+
+    /// `queue`'s one permit, or `Busy` at the deadline.
+    async fn take_turn_of(&mut self, queue: Arc<Semaphore>) -> Result<OwnedSemaphorePermit, Busy> {
+        match take_turn(queue, self.deadline, &mut self.slow, &self.tier).await {
+            Some(turn) => Ok(turn),
+            None => Err(self.busy()),
+        }
+    }
+
+    /// Tries for a slot while holding the tier's turnstile, and between tries waits for a
+    /// slot to come free. `None`: refused for the tenant's own cap, it gave the turnstile
+    /// back while it waited, and queues for it again.
+    async fn try_while_holding(
+        &mut self,
+        turn: OwnedSemaphorePermit,
+    ) -> Result<Option<SlotPermit>, Busy> {
+        let mut holding = Some(turn);
         loop {
             // Registered before trying, so a release between the try and the wait is not
             // missed (an acquire does nothing until polled, so this holds for `first_try`
             // too). While freed slots wake workers one by one, a wake-up for this tier is
             // waited for; otherwise, and by a tenant over its own cap (not woken that way),
             // any release.
-            let woken = shared.store.slot_wake(&tier);
+            let woken = self.shared.store.slot_wake(&self.tier);
             let tier_woken = woken.as_ref().map(|woken| woken.notified());
-            let released = shared.store.slot_released().notified();
+            let released = self.shared.store.slot_released().notified();
             tokio::pin!(tier_woken, released);
             if let Some(tier_woken) = tier_woken.as_mut().as_pin_mut() {
                 tier_woken.enable();
             }
             released.as_mut().enable();
-            // The last slot here took the last room: the next comes with a wake-up.
-            let full = woken.is_some() && state.full.swap(false, Ordering::Relaxed);
-            let refusal = if full && first_try.is_none() {
-                SlotRefusal::Full
-            } else {
-                let (acquire, queue) = first_try.take().unwrap_or_else(|| {
-                    let queue = shared.queue(limit, state.waiting());
-                    (
-                        shared
-                            .store
-                            .acquire_slot(&tier, asking, limits, queue.clone()),
-                        queue,
-                    )
-                });
-                match acquire.await {
-                    Ok(lease) => {
-                        shared.granted(&state, &lease, queue);
-                        metrics::slot_wait(&tier, started.elapsed());
-                        return Ok(SlotPermit::new(lease, state.clone()));
-                    }
+            let handed = self.first_try.take();
+            let refusal = match self.acquire(woken.is_some(), handed) {
+                Some((acquire, queue)) => match acquire.await {
+                    Ok(lease) => return Ok(Some(self.slot_taken(lease, queue))),
                     Err(refusal) => refusal,
-                }
+                },
+                None => SlotRefusal::Full,
             };
-            if refusal == SlotRefusal::Store {
-                return Err(shared.busy_because(tier, started, WaitReason::Store));
-            }
-            let now = Instant::now();
-            if now >= deadline {
-                return Err(busy());
-            }
-            let apart = refusal == SlotRefusal::TenantCap;
-            let poll = shared.poll_interval(apart);
-            let mut wake = deadline.min(crate::time::after(now, poll));
-            if let Some(at) = slow.next() {
-                wake = wake.min(at.max(now));
-            }
+            let (wake, apart) = self.next_try(refusal)?;
             if apart {
                 // Over its own cap: the tier's other tenants go on meanwhile.
-                holding = None;
+                drop(holding.take());
             }
             match tier_woken.as_mut().as_pin_mut().filter(|_| !apart) {
                 // A wake-up for the tier this notification would have carried goes on to
@@ -459,11 +483,66 @@ pub(super) async fn wait_for_slot(
                     _ = sleep_until(wake) => {}
                 },
             }
-            slow.check(&tier);
-            if holding.is_none() {
-                break; // queue for the turnstile again
+            self.slow.check(&self.tier);
+            if apart {
+                return Ok(None); // queue for the turnstile again
             }
         }
+    }
+
+    /// The acquire for this try: the one `handed` over, or a fresh one. `None` when the last
+    /// slot taken here took the last room and the next comes with a wake-up (`woken`: this
+    /// tier is woken that way).
+    fn acquire(&self, woken: bool, handed: Option<FirstTry>) -> Option<FirstTry> {
+        let full = woken && self.state.full.swap(false, Ordering::Relaxed);
+        if full && handed.is_none() {
+            return None;
+        }
+        Some(handed.unwrap_or_else(|| {
+            let queue = self.shared.queue(self.limit, self.state.waiting());
+            let asking = self.tenant.as_ref().map(|line| &line.tenant);
+            let acquire =
+                self.shared
+                    .store
+                    .acquire_slot(&self.tier, asking, self.limits, queue.clone());
+            (acquire, queue)
+        }))
+    }
+
+    /// Takes `lease` as this request's slot, acquired with `queue`.
+    fn slot_taken(&self, lease: SlotLease, queue: Option<SlotQueue>) -> SlotPermit {
+        self.shared.granted(&self.state, &lease, queue);
+        metrics::slot_wait(&self.tier, self.started.elapsed());
+        SlotPermit::new(lease, self.state.clone())
+    }
+
+    /// After a refusal: `Busy` if Redis is away or the max wait has passed, else when to
+    /// try again at the latest, and whether to wait apart (refused for the tenant's own
+    /// cap, without the turnstile).
+    fn next_try(&self, refusal: SlotRefusal) -> Result<(Instant, bool), Busy> {
+        if refusal == SlotRefusal::Store {
+            let tier = self.tier.clone();
+            return Err(self
+                .shared
+                .busy_because(tier, self.started, WaitReason::Store));
+        }
+        let now = Instant::now();
+        if now >= self.deadline {
+            return Err(self.busy());
+        }
+        let apart = refusal == SlotRefusal::TenantCap;
+        let poll = self.shared.poll_interval(apart);
+        let mut wake = self.deadline.min(crate::time::after(now, poll));
+        if let Some(at) = self.slow.next() {
+            wake = wake.min(at.max(now));
+        }
+        Ok((wake, apart))
+    }
+}
+
+impl Drop for Waiter {
+    fn drop(&mut self) {
+        self.state.waiting.fetch_sub(1, Ordering::Relaxed);
     }
 }
 

@@ -32,7 +32,7 @@ use tracing::{debug, info, warn};
 use super::Body;
 use super::auth::{AuthGuard, Verdict};
 use super::config::Config;
-use super::record::{Probe, Recorder, Recording};
+use super::record::{Probe, Recorder, Recording, Trace};
 use super::routes::{Route, route};
 use super::server::{Holding, stopped};
 use super::upstream::{Upstream, full};
@@ -352,63 +352,10 @@ async fn discard(mut body: Incoming, limit: u64, idle: Duration) {
 
 async fn messages(gw: &Gateway, live: Arc<Live>, req: Request<Incoming>) -> Response<Body> {
     let (parts, mut body) = req.into_parts();
-    let declared = parts
-        .headers
-        .get(header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<u64>().ok())
-        .map(|len| usize::try_from(len).unwrap_or(usize::MAX));
+    let declared = declared_length(&parts.headers);
     let (bytes, permit) = match buffer(gw, &mut body, declared).await {
         Ok(read) => read,
-        Err(Unread::TooLarge) => {
-            // An authenticated client: read the rest of its body away (no buffering) so
-            // that it sees the 413, unless it waits for `100 Continue`, which it then
-            // never gets.
-            let expects = parts.headers.contains_key(header::EXPECT);
-            if !expects {
-                tokio::spawn(discard(body, 1 << 30, gw.bodies.idle));
-            }
-            let mb = gw.bodies.max_body >> 20;
-            return closing(error_response(
-                StatusCode::PAYLOAD_TOO_LARGE,
-                "request_too_large",
-                &format!("request body is larger than the gateway's {mb} MiB limit"),
-            ));
-        }
-        Err(Unread::OverBudget) => {
-            metrics::counter!("gateway_body_budget_refusals_total").increment(1);
-            info!("refused: the body budget is spent");
-            return closing(with_retry_after(
-                error_response(
-                    StatusCode::from_u16(529).unwrap_or(StatusCode::SERVICE_UNAVAILABLE),
-                    "overloaded_error",
-                    "the gateway is buffering too many request bodies",
-                ),
-                Duration::from_secs(1),
-            ));
-        }
-        Err(Unread::Stalled) => {
-            return closing(error_response(
-                StatusCode::REQUEST_TIMEOUT,
-                "invalid_request_error",
-                "the request body stopped arriving",
-            ));
-        }
-        Err(Unread::ShuttingDown) => {
-            return closing(error_response(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "overloaded_error",
-                "the gateway is shutting down",
-            ));
-        }
-        Err(Unread::Failed(e)) => {
-            debug!(error = %e, "reading a request body failed");
-            return closing(error_response(
-                StatusCode::BAD_REQUEST,
-                "invalid_request_error",
-                "could not read the request body",
-            ));
-        }
+        Err(unread) => return unread_response(gw, unread, &parts.headers, body),
     };
     let size = bytes.len();
     let mut req = Request::from_parts(parts, Full::new(bytes));
@@ -435,19 +382,88 @@ async fn messages(gw: &Gateway, live: Arc<Live>, req: Request<Incoming>) -> Resp
                 }
             })
         }
-        Err(error) => {
-            let response = rendered(&error);
-            if let Some(trace) = trace {
-                trace.finish(response.status().as_u16(), &Default::default());
+        Err(error) => failed(&error, trace),
+    }
+}
+
+/// The body's length as its `Content-Length` declares it, if it does.
+fn declared_length(headers: &http::HeaderMap) -> Option<usize> {
+    headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok())
+        .map(|len| usize::try_from(len).unwrap_or(usize::MAX))
+}
+
+/// The answer to a body that was not read in full, and the connection closed after it.
+fn unread_response(
+    gw: &Gateway,
+    unread: Unread,
+    headers: &http::HeaderMap,
+    body: Incoming,
+) -> Response<Body> {
+    match unread {
+        Unread::TooLarge => {
+            // An authenticated client: read the rest of its body away (no buffering) so
+            // that it sees the 413, unless it waits for `100 Continue`, which it then
+            // never gets.
+            let expects = headers.contains_key(header::EXPECT);
+            if !expects {
+                tokio::spawn(discard(body, 1 << 30, gw.bodies.idle));
             }
-            if response.status() == StatusCode::BAD_GATEWAY {
-                warn!(error = %error, "upstream call failed");
-            } else {
-                info!(status = response.status().as_u16(), reason = %error, "refused");
-            }
-            response
+            let mb = gw.bodies.max_body >> 20;
+            closing(error_response(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "request_too_large",
+                &format!("request body is larger than the gateway's {mb} MiB limit"),
+            ))
+        }
+        Unread::OverBudget => {
+            metrics::counter!("gateway_body_budget_refusals_total").increment(1);
+            info!("refused: the body budget is spent");
+            closing(with_retry_after(
+                error_response(
+                    StatusCode::from_u16(529).unwrap_or(StatusCode::SERVICE_UNAVAILABLE),
+                    "overloaded_error",
+                    "the gateway is buffering too many request bodies",
+                ),
+                Duration::from_secs(1),
+            ))
+        }
+        Unread::Stalled => closing(error_response(
+            StatusCode::REQUEST_TIMEOUT,
+            "invalid_request_error",
+            "the request body stopped arriving",
+        )),
+        Unread::ShuttingDown => closing(error_response(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "overloaded_error",
+            "the gateway is shutting down",
+        )),
+        Unread::Failed(e) => {
+            debug!(error = %e, "reading a request body failed");
+            closing(error_response(
+                StatusCode::BAD_REQUEST,
+                "invalid_request_error",
+                "could not read the request body",
+            ))
         }
     }
+}
+
+/// The answer to a call the stack refused or the upstream failed: rendered, recorded and
+/// logged.
+fn failed(error: &BoxError, trace: Option<Trace>) -> Response<Body> {
+    let response = rendered(error);
+    if let Some(trace) = trace {
+        trace.finish(response.status().as_u16(), &Default::default());
+    }
+    if response.status() == StatusCode::BAD_GATEWAY {
+        warn!(error = %error, "upstream call failed");
+    } else {
+        info!(status = response.status().as_u16(), reason = %error, "refused");
+    }
+    response
 }
 
 /// A request body passed through as it comes, each frame within the idle timeout, cut on

@@ -6,13 +6,13 @@
 //! a key of the wrong type is refused by a message of our own, not serde's, which would
 //! quote the value).
 
-use std::collections::HashSet;
+use std::collections::{BTreeMap, HashSet};
 use std::fmt;
 use std::path::Path;
 use std::time::Duration;
 
 use fairgate::extract::KeyTable;
-use fairgate::{DemotionPolicy, SlotPolicy, Tier};
+use fairgate::{DemotionPolicy, SlotPolicy, SlotPolicyBuilder, Tier};
 use serde::{Deserialize, Deserializer};
 use toml::Spanned;
 
@@ -131,7 +131,7 @@ pub(crate) struct Config {
     /// Every tenant the keys name, sorted (the demotion gauge's tick looks at each).
     pub(crate) tenants: Vec<String>,
     /// Each tenant's tier (of its first key): its weight on the live page.
-    pub(crate) tenant_tiers: std::collections::BTreeMap<String, String>,
+    pub(crate) tenant_tiers: BTreeMap<String, String>,
     pub(crate) demotion: DemotionPolicy,
 }
 
@@ -180,6 +180,47 @@ pub(crate) fn parse(text: &str) -> Result<Config, Refusal> {
         ));
     }
     let limits = &file.limits;
+    let mut builder = slot_limits(text, limits)?;
+    let mut tiers: Vec<String> = [Tier::PREMIUM, Tier::PRO, Tier::FREE, Tier::GUEST]
+        .map(str::to_owned)
+        .to_vec();
+    let mut configured = HashSet::new();
+    for entry in &file.tiers {
+        let tier = check_tier(text, entry, &mut configured)?;
+        let wait = Duration::from_millis(*tier.max_wait_ms.get_ref());
+        builder = builder.tier(tier.name.as_str(), tier.cap, wait);
+        if !tiers.contains(&tier.name) {
+            tiers.push(tier.name.clone());
+        }
+    }
+    let policy = builder
+        .build()
+        .map_err(|e| refuse(text, None, format!("bad [limits] or [[tiers]]: {e}")))?;
+    let clients = clients(text, &file.keys, &tiers)?;
+    let window = match &limits.window {
+        Some(window) if *window.get_ref() == 0 => {
+            return Err(refuse(
+                text,
+                Some(window.span()),
+                "[limits] window = 0: give at least 1 (calls this gateway sends at once)".into(),
+            ));
+        }
+        Some(window) => *window.get_ref(),
+        None => policy.global_max() as usize,
+    };
+    let demotion = demotion(text, limits)?;
+    Ok(Config {
+        keys: clients.keys,
+        policy,
+        window,
+        tenants: clients.tenants,
+        tenant_tiers: clients.tenant_tiers,
+        demotion,
+    })
+}
+
+/// The slot policy's `[limits]`: the global cap, the Retry-After, the lease TTL.
+fn slot_limits(text: &str, limits: &Limits) -> Result<SlotPolicyBuilder, Refusal> {
     let mut builder = SlotPolicy::builder();
     if let Some(global) = &limits.global_max {
         if *global.get_ref() == 0 {
@@ -207,116 +248,146 @@ pub(crate) fn parse(text: &str) -> Result<Config, Refusal> {
     if let Some(ms) = &limits.lease_ttl_ms {
         builder = builder.lease_ttl(Duration::from_millis(*ms.get_ref()));
     }
-    let mut tiers: Vec<String> = [Tier::PREMIUM, Tier::PRO, Tier::FREE, Tier::GUEST]
-        .map(str::to_owned)
-        .to_vec();
-    let mut configured = HashSet::new();
-    for entry in &file.tiers {
-        let span = entry.span();
-        let tier = entry.get_ref();
-        if tier.name.trim().is_empty() || tier.name.trim() != tier.name {
-            return Err(refuse(
-                text,
-                Some(span),
-                "a [[tiers]] entry has an empty name or spaces around it".into(),
-            ));
-        }
-        if !configured.insert(tier.name.clone()) {
-            return Err(refuse(
-                text,
-                Some(span),
-                format!(
-                    "[[tiers]] `{}` is listed twice: give each tier once",
-                    tier.name
-                ),
-            ));
-        }
-        if tier.cap == 0 {
-            return Err(refuse(
-                text,
-                Some(span),
-                format!("[[tiers]] `{}`: cap = 0: give at least 1", tier.name),
-            ));
-        }
-        let wait = *tier.max_wait_ms.get_ref();
-        if wait > MAX_WAIT_MS {
-            return Err(refuse(
-                text,
-                Some(tier.max_wait_ms.span()),
-                format!(
-                    "[[tiers]] `{}`: max_wait_ms = {wait}: give at most {MAX_WAIT_MS} (an hour)",
-                    tier.name
-                ),
-            ));
-        }
-        builder = builder.tier(tier.name.as_str(), tier.cap, Duration::from_millis(wait));
-        if !tiers.contains(&tier.name) {
-            tiers.push(tier.name.clone());
-        }
-    }
-    let policy = builder
-        .build()
-        .map_err(|e| refuse(text, None, format!("bad [limits] or [[tiers]]: {e}")))?;
+    Ok(builder)
+}
 
+/// A `[[tiers]]` entry, refused unless its name is clean and new (`configured` holds those
+/// seen), its cap at least 1 and its max wait at most an hour.
+fn check_tier<'a>(
+    text: &str,
+    entry: &'a Spanned<TierEntry>,
+    configured: &mut HashSet<String>,
+) -> Result<&'a TierEntry, Refusal> {
+    let span = entry.span();
+    let tier = entry.get_ref();
+    if tier.name.trim().is_empty() || tier.name.trim() != tier.name {
+        return Err(refuse(
+            text,
+            Some(span),
+            "a [[tiers]] entry has an empty name or spaces around it".into(),
+        ));
+    }
+    if !configured.insert(tier.name.clone()) {
+        return Err(refuse(
+            text,
+            Some(span),
+            format!(
+                "[[tiers]] `{}` is listed twice: give each tier once",
+                tier.name
+            ),
+        ));
+    }
+    if tier.cap == 0 {
+        return Err(refuse(
+            text,
+            Some(span),
+            format!("[[tiers]] `{}`: cap = 0: give at least 1", tier.name),
+        ));
+    }
+    let wait = *tier.max_wait_ms.get_ref();
+    if wait > MAX_WAIT_MS {
+        return Err(refuse(
+            text,
+            Some(tier.max_wait_ms.span()),
+            format!(
+                "[[tiers]] `{}`: max_wait_ms = {wait}: give at most {MAX_WAIT_MS} (an hour)",
+                tier.name
+            ),
+        ));
+    }
+    Ok(tier)
+}
+
+/// The clients the `[[keys]]` name.
+struct Clients {
+    keys: KeyTable,
+    /// Sorted.
+    tenants: Vec<String>,
+    tenant_tiers: BTreeMap<String, String>,
+}
+
+/// The `[[keys]]`, each checked against `tiers` (the known tier names) and the keys before
+/// it.
+fn clients(
+    text: &str,
+    entries: &[Spanned<KeyEntry>],
+    tiers: &[String],
+) -> Result<Clients, Refusal> {
     let mut keys = KeyTable::new();
     let mut tenants = HashSet::new();
-    let mut tenant_tiers = std::collections::BTreeMap::new();
-    for (i, entry) in file.keys.iter().enumerate() {
-        let n = i + 1;
-        let span = Some(entry.span());
-        let entry = entry.get_ref();
-        let key = &entry.key.get_ref().0;
-        let key_span = Some(entry.key.span());
-        if !key_is_sendable(key) {
-            return Err(refuse(
-                text,
-                key_span,
-                format!(
-                    "key #{n} (tenant `{}`) is empty or has a character a header cannot carry \
-                     (spaces, control characters, NUL or non-ASCII): it could never authenticate",
-                    entry.tenant
-                ),
-            ));
-        }
-        if entry.tenant.trim().is_empty() {
-            return Err(refuse(text, span, format!("key #{n} has an empty tenant")));
-        }
-        if !tiers.contains(&entry.tier) {
-            return Err(refuse(
-                text,
-                span,
-                format!(
-                    "key #{n} (tenant `{}`): unknown tier `{}`; known: {} (add it under [[tiers]])",
-                    entry.tenant,
-                    entry.tier,
-                    tiers.join(", ")
-                ),
-            ));
-        }
-        if keys.get(key).is_some() {
-            return Err(refuse(
-                text,
-                key_span,
-                format!("key #{n} (tenant `{}`) is listed twice", entry.tenant),
-            ));
-        }
-        keys.insert(key, entry.tenant.as_str(), entry.tier.as_str());
+    let mut tenant_tiers = BTreeMap::new();
+    for (i, entry) in entries.iter().enumerate() {
+        let entry = check_key(text, i + 1, entry, tiers, &keys)?;
+        keys.insert(
+            &entry.key.get_ref().0,
+            entry.tenant.as_str(),
+            entry.tier.as_str(),
+        );
         tenants.insert(entry.tenant.clone());
         tenant_tiers
             .entry(entry.tenant.clone())
             .or_insert_with(|| entry.tier.clone());
     }
-    let window = match &limits.window {
-        Some(window) if *window.get_ref() == 0 => {
-            return Err(refuse(
-                text,
-                Some(window.span()),
-                "[limits] window = 0: give at least 1 (calls this gateway sends at once)".into(),
-            ));
-        }
-        Some(window) => *window.get_ref(),
-        None => policy.global_max() as usize,
-    };
+    let mut tenants: Vec<String> = tenants.into_iter().collect();
+    tenants.sort();
+    Ok(Clients {
+        keys,
+        tenants,
+        tenant_tiers,
+    })
+}
+
+/// Key #`n`, refused unless it can authenticate, names a tenant and a known tier, and is
+/// not in `keys` already.
+fn check_key<'a>(
+    text: &str,
+    n: usize,
+    entry: &'a Spanned<KeyEntry>,
+    tiers: &[String],
+    keys: &KeyTable,
+) -> Result<&'a KeyEntry, Refusal> {
+    let span = Some(entry.span());
+    let entry = entry.get_ref();
+    let key = &entry.key.get_ref().0;
+    let key_span = Some(entry.key.span());
+    if !key_is_sendable(key) {
+        return Err(refuse(
+            text,
+            key_span,
+            format!(
+                "key #{n} (tenant `{}`) is empty or has a character a header cannot carry \
+                 (spaces, control characters, NUL or non-ASCII): it could never authenticate",
+                entry.tenant
+            ),
+        ));
+    }
+    if entry.tenant.trim().is_empty() {
+        return Err(refuse(text, span, format!("key #{n} has an empty tenant")));
+    }
+    if !tiers.contains(&entry.tier) {
+        return Err(refuse(
+            text,
+            span,
+            format!(
+                "key #{n} (tenant `{}`): unknown tier `{}`; known: {} (add it under [[tiers]])",
+                entry.tenant,
+                entry.tier,
+                tiers.join(", ")
+            ),
+        ));
+    }
+    if keys.get(key).is_some() {
+        return Err(refuse(
+            text,
+            key_span,
+            format!("key #{n} (tenant `{}`) is listed twice", entry.tenant),
+        ));
+    }
+    Ok(entry)
+}
+
+/// The demotion policy's `[limits]`: the daily token budget and how long a demotion lasts.
+fn demotion(text: &str, limits: &Limits) -> Result<DemotionPolicy, Refusal> {
     let mut demotion = DemotionPolicy::builder();
     if let Some(tokens) = &limits.daily_token_budget {
         demotion = demotion.default_daily_budget(*tokens.get_ref());
@@ -329,17 +400,7 @@ pub(crate) fn parse(text: &str) -> Result<Config, Refusal> {
         .as_ref()
         .map(Spanned::span)
         .or_else(|| limits.demotion_ms.as_ref().map(Spanned::span));
-    let demotion = demotion
+    demotion
         .build()
-        .map_err(|e| refuse(text, span, format!("bad [limits] demotion: {e}")))?;
-    let mut tenants: Vec<String> = tenants.into_iter().collect();
-    tenants.sort();
-    Ok(Config {
-        keys,
-        policy,
-        window,
-        tenants,
-        tenant_tiers,
-        demotion,
-    })
+        .map_err(|e| refuse(text, span, format!("bad [limits] demotion: {e}")))
 }

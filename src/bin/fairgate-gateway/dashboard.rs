@@ -76,6 +76,55 @@ fn num(x: f64) -> String {
 
 /// The numbers of the live page, as JSON.
 pub(crate) async fn live_json(live: &Live, metrics_text: &str) -> String {
+    let tiers = tiers(live, metrics_text).await;
+    let classes = classes(live, metrics_text);
+    let Served {
+        tenants,
+        total,
+        fleet_jain,
+    } = served(live).await;
+    let gauge = |name: &str| -> String {
+        samples(metrics_text, name)
+            .first()
+            .map_or("null".to_owned(), |s| num(s.value))
+    };
+    let gates = gates(live, metrics_text);
+    let probes = samples(metrics_text, metrics::PROBES);
+    let probes_of = |reason: &str| -> f64 {
+        probes
+            .iter()
+            .filter(|s| label(s, "reason") == reason)
+            .fold(0.0, |sum, s| sum + s.value)
+    };
+    format!(
+        concat!(
+            r#"{{"store":{{"backend":{},"degraded":{}}},"#,
+            r#""window":{{"in_flight":{},"max":{},"queued":{}}},"#,
+            r#""tiers":[{}],"classes":[{}],"tenants":[{}],"fairness_index":{},"#,
+            r#""worker_fairness_index":{},"#,
+            r#""upstreams":[{}],"input_tokens_last_minute":{},"#,
+            r#""probes":{{"cold_start":{},"recovery":{}}},"demoted_tenants":{}}}"#
+        ),
+        json(live.store.backend_name()),
+        live.store.is_degraded(),
+        live.fair.in_flight(),
+        live.fair.max_in_flight(),
+        live.fair.queued(None),
+        tiers.join(","),
+        classes.join(","),
+        tenants.join(","),
+        fleet_jain.map_or("null".to_owned(), num),
+        gauge(metrics::FAIRNESS_INDEX),
+        gates.join(","),
+        num(total),
+        num(probes_of("cold_start")),
+        num(probes_of("recovery")),
+        gauge(metrics::DEMOTED_TENANTS),
+    )
+}
+
+/// Per tier: its cap, its calls in flight and waiting, and its refusals by reason.
+async fn tiers(live: &Live, metrics_text: &str) -> Vec<String> {
     let busy = samples(metrics_text, metrics::SERVER_BUSY);
     let mut tiers = Vec::new();
     for (tier, limit) in live.config.policy.tiers() {
@@ -96,6 +145,11 @@ pub(crate) async fn live_json(live: &Live, metrics_text: &str) -> String {
             num(by_reason("store")),
         ));
     }
+    tiers
+}
+
+/// Per priority class: its calls queued and its latency's median and 99th percentile.
+fn classes(live: &Live, metrics_text: &str) -> Vec<String> {
     let latency = samples(metrics_text, metrics::REQUEST_LATENCY);
     let quantile = |class: &str, q: &str| -> String {
         latency
@@ -103,7 +157,7 @@ pub(crate) async fn live_json(live: &Live, metrics_text: &str) -> String {
             .find(|s| label(s, "priority") == class && label(s, "quantile") == q)
             .map_or("null".to_owned(), |s| num(s.value * 1000.0))
     };
-    let classes: Vec<String> = Priority::ALL
+    Priority::ALL
         .iter()
         .map(|&class| {
             format!(
@@ -114,7 +168,20 @@ pub(crate) async fn live_json(live: &Live, metrics_text: &str) -> String {
                 quantile(class.as_str(), "0.99"),
             )
         })
-        .collect();
+        .collect()
+}
+
+/// The tenants' served tokens, as the live page shows them.
+struct Served {
+    /// The ten tenants served most, as JSON.
+    tenants: Vec<String>,
+    /// Every tenant's tokens together.
+    total: f64,
+    /// Jain's index over the weighed tokens of the tenants served at all.
+    fleet_jain: Option<f64>,
+}
+
+async fn served(live: &Live) -> Served {
     // Served tokens per tenant in the store's window (every worker's, on Redis), weighed by
     // the tenant's tier as the fair queue weighs it (pro and premium 3, others 1).
     let mut served = Vec::new();
@@ -158,11 +225,15 @@ pub(crate) async fn live_json(live: &Live, metrics_text: &str) -> String {
             )
         })
         .collect();
-    let gauge = |name: &str| -> String {
-        samples(metrics_text, name)
-            .first()
-            .map_or("null".to_owned(), |s| num(s.value))
-    };
+    Served {
+        tenants,
+        total,
+        fleet_jain,
+    }
+}
+
+/// Per upstream key: its learned limits and how long its cooldown gate stays closed.
+fn gates(live: &Live, metrics_text: &str) -> Vec<String> {
     let learned = samples(metrics_text, metrics::LEARNED_LIMIT);
     let mut upstreams: Vec<String> = learned
         .iter()
@@ -171,7 +242,7 @@ pub(crate) async fn live_json(live: &Live, metrics_text: &str) -> String {
     upstreams.push("default".to_owned());
     upstreams.sort();
     upstreams.dedup();
-    let gates: Vec<String> = upstreams
+    upstreams
         .iter()
         .map(|upstream| {
             let limits: Vec<String> = learned
@@ -187,39 +258,7 @@ pub(crate) async fn live_json(live: &Live, metrics_text: &str) -> String {
                 closed.map_or("null".to_owned(), num),
             )
         })
-        .collect();
-    let probes = samples(metrics_text, metrics::PROBES);
-    let probes_of = |reason: &str| -> f64 {
-        probes
-            .iter()
-            .filter(|s| label(s, "reason") == reason)
-            .fold(0.0, |sum, s| sum + s.value)
-    };
-    format!(
-        concat!(
-            r#"{{"store":{{"backend":{},"degraded":{}}},"#,
-            r#""window":{{"in_flight":{},"max":{},"queued":{}}},"#,
-            r#""tiers":[{}],"classes":[{}],"tenants":[{}],"fairness_index":{},"#,
-            r#""worker_fairness_index":{},"#,
-            r#""upstreams":[{}],"input_tokens_last_minute":{},"#,
-            r#""probes":{{"cold_start":{},"recovery":{}}},"demoted_tenants":{}}}"#
-        ),
-        json(live.store.backend_name()),
-        live.store.is_degraded(),
-        live.fair.in_flight(),
-        live.fair.max_in_flight(),
-        live.fair.queued(None),
-        tiers.join(","),
-        classes.join(","),
-        tenants.join(","),
-        fleet_jain.map_or("null".to_owned(), num),
-        gauge(metrics::FAIRNESS_INDEX),
-        gates.join(","),
-        num(total),
-        num(probes_of("cold_start")),
-        num(probes_of("recovery")),
-        gauge(metrics::DEMOTED_TENANTS),
-    )
+        .collect()
 }
 
 #[cfg(test)]

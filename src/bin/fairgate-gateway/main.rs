@@ -41,8 +41,9 @@ use bytes::Bytes;
 use clap::Parser;
 use fairgate::{BoxError, Store};
 use http::Uri;
-use metrics_exporter_prometheus::PrometheusBuilder;
+use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 use tokio::signal::unix::{SignalKind, signal};
+use tokio::task::JoinHandle;
 use tracing::{info, warn};
 use tracing_subscriber::EnvFilter;
 
@@ -278,6 +279,85 @@ async fn open_store(args: &Args) -> Result<Store, String> {
 
 async fn run(mut args: Args) -> Result<(), String> {
     let config = config::load(&args.keys)?;
+    let api_key = check_args(&mut args)?;
+    let upstream = Upstream::new(&args.upstream, api_key.trim())?;
+    let metrics = PrometheusBuilder::new()
+        .install_recorder()
+        .map_err(|e| format!("cannot install the metrics recorder: {e}"))?;
+    let store = open_store(&args).await?;
+    let tenants = config.tenants.len();
+    let (global_max, window) = (config.policy.global_max(), config.window);
+    let live = Live::new(config, store, &upstream)?;
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    let gw = Arc::new(gateway(&args, live, upstream, stopped.clone())?);
+    let listeners = Listeners::bind(&args).await?;
+    info!(
+        listen = %listeners.api_addr,
+        admin = %listeners.admin_addr,
+        upstream = %args.upstream,
+        store = if args.redis.is_some() { "redis" } else { "memory" },
+        tenants,
+        global_max,
+        window,
+        max_connections = args.max_connections,
+        record = args.record.as_ref().map(|path| path.display().to_string()),
+        "gateway listening"
+    );
+
+    let admin = Arc::new(admin::Admin {
+        gateway: gw.clone(),
+        connections: listeners.api_conns.clone(),
+        metrics: metrics.clone(),
+        started: Instant::now(),
+    });
+    let background = background(&gw, metrics);
+    let mut servers = Servers::start(listeners, &gw, admin, stopped, args.drain_timeout);
+    until_shutdown(&gw, &args, &mut servers.api).await?;
+    let _ = stop.send(true);
+    servers.drain(args.drain_timeout).await;
+    for task in background {
+        task.abort();
+    }
+    // Every connection, call and slot is dropped by now; let the store send what it owes
+    // (released leases, batched counts) before the process ends.
+    let store = gw.live().store.clone();
+    let _ = tokio::time::timeout(Duration::from_secs(2), store.flush()).await;
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    info!("gateway stopped");
+    Ok(())
+}
+
+/// The gateway's shared state for `live`, with `--record`'s recorder started, and the body
+/// and auth limits of `args`.
+fn gateway(
+    args: &Args,
+    live: Live,
+    upstream: Upstream,
+    stopped: tokio::sync::watch::Receiver<bool>,
+) -> Result<Gateway, String> {
+    let recorder = match &args.record {
+        Some(path) => Some(record::Recorder::start(path)?),
+        None => None,
+    };
+    Ok(Gateway::new(
+        live,
+        upstream,
+        BodyBudget::new(args.body_budget),
+        AuthGuard::new(args.auth_failure_burst, args.auth_failure_rate),
+        BodyLimits {
+            max_body: args.max_body,
+            idle: args.body_idle_timeout,
+            total: args.body_timeout,
+        },
+        stopped,
+        recorder,
+    ))
+}
+
+/// Refuses what the gateway cannot start with (no upstream key; a body budget smaller than
+/// one body), lowers `--max-connections` to fit the open-files limit, and returns the
+/// upstream key.
+fn check_args(args: &mut Args) -> Result<String, String> {
     let api_key = std::env::var("ANTHROPIC_API_KEY").unwrap_or_default();
     if api_key.trim().is_empty() {
         return Err("ANTHROPIC_API_KEY is not set: the gateway calls the upstream with it".into());
@@ -299,78 +379,51 @@ async fn run(mut args: Args) -> Result<(), String> {
             args.max_connections = u32::try_from(fit).unwrap_or(u32::MAX);
         }
     }
-    let upstream = Upstream::new(&args.upstream, api_key.trim())?;
-    let metrics = PrometheusBuilder::new()
-        .install_recorder()
-        .map_err(|e| format!("cannot install the metrics recorder: {e}"))?;
-    let store = open_store(&args).await?;
-    let tenants = config.tenants.len();
-    let (global_max, window) = (config.policy.global_max(), config.window);
-    let live = Live::new(config, store, &upstream)?;
-    let recorder = match &args.record {
-        Some(path) => Some(record::Recorder::start(path)?),
-        None => None,
-    };
+    Ok(api_key)
+}
 
-    let (stop, stopped) = tokio::sync::watch::channel(false);
-    let gw = Arc::new(Gateway::new(
-        live,
-        upstream,
-        BodyBudget::new(args.body_budget),
-        AuthGuard::new(args.auth_failure_burst, args.auth_failure_rate),
-        BodyLimits {
-            max_body: args.max_body,
-            idle: args.body_idle_timeout,
-            total: args.body_timeout,
-        },
-        stopped.clone(),
-        recorder,
-    ));
+/// The API and admin listeners, bound, with their connection tables.
+struct Listeners {
+    api: tokio::net::TcpListener,
+    api_addr: SocketAddr,
+    api_conns: Arc<Connections>,
+    admin: tokio::net::TcpListener,
+    admin_addr: SocketAddr,
+    admin_conns: Arc<Connections>,
+}
 
-    let listener = tokio::net::TcpListener::bind(args.listen)
-        .await
-        .map_err(|e| format!("--listen {}: {e}", args.listen))?;
-    let local = listener.local_addr().map_err(|e| e.to_string())?;
-    let admin_listener = tokio::net::TcpListener::bind(args.admin)
-        .await
-        .map_err(|e| format!("--admin {}: {e}", args.admin))?;
-    let admin_local = admin_listener.local_addr().map_err(|e| e.to_string())?;
-    let api_conns = Connections::new(
-        "api",
-        ConnLimits {
-            max: args.max_connections as usize,
+impl Listeners {
+    async fn bind(args: &Args) -> Result<Listeners, String> {
+        let api = tokio::net::TcpListener::bind(args.listen)
+            .await
+            .map_err(|e| format!("--listen {}: {e}", args.listen))?;
+        let api_addr = api.local_addr().map_err(|e| e.to_string())?;
+        let admin = tokio::net::TcpListener::bind(args.admin)
+            .await
+            .map_err(|e| format!("--admin {}: {e}", args.admin))?;
+        let admin_addr = admin.local_addr().map_err(|e| e.to_string())?;
+        let limits = |max| ConnLimits {
+            max,
             header_timeout: args.header_timeout,
             keep_alive: args.keep_alive_timeout,
-        },
-    );
-    let admin_conns = Connections::new(
-        "admin",
-        ConnLimits {
-            max: 64,
-            header_timeout: args.header_timeout,
-            keep_alive: args.keep_alive_timeout,
-        },
-    );
-    info!(
-        listen = %local,
-        admin = %admin_local,
-        upstream = %args.upstream,
-        store = if args.redis.is_some() { "redis" } else { "memory" },
-        tenants,
-        global_max,
-        window,
-        max_connections = args.max_connections,
-        record = args.record.as_ref().map(|path| path.display().to_string()),
-        "gateway listening"
-    );
+        };
+        let api_conns = Connections::new("api", limits(args.max_connections as usize));
+        let admin_conns = Connections::new("admin", limits(64));
+        Ok(Listeners {
+            api,
+            api_addr,
+            api_conns,
+            admin,
+            admin_addr,
+            admin_conns,
+        })
+    }
+}
 
-    let admin = Arc::new(admin::Admin {
-        gateway: gw.clone(),
-        connections: api_conns.clone(),
-        metrics: metrics.clone(),
-        started: Instant::now(),
-    });
-    let background = [
+/// The tasks that run beside the servers until the gateway stops: the metrics' upkeep,
+/// the demotion gauge's tick and the body budget's gauge.
+fn background(gw: &Arc<Gateway>, metrics: PrometheusHandle) -> [JoinHandle<()>; 3] {
+    [
         // Prometheus histograms need upkeep now and then.
         tokio::spawn(async move {
             let mut every = tokio::time::interval(Duration::from_secs(5));
@@ -390,59 +443,86 @@ async fn run(mut args: Args) -> Result<(), String> {
                 }
             })
         },
-    ];
+    ]
+}
 
-    let mut api_server = {
-        let gw = gw.clone();
-        tokio::spawn(server::serve(
-            listener,
-            api_conns,
-            move |peer, req| api::handle(gw.clone(), peer, req),
-            stopped.clone(),
-            args.drain_timeout,
-        ))
-    };
-    // The admin listener stays up while the API port drains (`/readyz` says so).
-    let (admin_stop, admin_stopped) = tokio::sync::watch::channel(false);
-    let admin_server = tokio::spawn(server::serve(
-        admin_listener,
-        admin_conns,
-        move |_, req| admin::handle(admin.clone(), req),
-        admin_stopped,
-        Duration::from_secs(1),
-    ));
+/// The API and admin servers, running.
+struct Servers {
+    /// How many connections it cut at the end of its drain.
+    api: JoinHandle<usize>,
+    admin: JoinHandle<usize>,
+    admin_stop: tokio::sync::watch::Sender<bool>,
+}
 
+impl Servers {
+    /// Serves the API until `stopped` turns true, then drains for up to `drain`; the admin
+    /// listener has its own stop.
+    fn start(
+        listeners: Listeners,
+        gw: &Arc<Gateway>,
+        admin: Arc<admin::Admin>,
+        stopped: tokio::sync::watch::Receiver<bool>,
+        drain: Duration,
+    ) -> Servers {
+        let api = {
+            let gw = gw.clone();
+            tokio::spawn(server::serve(
+                listeners.api,
+                listeners.api_conns,
+                move |peer, req| api::handle(gw.clone(), peer, req),
+                stopped,
+                drain,
+            ))
+        };
+        // The admin listener stays up while the API port drains (`/readyz` says so).
+        let (admin_stop, admin_stopped) = tokio::sync::watch::channel(false);
+        let admin = tokio::spawn(server::serve(
+            listeners.admin,
+            listeners.admin_conns,
+            move |_, req| admin::handle(admin.clone(), req),
+            admin_stopped,
+            Duration::from_secs(1),
+        ));
+        Servers {
+            api,
+            admin,
+            admin_stop,
+        }
+    }
+
+    /// After the API's stop: waits for its calls in flight (up to `drain`), then stops the
+    /// admin listener.
+    async fn drain(self, drain: Duration) {
+        info!(
+            drain_secs = drain.as_secs(),
+            "no new connections; idle ones closed; waiting for calls in flight"
+        );
+        let cut = self.api.await.unwrap_or(0);
+        server::log_drained("api", cut);
+        let _ = self.admin_stop.send(true);
+        let _ = self.admin.await;
+    }
+}
+
+/// Serves until SIGTERM or Ctrl-C, reloading the keys file on SIGHUP. An error when the
+/// API listener stops on its own.
+async fn until_shutdown(
+    gw: &Gateway,
+    args: &Args,
+    api_server: &mut JoinHandle<usize>,
+) -> Result<(), String> {
     let mut term = signal(SignalKind::terminate()).map_err(|e| format!("SIGTERM: {e}"))?;
     let mut hup = signal(SignalKind::hangup()).map_err(|e| format!("SIGHUP: {e}"))?;
     loop {
         tokio::select! {
-            _ = tokio::signal::ctrl_c() => { info!("Ctrl-C: shutting down"); break; }
-            _ = term.recv() => { info!("SIGTERM: shutting down"); break; }
-            _ = hup.recv() => reload(&gw, &args).await,
-            result = &mut api_server => {
+            _ = tokio::signal::ctrl_c() => { info!("Ctrl-C: shutting down"); return Ok(()); }
+            _ = term.recv() => { info!("SIGTERM: shutting down"); return Ok(()); }
+            _ = hup.recv() => reload(gw, args).await,
+            result = &mut *api_server => {
                 return Err(format!("the API listener stopped: {result:?}"));
             }
         }
     }
-    let _ = stop.send(true);
-    info!(
-        drain_secs = args.drain_timeout.as_secs(),
-        "no new connections; idle ones closed; waiting for calls in flight"
-    );
-    let cut = api_server.await.unwrap_or(0);
-    server::log_drained("api", cut);
-    let _ = admin_stop.send(true);
-    let _ = admin_server.await;
-    for task in background {
-        task.abort();
-    }
-    // Every connection, call and slot is dropped by now; let the store send what it owes
-    // (released leases, batched counts) before the process ends.
-    let store = gw.live().store.clone();
-    let _ = tokio::time::timeout(Duration::from_secs(2), store.flush()).await;
-    tokio::time::sleep(Duration::from_millis(50)).await;
-    info!("gateway stopped");
-    Ok(())
 }
 
 /// Runs the gateway: parses the command line (and environment), starts the runtime, serves

@@ -331,17 +331,7 @@ where
     Fut: Future<Output = http::Response<Body>> + Send + 'static,
 {
     let mut tasks = JoinSet::new();
-    let sweeper = {
-        let table = table.clone();
-        tokio::spawn(async move {
-            let mut every = tokio::time::interval(Duration::from_millis(250));
-            every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-            loop {
-                every.tick().await;
-                table.sweep();
-            }
-        })
-    };
+    let sweeper = tokio::spawn(sweep(table.clone()));
     let mut last_refusal_log: Option<Instant> = None;
     let for_connections = shutdown.clone();
     loop {
@@ -364,16 +354,7 @@ where
                     }
                     None => {
                         drop(tcp);
-                        metrics::counter!("gateway_connections_refused_total", "listener" => table.name)
-                            .increment(1);
-                        if last_refusal_log.is_none_or(|at| at.elapsed() > Duration::from_secs(10)) {
-                            last_refusal_log = Some(Instant::now());
-                            warn!(
-                                listener = table.name,
-                                max = table.limits.max,
-                                "connection refused: every connection is serving a request"
-                            );
-                        }
+                        refused(&table, &mut last_refusal_log);
                     }
                 },
                 Err(e) => {
@@ -387,21 +368,51 @@ where
         }
     }
     drop(listener);
+    let cut = finish(tasks, drain).await;
+    sweeper.abort();
+    cut
+}
+
+/// Closes what idles too long in `table`, every quarter second.
+async fn sweep(table: Arc<Connections>) {
+    let mut every = tokio::time::interval(Duration::from_millis(250));
+    every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        every.tick().await;
+        table.sweep();
+    }
+}
+
+/// A connection refused because every one of `table` serves a request: counted, and
+/// logged at most every ten seconds (`last_log`).
+fn refused(table: &Connections, last_log: &mut Option<Instant>) {
+    metrics::counter!("gateway_connections_refused_total", "listener" => table.name).increment(1);
+    if last_log.is_none_or(|at| at.elapsed() > Duration::from_secs(10)) {
+        *last_log = Some(Instant::now());
+        warn!(
+            listener = table.name,
+            max = table.limits.max,
+            "connection refused: every connection is serving a request"
+        );
+    }
+}
+
+/// Lets the connections in `tasks` finish for up to `drain`, then cuts the rest; returns
+/// how many were cut.
+async fn finish(mut tasks: JoinSet<()>, drain: Duration) -> usize {
     let deadline = tokio::time::sleep(drain);
     tokio::pin!(deadline);
-    let cut = loop {
+    loop {
         tokio::select! {
-            joined = tasks.join_next() => if joined.is_none() { break 0 },
+            joined = tasks.join_next() => if joined.is_none() { return 0 },
             _ = &mut deadline => {
                 let cut = tasks.len();
                 tasks.abort_all();
                 while tasks.join_next().await.is_some() {}
-                break cut;
+                return cut;
             }
         }
-    };
-    sweeper.abort();
-    cut
+    }
 }
 
 async fn connection<H, Fut>(

@@ -474,6 +474,81 @@ impl Drop for Answering<'_> {
     }
 }
 
+/// One acquire, as every try of it sends it.
+struct SlotAsk {
+    /// The lease id, one for all the tries.
+    id: String,
+    tier: Tier,
+    /// Named only when `limits` caps tenants.
+    tenant: Option<TenantId>,
+    tier_key: String,
+    tenant_key: Option<String>,
+    limits: SlotLimits,
+    /// How a refusal for a full tier queues this worker for a wake-up.
+    queue: Option<SlotQueue>,
+    /// The flow a queued acquire belongs to, as its wake-ups name it.
+    flow: Option<String>,
+}
+
+impl SlotAsk {
+    /// Takes a lease id and, with `queue`, counts this worker as queueing for the tier.
+    fn new(
+        store: &RedisStore,
+        tier: Tier,
+        tenant: Option<TenantId>,
+        limits: SlotLimits,
+        queue: Option<SlotQueue>,
+    ) -> Self {
+        let id = store.lease_id();
+        let tier_key = store.keys.slots_tier(&tier);
+        let tenant_key = tenant.as_ref().map(|t| store.keys.slots_tenant(&tier, t));
+        if queue.is_some() {
+            store.wakes.queueing(&tier_key, &tier);
+        }
+        let flow = queue.as_ref().map(SlotQueue::flow);
+        SlotAsk {
+            id,
+            tier,
+            tenant,
+            tier_key,
+            tenant_key,
+            limits,
+            queue,
+            flow,
+        }
+    }
+}
+
+/// What the acquire script answered.
+struct AcquireAnswer {
+    /// Below 0: this worker must resync first; 0: refused; above: taken.
+    status: i64,
+    /// Why, when refused.
+    refusal: SlotRefusal,
+    /// Room left in the tier after this acquire.
+    room: u32,
+}
+
+impl AcquireAnswer {
+    fn read(answer: &[i64]) -> Option<Self> {
+        let &[status, _global, _tier, ..] = answer else {
+            return None;
+        };
+        let count = |n: i64| u32::try_from(n).unwrap_or(0);
+        // 2: the tier had room, the tenant's own cap did not.
+        let refusal = match answer.get(3) {
+            Some(2) => SlotRefusal::TenantCap,
+            _ => SlotRefusal::Full,
+        };
+        let room = answer.get(4).map_or(u32::MAX, |&n| count(n));
+        Some(AcquireAnswer {
+            status,
+            refusal,
+            room,
+        })
+    }
+}
+
 /// The Redis half of a [`SlotLease`]: a call this worker counts in flight, in Redis or (a
 /// fallback slot) not yet.
 pub(crate) struct RedisLease {
@@ -552,128 +627,144 @@ impl RedisStore {
         let tier = tier.clone();
         let tenant = tenant.cloned();
         StoreFuture::pending(async move {
-            let id = this.lease_id();
-            let tier_key = this.keys.slots_tier(&tier);
-            let tenant_key = tenant.as_ref().map(|t| this.keys.slots_tenant(&tier, t));
-            if queue.is_some() {
-                this.wakes.queueing(&tier_key, &tier);
-            }
-            let flow = queue.as_ref().map(SlotQueue::flow);
-            let (waiting, weight) = queue.as_ref().map_or((0, 1), |q| (q.waiting, q.weight));
-            let (class, class_weight) = queue
-                .as_ref()
-                .map_or((1, 1), |q| (q.class as u8, q.class_weight));
-            let cost = queue.as_ref().map_or(1, |q| q.cost.max(1));
-            // The wake-up of its flow this acquire answers, if any (only a queued call
-            // answers one).
-            let token = flow.as_ref().and_then(|f| this.wakes.answer(&tier_key, f));
-            let mut answering = Answering::new(&this, &tier_key, token);
-            let (mut resynced, mut late) = (false, false);
-            loop {
-                this.reserve(&id, &tier_key, tenant_key.as_deref(), limits)?;
-                let unclaimed = Unclaimed {
-                    store: &this,
-                    lease: Some((id.clone(), tier_key.clone())),
-                    tenant_key: tenant_key.clone(),
-                };
-                let epoch = lock(&this.slots.epoch).clone();
-                let mut conn = this.conn.clone();
-                let mut acquire = this.slot_scripts.acquire.prepare_invoke();
-                acquire
-                    .key(&this.keys.slots_global)
-                    .key(&tier_key)
-                    .key(&this.keys.slots_workers)
-                    .key(&this.keys.slots_epoch)
-                    .key(&this.keys.slots_waits)
-                    .key(Keys::tier_queue(&tier_key))
-                    .key(&this.keys.slots_promised)
-                    .key(Keys::tier_promised(&tier_key))
-                    .arg(limits.global)
-                    .arg(limits.tier)
-                    .arg(duration_ms(limits.lease_ttl))
-                    .arg(&id)
-                    .arg(&this.worker_id)
-                    .arg(epoch.as_deref().unwrap_or(""))
-                    .arg(waiting)
-                    .arg(weight)
-                    .arg(answering.arg())
-                    .arg(class)
-                    .arg(class_weight)
-                    .arg(
-                        queue
-                            .as_ref()
-                            .and_then(|q| q.tenant.as_ref())
-                            .map_or("", |t| t.as_str()),
-                    )
-                    .arg(cost);
-                if let (Some(key), Some(cap)) = (&tenant_key, limits.tenant) {
-                    acquire.key(key).arg(cap);
-                }
-                let answer = this
-                    .guard(acquire.invoke_async::<Vec<i64>>(&mut conn))
-                    .await;
-                let Some(&[status, _global, _tier, ..]) = answer.as_deref() else {
-                    drop(unclaimed); // maybe granted, surely not held: release it later
-                    return this.acquire_fallback(&tier, tenant.as_ref(), limits);
-                };
-                let count = |n: i64| u32::try_from(n).unwrap_or(0);
-                // 2: the tier had room, the tenant's own cap did not.
-                let refusal = match answer.as_deref().and_then(|a| a.get(3)) {
-                    Some(2) => SlotRefusal::TenantCap,
-                    _ => SlotRefusal::Full,
-                };
-                let room = answer
-                    .as_deref()
-                    .and_then(|a| a.get(4))
-                    .map_or(u32::MAX, |&n| count(n));
-                unclaimed.claim();
-                if status < 0 {
-                    // Nothing was taken: this worker's calls are not all counted.
-                    lock(&this.slots.held).remove(&id);
-                    if resynced {
-                        // Another epoch began meanwhile: wait, try again.
-                        return Err(SlotRefusal::Full);
-                    }
-                    if !this.resync(false, Some(epoch)).await {
-                        return this.acquire_fallback(&tier, tenant.as_ref(), limits);
-                    }
-                    resynced = true;
-                    continue;
-                }
-                {
-                    let mut held = lock(&this.slots.held);
-                    if status == 0 {
-                        held.remove(&id);
-                    } else if let Some(held) = held.get_mut(&id) {
-                        // `renewed` stays when the acquire was sent: the lease lives in
-                        // Redis at least a TTL from then.
-                        held.counted = Counted::Shared;
-                    }
-                }
-                if status == 0 {
-                    // A wake-up that came while this acquire was on its way is for this
-                    // call: try once more with it, or the slot goes to nobody.
-                    if answering.token.is_none()
-                        && let Some(flow) = &flow
-                        && !late
-                    {
-                        answering.token = this.wakes.answer(&tier_key, flow);
-                        if answering.token.is_some() {
-                            late = true;
-                            continue;
-                        }
-                    }
-                    return Err(refusal);
-                }
-                answering.taken();
-                let lease = RedisLease {
-                    store: this.clone(),
-                    id,
-                };
-                let lease = SlotLease::new(tier, tenant, Holder::Redis(lease));
-                return Ok(lease.with_room(room));
-            }
+            let ask = SlotAsk::new(&this, tier, tenant, limits, queue);
+            this.acquire_shared(ask).await
         })
+    }
+
+    /// Sends the acquire script until it answers for good: a resync and one more try when
+    /// this worker's calls are not all counted, one more with a wake-up that came while it
+    /// was on its way; the fallback when Redis does not answer.
+    async fn acquire_shared(self: Arc<Self>, ask: SlotAsk) -> Result<SlotLease, SlotRefusal> {
+        // The wake-up of its flow this acquire answers, if any (only a queued call answers
+        // one).
+        let token = ask
+            .flow
+            .as_ref()
+            .and_then(|f| self.wakes.answer(&ask.tier_key, f));
+        let mut answering = Answering::new(&self, &ask.tier_key, token);
+        let (mut resynced, mut late) = (false, false);
+        loop {
+            self.reserve(
+                &ask.id,
+                &ask.tier_key,
+                ask.tenant_key.as_deref(),
+                ask.limits,
+            )?;
+            let epoch = lock(&self.slots.epoch).clone();
+            let Some(answer) = self.send_acquire(&ask, &epoch, answering.arg()).await else {
+                return self.acquire_fallback(&ask.tier, ask.tenant.as_ref(), ask.limits);
+            };
+            if answer.status < 0 {
+                // Nothing was taken: this worker's calls are not all counted.
+                lock(&self.slots.held).remove(&ask.id);
+                if resynced {
+                    // Another epoch began meanwhile: wait, try again.
+                    return Err(SlotRefusal::Full);
+                }
+                if !self.resync(false, Some(epoch)).await {
+                    return self.acquire_fallback(&ask.tier, ask.tenant.as_ref(), ask.limits);
+                }
+                resynced = true;
+                continue;
+            }
+            self.note_answer(&ask.id, answer.status != 0);
+            if answer.status == 0 {
+                // A wake-up that came while this acquire was on its way is for this call:
+                // try once more with it, or the slot goes to nobody.
+                if answering.token.is_none()
+                    && let Some(flow) = &ask.flow
+                    && !late
+                {
+                    answering.token = self.wakes.answer(&ask.tier_key, flow);
+                    if answering.token.is_some() {
+                        late = true;
+                        continue;
+                    }
+                }
+                return Err(answer.refusal);
+            }
+            answering.taken();
+            let lease = RedisLease {
+                store: self.clone(),
+                id: ask.id,
+            };
+            let lease = SlotLease::new(ask.tier, ask.tenant, Holder::Redis(lease));
+            return Ok(lease.with_room(answer.room));
+        }
+    }
+
+    /// One acquire script for `ask`, in this worker's `epoch`, answering the wake-up of
+    /// `token` (empty: none). `None` when Redis did not answer: the lease id, perhaps
+    /// granted, is then queued for release (as it is when this future is dropped on the way).
+    async fn send_acquire(
+        &self,
+        ask: &SlotAsk,
+        epoch: &Option<String>,
+        token: &str,
+    ) -> Option<AcquireAnswer> {
+        let unclaimed = Unclaimed {
+            store: self,
+            lease: Some((ask.id.clone(), ask.tier_key.clone())),
+            tenant_key: ask.tenant_key.clone(),
+        };
+        let mut conn = self.conn.clone();
+        let mut acquire = self.slot_scripts.acquire.prepare_invoke();
+        let (limits, queue) = (ask.limits, ask.queue.as_ref());
+        let (waiting, weight) = queue.map_or((0, 1), |q| (q.waiting, q.weight));
+        let (class, class_weight) = queue.map_or((1, 1), |q| (q.class as u8, q.class_weight));
+        let cost = queue.map_or(1, |q| q.cost.max(1));
+        acquire
+            .key(&self.keys.slots_global)
+            .key(&ask.tier_key)
+            .key(&self.keys.slots_workers)
+            .key(&self.keys.slots_epoch)
+            .key(&self.keys.slots_waits)
+            .key(Keys::tier_queue(&ask.tier_key))
+            .key(&self.keys.slots_promised)
+            .key(Keys::tier_promised(&ask.tier_key))
+            .arg(limits.global)
+            .arg(limits.tier)
+            .arg(duration_ms(limits.lease_ttl))
+            .arg(&ask.id)
+            .arg(&self.worker_id)
+            .arg(epoch.as_deref().unwrap_or(""))
+            .arg(waiting)
+            .arg(weight)
+            .arg(token)
+            .arg(class)
+            .arg(class_weight)
+            .arg(
+                queue
+                    .and_then(|q| q.tenant.as_ref())
+                    .map_or("", |t| t.as_str()),
+            )
+            .arg(cost);
+        if let (Some(key), Some(cap)) = (&ask.tenant_key, limits.tenant) {
+            acquire.key(key).arg(cap);
+        }
+        let answer = self
+            .guard(acquire.invoke_async::<Vec<i64>>(&mut conn))
+            .await;
+        let Some(answer) = answer.as_deref().and_then(AcquireAnswer::read) else {
+            drop(unclaimed); // maybe granted, surely not held: release it later
+            return None;
+        };
+        unclaimed.claim();
+        Some(answer)
+    }
+
+    /// The acquire script answered for the call `id` counts here: taken, it is a lease in
+    /// Redis; refused, it is forgotten.
+    fn note_answer(&self, id: &str, taken: bool) {
+        let mut held = lock(&self.slots.held);
+        if !taken {
+            held.remove(id);
+        } else if let Some(held) = held.get_mut(id) {
+            // `renewed` stays when the acquire was sent: the lease lives in Redis at least a
+            // TTL from then.
+            held.counted = Counted::Shared;
+        }
     }
 
     /// Counts a call about to be acquired, if it fits this worker's share while restricted.
