@@ -1,8 +1,8 @@
-use crate::hash::HashMap;
 use std::time::Duration;
 
 use crate::Tier;
 use crate::error::ConfigError;
+use crate::hash::HashMap;
 
 /// The cap and the patience of one tier.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -164,11 +164,10 @@
 use std::fmt;
 use std::hash::BuildHasher;
 
-use crate::hash::Seeded;
-
 use hashbrown::HashTable;
 
 use crate::error::ConfigError;
+use crate::hash::Seeded;
 use crate::rng::Rng;
 use crate::{Priority, TenantId};
 

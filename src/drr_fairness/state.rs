@@ -2,8 +2,6 @@
 //! group, the in-flight count and the waiters' wakers, behind one mutex.
 
 use std::collections::VecDeque;
-
-use crate::hash::{HashMap, HashSet};
 use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
@@ -19,6 +17,7 @@ use super::scheduler::{ClassPicker, Key, Pick, Rejected, Scheduler, SchedulerCon
 use crate::admission::{Busy, SlowWait, TierLimit};
 use crate::error::ConfigError;
 use crate::gate::{RateGate, SlotGate, Taken, Verdict, WaitReason};
+use crate::hash::{HashMap, HashSet};
 use crate::metrics::Metric;
 use crate::rng::Rng;
 use crate::store::{

@@ -1,4 +1,3 @@
-use crate::hash::HashMap;
 use std::fmt;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -15,6 +14,7 @@ use super::request::{ByClone, TypeName};
 use super::telemetry;
 use super::{BackoffPolicy, RetryAfterBackoff};
 use crate::Store;
+use crate::hash::HashMap;
 use crate::rng::Rng;
 use crate::store::{DIMS, PaceAsk, PaceGrant};
 

@@ -5,7 +5,6 @@
 //! The bucket itself (limits, theoretical arrival times, the probe lease) lives in the
 //! store (`store/pacing.rs`, `scripts/learned_pace.lua`).
 
-use crate::hash::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
@@ -13,6 +12,7 @@ use std::time::Duration;
 use http::HeaderMap;
 use tokio::time::Instant;
 
+use crate::hash::HashMap;
 use crate::store::{DIMS, MAX_LIMIT, PaceAsk, PaceGrant};
 
 /// The four dimensions Anthropic reports, in the store's order.

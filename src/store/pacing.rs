@@ -5,13 +5,13 @@
 //! earliest moment every dimension conforms. Reserving (instead of "try again later") keeps
 //! the order of arrival and wakes each waiter once, at its own time.
 
-use crate::hash::HashMap;
 use std::sync::Mutex;
 use std::time::Duration;
 
 use tokio::time::Instant;
 
 use crate::gcra::{self, Gcra};
+use crate::hash::HashMap;
 
 /// One dimension of a pacing request.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -15,7 +15,6 @@
 //! error from the constructor, never a silent fallback; Redis *not there* at start (refused,
 //! timed out) is the degraded start of DESIGN §3.
 
-use crate::hash::HashMap;
 use std::fmt;
 use std::future::Future;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -35,6 +34,7 @@ use super::{
 use crate::TenantId;
 use crate::admission::DemotionPolicy;
 use crate::error::ConfigError;
+use crate::hash::HashMap;
 
 mod conn;
 mod cooldown;

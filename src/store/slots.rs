@@ -6,13 +6,13 @@
 //! tenant's, with a tenant cap) scored by its expiry, renewed by a heartbeat while held, so
 //! the slots of a crashed worker come back within one lease TTL.
 
-use crate::hash::HashMap;
 use std::fmt;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tokio::sync::Notify;
 
+use crate::hash::HashMap;
 use crate::{Priority, TenantId, Tier};
 
 /// The caps one acquire is checked against, and how long a Redis lease lives unrenewed.

@@ -21,14 +21,13 @@
 //! reader checks an entry's own expiry, so a lingering entry is memory, never a wrong answer.
 
 use std::hash::BuildHasher;
-
-use crate::hash::Seeded;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use hashbrown::HashTable;
 
 use crate::TenantId;
+use crate::hash::Seeded;
 
 /// Shards per table (a power of two).
 pub(crate) const SHARDS: usize = 256;

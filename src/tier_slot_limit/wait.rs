@@ -1,6 +1,5 @@
 //! Waiting for a slot: in arrival order per tier, woken by releases, bounded by max wait.
 
-use crate::hash::{HashMap, HashSet};
 use std::fmt;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -12,6 +11,7 @@ use tokio::time::{Instant, sleep_until};
 use super::{Busy, SlotPolicy, TierLimit};
 use crate::admission::SlowWait;
 use crate::gate::WaitReason;
+use crate::hash::{HashMap, HashSet};
 use crate::rng::Rng;
 use crate::store::{SlotLease, SlotLimits, SlotQueue, SlotRefusal, Store, StoreFuture};
 use crate::sync::lock;
