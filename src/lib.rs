@@ -30,7 +30,7 @@
 //! Around the layers: [`FairgateLayer`] applies all four in the recommended order;
 //! [`JobLayer`] derives each request's [`Job`] from the request (API key, headers);
 //! [`Rejection`] and [`reject::render`] turn every refusal into an answer clients
-//! understand (the reference's `SERVER_BUSY`, or Anthropic's error shape).
+//! understand (`503 {"code":"SERVER_BUSY","retry_after":5}`, or Anthropic's error shape).
 //!
 //! The order below is the recommended one, and why: classify first (the others read the
 //! priority); the retry layer outside the fair queue, so a call sleeping before a retry

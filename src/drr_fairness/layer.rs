@@ -181,7 +181,7 @@ impl DrrFairnessBuilder {
     }
 
     /// How the next class is picked (default deterministic smooth weighted round robin;
-    /// [`ClassSelection::Probabilistic`] is the reference's random choice, seeded).
+    /// [`ClassSelection::Probabilistic`] draws each class at random by weight, seeded).
     pub fn class_selection(mut self, selection: ClassSelection) -> Self {
         self.config.selection = selection;
         self

@@ -9,7 +9,7 @@
 //! - **between priorities**, a work-conserving weighted choice among the classes with work:
 //!   by default critical takes 90% of the dispatches while it has work — not 100%, so the
 //!   others never starve — and standard:batch share the rest 25:5, by a deterministic smooth
-//!   weighted round robin (the reference's random choice is an option, seeded);
+//!   weighted round robin (a seeded random draw by weight is an option);
 //! - **inside a priority**, Deficit Round Robin over the tenants with waiting work
 //!   (Shreedhar & Varghese, 1995): on its turn a tenant's deficit grows by
 //!   `quantum x weight(tier)` and it dispatches while its head request's cost (estimated

@@ -1362,7 +1362,7 @@ impl<T> Scheduler<T> {
 }
 
 /// Chooses the next class among those that may go: nginx's smooth weighted
-/// round robin, or the reference's random choice (seeded). Used by
+/// round robin, or a random draw by weight (seeded). Used by
 /// [`Scheduler::pop`], and by a caller that picks over several schedulers
 /// (the layer keeps one per tier) with [`Scheduler::pop_class`].
 #[derive(Clone, Debug)]

@@ -8,7 +8,7 @@ use crate::error::ConfigError;
 /// What [`RetryAfterBackoff`](super::RetryAfterBackoff) retries, how long it waits, and what
 /// it shares.
 ///
-/// Defaults (from the reference and the official SDKs): retry 429 and 529; at most 4
+/// Defaults (the backoff without `retry-after` is the official SDKs'): retry 429 and 529; at most 4
 /// retries; wait `retry-after` x 1.2 +/- 20%, else 0.5 s doubling up to 8 s minus up to 25%;
 /// never sleep more than 60 s (a longer delay returns the response at once); a retry budget
 /// of 20% of calls plus 10 retries a second over a 10 s window (tower's `TpsBudget`); held
