@@ -59,7 +59,7 @@
 //!   Zero, absurd (over 10^9) or non-numeric limits are ignored (logged once); `-remaining`
 //!   above `-limit` reads as full; a `-reset` over 61 s ahead is not believed; an exhausted
 //!   dimension with a usable `-limit` waits for one cell, not for its full reset. No
-//!   headers: no pacing, as before. A configured [`Pacing`] still applies: the stricter
+//!   headers: no learned pacing. A configured [`Pacing`] still applies: the stricter
 //!   wins. On Redis a call is not a round trip: a worker reserves a quarter second of the
 //!   learned request rate at once (at most 64 calls) and sends what headers said with the
 //!   next reservation (at once when a limit changed, a dimension runs low, or a throttle).

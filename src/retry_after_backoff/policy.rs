@@ -235,10 +235,10 @@ impl BackoffPolicyBuilder {
 
     /// How long a probe holds its key's probe lease (default 1 s): after a throttle (and at
     /// cold start) one call goes first for the whole fleet; if its answer has not come
-    /// within this, the next call goes as the probe. (Before learned pacing this was also
-    /// the least width of the release window; the window is now a fifth of the server's
-    /// delay, with no floor: each worker starts at a random point of it and each call adds a
-    /// draw of its own, so the last call goes at most two windows after the reopening.)
+    /// within this, the next call goes as the probe. It does not bound the release window
+    /// (a fifth of the server's delay, with no floor: each worker starts at a random point
+    /// of it and each call adds a draw of its own, so the last call goes at most two windows
+    /// after the reopening).
     pub fn release_spread(mut self, spread: Duration) -> Self {
         self.policy.release_spread = spread;
         self
