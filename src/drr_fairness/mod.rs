@@ -81,7 +81,7 @@ pub use self::service::DrrFairness;
 pub use self::state::Permit;
 pub use crate::metrics::{FAIRNESS_INDEX, QUEUE_DEPTH};
 
-use self::state::Shared;
+use self::state::FairQueue;
 use crate::Job;
 
 /// Settles requests' real usage against their tenants' deficits.
@@ -106,7 +106,7 @@ use crate::Job;
 /// ```
 #[derive(Clone)]
 pub struct Settler {
-    shared: Arc<Shared>,
+    shared: Arc<FairQueue>,
 }
 
 impl Settler {
