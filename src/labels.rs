@@ -65,7 +65,7 @@ impl From<String> for TenantId {
 pub struct Tier(Arc<str>);
 
 impl Tier {
-    /// The highest of the reference plans.
+    /// The highest of the built-in plans.
     pub const PREMIUM: &'static str = "premium";
     /// A paid plan.
     pub const PRO: &'static str = "pro";

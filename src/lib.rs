@@ -30,19 +30,16 @@
 //! Around the layers: [`FairgateLayer`] applies all four in the recommended order;
 //! [`JobLayer`] derives each request's [`Job`] from the request (API key, headers);
 //! [`Rejection`] and [`reject::render`] turn every refusal into an answer clients
-//! understand (the reference's `SERVER_BUSY`, or Anthropic's error shape).
+//! understand (`503 {"code":"SERVER_BUSY","retry_after":5}`, or Anthropic's error shape).
 //!
-//! The order below is the recommended one, and why: classify first (the others read the
-//! priority); the retry layer outside the fair queue, so a call sleeping before a retry
-//! holds no window permit and no slot, and a retry queues fairly again; the fair queue
-//! outside the slot layer. Who goes next is decided in one place, the fair queue, whatever
-//! holds calls back: it is handed the slot layer's caps and the retry layer's rate (the
-//! learned limits, pacing, the cooldown gate after a 429, slow start) as [`gate`]s, and
-//! dispatches the head of its fair order among the requests every gate lets go, taking a
-//! slot and rate cells for that request then. A waiting request holds nothing.
-//! [`FairgateLayer`] does this wiring; by hand it is two lines, below. Every layer also works
-//! alone and in any order, waiting for its own limit. Every clone of a layer shares its
-//! limits: wrap the whole client or router, not each route.
+//! The order below is the recommended one: classify first (the others read the priority);
+//! retry outside the fair queue, so a call sleeping before a retry holds no window permit
+//! and no slot, and queues fairly again; the fair queue outside the slot layer, handed the
+//! slot layer's caps and the retry layer's rate as [`gate`]s, so who goes next is decided
+//! in one place and a waiting request holds nothing. [`FairgateLayer`] does this wiring; by
+//! hand it is two lines, below. Every layer also works alone and in any order, waiting for
+//! its own limit. Every clone of a layer shares its limits: wrap the whole client or
+//! router, not each route. `ARCHITECTURE.md` follows a request through the stack.
 //!
 //! ```
 //! use fairgate::{

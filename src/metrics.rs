@@ -1,9 +1,9 @@
 //! The metrics fairgate publishes, through the [`metrics`] facade (install any exporter;
 //! with none installed they cost next to nothing).
 //!
-//! Names follow the reference dashboards: the constants here and in the layers' modules
-//! are the names under the default prefix `claude_`; [`set_metric_prefix`] chooses another
-//! (`set_metric_prefix("llm_")` publishes `llm_queue_depth`). Labels that carry a tenant are
+//! The constants here and in the layers' modules are the names under the default prefix
+//! `claude_` (the ones `dashboards/fairgate.json` queries); [`set_metric_prefix`] chooses
+//! another (`set_metric_prefix("llm_")` publishes `llm_queue_depth`). Labels that carry a tenant are
 //! capped (see [`limit_tenant_labels`]) so a million tenants cannot explode a time-series
 //! database.
 

@@ -150,7 +150,8 @@ impl std::error::Error for Rejection {}
 /// The shape of a rendered rejection.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub enum Style {
-    /// The reference write-up's: `503` with `{"code":"SERVER_BUSY","retry_after":5}`.
+    /// A plain JSON code a front end can map to its own message: `503` with
+    /// `{"code":"SERVER_BUSY","retry_after":5}`.
     #[default]
     Reference,
     /// The Anthropic API's error shape and statuses, so its SDKs retry correctly.

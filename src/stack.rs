@@ -103,7 +103,8 @@ pub struct FairgateLayer<C = ByClone, R = DefaultRule, K = OneUpstream> {
 }
 
 impl FairgateLayer {
-    /// The stack with the defaults: the reference's classification and demotion, 429
+    /// The stack with the defaults: [`DefaultRule`] and
+    /// [`DemotionPolicy::default`](crate::DemotionPolicy::default), 429
     /// hygiene by [`BackoffPolicy::default`], a fair queue with a window of 32, and
     /// [`SlotPolicy::default`] (global 30; premium 30, pro 20, free 15, guest 5).
     pub fn new(store: Store) -> Self {

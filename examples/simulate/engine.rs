@@ -1,7 +1,7 @@
 //! The simulator's engine, shared by `examples/simulate/main.rs` and `tests/simulate.rs`:
 //! a mock Claude upstream as a tower `Service`, workload generators, the two policies
 //! (naive: a FIFO `ConcurrencyLimit` and immediate retries; fairgate: the real
-//! `FairgateLayer` on `Store::memory()`), and the five reference scenarios.
+//! `FairgateLayer` on `Store::memory()`), and the five published scenarios.
 //!
 //! Everything runs in tokio's paused time and draws its randomness from [`Rng`], seeded:
 //! the same seed gives the same numbers.
@@ -647,7 +647,7 @@ pub fn jain(values: &[f64]) -> f64 {
 }
 
 // ---------------------------------------------------------------------------------------
-// The reference scenarios
+// The published scenarios
 
 /// How big a run: `Full` for the table, `Small` for the tests (a few seconds).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -674,6 +674,7 @@ pub struct Outcome {
     pub id: usize,
     pub title: &'static str,
     pub measure: &'static str,
+    /// What the published write-up reports for its own system.
     pub reference: &'static str,
     /// The measure, naive and fairgate (seconds, an index or a share).
     pub naive: f64,
@@ -883,7 +884,7 @@ async fn hog(seed: u64, size: Size) -> Outcome {
 }
 
 /// Scenario 3: a 429 storm, a burst of 60 calls then 70 calls a minute against the
-/// reference's 50 RPM / 40,000 ITPM / 8,000 OTPM tier, with a 3 s burst of 529s; the share
+/// 50 RPM / 40,000 ITPM / 8,000 OTPM tier, with a 3 s burst of 529s; the share
 /// of attempts answered 429.
 async fn storm(seed: u64, size: Size) -> Outcome {
     let t = size.pick(90.0, 300.0);
@@ -1148,7 +1149,8 @@ async fn spike(seed: u64, size: Size) -> Outcome {
     }
 }
 
-/// The table of `outcomes`, beside the references' numbers.
+/// The table of `outcomes`, beside the numbers the published write-ups report
+/// (column `reference`).
 pub fn table(outcomes: &[Outcome]) -> String {
     let header = ["#", "scenario", "measure", "reference", "naive", "fairgate"];
     let rows: Vec<[String; 6]> = outcomes

@@ -1,6 +1,8 @@
-//! The references' scenarios, reproduced: a mock Claude upstream and workload generators run
+//! Five published scenarios, reproduced: a mock Claude upstream and workload generators run
 //! the real fairgate layers and a naive stack (a FIFO semaphore, immediate retries) side by
-//! side, in tokio's paused time, and print one table beside the references' numbers.
+//! side, in tokio's paused time, and print one table beside the numbers two published
+//! write-ups report for their own systems (a three-tier Redis job queue with DRR, a Redis
+//! tier-aware semaphore).
 //!
 //! ```sh
 //! cargo run --release --example simulate -- [scenario] [--seed N] [--svg out.svg] [--small]

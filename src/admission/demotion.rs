@@ -10,7 +10,7 @@ use crate::error::ConfigError;
 /// `demote_for`, then the demotion expires by itself. A tenant still over its budget is
 /// demoted again the next time it is checked after that: the budget resets with the UTC day.
 ///
-/// Defaults (from the reference): 5 throttles, 1.5x a daily budget of 100,000 tokens,
+/// Defaults: 5 throttles, 1.5x a daily budget of 100,000 tokens,
 /// 5 minutes. The throttle window (60 s) belongs to the [`Store`](crate::Store), because the
 /// layer that records throttles shares it.
 ///

@@ -19,7 +19,7 @@ pub struct TierLimit {
 
 /// Global and per-tier caps, how long each tier waits, and how leases behave.
 ///
-/// Defaults (from the reference): 30 in flight globally; `premium` 30 slots and 60 s of
+/// Defaults: 30 in flight globally; `premium` 30 slots and 60 s of
 /// patience, `pro` 20 / 45 s, `free` 15 / 12 s, `guest` 5 / 8 s; unknown tiers are served
 /// as `guest`; `queue.slow_wait` after 3 s; `Busy` says retry after 5 s; leases live 30 s
 /// without a heartbeat; waiters poll every 100 ms (jittered) as a safety net.

@@ -5,7 +5,7 @@ use std::time::Duration;
 use tower_layer::Layer;
 
 use super::scheduler::{ClassSelection, ClassWeights, SchedulerConfig};
-use super::state::{Shared, TierWeights};
+use super::state::{FairQueue, TierWeights};
 use super::{DrrFairness, Settler};
 use crate::error::ConfigError;
 use crate::{Priority, Store, Tier};
@@ -20,7 +20,7 @@ use crate::{Priority, Store, Tier};
 /// per-route clone built from a fresh layer each time, or each gets its own window.
 #[derive(Clone)]
 pub struct DrrFairnessLayer {
-    shared: Arc<Shared>,
+    shared: Arc<FairQueue>,
 }
 
 impl DrrFairnessLayer {
@@ -181,7 +181,7 @@ impl DrrFairnessBuilder {
     }
 
     /// How the next class is picked (default deterministic smooth weighted round robin;
-    /// [`ClassSelection::Probabilistic`] is the reference's random choice, seeded).
+    /// [`ClassSelection::Probabilistic`] draws each class at random by weight, seeded).
     pub fn class_selection(mut self, selection: ClassSelection) -> Self {
         self.config.selection = selection;
         self
@@ -225,7 +225,7 @@ impl DrrFairnessBuilder {
     /// `max_in_flight`, the quantum, `max_charge_quanta`, a class or tier weight, or a queue
     /// limit of 0; a fairness window under 10 ms.
     pub fn build(self) -> Result<DrrFairnessLayer, ConfigError> {
-        let shared = Shared::new(
+        let shared = FairQueue::new(
             self.store,
             self.max_in_flight,
             self.config,

@@ -1,94 +1,35 @@
 //! Fair order inside each priority: a fair-queuing concurrency limiter.
 //!
-//! [`DrrFairness`] is like [`tower::limit::ConcurrencyLimit`]: at most `max_in_flight`
-//! requests are in flight below it. The difference is who goes next when the window is
-//! full. `ConcurrencyLimit` serves first come, first served, so a tenant that dumps 100
-//! jobs makes everyone behind it wait for all 100. `DrrFairness` serves the waiting
-//! requests in a fair order:
+//! [`DrrFairness`] is [`tower::limit::ConcurrencyLimit`] with a fair order: at most
+//! `max_in_flight` requests are in flight below it, and when the window is full the next
+//! to go is chosen by these rules instead of first come, first served:
 //!
-//! - **between priorities**, a work-conserving weighted choice among the classes with work:
-//!   by default critical takes 90% of the dispatches while it has work — not 100%, so the
-//!   others never starve — and standard:batch share the rest 25:5, by a deterministic smooth
-//!   weighted round robin (the reference's random choice is an option, seeded);
-//! - **inside a priority**, Deficit Round Robin over the tenants with waiting work
-//!   (Shreedhar & Varghese, 1995): on its turn a tenant's deficit grows by
-//!   `quantum x weight(tier)` and it dispatches while its head request's cost (estimated
-//!   tokens) fits. Tiers `pro` and `premium` weigh 3. As in fq_codel (RFC 8290,
-//!   "DRR++"), a tenant that becomes active first joins a list of new tenants served
-//!   before the old ones, so a light tenant's single request goes out at the next freed
-//!   permit instead of behind a whole round of the heavy tenant's work. A tenant whose
-//!   queue empties keeps its place in the round (and its leftover deficit) until its turn
-//!   comes and finds it still empty; then it is forgotten, deficit included, or, while
-//!   requests of it are still in flight, set aside with its debt (its credit forfeited)
-//!   until they complete. So idle time banks no credit, a tenant with nothing waiting or
-//!   in flight costs no memory, and light tenants that keep coming back get no newcomer
-//!   priority over a backlogged one, which they could otherwise starve. One request is
-//!   charged at most 4 quanta, so a giant prompt cannot stall its class. Each pick is O(1)
-//!   amortised, whatever the number of tenants. Every dispatch is charged to its tenant's
-//!   deficit, also one that goes out at once because the window had room: a tenant that
-//!   filled the window while nobody waited starts in debt, so when others arrive it
-//!   queues behind the newcomers.
+//! - **between priorities**, critical takes 90% of the dispatches while it has work (never
+//!   100%, so the others never starve) and standard:batch share the rest 25:5, by a
+//!   deterministic smooth weighted round robin (a seeded random draw by weight is an
+//!   option);
+//! - **inside a priority**, Deficit Round Robin over tenants: a quantum of 5,000 estimated
+//!   tokens times the tier's weight (`pro` and `premium` weigh 3), a newcomer served before
+//!   the backlogged (fq_codel's DRR++), no credit banked by idle time, one request charged
+//!   at most 4 quanta; every dispatch is charged, also one that went out at once;
+//! - **the permit travels with the request**: held until the response future completes,
+//!   and for an `http::Response<B>` until its body ends, fails or is dropped; dropping a
+//!   waiting future takes the request out of the queue.
 //!
-//! The scheduler is a sans-IO core, public as [`scheduler`] for simulations.
+//! A request without a [`Job`] fails with [`MissingJob`](crate::MissingJob); one refused by
+//! an optional queue limit with [`QueueFull`](error::QueueFull) (the incoming request is
+//! the one refused). Handed a slot gate or a rate gate
+//! ([`DrrFairnessBuilder::slot_gate`], [`DrrFairnessBuilder::rate_gate`]), it dispatches a
+//! request only with its tier slot and its rate cells, and tells it [`Busy`](crate::Busy)
+//! at its tier's max wait; the window is then this worker's own ceiling on calls in flight:
+//! set it at least to the share of the global cap this worker should be able to use. Real
+//! usage, once known, is settled through a [`Settler`]. The scheduler is a sans-IO core,
+//! public as [`scheduler`]. `ARCHITECTURE.md` follows a request through this layer.
 //!
-//! # How a request goes through
-//! `poll_ready` cannot know the tenant, so it is always ready and reserves nothing. `call`
-//! reads the request's [`Job`] — its priority (set by
-//! [`PriorityClassify`](crate::PriorityClassify); a job without one is served as standard),
-//! tier and estimated tokens — and either dispatches at once (room in the window, nobody
-//! waiting) or queues it. The response future waits for its turn (woken exactly when a
-//! permit is handed to it), then drives a clone of the inner service to readiness, as
-//! tower's `Buffer` worker does, and calls it. The permit is held until the response future
-//! completes, and for an `http::Response<B>` until its body ends, fails or is dropped
-//! (the body becomes a [`GuardedBody`](crate::body::GuardedBody)): an LLM answer that
-//! streams for a minute holds its place for that minute.
-//!
-//! Dropping a waiting future takes the request out of the queue; dropping it later gives
-//! the permit back. A request without a job fails with [`MissingJob`](crate::MissingJob);
-//! one refused by an optional queue limit with [`QueueFull`](error::QueueFull) — the
-//! incoming (youngest) request is the one refused.
-//!
-//! # With gates: one order under every limit
-//! Handed a slot layer's caps ([`DrrFairnessBuilder::slot_gate`]) this layer dispatches a
-//! request only together with its tier slot; handed a retry layer's rate
-//! ([`DrrFairnessBuilder::rate_gate`]: learned and configured pacing, the cooldown gate
-//! after a 429, slow start, the recovery probe), only when the rate lets it go, taking its
-//! cells then (see [`crate::gate`]). A request the rate holds back waits here, in fair
-//! order, holding nothing; one that leaves took nothing. Requests wait in one DRR scheduler per tier; the next
-//! dispatch picks the class by weighted round robin among the classes that have a request
-//! whose tier has room, then the tier by start-time fair queuing (cost served per unit of
-//! the tier's active weight, so tiers share as their tenants' weights say), then the tenant
-//! by DRR, and takes the slot then: at once on the memory store, by one script on Redis
-//! whose answer goes to that tier's next request in fair order. A tier found full waits,
-//! holding no window permit, until a slot comes free (a release here, one announced by
-//! another worker, or the poll of the slot policy). So a flood of a capped tier never delays
-//! another tier, fairness holds inside a full tier (a newcomer goes at its tier's next freed
-//! slot), and a request is dispatched or told [`Busy`](crate::Busy) within its tier's max
-//! wait of its arrival ([`Job::arrived_at`](crate::Job::arrived_at)); `queue.slow_wait` is
-//! logged at the policy's mark. The permit holds the slot and gives both back together; the
-//! `TierSlotLimit` below lets the request through without taking a second slot.
-//!
-//! Sizing the window: with the caps in the store the window no longer decides who goes; it
-//! is this worker's own ceiling on calls in flight. Set it at least to the share of the
-//! global cap this worker should be able to use (the whole global cap for one worker); a
-//! smaller window caps the worker below its share, a larger one costs nothing.
-//!
-//! # Settling real usage
-//! The cost charged at dispatch is the job's estimate. When the real usage is known (the
-//! response's `usage`, or the app's own count), report it through a [`Settler`]: the
-//! difference is charged to or refunded from the tenant's deficit, if that class still
-//! knows the tenant: always while the request is in flight (the permit is held until the
-//! response body ends), or while the tenant has work waiting; a forgotten tenant has no
-//! deficit to settle.
-//!
-//! # Observability
-//! Gauges [`QUEUE_DEPTH`] (`claude_queue_depth{priority}`) and [`FAIRNESS_INDEX`]
-//! (`claude_drr_fairness_index`: Jain's index over the weight-normalised served cost of the
-//! tenants that were backlogged in a sliding window, 60 s by default). Every dispatch also
-//! adds its cost to the tenant's served cost in the [`Store`](crate::Store)
-//! ([`Store::add_served_cost`](crate::Store::add_served_cost), batched off the request path),
-//! so the index can be computed across workers. The names shown carry the default prefix
-//! (see [`set_metric_prefix`](crate::metrics::set_metric_prefix)).
+//! Metrics: [`QUEUE_DEPTH`] (`claude_queue_depth{priority}`) and [`FAIRNESS_INDEX`]
+//! (`claude_drr_fairness_index`: Jain's index over the weight-normalised cost served to the
+//! tenants backlogged in the last 60 s). Every dispatch adds its cost to the tenant's served
+//! cost in the [`Store`](crate::Store), so the index spans every worker.
 //!
 //! # Clone
 //! The window and the queues are created once, in [`DrrFairnessLayer::new`]; every clone of
@@ -140,7 +81,7 @@ pub use self::service::DrrFairness;
 pub use self::state::Permit;
 pub use crate::metrics::{FAIRNESS_INDEX, QUEUE_DEPTH};
 
-use self::state::Shared;
+use self::state::FairQueue;
 use crate::Job;
 
 /// Settles requests' real usage against their tenants' deficits.
@@ -165,7 +106,7 @@ use crate::Job;
 /// ```
 #[derive(Clone)]
 pub struct Settler {
-    shared: Arc<Shared>,
+    shared: Arc<FairQueue>,
 }
 
 impl Settler {

@@ -1,165 +1,47 @@
-//! Deficit Round Robin scheduler core of the `DrrFairness` layer.
+//! The Deficit Round Robin core of the `DrrFairness` layer: a pure data structure (no IO,
+//! no clocks, no async) that holds waiting requests and says which goes next. The layer
+//! pushes requests in, pops the next to dispatch, removes those whose waiter went away,
+//! charges those that went out without waiting, and reports each dispatch's completion
+//! and real cost.
 //!
-//! Pure data structure: no IO, no clocks, no async. The layer pushes waiting
-//! requests in, pops the next one to dispatch, removes requests whose waiter
-//! went away, charges requests that went out without waiting, reports each
-//! dispatched request's completion, and settles real usage after the fact.
+//! The rules it keeps (the reasoning and the bounds' proofs are in `ARCHITECTURE.md`,
+//! "The fair queue's scheduler"):
 //!
-//! # Scheduling
+//! - **Between classes**, a work-conserving weighted choice among the classes with work,
+//!   by default nginx's smooth weighted round robin: with weights 270/25/5 and every class
+//!   backlogged, critical gets 90% and batch never waits more than 60 dispatches. A class
+//!   that empties banks no credit.
+//! - **Inside a class**, Deficit Round Robin over tenants with fq_codel's `new`/`old`
+//!   lists (RFC 8290 §4.2): a newcomer gets one grant of `quantum × weight` and takes turns
+//!   one request at a time while it lasts; a request is charged `min(max(cost, 1),
+//!   max_charge)`, so one giant prompt cannot stall its class.
+//! - **A tenant is forgotten only in its turn**: one whose queue empties keeps its place
+//!   and deficit until the head of `old` finds it empty, so light tenants that keep
+//!   re-arriving cannot starve a backlogged one.
+//! - **Every dispatch is charged**, queued ([`Scheduler::pop`]) or not
+//!   ([`Scheduler::dispatch_direct`]), and counted in flight until
+//!   [`Scheduler::complete`]; a tenant with work in flight is no newcomer.
+//! - **Bounded work**: `push`, `remove`, `settle`, `dispatch_direct` and `complete` are
+//!   O(1), `pop` amortised O(`max_charge_quanta`) whatever the number of tenants. At most
+//!   `u32::MAX - 1` waiting items, and as many tenants per class: beyond, a push is
+//!   refused with [`Rejected::ClassFull`], never a panic. A [`Key`] never matches another
+//!   item, even after its slot is reused.
 //!
-//! * **Between classes** ([`Priority`]): work-conserving weighted selection
-//!   among the non-empty classes, by default nginx's smooth weighted round
-//!   robin ([`ClassSelection::SmoothWeighted`]). With the default weights
-//!   (270, 25, 5) and every class backlogged, the schedule repeats every 300
-//!   dispatches: critical gets 90 %, standard 8.3 %, batch 1.7 %, and batch
-//!   never waits more than 60 dispatches. A class that empties has its
-//!   round-robin credit reset to 0, so an idle class banks nothing. (That
-//!   reset perturbs the cycle: while other classes keep emptying and
-//!   refilling, a backlogged class can wait up to ~1.5 × total/weight
-//!   dispatches; the tests assert < 2 × ⌈total/weight⌉ for any weights.)
-//! * **Inside a class**: Deficit Round Robin over tenants (Shreedhar &
-//!   Varghese 1995) with the sparse-flow `new`/`old` lists of RFC 8290 §4.2
-//!   (fq_codel's "DRR++"). A tenant that is not listed and gets a waiting
-//!   item joins the back of `new` with a deficit of `quantum × weight`. The
-//!   head tenant of `old` is either served (deficit -= charged cost, stays at
-//!   the head while its deficit lasts) or topped up by `quantum × weight` and
-//!   moved to the back of `old`. Tenants on `new` take turns one request at a
-//!   time while their first grant lasts (served, each goes to the back of
-//!   `new`), then move to `old` the same way: a tenant that dumps many small
-//!   requests holds a newcomer behind one of them, not behind a whole quantum
-//!   of them (which would be many calls when requests are small), and its
-//!   service is still bounded by its one grant. Costs are charged as
-//!   `min(max(cost, 1), quantum × max_charge_quanta)` so one giant prompt
-//!   cannot stall its class. A tenant whose queue empties is not forgotten
-//!   at once; see the next section.
+//! ```
+//! use fairgate::drr_fairness::scheduler::Scheduler;
+//! use fairgate::drr_fairness::SchedulerConfig;
+//! use fairgate::{Priority, TenantId};
 //!
-//! # Newcomers: when a tenant empties (DRR++)
-//!
-//! A tenant whose queue empties, by a dispatch or by [`Scheduler::remove`],
-//! stays listed with its deficit:
-//!
-//! * on `new`, it moves at once to the back of `old` (so `new` only ever
-//!   holds tenants with waiting items);
-//! * on `old`, it keeps its place.
-//!
-//! A push for a listed tenant, empty or not, only appends to its queue: no
-//! grant, no move to `new`. [`Scheduler::pop`] forgets a tenant (frees its
-//! state, deficit included) only when it finds it empty at the head of
-//! `old`, that is in its turn, with nothing in flight (next section); and a
-//! class that drains forgets all its tenants with nothing in flight. So a
-//! tenant regains newcomer priority only by staying away through a whole
-//! turn of the `old` list, as in RFC 8290, where only a flow found empty on
-//! the old list becomes inactive.
-//!
-//! Why: if an emptied tenant were forgotten at once, a tenant that keeps at
-//! most one request waiting would re-enter `new` with a fresh grant on every
-//! push, and so be served before the whole `old` list every time. Light
-//! tenants arriving as fast as requests are dispatched would then starve a
-//! backlogged tenant on `old` completely (newcomer starvation).
-//!
-//! Bound: take one backlogged tenant `h` and `n` light tenants that each
-//! keep at most one item waiting, every item costing exactly its tenant's
-//! `quantum × weight`, so a deficit is always 0 or one grant. Between two
-//! dispatches of `h`, `h` is topped up once and moves from the head of `old`
-//! to its back and forward again. A light tenant reaches the head of `old`
-//! only while it is ahead of `h`, and that turn ends with a top-up (it
-//! moves behind `h`) or with it being forgotten. Once forgotten it can come
-//! back once through `new`, which leaves it behind `h` on `old`. So each
-//! light tenant gets at most one grant (top-up or activation) and at most
-//! two dispatches (a banked grant and a fresh one) between two dispatches
-//! of `h`. Hence `h` is served at least once in every `2n + 1` consecutive
-//! pops, and after `P` pops it has had at least `(P - 2n) / (n + 1)` of
-//! them, its fair share `1 / (n + 1)` less a constant. The proptest
-//! `old_tenant_is_not_starved_by_a_stream_of_newcomers` checks both bounds
-//! (with immediate forgetting, `h` got nothing). A stream of genuinely new,
-//! distinct tenants still goes first, each once, as in fq_codel.
-//!
-//! An emptied tenant on `old` keeps only its leftover deficit, and only
-//! until its turn. A deficit is always below `max_charge + quantum ×
-//! weight`: a top-up happens only below the head's cost, and refunds stop
-//! at one grant. [`Scheduler::settle`] still reaches such a tenant, so if it
-//! comes back before its turn it pays for an underestimate.
-//!
-//! # In flight: every dispatch is charged
-//!
-//! A tenant is known while it has items waiting or in flight:
-//! [`Scheduler::pop`] counts the item it returns in flight for its tenant
-//! until the caller reports it done with [`Scheduler::complete`]. A request that went out
-//! without queueing (room in the window, nothing waiting) is charged with
-//! [`Scheduler::dispatch_direct`], which also counts it in flight; a tenant
-//! the class does not know starts that charge from a deficit of 0, so it
-//! ends in debt.
-//!
-//! A tenant found empty in its turn (or listed when its class drains) while
-//! items of it are in flight is *parked*: off both lists, credit forfeited
-//! (its deficit becomes `min(deficit, 0)`), debt kept. A push for a parked
-//! tenant joins the back of `old`, not `new`: a tenant with work in flight
-//! is no newcomer. When its last item completes while it is parked, it is
-//! forgotten. So a tenant that filled the window while nobody waited, then
-//! queues more, goes behind a tenant that just arrived, and a settlement
-//! made while the request is in flight always reaches its tenant. Parked
-//! tenants cost memory only while their items are in flight (a caller
-//! bounding what is in flight, as the layer does, bounds them), and every
-//! dispatch must be completed exactly once, or its tenant stays known.
-//!
-//! # Cost of an operation
-//!
-//! `push`, `remove`, `settle`, `dispatch_direct` and `complete` are O(1)
-//! (one hash lookup plus intrusive list splices); a drain visits each
-//! still-listed tenant once, each put there by an earlier push. `pop` is
-//! O(1) plus one step per deficit top-up plus one step per empty tenant it
-//! forgets or parks. Each dispatch or removal empties at most one tenant,
-//! and [`Scheduler::pop`] visits each empty tenant once (it is forgotten or
-//! parked then, off the lists) unless a push revives it first. So forgetting
-//! is amortised O(1) per earlier dispatch or removal, and `pop` never loops
-//! over empty tenants. A tenant's deficit never drops below `-max_charge`
-//! (settlement charges and direct dispatches are floored there) and no
-//! charged cost exceeds `max_charge`, so one item needs at most `2 ×
-//! max_charge_quanta` top-ups of its tenant (`max_charge_quanta` without
-//! settlement or direct dispatches). A single pop can top up every tenant of
-//! a round, but each top-up hands out one `quantum × weight` of credit.
-//! Credit is only consumed by dispatches, direct or not, and settlements (≤
-//! `max_charge` each), or forfeited when a tenant is forgotten or parked
-//! (its leftover deficit, less than `max_charge + quantum × weight`, charged
-//! to the one dispatch or removal that emptied it). Hence the number of
-//! top-ups is amortised O(`max_charge_quanta`) per operation, independent of
-//! the number of tenants.
-//!
-//! # Removal and memory
-//!
-//! Entries live in a slab (`Vec<Option<Entry>>` plus a free list). Each
-//! tenant's FIFO is an intrusive doubly linked list threaded through the
-//! slab, and each class's `new`/`old` lists are intrusive doubly linked
-//! lists threaded through a per-class tenant slab; a hash index of `u32`
-//! slots finds a tenant's slot (names compared through the slab, by pointer
-//! first). So [`Scheduler::remove`] unlinks the entry in O(1), and if that
-//! empties the tenant, applies the DRR++ rule above (one splice at most).
-//! Links and slot indices are `u32` (`u32::MAX` meaning none): on a 64-bit
-//! target a slab slot is 40 bytes for an 8-byte item and a known tenant 56
-//! bytes, so a large backlog touches fewer cache lines per pick. Hence the
-//! capacity: at most `u32::MAX - 1` waiting items, and as many known tenants
-//! per class; a push beyond that is refused with [`Rejected::ClassFull`],
-//! never a panic. Popping a tenant's head does not touch the next entry: a
-//! head's `prev` link is left stale and only read once the entry is no
-//! longer its tenant's head.
-//!
-//! There are no item tombstones and counts are exact:
-//! [`Scheduler::len`] and [`Scheduler::class_len`] count waiting items, and
-//! [`Scheduler::active_tenants`] counts tenants with waiting items (an
-//! emptied tenant still listed is not active). [`Scheduler::is_empty`] means
-//! no item is waiting. The tenants listed in a class are those with waiting
-//! items plus those that emptied and whose turn on `old` has not come yet;
-//! each of the latter holds no item, only its deficit and links. Besides
-//! them a class knows only its parked tenants (work in flight). A class
-//! that drains parks those and forgets the rest. Vacant slab slots hold no
-//! item; slab capacity is the high-water mark of waiting entries (resp.
-//! known tenants of a class) since that slab last drained (resp. since the
-//! class last had nothing waiting and nothing in flight), and is given
-//! back (above a small retained capacity) then.
-//!
-//! Every push draws a fresh 64-bit generation from a scheduler-wide
-//! counter and the [`Key`] carries it, so a stale key never matches a reused
-//! slot, even after the slab was truncated.
+//! let mut queue = Scheduler::new(SchedulerConfig::default()).unwrap();
+//! // Tenant a queues three requests of one quantum each, then b queues one.
+//! for n in 1..=3 {
+//!     queue.push(Priority::Standard, TenantId::new("a"), 1, 5_000, format!("a{n}")).unwrap();
+//! }
+//! queue.push(Priority::Standard, TenantId::new("b"), 1, 5_000, "b1".to_owned()).unwrap();
+//! // b goes second, not fourth.
+//! let order: Vec<String> = std::iter::from_fn(|| queue.pop()).map(|d| d.item).collect();
+//! assert_eq!(order, ["a1", "b1", "a2", "a3"]);
+//! ```
 
 use std::fmt;
 use std::hash::BuildHasher;
@@ -843,7 +725,7 @@ impl Class {
     /// DRR++ dispatch inside the class. Each loop iteration either returns,
     /// forgets or parks an empty tenant (each at most once), or tops up one tenant by
     /// at least 1 while no cost exceeds max_charge, so the loop ends (bounds
-    /// in the module doc).
+    /// in `ARCHITECTURE.md`, "Cost of an operation").
     fn pop<T>(&mut self, entries: &mut Entries<T>, quantum: i64) -> Option<(T, TenantId, i64)> {
         self.pop_where(entries, quantum, |_| Pick::Take)
     }
@@ -1005,8 +887,8 @@ impl Class {
     }
 }
 
-/// Deficit Round Robin scheduler over three priority classes; see the
-/// module documentation for the algorithm and its guarantees.
+/// Deficit Round Robin scheduler over three priority classes; the module
+/// documentation gives its rules, `ARCHITECTURE.md` their reasons and bounds.
 #[derive(Debug)]
 pub struct Scheduler<T> {
     config: SchedulerConfig,
@@ -1361,7 +1243,7 @@ impl<T> Scheduler<T> {
 }
 
 /// Chooses the next class among those that may go: nginx's smooth weighted
-/// round robin, or the reference's random choice (seeded). Used by
+/// round robin, or a random draw by weight (seeded). Used by
 /// [`Scheduler::pop`], and by a caller that picks over several schedulers
 /// (the layer keeps one per tier) with [`Scheduler::pop_class`].
 #[derive(Clone, Debug)]
@@ -1977,7 +1859,7 @@ mod tests {
             }
         }
 
-        /// Newcomer starvation (module doc, "Newcomers"). Tenant `h` is
+        /// Newcomer starvation (`ARCHITECTURE.md`, "Newcomers"). Tenant `h` is
         /// backlogged; after every pop one of `n` light tenants with nothing
         /// waiting (brand-new on its first push, else one that emptied
         /// earlier and may still be listed) pushes one item, unless the

@@ -6,7 +6,7 @@ use tower_service::Service;
 
 use super::Settler;
 use super::future::ResponseFuture;
-use super::state::{Admission, Permit, Shared};
+use super::state::{Admission, FairQueue, Permit};
 use crate::body::GuardResponse;
 use crate::error::{BoxError, MissingJob};
 use crate::{JobRequest, Priority};
@@ -19,7 +19,7 @@ use crate::{JobRequest, Priority};
 /// Clones share the layer's window and queues (and clone the inner service).
 pub struct DrrFairness<S> {
     pub(super) inner: S,
-    pub(super) shared: Arc<Shared>,
+    pub(super) shared: Arc<FairQueue>,
 }
 
 impl<S> DrrFairness<S> {

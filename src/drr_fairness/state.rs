@@ -55,7 +55,7 @@ impl TierWeights {
 pub(super) struct Waiter {
     waker: Option<Waker>,
     weight: u32,
-    /// Names the request in `State::handed` once it is dispatched with a slot.
+    /// Names the request in `Queues::handed` once it is dispatched with a slot.
     id: u64,
     /// The upstream key its attempt goes to (the rate gate's), if the retry layer named it.
     key: Option<Arc<str>>,
@@ -68,7 +68,7 @@ pub(super) struct Waiter {
 struct Group {
     scheduler: Scheduler<Waiter>,
     /// `None` for group 0: no slot to take.
-    gate: Option<Gate>,
+    slots: Option<TierSlots>,
     /// Start-time fair queuing between the groups of a class: the cost served per unit of
     /// the group's active weight. The group with the least goes next.
     vtime: [f64; 3],
@@ -79,7 +79,9 @@ struct Group {
     held_for: WaitReason,
 }
 
-struct Gate {
+/// How a tier's group takes its slots from the slot gate: whether the tier is full, the
+/// acquires under way, and (Redis) its place in the fleet's order.
+struct TierSlots {
     tier: Tier,
     limit: TierLimit,
     /// The last acquire found the tier (or the global cap) full: wait for a release.
@@ -108,7 +110,7 @@ struct Gate {
     to_queue: VecDeque<(Priority, TenantId)>,
 }
 
-impl Gate {
+impl TierSlots {
     /// Whether something here waits for a slot to come free (or, queued in the fleet's
     /// order, for the wake-up that says whose it is).
     fn waits(&self) -> bool {
@@ -120,11 +122,11 @@ impl Gate {
 }
 
 impl Group {
-    fn new(config: &SchedulerConfig, gate: Option<Gate>) -> Result<Self, ConfigError> {
+    fn new(config: &SchedulerConfig, slots: Option<TierSlots>) -> Result<Self, ConfigError> {
         Ok(Group {
             // The class limit is checked across groups by the layer.
             scheduler: Scheduler::new(config.clone().with_max_per_class(None))?,
-            gate,
+            slots,
             vtime: [0.0; 3],
             last_step: [0.0; 3],
             held_for: WaitReason::Slot,
@@ -133,13 +135,15 @@ impl Group {
 
     /// Whether a request of this group may be dispatched now, as far as its slot goes.
     fn may_go(&self) -> bool {
-        self.gate.as_ref().is_none_or(|gate| {
-            !gate.blocked && gate.acquiring < gate.at_once.min(self.scheduler.len())
+        self.slots.as_ref().is_none_or(|slots| {
+            !slots.blocked && slots.acquiring < slots.at_once.min(self.scheduler.len())
         })
     }
 }
 
-struct State {
+/// The fair queue under its lock: the groups' schedulers, the window's count, the slots and
+/// rate cells handed to dispatched requests, and the fairness window.
+struct Queues {
     groups: Vec<Group>,
     /// Gated groups by tier (the tier a request counts under in the slot policy).
     by_tier: HashMap<Tier, usize>,
@@ -167,7 +171,7 @@ struct Handed {
     receipt: Taken,
 }
 
-impl State {
+impl Queues {
     /// The rate gate holds the head back until `at` (`None`: until it notifies).
     fn hold_for_rate(&mut self, at: Option<Instant>, after: &mut AfterUnlock) {
         self.rate_wait = Some(match (self.rate_wait, at) {
@@ -199,11 +203,11 @@ impl State {
     /// shared store may have lost its wait queue (Redis back, or a missed message): every
     /// flow queues again.
     fn unblock_all(&mut self, lost: bool) {
-        for gate in self.groups.iter_mut().filter_map(|g| g.gate.as_mut()) {
-            gate.blocked = false;
-            gate.held_tenants.clear();
+        for slots in self.groups.iter_mut().filter_map(|g| g.slots.as_mut()) {
+            slots.blocked = false;
+            slots.held_tenants.clear();
             if lost {
-                gate.queued.clear();
+                slots.queued.clear();
             }
         }
     }
@@ -219,7 +223,7 @@ impl State {
                 continue;
             };
             let g = &mut self.groups[group];
-            let Some(gate) = g.gate.as_mut() else {
+            let Some(slots) = g.slots.as_mut() else {
                 continue;
             };
             match flow {
@@ -228,9 +232,9 @@ impl State {
                         .into_iter()
                         .any(|c| g.scheduler.tenant_len(c, &tenant) > 0);
                     if waits {
-                        gate.owed.push_back((class, tenant));
+                        slots.owed.push_back((class, tenant));
                     } else {
-                        gate.queued.remove(&(class, tenant.clone()));
+                        slots.queued.remove(&(class, tenant.clone()));
                         declined.push(Declined {
                             tier,
                             flow: flow_name(class, Some(&tenant)),
@@ -245,25 +249,25 @@ impl State {
         for (group, n) in tiers {
             let g = &mut self.groups[group];
             let waiting = g.scheduler.len();
-            let Some(gate) = g.gate.as_mut() else {
+            let Some(slots) = g.slots.as_mut() else {
                 continue;
             };
-            let usable = n.min(waiting.saturating_sub(gate.acquiring));
+            let usable = n.min(waiting.saturating_sub(slots.acquiring));
             if usable < n {
                 declined.push(Declined {
-                    tier: gate.tier.clone(),
+                    tier: slots.tier.clone(),
                     flow: flow_name(Priority::Standard, None),
                     n: n - usable,
                     leave: waiting == 0,
                 });
             }
             if usable > 0 {
-                gate.at_once = if gate.blocked {
+                slots.at_once = if slots.blocked {
                     usable
                 } else {
-                    gate.at_once.max(usable)
+                    slots.at_once.max(usable)
                 };
-                gate.blocked = false;
+                slots.blocked = false;
             }
         }
     }
@@ -277,7 +281,9 @@ impl State {
     }
 }
 
-pub(super) struct Shared {
+/// The fair queue one layer and its clones share: its configuration, the slot and rate
+/// gates it consults, and its `Queues` behind one lock.
+pub(super) struct FairQueue {
     store: Store,
     max_in_flight: usize,
     weights: TierWeights,
@@ -286,8 +292,8 @@ pub(super) struct Shared {
     slots: Option<SlotGate>,
     /// The provider's rate, consulted at each dispatch.
     rate: Option<RateGate>,
-    state: Mutex<State>,
-    /// Tells a running watcher to look at the state again (see `State::hold_for_rate`).
+    state: Mutex<Queues>,
+    /// Tells a running watcher to look at the state again (see `Queues::hold_for_rate`).
     rewatch: tokio::sync::Notify,
 }
 
@@ -392,7 +398,7 @@ struct Declined {
 }
 
 impl AfterUnlock {
-    fn run(self, shared: &Arc<Shared>, depths: Option<(Priority, usize)>) {
+    fn run(self, shared: &Arc<FairQueue>, depths: Option<(Priority, usize)>) {
         for (tenant, cost, weight, queued) in self.served.into_iter() {
             shared.store.add_served_cost(&tenant, cost);
             shared.store.add_fairness(&tenant, weight, cost, queued);
@@ -429,7 +435,7 @@ impl AfterUnlock {
                 Some(runtime) => {
                     runtime.spawn(async move {
                         let answer = acquire.slot.await;
-                        shared.answer(acquire.sent, answer);
+                        shared.answered(acquire.sent, answer);
                     });
                 }
                 // Nothing can send it (no runtime): unsent, it holds nothing.
@@ -438,7 +444,7 @@ impl AfterUnlock {
                         more: false,
                         ..acquire.sent
                     };
-                    shared.answer(sent, Err(SlotRefusal::Full));
+                    shared.answered(sent, Err(SlotRefusal::Full));
                 }
             }
         }
@@ -460,7 +466,7 @@ impl AfterUnlock {
 /// come free anywhere on the store (on Redis, a release that woke this worker for a tier;
 /// in process, any release, with a jittered poll as the safety net), or the rate gate
 /// (until its time, or its notification) — and dispatches again. Ends when nothing waits.
-async fn watch(shared: Arc<Shared>) {
+async fn watch(shared: Arc<FairQueue>) {
     // The poll's time is kept across wake-ups: a busy worker is woken far more often than
     // it polls, and the poll must still come (a slot freed by an expired lease wakes
     // nobody).
@@ -480,15 +486,15 @@ async fn watch(shared: Arc<Shared>) {
         tokio::pin!(rate_changed);
         let (slots, rate_wait, poll) = {
             let mut state = shared.lock();
-            let gates = || state.groups.iter().filter_map(|g| g.gate.as_ref());
-            let slots = gates().any(Gate::waits);
+            let tiers = || state.groups.iter().filter_map(|g| g.slots.as_ref());
+            let slots = tiers().any(TierSlots::waits);
             let rate_wait = state.rate_wait;
             if !slots && rate_wait.is_none() {
                 state.watching = false;
                 return;
             }
             // Held tenants are not woken one by one: they keep the policy's poll.
-            let held = gates().any(|gate| !gate.held_tenants.is_empty());
+            let held = tiers().any(|tier| !tier.held_tenants.is_empty());
             let policy = shared.slot_policy();
             let interval = policy.map_or(Duration::from_millis(100), |p| p.poll_interval);
             let interval = if held {
@@ -560,7 +566,7 @@ struct Entry<'a> {
     group: usize,
 }
 
-impl Shared {
+impl FairQueue {
     pub(super) fn new(
         store: Store,
         max_in_flight: usize,
@@ -580,14 +586,14 @@ impl Shared {
             return Err(ConfigError::new("fairness window must be at least 10 ms"));
         }
         config.validate()?;
-        Ok(Shared {
+        Ok(FairQueue {
             store,
             max_in_flight,
             weights,
             slots,
             rate,
             rewatch: tokio::sync::Notify::new(),
-            state: Mutex::new(State {
+            state: Mutex::new(Queues {
                 groups: vec![Group::new(&config, None)?],
                 by_tier: HashMap::default(),
                 picker: ClassPicker::new(&config),
@@ -603,7 +609,7 @@ impl Shared {
         })
     }
 
-    fn lock(&self) -> MutexGuard<'_, State> {
+    fn lock(&self) -> MutexGuard<'_, Queues> {
         // Counts and queues stay consistent between statements that could panic (none
         // should); refusing every later request would be worse than going on.
         crate::sync::lock(&self.state)
@@ -675,7 +681,7 @@ impl Shared {
     /// registered or an outer layer already holds its slot (group 0).
     fn place(
         &self,
-        state: &mut State,
+        state: &mut Queues,
         job: &Job,
         held_above: bool,
     ) -> Result<Placement, ConfigError> {
@@ -689,7 +695,7 @@ impl Shared {
         let group = match state.by_tier.get(&tier) {
             Some(&group) => group,
             None => {
-                let gate = Gate {
+                let slots = TierSlots {
                     tier: tier.clone(),
                     limit,
                     blocked: false,
@@ -701,7 +707,7 @@ impl Shared {
                     queued: HashSet::default(),
                     to_queue: VecDeque::new(),
                 };
-                state.groups.push(Group::new(&self.config, Some(gate))?);
+                state.groups.push(Group::new(&self.config, Some(slots))?);
                 let group = state.groups.len() - 1;
                 state.by_tier.insert(tier.clone(), group);
                 group
@@ -736,9 +742,9 @@ impl Shared {
             // may be back, or the outage policy may now serve it.
             let g = &mut state.groups[place.group];
             if g.held_for == WaitReason::Store
-                && let Some(gate) = g.gate.as_mut()
+                && let Some(slots) = g.slots.as_mut()
             {
-                gate.blocked = false;
+                slots.blocked = false;
             }
             let room = state.len() == 0 && state.in_flight < self.max_in_flight;
             let key = job.upstream();
@@ -785,7 +791,7 @@ impl Shared {
     /// tenant that filled the window queues behind those that did not.
     fn admit_now(
         self: &Arc<Self>,
-        state: &mut State,
+        state: &mut Queues,
         entry: &Entry<'_>,
         handed: Handed,
         after: &mut AfterUnlock,
@@ -824,7 +830,7 @@ impl Shared {
     /// released.
     fn enqueue(
         self: &Arc<Self>,
-        mut state: MutexGuard<'_, State>,
+        mut state: MutexGuard<'_, Queues>,
         entry: Entry<'_>,
         patience: Option<(Tier, TierLimit)>,
         receipt: Option<Option<Taken>>,
@@ -873,11 +879,11 @@ impl Shared {
         // A newcomer flow of a full tier queues in the fleet's order now, so it may take the
         // next slot freed anywhere.
         if self.fleet()
-            && let Some(gate) = state.groups[group].gate.as_mut()
-            && gate.blocked
-            && !gate.queued.contains(&(class, tenant.clone()))
+            && let Some(slots) = state.groups[group].slots.as_mut()
+            && slots.blocked
+            && !slots.queued.contains(&(class, tenant.clone()))
         {
-            gate.to_queue.push_back((class, tenant.clone()));
+            slots.to_queue.push_back((class, tenant.clone()));
         }
         self.dispatch(&mut state, &mut after);
         after.depth = Some(class);
@@ -900,7 +906,7 @@ impl Shared {
 
     /// A group that had nothing waiting in `class` starts no earlier than the groups that
     /// did: idle time banks no credit.
-    fn catch_up(state: &mut State, group: usize, class: Priority) {
+    fn catch_up(state: &mut Queues, group: usize, class: Priority) {
         let ci = class as usize;
         let floor = state
             .groups
@@ -920,7 +926,7 @@ impl Shared {
     /// the gate holds it (it queues, and the queue waits for the gate).
     fn rate_now(
         &self,
-        state: &mut State,
+        state: &mut Queues,
         group: usize,
         key: Option<&Arc<str>>,
         cost: u32,
@@ -949,7 +955,7 @@ impl Shared {
     /// or nobody of the group may go now.
     fn rate_turn(
         &self,
-        state: &mut State,
+        state: &mut Queues,
         group: usize,
         class: Priority,
         after: &mut AfterUnlock,
@@ -964,7 +970,7 @@ impl Shared {
     /// `rate_turn` for `tenant`'s next request in `class`.
     fn rate_for(
         &self,
-        state: &mut State,
+        state: &mut Queues,
         group: usize,
         class: Priority,
         tenant: &TenantId,
@@ -990,20 +996,24 @@ impl Shared {
     /// the tenant is held back.
     fn try_slot_now(
         &self,
-        state: &mut State,
+        state: &mut Queues,
         group: usize,
         tenant: &TenantId,
         after: &mut AfterUnlock,
     ) -> Option<Option<SlotLease>> {
         let policy = self.slot_policy()?;
-        let gate = state.groups[group].gate.as_ref()?;
-        let capped = gate.limit.tenant_cap.is_some();
-        if gate.blocked || (capped && gate.held_tenants.contains(tenant)) {
+        let slots = state.groups[group].slots.as_ref()?;
+        let capped = slots.limit.tenant_cap.is_some();
+        if slots.blocked || (capped && slots.held_tenants.contains(tenant)) {
             return None;
         }
         match self
             .store
-            .try_acquire_slot_for(&gate.tier, Some(tenant), SlotLimits::of(policy, gate.limit))
+            .try_acquire_slot_for(
+                &slots.tier,
+                Some(tenant),
+                SlotLimits::of(policy, slots.limit),
+            )
             .into_ready()
         {
             Ok(Ok(lease)) => Some(Some(lease)),
@@ -1030,7 +1040,7 @@ impl Shared {
     /// the tenant by DRR. A gated group's request goes only with its slot (`take_slot`).
     /// A group (in a class) whose waiting tenants are all held is `stuck` until the next
     /// dispatch.
-    fn dispatch(self: &Arc<Self>, state: &mut State, after: &mut AfterUnlock) {
+    fn dispatch(self: &Arc<Self>, state: &mut Queues, after: &mut AfterUnlock) {
         let mut stuck: Vec<(usize, Priority)> = Vec::new();
         // Set again below if the rate gate still holds the head back.
         state.rate_wait = None;
@@ -1067,7 +1077,7 @@ impl Shared {
                     continue;
                 }
             };
-            let Some(gate) = &state.groups[group].gate else {
+            let Some(slots) = &state.groups[group].slots else {
                 let handout = Handout {
                     lease: None,
                     rate,
@@ -1080,7 +1090,7 @@ impl Shared {
             // counts it for its tenant, and the fleet's order queues its flow.
             let target = match &rate {
                 Some((tenant, _)) => Some(tenant.clone()),
-                None if gate.limit.tenant_cap.is_some() || self.fleet() => {
+                None if slots.limit.tenant_cap.is_some() || self.fleet() => {
                     match Self::next_tenant(&mut state.groups[group], class) {
                         Some(tenant) => Some(tenant),
                         None => {
@@ -1108,7 +1118,7 @@ impl Shared {
     /// fleet picked it), then, while its tier is full, one for each flow of this worker not
     /// yet queued in Redis (refused, the acquire queues it). `false` when the slot policy
     /// is gone.
-    fn dispatch_flows(&self, state: &mut State, after: &mut AfterUnlock) -> bool {
+    fn dispatch_flows(&self, state: &mut Queues, after: &mut AfterUnlock) -> bool {
         // Outside the fleet's order (memory, Redis away) a full tier waits for any release.
         let fleet = self.fleet();
         for group in 0..state.groups.len() {
@@ -1130,40 +1140,40 @@ impl Shared {
     /// fleet's order) the next flow to queue while the tier is full.
     fn dispatch_flow(
         &self,
-        state: &mut State,
+        state: &mut Queues,
         group: usize,
         fleet: bool,
         after: &mut AfterUnlock,
     ) -> FlowStep {
-        let Some(gate) = state.groups[group].gate.as_mut() else {
+        let Some(slots) = state.groups[group].slots.as_mut() else {
             return FlowStep::GroupDone;
         };
-        let ((class, tenant), owed) = match gate.owed.pop_front() {
+        let ((class, tenant), owed) = match slots.owed.pop_front() {
             Some(flow) => (flow, true),
-            None if fleet && gate.blocked => match gate.to_queue.pop_front() {
+            None if fleet && slots.blocked => match slots.to_queue.pop_front() {
                 Some(flow) => (flow, false),
                 None => return FlowStep::GroupDone,
             },
             None => return FlowStep::GroupDone,
         };
         let g = &mut state.groups[group];
-        let Some(gate) = &mut g.gate else {
+        let Some(slots) = &mut g.slots else {
             return FlowStep::GroupDone;
         };
         if !owed {
-            if gate.acquiring_for.contains_key(&tenant) {
+            if slots.acquiring_for.contains_key(&tenant) {
                 // Its acquire's answer says whether it is queued: looked at again then.
-                gate.to_queue.push_front((class, tenant));
+                slots.to_queue.push_front((class, tenant));
                 return FlowStep::GroupDone;
             }
-            if gate.queued.contains(&(class, tenant.clone()))
+            if slots.queued.contains(&(class, tenant.clone()))
                 || g.scheduler.tenant_len(class, &tenant) == 0
             {
                 return FlowStep::Next;
             }
         }
         let g = &state.groups[group];
-        let Some(gate) = &g.gate else {
+        let Some(slots) = &g.slots else {
             return FlowStep::GroupDone;
         };
         // A wake names the class its flow queued in; the tenant's next call may be of
@@ -1173,7 +1183,7 @@ impl Shared {
             .find(|&c| g.scheduler.tenant_len(c, &tenant) > 0)
         else {
             after.declined.push(Declined {
-                tier: gate.tier.clone(),
+                tier: slots.tier.clone(),
                 flow: flow_name(class, Some(&tenant)),
                 n: 1,
                 leave: true,
@@ -1194,31 +1204,31 @@ impl Shared {
     /// slot goes on to the next in the fleet's order now, and the flow queues again once its
     /// cells are there.
     fn flow_without_rate(
-        state: &mut State,
+        state: &mut Queues,
         group: usize,
         (class, tenant): (Priority, TenantId),
         owed: bool,
         after: &mut AfterUnlock,
     ) -> FlowStep {
-        let Some(gate) = state.groups[group].gate.as_mut() else {
+        let Some(slots) = state.groups[group].slots.as_mut() else {
             return FlowStep::GroupDone;
         };
         if !owed {
-            gate.to_queue.push_front((class, tenant));
+            slots.to_queue.push_front((class, tenant));
             return FlowStep::GroupDone;
         }
         // An acquire of the flow on its way says itself whether the flow stays queued:
         // leaving now could undo what it does.
-        let leave = !gate.acquiring_for.contains_key(&tenant);
+        let leave = !slots.acquiring_for.contains_key(&tenant);
         after.declined.push(Declined {
-            tier: gate.tier.clone(),
+            tier: slots.tier.clone(),
             flow: flow_name(class, Some(&tenant)),
             n: 1,
             leave,
         });
         if leave {
-            gate.queued.remove(&(class, tenant.clone()));
-            gate.to_queue.push_back((class, tenant));
+            slots.queued.remove(&(class, tenant.clone()));
+            slots.to_queue.push_back((class, tenant));
         }
         FlowStep::Next
     }
@@ -1228,23 +1238,23 @@ impl Shared {
     /// every flow again.
     fn requeue_if_lost(group: &mut Group) {
         let Group {
-            scheduler, gate, ..
+            scheduler, slots, ..
         } = group;
-        let Some(gate) = gate.as_mut() else {
+        let Some(slots) = slots.as_mut() else {
             return;
         };
-        if !gate.blocked
+        if !slots.blocked
             || scheduler.is_empty()
-            || !gate.queued.is_empty()
-            || !gate.to_queue.is_empty()
-            || !gate.owed.is_empty()
-            || gate.acquiring > 0
+            || !slots.queued.is_empty()
+            || !slots.to_queue.is_empty()
+            || !slots.owed.is_empty()
+            || slots.acquiring > 0
         {
             return;
         }
         for class in Priority::ALL {
             for tenant in scheduler.waiting_tenants(class) {
-                gate.to_queue.push_back((class, tenant.clone()));
+                slots.to_queue.push_back((class, tenant.clone()));
             }
         }
     }
@@ -1257,7 +1267,7 @@ impl Shared {
     fn slot_queue(
         &self,
         g: &Group,
-        gate: &Gate,
+        slots: &TierSlots,
         class: Priority,
         target: Option<&TenantId>,
     ) -> SlotQueue {
@@ -1272,7 +1282,7 @@ impl Shared {
                 u64::from(head.cost).clamp(1, self.config.max_charge())
             });
         SlotQueue {
-            weight: self.weights.of(Some(&gate.tier)),
+            weight: self.weights.of(Some(&slots.tier)),
             class,
             class_weight: self.config.class_weights.get(class),
             tenant: flow.cloned(),
@@ -1284,11 +1294,11 @@ impl Shared {
     /// Takes the slot of `group`'s next call in `class` — `target`'s call when named (a
     /// tier that caps tenants counts it for that tenant) — with the rate cells already taken
     /// for it: handed over at once when the store answers at once (memory), else the
-    /// acquire is sent (Redis) and the answer handed over when it comes (`answer`). `false`
+    /// acquire is sent (Redis) and the answer handed over when it comes (`answered`). `false`
     /// when no slot policy is left to take it under.
     fn take_slot(
         &self,
-        state: &mut State,
+        state: &mut Queues,
         group: usize,
         class: Priority,
         target: Option<TenantId>,
@@ -1299,16 +1309,16 @@ impl Shared {
             return false;
         };
         let g = &state.groups[group];
-        let Some(gate) = &g.gate else {
+        let Some(slots) = &g.slots else {
             return false;
         };
-        let tenant = target.clone().filter(|_| gate.limit.tenant_cap.is_some());
-        let queue = self.slot_queue(g, gate, class, target.as_ref());
+        let tenant = target.clone().filter(|_| slots.limit.tenant_cap.is_some());
+        let queue = self.slot_queue(g, slots, class, target.as_ref());
         let more = queue.waiting > 1;
         let acquire = self.slot_store().acquire_slot(
-            &gate.tier,
+            &slots.tier,
             tenant.as_ref(),
-            SlotLimits::of(policy, gate.limit),
+            SlotLimits::of(policy, slots.limit),
             Some(queue),
         );
         match acquire.into_ready() {
@@ -1331,12 +1341,12 @@ impl Shared {
                 // The window place is reserved for the request the answer will be handed to.
                 state.in_flight += 1;
                 let g = &mut state.groups[group];
-                if let Some(gate) = g.gate.as_mut() {
-                    gate.acquiring += 1;
+                if let Some(slots) = g.slots.as_mut() {
+                    slots.acquiring += 1;
                     // Passed over meanwhile, so the acquires sent together go to different
                     // tenants in DRR order.
                     if let Some(tenant) = &target {
-                        *gate.acquiring_for.entry(tenant.clone()).or_default() += 1;
+                        *slots.acquiring_for.entry(tenant.clone()).or_default() += 1;
                     }
                 }
                 let ci = class as usize;
@@ -1361,27 +1371,27 @@ impl Shared {
 
     /// The group's tier (or the global cap) is full: its calls wait for a wake-up. In the
     /// fleet's order, every flow of the group not yet queued in Redis is to be queued.
-    fn block(&self, state: &mut State, group: usize, after: &mut AfterUnlock) {
+    fn block(&self, state: &mut Queues, group: usize, after: &mut AfterUnlock) {
         let fleet = self.fleet();
         let Group {
             scheduler,
-            gate,
+            slots,
             held_for,
             ..
         } = &mut state.groups[group];
         *held_for = WaitReason::Slot;
-        if let Some(gate) = gate.as_mut() {
-            if fleet && !gate.blocked {
+        if let Some(slots) = slots.as_mut() {
+            if fleet && !slots.blocked {
                 for class in Priority::ALL {
                     for tenant in scheduler.waiting_tenants(class) {
-                        if !gate.queued.contains(&(class, tenant.clone())) {
-                            gate.to_queue.push_back((class, tenant.clone()));
+                        if !slots.queued.contains(&(class, tenant.clone())) {
+                            slots.to_queue.push_back((class, tenant.clone()));
                         }
                     }
                 }
             }
-            gate.blocked = true;
-            gate.at_once = 1;
+            slots.blocked = true;
+            slots.at_once = 1;
         }
         if !state.watching {
             state.watching = true;
@@ -1393,7 +1403,7 @@ impl Shared {
     /// cannot admit a call of the tier soundly, `SlotRefusal::Store`): waiting would not
     /// help, so every request of the group is woken to answer `Busy` at once, as is any
     /// that arrives before the group tries again (see `Ticket::poll_turn`).
-    fn refuse(&self, state: &mut State, group: usize, after: &mut AfterUnlock) {
+    fn refuse(&self, state: &mut Queues, group: usize, after: &mut AfterUnlock) {
         self.block(state, group, after);
         let g = &mut state.groups[group];
         g.held_for = WaitReason::Store;
@@ -1411,7 +1421,7 @@ impl Shared {
     /// tenant's request, or back if it has none left.
     fn hand_next(
         &self,
-        state: &mut State,
+        state: &mut Queues,
         group: usize,
         class: Priority,
         handout: Handout,
@@ -1456,7 +1466,7 @@ impl Shared {
     /// window place and `lease`.
     fn handed(
         &self,
-        state: &mut State,
+        state: &mut Queues,
         group: usize,
         active: usize,
         next: super::scheduler::Dispatched<Waiter>,
@@ -1496,14 +1506,14 @@ impl Shared {
     /// waiting tenant is one of those.
     fn next_tenant(group: &mut Group, class: Priority) -> Option<TenantId> {
         let Group {
-            scheduler, gate, ..
+            scheduler, slots, ..
         } = group;
-        let gate = gate.as_ref();
+        let slots = slots.as_ref();
         let mut next = None;
         // Never `Take`: nothing is popped here.
         let _ = scheduler.pop_class_where(class, |tenant| {
-            if gate.is_some_and(|gate| {
-                gate.held_tenants.contains(tenant) || gate.acquiring_for.contains_key(tenant)
+            if slots.is_some_and(|slots| {
+                slots.held_tenants.contains(tenant) || slots.acquiring_for.contains_key(tenant)
             }) {
                 Pick::Skip
             } else {
@@ -1518,14 +1528,14 @@ impl Shared {
     /// come free; the rest of the group goes on.
     fn hold_tenant(
         &self,
-        state: &mut State,
+        state: &mut Queues,
         group: usize,
         tenant: TenantId,
         after: &mut AfterUnlock,
     ) {
         state.groups[group].held_for = WaitReason::Slot;
-        if let Some(gate) = state.groups[group].gate.as_mut() {
-            gate.held_tenants.insert(tenant);
+        if let Some(slots) = state.groups[group].slots.as_mut() {
+            slots.held_tenants.insert(tenant);
         }
         if !state.watching {
             state.watching = true;
@@ -1533,26 +1543,26 @@ impl Shared {
         }
     }
 
-    /// The answer to an acquire sent by `dispatch`: for a tenant (a tier that caps tenants)
+    /// An acquire sent by `dispatch` is answered: for a tenant (a tier that caps tenants)
     /// a refusal for the tenant's cap holds back that tenant only; anything else is
-    /// `slot_answer`'s. In the fleet's order, the flow is now queued in Redis if it was
+    /// `answered_slot`'s. In the fleet's order, the flow is queued in Redis once it is
     /// refused, or granted with more of its calls left here.
-    fn answer(self: &Arc<Self>, mut sent: Sent, answer: Result<SlotLease, SlotRefusal>) {
+    fn answered(self: &Arc<Self>, mut sent: Sent, answer: Result<SlotLease, SlotRefusal>) {
         let fleet = self.fleet();
         if let Some(target) = &sent.target
-            && let Some(gate) = self.lock().groups[sent.group].gate.as_mut()
+            && let Some(slots) = self.lock().groups[sent.group].slots.as_mut()
         {
-            Self::acquired_for(gate, target);
+            Self::answered_tenant(slots, target);
             let flow = (sent.class, target.clone());
             match &answer {
                 Err(SlotRefusal::Full) if fleet => {
-                    gate.queued.insert(flow);
+                    slots.queued.insert(flow);
                 }
                 Ok(_) if fleet && sent.more => {
-                    gate.queued.insert(flow);
+                    slots.queued.insert(flow);
                 }
                 Ok(_) => {
-                    gate.queued.remove(&flow);
+                    slots.queued.remove(&flow);
                 }
                 Err(_) => {}
             }
@@ -1567,7 +1577,7 @@ impl Shared {
                     ..
                 } = sent;
                 self.then_dispatch(|state, after| {
-                    Self::acquire_answered(state, group, class, ahead);
+                    Self::answered_group(state, group, class, ahead);
                     // Not dispatched: the rate cells go back to the gate.
                     after.drop_handed.push(Handed {
                         lease: None,
@@ -1576,13 +1586,13 @@ impl Shared {
                     self.hold_tenant(state, group, tenant, after);
                 });
             }
-            (answer, _) => self.slot_answer(sent, answer),
+            (answer, _) => self.answered_slot(sent, answer),
         }
     }
 
     /// Changes the state under the lock, dispatches in fair order, and does the rest
     /// (wakers, metrics, acquires to send, leases to drop) once the lock is released.
-    fn then_dispatch(self: &Arc<Self>, change: impl FnOnce(&mut State, &mut AfterUnlock)) {
+    fn then_dispatch(self: &Arc<Self>, change: impl FnOnce(&mut Queues, &mut AfterUnlock)) {
         let mut after = AfterUnlock::default();
         let depth = {
             let mut state = self.lock();
@@ -1595,37 +1605,38 @@ impl Shared {
 
     /// An acquire `dispatch` sent for `group` in `class` is answered: its window place and
     /// the step of virtual time charged ahead for it are given back (a dispatch charges its
-    /// own). The group's gate, to account for the answer.
-    fn acquire_answered(
-        state: &mut State,
+    /// own). Returns the group's tier slots, to account for the answer.
+    fn answered_group(
+        state: &mut Queues,
         group: usize,
         class: Priority,
         ahead: f64,
-    ) -> Option<&mut Gate> {
+    ) -> Option<&mut TierSlots> {
         state.in_flight = state.in_flight.saturating_sub(1);
         let g = &mut state.groups[group];
         g.vtime[class as usize] -= ahead;
-        let gate = g.gate.as_mut()?;
-        gate.acquiring = gate.acquiring.saturating_sub(1);
-        Some(gate)
+        let slots = g.slots.as_mut()?;
+        slots.acquiring = slots.acquiring.saturating_sub(1);
+        Some(slots)
     }
 
-    /// An acquire for `tenant` is answered.
-    fn acquired_for(gate: &mut Gate, tenant: &TenantId) {
-        if let Some(n) = gate.acquiring_for.get_mut(tenant) {
+    /// An acquire for `tenant` is answered: one fewer under way for it.
+    fn answered_tenant(slots: &mut TierSlots, tenant: &TenantId) {
+        if let Some(n) = slots.acquiring_for.get_mut(tenant) {
             *n -= 1;
             if *n == 0 {
-                gate.acquiring_for.remove(tenant);
+                slots.acquiring_for.remove(tenant);
             }
         }
     }
 
-    /// The answer to an acquire sent by `dispatch` for `group`. A slot that took the last
+    /// An acquire sent by `dispatch` for `group` is answered with a slot or a refusal for
+    /// the tier: the slot goes to the group's next request. A slot that took the last
     /// room, for an acquire that stayed queued (`more`), blocks the group as a refusal
     /// would: the next slot comes with a wake-up, not from another try. A slot taken with
     /// room left (a lease that expired, say, freed it without a wake-up) lets the group try
     /// again for the rest.
-    fn slot_answer(self: &Arc<Self>, sent: Sent, lease: Result<SlotLease, SlotRefusal>) {
+    fn answered_slot(self: &Arc<Self>, sent: Sent, lease: Result<SlotLease, SlotRefusal>) {
         let Sent {
             group,
             class,
@@ -1636,14 +1647,14 @@ impl Shared {
             ..
         } = sent;
         self.then_dispatch(|state, after| {
-            if let Some(gate) = Self::acquire_answered(state, group, class, ahead) {
+            if let Some(slots) = Self::answered_group(state, group, class, ahead) {
                 // Doubling, but never past the room the caps had left (with the acquires
                 // still under way): on Redis the answer says how much.
-                gate.at_once = match &lease {
+                slots.at_once = match &lease {
                     Ok(lease) => {
                         let room = usize::try_from(lease.room()).unwrap_or(usize::MAX);
-                        let cap = room.saturating_add(gate.acquiring).max(1);
-                        gate.at_once.saturating_mul(2).min(cap)
+                        let cap = room.saturating_add(slots.acquiring).max(1);
+                        slots.at_once.saturating_mul(2).min(cap)
                     }
                     Err(_) => 1,
                 };
@@ -1660,9 +1671,9 @@ impl Shared {
                     if more && room == 0 {
                         self.block(state, group, after);
                     } else if room > 0
-                        && let Some(gate) = state.groups[group].gate.as_mut()
+                        && let Some(slots) = state.groups[group].slots.as_mut()
                     {
-                        gate.blocked = false;
+                        slots.blocked = false;
                     }
                 }
                 Err(refusal) => {
@@ -1739,7 +1750,7 @@ impl Shared {
     }
 }
 
-impl fmt::Debug for Shared {
+impl fmt::Debug for FairQueue {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let state = self.lock();
         f.debug_struct("DrrFairnessState")
@@ -1759,7 +1770,7 @@ impl fmt::Debug for Shared {
 /// Dropping it gives both back and hands the place to the next waiting request in fair
 /// order. It cannot be created outside the crate.
 pub struct Permit {
-    shared: Arc<Shared>,
+    shared: Arc<FairQueue>,
     group: usize,
     class: Priority,
     /// The tenant the scheduler counts this request in flight for, to report its completion.
@@ -1771,7 +1782,7 @@ pub struct Permit {
 
 impl Permit {
     fn new(
-        shared: Arc<Shared>,
+        shared: Arc<FairQueue>,
         group: usize,
         class: Priority,
         charged: Option<TenantId>,
@@ -1838,7 +1849,7 @@ impl fmt::Debug for Permit {
 /// A request's place in the queue. Dropped while waiting, it leaves the queue; dropped
 /// after it was dispatched but before it noticed, it gives the permit (and slot) back.
 pub(super) struct Ticket {
-    shared: Option<Arc<Shared>>,
+    shared: Option<Arc<FairQueue>>,
     key: Key,
     id: u64,
     group: usize,
@@ -1867,7 +1878,7 @@ impl Ticket {
             let reason = state.groups[self.group].held_for;
             // Refused for the store's absence: answered at once, not at the max wait.
             let refused = reason == WaitReason::Store
-                && (state.groups[self.group].gate.as_ref()).is_some_and(|gate| gate.blocked);
+                && (state.groups[self.group].slots.as_ref()).is_some_and(|slots| slots.blocked);
             if let Some(waiter) = state.groups[self.group].scheduler.get_mut(self.key) {
                 if !expired && !refused {
                     match &mut waiter.waker {
@@ -1921,7 +1932,7 @@ impl Ticket {
     /// Arms (and polls) the timer of a slot-gated wait: `queue.slow_wait` at the policy's
     /// mark, then the max wait. True once the max wait has passed. A timer firing never
     /// moves the request in the queue.
-    fn poll_timer(&mut self, cx: &mut Context<'_>, shared: &Shared) -> bool {
+    fn poll_timer(&mut self, cx: &mut Context<'_>, shared: &FairQueue) -> bool {
         let Some((tier, limit)) = &self.patience else {
             return false;
         };

@@ -11,18 +11,20 @@ use crate::Store;
 /// # Clone
 /// Cloning shares the store, the rule and the policy; it creates no new state.
 pub struct PriorityClassifyLayer<R = DefaultRule> {
-    pub(super) shared: Shared<R>,
+    pub(super) shared: Classifier<R>,
 }
 
-pub(super) struct Shared<R> {
+/// What classifies a request: the store (demotion state), the rule and the demotion
+/// policy, shared by the layer's clones and services.
+pub(super) struct Classifier<R> {
     pub(super) store: Store,
     pub(super) rule: Arc<R>,
     pub(super) policy: Arc<DemotionPolicy>,
 }
 
-impl<R> Clone for Shared<R> {
+impl<R> Clone for Classifier<R> {
     fn clone(&self) -> Self {
-        Shared {
+        Classifier {
             store: self.store.clone(),
             rule: self.rule.clone(),
             policy: self.policy.clone(),
@@ -34,7 +36,7 @@ impl PriorityClassifyLayer {
     /// Classifies with [`DefaultRule`] and the default [`DemotionPolicy`].
     pub fn new(store: Store) -> Self {
         PriorityClassifyLayer {
-            shared: Shared {
+            shared: Classifier {
                 store,
                 rule: Arc::new(DefaultRule::new()),
                 policy: Arc::new(DemotionPolicy::default()),
@@ -49,7 +51,7 @@ impl<R: ClassifyRule> PriorityClassifyLayer<R> {
     /// [`Job`]: crate::Job
     pub fn rule<R2: ClassifyRule>(self, rule: R2) -> PriorityClassifyLayer<R2> {
         PriorityClassifyLayer {
-            shared: Shared {
+            shared: Classifier {
                 store: self.shared.store,
                 rule: Arc::new(rule),
                 policy: self.shared.policy,

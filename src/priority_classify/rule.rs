@@ -34,7 +34,7 @@ where
     }
 }
 
-/// The reference rule: a user action is critical; no SLA, or one of at least a day
+/// The default rule: a user action is critical; no SLA, or one of at least a day
 /// (configurable), is batch; anything else is standard.
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub struct DefaultRule {
@@ -42,7 +42,7 @@ pub struct DefaultRule {
 }
 
 impl DefaultRule {
-    /// The rule with the reference's 24 h batch threshold.
+    /// The rule with a 24 h batch threshold.
     pub const fn new() -> Self {
         DefaultRule {
             batch_from: Duration::from_secs(24 * 60 * 60),

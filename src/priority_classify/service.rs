@@ -4,7 +4,7 @@ use std::task::{Context, Poll};
 use tower_service::Service;
 
 use super::future::ResponseFuture;
-use super::layer::Shared;
+use super::layer::Classifier;
 use super::{ClassifyRule, DefaultRule};
 use crate::error::BoxError;
 use crate::store::Demotion;
@@ -14,7 +14,7 @@ use crate::{Job, JobRequest, Priority};
 /// tenants to batch; see the [module docs](crate::priority_classify).
 pub struct PriorityClassify<S, R = DefaultRule> {
     pub(super) inner: S,
-    pub(super) shared: Shared<R>,
+    pub(super) shared: Classifier<R>,
 }
 
 impl<S, R> PriorityClassify<S, R> {

@@ -17,7 +17,7 @@ use tower_service::Service;
 
 use super::call::{Call, RateWaiter};
 use super::future::Step;
-use super::layer::{Ask, Held, Learned, taken};
+use super::layer::{Ask, HeldCall, Learned, taken};
 use super::telemetry;
 use crate::error::BoxError;
 use crate::store::{DIMS, PaceGrant, StoreFuture};
@@ -263,7 +263,7 @@ impl<S, Req, C> Call<S, Req, C> {
         if !grant.hold.is_zero() {
             // Another call is probing this key (cold start or recovery): ask again a random
             // moment later, or when its lease ends.
-            self.held.get_or_insert_with(|| Held::new(core));
+            self.held.get_or_insert_with(|| HeldCall::new(core));
             let wait = grant.hold.mul_f64(0.5 + 0.5 * core.unit());
             waits.sleep(wait.max(Duration::from_millis(1)));
             let notify = core.answered.clone();
@@ -302,7 +302,7 @@ impl<S, Req, C> Call<S, Req, C> {
         // own delay was drawn in); the rest go at random points of a window (each worker
         // from its own offset into it), after one probe for the whole fleet.
         let lone = self.retries > 0 && !core.others_held(self.held.is_some());
-        self.held.get_or_insert_with(|| Held::new(core));
+        self.held.get_or_insert_with(|| HeldCall::new(core));
         core.note_at_limit(&self.upstream);
         let wait = if lone {
             left

@@ -17,7 +17,7 @@ use super::admit::{Admission, Waits, sleep_for};
 use super::body::{Filled, Peeked, ResponseBody};
 use super::decide::{self, Verdict};
 use super::future::{Peek, Recording, Step};
-use super::layer::{Held, Shared};
+use super::layer::{CoreAndCloner, HeldCall};
 use super::request::CloneRequest;
 use super::telemetry;
 use super::usage::Usage;
@@ -29,7 +29,7 @@ use crate::{JobRequest, TenantId};
 
 /// Everything one call carries from attempt to attempt.
 pub(super) struct Call<S, Req, C> {
-    pub(super) shared: Arc<Shared<C>>,
+    pub(super) shared: Arc<CoreAndCloner<C>>,
     pub(super) service: S,
     /// The request of the next attempt, while admitting it.
     pub(super) next: Option<Req>,
@@ -45,7 +45,7 @@ pub(super) struct Call<S, Req, C> {
     /// What the attempt under way was charged, which its answer settles.
     pub(super) charge: Charge,
     /// Counted as held (behind the gate or a probe) while set.
-    pub(super) held: Option<Held>,
+    pub(super) held: Option<HeldCall>,
     /// Who waits for the upstream's rate.
     pub(super) rate: RateWaiter,
 }

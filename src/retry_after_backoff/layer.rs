@@ -25,7 +25,7 @@ use crate::store::{DIMS, PaceAsk, PaceGrant};
 /// views and the jitter source. Build the layer once per upstream and wrap the one client
 /// with it; a layer built per route would give each route its own budget and pacing.
 pub struct RetryAfterBackoffLayer<C = ByClone, K = OneUpstream> {
-    pub(super) shared: Arc<Shared<C>>,
+    pub(super) shared: Arc<CoreAndCloner<C>>,
     pub(super) key: Arc<K>,
     /// The tiers' max waits that bound a first attempt held here (see `max_waits`).
     pub(super) waits: Option<Arc<crate::SlotPolicy>>,
@@ -34,12 +34,15 @@ pub struct RetryAfterBackoffLayer<C = ByClone, K = OneUpstream> {
     pub(super) gated: bool,
 }
 
-/// What every service and future of one layer shares.
-pub(super) struct Shared<C> {
+/// What every service and future of one layer shares: its `Core` and how it copies a
+/// request for a retry.
+pub(super) struct CoreAndCloner<C> {
     pub(super) core: Arc<Core>,
     pub(super) cloner: C,
 }
 
+/// The layer's state: store, policy, retry budget, pacing, and this worker's view of each
+/// upstream key.
 pub(super) struct Core {
     pub(super) store: Store,
     pub(super) policy: BackoffPolicy,
@@ -75,16 +78,16 @@ pub(super) struct Core {
 }
 
 /// A call counted as held while this lives.
-pub(super) struct Held(Arc<Core>);
+pub(super) struct HeldCall(Arc<Core>);
 
-impl Held {
+impl HeldCall {
     pub(super) fn new(core: &Arc<Core>) -> Self {
         core.held.fetch_add(1, Ordering::AcqRel);
-        Held(core.clone())
+        HeldCall(core.clone())
     }
 }
 
-impl Drop for Held {
+impl Drop for HeldCall {
     fn drop(&mut self) {
         self.0.held.fetch_sub(1, Ordering::AcqRel);
     }
@@ -484,7 +487,7 @@ impl RetryAfterBackoffLayer {
             .map(Pacer::new);
         let rng = policy.seed.map_or_else(Rng::from_entropy, Rng::seeded);
         RetryAfterBackoffLayer {
-            shared: Arc::new(Shared {
+            shared: Arc::new(CoreAndCloner {
                 core: Arc::new(Core {
                     store,
                     policy,
@@ -518,7 +521,7 @@ impl<C, K> RetryAfterBackoffLayer<C, K> {
     /// budget and pacing state.
     pub fn clone_requests_with<C2>(self, cloner: C2) -> RetryAfterBackoffLayer<C2, K> {
         RetryAfterBackoffLayer {
-            shared: Arc::new(Shared {
+            shared: Arc::new(CoreAndCloner {
                 core: self.shared.core.clone(),
                 cloner,
             }),

@@ -212,7 +212,7 @@ pub(super) struct View {
 impl View {
     fn new(learning: bool) -> Self {
         View {
-            // Without learning there is no cold start: calls go as before.
+            // Without learning there is no cold start: calls go without waiting for an answer.
             mode: if learning { 0 } else { 1 },
             limits: [0; DIMS],
             recover_until: None,

@@ -2,113 +2,43 @@
 //! budget; attribute every throttle to its tenant; hold every worker's calls behind one
 //! cooldown gate per upstream; optionally pace calls under the provider's limits.
 //!
-//! [`RetryAfterBackoff`] wraps the client that calls the provider (the innermost layer):
+//! [`RetryAfterBackoff`] wraps the client that calls the provider (the innermost layer).
+//! The rules it keeps, each set on [`BackoffPolicy`]:
 //!
-//! - **What is retried**: 429 and 529 by default (a [`StatusSet`]; e.g. add 408, 409, 5xx),
-//!   unless the response says `x-should-retry: false` (`true` forces a retry). A 429 whose
-//!   body carries `"error_code":"enforced_spend_limit_reached"` is never retried: waiting
-//!   does not lift a spend cap. At most 4 retries, and a retry budget (tower's `TpsBudget`:
-//!   20% of calls plus 10 a second) so retries cannot multiply the load in a storm — tower
-//!   explains why budgets beat a bare retry count; this layer keeps both.
+//! - **What is retried**: 429 and 529 by default (a [`StatusSet`]), unless the response
+//!   says `x-should-retry: false`; never a 429 for `enforced_spend_limit_reached` (waiting
+//!   does not lift a spend cap). At most 4 retries, within a retry budget (tower's
+//!   `TpsBudget`: 20% of calls plus 10 a second), so retries cannot multiply a storm.
 //! - **How long to wait**: the server's delay (`retry-after-ms`, else `retry-after` in
-//!   seconds or as an HTTP date; see [`decide::retry_after`]) x 1.2 +/- 20%; with none, the
-//!   SDKs' jittered exponential backoff (0.5 s doubling up to 8 s, minus up to 25%). A zero
-//!   delay (`retry-after: 0`, `retry-after-ms: 0`, a date at or before the server's `Date`)
-//!   counts as none, as in the official SDKs: the backoff applies, never an immediate retry,
-//!   and the gate stays open. A delay over the policy's maximum (60 s) is not slept: the
-//!   response goes back at once, so the caller can decide, and the gate closes for the
-//!   maximum. Every value too large to represent (`18446744073709551616`, a decimal or
-//!   millisecond form of it, any number of digits) counts as such a delay, like a date in the
-//!   year 9999: one rule for every overflow. Never panics on any header.
-//! - **Who is told**: every 429 counts against the request's tenant in the store's sliding
-//!   window ([`Store::record_throttle`](crate::Store::record_throttle)), which is what
-//!   demotes a runaway tenant in [`PriorityClassify`](crate::PriorityClassify); and the
-//!   server's delay closes the upstream's **cooldown gate**
-//!   ([`Store::extend_cooldown`](crate::Store::extend_cooldown)): every worker on the store
-//!   holds new calls to that upstream until it reopens. Then they do not all go at once:
-//!   each worker starts at its own random point of a release window (a fifth of the wait),
-//!   each held call adds a draw of its own, and while the upstream is known
-//!   to be at its limit a worker sends one call at a time (a probe, like a circuit breaker
-//!   half-open) until an answer shows room again, or until the upstream has been quiet for
-//!   the probe timeout (30 s, counted from the last throttle or from the worker's release
-//!   from the gate; [`BackoffPolicyBuilder::probe_timeout`]), so a stale throttle does not
-//!   hold a worker to one call at a time forever. A later, longer
-//!   delay extends the gate, a shorter one never shortens it; checking it is a local read
-//!   (pub/sub keeps each worker's copy current on Redis). A response reporting an exhausted
-//!   limit (`anthropic-ratelimit-*-remaining: 0` with its `-reset`) closes the gate until
-//!   the reset, before any 429.
-//! - **Learned pacing** (on by default; [`BackoffPolicyBuilder::learned_pacing`]): every
-//!   answer's `anthropic-ratelimit-{requests,input-tokens,output-tokens,tokens}-{limit,
-//!   remaining}` headers (successes too) teach the limits of its upstream key, kept in the
-//!   store (`Store::learned_limits`), so every worker, and one that starts later, paces to
-//!   them: a GCRA mirror of the provider's buckets (continuous refill) at 0.95 of each rate
-//!   ([`learned_headroom`](BackoffPolicyBuilder::learned_headroom)); requests burst one
-//!   second's worth, tokens their minute. `-remaining` resynchronises the mirror (only
-//!   later; a new `-limit` restarts it from what is left). **What is charged when**:
-//!   before the call, its job's estimated input tokens and the output tokens expected
-//!   (the average of the key's recent answers in this worker, 1 until one is seen), both
-//!   again in `tokens`; after it, the answer's `usage` corrects that — while the key has
-//!   learned token limits, a 2xx body is scanned as it streams to the caller (never
-//!   buffered, frames untouched) for `"input_tokens"` and the largest `"output_tokens"`
-//!   (a JSON message, or a stream's `message_start` and `message_delta` events), and when
-//!   the body ends, or is dropped after its usage was seen, the difference is charged or
-//!   given back once, at most one minute of the limit
-//!   ([`usage_correction`](BackoffPolicyBuilder::usage_correction)). No usage, a non-2xx
-//!   answer or a body that never ends: no correction; the next answer's `-remaining`
-//!   still resynchronises.
-//!   Zero, absurd (over 10^9) or non-numeric limits are ignored (logged once); `-remaining`
-//!   above `-limit` reads as full; a `-reset` over 61 s ahead is not believed; an exhausted
-//!   dimension with a usable `-limit` waits for one cell, not for its full reset. No
-//!   headers: no pacing, as before. A configured [`Pacing`] still applies: the stricter
-//!   wins. On Redis a call is not a round trip: a worker reserves a quarter second of the
-//!   learned request rate at once (at most 64 calls) and sends what headers said with the
-//!   next reservation (at once when a limit changed, a dimension runs low, or a throttle).
-//! - **Slow start**: before any answer told an upstream key's limits, one call goes first
-//!   (a probe, its lease 1 s: [`release_spread`](BackoffPolicyBuilder::release_spread)) and
-//!   the rest wait for its answer.
-//! - **Gate scope per request** ([`UpstreamKey`],
-//!   [`upstream_key_with`](RetryAfterBackoffLayer::upstream_key_with)): the gate, the probe
-//!   and the learned limits are keyed per request: one per layer by default, or
-//!   [`ByApiKey`] (hashed), [`ByModel`], [`ByApiKeyAndModel`], or a closure.
-//! - **Recovery at full speed**: after a throttle, once the gate reopens, one probe for the
-//!   whole fleet (a lease in the store); its success ends the recovery for every worker and
-//!   calls go at the learned rate at once.
-//! - **A lone call keeps its band**: a retry with nothing else held in its layer goes when
-//!   its own delay ends or the gate reopens, within [0.96 R, 1.44 R] of the server's delay
-//!   R; held calls are spread over a fifth of R (no fixed floor) from each worker's offset.
-//! - **Pacing** ([`Pacing`], optional): GCRA limits on requests, input tokens and output
-//!   tokens per minute, before any 429 — per layer in process, or
-//!   [shared](Pacing::shared) by every worker through the store (one GCRA script on Redis
-//!   that reserves all dimensions at once, server time).
+//!   seconds or as a date; [`decide::retry_after`]) x 1.2 +/- 20%; with none, the SDKs'
+//!   backoff (0.5 s doubling up to 8 s, minus up to 25%). A delay over the maximum (60 s)
+//!   is not slept: the response goes back at once. Never panics on any header.
+//! - **Who is told**: every 429 counts against the request's tenant
+//!   ([`Store::record_throttle`](crate::Store::record_throttle), which feeds demotion) and
+//!   closes the upstream's **cooldown gate** for every worker on the store
+//!   ([`Store::extend_cooldown`](crate::Store::extend_cooldown)); a longer delay extends
+//!   it, a shorter one never shortens it. When it reopens, held calls go spread over a
+//!   release window, and one probe at a time until an answer shows room again.
+//! - **Learned pacing** (on by default): every answer's `anthropic-ratelimit-*` headers
+//!   teach its upstream key's limits, kept in the store, and every worker paces to 0.95 of
+//!   them; the answer's `usage`, read as the body streams, corrects what the call was
+//!   charged.
+//! - **Slow start**: until an answer has told an upstream key's limits, one call goes first
+//!   and the rest wait for its answer.
+//! - **Gate scope per request** ([`UpstreamKey`]): the gate, the probe and the learned
+//!   limits are kept per layer by default, or per [`ByApiKey`] (hashed), [`ByModel`],
+//!   [`ByApiKeyAndModel`], or a closure.
+//! - **Configured pacing** ([`Pacing`], optional): GCRA limits per minute on requests,
+//!   input and output tokens, per layer or [shared](Pacing::shared) through the store.
+//! - **Max wait**: with slot caps in the store, a first attempt held here past its tier's
+//!   max wait fails with [`Busy`](crate::Busy); a retry's wait is the server's.
 //!
-//! **Max wait.** When the store carries slot caps (a
-//! [`TierSlotLimitLayer`](crate::TierSlotLimitLayer) was built on it), a first attempt
-//! held here — behind the gate, by pacing, by slow start — past its tier's max wait
-//! (counted from the request's arrival) fails with [`Busy`](crate::Busy) at the deadline,
-//! as the fair queue and the slot layer would: a tier's max wait is end to end. A retry is
-//! not bounded by it (the request was dispatched once); its wait is the server's.
-//!
-//! Requests are copied for a retry with `Clone` by default ([`CloneRequest`]: [`SendOnce`]
-//! or a closure for other types); a request that cannot be copied is sent once. Responses
-//! must be `http::Response<B>` (any `http_body::Body`): the layer returns them with a
-//! [`ResponseBody`], which is the upstream body untouched except for a retryable 429, whose
-//! first 64 KiB are read ahead to look for the spend-limit code and then replayed — the
-//! caller gets every byte. A request without a [`Job`](crate::Job) fails with
-//! [`MissingJob`](crate::MissingJob).
-//!
-//! The read-ahead is bounded three ways, so no call hangs because an upstream stalls: by
-//! bytes (64 KiB, [`peek_limit`](BackoffPolicyBuilder::peek_limit)), by frames (1,024,
-//! [`peek_frame_limit`](BackoffPolicyBuilder::peek_frame_limit)) and by time (5 s from the
-//! head's arrival, [`peek_timeout`](BackoffPolicyBuilder::peek_timeout)). Reaching the byte
-//! limit or the body's end judges the body. Reaching the frame or time limit first means it
-//! could not be judged: the 429 is then **not retried** but goes back to the caller as it
-//! is — the frames read so far replayed, then the rest of the body streamed as the upstream
-//! sends it — still counted as a throttle and still closing the gate by its `retry-after`.
-//! Not retrying is the safe side (the unread part may be the spend-limit code); the
-//! caller's own read timeout governs the rest of a stalled body, and the permit and slot of
-//! the layers around this one come back when the caller drops it. One poll reads at most 64
-//! frames, then yields (waking itself), so a body of millions of empty frames that are all
-//! ready cannot hold a thread.
+//! Requests are copied for a retry with `Clone` ([`CloneRequest`]: [`SendOnce`] or a
+//! closure for other types). Responses are `http::Response<B>`, returned with a
+//! [`ResponseBody`]: the upstream body untouched, but for a retryable 429 whose first 64
+//! KiB are read ahead (bounded in bytes, frames and time) and replayed. A request without
+//! a [`Job`](crate::Job) fails with [`MissingJob`](crate::MissingJob). `ARCHITECTURE.md`
+//! ("429 hygiene") gives each rule in full.
 //!
 //! ```
 //! use fairgate::{Job, Origin, RetryAfterBackoffLayer, Store};

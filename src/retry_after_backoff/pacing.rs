@@ -27,7 +27,7 @@ use crate::store::PaceLimit;
 /// ```
 /// use fairgate::retry_after_backoff::Pacing;
 ///
-/// // The reference's tier: 50 RPM, 40,000 ITPM, 8,000 OTPM.
+/// // A small Anthropic tier: 50 RPM, 40,000 ITPM, 8,000 OTPM.
 /// let pacing = Pacing::reference();
 /// assert_eq!(pacing.requests_per_minute_limit(), Some(50));
 /// let mine = Pacing::new().requests_per_minute(50);
@@ -53,8 +53,8 @@ impl Pacing {
         }
     }
 
-    /// The reference's tier: 50 requests, 40,000 input tokens and 8,000 output tokens per
-    /// minute.
+    /// A small Anthropic tier, the one the crate's tests and simulator use: 50 requests,
+    /// 40,000 input tokens and 8,000 output tokens per minute.
     pub fn reference() -> Self {
         Pacing::new()
             .requests_per_minute(50)

@@ -8,7 +8,7 @@ use crate::error::ConfigError;
 /// What [`RetryAfterBackoff`](super::RetryAfterBackoff) retries, how long it waits, and what
 /// it shares.
 ///
-/// Defaults (from the reference and the official SDKs): retry 429 and 529; at most 4
+/// Defaults (the backoff without `retry-after` is the official SDKs'): retry 429 and 529; at most 4
 /// retries; wait `retry-after` x 1.2 +/- 20%, else 0.5 s doubling up to 8 s minus up to 25%;
 /// never sleep more than 60 s (a longer delay returns the response at once); a retry budget
 /// of 20% of calls plus 10 retries a second over a 10 s window (tower's `TpsBudget`); held
@@ -235,10 +235,10 @@ impl BackoffPolicyBuilder {
 
     /// How long a probe holds its key's probe lease (default 1 s): after a throttle (and at
     /// cold start) one call goes first for the whole fleet; if its answer has not come
-    /// within this, the next call goes as the probe. (Before learned pacing this was also
-    /// the least width of the release window; the window is now a fifth of the server's
-    /// delay, with no floor: each worker starts at a random point of it and each call adds a
-    /// draw of its own, so the last call goes at most two windows after the reopening.)
+    /// within this, the next call goes as the probe. It does not bound the release window
+    /// (a fifth of the server's delay, with no floor: each worker starts at a random point
+    /// of it and each call adds a draw of its own, so the last call goes at most two windows
+    /// after the reopening).
     pub fn release_spread(mut self, spread: Duration) -> Self {
         self.policy.release_spread = spread;
         self

@@ -10,7 +10,7 @@ use super::admit::Admission;
 use super::body::ResponseBody;
 use super::call::{Call, Charge, Patience, RateWaiter};
 use super::future::ResponseFuture;
-use super::layer::Shared;
+use super::layer::CoreAndCloner;
 use super::learned::{OneUpstream, UpstreamKey};
 use super::request::{ByClone, CloneRequest, TypeName};
 use crate::JobRequest;
@@ -21,7 +21,7 @@ use crate::error::BoxError;
 /// [module docs](crate::retry_after_backoff).
 pub struct RetryAfterBackoff<S, C = ByClone, K = OneUpstream> {
     pub(super) inner: S,
-    pub(super) shared: Arc<Shared<C>>,
+    pub(super) shared: Arc<CoreAndCloner<C>>,
     pub(super) key: Arc<K>,
     pub(super) waits: Option<Arc<crate::SlotPolicy>>,
     pub(super) gated: bool,

@@ -13,7 +13,8 @@
 //!
 //! Redis *refusing* the store at start (a wrong password, a certificate not trusted) is an
 //! error from the constructor, never a silent fallback; Redis *not there* at start (refused,
-//! timed out) is the degraded start of DESIGN §3.
+//! timed out) is a degraded start: the store answers from [`MemoryState`] and probes Redis
+//! in the background, so no request fails because Redis is down.
 
 use std::fmt;
 use std::future::Future;

@@ -1,12 +1,10 @@
 //! Per-tenant tables that forget their dead entries a few at a time and give memory back.
 //!
 //! Every in-process table keyed by tenant (demotion state, served cost, the fairness window)
-//! used to drop its dead entries with one `retain` over the whole map, under the lock every
-//! caller takes: with a million tenants that was a 20 ms pause once a second, 200 ms when
-//! the UTC day rolled over, a 200 ms rehash whenever the map grew, and the memory of the
-//! million never came back (`retain` does not shrink).
-//!
-//! Here instead:
+//! is one of these. One `retain` over a whole map, under the lock every caller takes, would
+//! with a million tenants pause callers 20 ms once a second and 200 ms when the UTC day rolls
+//! over, a growing map would rehash for 200 ms, and the memory of the million would never
+//! come back (`retain` does not shrink). Instead:
 //! - a table is split into [`SHARDS`] shards by the tenant's hash, so growing one rehashes
 //!   a 1/256th of the tenants (each entry keeps its hash, so a rehash reads it instead of
 //!   hashing the name again);

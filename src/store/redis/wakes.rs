@@ -18,7 +18,7 @@
 //!
 //! Events that may have freed slots for any tier (a release in this process while Redis is
 //! away, Redis back from an outage, a pub/sub reconnection that may have lost a message)
-//! wake *everyone* here: every waiter tries again, as before wake-ups were targeted.
+//! wake *everyone* here: every waiter tries again.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, Ordering};
