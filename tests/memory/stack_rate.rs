@@ -6,25 +6,23 @@
 //! Anthropic's rate-limit headers on every answer (`support::rate_limited`), and counts from
 //! outside the library: who reached the upstream when, what each caller was answered.
 //! Tokio's paused time throughout. The Redis versions of cases 1, 2 and 4 are in
-//! `tests/stack_rate_redis.rs`.
+//! `tests/redis/stack_rate_redis.rs`.
 //!
 //! `--nocapture` shows each test's numbers.
-
-mod support;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
+use crate::support::rate_limited::{
+    Answer, CALL_ID, Outcome, RateLimited, Reason, Started, Streaming, answer, busy_reasons, count,
+    first_start, longest_idle_while_waiting, share_broken, waiting,
+};
+use crate::support::{joined, percentile, user};
 use fairgate::retry_after_backoff::Pacing;
 use fairgate::{BackoffPolicy, BoxError, FairgateBody, FairgateLayer, Job, Origin, Store};
 use http_body_util::BodyExt;
 use metrics_util::debugging::{DebugValue, DebuggingRecorder};
-use support::rate_limited::{
-    Answer, CALL_ID, Outcome, RateLimited, Reason, Started, Streaming, answer, busy_reasons, count,
-    first_start, longest_idle_while_waiting, share_broken, waiting,
-};
-use support::{joined, percentile};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 use tower::{Layer, ServiceExt};
@@ -151,10 +149,6 @@ impl Rig {
     fn t(&self, at: Instant) -> f64 {
         (at - self.start).as_secs_f64()
     }
-}
-
-fn user(tenant: &str, tier: &str) -> Job {
-    Job::new(tenant, Origin::UserAction).tier(tier)
 }
 
 fn batch(tenant: &str, tier: &str) -> Job {

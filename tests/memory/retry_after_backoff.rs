@@ -1,8 +1,6 @@
 //! RetryAfterBackoff: retries by the server's word, throttles to tenants (and from there to
 //! demotion), the shared cooldown gate, the 429 storm, and pacing.
 
-mod support;
-
 use std::collections::HashMap;
 use std::convert::Infallible;
 use std::future::Future;
@@ -124,7 +122,7 @@ where
 
 #[tokio::test(start_paused = true)]
 async fn four_retries_then_the_last_429_is_returned() {
-    let (events, _guard) = support::EventCounter::install();
+    let (events, _guard) = crate::support::EventCounter::install();
     let store = Store::memory();
     let mock = Mock::new(|_, n| status(429, &[("retry-after", "1")], &format!("attempt {n}")));
     let layer = RetryAfterBackoffLayer::new(store.clone(), policy().build().unwrap());
@@ -436,7 +434,7 @@ async fn every_overflowing_retry_after_returns_at_once_with_the_gate_closed_for_
 async fn an_exhausted_limit_reported_by_a_success_holds_the_next_call_until_its_reset() {
     let mock = Mock::new(|_, n| match n {
         0 => {
-            let reset = support::rfc3339(SystemTime::now() + Duration::from_secs(3));
+            let reset = crate::support::rfc3339(SystemTime::now() + Duration::from_secs(3));
             status(
                 200,
                 &[
@@ -530,7 +528,7 @@ struct Rig {
     /// Extra wait for batched counts and cached checks (0 on memory).
     settle: Duration,
     #[cfg(feature = "redis")]
-    _server: Option<support::RedisServer>,
+    _server: Option<crate::support::RedisServer>,
 }
 
 impl Rig {
@@ -545,7 +543,7 @@ impl Rig {
 
     #[cfg(feature = "redis")]
     async fn redis() -> Rig {
-        let server = support::RedisServer::start();
+        let server = crate::support::RedisServer::start();
         let store = redis_store(&server.url()).await;
         Rig {
             store,
@@ -565,7 +563,7 @@ async fn redis_store(url: &str) -> Store {
         .unwrap()
 }
 
-support::on_both_stores!(five_429s_within_a_minute_make_the_tenants_next_job_batch);
+crate::support::on_both_stores!(five_429s_within_a_minute_make_the_tenants_next_job_batch);
 
 async fn five_429s_within_a_minute_make_the_tenants_next_job_batch(rig: Rig) {
     // Tenant x's first five attempts are throttled; everyone else is served.
@@ -698,7 +696,8 @@ async fn shared_cooldown_holds_other_layers_on_one_memory_store() {
 #[cfg(feature = "redis")]
 #[tokio::test]
 async fn shared_cooldown_holds_the_other_workers_calls_on_one_redis() {
-    let server = support::RedisServer::start();
+    let _turn = crate::support::file_turn(module_path!());
+    let server = crate::support::RedisServer::start();
     let worker1 = redis_store(&server.url()).await;
     let worker2 = redis_store(&server.url()).await;
     // The 10 s, scaled down to 1 s (Redis keeps real time).
@@ -709,7 +708,8 @@ async fn shared_cooldown_holds_the_other_workers_calls_on_one_redis() {
 #[cfg(feature = "redis")]
 #[tokio::test]
 async fn a_gate_moves_only_later_and_every_worker_sees_it() {
-    let server = support::RedisServer::start();
+    let _turn = crate::support::file_turn(module_path!());
+    let server = crate::support::RedisServer::start();
     let worker1 = redis_store(&server.url()).await;
     let worker2 = redis_store(&server.url()).await;
     let left = worker1
@@ -743,7 +743,8 @@ async fn a_gate_moves_only_later_and_every_worker_sees_it() {
 #[cfg(feature = "redis")]
 #[tokio::test]
 async fn after_redis_restarts_every_worker_hears_gate_moves_again() {
-    let mut server = support::RedisServer::start();
+    let _turn = crate::support::file_turn(module_path!());
+    let mut server = crate::support::RedisServer::start();
     let worker1 = redis_store(&server.url()).await;
     let worker2 = redis_store(&server.url()).await;
     server.kill();
@@ -809,7 +810,7 @@ impl Provider {
         }
         let until_next = Duration::from_secs_f64(((1.0 - bucket.0).max(0.0)) * 60.0 / RPM);
         let remaining = bucket.0.floor().to_string();
-        let reset = support::rfc3339(SystemTime::now() + until_next);
+        let reset = crate::support::rfc3339(SystemTime::now() + until_next);
         let mut attempts = self.attempts.lock().unwrap();
         attempts.0 += 1;
         let limits = [
@@ -1060,7 +1061,8 @@ async fn shared_pacing_holds_two_layers_on_one_store_to_one_limit() {
 #[cfg(feature = "redis")]
 #[tokio::test]
 async fn shared_pacing_holds_two_workers_on_one_redis_to_one_limit() {
-    let server = support::RedisServer::start();
+    let _turn = crate::support::file_turn(module_path!());
+    let server = crate::support::RedisServer::start();
     let mock = Mock::new(|_, _| ok());
     // 1,200 RPM (20 a second): the 50 RPM rule scaled to real time.
     let pacing = Pacing::new().requests_per_minute(1_200).shared();
@@ -1090,8 +1092,9 @@ async fn shared_pacing_holds_two_workers_on_one_redis_to_one_limit() {
 #[cfg(feature = "redis")]
 #[tokio::test]
 async fn store_pacing_on_redis_reserves_every_dimension_at_once() {
+    let _turn = crate::support::file_turn(module_path!());
     use fairgate::store::PaceLimit;
-    let server = support::RedisServer::start();
+    let server = crate::support::RedisServer::start();
     let one = redis_store(&server.url()).await;
     let two = redis_store(&server.url()).await;
     let requests = PaceLimit {
@@ -1118,10 +1121,11 @@ async fn store_pacing_on_redis_reserves_every_dimension_at_once() {
 #[cfg(feature = "redis")]
 #[tokio::test]
 async fn a_throttle_and_its_gate_go_to_redis_side_by_side() {
+    let _turn = crate::support::file_turn(module_path!());
     // A 429 both records a throttle and closes the gate: two store calls. Behind a stalled
     // server each times out after `op_timeout`; side by side the answer comes back after
     // one timeout, one after the other it would take two.
-    let server = support::RedisServer::start();
+    let server = crate::support::RedisServer::start();
     let op_timeout = Duration::from_millis(300);
     let store = Store::builder()
         .op_timeout(op_timeout)
@@ -1148,8 +1152,9 @@ async fn a_throttle_and_its_gate_go_to_redis_side_by_side() {
 #[cfg(feature = "redis")]
 #[tokio::test]
 async fn with_redis_down_each_worker_paces_against_its_share_of_the_limit() {
+    let _turn = crate::support::file_turn(module_path!());
     use fairgate::store::PaceLimit;
-    let mut server = support::RedisServer::start();
+    let mut server = crate::support::RedisServer::start();
     let one = redis_store(&server.url()).await;
     let two = redis_store(&server.url()).await;
     let deadline = std::time::Instant::now() + Duration::from_secs(5);

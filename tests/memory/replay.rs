@@ -1,16 +1,15 @@
 //! The simulator's `--replay` (`examples/simulate/replay.rs`, included here with its
 //! engine): a recorded gateway run (`tests/fixtures/gateway_record.jsonl`, written by
-//! `tests/gateway_record.rs` with `FAIRGATE_UPDATE_FIXTURES=1`) replayed in paused time
+//! `tests/gateway/record.rs` with `FAIRGATE_UPDATE_FIXTURES=1`) replayed in paused time
 //! under the recording's own policy gives back its per-tier counts, and the same file and
 //! seed print the same table.
 
-#[path = "../examples/simulate/engine.rs"]
-mod engine;
-#[path = "../examples/simulate/replay.rs"]
+#[path = "../../examples/simulate/replay.rs"]
+#[allow(clippy::module_inception)]
 mod replay;
 
-const RECORDING: &str = include_str!("fixtures/gateway_record.jsonl");
-const POLICY: &str = include_str!("fixtures/gateway_record_policy.toml");
+const RECORDING: &str = include_str!("../fixtures/gateway_record.jsonl");
+const POLICY: &str = include_str!("../fixtures/gateway_record_policy.toml");
 const SEED: u64 = 1;
 
 #[tokio::test(start_paused = true)]
@@ -78,7 +77,7 @@ tier_weights = { premium = 4, free = 1 }
         summary,
         "global 16, window 12; free cap 4 wait 250 ms; quantum 2000; weights free 1, premium 4"
     );
-    let engine::Policy::Fairgate { window, drr, .. } = policy else {
+    let crate::engine::Policy::Fairgate { window, drr, .. } = policy else {
         panic!("a fairgate policy")
     };
     assert_eq!((window, drr.quantum), (12, Some(2000)));

@@ -3,273 +3,25 @@
 //! limits from the headers, paces to them, recovers at full speed, keeps the lone-retry band,
 //! scopes gates per upstream key and survives hostile headers.
 
-mod support;
-
 use std::convert::Infallible;
-use std::future::Future;
-use std::pin::Pin;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, SystemTime};
+use std::time::Duration;
 
 use fairgate::retry_after_backoff::{BackoffPolicy, ByApiKey};
 use fairgate::{FairgateLayer, Job, Origin, RetryAfterBackoffLayer, Store};
 use http_body_util::BodyExt;
 use tokio::time::Instant;
-use tower::{Layer, Service, ServiceExt, service_fn};
+use tower::{Layer, ServiceExt, service_fn};
+
+use crate::support::rate_limited::{RateLimited, TrueUsage};
 
 type Response = http::Response<String>;
-type BoxFut = Pin<Box<dyn Future<Output = Result<Response, Infallible>> + Send>>;
 
-/// One of the provider's token buckets: `limit` per minute, refilled continuously.
-#[derive(Debug)]
-struct Bucket {
-    limit: f64,
-    level: f64,
-}
-
-impl Bucket {
-    fn new(limit: f64) -> Self {
-        Bucket {
-            limit,
-            level: limit,
-        }
-    }
-    fn refill(&mut self, secs: f64) {
-        self.level = (self.level + secs * self.limit / 60.0).min(self.limit);
-    }
-    /// Seconds until `need` fits (0 if it does).
-    fn until(&self, need: f64) -> f64 {
-        let need = need.min(self.limit);
-        ((need - self.level) * 60.0 / self.limit).max(0.0)
-    }
-    /// Seconds until full.
-    fn until_full(&self) -> f64 {
-        ((self.limit - self.level) * 60.0 / self.limit).max(0.0)
-    }
-}
-
-#[derive(Debug)]
-struct State {
-    requests: Bucket,
-    input: Bucket,
-    output: Bucket,
-    at: Instant,
-    attempts: u64,
-    throttled: u64,
-    /// When each success was answered.
-    served: Vec<Instant>,
-    /// Random 429s: the share of calls and the generator's state.
-    random_429: f64,
-    rng: u64,
-}
-
-/// A mock of Anthropic's rate limiter: requests, input tokens and output tokens per minute
-/// as token buckets with continuous refill; the `anthropic-ratelimit-*` headers on every
-/// answer (reset = when the bucket is full again, as Anthropic documents); a 429 with
-/// `retry-after` (whole seconds, at least 1) when a bucket is empty. Input tokens are the
-/// job's estimate, output tokens `OUTPUT` per call, charged when the answer is sent — or,
-/// for a request carrying a [`TrueUsage`], what it says, with the `usage` in the body.
-#[derive(Clone)]
-struct Anthropic {
-    state: Arc<Mutex<State>>,
-    latency: Duration,
-}
-
-const OUTPUT: f64 = 100.0;
-
-/// What a call really uses, whatever its job estimated: the mock charges it and answers
-/// it in the body's `usage` (a JSON message, or an event stream).
-#[derive(Clone, Copy, Debug)]
-struct TrueUsage {
-    input: u32,
-    output: u32,
-    stream: bool,
-}
-
-impl TrueUsage {
-    /// The answer's body, as the Messages API writes it.
-    fn body(&self) -> String {
-        let (input, output) = (self.input, self.output);
-        if self.stream {
-            format!(
-                "event: message_start\ndata: {{\"type\":\"message_start\",\"message\":{{\"usage\":\
-                 {{\"input_tokens\":{input},\"output_tokens\":1}}}}}}\n\n\
-                 event: content_block_delta\ndata: {{\"type\":\"content_block_delta\",\"index\":0,\
-                 \"delta\":{{\"type\":\"text_delta\",\"text\":\"Hi\"}}}}\n\n\
-                 event: message_delta\ndata: {{\"type\":\"message_delta\",\"delta\":\
-                 {{\"stop_reason\":\"end_turn\"}},\"usage\":{{\"output_tokens\": {output}}}}}\n\n\
-                 event: message_stop\ndata: {{\"type\":\"message_stop\"}}\n\n"
-            )
-        } else {
-            format!(
-                "{{\"type\":\"message\",\"content\":[{{\"type\":\"text\",\"text\":\"Hi\"}}],\
-                 \"usage\":{{\"input_tokens\":{input},\"output_tokens\":{output}}}}}"
-            )
-        }
-    }
-}
-
-impl Anthropic {
-    fn new(rpm: u32, itpm: u32, otpm: u32, latency: Duration) -> Self {
-        Anthropic {
-            state: Arc::new(Mutex::new(State {
-                requests: Bucket::new(f64::from(rpm)),
-                input: Bucket::new(f64::from(itpm)),
-                output: Bucket::new(f64::from(otpm)),
-                at: Instant::now(),
-                attempts: 0,
-                throttled: 0,
-                served: Vec::new(),
-                random_429: 0.0,
-                rng: 12,
-            })),
-            latency,
-        }
-    }
-
-    fn with_random_429(self, share: f64) -> Self {
-        self.state.lock().unwrap().random_429 = share;
-        self
-    }
-
-    /// Changes the request limit (the bucket keeps what it holds, up to the new limit).
-    fn set_rpm(&self, rpm: u32) {
-        let mut s = self.state.lock().unwrap();
-        s.requests.limit = f64::from(rpm);
-        s.requests.level = s.requests.level.min(f64::from(rpm));
-    }
-
-    fn headers(s: &State) -> Vec<(String, String)> {
-        let now = SystemTime::now();
-        let mut out = Vec::new();
-        for (name, b) in [
-            ("requests", &s.requests),
-            ("input-tokens", &s.input),
-            ("output-tokens", &s.output),
-        ] {
-            out.push((
-                format!("anthropic-ratelimit-{name}-limit"),
-                (b.limit as u64).to_string(),
-            ));
-            out.push((
-                format!("anthropic-ratelimit-{name}-remaining"),
-                (b.level.max(0.0).floor() as u64).to_string(),
-            ));
-            out.push((
-                format!("anthropic-ratelimit-{name}-reset"),
-                support::rfc3339(now + Duration::from_secs_f64(b.until_full())),
-            ));
-        }
-        out
-    }
-
-    /// Admits or refuses a call arriving now with `input` tokens.
-    fn arrive(&self, input: f64) -> Result<(), Box<Response>> {
-        let mut s = self.state.lock().unwrap();
-        let now = Instant::now();
-        let secs = (now - s.at).as_secs_f64();
-        s.at = now;
-        s.requests.refill(secs);
-        s.input.refill(secs);
-        s.output.refill(secs);
-        s.attempts += 1;
-        let random = s.random_429 > 0.0 && {
-            s.rng = s
-                .rng
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            ((s.rng >> 11) as f64 / (1u64 << 53) as f64) < s.random_429
-        };
-        let wait = s
-            .requests
-            .until(1.0)
-            .max(s.input.until(input))
-            .max(s.output.until(1.0));
-        if wait > 0.0 || random {
-            s.throttled += 1;
-            let mut headers = Self::headers(&s);
-            let secs = if random { 1.0 } else { wait.ceil().max(1.0) };
-            headers.push(("retry-after".into(), secs.to_string()));
-            return Err(Box::new(respond(429, &headers)));
-        }
-        s.requests.level -= 1.0;
-        s.input.level -= input.min(s.input.limit);
-        Ok(())
-    }
-
-    /// Another client on the same key takes `input` tokens (as far as there are any).
-    fn take_outside(&self, input: f64) {
-        let mut s = self.state.lock().unwrap();
-        let now = Instant::now();
-        let secs = (now - s.at).as_secs_f64();
-        s.at = now;
-        s.requests.refill(secs);
-        s.input.refill(secs);
-        s.output.refill(secs);
-        let taken = input.min(s.input.level.max(0.0));
-        s.input.level -= taken;
-    }
-
-    fn finish(&self, output: f64) -> Vec<(String, String)> {
-        let mut s = self.state.lock().unwrap();
-        s.output.level -= output;
-        s.served.push(Instant::now());
-        Self::headers(&s)
-    }
-
-    fn service<B: Send + 'static>(
-        &self,
-    ) -> impl Service<http::Request<B>, Response = Response, Error = Infallible, Future = BoxFut>
-    + Clone
-    + Send
-    + 'static {
-        let this = self.clone();
-        service_fn(move |req: http::Request<B>| {
-            let this = this.clone();
-            let usage = req.extensions().get::<TrueUsage>().copied();
-            let input = match usage {
-                Some(usage) => f64::from(usage.input),
-                None => req
-                    .extensions()
-                    .get::<Job>()
-                    .map_or(1.0, |j| f64::from(j.estimated_tokens())),
-            };
-            Box::pin(async move {
-                let admitted = this.arrive(input);
-                tokio::time::sleep(this.latency).await;
-                Ok(match (admitted, usage) {
-                    (Ok(_), None) => respond(200, &this.finish(OUTPUT)),
-                    (Ok(_), Some(usage)) => {
-                        let mut response = respond(200, &this.finish(f64::from(usage.output)));
-                        *response.body_mut() = usage.body();
-                        response
-                    }
-                    (Err(throttled), _) => *throttled,
-                })
-            }) as BoxFut
-        })
-    }
-
-    fn share_429(&self) -> (f64, u64, u64) {
-        let s = self.state.lock().unwrap();
-        (
-            s.throttled as f64 / s.attempts as f64,
-            s.attempts,
-            s.throttled,
-        )
-    }
-
-    /// Successes per minute between the first and the last success.
-    fn throughput_rpm(&self) -> f64 {
-        let s = self.state.lock().unwrap();
-        let first = *s.served.first().unwrap();
-        let last = *s.served.last().unwrap();
-        (s.served.len() - 1) as f64 / (last - first).as_secs_f64() * 60.0
-    }
-
-    fn served(&self) -> usize {
-        self.state.lock().unwrap().served.len()
-    }
+/// The mock provider (`support::rate_limited`), `rpm` requests, `itpm` input and `otpm`
+/// output tokens a minute, answering in `latency`; a 429 carries the headers as they were
+/// when the call was refused.
+fn anthropic(rpm: u32, itpm: u32, otpm: u32, latency: Duration) -> RateLimited {
+    RateLimited::with_limits(rpm, itpm, otpm, latency).refusal_headers_at_arrival()
 }
 
 fn respond(code: u16, headers: &[(String, String)]) -> Response {
@@ -295,12 +47,12 @@ fn policy(seed: u64) -> BackoffPolicy {
 }
 
 /// `workers` layers on `store` (one per worker), `callers` tasks each, `jobs` calls each.
-async fn storm(provider: &Anthropic, stores: &[Store], callers: usize, jobs: usize) {
+async fn storm(provider: &RateLimited, stores: &[Store], callers: usize, jobs: usize) {
     let mut tasks = Vec::new();
     for (worker, store) in stores.iter().enumerate() {
         let layer = RetryAfterBackoffLayer::new(store.clone(), policy(worker as u64));
         for caller in 0..callers {
-            let service = layer.layer(provider.service::<String>());
+            let service = layer.layer(provider.service());
             tasks.push(tokio::spawn(async move {
                 for _ in 0..jobs {
                     let tenant = format!("w{worker}-c{caller}");
@@ -322,7 +74,7 @@ async fn storm(provider: &Anthropic, stores: &[Store], callers: usize, jobs: usi
 async fn a_storm_of_eight_workers_stays_under_2_percent_429_at_the_providers_rate() {
     // The issue's storm: 8 workers x 20 callers x 3 jobs, a 50 RPM / 40,000 ITPM / 8,000
     // OTPM upstream, BackoffPolicy::default() and no configured pacing.
-    let provider = Anthropic::new(50, 40_000, 8_000, Duration::from_millis(50));
+    let provider = anthropic(50, 40_000, 8_000, Duration::from_millis(50));
     let store = Store::memory();
     let stores = vec![store.clone(); 8];
     storm(&provider, &stores, 20, 3).await;
@@ -344,8 +96,8 @@ async fn a_storm_of_eight_workers_stays_under_2_percent_429_at_the_providers_rat
 
 /// Two workers (store handles) on one throwaway Redis, which lives as long as the server.
 #[cfg(feature = "redis")]
-async fn two_workers() -> (support::RedisServer, [Store; 2]) {
-    let server = support::RedisServer::start();
+async fn two_workers() -> (crate::support::RedisServer, [Store; 2]) {
+    let server = crate::support::RedisServer::start();
     let url = server.url();
     let connect = || Store::builder().redis(&url);
     let stores = [connect().await.unwrap(), connect().await.unwrap()];
@@ -355,11 +107,12 @@ async fn two_workers() -> (support::RedisServer, [Store; 2]) {
 #[cfg(feature = "redis")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_storm_of_two_workers_on_one_redis_stays_under_2_percent_429_at_the_providers_rate() {
-    let server = support::RedisServer::start();
+    let _turn = crate::support::file_turn(module_path!());
+    let server = crate::support::RedisServer::start();
     let url = server.url();
     let connect = || Store::builder().redis(&url);
     // Real time, scaled: 1,200 RPM (20 a second).
-    let provider = Anthropic::new(1_200, 10_000_000, 10_000_000, Duration::from_millis(20));
+    let provider = anthropic(1_200, 10_000_000, 10_000_000, Duration::from_millis(20));
     let stores = vec![connect().await.unwrap(), connect().await.unwrap()];
     storm(&provider, &stores, 10, 8).await;
     let (share, all, throttled) = provider.share_429();
@@ -371,10 +124,10 @@ async fn a_storm_of_two_workers_on_one_redis_stays_under_2_percent_429_at_the_pr
     );
     assert_eq!(provider.served(), 160);
     {
-        let s = provider.state.lock().unwrap();
-        let first = s.served[0];
+        let served = provider.served_at();
+        let first = served[0];
         let mut per = vec![0; 60];
-        for t in &s.served {
+        for t in &served {
             per[((*t - first).as_secs_f64() * 2.0) as usize] += 1;
         }
         println!("served per half second: {per:?}");
@@ -388,7 +141,7 @@ async fn a_storm_of_two_workers_on_one_redis_stays_under_2_percent_429_at_the_pr
 
 #[tokio::test(start_paused = true)]
 async fn the_pacer_follows_a_limit_that_changes_mid_run() {
-    let provider = Anthropic::new(50, 1_000_000, 1_000_000, Duration::from_millis(50));
+    let provider = anthropic(50, 1_000_000, 1_000_000, Duration::from_millis(50));
     let store = Store::memory();
     let minute = Duration::from_secs(60);
     let start = Instant::now();
@@ -397,7 +150,7 @@ async fn the_pacer_follows_a_limit_that_changes_mid_run() {
     for worker in 0..4u64 {
         let layer = RetryAfterBackoffLayer::new(store.clone(), policy(worker));
         for caller in 0..10 {
-            let service = layer.layer(provider.service::<String>());
+            let service = layer.layer(provider.service());
             tasks.push(tokio::spawn(async move {
                 while Instant::now() < end {
                     let tenant = format!("w{worker}-c{caller}");
@@ -412,13 +165,13 @@ async fn the_pacer_follows_a_limit_that_changes_mid_run() {
     for (at, rpm) in [(3u32, 20u32), (6, 50)] {
         tokio::time::sleep_until(start + minute * at).await;
         provider.set_rpm(rpm);
-        let attempts = provider.state.lock().unwrap().attempts as usize;
+        let attempts = provider.attempts();
         let give_up = Instant::now() + minute;
         while store.learned_limits("default").await.requests != Some(rpm) {
             assert!(Instant::now() < give_up, "the store never held {rpm} RPM");
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
-        followed.push(provider.state.lock().unwrap().attempts as usize - attempts);
+        followed.push(provider.attempts() - attempts);
     }
     for task in tasks {
         task.await.unwrap();
@@ -441,7 +194,7 @@ async fn the_pacer_follows_a_limit_that_changes_mid_run() {
 /// minute). 4 workers x 5 callers x 6 calls, each caller reading its answers' bodies.
 /// Returns the share of attempts answered 429, attempts, throttles, and calls served.
 async fn output_heavy(usage_correction: bool) -> (f64, u64, u64, usize) {
-    let provider = Anthropic::new(600, 100_000, 20_000, Duration::from_millis(200));
+    let provider = anthropic(600, 100_000, 20_000, Duration::from_millis(200));
     let store = Store::memory();
     let mut tasks = Vec::new();
     for worker in 0..4u64 {
@@ -452,7 +205,7 @@ async fn output_heavy(usage_correction: bool) -> (f64, u64, u64, usize) {
             .unwrap();
         let layer = RetryAfterBackoffLayer::new(store.clone(), policy);
         for caller in 0..5 {
-            let service = layer.layer(provider.service::<String>());
+            let service = layer.layer(provider.service());
             tasks.push(tokio::spawn(async move {
                 for job in 0..6 {
                     let mut req = request(&format!("w{worker}-c{caller}"), 100);
@@ -502,9 +255,9 @@ async fn tokens_another_client_spent_are_read_from_remaining() {
     // quiet minute, another client on the same key spends 35,000 of them at once (unseen
     // but in every answer's `-remaining`), then 2 callers send 4 calls each: the first
     // answers say what is left, and the rest wait for it instead of running into 429s.
-    let provider = Anthropic::new(1_000, 40_000, 1_000_000, Duration::from_millis(50));
+    let provider = anthropic(1_000, 40_000, 1_000_000, Duration::from_millis(50));
     let layer = RetryAfterBackoffLayer::new(Store::memory(), policy(9));
-    let service = layer.layer(provider.service::<String>());
+    let service = layer.layer(provider.service());
     service
         .clone()
         .oneshot(request("warm-up", 2_000))
@@ -540,11 +293,12 @@ async fn tokens_another_client_spent_are_read_from_remaining() {
 #[cfg(feature = "redis")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_pacer_follows_a_limit_that_changes_mid_run_on_two_workers_on_one_redis() {
+    let _turn = crate::support::file_turn(module_path!());
     // Real time, scaled: 1,200 RPM (20 a second), then 480 (8 a second), then 1,200 again,
     // 2.5 s each after 1.5 s of warm-up (slow start and the first reservations); two
     // workers sharing one throwaway Redis, 10 callers each.
     let (_server, stores) = two_workers().await;
-    let provider = Anthropic::new(1_200, 10_000_000, 10_000_000, Duration::from_millis(20));
+    let provider = anthropic(1_200, 10_000_000, 10_000_000, Duration::from_millis(20));
     let phase = Duration::from_millis(2_500);
     let start = Instant::now() + Duration::from_millis(1_500);
     let end = start + phase * 3;
@@ -552,7 +306,7 @@ async fn the_pacer_follows_a_limit_that_changes_mid_run_on_two_workers_on_one_re
     for (worker, store) in stores.iter().enumerate() {
         let layer = RetryAfterBackoffLayer::new(store.clone(), policy(worker as u64));
         for caller in 0..10 {
-            let service = layer.layer(provider.service::<String>());
+            let service = layer.layer(provider.service());
             tasks.push(tokio::spawn(async move {
                 while Instant::now() < end {
                     let tenant = format!("w{worker}-c{caller}");
@@ -563,10 +317,7 @@ async fn the_pacer_follows_a_limit_that_changes_mid_run_on_two_workers_on_one_re
     }
     // After each change, the answers given, and the time, until the store holds the new
     // limit.
-    let answered = |p: &Anthropic| {
-        let s = p.state.lock().unwrap();
-        s.served.len() + s.throttled as usize
-    };
+    let answered = |p: &RateLimited| p.served() + p.throttled();
     let mut followed = Vec::new();
     for (at, rpm) in [(1u32, 480u32), (2, 1_200)] {
         tokio::time::sleep_until(start + phase * at).await;
@@ -597,12 +348,12 @@ async fn the_pacer_follows_a_limit_that_changes_mid_run_on_two_workers_on_one_re
     // Successes a second in each phase, from a second after its change (the calls already
     // reserved at the old rate have gone by then).
     let rates: Vec<f64> = {
-        let s = provider.state.lock().unwrap();
+        let served = provider.served_at();
         (0..3u32)
             .map(|i| {
                 let from = start + phase * i + Duration::from_secs(1);
                 let to = start + phase * (i + 1);
-                let n = s.served.iter().filter(|t| **t >= from && **t < to).count();
+                let n = served.iter().filter(|t| **t >= from && **t < to).count();
                 n as f64 / (to - from).as_secs_f64()
             })
             .collect()
@@ -643,7 +394,7 @@ async fn the_pacer_follows_a_limit_that_changes_mid_run_on_two_workers_on_one_re
 /// 400 requests through the whole stack against an upstream answering in 1 s, with
 /// `share` of the calls answered 429 (`retry-after: 1`) at random; the time they took.
 async fn through_the_stack(share: f64) -> Duration {
-    let provider = Anthropic::new(
+    let provider = anthropic(
         1_000_000,
         1_000_000_000,
         1_000_000_000,
@@ -654,7 +405,7 @@ async fn through_the_stack(share: f64) -> Duration {
         .backoff(policy(3))
         .build()
         .unwrap();
-    let service = fairgate.layer(provider.service::<String>());
+    let service = fairgate.layer(provider.service());
     let start = Instant::now();
     let calls: Vec<_> = (0..400)
         .map(|i| {
@@ -915,11 +666,12 @@ async fn hostile_rate_limit_headers_neither_panic_nor_stop_the_fleet() {
 
 #[tokio::test]
 async fn while_redis_is_away_each_worker_paces_at_its_share_of_the_learned_rate() {
+    let _turn = crate::support::file_turn(module_path!());
     // Real time, scaled: 600 RPM learned by two workers on one Redis; then Redis dies and
     // one worker paces alone against half of it (0.95 x 600 / 2 = 285 a minute, 4.75 a
     // second), as the slot caps and configured pacing are split.
     let (mut server, [one, _two]) = two_workers().await;
-    let provider = Anthropic::new(600, 10_000_000, 10_000_000, Duration::from_millis(5));
+    let provider = anthropic(600, 10_000_000, 10_000_000, Duration::from_millis(5));
     let alive = Instant::now() + Duration::from_secs(5);
     while one.alive_workers() < 2 && Instant::now() < alive {
         tokio::time::sleep(Duration::from_millis(50)).await;
@@ -935,7 +687,7 @@ async fn while_redis_is_away_each_worker_paces_at_its_share_of_the_learned_rate(
         assert_eq!(call.await.unwrap().unwrap().status(), 200);
     }
     assert!(one.is_degraded());
-    let served = provider.state.lock().unwrap().served.clone();
+    let served = provider.served_at();
     let last = &served[served.len() - 10..];
     let rate = 9.0 / (last[9] - last[0]).as_secs_f64();
     println!("Redis away, 2 workers known: the last 10 calls at {rate:.2} a second (share 4.75)");

@@ -1,15 +1,13 @@
 //! PriorityClassify: the rule, demotion, and the store under it — one suite run on the memory
 //! store in paused time and on a real Redis with the time rules scaled down.
 
-mod support;
-
 use std::convert::Infallible;
 use std::time::Duration;
 
+use crate::support::request;
 use fairgate::{
     DemotionPolicy, Job, MissingJob, Origin, Priority, PriorityClassifyLayer, Store, TenantId,
 };
-use support::request;
 use tower::{Layer, Service, ServiceExt, service_fn};
 
 const HOUR: Duration = Duration::from_secs(3600);
@@ -22,7 +20,7 @@ struct Rig {
     /// How long a worker may reuse a demotion check.
     cache_ttl: Duration,
     #[cfg(feature = "redis")]
-    server: Option<support::RedisServer>,
+    server: Option<crate::support::RedisServer>,
 }
 
 impl Rig {
@@ -41,7 +39,7 @@ impl Rig {
     /// The same rules scaled down (Redis keeps its own clock, so real time it is).
     #[cfg(feature = "redis")]
     async fn redis() -> Rig {
-        let server = support::RedisServer::start();
+        let server = crate::support::RedisServer::start();
         // Scaled down from 60 s / 5 min, with room for a loaded machine's delays.
         let window = Duration::from_millis(2000);
         let cache_ttl = Duration::from_millis(50);
@@ -114,7 +112,7 @@ fn scheduled(tenant: &str) -> Job {
     Job::new(tenant, Origin::Scheduled).sla(HOUR)
 }
 
-support::on_both_stores!(
+crate::support::on_both_stores!(
     classification_follows_origin_and_sla,
     a_priority_set_earlier_is_never_trusted,
     five_throttles_within_the_window_demote,
@@ -407,7 +405,7 @@ async fn latency_tokens_and_demotions_are_published() {
     let recorder = metrics_util::debugging::DebuggingRecorder::new();
     let snapshotter = recorder.snapshotter();
     let _metrics = metrics::set_default_local_recorder(&recorder);
-    let (events, _tracing) = support::EventCounter::install();
+    let (events, _tracing) = crate::support::EventCounter::install();
 
     let rig = Rig::memory();
     let slow = service_fn(|req: http::Request<()>| async move {

@@ -10,19 +10,17 @@
 //! `retry-after-ms: 200`, and its SSE answers stay open until the test releases them. These
 //! tests run in real time (real sockets).
 
-mod support;
-
 use std::convert::Infallible;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use crate::support::anthropic::{MESSAGE_JSON, MockAnthropic, Reply, stream_body};
 use bytes::Bytes;
 use fairgate::{FairgateLayer, Job, Origin, SlotPolicy, Store};
 use http_body_util::combinators::BoxBody;
 use http_body_util::{BodyExt, Full, StreamBody};
 use hyper::body::Frame;
-use support::anthropic::{MESSAGE_JSON, MockAnthropic, Reply, stream_body};
 use tokio::net::TcpListener;
 use tokio::sync::Semaphore;
 
@@ -211,6 +209,7 @@ mod reqwest_middleware_adapter {
 
     #[tokio::test]
     async fn a_call_succeeds_and_gives_its_slot_back_when_read() {
+        let _turn = crate::support::file_turn(module_path!());
         let mock = upstream(GAP);
         let fairgate = stack();
         let attempts = Attempts::default();
@@ -239,6 +238,7 @@ mod reqwest_middleware_adapter {
 
     #[tokio::test]
     async fn a_429_is_retried_with_the_same_body_after_retry_after() {
+        let _turn = crate::support::file_turn(module_path!());
         let mock = upstream(GAP);
         mock.push_reply(Reply::RateLimited {
             retry_after_secs: 1,
@@ -268,6 +268,7 @@ mod reqwest_middleware_adapter {
 
     #[tokio::test]
     async fn a_streaming_request_body_is_sent_once_and_its_429_returned() {
+        let _turn = crate::support::file_turn(module_path!());
         let mock = upstream(GAP);
         mock.push_reply(Reply::RateLimited {
             retry_after_secs: 1,
@@ -290,6 +291,7 @@ mod reqwest_middleware_adapter {
 
     #[tokio::test]
     async fn a_streamed_answer_holds_its_slot_until_its_body_is_read() {
+        let _turn = crate::support::file_turn(module_path!());
         let mock = upstream(GAP);
         let fairgate = stack();
         let mut response = client(&fairgate, &Attempts::default())
@@ -314,6 +316,7 @@ mod reqwest_middleware_adapter {
 
     #[tokio::test]
     async fn rejections_come_back_as_errors_rejection_from_error_finds() {
+        let _turn = crate::support::file_turn(module_path!());
         let mock = upstream(GAP);
         let fairgate = stack();
         let claude = client(&fairgate, &Attempts::default());
@@ -357,6 +360,7 @@ mod reqwest_middleware_adapter {
 
     #[tokio::test]
     async fn a_failed_connection_stays_a_reqwest_error() {
+        let _turn = crate::support::file_turn(module_path!());
         let port = {
             let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
             listener.local_addr().unwrap().port()
@@ -405,6 +409,7 @@ mod hyper_util_client {
 
     #[tokio::test]
     async fn a_call_succeeds_and_gives_its_slot_back_when_read() {
+        let _turn = crate::support::file_turn(module_path!());
         let mock = upstream(GAP);
         let fairgate = stack();
         let response = claude(&fairgate)
@@ -419,6 +424,7 @@ mod hyper_util_client {
 
     #[tokio::test]
     async fn a_429_is_retried_after_retry_after_and_then_succeeds() {
+        let _turn = crate::support::file_turn(module_path!());
         let mock = upstream(GAP);
         mock.push_reply(Reply::RateLimited {
             retry_after_secs: 1,
@@ -436,6 +442,7 @@ mod hyper_util_client {
 
     #[tokio::test]
     async fn a_streamed_answer_holds_its_slot_until_its_body_is_read() {
+        let _turn = crate::support::file_turn(module_path!());
         let mock = upstream(GAP);
         let fairgate = stack();
         let response = claude(&fairgate)
@@ -453,6 +460,7 @@ mod hyper_util_client {
 
     #[tokio::test]
     async fn a_full_tier_is_refused_with_busy() {
+        let _turn = crate::support::file_turn(module_path!());
         let mock = upstream(GAP);
         let fairgate = stack();
         let claude = claude(&fairgate);
@@ -538,6 +546,7 @@ mod axum_ingress {
 
     #[tokio::test]
     async fn a_call_succeeds_and_gives_its_slot_back_when_read() {
+        let _turn = crate::support::file_turn(module_path!());
         let fairgate = stack();
         let (url, mock) = serve(&fairgate, Style::Reference).await;
         let response = call(&url, "pro", ASK).send().await.unwrap();
@@ -549,6 +558,7 @@ mod axum_ingress {
 
     #[tokio::test]
     async fn a_429_from_the_handler_is_retried_and_then_succeeds() {
+        let _turn = crate::support::file_turn(module_path!());
         let fairgate = stack();
         let (url, mock) = serve(&fairgate, Style::Anthropic).await;
         mock.throttle_next(1);
@@ -562,6 +572,7 @@ mod axum_ingress {
 
     #[tokio::test]
     async fn a_streamed_answer_holds_its_slot_until_its_body_is_read() {
+        let _turn = crate::support::file_turn(module_path!());
         let fairgate = stack();
         let (url, mock) = serve(&fairgate, Style::Reference).await;
         let mut response = call(&url, "pro", ASK_STREAM).send().await.unwrap();
@@ -602,6 +613,7 @@ mod axum_ingress {
 
     #[tokio::test]
     async fn rejections_in_the_reference_shape() {
+        let _turn = crate::support::file_turn(module_path!());
         let [busy, anonymous] = refused(Style::Reference).await;
         assert_eq!(busy.0, 503);
         assert_eq!(busy.2, r#"{"code":"SERVER_BUSY","retry_after":5}"#);
@@ -616,6 +628,7 @@ mod axum_ingress {
 
     #[tokio::test]
     async fn rejections_in_the_anthropic_shape() {
+        let _turn = crate::support::file_turn(module_path!());
         let [busy, anonymous] = refused(Style::Anthropic).await;
         assert_eq!(busy.0, 529);
         assert!(

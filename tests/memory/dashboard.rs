@@ -8,7 +8,7 @@ use std::collections::BTreeSet;
 use fairgate::metrics;
 use serde_json::Value;
 
-const DASHBOARD: &str = include_str!("../dashboards/fairgate.json");
+const DASHBOARD: &str = include_str!("../../dashboards/fairgate.json");
 
 /// The metric names fairgate publishes under the default prefix, with the series a
 /// Prometheus exporter derives from a histogram (`_bucket`, `_sum`, `_count`).

@@ -2,9 +2,7 @@
 //! DrrFairness(32), TierSlotLimit(default caps) — keep every promise end to end: each
 //! scenario counts what matters at a mock upstream (calls in flight, per tier, who went
 //! when), in tokio's paused time, on the memory store. The Redis versions of the first two
-//! rows are in `tests/stack_redis.rs`.
-
-mod support;
+//! rows are in `tests/redis/stack_redis.rs`.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -31,10 +29,7 @@ struct Call {
 #[derive(Default)]
 struct Seen {
     calls: Vec<Call>,
-    in_flight: u32,
-    max_in_flight: u32,
-    by_tier: HashMap<String, u32>,
-    max_by_tier: HashMap<String, u32>,
+    in_flight: InFlight,
 }
 
 /// A mock upstream taking `delay` per call, counting what is in flight at it. The calls for
@@ -89,23 +84,14 @@ impl Upstream {
                     arrived: job.arrived_at().expect("stamped by the first layer"),
                     started: Instant::now(),
                 });
-                seen.in_flight += 1;
-                seen.max_in_flight = seen.max_in_flight.max(seen.in_flight);
-                let now = {
-                    let n = seen.by_tier.entry(tier.clone()).or_default();
-                    *n += 1;
-                    *n
-                };
-                let max = seen.max_by_tier.entry(tier.clone()).or_default();
-                *max = (*max).max(now);
+                seen.in_flight.enter(&tier);
                 (this.throttle)(&job, n)
             };
             let (delay, seen) = (this.delay, this.seen.clone());
             async move {
                 tokio::time::sleep(delay).await;
                 let mut s = seen.lock().unwrap();
-                s.in_flight -= 1;
-                *s.by_tier.get_mut(&tier).unwrap() -= 1;
+                s.in_flight.leave(&tier);
                 let response = if throttled {
                     http::Response::builder()
                         .status(429)
@@ -124,21 +110,15 @@ impl Upstream {
     }
 
     fn in_flight(&self) -> u32 {
-        self.seen.lock().unwrap().in_flight
+        self.seen.lock().unwrap().in_flight.now()
     }
 
     fn max_in_flight(&self) -> u32 {
-        self.seen.lock().unwrap().max_in_flight
+        self.seen.lock().unwrap().in_flight.max()
     }
 
     fn max_of_tier(&self, tier: &str) -> u32 {
-        self.seen
-            .lock()
-            .unwrap()
-            .max_by_tier
-            .get(tier)
-            .copied()
-            .unwrap_or(0)
+        self.seen.lock().unwrap().in_flight.max_of_tier(tier)
     }
 }
 
@@ -241,7 +221,7 @@ impl Outcome {
 }
 
 fn user(tenant: &str, tier: &str) -> Job {
-    Job::new(tenant, Origin::UserAction).tier(tier).cost(1_000)
+    crate::support::user(tenant, tier).cost(1_000)
 }
 
 fn send(stack: &Stack, job: Job) -> JoinHandle<Outcome> {
@@ -264,7 +244,7 @@ fn send(stack: &Stack, job: Job) -> JoinHandle<Outcome> {
     })
 }
 
-use support::{joined as outcomes, percentile};
+use crate::support::{InFlight, joined as outcomes, percentile};
 
 const SECOND: Duration = Duration::from_secs(1);
 

@@ -3,10 +3,7 @@
 //! retries) against the real fairgate stack, in paused time. The engine is the example's
 //! own module, included here, so the test runs what the example prints.
 
-#[path = "../examples/simulate/engine.rs"]
-mod engine;
-
-use engine::{Outcome, Size, scenario, table};
+use crate::engine::{Outcome, Size, scenario, table};
 
 const SEED: u64 = 1;
 

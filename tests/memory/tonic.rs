@@ -141,6 +141,7 @@ fn meta<'a>(status: &'a Status, key: &str) -> Option<&'a str> {
 
 #[tokio::test]
 async fn a_call_succeeds_through_client_and_server_stacks() {
+    let _turn = crate::support::file_turn(module_path!());
     let server_store = Store::memory();
     let server = admitted_server(&server_store).await;
     let client_store = Store::memory();
@@ -166,6 +167,7 @@ async fn a_call_succeeds_through_client_and_server_stacks() {
 
 #[tokio::test]
 async fn a_busy_server_answers_unavailable_with_retry_after_metadata() {
+    let _turn = crate::support::file_turn(module_path!());
     let store = Store::memory();
     let server = admitted_server(&store).await;
     let mut client = HealthClient::new(channel(server.addr).await);
@@ -205,6 +207,7 @@ async fn a_busy_server_answers_unavailable_with_retry_after_metadata() {
 
 #[tokio::test]
 async fn a_missing_or_unknown_key_is_unauthenticated() {
+    let _turn = crate::support::file_turn(module_path!());
     let store = Store::memory();
     let server = admitted_server(&store).await;
     let mut client = HealthClient::new(channel(server.addr).await);
@@ -220,6 +223,7 @@ async fn a_missing_or_unknown_key_is_unauthenticated() {
 
 #[tokio::test]
 async fn the_client_stack_holds_a_slot_until_the_response_ends() {
+    let _turn = crate::support::file_turn(module_path!());
     let server = plain_server().await;
     let store = Store::memory();
     let admitted = ServiceBuilder::new()
@@ -256,6 +260,7 @@ async fn the_client_stack_holds_a_slot_until_the_response_ends() {
 
 #[tokio::test]
 async fn a_client_call_without_a_job_is_an_internal_error() {
+    let _turn = crate::support::file_turn(module_path!());
     let server = plain_server().await;
     let admitted = ServiceBuilder::new()
         .layer(GrpcRejectionLayer::new())

@@ -5,8 +5,6 @@
 //! The scheduler's own properties (DRR bound, exactly-once, visit bound) are property tests
 //! next to it, in `src/drr_fairness/scheduler.rs`.
 
-mod support;
-
 use std::collections::{HashMap, VecDeque};
 use std::convert::Infallible;
 use std::future::poll_fn;
@@ -15,6 +13,7 @@ use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
+use crate::support::request;
 use fairgate::drr_fairness::scheduler::jain_index;
 use fairgate::{
     BoxError, DemotionPolicy, DrrFairnessLayer, Job, MissingJob, Origin, Priority,
@@ -22,7 +21,6 @@ use fairgate::{
 };
 use futures_util::FutureExt;
 use http_body::{Body, Frame};
-use support::request;
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 use tower::limit::ConcurrencyLimitLayer;
@@ -554,7 +552,8 @@ async fn every_dispatch_adds_its_cost_to_the_tenants_served_cost_in_the_store() 
 #[cfg(feature = "redis")]
 #[tokio::test]
 async fn served_cost_is_shared_through_redis_and_survives_an_outage() {
-    let mut server = support::RedisServer::start();
+    let _turn = crate::support::file_turn(module_path!());
+    let mut server = crate::support::RedisServer::start();
     let store = |url: String| async move {
         Store::builder()
             .flush_interval(Duration::from_secs(30))

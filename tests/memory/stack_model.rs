@@ -19,6 +19,8 @@ use proptest::test_runner::FileFailurePersistence;
 use tokio::time::Instant;
 use tower::{ServiceBuilder, ServiceExt, service_fn};
 
+use crate::support::rate_limited::RequestCells;
+
 /// The tiers of the policy, in the order of `Limits::caps`.
 const TIERS: [&str; 4] = ["premium", "pro", "free", "guest"];
 /// What callers send: the four tiers, a name the policy does not know, and no tier at all.
@@ -191,8 +193,8 @@ struct Track {
     in_flight: u32,
     by_tier: [u32; 4],
     violations: Vec<String>,
-    /// The provider's request bucket (GCRA): its theoretical arrival time, past the start.
-    tat: Duration,
+    /// The provider's request bucket, from the first call under a rate.
+    cells: Option<RequestCells>,
     /// When the last call reached the upstream.
     last_start: Option<Instant>,
     /// When the last answer said the bucket was empty (`-remaining: 0`): the stack paces
@@ -220,22 +222,16 @@ impl Drop for InFlight {
 
 type Stack = tower::util::BoxCloneSyncService<http::Request<String>, (), BoxError>;
 
-/// Takes a cell of the provider's request bucket (GCRA, the bucket holding a second of the
-/// rate): the cells left, or `None` when it is empty (a 429). Always a cell without a rate.
+/// Takes a cell of the provider's request bucket: the cells left, or `None` when it is
+/// empty (a 429). Always a cell without a rate.
 fn take_cell(t: &mut Track, limits: &Limits, origin: Instant) -> Option<u32> {
     let Some(rpm) = limits.rpm else {
         return Some(0);
     };
     let now = Instant::now().saturating_duration_since(origin);
-    let interval = Duration::from_secs_f64(60.0 / f64::from(rpm));
-    let capacity = (rpm / 60).max(1);
-    let tat = t.tat.max(now);
-    if tat.saturating_sub(now) > interval * (capacity - 1) {
-        return None;
-    }
-    t.tat = tat + interval;
-    let used = (t.tat - now).as_secs_f64() / interval.as_secs_f64();
-    Some((f64::from(capacity) - used).floor().max(0.0) as u32)
+    t.cells
+        .get_or_insert_with(|| RequestCells::new(rpm))
+        .take(now)
 }
 
 /// An answer with Anthropic's request-limit headers (under a rate), or a 429 when the
@@ -386,7 +382,7 @@ async fn run(limits: Limits, arrivals: Vec<Arrival>) -> Vec<String> {
     let mut fair = DrrFairnessLayer::builder(store.clone(), limits.window).slot_gate(slots.gate());
     let retry = match limits.rpm {
         // Without a rate: learned pacing's slow start holds calls at cold start by design
-        // (tested in tests/learned_pacing.rs); this model is about the fair queue and caps.
+        // (tested in tests/memory/learned_pacing.rs); this model is about the fair queue and caps.
         None => RetryAfterBackoffLayer::new(
             store.clone(),
             BackoffPolicy::builder()
@@ -426,7 +422,7 @@ async fn run(limits: Limits, arrivals: Vec<Arrival>) -> Vec<String> {
     );
     if limits.rpm.is_some() {
         // One call first, so the rate is learned before the arrivals (slow start holds calls
-        // at cold start by design, tested in tests/stack_rate.rs).
+        // at cold start by design, tested in tests/memory/stack_rate.rs).
         let mut req = http::Request::new("warm-up".to_owned());
         req.extensions_mut()
             .insert(Job::new("warm-up", Origin::UserAction).tier("premium"));

@@ -1,17 +1,15 @@
 //! TierSlotLimit: caps, reserved capacity, fail-fast timing, cancellation and streaming, on
 //! the memory store in paused time and on a throwaway Redis in real time.
 
-mod support;
-
 use std::collections::HashMap;
 use std::convert::Infallible;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use crate::support::{EventCounter, request};
 use fairgate::{Busy, Job, MissingJob, Origin, SlotPolicy, Store, Tier, TierSlotLimitLayer};
 use futures_util::FutureExt;
 use http_body_util::BodyExt;
-use support::{EventCounter, request};
 use tokio::sync::oneshot;
 use tokio::time::Instant;
 use tower::{BoxError, Layer, Service, ServiceExt, service_fn};
@@ -82,7 +80,7 @@ struct Rig {
     /// How long one upstream call takes.
     call: Duration,
     #[cfg(feature = "redis")]
-    _server: Option<support::RedisServer>,
+    _server: Option<crate::support::RedisServer>,
 }
 
 impl Rig {
@@ -97,7 +95,7 @@ impl Rig {
 
     #[cfg(feature = "redis")]
     async fn redis() -> Rig {
-        let server = support::RedisServer::start();
+        let server = crate::support::RedisServer::start();
         let store = Store::builder()
             .probe_interval(Duration::from_millis(20))
             .redis(&server.url())
@@ -112,7 +110,7 @@ impl Rig {
     }
 }
 
-support::on_both_stores!(
+crate::support::on_both_stores!(
     caps_hold_globally_and_per_tier,
     five_hundred_guests_leave_twenty_five_slots_for_paying_tiers,
     free_flood_cannot_keep_premium_out_for_a_call_time,
@@ -600,6 +598,7 @@ async fn early_rejection_never_refuses_a_request_with_nobody_ahead() {
 
 #[tokio::test]
 async fn a_request_without_a_job_is_refused_with_a_typed_error() {
+    let _turn = crate::support::file_turn(module_path!());
     let service =
         TierSlotLimitLayer::new(Store::memory(), SlotPolicy::default()).layer(instant_upstream());
     let err = service.oneshot(http::Request::new(())).await.unwrap_err();
