@@ -3,15 +3,12 @@
 //! (`support::on_node_and_cluster!`). On the cluster "Redis killed" is the master that owns
 //! the slot keys SIGKILLed, its replica taking over (the tenants a test watches are picked
 //! on that master, so what they touch goes away with it, as with the one node).
-#![cfg(feature = "redis")]
-
-mod support;
 
 use std::convert::Infallible;
 use std::time::Duration;
 
+use crate::support::{EventCounter, Redis, Target, on_node_and_cluster, request, wait_until};
 use fairgate::{Job, Origin, Priority, PriorityClassifyLayer, Store, TenantId};
-use support::{EventCounter, Redis, Target, on_node_and_cluster, request, wait_until};
 use tokio::time::{Instant, timeout};
 use tower::{Layer, ServiceExt, service_fn};
 

@@ -3,33 +3,27 @@
 //! rule on one node and on a Redis Cluster (3 masters, 3 replicas), one body for both
 //! (`support::on_node_and_cluster!`); the counts are read from outside, on the node that
 //! owns the slot keys (on a cluster they share the `{slots}` hash tag).
-#![cfg(feature = "redis")]
-
-mod support;
 
 use std::convert::Infallible;
 use std::io::{BufRead, BufReader};
-use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use crate::support::{
+    Redis, RedisServer, SlotWorker, Target, on_node_and_cluster, request, slot_limits, wait_until,
+};
 use fairgate::{
     FairgateLayer, Job, Origin, OutagePolicy, SlotLimits, SlotPolicy, SlotRefusal, Store, Tier,
     TierSlotLimitLayer,
 };
-use support::{Redis, RedisServer, Target, on_node_and_cluster, request, wait_until};
 use tokio::time::Instant;
 use tower::{Layer, ServiceExt, service_fn};
-
-fn worker_binary() -> PathBuf {
-    support::example_binary("slot_worker")
-}
 
 /// A `slot_worker` process in `mode` on `redis`, with `args` after the URL.
 fn spawn_worker(redis: &Redis, mode: &str, args: &[&str]) -> Child {
     let (url, flags) = redis.worker_args();
-    Command::new(worker_binary())
+    SlotWorker::command()
         .arg(mode)
         .arg(url)
         .args(args)
@@ -87,7 +81,7 @@ async fn while_the_slot_keys_shard_is_away_the_fallback_gives_slots(target: Targ
         .await
         .unwrap();
     let pro = Tier::new("pro");
-    let limits = limits(8);
+    let limits = slot_limits(8);
     let _held = store.try_acquire_slot(&pro, limits).await.expect("a slot");
     redis.kill_slots_shard();
     let started = Instant::now();
@@ -171,7 +165,7 @@ async fn a_sigkilled_workers_slots_come_back_within_the_lease_ttl_and_not_before
     assert_eq!(expiries.len(), 10);
     let (first, last) = (expiries[0], expiries[9]);
 
-    let limits = limits(10);
+    let limits = slot_limits(10);
     let premium = Tier::new("premium");
     let (back_after, server_ms, _lease) = loop {
         if let Some(lease) = store.try_acquire_slot(&premium, limits).await {
@@ -302,7 +296,7 @@ async fn worker(redis: &Redis) -> Store {
 /// On a cluster the whole shard of the slot keys is killed (master and replica) and later
 /// started again empty, as the one node is: with its replica alive the shard would be back
 /// by itself within ~2 s, too soon to watch the workers keep to their shares (that failover
-/// is `tests/faults.rs`'s).
+/// is `tests/fleet/faults.rs`'s).
 async fn redis_killed_mid_load_no_request_fails_and_each_worker_keeps_to_its_share(target: Target) {
     let mut redis = target.start_own().await;
     // The default operation timeout: the recovery waits one after a failed resync.
@@ -390,7 +384,7 @@ async fn redis_killed_mid_load_no_request_fails_and_each_worker_keeps_to_its_sha
     println!("after recovery: max in flight across both workers {max} (cap 8)");
     assert!((6..=8).contains(&max), "shared cap after recovery: {max}");
     // The lease went through the acquire script on the restarted server, not the fallback.
-    let limits = limits(8);
+    let limits = slot_limits(8);
     let lease = one
         .try_acquire_slot(&Tier::new("premium"), limits)
         .await
@@ -465,16 +459,6 @@ fn tokio_stream_from<T: Send + 'static>(
     futures_util::stream::poll_fn(move |cx| rx.poll_recv(cx))
 }
 
-/// Caps of `slots` for the global count and the tier, with a lease that outlives any test.
-fn limits(slots: u32) -> SlotLimits {
-    SlotLimits {
-        global: slots,
-        tier: slots,
-        tenant: None,
-        lease_ttl: Duration::from_secs(30),
-    }
-}
-
 /// The leases in the global set, read from outside.
 fn leases_in_redis(redis: &Redis) -> u32 {
     // No answer yet (Redis is stalled) reads as "not there yet".
@@ -512,7 +496,7 @@ async fn stalling_worker(redis: &Redis) -> Store {
 async fn an_acquire_that_timed_out_does_not_leave_its_lease_taken(target: Target) {
     let redis = target.start_alone().await;
     let store = stalling_worker(&redis).await;
-    let limits = limits(5);
+    let limits = slot_limits(5);
     redis.stall(0.4);
     // The script waits behind the stall, the call times out, the store falls back...
     let lease = store
@@ -558,7 +542,7 @@ async fn a_request_dropped_during_its_acquire_does_not_leave_its_lease_taken(tar
 async fn a_lease_given_back_while_redis_is_away_is_released_when_it_returns(target: Target) {
     let redis = target.start_alone().await;
     let store = stalling_worker(&redis).await;
-    let limits = limits(5);
+    let limits = slot_limits(5);
     let lease = store
         .try_acquire_slot(&Tier::new("pro"), limits)
         .await
@@ -779,7 +763,7 @@ async fn take_all(store: &Store, tier: &str, limits: SlotLimits) -> Vec<fairgate
 async fn a_wiped_redis_gets_back_every_lease_still_held_before_a_new_one_is_taken(target: Target) {
     let redis = target.start_alone().await;
     let store = worker(&redis).await;
-    let limits = limits(8);
+    let limits = slot_limits(8);
     let mut held = Vec::new();
     for _ in 0..3 {
         held.push(
@@ -812,7 +796,9 @@ async fn a_wiped_redis_gets_back_every_lease_still_held_before_a_new_one_is_take
 async fn a_lease_gone_from_redis_while_its_call_runs_is_put_back_by_the_heartbeat(target: Target) {
     let redis = target.start().await;
     let store = worker(&redis).await;
-    let lease = store.try_acquire_slot(&Tier::new("pro"), limits(8)).await;
+    let lease = store
+        .try_acquire_slot(&Tier::new("pro"), slot_limits(8))
+        .await;
     assert!(lease.as_ref().is_some_and(|l| l.is_shared()));
     // Gone from both sets, as if expired or evicted; the epoch and the worker remain.
     let (global, tier) = (redis.key("{slots}:global"), redis.key("{slots}:tier:pro"));
@@ -828,7 +814,7 @@ async fn a_lease_gone_from_redis_while_its_call_runs_is_put_back_by_the_heartbea
 }
 
 async fn a_worker_that_never_reached_redis_takes_its_share_of_the_expected_fleet(target: Target) {
-    let limits = limits(8);
+    let limits = slot_limits(8);
     let unknown = target
         .unreachable_store(Store::builder().probe_interval(Duration::from_millis(20)))
         .await
@@ -854,7 +840,7 @@ async fn a_worker_that_never_reached_redis_takes_its_share_of_the_expected_fleet
 async fn while_degraded_the_redis_leases_still_held_count_against_the_share(target: Target) {
     let redis = target.start_alone().await;
     let store = stalling_worker(&redis).await;
-    let limits = limits(8);
+    let limits = slot_limits(8);
     let mut held = Vec::new();
     for _ in 0..3 {
         held.push(
@@ -902,7 +888,7 @@ async fn redis_away_a_worker_keeps_what_it_held_for_a_lease_ttl_then_follows_its
     let ttl = Duration::from_millis(2_000);
     let limits = SlotLimits {
         lease_ttl: ttl,
-        ..limits(8)
+        ..slot_limits(8)
     };
     let (pro, free, guest) = (Tier::new("pro"), Tier::new("free"), Tier::new("guest"));
     let take = |store: &Store, tier: &Tier| store.try_acquire_slot_for(tier, None, limits);

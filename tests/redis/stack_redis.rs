@@ -3,20 +3,16 @@
 //! RetryAfterBackoff, DrrFairness(32), TierSlotLimit) share the caps through Redis, and a mock
 //! upstream counts the calls in flight across both. Real time, scaled down: calls of 200 ms
 //! instead of 1 s, max waits a fifth of the defaults. The paused-time versions on the memory
-//! store are in `tests/stack.rs`.
-#![cfg(feature = "redis")]
+//! store are in `tests/memory/stack.rs`.
 
-mod support;
-
-use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use crate::support::{InFlight, RedisServer};
 use fairgate::{
-    BackoffPolicy, BoxError, Busy, DemotionPolicy, DrrFairnessLayer, Job, Origin,
-    PriorityClassifyLayer, RetryAfterBackoffLayer, SlotPolicy, Store, TierSlotLimitLayer,
+    BackoffPolicy, BoxError, Busy, DemotionPolicy, DrrFairnessLayer, Job, PriorityClassifyLayer,
+    RetryAfterBackoffLayer, SlotPolicy, Store, TierSlotLimitLayer,
 };
-use support::RedisServer;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 use tower::{ServiceBuilder, ServiceExt, service_fn};
@@ -24,31 +20,21 @@ use tower::{ServiceBuilder, ServiceExt, service_fn};
 /// One upstream call, scaled down from 1 s.
 const CALL: Duration = Duration::from_millis(200);
 
-#[derive(Default)]
-struct Seen {
-    in_flight: u32,
-    max_in_flight: u32,
-    by_tier: HashMap<String, u32>,
-    max_by_tier: HashMap<String, u32>,
-}
-
 /// A mock upstream both workers call, counting what is in flight at it (across workers).
 #[derive(Clone, Default)]
 struct Upstream {
-    seen: Arc<Mutex<Seen>>,
+    seen: Arc<Mutex<InFlight>>,
 }
 
 /// A call in flight at the upstream, counted out when it ends or is dropped.
-struct InFlight {
-    seen: Arc<Mutex<Seen>>,
+struct Counted {
+    seen: Arc<Mutex<InFlight>>,
     tier: String,
 }
 
-impl Drop for InFlight {
+impl Drop for Counted {
     fn drop(&mut self) {
-        let mut seen = self.seen.lock().unwrap();
-        seen.in_flight -= 1;
-        *seen.by_tier.get_mut(&self.tier).unwrap() -= 1;
+        self.seen.lock().unwrap().leave(&self.tier);
     }
 }
 
@@ -69,17 +55,8 @@ impl Upstream {
             let job = req.extensions().get::<Job>().expect("a job");
             let tier = job.tier_name().map_or("", |t| t.as_str()).to_owned();
             let guard = {
-                let mut s = seen.lock().unwrap();
-                s.in_flight += 1;
-                s.max_in_flight = s.max_in_flight.max(s.in_flight);
-                let now = {
-                    let n = s.by_tier.entry(tier.clone()).or_default();
-                    *n += 1;
-                    *n
-                };
-                let max = s.max_by_tier.entry(tier.clone()).or_default();
-                *max = (*max).max(now);
-                InFlight {
+                seen.lock().unwrap().enter(&tier);
+                Counted {
                     seen: seen.clone(),
                     tier,
                 }
@@ -93,12 +70,11 @@ impl Upstream {
     }
 
     fn max_in_flight(&self) -> u32 {
-        self.seen.lock().unwrap().max_in_flight
+        self.seen.lock().unwrap().max()
     }
 
     fn max_of_tier(&self, tier: &str) -> u32 {
-        let seen = self.seen.lock().unwrap();
-        seen.max_by_tier.get(tier).copied().unwrap_or(0)
+        self.seen.lock().unwrap().max_of_tier(tier)
     }
 }
 
@@ -231,14 +207,15 @@ struct Outcome {
     busy: bool,
 }
 
-use support::{joined as outcomes, percentile};
+use crate::support::{joined as outcomes, percentile};
 
 fn user(tenant: &str, tier: &str) -> Job {
-    Job::new(tenant, Origin::UserAction).tier(tier).cost(1_000)
+    crate::support::user(tenant, tier).cost(1_000)
 }
 
 #[tokio::test]
 async fn two_workers_guest_flood_leaves_premium_its_slots_fifty_premium_calls_done_in_two_rounds() {
+    let _turn = crate::support::file_turn(module_path!());
     let fleet = Fleet::start().await;
     let guests: Vec<_> = (0..200)
         .map(|i| fleet.send(i % 2, user(&format!("guest-{i}"), "guest")))
@@ -273,6 +250,7 @@ async fn two_workers_guest_flood_leaves_premium_its_slots_fifty_premium_calls_do
 
 #[tokio::test]
 async fn two_workers_mixed_flood_paying_tiers_go_first_and_caps_hold() {
+    let _turn = crate::support::file_turn(module_path!());
     let fleet = Fleet::start().await;
     // 8 tenants, two per tier, 50 requests each, interleaved, each tenant on both workers.
     let tiers = ["premium", "pro", "free", "guest"];

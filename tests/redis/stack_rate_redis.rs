@@ -1,4 +1,4 @@
-//! One order under every limit (issue 18) on Redis: cases 1, 2 and 4 of `tests/stack_rate.rs`
+//! One order under every limit (issue 18) on Redis: cases 1, 2 and 4 of `tests/memory/stack_rate.rs`
 //! with two workers — two `Store::redis` handles on one throwaway redis-server, each with its
 //! own `FairgateLayer`, the calls spread over both — against one rate-limited mock upstream
 //! (`support::rate_limited`) that both call. Real time, scaled: the provider allows 600
@@ -9,21 +9,18 @@
 //!
 //! The tests measure time, so they run one at a time (`SERIAL`). `--nocapture` shows each
 //! test's numbers.
-#![cfg(feature = "redis")]
-
-mod support;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use fairgate::{BackoffPolicy, BoxError, FairgateLayer, Job, Origin, SlotPolicy, Store};
-use support::RedisServer;
-use support::rate_limited::{
+use crate::support::RedisServer;
+use crate::support::rate_limited::{
     CALL_ID, Outcome, RateLimited, answer, busy_reasons, count, first_start,
     longest_idle_while_waiting, share_broken, waiting,
 };
-use support::{joined, percentile};
+use crate::support::{joined, percentile, user};
+use fairgate::{BackoffPolicy, BoxError, FairgateLayer, Job, Origin, SlotPolicy, Store};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 use tower::{Layer, ServiceExt};
@@ -143,13 +140,10 @@ impl Fleet {
     }
 }
 
-fn user(tenant: &str, tier: &str) -> Job {
-    Job::new(tenant, Origin::UserAction).tier(tier)
-}
-
 // 1. A guest flood at the provider's rate, on two workers.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_workers_guest_flood_at_the_providers_rate_premium_gets_its_weighted_share() {
+    let _turn = crate::support::file_turn(module_path!());
     let _serial = SERIAL.lock().await;
     let fleet = Fleet::start(RateLimited::new(RPM, CALL)).await;
     let guests: Vec<_> = (0..200)
@@ -217,6 +211,7 @@ async fn two_workers_guest_flood_at_the_providers_rate_premium_gets_its_weighted
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_workers_light_tenant_behind_a_hog_is_served_within_two_paced_intervals_plus_its_call()
 {
+    let _turn = crate::support::file_turn(module_path!());
     let _serial = SERIAL.lock().await;
     let fleet = Fleet::start(RateLimited::new(RPM, CALL)).await;
     let hog: Vec<_> = (0..40)
@@ -259,6 +254,7 @@ async fn two_workers_light_tenant_behind_a_hog_is_served_within_two_paced_interv
 // 4. Abandoned reservations, on two workers.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_workers_calls_that_left_leave_no_gap_pro_calls_after_a_guest_timeout_are_served() {
+    let _turn = crate::support::file_turn(module_path!());
     let _serial = SERIAL.lock().await;
     let fleet = Fleet::start(RateLimited::new(RPM, CALL)).await;
     let guests: Vec<_> = (0..60)

@@ -1,18 +1,15 @@
 //! Managed Redis as teams run it: TLS (`rediss://`, rustls) with a CA the test made, and an
 //! ACL user and password, on one node and on a Redis Cluster. A wrong CA or password is a
 //! clear error at start; Redis not up is still a degraded start.
-#![cfg(feature = "redis")]
-
-mod support;
 
 use std::time::Duration;
 
-use fairgate::store::RedisStoreError;
-use fairgate::{SlotLimits, Store, TenantId, Tier};
-use support::{
+use crate::support::{
     CLUSTER_PASSWORD, CLUSTER_USER, EventCounter, RedisCluster, TLS_PASSWORD, TLS_USER, TempDir,
     TlsRedis,
 };
+use fairgate::store::RedisStoreError;
+use fairgate::{SlotLimits, Store, TenantId, Tier};
 use tokio::time::Instant;
 
 async fn tls_store(server: &TlsRedis, url: &str, ca: &[u8]) -> Result<Store, RedisStoreError> {
@@ -26,6 +23,7 @@ async fn tls_store(server: &TlsRedis, url: &str, ca: &[u8]) -> Result<Store, Red
 
 #[tokio::test]
 async fn tls_with_the_right_ca_and_password_shares_state_on_redis() {
+    let _turn = crate::support::file_turn(module_path!());
     let server = TlsRedis::start();
     let store = tls_store(&server, &server.url(), server.ca_pem())
         .await
@@ -49,9 +47,10 @@ async fn tls_with_the_right_ca_and_password_shares_state_on_redis() {
 
 #[tokio::test]
 async fn a_certificate_from_another_ca_is_a_tls_error_at_start() {
+    let _turn = crate::support::file_turn(module_path!());
     let server = TlsRedis::start();
     let other = TempDir::new("other-ca");
-    let wrong_ca = support::make_certificate(other.path(), "other");
+    let wrong_ca = crate::support::make_certificate(other.path(), "other");
     let err = tls_store(&server, &server.url(), &wrong_ca)
         .await
         .expect_err("a server certificate the client does not trust");
@@ -66,6 +65,7 @@ async fn a_certificate_from_another_ca_is_a_tls_error_at_start() {
 
 #[tokio::test]
 async fn a_wrong_password_or_user_is_an_auth_error_at_start() {
+    let _turn = crate::support::file_turn(module_path!());
     let server = TlsRedis::start();
     for url in [
         server.url_with(TLS_USER, "not-the-password"),
@@ -82,10 +82,11 @@ async fn a_wrong_password_or_user_is_an_auth_error_at_start() {
 
 #[tokio::test]
 async fn a_tls_redis_not_up_yet_is_a_degraded_start_not_an_error() {
+    let _turn = crate::support::file_turn(module_path!());
     let server = TlsRedis::start();
     let url = format!(
         "rediss://{TLS_USER}:{TLS_PASSWORD}@127.0.0.1:{}/",
-        support::RedisServer::unused_port()
+        crate::support::RedisServer::unused_port()
     );
     let store = tls_store(&server, &url, server.ca_pem())
         .await
@@ -95,6 +96,7 @@ async fn a_tls_redis_not_up_yet_is_a_degraded_start_not_an_error() {
 
 #[tokio::test]
 async fn a_ca_with_a_plain_url_is_refused_as_a_tls_error() {
+    let _turn = crate::support::file_turn(module_path!());
     let server = TlsRedis::start();
     let url = format!("redis://127.0.0.1:{}/", server.port());
     let err = tls_store(&server, &url, server.ca_pem())
@@ -124,6 +126,7 @@ async fn tls_cluster_store(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tls_on_a_cluster_takes_and_releases_slots_and_sees_other_workers_leases() {
+    let _turn = crate::support::file_turn(module_path!());
     let (events, _guard) = EventCounter::install();
     let cluster = RedisCluster::shared_tls();
     let prefix = "tls-slots";
@@ -206,6 +209,7 @@ async fn tls_on_a_cluster_takes_and_releases_slots_and_sees_other_workers_leases
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_wrong_password_or_user_on_a_tls_cluster_is_an_auth_error_at_start() {
+    let _turn = crate::support::file_turn(module_path!());
     let cluster = RedisCluster::shared_tls();
     for urls in [
         cluster.urls_with(CLUSTER_USER, "not-the-password"),
@@ -222,9 +226,10 @@ async fn a_wrong_password_or_user_on_a_tls_cluster_is_an_auth_error_at_start() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_certificate_from_another_ca_on_a_tls_cluster_is_a_tls_error_at_start() {
+    let _turn = crate::support::file_turn(module_path!());
     let cluster = RedisCluster::shared_tls();
     let other = TempDir::new("other-ca");
-    let wrong_ca = support::make_certificate(other.path(), "other");
+    let wrong_ca = crate::support::make_certificate(other.path(), "other");
     let err = tls_cluster_store(cluster, cluster.urls(), &wrong_ca, "tls-ca")
         .await
         .expect_err("a server certificate the client does not trust");

@@ -2,22 +2,19 @@
 //! than its cap, another tenant of the same tier is not delayed by it (through the slot
 //! layer alone and through the fair queue that takes the slots), and a SIGKILLed worker's
 //! tenant leases come back within the lease TTL.
-#![cfg(feature = "redis")]
-
-mod support;
 
 use std::collections::HashMap;
 use std::convert::Infallible;
 use std::io::{BufRead, BufReader};
-use std::process::{Command, Stdio};
+use std::process::Stdio;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use crate::support::RedisServer;
 use fairgate::{
     BoxError, DrrFairnessLayer, Job, Origin, SlotPolicy, SlotRefusal, Store, TenantId, Tier,
     TierSlotLimitLayer,
 };
-use support::RedisServer;
 use tokio::time::Instant;
 use tower::{Service, ServiceBuilder, ServiceExt, service_fn};
 
@@ -163,11 +160,13 @@ async fn flood_and_light(fair: bool) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_tenant_flooding_four_workers_never_exceeds_its_cap_and_another_is_not_delayed() {
+    let _turn = crate::support::file_turn(module_path!());
     flood_and_light(false).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn through_the_fair_queue_a_capped_flood_holds_its_cap_and_delays_nobody() {
+    let _turn = crate::support::file_turn(module_path!());
     flood_and_light(true).await;
 }
 
@@ -186,9 +185,10 @@ impl Drop for Holder {
 /// the lease TTL (2 s), without anyone releasing anything.
 #[tokio::test]
 async fn a_sigkilled_workers_tenant_leases_come_back_within_the_lease_ttl() {
+    let _turn = crate::support::file_turn(module_path!());
     let server = RedisServer::start();
     let mut holder = Holder(
-        Command::new(support::example_binary("slot_worker"))
+        crate::support::SlotWorker::command()
             .args(["hold-tenant", &server.url(), "3"])
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())

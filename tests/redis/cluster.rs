@@ -2,19 +2,16 @@
 //! replicas, an ACL user): every operation runs without `CROSSSLOT`, releases and cooldown
 //! moves reach every worker (sharded pub/sub), hostile tenant names spread over the shards
 //! and never collide, a wrong password is an error at start. The multi-process and failover
-//! cases are in `tests/faults.rs` (the same suite as on one node).
-#![cfg(feature = "redis")]
-
-mod support;
+//! cases are in `tests/fleet/faults.rs` (the same suite as on one node).
 
 use std::collections::HashSet;
 use std::time::Duration;
 
+use crate::support::{CLUSTER_USER, EventCounter, RedisCluster, slot_limits};
 use fairgate::DemotionPolicy;
 use fairgate::store::PaceLimit;
 use fairgate::store::RedisStoreError;
-use fairgate::{SlotLimits, Store, TenantId, Tier};
-use support::{CLUSTER_USER, EventCounter, RedisCluster};
+use fairgate::{Store, TenantId, Tier};
 use tokio::time::Instant;
 
 /// One cluster at a time: six processes each, on two cores.
@@ -31,17 +28,9 @@ async fn worker(nodes: Vec<String>) -> Store {
         .expect("a store on the cluster")
 }
 
-fn limits(slots: u32) -> SlotLimits {
-    SlotLimits {
-        global: slots,
-        tier: slots,
-        tenant: None,
-        lease_ttl: Duration::from_secs(30),
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_operation_runs_on_the_cluster_and_reaches_every_worker() {
+    let _turn = crate::support::file_turn(module_path!());
     let _serial = SERIAL.lock().await;
     let (events, _guard) = EventCounter::install();
     let cluster = RedisCluster::start();
@@ -92,14 +81,14 @@ async fn every_operation_runs_on_the_cluster_and_reaches_every_worker() {
     // each store listens on one connection.
     let tier = Tier::new("pro");
     let held = one
-        .try_acquire_slot(&tier, limits(1))
+        .try_acquire_slot(&tier, slot_limits(1))
         .await
         .expect("a slot");
-    assert!(two.try_acquire_slot(&tier, limits(1)).await.is_none());
+    assert!(two.try_acquire_slot(&tier, slot_limits(1)).await.is_none());
     assert_eq!(two.slots_in_use(None).await, 1);
     drop(held);
     let deadline = Instant::now() + Duration::from_secs(2);
-    while two.try_acquire_slot(&tier, limits(1)).await.is_none() {
+    while two.try_acquire_slot(&tier, slot_limits(1)).await.is_none() {
         assert!(Instant::now() < deadline, "the release never reached Redis");
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
@@ -126,6 +115,7 @@ async fn every_operation_runs_on_the_cluster_and_reaches_every_worker() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hostile_tenant_names_spread_over_the_shards_and_never_collide() {
+    let _turn = crate::support::file_turn(module_path!());
     let _serial = SERIAL.lock().await;
     let cluster = RedisCluster::start();
     let store = worker(cluster.urls()).await;
@@ -184,12 +174,13 @@ async fn hostile_tenant_names_spread_over_the_shards_and_never_collide() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_wrong_cluster_password_is_an_auth_error_and_a_dead_cluster_a_degraded_start() {
+    let _turn = crate::support::file_turn(module_path!());
     let _serial = SERIAL.lock().await;
     let cluster = RedisCluster::start();
     let wrong: Vec<String> = cluster
         .urls()
         .iter()
-        .map(|url| url.replace(support::CLUSTER_PASSWORD, "wrong"))
+        .map(|url| url.replace(crate::support::CLUSTER_PASSWORD, "wrong"))
         .collect();
     let err = Store::redis_cluster(wrong)
         .await
@@ -199,7 +190,7 @@ async fn a_wrong_cluster_password_is_an_auth_error_and_a_dead_cluster_a_degraded
     assert!(err.to_string().contains("credentials"));
     drop(cluster);
 
-    let port = support::RedisServer::unused_port();
+    let port = crate::support::RedisServer::unused_port();
     let started = Instant::now();
     let store = Store::redis_cluster(vec![format!("redis://{CLUSTER_USER}:x@127.0.0.1:{port}/")])
         .await
@@ -208,7 +199,7 @@ async fn a_wrong_cluster_password_is_an_auth_error_and_a_dead_cluster_a_degraded
     assert!(started.elapsed() < Duration::from_secs(1));
     assert!(
         store
-            .try_acquire_slot(&Tier::new("pro"), limits(2))
+            .try_acquire_slot(&Tier::new("pro"), slot_limits(2))
             .await
             .is_some()
     );
