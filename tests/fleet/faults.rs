@@ -19,18 +19,11 @@
 //! until a replica takes over.
 //! The cases run one at a time (the machine is small); every process is stopped by its pid,
 //! also when a case panics.
-#![cfg(feature = "redis")]
 
-mod support;
-
-use std::io::{BufRead, BufReader};
-use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
 use std::sync::Mutex;
-use std::sync::mpsc::{Receiver, channel};
 use std::time::{Duration, Instant};
 
-use support::{RedisCluster, RedisServer};
+use crate::support::{RedisCluster, RedisServer, SlotWorker};
 
 const WORKERS: usize = 2;
 const CALLERS: &str = "20";
@@ -40,15 +33,8 @@ const TIER_CAPS: [(&str, u32); 4] = [("premium", 8), ("pro", 6), ("free", 4), ("
 /// One case at a time: two cores, and each case's timing matters.
 static SERIAL: Mutex<()> = Mutex::new(());
 
-fn worker_binary() -> PathBuf {
-    support::example_binary("slot_worker")
-}
-
 /// A worker process, SIGKILLed by its pid when dropped (a case that panics leaves nothing).
-struct Worker {
-    child: Child,
-    lines: Receiver<String>,
-}
+struct Worker(SlotWorker);
 
 /// What the workers share their caps through.
 enum Rig {
@@ -83,31 +69,17 @@ impl Rig {
 impl Worker {
     fn start(rig: &Rig, stack: Stack, observer: &str, millis: u64, workers: usize) -> Worker {
         let (url, flags) = rig.worker_args();
-        let mut child = Command::new(worker_binary())
-            .args(["faults", &url, observer, CALLERS, &millis.to_string()])
-            .arg(workers.to_string())
-            .args(flags)
-            .args(stack.flags())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("start a slot_worker process");
-        let stdout = child.stdout.take().unwrap();
-        let (tx, lines) = channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-                if tx.send(line).is_err() {
-                    return;
-                }
-            }
-        });
-        Worker { child, lines }
+        Worker(SlotWorker::spawn(
+            SlotWorker::command()
+                .args(["faults", &url, observer, CALLERS, &millis.to_string()])
+                .arg(workers.to_string())
+                .args(flags)
+                .args(stack.flags()),
+        ))
     }
 
     fn line(&self, within: Duration) -> String {
-        self.lines
-            .recv_timeout(within)
-            .unwrap_or_else(|_| panic!("worker {} said nothing", self.child.id()))
+        self.0.line(within)
     }
 
     /// Waits for the worker's summary line and exit, and checks no request failed; the
@@ -116,7 +88,7 @@ impl Worker {
         let line = self.line(within);
         let deadline = Instant::now() + Duration::from_secs(5);
         let status = loop {
-            if let Some(status) = self.child.try_wait().unwrap() {
+            if let Some(status) = self.0.try_wait() {
                 break status;
             }
             assert!(Instant::now() < deadline, "worker did not exit");
@@ -134,13 +106,6 @@ impl Worker {
                 .unwrap()
         };
         (field("ok="), field("store="))
-    }
-}
-
-impl Drop for Worker {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
     }
 }
 
@@ -278,6 +243,7 @@ fn after(from: Instant, ms: u64) {
 
 #[test]
 fn caps_hold_when_redis_is_down_at_start_and_comes_up() {
+    let _turn = crate::support::file_turn(module_path!());
     case(
         "down at start",
         RedisServer::not_started(),
@@ -292,6 +258,7 @@ fn caps_hold_when_redis_is_down_at_start_and_comes_up() {
 
 #[test]
 fn caps_hold_when_redis_hangs_and_resumes() {
+    let _turn = crate::support::file_turn(module_path!());
     case(
         "hung (SIGSTOP 2.5 s)",
         RedisServer::start(),
@@ -310,6 +277,7 @@ fn caps_hold_when_redis_hangs_and_resumes() {
 /// one on Redis, polling while restricted).
 #[test]
 fn caps_hold_when_redis_hangs_and_resumes_with_tier_slot_limit_alone() {
+    let _turn = crate::support::file_turn(module_path!());
     case_on(
         "hung (SIGSTOP 2.5 s), TierSlotLimit alone",
         Rig::Node(RedisServer::start()),
@@ -329,6 +297,7 @@ fn caps_hold_when_redis_hangs_and_resumes_with_tier_slot_limit_alone() {
 
 #[test]
 fn caps_hold_when_redis_is_killed_and_a_fresh_empty_one_takes_its_port() {
+    let _turn = crate::support::file_turn(module_path!());
     case(
         "killed, fresh empty server",
         RedisServer::start(),
@@ -345,6 +314,7 @@ fn caps_hold_when_redis_is_killed_and_a_fresh_empty_one_takes_its_port() {
 
 #[test]
 fn caps_hold_when_redis_is_wiped_while_leases_are_held() {
+    let _turn = crate::support::file_turn(module_path!());
     case("FLUSHALL", RedisServer::start(), 4_000, |server| {
         let t0 = Instant::now();
         after(t0, 1_000);
@@ -356,6 +326,7 @@ fn caps_hold_when_redis_is_wiped_while_leases_are_held() {
 
 #[test]
 fn caps_hold_when_redis_is_restarted() {
+    let _turn = crate::support::file_turn(module_path!());
     case("restart (SIGTERM)", RedisServer::start(), 4_000, |server| {
         let t0 = Instant::now();
         after(t0, 1_000);
@@ -366,6 +337,7 @@ fn caps_hold_when_redis_is_restarted() {
 
 #[test]
 fn caps_hold_across_four_workers_on_a_cluster() {
+    let _turn = crate::support::file_turn(module_path!());
     case_on(
         "cluster, 4 workers",
         Rig::Cluster(RedisCluster::start()),
@@ -381,6 +353,7 @@ fn caps_hold_across_four_workers_on_a_cluster() {
 /// call in flight back on it.
 #[test]
 fn caps_hold_when_the_master_of_the_slot_keys_is_killed_and_a_replica_takes_over() {
+    let _turn = crate::support::file_turn(module_path!());
     case_on(
         "cluster failover (SIGKILL the {slots} master)",
         Rig::Cluster(RedisCluster::start()),
@@ -406,7 +379,8 @@ fn caps_hold_when_the_master_of_the_slot_keys_is_killed_and_a_replica_takes_over
                     // Shared again: a worker put its calls back on the new master, in a
                     // new epoch (the others follow before their next slot).
                     loop {
-                        let now = support::redis_cli(&["-p", &new.to_string(), "GET", epoch_key]);
+                        let now =
+                            crate::support::redis_cli(&["-p", &new.to_string(), "GET", epoch_key]);
                         if !now.is_empty() && now != epoch {
                             break;
                         }
@@ -492,24 +466,12 @@ const OUTAGE_CAPS: [(&str, u32); 5] = [
 impl Worker {
     /// A `slot_worker outage` process on `url`.
     fn outage(url: &str, observer: &str, callers: &str, millis: u64, flags: &[&str]) -> Worker {
-        let mut child = Command::new(worker_binary())
-            .args(["outage", url, observer, callers, &millis.to_string()])
-            .args(outage_scale().2)
-            .args(flags)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("start a slot_worker process");
-        let stdout = child.stdout.take().unwrap();
-        let (tx, lines) = channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-                if tx.send(line).is_err() {
-                    return;
-                }
-            }
-        });
-        Worker { child, lines }
+        Worker(SlotWorker::spawn(
+            SlotWorker::command()
+                .args(["outage", url, observer, callers, &millis.to_string()])
+                .args(outage_scale().2)
+                .args(flags),
+        ))
     }
 
     /// Every line the worker prints until it exits (within `within`), which must be a
@@ -518,7 +480,7 @@ impl Worker {
         let deadline = Instant::now() + within;
         let mut lines = Vec::new();
         loop {
-            match self.lines.recv_timeout(Duration::from_millis(50)) {
+            match self.0.next_line(Duration::from_millis(50)) {
                 Ok(line) => lines.push(line),
                 Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => break,
                 Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
@@ -526,7 +488,7 @@ impl Worker {
                 }
             }
         }
-        let status = self.child.wait().unwrap();
+        let status = self.0.wait();
         assert!(status.success(), "worker failed: {status}");
         lines
     }
@@ -534,7 +496,7 @@ impl Worker {
 
 /// The observer's clock, in ms.
 fn observer_ms(observer: &RedisServer) -> u64 {
-    let out = support::redis_cli(&["-p", &observer.port().to_string(), "TIME"]);
+    let out = crate::support::redis_cli(&["-p", &observer.port().to_string(), "TIME"]);
     let mut parts = out.lines().map(|l| l.trim().parse::<u64>().unwrap());
     let (secs, micros) = (parts.next().unwrap(), parts.next().unwrap());
     secs * 1000 + micros / 1000
@@ -544,7 +506,7 @@ fn observer_ms(observer: &RedisServer) -> u64 {
 fn done_buckets(observer: &RedisServer) -> std::collections::BTreeMap<u64, u64> {
     let script = "local out = {} for _, k in ipairs(redis.call('KEYS', 'obs:done:*')) do \
                   out[#out + 1] = string.sub(k, 10) .. '=' .. redis.call('GET', k) end return out";
-    let out = support::redis_cli(&["-p", &observer.port().to_string(), "EVAL", script, "0"]);
+    let out = crate::support::redis_cli(&["-p", &observer.port().to_string(), "EVAL", script, "0"]);
     out.lines()
         .filter_map(|l| {
             let (bucket, n) = l.trim().split_once('=')?;
@@ -630,6 +592,7 @@ fn summary(lines: &[String]) -> (u64, u64, String) {
 #[test]
 fn redis_down_for_20_s_the_fleet_keeps_its_rate_for_a_lease_ttl_and_says_at_once_what_it_cannot_serve()
  {
+    let _turn = crate::support::file_turn(module_path!());
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let mut redis = RedisServer::start();
     let observer = RedisServer::start();
@@ -907,6 +870,7 @@ fn partition(policy: &str) -> (Vec<(&'static str, u32, u64, u64)>, String) {
 /// worker is given its slot (see the README's known limits).
 #[test]
 fn a_partitioned_worker_that_refuses_after_the_lease_ttl_keeps_the_caps() {
+    let _turn = crate::support::file_turn(module_path!());
     let (seen, report) = partition("refuse");
     for (name, cap, max, over) in &seen {
         assert!(
@@ -920,6 +884,7 @@ fn a_partitioned_worker_that_refuses_after_the_lease_ttl_keeps_the_caps() {
 /// runs over the caps, by at most that share.
 #[test]
 fn a_partitioned_worker_that_shares_after_the_lease_ttl_passes_the_caps_by_its_share_at_most() {
+    let _turn = crate::support::file_turn(module_path!());
     let (seen, report) = partition("share");
     for (name, cap, max, _) in &seen {
         let share = u64::from(cap.div_ceil(3));

@@ -1,4 +1,4 @@
-//! The fleet's one fair order (`tests/fleet_order.rs` proves it with several stores in one
+//! The fleet's one fair order (`tests/fleet/order.rs` proves it with several stores in one
 //! process) proved with real worker processes: `slot_worker fleet` processes, each with its
 //! own store, worker id, connections and callers, share a global cap of 8 on a redis-server
 //! this test starts (or on the test's own Redis Cluster), calls of 30-50 ms. Every count is
@@ -11,18 +11,12 @@
 //! and a process SIGKILLed while it holds queued calls (the others keep being served, its
 //! queue entries are swept, its slots come back). Each asserts the cap at the observer. One
 //! case at a time; every process is stopped by its pid, also when a case panics.
-#![cfg(feature = "redis")]
-
-mod support;
 
 use std::collections::HashMap;
-use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
 use std::sync::Mutex;
-use std::sync::mpsc::{Receiver, channel};
 use std::time::Duration;
 
-use support::{RedisCluster, RedisServer};
+use crate::support::{RedisCluster, RedisServer, SlotWorker};
 
 const GLOBAL_CAP: i64 = 8;
 /// Skipped before a measure: the processes connect, queue, and the order settles.
@@ -52,10 +46,7 @@ impl Rig<'_> {
 }
 
 /// A `slot_worker fleet` process, SIGKILLed by its pid when dropped.
-struct Worker {
-    child: Child,
-    lines: Receiver<String>,
-}
+struct Worker(SlotWorker);
 
 impl Worker {
     /// Starts a worker running `specs` (`CALLERS:TENANT:TIER:ORIGIN`) for `run`, and waits
@@ -68,46 +59,32 @@ impl Worker {
         flags: &[&str],
     ) -> Worker {
         let (url, rig_flags) = rig.worker_args();
-        let mut child = Command::new(support::example_binary("slot_worker"))
-            .args(["fleet", &url, &observer.server.url()])
-            .arg(run.as_millis().to_string())
-            .args(specs)
-            .args(rig_flags)
-            .args(flags)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("start a slot_worker process");
-        let stdout = child.stdout.take().unwrap();
-        let (tx, lines) = channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-                if tx.send(line).is_err() {
-                    return;
-                }
-            }
-        });
-        let worker = Worker { child, lines };
+        let worker = Worker(SlotWorker::spawn(
+            SlotWorker::command()
+                .args(["fleet", &url, &observer.server.url()])
+                .arg(run.as_millis().to_string())
+                .args(specs)
+                .args(rig_flags)
+                .args(flags),
+        ));
         let ready = worker.line(Duration::from_secs(10));
         assert_eq!(ready, "READY", "worker {} started", worker.pid());
         worker
     }
 
     fn pid(&self) -> u32 {
-        self.child.id()
+        self.0.pid()
     }
 
     fn line(&self, within: Duration) -> String {
-        self.lines
-            .recv_timeout(within)
-            .unwrap_or_else(|_| panic!("worker {} said nothing", self.child.id()))
+        self.0.line(within)
     }
 
     /// Waits for the summary line and the exit; checks every call was served (none
     /// `Busy`, none failed) and returns how many were.
     fn finish(mut self) -> u64 {
         let line = self.line(Duration::from_secs(15));
-        let status = self.child.wait().expect("wait for the worker");
+        let status = self.0.wait();
         assert!(status.success(), "worker failed: {status}");
         assert!(line.ends_with("busy=0 failed=0"), "a call failed: {line}");
         line.strip_prefix("ok=")
@@ -118,14 +95,7 @@ impl Worker {
 
     /// SIGKILLs the worker by its pid and waits until it is gone.
     fn kill(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-impl Drop for Worker {
-    fn drop(&mut self) {
-        self.kill();
+        self.0.kill();
     }
 }
 
@@ -261,12 +231,14 @@ fn light_against_hog(rig: Rig) {
 
 #[test]
 fn a_tenant_on_one_of_four_processes_gets_its_fair_half() {
+    let _turn = crate::support::file_turn(module_path!());
     let server = RedisServer::start();
     light_against_hog(Rig::Node(&server));
 }
 
 #[test]
 fn a_tenant_on_one_of_four_processes_gets_its_fair_half_on_a_cluster() {
+    let _turn = crate::support::file_turn(module_path!());
     light_against_hog(Rig::Cluster(RedisCluster::shared()));
 }
 
@@ -274,6 +246,7 @@ fn a_tenant_on_one_of_four_processes_gets_its_fair_half_on_a_cluster() {
 /// first goes at once, and while they wait they get the critical class's share.
 #[test]
 fn user_actions_in_one_process_go_before_batch_in_the_others() {
+    let _turn = crate::support::file_turn(module_path!());
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let server = RedisServer::start();
     let rig = Rig::Node(&server);
@@ -450,6 +423,7 @@ fn stale_entries(conn: &mut redis::Connection) -> (usize, Vec<String>) {
 /// keeps no place in the fleet's order (see `kill_case`).
 #[test]
 fn a_killed_process_neither_stalls_the_others_nor_keeps_its_place() {
+    let _turn = crate::support::file_turn(module_path!());
     let seen = kill_case();
     // A release skips a worker nobody listens for any more (SIGKILL closes its connections,
     // so Redis drops its subscription at once), so every slot the live workers free goes to
@@ -478,6 +452,7 @@ fn a_killed_process_neither_stalls_the_others_nor_keeps_its_place() {
 /// leases had run out).
 #[test]
 fn a_killed_process_gives_its_slots_back_once_its_leases_run_out() {
+    let _turn = crate::support::file_turn(module_path!());
     let seen = kill_case();
     assert!(
         seen.back >= 0.85 * seen.before,

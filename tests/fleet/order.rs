@@ -7,17 +7,14 @@
 //!
 //! Counted at the upstream stand-in shared by every worker: who started when, and how many
 //! were in flight at once. Real time (Redis is real), a few seconds a scenario.
-#![cfg(feature = "redis")]
-
-mod support;
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use crate::support::{RedisCluster, RedisServer};
 use fairgate::{FairgateLayer, Job, Origin, SlotPolicy, Store};
-use support::{RedisCluster, RedisServer};
 use tower::util::BoxCloneService;
 use tower::{Layer, ServiceExt, service_fn};
 
@@ -281,24 +278,28 @@ async fn light_against_hog(redis: Redis<'_>, workers: usize) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_tenant_on_one_of_four_workers_gets_its_fair_half() {
+    let _turn = crate::support::file_turn(module_path!());
     let server = RedisServer::start();
     light_against_hog(Redis::Node(&server), 4).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_tenant_on_one_of_sixteen_workers_gets_its_fair_half() {
+    let _turn = crate::support::file_turn(module_path!());
     let server = RedisServer::start();
     light_against_hog(Redis::Node(&server), 16).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_tenant_on_one_of_four_workers_gets_its_fair_half_on_a_cluster() {
+    let _turn = crate::support::file_turn(module_path!());
     let cluster = RedisCluster::shared();
     light_against_hog(Redis::Cluster(cluster), 4).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_tenant_on_one_of_sixteen_workers_gets_its_fair_half_on_a_cluster() {
+    let _turn = crate::support::file_turn(module_path!());
     let cluster = RedisCluster::shared();
     light_against_hog(Redis::Cluster(cluster), 16).await;
 }
@@ -308,6 +309,7 @@ async fn a_tenant_on_one_of_sixteen_workers_gets_its_fair_half_on_a_cluster() {
 /// workers have put their calls back the fleet's order holds again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_fleets_order_comes_back_with_redis() {
+    let _turn = crate::support::file_turn(module_path!());
     let _serial = SERIAL.lock().await;
     let mut server = RedisServer::start();
     let mut fleet = Fleet::start(&Redis::Node(&server), 4).await;
@@ -348,6 +350,7 @@ async fn the_fleets_order_comes_back_with_redis() {
 /// backlogged: pro gets three calls for each of free's.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tier_weights_hold_across_the_fleet() {
+    let _turn = crate::support::file_turn(module_path!());
     let _serial = SERIAL.lock().await;
     let server = RedisServer::start();
     let mut fleet = Fleet::start(&Redis::Node(&server), 4).await;
@@ -392,6 +395,7 @@ async fn tier_weights_hold_across_the_fleet() {
 /// the next freed slot, and while they wait they get the critical class's share.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn user_actions_on_one_worker_go_before_batch_on_the_others() {
+    let _turn = crate::support::file_turn(module_path!());
     let _serial = SERIAL.lock().await;
     let server = RedisServer::start();
     let mut fleet = Fleet::start(&Redis::Node(&server), 4).await;
@@ -425,6 +429,7 @@ async fn user_actions_on_one_worker_go_before_batch_on_the_others() {
 /// its own wake-up and acquire are on their way, may start first: three at most.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_newcomer_on_an_idle_worker_goes_at_the_next_freed_slot() {
+    let _turn = crate::support::file_turn(module_path!());
     let _serial = SERIAL.lock().await;
     let server = RedisServer::start();
     let mut fleet = Fleet::start(&Redis::Node(&server), 13).await;

@@ -9,9 +9,6 @@
 //! request, at 4 workers as at 16.
 //!
 //! Real time (Redis is real), about two seconds a run.
-#![cfg(feature = "redis")]
-
-mod support;
 
 use std::collections::HashMap;
 use std::fs::File;
@@ -20,8 +17,8 @@ use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use crate::support::RedisServer;
 use fairgate::{FairgateLayer, Job, Origin, SlotPolicy, Store};
-use support::RedisServer;
 use tower::{Layer, ServiceExt, service_fn};
 
 const GLOBAL_CAP: u32 = 30;
@@ -215,12 +212,12 @@ async fn run(workers: usize) -> Run {
     let sha = |source: &str| redis::Script::new(source).get_hash().to_owned();
     // The slot scripts are sent with the fleet order's prelude.
     let acquire = sha(concat!(
-        include_str!("../src/store/scripts/slot_queue.lua"),
-        include_str!("../src/store/scripts/slot_acquire.lua")
+        include_str!("../../src/store/scripts/slot_queue.lua"),
+        include_str!("../../src/store/scripts/slot_acquire.lua")
     ));
     let release = sha(concat!(
-        include_str!("../src/store/scripts/slot_queue.lua"),
-        include_str!("../src/store/scripts/slot_release.lua")
+        include_str!("../../src/store/scripts/slot_queue.lua"),
+        include_str!("../../src/store/scripts/slot_release.lua")
     ));
     let scripts: Vec<&String> = lines
         .iter()
@@ -265,10 +262,12 @@ async fn check(workers: usize) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_wake_up_per_freed_slot_at_four_workers() {
+    let _turn = crate::support::file_turn(module_path!());
     check(4).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_wake_up_per_freed_slot_at_sixteen_workers() {
+    let _turn = crate::support::file_turn(module_path!());
     check(16).await;
 }
