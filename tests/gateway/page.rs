@@ -3,16 +3,13 @@
 //! page loaded by headless Chromium, the rendered numbers read from the DOM and checked
 //! against the page's JSON (`/live`) and the upstream's own count; JavaScript errors are
 //! failures, and a screenshot is kept (`target/tmp/gateway_page.png`).
-#![cfg(feature = "gateway")]
-
-mod support;
 
 use std::path::PathBuf;
 use std::process::Command;
 use std::time::Duration;
 
-use support::anthropic::MockAnthropic;
-use support::gateway::*;
+use crate::support::anthropic::MockAnthropic;
+use crate::support::gateway::*;
 
 /// Debian's Chromium, if installed (`scripts/test` installs it); CI must have it.
 fn chromium() -> Option<PathBuf> {
@@ -67,6 +64,7 @@ fn cell(dom: &str, key: &str, value: &str, class: &str) -> Option<String> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_live_page_shows_who_waits_and_what_is_in_flight_as_the_gateway_counts_it() {
+    let _turn = crate::support::file_turn(module_path!());
     let Some(browser) = chromium() else {
         return;
     };
@@ -92,14 +90,7 @@ async fn the_live_page_shows_who_waits_and_what_is_in_flight_as_the_gateway_coun
         mock.wait_in_flight(4, Duration::from_secs(10)),
         "3 premium and 1 guest call at the upstream"
     );
-    let live = client()
-        .get(format!("{}/live", gateway.admin_url()))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let live = gateway.admin("/live").await;
     println!("/live: {live}");
     for tier in [
         r#"{"tier":"premium","cap":8,"in_flight":3,"waiting":0"#,

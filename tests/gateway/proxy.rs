@@ -2,27 +2,25 @@
 //! to end: the program runs as a real process (started as its README says, on free
 //! loopback ports), in front of the mock Anthropic upstream (`support/anthropic.rs`), and
 //! is driven by a real HTTP client and by the official Anthropic Python SDK. The attacks
-//! on it are in `gateway_attacks.rs`.
+//! on it are in `attacks.rs`.
 //!
 //! Every process is stopped by its pid when its guard drops, also when a test panics. The
 //! tests run one at a time (two cores; the flood and disconnect checks are timed).
-#![cfg(feature = "gateway")]
-
-mod support;
 
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use support::RedisServer;
-use support::anthropic::{MESSAGE_JSON, MockAnthropic, STREAM_TEXT, stream_body};
-use support::gateway::*;
+use crate::support::RedisServer;
+use crate::support::anthropic::{MESSAGE_JSON, MockAnthropic, STREAM_TEXT, stream_body};
+use crate::support::gateway::*;
 
 /// One test at a time.
 static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn answers_arrive_byte_for_byte_and_headers_pass_both_ways() {
+    let _turn = crate::support::file_turn(module_path!());
     let _serial = SERIAL.lock().await;
     let mock = MockAnthropic::start();
     let gateway = Gateway::start(&mock.url(), &keys_toml(8, 200, ""), None);
@@ -153,6 +151,7 @@ async fn answers_arrive_byte_for_byte_and_headers_pass_both_ways() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unknown_or_missing_key_gets_401_in_anthropic_shape() {
+    let _turn = crate::support::file_turn(module_path!());
     let _serial = SERIAL.lock().await;
     let mock = MockAnthropic::start();
     let gateway = Gateway::start(&mock.url(), &keys_toml(8, 200, ""), None);
@@ -187,6 +186,7 @@ async fn an_unknown_or_missing_key_gets_401_in_anthropic_shape() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_guest_flood_is_overloaded_while_premium_calls_succeed() {
+    let _turn = crate::support::file_turn(module_path!());
     let _serial = SERIAL.lock().await;
     let mock = MockAnthropic::start();
     mock.set_delay(Duration::from_millis(400));
@@ -267,6 +267,7 @@ async fn a_guest_flood_is_overloaded_while_premium_calls_succeed() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_gone_mid_stream_cancels_the_upstream_call_and_frees_its_slot() {
+    let _turn = crate::support::file_turn(module_path!());
     let _serial = SERIAL.lock().await;
     let mock = MockAnthropic::start();
     // 12 events 250 ms apart: about 3 s of stream.
@@ -336,10 +337,11 @@ async fn a_client_gone_mid_stream_cancels_the_upstream_call_and_frees_its_slot()
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_upstream_429_is_retried_after_its_retry_after() {
+    let _turn = crate::support::file_turn(module_path!());
     let _serial = SERIAL.lock().await;
     let mock = MockAnthropic::start();
     let gateway = Gateway::start(&mock.url(), &keys_toml(8, 200, ""), None);
-    mock.push_reply(support::anthropic::Reply::RateLimited {
+    mock.push_reply(crate::support::anthropic::Reply::RateLimited {
         retry_after_secs: 1,
     });
     let sent = Instant::now();
@@ -355,6 +357,7 @@ async fn an_upstream_429_is_retried_after_its_retry_after() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_lets_a_stream_finish_then_the_gateway_exits() {
+    let _turn = crate::support::file_turn(module_path!());
     let _serial = SERIAL.lock().await;
     let mock = MockAnthropic::start();
     mock.set_event_gap(Duration::from_millis(100));
@@ -387,6 +390,7 @@ async fn sigterm_lets_a_stream_finish_then_the_gateway_exits() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_gateways_on_redis_share_the_caps() {
+    let _turn = crate::support::file_turn(module_path!());
     let _serial = SERIAL.lock().await;
     let redis = RedisServer::start();
     let mock = MockAnthropic::start();
@@ -428,6 +432,7 @@ async fn two_gateways_on_redis_share_the_caps() {
 /// unless `CI` is set: there it must run.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn python_sdk_against_the_gateway() {
+    let _turn = crate::support::file_turn(module_path!());
     let _serial = SERIAL.lock().await;
     let Some(python) = sdk_python() else {
         return;
@@ -537,6 +542,7 @@ fn sdk_python() -> Option<PathBuf> {
 
 #[test]
 fn a_bad_command_line_or_keys_file_is_refused_at_start_with_a_clear_message() {
+    let _turn = crate::support::file_turn(module_path!());
     let run = |args: &[&str], keys: Option<&str>| {
         let path = target_tmp().join(format!("bad-keys-{}.toml", std::process::id()));
         let mut cmd = Command::new(gateway_binary());

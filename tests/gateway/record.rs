@@ -5,18 +5,15 @@
 //! in clear.
 //!
 //! `FAIRGATE_UPDATE_FIXTURES=1` copies the recording to `tests/fixtures/gateway_record.jsonl`,
-//! the recording `tests/replay.rs` replays.
-#![cfg(feature = "gateway")]
-
-mod support;
+//! the recording `tests/memory/replay.rs` replays.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
 
+use crate::support::anthropic::MockAnthropic;
+use crate::support::gateway::*;
 use serde_json::Value;
 use sha2::{Digest, Sha256};
-use support::anthropic::MockAnthropic;
-use support::gateway::*;
 
 /// Rounds of the load; each sends 3 guest calls and 2 premium calls (one streamed) at once.
 const ROUNDS: usize = 10;
@@ -30,6 +27,7 @@ fn tenant_hash(name: &str) -> String {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_admitted_call_is_one_json_line_with_its_usage_and_no_name_in_clear() {
+    let _turn = crate::support::file_turn(module_path!());
     let mock = MockAnthropic::start();
     mock.set_delay(Duration::from_millis(300));
     let file = target_tmp().join(format!("record-{}.jsonl", std::process::id()));

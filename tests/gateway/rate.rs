@@ -3,14 +3,12 @@
 //! bucket, sends Anthropic's `anthropic-ratelimit-requests-*` headers on every answer and
 //! answers 429 when over. The gateway learns the rate from the headers; its fair queue
 //! decides who goes when the rate binds.
-#![cfg(feature = "gateway")]
-
-mod support;
 
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use support::gateway::*;
+use crate::support::gateway::*;
+use crate::support::rate_limited::RequestCells;
 
 /// The provider's rate in this test: 600 requests a minute (a paced call every ~105 ms).
 const RPM: u32 = 600;
@@ -25,10 +23,10 @@ struct Started {
     status: u16,
 }
 
-#[derive(Default)]
+/// The provider's request bucket (a second of the rate), and what it saw.
 struct Bucket {
-    /// The GCRA theoretical arrival time (the bucket holds a second of the rate).
-    tat: Option<Instant>,
+    cells: RequestCells,
+    start: Instant,
     calls: Vec<Started>,
 }
 
@@ -44,7 +42,11 @@ impl Upstream {
         let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         listener.set_nonblocking(true).unwrap();
         let url = format!("http://{}", listener.local_addr().unwrap());
-        let bucket = Arc::new(Mutex::new(Bucket::default()));
+        let bucket = Arc::new(Mutex::new(Bucket {
+            cells: RequestCells::new(RPM),
+            start: Instant::now(),
+            calls: Vec::new(),
+        }));
         let state = bucket.clone();
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
         std::thread::spawn(move || {
@@ -79,8 +81,6 @@ impl Upstream {
 /// Takes a cell of the bucket (or answers 429), then answers after `CALL`, with the
 /// request-limit headers.
 async fn answer(state: &Mutex<Bucket>, headers: &http::HeaderMap) -> axum::response::Response {
-    let interval = Duration::from_secs_f64(60.0 / f64::from(RPM));
-    let capacity = RPM / 60;
     let who = headers
         .get("x-test-who")
         .and_then(|v| v.to_str().ok())
@@ -89,22 +89,14 @@ async fn answer(state: &Mutex<Bucket>, headers: &http::HeaderMap) -> axum::respo
     let (ok, remaining) = {
         let mut b = state.lock().unwrap();
         let now = Instant::now();
-        let tat = b.tat.map_or(now, |tat| tat.max(now));
-        let ok = tat.saturating_duration_since(now) <= interval * (capacity - 1);
-        if ok {
-            b.tat = Some(tat + interval);
-        }
-        let used = b
-            .tat
-            .map_or(0.0, |tat| tat.saturating_duration_since(now).as_secs_f64())
-            / interval.as_secs_f64();
-        let remaining = (f64::from(capacity) - used).floor().max(0.0) as u32;
+        let since = now - b.start;
+        let taken = b.cells.take(since);
         b.calls.push(Started {
             at: now,
             who,
-            status: if ok { 200 } else { 429 },
+            status: if taken.is_some() { 200 } else { 429 },
         });
-        (ok, remaining)
+        (taken.is_some(), taken.unwrap_or(0))
     };
     let limit = ("anthropic-ratelimit-requests-limit", RPM.to_string());
     let left = (
@@ -153,6 +145,7 @@ async fn call(url: String, key: &'static str, who: &'static str) -> u16 {
 /// provider is never overdriven.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_guest_flood_at_the_providers_rate_leaves_premium_its_weighted_share() {
+    let _turn = crate::support::file_turn(module_path!());
     let upstream = Upstream::start();
     // Guests: 5 slots, 3 s max wait; premium: 30 s.
     let gateway = Gateway::start(

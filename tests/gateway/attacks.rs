@@ -6,18 +6,15 @@
 //!
 //! Real time against a real process: every wait is bounded, the whole file runs in about a
 //! minute. Processes are stopped by their pid when their guards drop.
-#![cfg(feature = "gateway")]
-
-mod support;
 
 use std::process::Command;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use support::RedisServer;
-use support::anthropic::{MESSAGE_JSON, MockAnthropic};
-use support::gateway::*;
+use crate::support::RedisServer;
+use crate::support::anthropic::{MESSAGE_JSON, MockAnthropic};
+use crate::support::gateway::*;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
@@ -142,6 +139,7 @@ async fn big_bodies_with_bad_keys(port: u16, n: usize, size: usize) -> (u64, Vec
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn big_bodies_with_bad_keys_cost_no_memory() {
+    let _turn = crate::support::file_turn(module_path!());
     let _serial = SERIAL.lock().await;
     let mock = MockAnthropic::start();
     let gateway = Gateway::start(&mock.url(), &keys_toml(8, 200, ""), None);
@@ -173,19 +171,13 @@ async fn big_bodies_with_bad_keys_cost_no_memory() {
         "the made-up keys were answered at once: {statuses:?}"
     );
     assert_eq!(mock.calls(), 0);
-    let status: String = client()
-        .get(format!("{}/status", gateway.admin_url()))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let status: String = gateway.admin("/status").await;
     assert!(status.contains(r#""used_bytes":0"#), "{status}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_body_over_the_limit_with_a_valid_key_gets_a_real_413() {
+    let _turn = crate::support::file_turn(module_path!());
     let _serial = SERIAL.lock().await;
     let mock = MockAnthropic::start();
     let gateway = Gateway::start(&mock.url(), &keys_toml(8, 200, ""), None);
@@ -230,6 +222,7 @@ async fn a_body_over_the_limit_with_a_valid_key_gets_a_real_413() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bodies_past_the_buffer_budget_are_refused_at_once() {
+    let _turn = crate::support::file_turn(module_path!());
     let _serial = SERIAL.lock().await;
     let mock = MockAnthropic::start();
     let gateway = Gateway::start_with(
@@ -296,6 +289,7 @@ async fn bodies_past_the_buffer_budget_are_refused_at_once() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn trickled_heads_stalled_bodies_and_idle_connections_are_closed() {
+    let _turn = crate::support::file_turn(module_path!());
     let _serial = SERIAL.lock().await;
     let mock = MockAnthropic::start();
     let gateway = Gateway::start_with(
@@ -458,6 +452,7 @@ fn raise_open_files_limit() -> u64 {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_is_served_within_a_second_while_ten_thousand_idle_sockets_are_open() {
+    let _turn = crate::support::file_turn(module_path!());
     let _serial = SERIAL.lock().await;
     let files = raise_open_files_limit();
     let n = 10_000usize.min(files.saturating_sub(1_000) as usize);
@@ -542,6 +537,7 @@ async fn a_client_is_served_within_a_second_while_ten_thousand_idle_sockets_are_
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_spelling_of_messages_goes_through_the_stack_or_is_refused() {
+    let _turn = crate::support::file_turn(module_path!());
     let _serial = SERIAL.lock().await;
     let mock = MockAnthropic::start();
     mock.set_normalise_paths(true);
@@ -631,6 +627,7 @@ async fn every_spelling_of_messages_goes_through_the_stack_or_is_refused() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn metrics_health_and_status_are_on_the_admin_port_only() {
+    let _turn = crate::support::file_turn(module_path!());
     let _serial = SERIAL.lock().await;
     let mut redis = RedisServer::start();
     let mock = MockAnthropic::start();
@@ -720,6 +717,7 @@ async fn metrics_health_and_status_are_on_the_admin_port_only() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn at_the_cap_with_every_connection_busy_a_new_one_is_refused() {
+    let _turn = crate::support::file_turn(module_path!());
     let _serial = SERIAL.lock().await;
     let mock = MockAnthropic::start();
     let gateway = Gateway::start_with(
@@ -769,6 +767,7 @@ async fn at_the_cap_with_every_connection_busy_a_new_one_is_refused() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn failed_authentications_are_slowed_per_address_but_known_keys_are_not() {
+    let _turn = crate::support::file_turn(module_path!());
     let _serial = SERIAL.lock().await;
     let mock = MockAnthropic::start();
     let gateway = Gateway::start_with(
@@ -847,6 +846,7 @@ async fn failed_authentications_are_slowed_per_address_but_known_keys_are_not() 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_closes_idle_and_half_sent_connections_at_once_and_drains_calls() {
+    let _turn = crate::support::file_turn(module_path!());
     let _serial = SERIAL.lock().await;
     let mock = MockAnthropic::start();
     let mut gateway = Gateway::start(&mock.url(), &keys_toml(8, 200, ""), None);
@@ -952,6 +952,7 @@ const KEY_ENTRY: &str = "[[keys]]\nkey = \"sk-secret-ok\"\ntenant = \"t\"\ntier 
 
 #[test]
 fn a_bad_keys_file_is_refused_at_start_naming_the_line_never_the_key() {
+    let _turn = crate::support::file_turn(module_path!());
     let cases: Vec<(String, usize, &str, &str)> = vec![
         (
             format!("{KEY_ENTRY}\n[limits]\nwindow = 0\n"),
@@ -1032,6 +1033,7 @@ fn a_bad_keys_file_is_refused_at_start_naming_the_line_never_the_key() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sighup_reloads_the_keys_without_dropping_a_call_and_a_bad_file_keeps_the_old_one() {
+    let _turn = crate::support::file_turn(module_path!());
     let _serial = SERIAL.lock().await;
     let mock = MockAnthropic::start();
     let gateway = Gateway::start(&mock.url(), &keys_toml(8, 200, ""), None);
@@ -1127,14 +1129,7 @@ async fn sighup_reloads_the_keys_without_dropping_a_call_and_a_bad_file_keeps_th
     assert!(!log.contains("sk-secret-ok"), "{log}");
     let response = post_messages(&gateway, new_key, false).await.unwrap();
     assert_eq!(response.status(), 200, "the previous keys still work");
-    let status = client()
-        .get(format!("{}/status", gateway.admin_url()))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let status = gateway.admin("/status").await;
     assert!(
         status.contains(r#""reloads":1,"failed_reloads":1"#),
         "{status}"
@@ -1143,6 +1138,7 @@ async fn sighup_reloads_the_keys_without_dropping_a_call_and_a_bad_file_keeps_th
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_demotion_gauge_reads_the_truth_without_traffic() {
+    let _turn = crate::support::file_turn(module_path!());
     let _serial = SERIAL.lock().await;
     let mock = MockAnthropic::start();
     // About 32 tokens a call: a budget of 100 demotes past 150, at the sixth call.
