@@ -1,4 +1,4 @@
-//! One worker process of the multi-process slot tests (`tests/tier_slot_limit_redis.rs`):
+//! One worker process of the multi-process slot tests (`tests/redis/tier_slot_limit_redis.rs`):
 //! many callers sharing one Redis budget through `TierSlotLimit`.
 //!
 //! ```sh
@@ -14,10 +14,10 @@
 //! `hold URL N`: takes N slots, prints `HOLDING`, and holds them until killed.
 //!
 //! `hold-tenant URL N`: as `hold`, for tenant `capped` in tier `pro`, under the same caps
-//! plus a cap of N `pro` slots per tenant (`tests/tenant_caps_redis.rs`).
+//! plus a cap of N `pro` slots per tenant (`tests/redis/tenant_caps_redis.rs`).
 //!
 //! `faults URL OBSERVER CALLERS MILLIS [EXPECTED_WORKERS]` (the fault suite,
-//! `tests/faults.rs`): prints `READY` once its store is built (Redis may be down), then each
+//! `tests/fleet/faults.rs`): prints `READY` once its store is built (Redis may be down), then each
 //! caller makes calls for MILLIS ms under global cap 8 (tiers 8/6/4/2), through the whole
 //! recommended stack (`FairgateLayer`: the fair queue takes the slots). Every call counts
 //! itself in flight on a second Redis, the OBSERVER, for its whole duration (5-49 ms, and
@@ -26,7 +26,7 @@
 //! `ok=N store=N busy=N failed=N` (`store`: answered `Busy` at once because Redis was away,
 //! after which the caller waits 20 ms; `busy`: any other `Busy`).
 //!
-//! `outage URL OBSERVER CALLERS MILLIS` (the outage suite, `tests/faults.rs`): the
+//! `outage URL OBSERVER CALLERS MILLIS` (the outage suite, `tests/fleet/faults.rs`): the
 //! gateway's caps and max waits scaled by 1/10 with its lease (global 30; premium 30 / 6 s,
 //! pro 20 / 4.5 s, free 15 / 1.2 s, guest 5 / 0.8 s; lease TTL 3 s, or
 //! `--lease-ttl-ms=N`), so a call can get `Busy` before a lease expires, through the whole
@@ -42,7 +42,7 @@
 //! `probe TIER ok|busy:REASON MS` for each, then stays idle until MILLIS have passed.
 //!
 //! `fleet URL OBSERVER MILLIS SPEC...` (the fleet's fair order counted from outside,
-//! `tests/fleet_processes.rs`): the whole recommended stack (`FairgateLayer`, window 8) under
+//! `tests/fleet/processes.rs`): the whole recommended stack (`FairgateLayer`, window 8) under
 //! global cap 8 with tier caps of 8 that never bind, so the fleet's fair order alone decides
 //! who gets a freed slot. Each SPEC, `CALLERS:TENANT:TIER:ORIGIN` (origin `user`, `scheduled`
 //! or `batch`), runs CALLERS callers sending that tenant's calls (each estimated at 100

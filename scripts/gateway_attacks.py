@@ -1,4 +1,4 @@
-"""The attacks of `tests/gateway_attacks.rs`, as one script that prints a figure per attack,
+"""The attacks of `tests/gateway/attacks.rs`, as one script that prints a figure per attack,
 so a gateway binary can be measured before and after a change (the README's table).
 
     cargo build --release --all-features --bin fairgate-gateway

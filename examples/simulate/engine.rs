@@ -1,4 +1,4 @@
-//! The simulator's engine, shared by `examples/simulate/main.rs` and `tests/simulate.rs`:
+//! The simulator's engine, shared by `examples/simulate/main.rs` and `tests/memory/simulate.rs`:
 //! a mock Claude upstream as a tower `Service`, workload generators, the two policies
 //! (naive: a FIFO `ConcurrencyLimit` and immediate retries; fairgate: the real
 //! `FairgateLayer` on `Store::memory()`), and the five published scenarios.

@@ -1,6 +1,6 @@
 """The official Anthropic Python SDK against the fairgate gateway (the mock upstream behind it).
 
-Run by `tests/gateway.rs` (`python_sdk_against_the_gateway`) with:
+Run by `tests/gateway/proxy.rs` (`python_sdk_against_the_gateway`) with:
   GATEWAY_URL     the gateway, e.g. http://127.0.0.1:PORT
   PREMIUM_KEY     a premium client key of the gateway's keys file
   GUEST_KEY       a guest client key (guest: 1 slot, a short max wait, a short retry-after)

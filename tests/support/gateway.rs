@@ -208,11 +208,16 @@ impl Gateway {
 
     /// The Prometheus text of the admin listener's `/metrics`.
     pub async fn metrics(&self) -> String {
+        self.admin("/metrics").await
+    }
+
+    /// What the admin listener answers `GET path` (`/status`, `/live`, ...).
+    pub async fn admin(&self, path: &str) -> String {
         client()
-            .get(format!("{}/metrics", self.admin_url()))
+            .get(format!("{}{path}", self.admin_url()))
             .send()
             .await
-            .expect("GET /metrics")
+            .unwrap_or_else(|e| panic!("GET {path}: {e}"))
             .text()
             .await
             .unwrap()

@@ -25,7 +25,13 @@ pub use target::{Redis, Target};
 
 mod redis_server;
 pub use redis_server::RedisServer;
+mod turn;
+#[allow(unused_imports)]
+pub use turn::{FileTurn, file_turn};
+mod slot_worker;
 use redis_server::{free_port, ping};
+#[allow(unused_imports)]
+pub use slot_worker::SlotWorker;
 
 /// Counts tracing events by name (`tracing::warn!(name: "...")`) on the current thread.
 #[derive(Clone, Default)]
@@ -86,6 +92,7 @@ macro_rules! on_both_stores {
             #[cfg(feature = "redis")]
             #[tokio::test]
             async fn redis() {
+                let _turn = $crate::support::file_turn(module_path!());
                 super::$scenario(super::Rig::redis().await).await;
             }
         }
@@ -93,6 +100,61 @@ macro_rules! on_both_stores {
 }
 #[allow(unused_imports)]
 pub(crate) use on_both_stores;
+
+/// The calls in flight at a mock upstream, in all and by tier, and the most at once.
+#[derive(Debug, Default)]
+pub struct InFlight {
+    now: u32,
+    max: u32,
+    tier_now: HashMap<String, u32>,
+    tier_max: HashMap<String, u32>,
+}
+
+impl InFlight {
+    /// A call of `tier` starts.
+    pub fn enter(&mut self, tier: &str) {
+        self.now += 1;
+        self.max = self.max.max(self.now);
+        let now = self.tier_now.entry(tier.to_owned()).or_default();
+        *now += 1;
+        let now = *now;
+        let max = self.tier_max.entry(tier.to_owned()).or_default();
+        *max = (*max).max(now);
+    }
+
+    /// A call of `tier` ends.
+    pub fn leave(&mut self, tier: &str) {
+        self.now -= 1;
+        *self.tier_now.get_mut(tier).expect("a call of the tier") -= 1;
+    }
+
+    pub fn now(&self) -> u32 {
+        self.now
+    }
+
+    pub fn max(&self) -> u32 {
+        self.max
+    }
+
+    pub fn max_of_tier(&self, tier: &str) -> u32 {
+        self.tier_max.get(tier).copied().unwrap_or(0)
+    }
+}
+
+/// A user's call (`Origin::UserAction`) of `tenant` in `tier`.
+pub fn user(tenant: &str, tier: &str) -> Job {
+    Job::new(tenant, fairgate::Origin::UserAction).tier(tier)
+}
+
+/// Caps of `slots` for the global count and the tier, with a lease that outlives any test.
+pub fn slot_limits(slots: u32) -> fairgate::SlotLimits {
+    fairgate::SlotLimits {
+        global: slots,
+        tier: slots,
+        tenant: None,
+        lease_ttl: Duration::from_secs(30),
+    }
+}
 
 /// An `http::Request` carrying `job`.
 pub fn request(job: Job) -> http::Request<()> {

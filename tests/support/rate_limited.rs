@@ -1,13 +1,17 @@
 //! A mock of Anthropic's rate limiter as a tower `Service`, for the tests of one order under
-//! every limit (`tests/stack_rate.rs`, `tests/stack_rate_redis.rs`): requests, input tokens
-//! and output tokens per minute as token buckets refilled continuously; the
-//! `anthropic-ratelimit-*` headers (limit, remaining, reset) on every answer; a real `429`
-//! with `retry-after` (whole seconds, at least 1) when a bucket is empty. It keeps its own
-//! record of every call it saw — who (tenant, tier, priority), which (the `x-call-id`
-//! header), when it started — so a test counts from outside the library.
+//! every limit (`memory/stack_rate.rs`, `redis/stack_rate_redis.rs`) and of the limits the
+//! fleet learns (`memory/learned_pacing.rs`): requests, input tokens and output tokens per
+//! minute as token buckets refilled continuously; the `anthropic-ratelimit-*` headers
+//! (limit, remaining, reset = when the bucket is full again, as Anthropic documents) on
+//! every answer; a real `429` with `retry-after` (whole seconds, at least 1) when a bucket
+//! is empty. It keeps its own record of every call it saw — who (tenant, tier, priority),
+//! which (the `x-call-id` header), when it started — and when each success was answered,
+//! so a test counts from outside the library.
 //!
 //! Time is tokio's (`tokio::time::Instant`): paused time on the memory store, real time on
-//! Redis. A call is charged when it arrives and answered `latency` later.
+//! Redis. A call is charged when it arrives and answered `latency` later: input tokens the
+//! job's estimate, output tokens [`OUTPUT`] when the answer is sent — or, for a request
+//! carrying a [`TrueUsage`], what it says, with the `usage` in the body.
 
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
@@ -58,6 +62,39 @@ impl Bucket {
     }
 }
 
+/// A provider's request bucket as GCRA keeps it, holding a second of the rate (at least one
+/// cell): for the mocks that send only the request-limit headers (`memory/stack_model.rs`,
+/// `gateway/rate.rs`). Its clock is the caller's: `now` is the time since the mock started.
+#[derive(Clone, Debug)]
+pub struct RequestCells {
+    interval: Duration,
+    capacity: u32,
+    /// The theoretical arrival time, past the start.
+    tat: Duration,
+}
+
+impl RequestCells {
+    pub fn new(rpm: u32) -> Self {
+        RequestCells {
+            interval: Duration::from_secs_f64(60.0 / f64::from(rpm)),
+            capacity: (rpm / 60).max(1),
+            tat: Duration::ZERO,
+        }
+    }
+
+    /// Takes a cell at `now`: the cells left after it, or `None` when the bucket is empty
+    /// (a 429; nothing is taken).
+    pub fn take(&mut self, now: Duration) -> Option<u32> {
+        let tat = self.tat.max(now);
+        if tat.saturating_sub(now) > self.interval * (self.capacity - 1) {
+            return None;
+        }
+        self.tat = tat + self.interval;
+        let used = (self.tat - now).as_secs_f64() / self.interval.as_secs_f64();
+        Some((f64::from(self.capacity) - used).floor().max(0.0) as u32)
+    }
+}
+
 /// One call as the upstream saw it.
 #[derive(Clone, Debug)]
 pub struct Started {
@@ -70,8 +107,40 @@ pub struct Started {
     pub arrived: Option<Instant>,
     /// When it reached the upstream.
     pub at: Instant,
-    /// What it was answered: 200, or 429 (over the rate, or scripted).
+    /// What it was answered: 200, or 429 (over the rate, scripted or at random).
     pub status: u16,
+}
+
+/// What a call really uses, whatever its job estimated: the mock charges it and answers
+/// it in the body's `usage` (a JSON message, or an event stream). A request extension.
+#[derive(Clone, Copy, Debug)]
+pub struct TrueUsage {
+    pub input: u32,
+    pub output: u32,
+    pub stream: bool,
+}
+
+impl TrueUsage {
+    /// The answer's body, as the Messages API writes it.
+    fn body(&self) -> String {
+        let (input, output) = (self.input, self.output);
+        if self.stream {
+            format!(
+                "event: message_start\ndata: {{\"type\":\"message_start\",\"message\":{{\"usage\":\
+                 {{\"input_tokens\":{input},\"output_tokens\":1}}}}}}\n\n\
+                 event: content_block_delta\ndata: {{\"type\":\"content_block_delta\",\"index\":0,\
+                 \"delta\":{{\"type\":\"text_delta\",\"text\":\"Hi\"}}}}\n\n\
+                 event: message_delta\ndata: {{\"type\":\"message_delta\",\"delta\":\
+                 {{\"stop_reason\":\"end_turn\"}},\"usage\":{{\"output_tokens\": {output}}}}}\n\n\
+                 event: message_stop\ndata: {{\"type\":\"message_stop\"}}\n\n"
+            )
+        } else {
+            format!(
+                "{{\"type\":\"message\",\"content\":[{{\"type\":\"text\",\"text\":\"Hi\"}}],\
+                 \"usage\":{{\"input_tokens\":{input},\"output_tokens\":{output}}}}}"
+            )
+        }
+    }
 }
 
 /// Which calls (the job, the call's number from 0) are answered `429` whatever the buckets
@@ -86,6 +155,22 @@ struct State {
     calls: Vec<Started>,
     in_flight: u32,
     max_in_flight: u32,
+    /// When each success was answered.
+    served: Vec<Instant>,
+    /// Random 429s: the share of calls and the generator's state.
+    random_429: f64,
+    rng: u64,
+}
+
+impl State {
+    /// Refills the buckets for the time since the last look.
+    fn refill(&mut self, now: Instant) {
+        let secs = (now - self.at).as_secs_f64();
+        self.at = now;
+        self.requests.refill(secs);
+        self.input.refill(secs);
+        self.output.refill(secs);
+    }
 }
 
 /// The mock upstream; cheap to clone, every clone shares the buckets and the record.
@@ -94,10 +179,17 @@ pub struct RateLimited {
     state: Arc<Mutex<State>>,
     latency: Duration,
     script: Arc<Script>,
+    /// A 429's rate-limit headers as the buckets were when it was refused (else when it is
+    /// answered).
+    refusal_headers_at_arrival: bool,
 }
 
 /// Output tokens charged per call, when its answer is sent.
-const OUTPUT: f64 = 100.0;
+pub const OUTPUT: f64 = 100.0;
+
+/// What `arrive` decided for a call: go (`None`), or a 429 with its `retry-after` (and,
+/// with `refusal_headers_at_arrival`, its headers then).
+type Admission = Option<(u64, Option<Vec<(String, String)>>)>;
 
 impl RateLimited {
     /// `rpm` requests a minute (input and output tokens generous: 10 M a minute each),
@@ -116,10 +208,43 @@ impl RateLimited {
                 calls: Vec::new(),
                 in_flight: 0,
                 max_in_flight: 0,
+                served: Vec::new(),
+                random_429: 0.0,
+                rng: 12,
             })),
             latency,
             script: Arc::new(|_, _| None),
+            refusal_headers_at_arrival: false,
         }
+    }
+
+    /// Answers `share` of the calls `429` (`retry-after: 1`) at random, whatever the
+    /// buckets hold (such a call takes nothing from them); the draws are seeded.
+    pub fn with_random_429(self, share: f64) -> Self {
+        self.state.lock().unwrap().random_429 = share;
+        self
+    }
+
+    /// A 429 carries the rate-limit headers as they were when the call was refused, not
+    /// when the answer is sent `latency` later.
+    pub fn refusal_headers_at_arrival(mut self) -> Self {
+        self.refusal_headers_at_arrival = true;
+        self
+    }
+
+    /// Changes the request limit (the bucket keeps what it holds, up to the new limit).
+    pub fn set_rpm(&self, rpm: u32) {
+        let mut s = self.state.lock().unwrap();
+        s.requests.limit = f64::from(rpm);
+        s.requests.level = s.requests.level.min(f64::from(rpm));
+    }
+
+    /// Another client on the same key takes `input` tokens (as far as there are any).
+    pub fn take_outside(&self, input: f64) {
+        let mut s = self.state.lock().unwrap();
+        s.refill(Instant::now());
+        let taken = input.min(s.input.level.max(0.0));
+        s.input.level -= taken;
     }
 
     /// Answers the calls `script` picks `429` with its `retry-after`, whatever the buckets
@@ -156,19 +281,20 @@ impl RateLimited {
         out
     }
 
-    /// Records a call arriving now and decides its answer: `None` admitted, `Some(secs)` a
-    /// 429 with that `retry-after`.
-    fn arrive(&self, job: &Job, id: Option<u64>) -> Option<u64> {
+    /// Records a call arriving now with `input` tokens and decides its answer.
+    fn arrive(&self, job: &Job, id: Option<u64>, input: f64) -> Admission {
         let mut s = self.state.lock().unwrap();
         let now = Instant::now();
-        let secs = (now - s.at).as_secs_f64();
-        s.at = now;
-        s.requests.refill(secs);
-        s.input.refill(secs);
-        s.output.refill(secs);
+        s.refill(now);
         let n = s.calls.len();
-        let input = f64::from(job.estimated_tokens());
-        let throttled = (self.script)(job, n).or_else(|| {
+        let random = s.random_429 > 0.0 && {
+            s.rng = s
+                .rng
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((s.rng >> 11) as f64 / (1u64 << 53) as f64) < s.random_429
+        };
+        let throttled = (self.script)(job, n).or(random.then_some(1)).or_else(|| {
             let wait = s
                 .requests
                 .until(1.0)
@@ -191,25 +317,27 @@ impl RateLimited {
             at: now,
             status: if throttled.is_some() { 429 } else { 200 },
         });
-        throttled
+        let headers = self.refusal_headers_at_arrival.then(|| Self::headers(&s));
+        throttled.map(|secs| (secs, headers))
     }
 
-    /// The answer's head, when the call's time is up.
-    fn answer(&self, throttled: Option<u64>) -> http::Response<String> {
+    /// The answer's head, when the call's time is up: a success charges `output` tokens.
+    fn answer(&self, admission: Admission, output: f64) -> http::Response<String> {
         let mut s = self.state.lock().unwrap();
         s.in_flight -= 1;
-        if throttled.is_none() {
-            s.output.level -= OUTPUT;
+        if admission.is_none() {
+            s.output.level -= output;
+            s.served.push(Instant::now());
         }
-        let mut headers = Self::headers(&s);
-        drop(s);
-        let status = match throttled {
-            Some(secs) => {
+        let (status, headers) = match admission {
+            Some((secs, at_arrival)) => {
+                let mut headers = at_arrival.unwrap_or_else(|| Self::headers(&s));
                 headers.push(("retry-after".into(), secs.to_string()));
-                429
+                (429, headers)
             }
-            None => 200,
+            None => (200, Self::headers(&s)),
         };
+        drop(s);
         let mut builder = http::Response::builder().status(status);
         for (name, value) in headers {
             builder = builder.header(name, value);
@@ -237,10 +365,17 @@ impl RateLimited {
                 .and_then(|v| v.to_str().ok())
                 .and_then(|v| v.parse().ok());
             let job = req.extensions().get::<Job>().expect("a job").clone();
-            let throttled = this.arrive(&job, id);
+            let usage = req.extensions().get::<TrueUsage>().copied();
+            let input = usage.map_or(f64::from(job.estimated_tokens()), |u| f64::from(u.input));
+            let admission = this.arrive(&job, id, input);
             async move {
                 tokio::time::sleep(this.latency).await;
-                Ok::<_, BoxError>(this.answer(throttled))
+                let output = usage.map_or(OUTPUT, |u| f64::from(u.output));
+                let mut response = this.answer(admission, output);
+                if let (200, Some(usage)) = (response.status().as_u16(), usage) {
+                    *response.body_mut() = usage.body();
+                }
+                Ok::<_, BoxError>(response)
             }
         })
     }
@@ -269,11 +404,11 @@ impl RateLimited {
                 .and_then(|v| v.to_str().ok())
                 .and_then(|v| v.parse().ok());
             let job = req.extensions().get::<Job>().expect("a job").clone();
-            let throttled = this.arrive(&job, id);
+            let admission = this.arrive(&job, id, f64::from(job.estimated_tokens()));
             let rest = this.latency.saturating_sub(head);
             async move {
                 tokio::time::sleep(head).await;
-                let response = this.answer(throttled);
+                let response = this.answer(admission, OUTPUT);
                 let body: Frames = Box::pin(futures_util::stream::once(async move {
                     tokio::time::sleep(rest).await;
                     Ok(http_body::Frame::data(bytes::Bytes::from_static(b"{}")))
@@ -303,7 +438,36 @@ impl RateLimited {
     pub fn forget(&self) {
         let mut s = self.state.lock().unwrap();
         s.calls.clear();
+        s.served.clear();
         s.max_in_flight = s.in_flight;
+    }
+
+    /// How many calls arrived (since the last [`forget`](RateLimited::forget)).
+    pub fn attempts(&self) -> usize {
+        self.state.lock().unwrap().calls.len()
+    }
+
+    /// The share of attempts answered `429`, the attempts, and the 429s.
+    pub fn share_429(&self) -> (f64, u64, u64) {
+        let (attempts, throttled) = (self.attempts() as u64, self.throttled() as u64);
+        (throttled as f64 / attempts as f64, attempts, throttled)
+    }
+
+    /// When each success was answered, in order.
+    pub fn served_at(&self) -> Vec<Instant> {
+        self.state.lock().unwrap().served.clone()
+    }
+
+    /// How many calls succeeded.
+    pub fn served(&self) -> usize {
+        self.state.lock().unwrap().served.len()
+    }
+
+    /// Successes per minute between the first and the last success.
+    pub fn throughput_rpm(&self) -> f64 {
+        let served = self.served_at();
+        let (first, last) = (served[0], served[served.len() - 1]);
+        (served.len() - 1) as f64 / (last - first).as_secs_f64() * 60.0
     }
 }
 

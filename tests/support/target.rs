@@ -351,11 +351,13 @@ macro_rules! on_node_and_cluster {
         mod $test {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn node() {
+                let _turn = crate::support::file_turn(module_path!());
                 super::$test(crate::support::Target::Node).await;
             }
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn cluster() {
+                let _turn = crate::support::file_turn(module_path!());
                 super::$test(crate::support::Target::Cluster).await;
             }
         }
@@ -364,11 +366,13 @@ macro_rules! on_node_and_cluster {
         mod $test {
             #[tokio::test]
             async fn node() {
+                let _turn = crate::support::file_turn(module_path!());
                 super::$test(crate::support::Target::Node).await;
             }
 
             #[tokio::test]
             async fn cluster() {
+                let _turn = crate::support::file_turn(module_path!());
                 super::$test(crate::support::Target::Cluster).await;
             }
         }

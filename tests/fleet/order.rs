@@ -1,0 +1,464 @@
+//! The fleet keeps one fair order: `N` workers (store handles, each with its own worker id,
+//! connections and wake channel, and the whole stack through `FairgateLayer`, window 8)
+//! share a global cap of 8 slots on one throwaway redis-server (or the test's own Redis
+//! Cluster), calls of 30-50 ms. A freed slot goes to the call the fair order of the whole fleet
+//! picks — class by its weights, tier by start-time fair queuing on the tier weights, tenant
+//! by start-time fair queuing on the cost — whichever worker holds it.
+//!
+//! Counted at the upstream stand-in shared by every worker: who started when, and how many
+//! were in flight at once. Real time (Redis is real), a few seconds a scenario.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use crate::support::{RedisCluster, RedisServer};
+use fairgate::{FairgateLayer, Job, Origin, SlotPolicy, Store};
+use tower::util::BoxCloneService;
+use tower::{Layer, ServiceExt, service_fn};
+
+const GLOBAL_CAP: u32 = 8;
+/// Calls take 30 to 50 ms (40 on average, in a fixed sequence), so the slots free one by
+/// one rather than all at once.
+const CALL_MS: (u64, u64) = (30, 20);
+/// Tokens a call is estimated at: small enough that no tenant reaches the daily budget that
+/// would demote it to batch (1.5 x 100,000 tokens by default) within a scenario.
+const COST: u32 = 100;
+const WARM_UP: Duration = Duration::from_millis(1_000);
+const MEASURE: Duration = Duration::from_millis(3_000);
+
+/// One scenario at a time: two at once on two cores would measure each other.
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+fn policy() -> SlotPolicy {
+    let mut builder = SlotPolicy::builder().global_max(GLOBAL_CAP);
+    // Tier caps that never bind: the global cap and the fair order decide.
+    for tier in ["premium", "pro", "free", "guest"] {
+        builder = builder.tier(tier, GLOBAL_CAP, Duration::from_secs(120));
+    }
+    builder.build().expect("a valid policy")
+}
+
+/// A call started at the upstream: its tenant, and when.
+#[derive(Clone)]
+struct Start {
+    tenant: String,
+    at: Instant,
+}
+
+#[derive(Default)]
+struct Upstream {
+    starts: Vec<Start>,
+    in_flight: u32,
+    max_in_flight: u32,
+    calls: u64,
+}
+
+type Service = BoxCloneService<http::Request<()>, (), fairgate::BoxError>;
+
+struct Fleet {
+    upstream: Arc<Mutex<Upstream>>,
+    workers: Vec<Service>,
+    fair_queues: Vec<fairgate::DrrFairnessLayer>,
+    stores: Vec<Store>,
+    stop: Arc<AtomicBool>,
+    started: Instant,
+    callers: Vec<tokio::task::JoinHandle<()>>,
+}
+
+enum Redis<'a> {
+    Node(&'a RedisServer),
+    Cluster(&'a RedisCluster),
+}
+
+impl Redis<'_> {
+    async fn store(&self) -> Store {
+        match self {
+            Redis::Node(server) => Store::redis(&server.url()).await.expect("a store"),
+            Redis::Cluster(cluster) => Store::builder()
+                .redis_cluster(cluster.urls())
+                .await
+                .expect("a store on the cluster"),
+        }
+    }
+}
+
+impl Fleet {
+    async fn start(redis: &Redis<'_>, workers: usize) -> Fleet {
+        let upstream = Arc::new(Mutex::new(Upstream::default()));
+        let mut fleet = Fleet {
+            upstream: upstream.clone(),
+            workers: Vec::new(),
+            fair_queues: Vec::new(),
+            stores: Vec::new(),
+            stop: Arc::new(AtomicBool::new(false)),
+            started: Instant::now(),
+            callers: Vec::new(),
+        };
+        for _ in 0..workers {
+            let store = redis.store().await;
+            let upstream = upstream.clone();
+            let call = service_fn(move |req: http::Request<()>| {
+                let upstream = upstream.clone();
+                async move {
+                    let job = req.extensions().get::<Job>().expect("a job");
+                    let call = {
+                        let mut up = upstream.lock().unwrap();
+                        up.starts.push(Start {
+                            tenant: job.tenant().as_str().to_owned(),
+                            at: Instant::now(),
+                        });
+                        up.in_flight += 1;
+                        up.max_in_flight = up.max_in_flight.max(up.in_flight);
+                        up.calls += 1;
+                        let (least, spread) = CALL_MS;
+                        Duration::from_millis(least + up.calls * 7_919 % (spread + 1))
+                    };
+                    tokio::time::sleep(call).await;
+                    upstream.lock().unwrap().in_flight -= 1;
+                    Ok::<_, std::convert::Infallible>(http::Response::new(String::new()))
+                }
+            });
+            let layer = FairgateLayer::builder(store.clone())
+                .slots(policy())
+                .window(8)
+                .build()
+                .expect("a stack");
+            fleet.fair_queues.push(layer.fairness().clone());
+            let service = layer.layer(call);
+            fleet
+                .workers
+                .push(BoxCloneService::new(service.map_response(drop)));
+            fleet.stores.push(store);
+        }
+        fleet
+    }
+
+    /// `n` callers on `worker`, each sending calls of `tenant` one after another until the
+    /// fleet stops.
+    fn callers(&mut self, worker: usize, n: usize, tenant: &str, tier: &str, origin: Origin) {
+        for _ in 0..n {
+            let service = self.workers[worker].clone();
+            let stop = self.stop.clone();
+            let (tenant, tier) = (tenant.to_owned(), tier.to_owned());
+            self.callers.push(tokio::spawn(async move {
+                while !stop.load(Ordering::Relaxed) {
+                    let mut req = http::Request::new(());
+                    let job = Job::new(tenant.as_str(), origin).tier(tier.as_str());
+                    req.extensions_mut().insert(job.cost(COST));
+                    if service.clone().oneshot(req).await.is_err() {
+                        // Refused (`Busy`): a client waits a moment before it tries again.
+                        tokio::time::sleep(Duration::from_millis(20)).await;
+                    }
+                }
+            }));
+        }
+    }
+
+    /// The calls started in `[from, from + for)`, by tenant.
+    fn served(&self, from: Instant, span: Duration) -> HashMap<String, usize> {
+        let mut served = HashMap::new();
+        for start in &self.upstream.lock().unwrap().starts {
+            if start.at >= from && start.at < from + span {
+                *served.entry(start.tenant.clone()).or_default() += 1;
+            }
+        }
+        served
+    }
+
+    /// The fairness index each worker publishes, once every worker sent what it served.
+    async fn fairness_indexes(&self) -> Vec<Option<f64>> {
+        for store in &self.stores {
+            store.flush().await;
+        }
+        // Each worker reads the fleet's index after its own send: read again once all sent.
+        for store in &self.stores {
+            store.flush().await;
+        }
+        self.fair_queues
+            .iter()
+            .map(|q| q.fairness_index())
+            .collect()
+    }
+
+    fn starts(&self) -> Vec<Start> {
+        self.upstream.lock().unwrap().starts.clone()
+    }
+
+    /// Stops the callers; the most calls ever in flight at once at the upstream.
+    /// Stops the callers and waits until their last calls are over.
+    async fn stop_callers(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        for caller in self.callers.drain(..) {
+            let _ = tokio::time::timeout(Duration::from_secs(10), caller).await;
+        }
+    }
+
+    async fn stop(mut self) -> u32 {
+        self.stop_callers().await;
+        drop(self.workers);
+        drop(self.stores);
+        let max = self.upstream.lock().unwrap().max_in_flight;
+        assert!(
+            max <= GLOBAL_CAP,
+            "{max} calls in flight at once, over the global cap"
+        );
+        max
+    }
+}
+
+/// What the fleet's order still keeps once nothing waits (flows, their workers, finish
+/// tags, counts), after the last releases had a moment to land.
+async fn queue_leftovers(server: &RedisServer) -> Vec<String> {
+    let mut left = Vec::new();
+    for _ in 0..20 {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let out = std::process::Command::new("redis-cli")
+            .args(["-p", &server.port().to_string(), "--scan"])
+            .output()
+            .expect("redis-cli");
+        left = String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .filter(|key| {
+                [":flows:", ":fw:", ":fin:", ":wants", ":costs", ":waiting"]
+                    .iter()
+                    .any(|part| key.contains(part))
+            })
+            .map(str::to_owned)
+            .collect();
+        if left.is_empty() {
+            break;
+        }
+    }
+    left
+}
+
+/// Jain's fairness index of what each tenant got, each divided by its fair weight.
+fn jain(shares: &[f64]) -> f64 {
+    let sum: f64 = shares.iter().sum();
+    let squares: f64 = shares.iter().map(|x| x * x).sum();
+    sum * sum / (shares.len() as f64 * squares)
+}
+
+/// Tenant "hog" has 12 callers on every worker, tenant "light" (same tier, same weight)
+/// 12 on worker 0 only; both always have calls waiting. Fair is half each.
+async fn light_against_hog(redis: Redis<'_>, workers: usize) {
+    let _serial = SERIAL.lock().await;
+    let mut fleet = Fleet::start(&redis, workers).await;
+    for w in 0..workers {
+        fleet.callers(w, 12, "hog", "pro", Origin::UserAction);
+    }
+    fleet.callers(0, 12, "light", "pro", Origin::UserAction);
+    tokio::time::sleep(WARM_UP).await;
+    let from = Instant::now();
+    tokio::time::sleep(MEASURE).await;
+    let served = fleet.served(from, MEASURE);
+    fleet.stop().await;
+    if let Redis::Node(server) = &redis {
+        // Nothing waits any more: the fleet's order keeps nothing of anyone.
+        let left = queue_leftovers(server).await;
+        assert!(left.is_empty(), "left in Redis: {left:?}");
+    }
+    let (light, hog) = (served["light"] as f64, served["hog"] as f64);
+    let share = light / (light + hog);
+    let index = jain(&[light, hog]);
+    println!(
+        "{workers} workers: light {light}, hog {hog} calls served: light's share {:.1}%, \
+         Jain's index {index:.3}",
+        share * 100.0
+    );
+    assert!(
+        share >= 0.45,
+        "light got {:.1}% of the calls",
+        share * 100.0
+    );
+    assert!(index >= 0.99, "Jain's index {index:.3}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenant_on_one_of_four_workers_gets_its_fair_half() {
+    let _turn = crate::support::file_turn(module_path!());
+    let server = RedisServer::start();
+    light_against_hog(Redis::Node(&server), 4).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenant_on_one_of_sixteen_workers_gets_its_fair_half() {
+    let _turn = crate::support::file_turn(module_path!());
+    let server = RedisServer::start();
+    light_against_hog(Redis::Node(&server), 16).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenant_on_one_of_four_workers_gets_its_fair_half_on_a_cluster() {
+    let _turn = crate::support::file_turn(module_path!());
+    let cluster = RedisCluster::shared();
+    light_against_hog(Redis::Cluster(cluster), 4).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenant_on_one_of_sixteen_workers_gets_its_fair_half_on_a_cluster() {
+    let _turn = crate::support::file_turn(module_path!());
+    let cluster = RedisCluster::shared();
+    light_against_hog(Redis::Cluster(cluster), 16).await;
+}
+
+/// Redis killed under the light/hog load, then back (a fresh, empty server on its port):
+/// meanwhile each worker keeps its own order within its share of the caps, and once the
+/// workers have put their calls back the fleet's order holds again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_fleets_order_comes_back_with_redis() {
+    let _turn = crate::support::file_turn(module_path!());
+    let _serial = SERIAL.lock().await;
+    let mut server = RedisServer::start();
+    let mut fleet = Fleet::start(&Redis::Node(&server), 4).await;
+    for w in 0..4 {
+        fleet.callers(w, 12, "hog", "pro", Origin::UserAction);
+    }
+    fleet.callers(0, 12, "light", "pro", Origin::UserAction);
+    tokio::time::sleep(WARM_UP).await;
+    server.kill();
+    let away = Instant::now();
+    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    let outage = fleet.served(away, Duration::from_millis(1_500));
+    server.restart();
+    // Noticed at the next probe, then every worker resyncs.
+    tokio::time::sleep(Duration::from_millis(2_000)).await;
+    let from = Instant::now();
+    tokio::time::sleep(MEASURE).await;
+    let served = fleet.served(from, MEASURE);
+    fleet.stop().await;
+    let share = |served: &HashMap<String, usize>| {
+        let light = served.get("light").copied().unwrap_or(0) as f64;
+        light / (light + served.get("hog").copied().unwrap_or(0) as f64)
+    };
+    println!(
+        "light's share: {:.1}% while Redis was away (each worker's own order), {:.1}% once \
+         it was back ({served:?})",
+        share(&outage) * 100.0,
+        share(&served) * 100.0
+    );
+    assert!(
+        share(&served) >= 0.45,
+        "light got {:.1}% once Redis was back",
+        share(&served) * 100.0
+    );
+}
+
+/// Tier pro (weight 3) on worker 0 against tier free (weight 1) on workers 1-3, both
+/// backlogged: pro gets three calls for each of free's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tier_weights_hold_across_the_fleet() {
+    let _turn = crate::support::file_turn(module_path!());
+    let _serial = SERIAL.lock().await;
+    let server = RedisServer::start();
+    let mut fleet = Fleet::start(&Redis::Node(&server), 4).await;
+    fleet.callers(0, 12, "paying", "pro", Origin::UserAction);
+    for w in 1..4 {
+        fleet.callers(w, 12, &format!("free-{w}"), "free", Origin::UserAction);
+    }
+    tokio::time::sleep(WARM_UP).await;
+    let from = Instant::now();
+    tokio::time::sleep(MEASURE).await;
+    let served = fleet.served(from, MEASURE);
+    fleet.stop_callers().await;
+    let indexes = fleet.fairness_indexes().await;
+    // Over the whole run (the fairness window is a minute): served cost over weight.
+    let everything = fleet.served(fleet.started, Duration::from_secs(3600));
+    fleet.stop().await;
+    let normalised: Vec<f64> = everything
+        .iter()
+        .map(|(tenant, n)| *n as f64 / if tenant == "paying" { 3.0 } else { 1.0 })
+        .collect();
+    let expected = jain(&normalised);
+    println!(
+        "fairness index on each worker: {indexes:?}, from the upstream's count: {expected:.3}"
+    );
+    for index in &indexes {
+        let index = index.expect("an index");
+        assert!(
+            (index - expected).abs() < 0.03,
+            "a worker publishes {index:.3}; the fleet's is {expected:.3}"
+        );
+    }
+    let pro = served["paying"] as f64;
+    let free: f64 = (1..4)
+        .map(|w| served.get(&format!("free-{w}")).copied().unwrap_or(0) as f64)
+        .sum();
+    let ratio = pro / free;
+    println!("pro {pro}, free {free} calls served: {ratio:.2} to 1");
+    assert!((2.7..=3.3).contains(&ratio), "pro:free = {ratio:.2}:1");
+}
+
+/// Batch calls backlogged on workers 0-2, then user actions on worker 3: the first goes at
+/// the next freed slot, and while they wait they get the critical class's share.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn user_actions_on_one_worker_go_before_batch_on_the_others() {
+    let _turn = crate::support::file_turn(module_path!());
+    let _serial = SERIAL.lock().await;
+    let server = RedisServer::start();
+    let mut fleet = Fleet::start(&Redis::Node(&server), 4).await;
+    for w in 0..3 {
+        fleet.callers(w, 12, &format!("batch-{w}"), "pro", Origin::BatchJob);
+    }
+    tokio::time::sleep(WARM_UP).await;
+    let arrived = Instant::now();
+    fleet.callers(3, 12, "chat", "pro", Origin::UserAction);
+    tokio::time::sleep(MEASURE).await;
+    let starts = fleet.starts();
+    fleet.stop().await;
+    let after: Vec<&Start> = starts.iter().filter(|s| s.at >= arrived).collect();
+    let before_first = after.iter().take_while(|s| s.tenant != "chat").count();
+    let chat = after.iter().filter(|s| s.tenant == "chat").count();
+    let share = chat as f64 / after.len() as f64;
+    println!(
+        "{before_first} batch calls started before the first user action; user actions \
+         {chat} of {} dispatches ({:.1}%)",
+        after.len(),
+        share * 100.0
+    );
+    // A wake-up already on its way when the first user action queued may go first.
+    assert!(before_first <= 2, "{before_first} batch calls went first");
+    assert!(share >= 0.9, "user actions got {:.1}%", share * 100.0);
+}
+
+/// Workers 0-11 backlogged with one tenant's calls; a newcomer's one call on worker 12
+/// (queued nowhere before) goes at the next freed slot of the fleet, not behind the twelve
+/// queued workers. Calls whose wake-up was on its way when it queued, or that start while
+/// its own wake-up and acquire are on their way, may start first: three at most.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_newcomer_on_an_idle_worker_goes_at_the_next_freed_slot() {
+    let _turn = crate::support::file_turn(module_path!());
+    let _serial = SERIAL.lock().await;
+    let server = RedisServer::start();
+    let mut fleet = Fleet::start(&Redis::Node(&server), 13).await;
+    for w in 0..12 {
+        fleet.callers(w, 12, "hog", "pro", Origin::UserAction);
+    }
+    tokio::time::sleep(WARM_UP).await;
+    let mut waits = Vec::new();
+    for round in 0..5 {
+        let arrived = Instant::now();
+        let mut req = http::Request::new(());
+        let job = Job::new(format!("new-{round}"), Origin::UserAction).tier("pro");
+        req.extensions_mut().insert(job.cost(COST));
+        fleet.workers[12]
+            .clone()
+            .oneshot(req)
+            .await
+            .expect("served");
+        let starts = fleet.starts();
+        let ahead = starts
+            .iter()
+            .filter(|s| s.at >= arrived)
+            .take_while(|s| s.tenant != format!("new-{round}"))
+            .count();
+        waits.push(ahead);
+    }
+    fleet.stop().await;
+    println!("calls started before each newcomer's: {waits:?}");
+    for ahead in waits {
+        assert!(ahead <= 3, "{ahead} calls went before a newcomer");
+    }
+}

@@ -1,0 +1,203 @@
+//! The gateway program under the provider's rate: a real `fairgate-gateway` process in
+//! front of a mock upstream (a real HTTP server on loopback) that keeps a request token
+//! bucket, sends Anthropic's `anthropic-ratelimit-requests-*` headers on every answer and
+//! answers 429 when over. The gateway learns the rate from the headers; its fair queue
+//! decides who goes when the rate binds.
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use crate::support::gateway::*;
+use crate::support::rate_limited::RequestCells;
+
+/// The provider's rate in this test: 600 requests a minute (a paced call every ~105 ms).
+const RPM: u32 = 600;
+/// Each answer takes this long.
+const CALL: Duration = Duration::from_millis(200);
+
+/// One call as the upstream saw it: when, and which key's caller sent it.
+#[derive(Clone, Debug)]
+struct Started {
+    at: Instant,
+    who: String,
+    status: u16,
+}
+
+/// The provider's request bucket (a second of the rate), and what it saw.
+struct Bucket {
+    cells: RequestCells,
+    start: Instant,
+    calls: Vec<Started>,
+}
+
+/// The mock upstream, on a thread of its own; stopped when dropped.
+struct Upstream {
+    url: String,
+    bucket: Arc<Mutex<Bucket>>,
+    _stop: tokio::sync::oneshot::Sender<()>,
+}
+
+impl Upstream {
+    fn start() -> Upstream {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        listener.set_nonblocking(true).unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        let bucket = Arc::new(Mutex::new(Bucket {
+            cells: RequestCells::new(RPM),
+            start: Instant::now(),
+            calls: Vec::new(),
+        }));
+        let state = bucket.clone();
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        std::thread::spawn(move || {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            runtime.block_on(async move {
+                let listener = tokio::net::TcpListener::from_std(listener).unwrap();
+                let app = axum::Router::new().fallback(move |req: axum::extract::Request| {
+                    let state = state.clone();
+                    async move { answer(&state, req.headers()).await }
+                });
+                tokio::select! {
+                    _ = axum::serve(listener, app) => {}
+                    _ = stopped => {}
+                }
+            });
+        });
+        Upstream {
+            url,
+            bucket,
+            _stop: stop,
+        }
+    }
+
+    fn calls(&self) -> Vec<Started> {
+        self.bucket.lock().unwrap().calls.clone()
+    }
+}
+
+/// Takes a cell of the bucket (or answers 429), then answers after `CALL`, with the
+/// request-limit headers.
+async fn answer(state: &Mutex<Bucket>, headers: &http::HeaderMap) -> axum::response::Response {
+    let who = headers
+        .get("x-test-who")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("")
+        .to_owned();
+    let (ok, remaining) = {
+        let mut b = state.lock().unwrap();
+        let now = Instant::now();
+        let since = now - b.start;
+        let taken = b.cells.take(since);
+        b.calls.push(Started {
+            at: now,
+            who,
+            status: if taken.is_some() { 200 } else { 429 },
+        });
+        (taken.is_some(), taken.unwrap_or(0))
+    };
+    let limit = ("anthropic-ratelimit-requests-limit", RPM.to_string());
+    let left = (
+        "anthropic-ratelimit-requests-remaining",
+        remaining.to_string(),
+    );
+    if !ok {
+        let body = r#"{"type":"error","error":{"type":"rate_limit_error","message":"over"}}"#;
+        return http::Response::builder()
+            .status(429)
+            .header(limit.0, limit.1)
+            .header(left.0, left.1)
+            .header("retry-after", "1")
+            .header("content-type", "application/json")
+            .body(axum::body::Body::from(body))
+            .unwrap();
+    }
+    tokio::time::sleep(CALL).await;
+    let body = r#"{"id":"msg_1","type":"message","role":"assistant","content":[{"type":"text","text":"ok"}],"model":"claude-mock-1","stop_reason":"end_turn","usage":{"input_tokens":10,"output_tokens":2}}"#;
+    http::Response::builder()
+        .status(200)
+        .header(limit.0, limit.1)
+        .header(left.0, left.1)
+        .header("content-type", "application/json")
+        .body(axum::body::Body::from(body))
+        .unwrap()
+}
+
+/// Sends one call with `key`, marked `who` for the upstream's record: its status.
+async fn call(url: String, key: &'static str, who: &'static str) -> u16 {
+    client()
+        .post(format!("{url}/v1/messages"))
+        .header("x-api-key", key)
+        .header("anthropic-version", "2023-06-01")
+        .header("content-type", "application/json")
+        .header("x-test-who", who)
+        .body(messages_body(false))
+        .send()
+        .await
+        .map(|r| r.status().as_u16())
+        .unwrap_or(0)
+}
+
+/// A guest flood at the provider's rate: premium calls get their weighted share of the
+/// paced dispatches (3:1 against guest) while they wait, and every one succeeds; the
+/// provider is never overdriven.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_guest_flood_at_the_providers_rate_leaves_premium_its_weighted_share() {
+    let _turn = crate::support::file_turn(module_path!());
+    let upstream = Upstream::start();
+    // Guests: 5 slots, 3 s max wait; premium: 30 s.
+    let gateway = Gateway::start(
+        &upstream.url,
+        &keys_toml_with_guest_cap(30, 5, 3_000, ""),
+        None,
+    );
+    // One warm-up call: the rate is learned from its headers.
+    assert_eq!(call(gateway.url(), PREMIUM_KEY, "warm-up").await, 200);
+    let guests: Vec<_> = (0..200)
+        .map(|_| tokio::spawn(call(gateway.url(), GUEST_KEY, "guest")))
+        .collect();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let premium_sent = Instant::now();
+    let premium: Vec<_> = (0..20)
+        .map(|_| tokio::spawn(call(gateway.url(), PREMIUM_KEY, "premium")))
+        .collect();
+    let mut premium_ok = 0;
+    for call in premium {
+        if call.await.unwrap() == 200 {
+            premium_ok += 1;
+        }
+    }
+    let premium_took = premium_sent.elapsed();
+    let mut guest_status = std::collections::BTreeMap::new();
+    for call in guests {
+        *guest_status.entry(call.await.unwrap()).or_insert(0) += 1;
+    }
+    let calls = upstream.calls();
+    let last_premium = calls
+        .iter()
+        .filter(|c| c.who == "premium")
+        .map(|c| c.at)
+        .max()
+        .expect("premium calls reached the upstream");
+    let window: Vec<_> = calls
+        .iter()
+        .filter(|c| c.at >= premium_sent && c.at <= last_premium)
+        .collect();
+    let p = window.iter().filter(|c| c.who == "premium").count();
+    let g = window.iter().filter(|c| c.who == "guest").count();
+    let throttled = calls.iter().filter(|c| c.status == 429).count();
+    println!(
+        "gateway, guest flood at {RPM} RPM: premium {premium_ok} of 20 served in {premium_took:?}; \
+         while premium waited the upstream started premium {p}, guest {g}; guests answered \
+         {guest_status:?}; upstream 429s {throttled}"
+    );
+    assert_eq!(premium_ok, 20, "every premium call succeeds");
+    // 3:1 by the tiers' weights; one guest may be on its way as premium arrives.
+    assert!(
+        3 * g <= p + 3,
+        "guest {g} against premium {p}: over a 1:3 share"
+    );
+    assert_eq!(throttled, 0, "the provider was overdriven");
+}

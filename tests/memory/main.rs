@@ -1,0 +1,31 @@
+//! The tests on the in-memory store: each layer alone, the whole stack, the stack under a
+//! provider's rate, its model-based check, the simulator and the adapters.
+//!
+//! Most run in tokio's paused time. Those that run in real time (the adapters and the
+//! tonic stack on loopback sockets, and the few that repeat a rule on a throwaway Redis)
+//! take their file's turn first ([`support::file_turn`]), so they never run beside another
+//! file's real-time tests.
+//!
+//! Run one file's tests with `cargo test --all-features --test memory stack_rate::`.
+
+#[path = "../support/mod.rs"]
+mod support;
+
+// The simulator's engine, shared by `simulate` and `replay` (the example's own modules).
+#[path = "../../examples/simulate/engine.rs"]
+mod engine;
+
+mod adapters;
+mod dashboard;
+mod drr_fairness;
+mod learned_pacing;
+mod priority_classify;
+mod replay;
+mod retry_after_backoff;
+mod simulate;
+mod stack;
+mod stack_model;
+mod stack_rate;
+mod tier_slot_limit;
+#[cfg(feature = "tonic")]
+mod tonic;

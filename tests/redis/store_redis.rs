@@ -1,0 +1,298 @@
+//! The Redis store across workers and through outages, against real throwaway servers: each
+//! rule on one node and on a Redis Cluster (3 masters, 3 replicas), one body for both
+//! (`support::on_node_and_cluster!`). On the cluster "Redis killed" is the master that owns
+//! the slot keys SIGKILLed, its replica taking over (the tenants a test watches are picked
+//! on that master, so what they touch goes away with it, as with the one node).
+
+use std::convert::Infallible;
+use std::time::Duration;
+
+use crate::support::{EventCounter, Redis, Target, on_node_and_cluster, request, wait_until};
+use fairgate::{Job, Origin, Priority, PriorityClassifyLayer, Store, TenantId};
+use tokio::time::{Instant, timeout};
+use tower::{Layer, ServiceExt, service_fn};
+
+const CACHE_TTL: Duration = Duration::from_millis(100);
+
+/// A second per operation: on a loaded 2-core machine a cluster call now and then takes
+/// over 100 ms, and a store that times out answers from local state for a moment, which
+/// these tests would read as a broken rule. The timeout test sets its own.
+fn options() -> fairgate::StoreBuilder {
+    Store::builder()
+        .cache_ttl(CACHE_TTL)
+        .op_timeout(Duration::from_secs(1))
+        .probe_interval(Duration::from_millis(20))
+}
+
+async fn worker(redis: &Redis) -> Store {
+    redis
+        .store(options())
+        .await
+        .expect("a valid url always gives a store")
+}
+
+async fn classify(store: &Store, job: Job) -> Priority {
+    let inner = service_fn(|req: http::Request<()>| async move {
+        Ok::<_, Infallible>(req.extensions().get::<Job>().and_then(Job::priority))
+    });
+    let service = PriorityClassifyLayer::new(store.clone()).layer(inner);
+    // Bounded: classify must answer whatever state Redis is in.
+    timeout(Duration::from_secs(2), service.oneshot(request(job)))
+        .await
+        .expect("classify answered in time")
+        .expect("classify never fails because of the store")
+        .expect("a priority is set")
+}
+
+fn chat(tenant: &str) -> Job {
+    Job::new(tenant, Origin::UserAction)
+}
+
+on_node_and_cluster!(
+    a_demotion_through_one_worker_holds_on_another_within_the_cache_time,
+    redis_killed_mid_run_classify_keeps_answering_and_the_store_comes_back,
+    a_stalled_redis_at_start_costs_one_timeout_then_the_store_starts_degraded,
+    redis_down_at_start_gives_a_working_degraded_store_without_blocking,
+    token_counts_batched_during_an_outage_reach_redis_after_it,
+    a_bad_url_or_prefix_is_refused_with_a_message,
+    each_store_listens_on_one_pub_sub_connection_for_both_feeds,
+);
+
+async fn a_demotion_through_one_worker_holds_on_another_within_the_cache_time(target: Target) {
+    let (events, _guard) = EventCounter::install();
+    let redis = target.start().await;
+    let (one, two) = (worker(&redis).await, worker(&redis).await);
+    let tenant = TenantId::new("runaway");
+
+    // Worker two has a fresh "not demoted" answer cached.
+    assert_eq!(classify(&two, chat("runaway")).await, Priority::Critical);
+    for _ in 0..5 {
+        one.record_throttle(&tenant).await;
+    }
+    assert_eq!(classify(&one, chat("runaway")).await, Priority::Batch);
+
+    tokio::time::sleep(CACHE_TTL).await;
+    assert_eq!(
+        classify(&two, chat("runaway")).await,
+        Priority::Batch,
+        "degraded: one {}, two {}, unavailable {}",
+        one.is_degraded(),
+        two.is_degraded(),
+        events.count("queue.redis_unavailable")
+    );
+    assert!(two.demoted_for(&tenant).await.is_some());
+}
+
+async fn redis_killed_mid_run_classify_keeps_answering_and_the_store_comes_back(target: Target) {
+    let (events, _guard) = EventCounter::install();
+    let mut redis = target.start_own().await;
+    let store = worker(&redis).await;
+    let steady = redis.tenant_by_the_slots("steady");
+    let tenant = TenantId::new(steady.as_str());
+    // For the second outage, picked while the cluster still knows its masters.
+    let second: Vec<String> = (0..10)
+        .map(|i| redis.tenant_by_the_slots(&format!("second-{i}")))
+        .collect();
+
+    assert_eq!(classify(&store, chat(&steady)).await, Priority::Critical);
+    assert!(!store.is_degraded());
+
+    redis.kill_slots_master();
+    // Every request is still answered, from in-process state; the outage is logged once.
+    for i in 0..50 {
+        let job = if i % 2 == 0 {
+            chat(&steady)
+        } else {
+            chat(&format!("t{i}"))
+        };
+        assert_eq!(classify(&store, job).await, Priority::Critical);
+    }
+    assert!(store.is_degraded());
+    assert_eq!(events.count("queue.redis_unavailable"), 1);
+    // Local rules still hold while degraded: five throttles demote here.
+    for _ in 0..5 {
+        store.record_throttle(&TenantId::new("local-runaway")).await;
+    }
+    assert_eq!(
+        classify(&store, chat("local-runaway")).await,
+        Priority::Batch
+    );
+
+    // Back on Redis by itself once it answers: the restarted node has no scripts; on a
+    // cluster the promoted replica has none loaded by this store.
+    let promoted = redis.bring_back();
+    wait_until("the store is back on redis", || !store.is_degraded()).await;
+    if redis.is_cluster() {
+        println!("cluster: replica promoted {promoted:?} after the kill");
+    }
+    assert_eq!(events.count("queue.redis_recovered"), 1);
+    assert_eq!(events.count("queue.redis_unavailable"), 1, "no flapping");
+    for _ in 0..5 {
+        store.record_throttle(&tenant).await;
+    }
+    // A brand-new worker sees what went through the scripts on the restarted server.
+    let other = worker(&redis).await;
+    assert_eq!(other.throttle_count(&tenant).await, 5);
+    assert_eq!(classify(&other, chat(&steady)).await, Priority::Batch);
+
+    // A second outage is a second log line, not one per call (on a cluster: the promoted
+    // master killed too, its shard has no replica left).
+    redis.kill_slots_master();
+    for name in &second {
+        classify(&store, chat(name)).await;
+    }
+    assert_eq!(events.count("queue.redis_unavailable"), 2);
+}
+
+async fn a_stalled_redis_at_start_costs_one_timeout_then_the_store_starts_degraded(target: Target) {
+    let redis = target.start_alone().await;
+    // Longer than the start-up's timeouts, shorter than the cluster's node timeout.
+    redis.stall(0.5);
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let started = Instant::now();
+    let store = redis
+        .store(options().op_timeout(Duration::from_millis(100)))
+        .await
+        .unwrap();
+    let took = started.elapsed();
+    assert!(store.is_degraded());
+    assert!(took >= Duration::from_millis(100), "{took:?}");
+    assert!(
+        took < Duration::from_millis(190),
+        "{took:?}: more than one timeout"
+    );
+}
+
+async fn redis_down_at_start_gives_a_working_degraded_store_without_blocking(target: Target) {
+    let started = Instant::now();
+    let store = timeout(Duration::from_secs(2), target.unreachable_store(options()))
+        .await
+        .expect("creating the store does not wait for redis")
+        .expect("redis down is not an error");
+    assert!(started.elapsed() < Duration::from_secs(1));
+    assert!(store.is_degraded());
+    assert_eq!(store.backend_name(), "redis");
+
+    let tenant = TenantId::new("early");
+    assert_eq!(classify(&store, chat("early")).await, Priority::Critical);
+    for _ in 0..5 {
+        assert!(store.record_throttle(&tenant).await >= 1);
+    }
+    assert_eq!(classify(&store, chat("early")).await, Priority::Batch);
+    store.add_tokens(&tenant, 10);
+    assert_eq!(store.tokens_today(&tenant).await, 10 + 1 + 1);
+    // A budget written while degraded holds here and says it did not reach Redis.
+    assert!(store.set_daily_budget(&tenant, Some(5)).await.is_err());
+}
+
+async fn token_counts_batched_during_an_outage_reach_redis_after_it(target: Target) {
+    let mut redis = target.start_own().await;
+    let store = worker(&redis).await;
+    let name = redis.tenant_by_the_slots("counted");
+    let tenant = TenantId::new(name.as_str());
+    store.add_tokens(&tenant, 100);
+    store.flush().await;
+    assert_eq!(store.tokens_today(&tenant).await, 100);
+    // On a cluster the replica has the 100 before its master dies.
+    redis.wait_replicated(&redis.key(&format!("{{t:{name}}}:x")));
+
+    redis.kill_slots_master();
+    store.record_throttle(&tenant).await; // notices the outage
+    assert!(store.is_degraded());
+    store.add_tokens(&tenant, 50);
+    redis.bring_back();
+    wait_until("the store is back on redis", || !store.is_degraded()).await;
+    store.flush().await;
+    // What was batched during the outage arrives, once: on a node restarted empty (no
+    // persistence) alone, on a cluster's promoted replica on top of what it had.
+    let kept = if redis.is_cluster() { 100 } else { 0 };
+    assert_eq!(
+        store.tokens_today(&tenant).await,
+        kept + 50,
+        "degraded: {}",
+        store.is_degraded()
+    );
+}
+
+async fn a_bad_url_or_prefix_is_refused_with_a_message(target: Target) {
+    let err = target
+        .store_at(Store::builder(), "not a url")
+        .await
+        .expect_err("bad url");
+    assert!(err.to_string().starts_with("invalid redis url"), "{err}");
+    let err = target
+        .store_at(Store::builder().key_prefix("a{b"), "redis://127.0.0.1:1/")
+        .await
+        .expect_err("bad prefix");
+    assert!(err.to_string().contains("key prefix"), "{err}");
+    let err = target
+        .store_at(
+            Store::builder().op_timeout(Duration::ZERO),
+            "redis://127.0.0.1:1/",
+        )
+        .await
+        .expect_err("zero timeout");
+    assert!(err.to_string().contains("op timeout"), "{err}");
+}
+
+async fn each_store_listens_on_one_pub_sub_connection_for_both_feeds(target: Target) {
+    let redis = target.start().await;
+    let stores = [worker(&redis).await, worker(&redis).await];
+    let deadline = Instant::now() + Duration::from_secs(2);
+    match redis.cluster() {
+        // One cluster connection per store: its own wake-up channel sharded (`SSUBSCRIBE`)
+        // on the slot keys' master, the cooldown channel plain. Other tests share this
+        // cluster, so count this test's channels, not connections: each store once on each.
+        Some(cluster) => loop {
+            let global = redis.key("{slots}:global");
+            let wakes = cluster.shard_channels(&global, &redis.key("{slots}:wake:*"));
+            let cooldowns = redis.key("cooldowns");
+            let seen = (
+                wakes.len(),
+                wakes
+                    .iter()
+                    .map(|c| cluster.shard_subscribers(c))
+                    .sum::<u32>(),
+                cluster.subscribers(&cooldowns),
+            );
+            if seen == (2, 2, 2) {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "not one subscription per store and feed: {seen:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        },
+        None => loop {
+            let clients = redis.slots_cli(&["CLIENT", "LIST"]);
+            // A subscribed connection shows `sub=2` (its wake-up and the cooldown channels).
+            let subscribed: Vec<&str> = clients.lines().filter(|l| l.contains(" sub=")).collect();
+            let listening = subscribed.iter().filter(|l| !l.contains(" sub=0 ")).count();
+            if listening == 2 {
+                assert!(
+                    subscribed
+                        .iter()
+                        .filter(|l| !l.contains(" sub=0 "))
+                        .all(|l| l.contains(" sub=2 ")),
+                    "{clients}"
+                );
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "not one pub/sub connection per store: {clients}"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        },
+    }
+    // And a cooldown moved in one store reaches the other through it.
+    stores[0]
+        .extend_cooldown("api", Duration::from_secs(5))
+        .await;
+    let stores1 = stores[1].clone();
+    wait_until("the cooldown reached the other store", move || {
+        stores1.cooldown("api").is_some()
+    })
+    .await;
+}
