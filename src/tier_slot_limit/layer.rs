@@ -3,7 +3,7 @@ use std::sync::Arc;
 
 use tower_layer::Layer;
 
-use super::wait::Shared;
+use super::wait::SlotLimiter;
 use super::{SlotPolicy, TierSlotLimit};
 use crate::Store;
 
@@ -15,7 +15,7 @@ use crate::Store;
 /// `layer()` call, so a per-route clone (axum) still limits.
 #[derive(Clone)]
 pub struct TierSlotLimitLayer {
-    shared: Arc<Shared>,
+    shared: Arc<SlotLimiter>,
 }
 
 impl TierSlotLimitLayer {
@@ -23,7 +23,7 @@ impl TierSlotLimitLayer {
     /// in `store`.
     pub fn new(store: Store, policy: SlotPolicy) -> Self {
         TierSlotLimitLayer {
-            shared: Arc::new(Shared::new(store, policy)),
+            shared: Arc::new(SlotLimiter::new(store, policy)),
         }
     }
 

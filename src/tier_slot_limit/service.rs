@@ -5,7 +5,7 @@ use std::task::{Context, Poll};
 use tower_service::Service;
 
 use super::future::ResponseFuture;
-use super::wait::{Shared, SlotPermit, SlotWait, wait_for_slot};
+use super::wait::{SlotLimiter, SlotPermit, SlotWait, wait_for_slot};
 use crate::JobRequest;
 use crate::body::GuardResponse;
 use crate::error::BoxError;
@@ -16,7 +16,7 @@ use crate::store::SlotRefusal;
 /// the store; see the [module docs](crate::tier_slot_limit).
 pub struct TierSlotLimit<S> {
     pub(super) inner: S,
-    pub(super) shared: Arc<Shared>,
+    pub(super) shared: Arc<SlotLimiter>,
 }
 
 impl<S> TierSlotLimit<S> {

@@ -17,8 +17,9 @@ use crate::store::{SlotLease, SlotLimits, SlotQueue, SlotRefusal, Store, StoreFu
 use crate::sync::lock;
 use crate::{TenantId, Tier, metrics};
 
-/// What one layer (and its clones) shares.
-pub(super) struct Shared {
+/// The slot limiter one layer (and its clones) shares: the policy's caps and each tier's
+/// waiting line.
+pub(super) struct SlotLimiter {
     pub(super) store: Store,
     pub(super) policy: SlotPolicy,
     /// The same caps, as a fair queue above is handed them: requests it took a slot of this
@@ -126,7 +127,7 @@ impl Drop for TenantLine {
     }
 }
 
-impl Shared {
+impl SlotLimiter {
     pub(super) fn new(store: Store, policy: SlotPolicy) -> Self {
         let rng = policy.seed.map_or_else(Rng::from_entropy, Rng::seeded);
         let tiers: HashMap<_, _> = policy
@@ -140,7 +141,7 @@ impl Shared {
             Some(entry) => entry.clone(),
             None => (policy.limit(None).1, Arc::new(TierState::new())),
         };
-        Shared {
+        SlotLimiter {
             gate: crate::SlotGate::new(store.clone(), policy.clone()),
             store,
             policy,
@@ -243,10 +244,11 @@ impl Shared {
 /// permit: the slot is given back by the layer that took it.
 pub struct SlotPermit {
     tier: Tier,
-    held: Option<Held>,
+    held: Option<HeldSlot>,
 }
 
-struct Held {
+/// The slot a permit holds: its lease, its tier's state, and when it was taken.
+struct HeldSlot {
     lease: SlotLease,
     state: Arc<TierState>,
     acquired: Instant,
@@ -257,7 +259,7 @@ impl SlotPermit {
         metrics::slot_taken(lease.tier(), lease.is_fallback());
         SlotPermit {
             tier: lease.tier().clone(),
-            held: Some(Held {
+            held: Some(HeldSlot {
                 lease,
                 state,
                 acquired: Instant::now(),
@@ -325,7 +327,7 @@ pub(super) type FirstTry = (
 
 /// A request that waits for a slot, as the service hands it to [`wait_for_slot`].
 pub(super) struct SlotWait {
-    pub(super) shared: Arc<Shared>,
+    pub(super) shared: Arc<SlotLimiter>,
     /// The tier the request counts under, with its limit and its state here.
     pub(super) tier: Tier,
     pub(super) limit: TierLimit,
@@ -379,7 +381,7 @@ pub(super) async fn wait_for_slot(mut wait: SlotWait) -> Result<SlotPermit, Busy
 /// One request's wait, from its first try to its slot or its `Busy`. It counts itself in
 /// its tier's waiters (the early-rejection estimate) while it lives.
 struct Waiter {
-    shared: Arc<Shared>,
+    shared: Arc<SlotLimiter>,
     tier: Tier,
     limit: TierLimit,
     state: Arc<TierState>,

@@ -113,7 +113,7 @@ enum Counted {
 }
 
 /// A call this worker has in flight.
-struct Held {
+struct CallInFlight {
     tier_key: String,
     /// The tenant's lease set the call is also in, when its tier caps tenants.
     tenant_key: Option<String>,
@@ -124,12 +124,12 @@ struct Held {
     since: Instant,
 }
 
-impl Held {
+impl CallInFlight {
     /// The (lease id, set, TTL in ms) entries the resync and heartbeat scripts put back or
     /// renew for a call: its tier's set, and its tenant's when it is counted there. The
     /// scripts treat each entry alike (and the global set once more, harmlessly), so a
     /// tenant's leases expire, are renewed and come back exactly as the tier's do.
-    fn sets((id, held): (&String, &Held)) -> impl Iterator<Item = (String, String, u64)> {
+    fn sets((id, held): (&String, &CallInFlight)) -> impl Iterator<Item = (String, String, u64)> {
         let ttl = duration_ms(held.ttl);
         let tenant = held.tenant_key.clone().map(|key| (id.clone(), key, ttl));
         std::iter::once((id.clone(), held.tier_key.clone(), ttl)).chain(tenant)
@@ -185,7 +185,7 @@ impl Own {
 /// This worker's side of the shared slots.
 pub(super) struct SlotState {
     /// Every call in flight through this worker, by lease id.
-    held: Mutex<HashMap<String, Held>>,
+    held: Mutex<HashMap<String, CallInFlight>>,
     /// Leases that may be in Redis with nobody holding them: released while Redis was away,
     /// or taken by an acquire whose answer never arrived (timed out, or its caller gone).
     /// The background task releases them once Redis answers; their TTL is the backstop.
@@ -310,7 +310,7 @@ impl SlotState {
     /// while settling within a TTL of the fault also to what it held then.
     fn fits(
         &self,
-        held: &HashMap<String, Held>,
+        held: &HashMap<String, CallInFlight>,
         tier_key: &str,
         tenant_key: Option<&str>,
         limits: SlotLimits,
@@ -608,7 +608,7 @@ impl RedisStore {
     /// first is followed by the resync and one more try.
     ///
     /// With a tenant cap and a tenant, the tenant's lease set and cap follow the script's
-    /// other keys and arguments; without, the script is sent exactly as before.
+    /// other keys and arguments; without, only the tier's keys and arguments.
     ///
     /// With `queue`, a refusal for a full tier queues this worker for a wake-up
     /// (`redis/wakes.rs`).
@@ -783,7 +783,7 @@ impl RedisStore {
         }
         held.insert(
             id.to_owned(),
-            Held {
+            CallInFlight {
                 tier_key: tier_key.to_owned(),
                 tenant_key: tenant_key.map(str::to_owned),
                 ttl: limits.lease_ttl,
@@ -815,7 +815,7 @@ impl RedisStore {
             .fits(&held, &tier_key, tenant_key.as_deref(), limits, true)?;
         held.insert(
             id.clone(),
-            Held {
+            CallInFlight {
                 tier_key,
                 tenant_key,
                 ttl: limits.lease_ttl,
@@ -843,7 +843,7 @@ impl RedisStore {
         let leases: Vec<(String, String, u64)> = lock(&self.slots.held)
             .iter()
             .filter(|(_, h)| h.counted != Counted::Acquiring)
-            .flat_map(Held::sets)
+            .flat_map(CallInFlight::sets)
             .collect();
         let mut invocation = self.slot_scripts.resync.prepare_invoke();
         invocation
@@ -1146,7 +1146,7 @@ impl RedisStore {
             }
             held.iter()
                 .filter(|(_, h)| h.counted == Counted::Shared)
-                .flat_map(Held::sets)
+                .flat_map(CallInFlight::sets)
                 .collect()
         };
         let epoch = lock(&self.slots.epoch).clone();
