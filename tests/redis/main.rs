@@ -1,6 +1,6 @@
-//! The tests on Redis, in real time: the store on one node, on a Redis Cluster and over
-//! TLS; the slot and tenant caps, the stack and the stack under a provider's rate shared
-//! by workers on one Redis. Each starts its own throwaway `redis-server`s (never the one on
+//! The tests on Redis, in real time: the store on one node and on a Redis Cluster (over
+//! TLS: `tests/redis_tls.rs`); the slot and tenant caps, the stack and the stack under a
+//! provider's rate shared by workers on one Redis. Each starts its own throwaway `redis-server`s (never the one on
 //! 6379); the tests that only use their own keys share one cluster by key prefix.
 //!
 //! Every test takes its file's turn first ([`support::file_turn`]): the tests of one file
@@ -13,7 +13,6 @@
 mod support;
 
 mod cluster;
-mod redis_tls;
 mod stack_rate_redis;
 mod stack_redis;
 mod store_redis;
