@@ -515,8 +515,10 @@ impl Store {
         }
     }
 
-    /// Sends whatever is batched locally (token and served-cost counts) now. Ready at once
-    /// on the memory store.
+    /// Sends whatever is batched locally (token and served-cost counts) now. When it is
+    /// ready, every count added before the call is in Redis or, if Redis refused it, kept
+    /// for the next flush (a flush the background task had under way is waited for).
+    /// Ready at once on the memory store, and while the store is degraded.
     pub fn flush(&self) -> StoreFuture<()> {
         match &*self.backend {
             Backend::Memory(_) => StoreFuture::ready(()),

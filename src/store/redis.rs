@@ -152,6 +152,9 @@ pub(crate) struct RedisStore {
     /// Bumped on each return from an outage: the pub/sub listeners subscribe again.
     recovered: tokio::sync::watch::Sender<u64>,
     pending_tokens: Batch,
+    /// Held while the batches are sent, so a `flush` that finds them empty because the
+    /// background task is sending them waits until those counts are in Redis.
+    flushing: tokio::sync::Mutex<()>,
     cache: Mutex<DemotionCache>,
     /// Makes throttle members unique across workers.
     worker_id: String,
@@ -384,6 +387,7 @@ impl StoreBuilder {
             wake: Arc::new(Notify::new()),
             recovered: tokio::sync::watch::Sender::new(0),
             pending_tokens: Batch::default(),
+            flushing: tokio::sync::Mutex::new(()),
             cache: Mutex::new(DemotionCache {
                 map: HashMap::default(),
                 last_sweep: now,
@@ -673,6 +677,7 @@ impl RedisStore {
 
     /// Sends every batch of counts (the served cost at its own pace, unless `now`).
     async fn flush_pending(&self, now: bool) {
+        let _one_at_a_time = self.flushing.lock().await;
         self.flush_batch(
             &self.pending_tokens,
             "tokens",
