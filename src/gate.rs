@@ -56,6 +56,8 @@ pub(crate) struct Receipt {
     pub(crate) probe: bool,
     /// Set once the call went upstream: the cells are spent.
     pub(crate) used: bool,
+    /// When the cells were due: kept for another call, they are still dated then.
+    pub(crate) due: Instant,
     pub(crate) gate: Option<Arc<dyn RateLimit>>,
 }
 
@@ -74,7 +76,7 @@ impl Receipt {
 impl Drop for Receipt {
     fn drop(&mut self) {
         if let Some(gate) = self.gate.take() {
-            gate.returned(&self.key, self.used, self.probe, self.charged);
+            gate.returned(self);
         }
     }
 }
@@ -96,9 +98,9 @@ pub(crate) trait RateLimit: Send + Sync + 'static {
     fn default_key(&self) -> Arc<str>;
     /// Whether a call of `cost` input tokens to `key` may go now; takes its cells if so.
     fn check(self: Arc<Self>, key: &Arc<str>, cost: u32) -> Verdict;
-    /// A receipt comes back: `used` if its call went upstream. Unused cells are kept for
+    /// A receipt comes back (`used` if its call went upstream). Unused cells are kept for
     /// the next call; a probe that never went lets the next call probe.
-    fn returned(&self, key: &Arc<str>, used: bool, probe: bool, charged: [u32; DIMS]);
+    fn returned(&self, receipt: &Receipt);
     /// Resolves when the gate may have opened (an answer came, a reservation was granted).
     fn changed(&self) -> Arc<tokio::sync::Notify>;
 }

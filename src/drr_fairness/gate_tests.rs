@@ -41,12 +41,17 @@ impl RateLimit for Scripted {
             charged: [1, 0, 0, 0],
             probe: false,
             used: false,
+            due: Instant::now(),
             gate: Some(gate),
         })))
     }
 
-    fn returned(&self, _key: &Arc<str>, used: bool, _probe: bool, _charged: [u32; DIMS]) {
-        let count = if used { &self.used } else { &self.unused };
+    fn returned(&self, receipt: &Receipt) {
+        let count = if receipt.used {
+            &self.used
+        } else {
+            &self.unused
+        };
         count.fetch_add(1, Ordering::SeqCst);
     }
 

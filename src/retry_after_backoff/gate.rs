@@ -49,6 +49,19 @@ struct Ready {
     probe: bool,
 }
 
+/// How late cells may be taken and still count as taken when they were due: a timer's
+/// lateness, which the pacing's headroom absorbs; not a caller's wait.
+const STALE_AFTER: Duration = Duration::from_millis(10);
+
+impl Ready {
+    /// Reserved cells (not a probe, not nothing) whose time is long past.
+    fn is_stale(&self, now: Instant) -> bool {
+        !self.probe
+            && self.charged.iter().any(|c| *c > 0)
+            && now.saturating_duration_since(self.due) > STALE_AFTER
+    }
+}
+
 /// The per-key gates of one layer.
 pub(super) type KeyGates = HashMap<Arc<str>, KeyGate>;
 
@@ -234,6 +247,12 @@ impl Core {
         if gate.asking {
             return ControlFlow::Break(Verdict::Notified(WaitReason::Rate));
         }
+        if let Some(stale) = gate.ready.take_if(|ready| ready.is_stale(now)) {
+            // The provider counts a call when it comes: cells dated long before would let
+            // the next reservation go early by the difference. They go back, and the call
+            // takes cells dated now.
+            self.correct_usage(key, stale.charged.map(|c| -i64::from(c)), None);
+        }
         if gate.ready.is_none() {
             self.reserve_learned(gate, key, cost, now)?;
             if let Some(at) = gate.hold_until {
@@ -343,11 +362,14 @@ impl RateLimit for Core {
             charged: ready.charged,
             probe: ready.probe,
             used: false,
+            due: ready.due,
             gate: Some(gate),
         })))
     }
 
-    fn returned(&self, key: &Arc<str>, used: bool, probe: bool, charged: [u32; DIMS]) {
+    fn returned(&self, receipt: &Receipt) {
+        let (key, used, probe, charged) =
+            (&receipt.key, receipt.used, receipt.probe, receipt.charged);
         let give_back = {
             let mut gates = crate::sync::lock(&self.gates);
             let gate = gates.entry(key.clone()).or_default();
@@ -357,9 +379,9 @@ impl RateLimit for Core {
             }
             let unused = !used && charged.iter().any(|c| *c > 0);
             if unused && gate.ready.is_none() && !probe {
-                // Kept for the next call, at once.
+                // Kept for the next call, still dated when they were due.
                 gate.ready = Some(Ready {
-                    due: Instant::now(),
+                    due: receipt.due,
                     cost: charged[1],
                     need: charged,
                     charged,
@@ -451,6 +473,37 @@ mod tests {
         let mut next = go(gate.clone().check(&key, 10));
         assert_eq!(next.charged[0], 1);
         next.mark_used();
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn cells_taken_long_after_their_time_are_dated_anew_so_the_next_call_keeps_the_rate() {
+        let store = Store::memory();
+        learn(&store, 60);
+        let (gate, key) = gate(&store);
+        go(gate.clone().check(&key, 10)).mark_used();
+        let Verdict::Until(due, WaitReason::Rate) = gate.clone().check(&key, 10) else {
+            panic!("the second call of a 60 RPM key waits");
+        };
+        // Its caller is held elsewhere (a full tier) and comes 3 s after its cells were due:
+        // its call reaches the provider then, so the one after it waits a whole interval
+        // from then, not from the cells' old time.
+        tokio::time::sleep_until(due + Duration::from_secs(3)).await;
+        let mut late = go(gate.clone().check(&key, 10));
+        late.mark_used();
+        let sent = Instant::now();
+        let Verdict::Until(next, WaitReason::Rate) = gate.clone().check(&key, 10) else {
+            panic!("the call after a late one goes at once");
+        };
+        let interval = next.saturating_duration_since(sent);
+        assert!(interval > Duration::from_millis(1_000), "{interval:?}");
+        // A timer's lateness is not a caller's wait: cells taken just after their time keep it.
+        tokio::time::sleep_until(next + Duration::from_millis(5)).await;
+        go(gate.clone().check(&key, 10)).mark_used();
+        let Verdict::Until(after, _) = gate.clone().check(&key, 10) else {
+            panic!("held");
+        };
+        assert!(after.saturating_duration_since(next) > Duration::from_millis(1_000));
+        assert!(after.saturating_duration_since(next) < Duration::from_millis(1_100));
     }
 
     #[tokio::test(start_paused = true)]
