@@ -572,6 +572,44 @@ async fn pro_and_free_tenants_share_the_global_cap_three_to_one() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn one_pro_tenant_and_three_free_ones_each_get_their_weights_share() {
+    // A tier weighs its weight times its tenants waiting (the fleet's order on Redis keeps
+    // the same rule): pro 3 of 6, each free tenant 1 of 6, not pro 3 of 4.
+    let policy = SlotPolicy::builder().global_max(12).build().unwrap();
+    let mut rig = Rig::with_policy(Upstream::new(SECOND), policy);
+    let stack = rig.warm_stack().await;
+    let tenants = [("p", "pro"), ("f1", "free"), ("f2", "free"), ("f3", "free")];
+    let mut handles = Vec::new();
+    for _ in 0..300 {
+        for (tenant, tier) in tenants {
+            let job = Job::new(tenant, Origin::UserAction).tier(tier).cost(1_000);
+            handles.push(send(&stack, job));
+        }
+    }
+    tokio::time::sleep(Duration::from_millis(10_500)).await;
+    let calls = rig.upstream.calls();
+    let served = |tenant: &str| {
+        calls
+            .iter()
+            .filter(|c| c.tenant == tenant && c.started >= rig.at(2 * SECOND))
+            .count() as f64
+    };
+    let counts: Vec<f64> = tenants.iter().map(|(t, _)| served(t)).collect();
+    let total: f64 = counts.iter().sum();
+    let normalised = [counts[0] / 3.0, counts[1], counts[2], counts[3]];
+    let index = jain_index(normalised).unwrap();
+    println!(
+        "served {counts:?}: pro {:.1}%, Jain over weight {index:.3}",
+        100.0 * counts[0] / total
+    );
+    assert!((0.45..=0.55).contains(&(counts[0] / total)), "{counts:?}");
+    assert!(index >= 0.98, "{index:.3}");
+    for handle in handles {
+        handle.abort();
+    }
+}
+
+#[tokio::test(start_paused = true)]
 async fn a_call_held_by_the_gate_past_its_tiers_max_wait_is_told_busy_at_the_deadline() {
     // The first call is answered 429 (retry-after: 2 s): the gate holds every new call for
     // about 2.4 s. A guest's max wait is 1 s here: held by the gate, it is told Busy at 1 s

@@ -1,10 +1,12 @@
 -- Gives a slot lease back and wakes one waiting worker for the slot, in the fleet's fair
 -- order (slot_queue.lua): of the tiers with a queued flow and room under their cap, the
--- class by start-time fair queuing on the class weights, then the tier in that class by
--- start-time fair queuing on the tier weights (a class or tier that starts waiting starts
--- at the current virtual time, so a flood queued before it cannot hold it back), then the
--- flow with the smallest start tag, then the worker queued longest for that flow. The flow
--- is charged what the worker said its next call costs. The worker is told on its own
+-- class by fair queuing on the class weights (one call each), then the tier in that class
+-- by start-time fair queuing on the cost over the tier's active weight (its weight times
+-- its flows waiting in the class: tiers share as their tenants' weights say, as in one
+-- process; a class or tier that starts waiting starts at the current virtual time, so a
+-- flood queued before it cannot hold it back), then the flow with the smallest start tag,
+-- then the worker queued longest for that flow. The flow and its tier are charged what the
+-- worker said its next call costs. The worker is told on its own
 -- channel and goes to the back of the flow's workers, or leaves the flow when that was the
 -- last of its calls there; one no longer listening (gone), or no longer saying it is alive
 -- (its record in the worker set missing or not renewed for a while: crashed, or cut off
@@ -81,9 +83,9 @@ local function open_tiers()
   return open
 end
 
--- Fair queuing among `choices` (name, start tag, weight): the least finish tag, the first
--- listed on a tie. A choice's start tag was set when it started waiting (slot_queue.lua),
--- at the latest the virtual time then, and is its last finish since.
+-- Fair queuing among `choices` (name, start tag, weight), one call each: the least finish
+-- tag, the first listed on a tie. A choice's start tag was set when it started waiting
+-- (slot_queue.lua), at the latest the virtual time then, and is its last finish since.
 local function fairest(choices)
   local best
   for _, c in ipairs(choices) do
@@ -91,6 +93,19 @@ local function fairest(choices)
     local finish = start + 1 / c[3]
     if not best or finish < best[3] then
       best = {c[1], start, finish}
+    end
+  end
+  return best
+end
+
+-- Start-time fair queuing among `choices` (name, start tag, active weight): the least
+-- start tag, the first listed on a tie; the one served is charged its call's cost over its
+-- active weight when the cost is known.
+local function earliest(choices)
+  local best
+  for _, c in ipairs(choices) do
+    if not best or c[2] < best[2] then
+      best = c
     end
   end
   return best
@@ -115,11 +130,12 @@ local function pick(open)
   local c = class[1]
   local tiers = {}
   for _, key in ipairs(open) do
-    if redis.call('ZCARD', key .. ':flows:' .. c) > 0 then
-      tiers[#tiers + 1] = {key, num('v:' .. c .. ':' .. key, num('v:' .. c, 0)), weight('w:' .. key)}
+    local flows = redis.call('ZCARD', key .. ':flows:' .. c)
+    if flows > 0 then
+      tiers[#tiers + 1] = {key, num('v:' .. c .. ':' .. key, num('v:' .. c, 0)), weight('w:' .. key) * flows}
     end
   end
-  local tier_turn = fairest(tiers)
+  local tier_turn = earliest(tiers)
   local key = tier_turn[1]
   local head = redis.call('ZRANGE', key .. ':flows:' .. c, 0, 0, 'WITHSCORES')
   return {c, key, head[1], tonumber(head[2]), class, tier_turn}
@@ -145,11 +161,11 @@ if (removed == 1 or ARGV[1] == '') and global + redis.call('ZCARD', KEYS[4]) < n
         redis.call('ZADD', KEYS[4], now + 1000, token)
         redis.call('ZADD', key .. ':promised', now + 1000, token)
         local class_turn, tier_turn = turn[5], turn[6]
-        redis.call('HSET', book, 'u:' .. class, tag(class_turn[3]), 'u', tag(class_turn[2]),
-          'v:' .. class .. ':' .. key, tag(tier_turn[3]), 'v:' .. class, tag(tier_turn[2]),
-          't:' .. class .. ':' .. key, tag(start))
         local m = member(worker, class, tenant)
         local cost = math.max(tonumber(redis.call('HGET', key .. ':costs', m) or '1') or 1, 1)
+        redis.call('HSET', book, 'u:' .. class, tag(class_turn[3]), 'u', tag(class_turn[2]),
+          'v:' .. class .. ':' .. key, tag(tier_turn[2] + cost / tier_turn[3]),
+          'v:' .. class, tag(tier_turn[2]), 't:' .. class .. ':' .. key, tag(start))
         redis.call('ZADD', key .. ':flows:' .. class, tag(start + cost), tenant)
         -- Finish tags behind the virtual time give a returning flow nothing: dropped.
         redis.call('ZREMRANGEBYSCORE', key .. ':fin:' .. class, '-inf', tag(start))
