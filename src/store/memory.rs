@@ -101,6 +101,14 @@ pub(crate) struct MemoryState {
 }
 
 impl MemoryState {
+    pub(crate) fn add_served_cost(&self, tenant: &TenantId, cost: u64) {
+        self.served.add(tenant, cost);
+    }
+
+    pub(crate) fn served_cost(&self, tenant: &TenantId) -> u64 {
+        self.served.total(tenant)
+    }
+
     pub(crate) fn new(throttle_window: Duration, reports_gauges: bool) -> Self {
         let now = Instant::now();
         MemoryState {

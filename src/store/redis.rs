@@ -48,7 +48,6 @@ mod slots;
 mod wakes;
 
 use self::conn::{Conn, Refusal, Target};
-pub(crate) use self::slots::RedisLease;
 use self::slots::{SlotScripts, SlotState};
 
 /// Pending token counts past which a flush starts before its interval.

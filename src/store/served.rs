@@ -13,7 +13,6 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use super::memory::MemoryState;
 #[cfg(test)]
 use super::swept::SWEEP_BUDGET;
 use super::swept::{SHARDS, SweptTable, TenantHasher, sweep_shard};
@@ -102,16 +101,6 @@ impl ServedCost {
     #[cfg(test)]
     fn tenants(&self) -> usize {
         self.shards.iter().map(|s| crate::sync::lock(s).len()).sum()
-    }
-}
-
-impl MemoryState {
-    pub(crate) fn add_served_cost(&self, tenant: &TenantId, cost: u64) {
-        self.served.add(tenant, cost);
-    }
-
-    pub(crate) fn served_cost(&self, tenant: &TenantId) -> u64 {
-        self.served.total(tenant)
     }
 }
 

@@ -127,8 +127,14 @@ pub struct SlotLease {
 
 pub(crate) enum Holder {
     Local(Arc<LocalSlots>),
-    #[cfg(feature = "redis")]
-    Redis(super::redis::RedisLease),
+    /// Held in a store shared with other workers (a Redis lease).
+    #[cfg_attr(not(feature = "redis"), allow(dead_code))]
+    Shared(Box<dyn ReleaseSlot>),
+}
+
+/// Gives a slot held in a shared store back when its lease is dropped.
+pub(crate) trait ReleaseSlot: Send + Sync {
+    fn release(&self, tier: &Tier, tenant: Option<&TenantId>);
 }
 
 impl SlotLease {
@@ -183,8 +189,7 @@ impl SlotLease {
     pub fn is_shared(&self) -> bool {
         match self.holder {
             Holder::Local(_) => false,
-            #[cfg(feature = "redis")]
-            Holder::Redis(_) => !self.fallback,
+            Holder::Shared(_) => !self.fallback,
         }
     }
 }
@@ -193,8 +198,7 @@ impl Drop for SlotLease {
     fn drop(&mut self) {
         match &self.holder {
             Holder::Local(slots) => slots.release(&self.tier, self.tenant.as_ref()),
-            #[cfg(feature = "redis")]
-            Holder::Redis(lease) => lease.release(&self.tier, self.tenant.as_ref()),
+            Holder::Shared(lease) => lease.release(&self.tier, self.tenant.as_ref()),
         }
     }
 }

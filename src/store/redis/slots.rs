@@ -49,7 +49,7 @@ use tokio::time::Instant;
 
 use super::{RedisStore, duration_ms, lock};
 use crate::store::keys::Keys;
-use crate::store::slots::{Holder, SlotLease, SlotLimits, SlotQueue, SlotRefusal};
+use crate::store::slots::{Holder, ReleaseSlot, SlotLease, SlotLimits, SlotQueue, SlotRefusal};
 use crate::store::{OutagePolicy, StoreFuture};
 use crate::{TenantId, Tier};
 
@@ -551,19 +551,19 @@ impl AcquireAnswer {
 
 /// The Redis half of a [`SlotLease`]: a call this worker counts in flight, in Redis or (a
 /// fallback slot) not yet.
-pub(crate) struct RedisLease {
+pub(super) struct RedisLease {
     store: Arc<RedisStore>,
     id: String,
 }
 
-impl RedisLease {
+impl ReleaseSlot for RedisLease {
     /// Forgets the call locally and releases its lease in Redis in the background (or, with
     /// no runtime to do it, on the next background tick); its TTL is the backstop.
     ///
     /// A lease counted for its tenant is in the tenant's lease set too: it is released as
     /// a second (set, id) pair after the tier's, whose release already took it out of the
     /// global set (so it announces nothing a second time).
-    pub(crate) fn release(&self, tier: &Tier, tenant: Option<&TenantId>) {
+    fn release(&self, tier: &Tier, tenant: Option<&TenantId>) {
         let held = lock(&self.store.slots.held).remove(&self.id);
         if let Some(h) = &held {
             self.store.slots.held_for(h.since);
@@ -689,7 +689,7 @@ impl RedisStore {
                 store: self.clone(),
                 id: ask.id,
             };
-            let lease = SlotLease::new(ask.tier, ask.tenant, Holder::Redis(lease));
+            let lease = SlotLease::new(ask.tier, ask.tenant, Holder::Shared(Box::new(lease)));
             return Ok(lease.with_room(answer.room));
         }
     }
@@ -829,7 +829,12 @@ impl RedisStore {
             store: self.clone(),
             id,
         };
-        Ok(SlotLease::new(tier.clone(), tenant.cloned(), Holder::Redis(lease)).mark_fallback())
+        Ok(SlotLease::new(
+            tier.clone(),
+            tenant.cloned(),
+            Holder::Shared(Box::new(lease)),
+        )
+        .mark_fallback())
     }
 
     /// Puts back every call this worker has in flight as a lease, and records the worker
