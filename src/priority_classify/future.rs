@@ -110,7 +110,7 @@ where
                             by_rule,
                         }) => match req.job_mut() {
                             Some(job) => {
-                                let priority = super::service::decide(job, by_rule, demotion);
+                                let priority = super::classifier::decide(job, by_rule, demotion);
                                 *this.priority = Some(priority);
                                 let fut = inner.call(req);
                                 this.state.set(State::Calling { fut });

@@ -3,6 +3,7 @@ use std::sync::Arc;
 
 use tower_layer::Layer;
 
+use super::classifier::Classifier;
 use super::{ClassifyRule, DefaultRule, DemotionPolicy, PriorityClassify};
 use crate::Store;
 
@@ -12,24 +13,6 @@ use crate::Store;
 /// Cloning shares the store, the rule and the policy; it creates no new state.
 pub struct PriorityClassifyLayer<R = DefaultRule> {
     pub(super) shared: Classifier<R>,
-}
-
-/// What classifies a request: the store (demotion state), the rule and the demotion
-/// policy, shared by the layer's clones and services.
-pub(super) struct Classifier<R> {
-    pub(super) store: Store,
-    pub(super) rule: Arc<R>,
-    pub(super) policy: Arc<DemotionPolicy>,
-}
-
-impl<R> Clone for Classifier<R> {
-    fn clone(&self) -> Self {
-        Classifier {
-            store: self.store.clone(),
-            rule: self.rule.clone(),
-            policy: self.policy.clone(),
-        }
-    }
 }
 
 impl PriorityClassifyLayer {

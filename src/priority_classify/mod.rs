@@ -40,6 +40,7 @@
 //! # }
 //! ```
 
+mod classifier;
 pub mod future;
 mod layer;
 mod rule;

@@ -3,15 +3,14 @@ use std::task::{Context, Poll};
 
 use tower_service::Service;
 
+use super::classifier::{Classifier, decide};
 use super::future::ResponseFuture;
-use super::layer::Classifier;
 use super::{ClassifyRule, DefaultRule};
+use crate::JobRequest;
 use crate::error::BoxError;
-use crate::store::Demotion;
-use crate::{Job, JobRequest, Priority};
 
-/// Sets each request's [`Priority`] centrally, from its job's origin and SLA, demoting runaway
-/// tenants to batch; see the [module docs](crate::priority_classify).
+/// Sets each request's [`Priority`](crate::Priority) centrally, from its job's origin and
+/// SLA, demoting runaway tenants to batch; see the [module docs](crate::priority_classify).
 pub struct PriorityClassify<S, R = DefaultRule> {
     pub(super) inner: S,
     pub(super) shared: Classifier<R>,
@@ -96,24 +95,4 @@ where
             }
         }
     }
-}
-
-/// Applies the demotion to the rule's answer and writes the priority into the job.
-pub(super) fn decide(job: &mut Job, by_rule: Priority, demotion: Demotion) -> Priority {
-    let priority = match demotion {
-        Demotion::NotDemoted => by_rule,
-        Demotion::Demoted { left, newly } => {
-            if newly {
-                tracing::warn!(
-                    name: "tenant.demoted",
-                    tenant = %job.tenant(),
-                    for_secs = left.as_secs_f64(),
-                    "tenant demoted to batch"
-                );
-            }
-            Priority::Batch
-        }
-    };
-    job.set_priority(priority);
-    priority
 }
