@@ -12,92 +12,12 @@ use std::task::{Context, Poll, ready};
 use std::time::Duration;
 
 use http_body::Body;
-use tokio::time::Sleep;
 use tower_service::Service;
 
-use super::call::{Call, RateWaiter};
-use super::future::Step;
-use super::layer::{Ask, HeldCall, Learned, taken};
+use super::call::{Admission, Call, LearnedPass, RateWaiter, Step, Waits};
+use super::core::{HeldCall, Learned, taken};
 use super::telemetry;
 use crate::error::BoxError;
-use crate::store::{DIMS, PaceGrant, StoreFuture};
-
-/// A wake-up a step waits for besides its timer.
-type Wake = Pin<Box<dyn Future<Output = ()> + Send>>;
-
-/// What an attempt waits for while it is admitted.
-#[derive(Default)]
-pub(super) struct Waits {
-    sleep: Option<Pin<Box<Sleep>>>,
-    /// The store's shared pacing: the wait of this attempt's reservation.
-    reserve: Option<StoreFuture<Duration>>,
-    /// The store's answer to a learned-pacing reservation.
-    learn: Option<StoreFuture<PaceGrant>>,
-    /// Held behind another call's probe: woken by any answer in this worker (the timer
-    /// covers answers in other workers).
-    answered: Option<Wake>,
-    /// Waiting for cells reserved under the learned limits: woken when a limit changes, to
-    /// ask again (see `Admission::paced_under`).
-    relimit: Option<Wake>,
-}
-
-impl Waits {
-    /// The waits of a first attempt that sleeps `wait` (learned pacing's) before going on.
-    pub(super) fn first<S, Req, C>(call: &Call<S, Req, C>, wait: Duration) -> Self {
-        let relimit = call
-            .admission
-            .paced_under
-            .is_some()
-            .then(|| call.shared.core.limits_changed());
-        Waits {
-            sleep: sleep_for(wait),
-            relimit,
-            ..Waits::default()
-        }
-    }
-
-    /// The waits of a retry after `delay`.
-    pub(super) fn after(delay: Duration) -> Self {
-        Waits {
-            sleep: sleep_for(delay),
-            ..Waits::default()
-        }
-    }
-
-    fn sleep(&mut self, wait: Duration) {
-        self.sleep = sleep_for(wait);
-    }
-}
-
-pub(super) fn sleep_for(delay: Duration) -> Option<Pin<Box<Sleep>>> {
-    (!delay.is_zero()).then(|| Box::pin(tokio::time::sleep(delay)))
-}
-
-/// How far the next attempt got through the waits; all of it starts over once it goes.
-#[derive(Default)]
-pub(super) struct Admission {
-    pub(super) learned: LearnedPass,
-    /// The learned limits under which this attempt's cells were reserved, while it waits
-    /// for them: if a limit changed meanwhile, the store restarted the bucket and the
-    /// reservation is void, so the attempt asks again rather than go at the old pace.
-    pub(super) paced_under: Option<[u32; DIMS]>,
-    /// The attempt holds its reservation in the store's shared pacing.
-    pub(super) reserved: bool,
-    /// Configured pacing's dimensions already taken for the attempt.
-    pub(super) pace_step: usize,
-}
-
-/// Where the attempt stands with learned pacing.
-#[derive(Default)]
-pub(super) enum LearnedPass {
-    /// Not asked yet.
-    #[default]
-    Unasked,
-    /// A reservation to ask the store for, then while it is asked.
-    Asking(Ask),
-    /// Learned pacing let the attempt go: its cells are taken.
-    Let,
-}
 
 /// What one step of the admission says.
 enum Admit {

@@ -1,6 +1,8 @@
 //! One call through [`RetryAfterBackoff`](crate::RetryAfterBackoff), attempt after attempt:
-//! what it carries, and the steps from an attempt's answer to the next attempt or the
-//! caller. The steps before an attempt (this layer's waits) are in `admit.rs`.
+//! what it carries, what its steps share (the `Step` each says next, the `Waits` of an
+//! admission), and the steps from an attempt's answer to the next attempt or the caller.
+//! The steps before an attempt (this layer's waits) are in `admit.rs`; the future that runs
+//! them all is in `future.rs`.
 
 use std::pin::Pin;
 use std::sync::Arc;
@@ -13,11 +15,9 @@ use tokio::time::{Instant, Sleep};
 use tower::retry::budget::Budget;
 use tower_service::Service;
 
-use super::admit::{Admission, Waits, sleep_for};
 use super::body::{Filled, Peeked, ResponseBody};
+use super::core::{Ask, CoreAndCloner, HeldCall};
 use super::decide::{self, Verdict};
-use super::future::{Peek, Recording, Step};
-use super::layer::{CoreAndCloner, HeldCall};
 use super::request::CloneRequest;
 use super::telemetry;
 use super::usage::Usage;
@@ -141,6 +141,125 @@ pub(super) struct Outcome {
 pub(super) enum Then<B: Body> {
     Retry(Duration),
     Return(http::Response<ResponseBody<B>>),
+}
+
+/// What polling one state leads to: the next state's parts, never a whole `State`. The
+/// state holds the inner call's future, most of this future's size; passing it through a
+/// return value would copy it at every step.
+pub(super) enum Step<B: Body> {
+    /// Poll the same state again: it set itself something new to wait for.
+    Again,
+    /// The inner service is ready: send the next attempt.
+    Send,
+    /// Admit the next attempt after these waits.
+    Admit(Waits),
+    /// Sleep before a retry a fair queue below admits.
+    Backoff(Option<Pin<Box<Sleep>>>),
+    /// Read a 429's body ahead.
+    Peek(Box<Peek<B>>),
+    /// Record what the answer taught in the store.
+    Record(Recording<B>),
+    /// The call's outcome.
+    Finish(Result<http::Response<ResponseBody<B>>, BoxError>),
+}
+
+/// A 429 whose body is read ahead, until `deadline`.
+pub(super) struct Peek<B: Body> {
+    pub(super) head: http::response::Parts,
+    pub(super) peeked: Peeked<B>,
+    pub(super) outcome: Outcome,
+    pub(super) deadline: Sleep,
+}
+
+/// What goes to the store for an answer, and what follows once it took it.
+pub(super) struct Recording<B: Body> {
+    pub(super) throttle: Option<StoreFuture<u32>>,
+    pub(super) gate: Option<StoreFuture<std::time::Duration>>,
+    pub(super) report: Option<StoreFuture<PaceGrant>>,
+    pub(super) then: Then<B>,
+}
+
+impl<B: Body> Step<B> {
+    pub(super) fn fail(error: impl Into<BoxError>) -> Self {
+        Step::Finish(Err(error.into()))
+    }
+}
+
+/// A wake-up a step waits for besides its timer.
+pub(super) type Wake = Pin<Box<dyn Future<Output = ()> + Send>>;
+
+/// What an attempt waits for while it is admitted.
+#[derive(Default)]
+pub(super) struct Waits {
+    pub(super) sleep: Option<Pin<Box<Sleep>>>,
+    /// The store's shared pacing: the wait of this attempt's reservation.
+    pub(super) reserve: Option<StoreFuture<Duration>>,
+    /// The store's answer to a learned-pacing reservation.
+    pub(super) learn: Option<StoreFuture<PaceGrant>>,
+    /// Held behind another call's probe: woken by any answer in this worker (the timer
+    /// covers answers in other workers).
+    pub(super) answered: Option<Wake>,
+    /// Waiting for cells reserved under the learned limits: woken when a limit changes, to
+    /// ask again (see `Admission::paced_under`).
+    pub(super) relimit: Option<Wake>,
+}
+
+impl Waits {
+    /// The waits of a first attempt that sleeps `wait` (learned pacing's) before going on.
+    pub(super) fn first<S, Req, C>(call: &Call<S, Req, C>, wait: Duration) -> Self {
+        let relimit = call
+            .admission
+            .paced_under
+            .is_some()
+            .then(|| call.shared.core.limits_changed());
+        Waits {
+            sleep: sleep_for(wait),
+            relimit,
+            ..Waits::default()
+        }
+    }
+
+    /// The waits of a retry after `delay`.
+    pub(super) fn after(delay: Duration) -> Self {
+        Waits {
+            sleep: sleep_for(delay),
+            ..Waits::default()
+        }
+    }
+
+    pub(super) fn sleep(&mut self, wait: Duration) {
+        self.sleep = sleep_for(wait);
+    }
+}
+
+pub(super) fn sleep_for(delay: Duration) -> Option<Pin<Box<Sleep>>> {
+    (!delay.is_zero()).then(|| Box::pin(tokio::time::sleep(delay)))
+}
+
+/// How far the next attempt got through the waits; all of it starts over once it goes.
+#[derive(Default)]
+pub(super) struct Admission {
+    pub(super) learned: LearnedPass,
+    /// The learned limits under which this attempt's cells were reserved, while it waits
+    /// for them: if a limit changed meanwhile, the store restarted the bucket and the
+    /// reservation is void, so the attempt asks again rather than go at the old pace.
+    pub(super) paced_under: Option<[u32; DIMS]>,
+    /// The attempt holds its reservation in the store's shared pacing.
+    pub(super) reserved: bool,
+    /// Configured pacing's dimensions already taken for the attempt.
+    pub(super) pace_step: usize,
+}
+
+/// Where the attempt stands with learned pacing.
+#[derive(Default)]
+pub(super) enum LearnedPass {
+    /// Not asked yet.
+    #[default]
+    Unasked,
+    /// A reservation to ask the store for, then while it is asked.
+    Asking(Ask),
+    /// Learned pacing let the attempt go: its cells are taken.
+    Let,
 }
 
 impl<S, Req, C> Call<S, Req, C> {

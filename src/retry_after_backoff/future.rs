@@ -10,9 +10,8 @@ use pin_project_lite::pin_project;
 use tokio::time::Sleep;
 use tower_service::Service;
 
-use super::admit::Waits;
 use super::body::{Peeked, ResponseBody};
-use super::call::{Call, Outcome, Then};
+use super::call::{Call, Outcome, Peek, Step, Then, Waits};
 use super::request::CloneRequest;
 use crate::JobRequest;
 use crate::error::{BoxError, MissingJob, PolledAfterCompletion};
@@ -74,48 +73,6 @@ pin_project! {
         },
         MissingJob,
         Done,
-    }
-}
-
-/// What polling one state leads to: the next state's parts, never a whole `State`. The
-/// state holds the inner call's future, most of this future's size; passing it through a
-/// return value would copy it at every step.
-pub(super) enum Step<B: Body> {
-    /// Poll the same state again: it set itself something new to wait for.
-    Again,
-    /// The inner service is ready: send the next attempt.
-    Send,
-    /// Admit the next attempt after these waits.
-    Admit(Waits),
-    /// Sleep before a retry a fair queue below admits.
-    Backoff(Option<Pin<Box<Sleep>>>),
-    /// Read a 429's body ahead.
-    Peek(Box<Peek<B>>),
-    /// Record what the answer taught in the store.
-    Record(Recording<B>),
-    /// The call's outcome.
-    Finish(Result<http::Response<ResponseBody<B>>, BoxError>),
-}
-
-/// A 429 whose body is read ahead, until `deadline`.
-pub(super) struct Peek<B: Body> {
-    pub(super) head: http::response::Parts,
-    pub(super) peeked: Peeked<B>,
-    pub(super) outcome: Outcome,
-    pub(super) deadline: Sleep,
-}
-
-/// What goes to the store for an answer, and what follows once it took it.
-pub(super) struct Recording<B: Body> {
-    pub(super) throttle: Option<StoreFuture<u32>>,
-    pub(super) gate: Option<StoreFuture<std::time::Duration>>,
-    pub(super) report: Option<StoreFuture<PaceGrant>>,
-    pub(super) then: Then<B>,
-}
-
-impl<B: Body> Step<B> {
-    pub(super) fn fail(error: impl Into<BoxError>) -> Self {
-        Step::Finish(Err(error.into()))
     }
 }
 

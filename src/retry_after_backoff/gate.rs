@@ -13,57 +13,10 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use super::layer::{Core, Learned, taken};
+use super::core::{Core, Learned, taken};
+use super::key_gate::{KeyGate, Ready};
 use crate::gate::{RateLimit, Receipt, Verdict, WaitReason};
-use crate::hash::HashMap;
 use crate::store::{DIMS, PaceGrant};
-
-/// One upstream key's gate state in this worker.
-#[derive(Debug, Default)]
-pub(super) struct KeyGate {
-    /// Cells taken ahead for the next call to go, usable from their time.
-    ready: Option<Ready>,
-    /// A reservation is on its way to the store.
-    asking: bool,
-    /// Another call (in another worker) is probing the key: ask again then, or at the next
-    /// answer.
-    hold_until: Option<Instant>,
-    /// This worker's probe is out: nobody else goes until its answer.
-    probing: bool,
-    /// When this worker first found the key cold (no answer yet): slow start holds the
-    /// other calls for at most `slow_start_max` from then.
-    cold_since: Option<Instant>,
-    /// Configured pacing in process: the dimensions already taken for the next call.
-    pace_step: usize,
-    /// Configured pacing through the store: reserved for the next call, usable from then.
-    paced: Option<Instant>,
-    pacing_asking: bool,
-}
-
-#[derive(Debug)]
-struct Ready {
-    due: Instant,
-    cost: u32,
-    need: [u32; DIMS],
-    charged: [u32; DIMS],
-    probe: bool,
-}
-
-/// How late cells may be taken and still count as taken when they were due: a timer's
-/// lateness, which the pacing's headroom absorbs; not a caller's wait.
-const STALE_AFTER: Duration = Duration::from_millis(10);
-
-impl Ready {
-    /// Reserved cells (not a probe, not nothing) whose time is long past.
-    fn is_stale(&self, now: Instant) -> bool {
-        !self.probe
-            && self.charged.iter().any(|c| *c > 0)
-            && now.saturating_duration_since(self.due) > STALE_AFTER
-    }
-}
-
-/// The per-key gates of one layer.
-pub(super) type KeyGates = HashMap<Arc<str>, KeyGate>;
 
 impl Core {
     /// Applies the store's answer to a reservation made for the next call of `key`.

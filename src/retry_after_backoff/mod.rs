@@ -82,9 +82,11 @@
 mod admit;
 mod body;
 mod call;
+mod core;
 pub mod decide;
 pub mod future;
 mod gate;
+mod key_gate;
 mod layer;
 mod learned;
 pub mod metrics;

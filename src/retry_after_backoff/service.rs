@@ -6,11 +6,10 @@ use http_body::Body;
 use tower::retry::budget::Budget;
 use tower_service::Service;
 
-use super::admit::Admission;
 use super::body::ResponseBody;
-use super::call::{Call, Charge, Patience, RateWaiter};
+use super::call::{Admission, Call, Charge, Patience, RateWaiter};
+use super::core::CoreAndCloner;
 use super::future::ResponseFuture;
-use super::layer::CoreAndCloner;
 use super::learned::{OneUpstream, UpstreamKey};
 use super::request::{ByClone, CloneRequest, TypeName};
 use crate::JobRequest;

@@ -20,9 +20,9 @@ use std::sync::Arc;
 
 use bytes::Buf;
 
-use super::layer::Core;
+use super::core::Core;
 #[cfg(test)]
-use super::layer::needs;
+use super::core::needs;
 use crate::store::DIMS;
 
 /// The largest usage believed for one call; a larger value counts as this. The correction

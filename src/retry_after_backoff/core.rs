@@ -1,0 +1,487 @@
+//! The layer's state, shared by its services, futures and rate gate: the store, the
+//! policy, the retry budget, pacing, and this worker's view of each upstream key.
+
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio::time::Instant;
+use tower::retry::budget::TpsBudget;
+
+use super::BackoffPolicy;
+use super::key_gate::KeyGates;
+use super::learned::{self, Views};
+use super::pacing::Pacer;
+use super::telemetry;
+use crate::Store;
+use crate::hash::HashMap;
+use crate::rng::Rng;
+use crate::store::{DIMS, PaceAsk, PaceGrant};
+
+/// What every service and future of one layer shares: its `Core` and how it copies a
+/// request for a retry.
+pub(super) struct CoreAndCloner<C> {
+    pub(super) core: Arc<Core>,
+    pub(super) cloner: C,
+}
+
+/// The layer's state: store, policy, retry budget, pacing, and this worker's view of each
+/// upstream key.
+pub(super) struct Core {
+    pub(super) store: Store,
+    pub(super) policy: BackoffPolicy,
+    pub(super) budget: Option<TpsBudget>,
+    pub(super) pacer: Option<Pacer>,
+    rng: Mutex<Rng>,
+    /// This worker's view of each upstream key's learned bucket.
+    views: Mutex<Views>,
+    /// Views that are not quiet (see `View::is_quiet`): while none is, an answer without
+    /// rate-limit headers is noted without the lock.
+    loud: AtomicUsize,
+    /// The view of the layer's own upstream key exists (the common, one-key case).
+    default_known: std::sync::atomic::AtomicBool,
+    /// Calls of this layer held now (behind a gate or a probe).
+    held: AtomicUsize,
+    /// Per upstream key: the gate's last known reopening and this worker's release after it
+    /// (see `note_reopen`).
+    release: Mutex<HashMap<Arc<str>, (Instant, Instant)>>,
+    /// The latest release of them all, in milliseconds after `created`: before it has
+    /// passed, `release_in` looks; after, nothing is ahead and no lock is taken.
+    release_latest_ms: AtomicU64,
+    created: Instant,
+    /// Notified when an answer was reported to the store: calls held behind a probe in
+    /// this worker ask again at once, in the order they wait.
+    pub(super) answered: Arc<tokio::sync::Notify>,
+    /// Notified when this worker learns that a key's limits changed: calls waiting for
+    /// cells reserved under the old ones ask again.
+    limits_changed: Arc<tokio::sync::Notify>,
+    /// The rate gate's state per key, when a fair queue below consults it.
+    pub(super) gates: Mutex<KeyGates>,
+    /// Notified when a rate gate may have opened (one fair queue listens).
+    pub(super) gate_changed: Arc<tokio::sync::Notify>,
+}
+
+/// A call counted as held while this lives.
+pub(super) struct HeldCall(Arc<Core>);
+
+impl HeldCall {
+    pub(super) fn new(core: &Arc<Core>) -> Self {
+        core.held.fetch_add(1, Ordering::AcqRel);
+        HeldCall(core.clone())
+    }
+}
+
+impl Drop for HeldCall {
+    fn drop(&mut self) {
+        self.0.held.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// A reservation of a block of calls this worker is asking the store for: while it lives,
+/// the worker's other calls to the key ask for their own cells only (see `View::block`).
+pub(super) struct BlockAsked {
+    core: Arc<Core>,
+    key: Arc<str>,
+}
+
+impl Drop for BlockAsked {
+    fn drop(&mut self) {
+        crate::sync::lock(&self.core.views).block_done(&self.key);
+    }
+}
+
+/// A reservation to ask the store for.
+pub(super) struct Ask {
+    /// The request, with the reports pending.
+    pub(super) ask: PaceAsk,
+    /// The calls it reserves for, of the same cells each.
+    pub(super) block: u32,
+    /// Set while `block` is more than one call.
+    pub(super) _asked: Option<BlockAsked>,
+}
+
+/// What learned pacing says about a call about to go.
+pub(super) enum Learned {
+    /// Go after this wait (no store operation needed): the cells the call needs, and those
+    /// taken (0 where no limit is learned).
+    Go(Duration, [u32; DIMS], [u32; DIMS]),
+    /// Ask the store for this reservation: the cells the call needs.
+    Ask(Ask, [u32; DIMS]),
+}
+
+/// Cells one call takes per dimension before it goes: a request, its estimated input
+/// tokens, the output tokens expected (`output`: the key's recent average from the
+/// answers' usage, at least 1; the count is only known after, see `usage.rs`), and both
+/// again in the combined `tokens` dimension.
+pub(super) fn needs(cost: u32, output: u32) -> [u32; DIMS] {
+    [
+        1,
+        cost.max(1),
+        output.max(1),
+        cost.max(1).saturating_add(output),
+    ]
+}
+
+/// `cells` in the dimensions with a limit, 0 elsewhere: what the store took.
+pub(super) fn taken(cells: [u32; DIMS], limits: &[u32; DIMS]) -> [u32; DIMS] {
+    let mut out = [0; DIMS];
+    for d in 0..DIMS {
+        if limits[d] > 0 {
+            out[d] = cells[d];
+        }
+    }
+    out
+}
+
+impl Core {
+    pub(super) fn new(store: Store, policy: BackoffPolicy) -> Core {
+        let budget = policy
+            .budget
+            .map(|b| TpsBudget::new(b.ttl, b.min_per_sec, b.retry_percent));
+        let pacer = policy
+            .pacing
+            .as_ref()
+            .filter(|pacing| !pacing.is_shared())
+            .map(Pacer::new);
+        let rng = policy.seed.map_or_else(Rng::from_entropy, Rng::seeded);
+        Core {
+            store,
+            policy,
+            budget,
+            pacer,
+            rng: Mutex::new(rng),
+            views: Mutex::default(),
+            loud: AtomicUsize::new(0),
+            default_known: std::sync::atomic::AtomicBool::new(false),
+            held: AtomicUsize::new(0),
+            release: Mutex::default(),
+            release_latest_ms: AtomicU64::new(0),
+            created: Instant::now(),
+            answered: Arc::default(),
+            limits_changed: Arc::default(),
+            gates: Mutex::default(),
+            gate_changed: Arc::default(),
+        }
+    }
+
+    /// Notes that `key`'s gate reopens in `left` and returns when this worker's first call
+    /// may go after it: the reopening plus the worker's own random offset into the release
+    /// window (one draw per reopening, so the workers' first calls are spread out).
+    pub(super) fn note_reopen(&self, key: &Arc<str>, left: Duration) -> Instant {
+        let now = Instant::now();
+        let reopen = now + left;
+        let mut release = crate::sync::lock(&self.release);
+        if release.len() > 1024 {
+            release.retain(|_, (_, at)| *at > now);
+        }
+        match release.get(key) {
+            // The same reopening (give or take a millisecond of clock reading), or an
+            // earlier one than already known: the release stands.
+            Some(&(known, at)) if reopen <= known + Duration::from_millis(1) => at,
+            _ => {
+                let at = reopen + self.policy.spread_for(left).mul_f64(self.unit());
+                release.insert(key.clone(), (reopen, at));
+                let ms = at.saturating_duration_since(self.created).as_millis() + 1;
+                self.release_latest_ms
+                    .fetch_max(u64::try_from(ms).unwrap_or(u64::MAX), Ordering::AcqRel);
+                at
+            }
+        }
+    }
+
+    /// How long a call held by `key`'s gate reopening in `left` waits: until this worker's
+    /// release, plus a draw of its own over the window.
+    pub(super) fn release_after(&self, key: &Arc<str>, left: Duration) -> Duration {
+        let at = self.note_reopen(key, left);
+        let window = self.policy.spread_for(left);
+        at.saturating_duration_since(Instant::now()) + window.mul_f64(self.unit())
+    }
+
+    /// How long until this worker's release after `key`'s last reopening, if still ahead.
+    pub(super) fn release_in(&self, key: &Arc<str>) -> Option<Duration> {
+        let latest = self.release_latest_ms.load(Ordering::Acquire);
+        if latest == 0
+            || Instant::now()
+                .saturating_duration_since(self.created)
+                .as_millis()
+                > u128::from(latest)
+        {
+            return None;
+        }
+        let release = crate::sync::lock(&self.release);
+        let (_, at) = *release.get(key)?;
+        Some(at.saturating_duration_since(Instant::now())).filter(|d| !d.is_zero())
+    }
+
+    /// Whether calls other than the caller's own are held in this layer now.
+    pub(super) fn others_held(&self, mine: bool) -> bool {
+        self.held.load(Ordering::Acquire) > usize::from(mine)
+    }
+
+    /// The pacing that goes through the store, if any.
+    pub(super) fn shared_pacing(&self) -> Option<&super::Pacing> {
+        self.policy
+            .pacing
+            .as_ref()
+            .filter(|pacing| pacing.is_shared())
+    }
+
+    /// The part of every store request that comes from the policy.
+    fn ask(&self) -> PaceAsk {
+        let micros = |d: Duration| i64::try_from(d.as_micros()).unwrap_or(i64::MAX / 4);
+        PaceAsk {
+            headroom_permille: self.policy.learned_headroom,
+            probe_lease_us: micros(self.policy.release_spread),
+            recover_us: micros(self.policy.probe_timeout),
+            poll_us: micros(self.policy.poll_interval()),
+            ..PaceAsk::default()
+        }
+    }
+
+    /// Notes that `key` is at its limit (a throttle, or a call held by its closed gate):
+    /// after the gate, calls go through the store's probe.
+    pub(super) fn note_at_limit(&self, key: &Arc<str>) {
+        let mut views = crate::sync::lock(&self.views);
+        let mut view = views.get(key, self.policy.learned_pacing, &self.loud);
+        view.recover_until = Some(Instant::now() + self.policy.probe_timeout);
+        view.credit = [0; DIMS];
+    }
+
+    /// Resolves when this worker next learns that some key's limits changed.
+    pub(super) fn limits_changed(&self) -> std::pin::Pin<Box<dyn Future<Output = ()> + Send>> {
+        let notify = self.limits_changed.clone();
+        Box::pin(async move { notify.notified().await })
+    }
+
+    /// Whether `key` has had no answer yet (slow start), as far as this worker knows.
+    pub(super) fn is_cold(&self, key: &Arc<str>) -> bool {
+        let mut views = crate::sync::lock(&self.views);
+        views.get(key, self.policy.learned_pacing, &self.loud).mode == 0
+    }
+
+    /// Whether calls to `key` go one probe at a time: no answer yet (slow start), or
+    /// recovering from a throttle, as far as this worker knows.
+    pub(super) fn probes(&self, key: &Arc<str>) -> bool {
+        let mut views = crate::sync::lock(&self.views);
+        let mut view = views.get(key, self.policy.learned_pacing, &self.loud);
+        view.mode == 0 || view.recovering(Instant::now())
+    }
+
+    /// Where a fair queue below puts what an attempt to `key` took from the rate gate;
+    /// `None` while the gate has nothing to take for it (no limit learned, cold or
+    /// recovering, no pacing: its key is then the layer's own).
+    pub(super) fn attempt_cell(&self, key: &Arc<str>) -> Option<crate::gate::AttemptCell> {
+        let quiet = self.all_quiet(key) && self.pacer.is_none() && self.shared_pacing().is_none();
+        (!quiet).then(crate::gate::AttemptCell::default)
+    }
+
+    /// The limits this worker knows for `key` (0: not learned).
+    pub(super) fn limits_of(&self, key: &Arc<str>) -> [u32; DIMS] {
+        let mut views = crate::sync::lock(&self.views);
+        views
+            .get(key, self.policy.learned_pacing, &self.loud)
+            .limits
+    }
+
+    /// The layer's own key, known, and every view quiet (nothing learned, cold or
+    /// recovering): learned pacing has nothing to say, checked without a lock.
+    pub(super) fn all_quiet(&self, key: &Arc<str>) -> bool {
+        Arc::ptr_eq(key, &self.policy.upstream)
+            && self.default_known.load(Ordering::Acquire)
+            && self.loud.load(Ordering::Acquire) == 0
+    }
+
+    /// Whether a call to `key` may go now without asking the store, or what to ask it.
+    pub(super) fn admit_learned(self: &Arc<Self>, key: &Arc<str>, cost: u32) -> Learned {
+        // The layer's own key, known, and every view quiet: it is quiet too, so the call goes
+        // as without learned pacing, without the lock.
+        if self.all_quiet(key) {
+            return Learned::Go(Duration::ZERO, [0; DIMS], [0; DIMS]);
+        }
+        let mut views = crate::sync::lock(&self.views);
+        let mut view = views.get(key, self.policy.learned_pacing, &self.loud);
+        if Arc::ptr_eq(key, &self.policy.upstream) {
+            self.default_known.store(true, Ordering::Release);
+        }
+        // No headers ever seen, nothing to recover from: as without learned pacing (and no
+        // clock read).
+        if view.mode == 1 && view.recover_until.is_none() {
+            return Learned::Go(Duration::ZERO, [0; DIMS], [0; DIMS]);
+        }
+        let now = Instant::now();
+        let recovering = view.recovering(now);
+        if view.mode == 1 && !recovering {
+            return Learned::Go(Duration::ZERO, [0; DIMS], [0; DIMS]);
+        }
+        let need = needs(cost, view.output_avg);
+        if view.mode == 2 && !recovering && (0..DIMS).all(|d| view.credit[d] >= need[d]) {
+            for (credit, need) in view.credit.iter_mut().zip(need) {
+                *credit -= need;
+            }
+            return Learned::Go(
+                view.credit_at.saturating_duration_since(now),
+                need,
+                taken(need, &view.limits),
+            );
+        }
+        // Reserve ahead on Redis, one block at a time (see `View::block`).
+        let per_sec =
+            f64::from(view.limits[0]) * f64::from(self.policy.learned_headroom) / 1000.0 / 60.0;
+        let block = view.block(self.store.is_remote(), recovering, per_sec);
+        let asked = (block > 1).then(|| BlockAsked {
+            core: self.clone(),
+            key: key.clone(),
+        });
+        let mut ask = self.ask();
+        if let Some(pending) = view.pending.take() {
+            ask.learn = pending.learn;
+            ask.charge = pending.charge;
+            ask.answered = pending.answered;
+            // Headers that waited for this reservation: another worker may have reported
+            // a newer limit since (see `PaceAsk::queued`).
+            ask.queued = true;
+        }
+        ask.take = need.map(|n| n.saturating_mul(block));
+        Learned::Ask(
+            Ask {
+                ask,
+                block,
+                _asked: asked,
+            },
+            need,
+        )
+    }
+
+    /// Applies the store's answer to a reservation of `block` calls of `need` cells each.
+    pub(super) fn granted(&self, key: &Arc<str>, grant: &PaceGrant, need: [u32; DIMS], block: u32) {
+        let mut views = crate::sync::lock(&self.views);
+        let mut view = views.get(key, self.policy.learned_pacing, &self.loud);
+        let before = view.limits;
+        view.update(grant, self.policy.probe_timeout);
+        if grant.limits != before {
+            telemetry::learned_limits(key, &grant.limits);
+            self.limits_changed.notify_waiters();
+        }
+        if grant.hold.is_zero() && block > 1 {
+            // Reservations made side by side add up (none is lost); the cells go from the
+            // latest one's time.
+            let extra = need.map(|n| n.saturating_mul(block - 1));
+            for (credit, extra) in view.credit.iter_mut().zip(extra) {
+                *credit = credit.saturating_add(extra);
+            }
+            view.credit_at = view.credit_at.max(Instant::now() + grant.wait);
+        }
+    }
+
+    /// Notes an answer for `key`: what its headers say, and whether it was a throttle or
+    /// the probe. Returns the report to send now, if it must not wait for the next
+    /// reservation, and the key's learned limits as this worker knew them when the call
+    /// went, when its token charges are to be corrected from the answer's usage (else
+    /// zeros).
+    pub(super) fn report(
+        &self,
+        key: &Arc<str>,
+        headers: &http::HeaderMap,
+        throttled: bool,
+        probe: bool,
+    ) -> (Option<PaceAsk>, [u32; DIMS]) {
+        if !throttled
+            && !probe
+            && self.loud.load(std::sync::atomic::Ordering::Acquire) == 0
+            && !super::decide::has_ratelimit_headers(headers)
+        {
+            // Every view is quiet and this answer says nothing new: what the locked path
+            // below would conclude, without the lock.
+            return (None, [0; DIMS]);
+        }
+        let learn = if self.policy.learned_pacing {
+            learned::read_limits(headers)
+        } else {
+            [(0, 0); DIMS]
+        };
+        let mut views = crate::sync::lock(&self.views);
+        let mut view = views.get(key, self.policy.learned_pacing, &self.loud);
+        let limits = if self.policy.usage_correction && view.limits[1..].iter().any(|l| *l > 0) {
+            view.limits
+        } else {
+            [0; DIMS]
+        };
+        let was_recovering = view.recover_until.is_some();
+        if throttled {
+            view.recover_until = Some(Instant::now() + self.policy.probe_timeout);
+            view.credit = [0; DIMS];
+        } else {
+            view.recover_until = None;
+        }
+        let heard = learn.iter().any(|(l, _)| *l > 0);
+        let new_limit = (0..DIMS).any(|d| learn[d].0 > 0 && learn[d].0 != view.limits[d]);
+        let running_low = (0..DIMS).any(|d| learn[d].0 > 0 && learn[d].1 < learn[d].0 / 10);
+        if !heard && !throttled && !probe && !was_recovering && view.mode != 0 {
+            return (None, limits); // nothing new: no store operation
+        }
+        let mut ask = self.ask();
+        ask.learn = learn;
+        ask.answered = if throttled { 2 } else { 1 };
+        let urgent = !self.store.is_remote()
+            || throttled
+            || probe
+            || was_recovering
+            || view.mode != 2
+            || new_limit
+            || running_low;
+        if new_limit {
+            view.credit = [0; DIMS];
+        }
+        if !urgent {
+            learned::merge(&mut view.pending, &ask);
+            return (None, limits);
+        }
+        if let Some(pending) = view.pending.take() {
+            let mut merged = Some(pending);
+            learned::merge(&mut merged, &ask);
+            ask = merged.unwrap_or(ask);
+        }
+        (Some(ask), limits)
+    }
+
+    /// Charges `charge` (cells per dimension; negative gives back) to `key`'s learned
+    /// bucket after the fact: a call's true usage against what it was charged. At once on
+    /// the memory store; on Redis with the next reservation, as the headers' reports go.
+    /// `output`, the output tokens of a complete answer, moves the key's expected output
+    /// per call (an average over about the last 8 answers).
+    pub(super) fn correct_usage(&self, key: &Arc<str>, charge: [i64; DIMS], output: Option<u32>) {
+        let ask = PaceAsk {
+            charge,
+            ..self.ask()
+        };
+        let mut views = crate::sync::lock(&self.views);
+        let mut view = views.get(key, self.policy.learned_pacing, &self.loud);
+        if let Some(output) = output {
+            // At most one minute of the learned limit (the store takes no more for a call).
+            let output = match view.limits[2] {
+                0 => output,
+                limit => output.min(limit),
+            };
+            view.output_avg = match view.output_avg {
+                0 => output,
+                avg => (f64::from(avg) + (f64::from(output) - f64::from(avg)) / 8.0).round() as u32,
+            };
+        }
+        if charge.iter().all(|c| *c == 0) {
+            return;
+        }
+        if self.store.is_remote() {
+            learned::merge(&mut view.pending, &ask);
+        } else {
+            drop(view);
+            drop(views);
+            // Ready at once in memory: the charge is applied when the operation is made.
+            let _ = self.store.pace_learned(key, &ask).into_ready();
+        }
+    }
+
+    /// A uniform draw in [0, 1) from the layer's seeded source.
+    pub(super) fn unit(&self) -> f64 {
+        crate::sync::lock(&self.rng).unit()
+    }
+}
