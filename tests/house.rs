@@ -1,6 +1,6 @@
 //! House rules on the crate's own source, read as text: no function longer than
-//! [`MAX_FN_LINES`] lines outside tests, and no import cycle between the library's top-level
-//! modules.
+//! [`MAX_FN_LINES`] lines outside tests, no import cycle between the library's top-level
+//! modules, and none between the modules of one folder.
 //!
 //! The source is walked from `src/lib.rs` and each `src/bin/*` root along `mod` declarations,
 //! leaving out items under `#[cfg(test)]` and modules named `tests`. Comments, strings and
@@ -77,6 +77,113 @@ fn top_level_modules_import_no_cycle() {
         cycles.is_empty(),
         "import cycles between top-level modules:\n{report}"
     );
+}
+
+#[test]
+fn sibling_modules_import_no_cycle() {
+    let files: Vec<SourceFile> = crate_files()
+        .into_iter()
+        .filter(|f| f.krate == "lib")
+        .collect();
+    let edges = sibling_edges(&files);
+    let mut report = String::new();
+    for (parent, edges) in &edges {
+        for cycle in cycles(edges) {
+            let _ = writeln!(report, "  in crate::{parent}: {}", cycle.join(" <-> "));
+            for from in &cycle {
+                for to in &cycle {
+                    if let Some(at) = edges.get(from).and_then(|e| e.get(to)) {
+                        let _ = writeln!(report, "    {from} uses {to} at {at}");
+                    }
+                }
+            }
+        }
+    }
+    assert!(
+        report.is_empty(),
+        "import cycles between the modules of one folder:\n{report}"
+    );
+}
+
+/// For each module with child modules, which child uses which sibling (and where first):
+/// through `crate::`, `super::` or `self::` paths, and names the parent re-exports from a
+/// child.
+fn sibling_edges(
+    files: &[SourceFile],
+) -> BTreeMap<String, BTreeMap<String, BTreeMap<String, String>>> {
+    let children = |parent: &[String]| -> BTreeSet<String> {
+        files
+            .iter()
+            .filter(|f| f.module.len() == parent.len() + 1 && f.module.starts_with(parent))
+            .map(|f| f.module[parent.len()].clone())
+            .collect()
+    };
+    let mut all = BTreeMap::new();
+    for parent_file in files.iter().filter(|f| !f.module.is_empty()) {
+        let parent = &parent_file.module;
+        let kids = children(parent);
+        if kids.len() < 2 {
+            continue;
+        }
+        // Names the parent brings in from a child: `pub use self::slots::SlotLease`.
+        let mut reexports = BTreeMap::new();
+        for (path, _) in use_paths(&parent_file.code) {
+            if let Some(abs) = absolute(parent, &path)
+                && abs.len() > parent.len() + 1
+                && abs.starts_with(parent)
+                && kids.contains(&abs[parent.len()])
+            {
+                reexports.insert(abs[abs.len() - 1].clone(), abs[parent.len()].clone());
+            }
+        }
+        let mut edges: BTreeMap<String, BTreeMap<String, String>> = BTreeMap::new();
+        for file in files
+            .iter()
+            .filter(|f| f.module.len() > parent.len() && f.module.starts_with(parent))
+        {
+            let from = &file.module[parent.len()];
+            for (path, line) in module_paths(file) {
+                let Some(abs) = absolute(&file.module, &path) else {
+                    continue;
+                };
+                if abs.len() <= parent.len() || !abs.starts_with(parent) {
+                    continue;
+                }
+                let next = &abs[parent.len()];
+                let to = if kids.contains(next) {
+                    next.clone()
+                } else if let Some(child) = reexports.get(next) {
+                    child.clone()
+                } else {
+                    continue;
+                };
+                if &to != from {
+                    edges
+                        .entry(from.clone())
+                        .or_default()
+                        .entry(to)
+                        .or_insert_with(|| format!("{}:{line}", file.path));
+                }
+            }
+        }
+        all.insert(parent.join("::"), edges);
+    }
+    all
+}
+
+/// `path` as named in module `module`, from the crate root; `None` for a path that does not
+/// start at `crate`, `super` or `self`.
+fn absolute(module: &[String], path: &[String]) -> Option<Vec<String>> {
+    match path.first().map(String::as_str) {
+        Some("crate") => Some(path[1..].to_vec()),
+        Some("self") => Some([module, &path[1..]].concat()),
+        Some("super") => {
+            let ups = path.iter().take_while(|s| *s == "super").count();
+            let base = module.len().checked_sub(ups)?;
+            Some([&module[..base], &path[ups..]].concat())
+        }
+        _ => None,
+    }
 }
 
 /// The checks themselves, on small pieces of source.
@@ -521,24 +628,7 @@ fn crate_references(
         let module = reexports.get(segment).map_or(segment, String::as_str);
         found.push((module.to_owned(), line));
     };
-    let mut paths = use_paths(&file.code);
-    // Paths outside `use` (`crate::store::Store::memory()`): a chain of words joined by `::`.
-    let words = words(&file.code);
-    for (i, w) in words.iter().enumerate() {
-        let starts_chain = !file.code[..w.start].trim_end().ends_with("::");
-        if !starts_chain || !matches!(w.text, "crate" | "super") {
-            continue;
-        }
-        let mut path = vec![w.text.to_owned()];
-        for pair in words[i..].windows(2) {
-            if file.code[pair[0].end..pair[1].start].trim() != "::" {
-                break;
-            }
-            path.push(pair[1].text.to_owned());
-        }
-        paths.push((path, line_of(&file.code, w.start)));
-    }
-    for (path, line) in paths {
+    for (path, line) in module_paths(file) {
         let ups = path.iter().take_while(|s| *s == "super").count();
         let first = match path.first().map(String::as_str) {
             Some("crate") => path.get(1),
@@ -550,6 +640,31 @@ fn crate_references(
         }
     }
     found
+}
+
+/// Every path `file` names from the crate's modules, each with its line: those its `use`
+/// items bring in, and chains of words joined by `::` outside them
+/// (`crate::store::Store::memory()`) that start at `crate`, `super` or `self`.
+fn module_paths(file: &SourceFile) -> Vec<(Vec<String>, usize)> {
+    let mut paths = use_paths(&file.code);
+    let words = words(&file.code);
+    for (i, w) in words.iter().enumerate() {
+        let starts_chain = !file.code[..w.start].trim_end().ends_with("::");
+        if !starts_chain || !matches!(w.text, "crate" | "super" | "self") {
+            continue;
+        }
+        let mut path = vec![w.text.to_owned()];
+        for pair in words[i..].windows(2) {
+            if file.code[pair[0].end..pair[1].start].trim() != "::" {
+                break;
+            }
+            path.push(pair[1].text.to_owned());
+        }
+        if path.len() > 1 {
+            paths.push((path, line_of(&file.code, w.start)));
+        }
+    }
+    paths
 }
 
 /// Every path a `use` item in `code` brings in, groups expanded, each with its line.
