@@ -244,6 +244,34 @@ fn the_checks_read_source_as_rust() {
         ),
     ]);
     assert_eq!(cycles(&edges), [vec!["a".to_owned(), "b".to_owned()]]);
+
+    // Sibling modules: `super::` from a child, a parent's re-export, `crate::` paths.
+    let strings = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+    assert_eq!(
+        absolute(&strings(&["store", "x"]), &strings(&["super", "y", "Z"])),
+        Some(strings(&["store", "y", "Z"]))
+    );
+    assert_eq!(
+        absolute(&strings(&["store"]), &strings(&["self", "y"])),
+        Some(strings(&["store", "y"]))
+    );
+    assert_eq!(
+        absolute(&strings(&["a"]), &strings(&["super", "super", "b"])),
+        None
+    );
+    let file = |module: &[&str], code: &str| SourceFile {
+        path: format!("src/{}.rs", module.join("/")),
+        krate: "lib".into(),
+        module: strings(module),
+        code: blank(code),
+    };
+    let files = [
+        file(&["p"], "mod x;\nmod y;\npub use self::y::Y;\n"),
+        file(&["p", "x"], "use super::Y;\n"),
+        file(&["p", "y"], "fn f() { crate::p::x::g(); }\n"),
+    ];
+    let edges = sibling_edges(&files);
+    assert_eq!(cycles(&edges["p"]), [strings(&["x", "y"])]);
 }
 
 /// One source file of a crate, with comments and literals blanked.
