@@ -423,7 +423,7 @@ impl AfterUnlock {
         {
             shared
                 .slot_store()
-                .decline_slot_wakes(&tier, &flow, n, leave);
+                .pass_on_slot_wakes(&tier, &flow, n, leave);
         }
         let spawns = !self.acquires.is_empty() || self.watch;
         let runtime = spawns
@@ -523,7 +523,7 @@ async fn watch(shared: Arc<FairQueue>) {
             _ = &mut released, if slots => {
                 let woken = match shared.slot_store().take_slot_wakes() {
                     Some(woken) => woken,
-                    None if shared.slot_store().wakes_one_by_one() => SlotWakes::Flows(Vec::new()),
+                    None if shared.slot_store().wakes_per_freed_slot() => SlotWakes::Flows(Vec::new()),
                     None => SlotWakes::Everyone,
                 };
                 shared.slot_freed(woken);
@@ -1111,7 +1111,7 @@ impl FairQueue {
     /// worker of the flow whose turn it is (Redis, while it answers).
     fn fleet(&self) -> bool {
         let store = self.slot_store();
-        store.is_remote() && store.wakes_one_by_one()
+        store.is_remote() && store.wakes_per_freed_slot()
     }
 
     /// The fleet's order first: an acquire for each wake-up owed to a tenant's call (the
@@ -1730,7 +1730,7 @@ impl FairQueue {
                 // The slot is given back before the next dispatch tries to take one. On
                 // Redis the release wakes the worker whose turn it is, maybe this one.
                 drop(lease);
-                if !self.slot_store().wakes_one_by_one() {
+                if !self.slot_store().wakes_per_freed_slot() {
                     state.unblock_all(false);
                 }
             }

@@ -78,7 +78,10 @@ where
         // Checked before this job's tokens count, the same on every store: the job that
         // crosses the budget goes out as classified, the next one is demoted.
         let tokens = u64::from(job.estimated_tokens());
-        let check = shared.store.admit(job.tenant(), &shared.policy, tokens);
+        let check =
+            shared
+                .store
+                .check_demotion_then_add_tokens(job.tenant(), &shared.policy, tokens);
         crate::metrics::input_tokens(job.tenant(), tokens);
 
         match check.into_ready() {

@@ -14,13 +14,15 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use tokio::time::Instant;
 
-use super::Demotion;
-use super::slots::LocalSlots;
+use super::kinds;
+use super::pacing::{LearnedLimits, PaceAsk, PaceGrant, PaceLimit};
+use super::slots::{LocalSlots, SlotLease, SlotLimits, SlotQueue, SlotRefusal};
 #[cfg(test)]
 use super::swept::SWEEP_BUDGET;
 use super::swept::{SHARDS, SweptTable, TenantHasher, sweep_shard};
-use crate::TenantId;
+use super::{Demotion, StoreFuture, StoreUnavailable};
 use crate::admission::DemotionPolicy;
+use crate::{TenantId, Tier};
 
 const SECONDS_PER_DAY: u64 = 86_400;
 
@@ -101,14 +103,6 @@ pub(crate) struct MemoryState {
 }
 
 impl MemoryState {
-    pub(crate) fn add_served_cost(&self, tenant: &TenantId, cost: u64) {
-        self.served.add(tenant, cost);
-    }
-
-    pub(crate) fn served_cost(&self, tenant: &TenantId) -> u64 {
-        self.served.total(tenant)
-    }
-
     pub(crate) fn new(throttle_window: Duration, reports_gauges: bool) -> Self {
         let now = Instant::now();
         MemoryState {
@@ -295,8 +289,8 @@ impl MemoryState {
         self.with_tenant(tenant, |state, now| self.demotion(state, now, policy))
     }
 
-    /// A classification in one lock: the demotion check, then the job's tokens.
-    pub(crate) fn admit(
+    /// The demotion check, then the job's tokens, in one lock.
+    pub(crate) fn check_demotion_and_count(
         &self,
         tenant: &TenantId,
         policy: &DemotionPolicy,
@@ -325,6 +319,114 @@ impl MemoryState {
             left: policy.demote_for(),
             newly: true,
         }
+    }
+}
+
+impl kinds::Tenants for MemoryState {
+    fn record_throttle(&self, tenant: &TenantId) -> StoreFuture<u32> {
+        StoreFuture::ready(MemoryState::record_throttle(self, tenant))
+    }
+
+    fn throttle_count(&self, tenant: &TenantId) -> StoreFuture<u32> {
+        StoreFuture::ready(MemoryState::throttle_count(self, tenant))
+    }
+
+    fn add_tokens(&self, tenant: &TenantId, tokens: u64) {
+        MemoryState::add_tokens(self, tenant, tokens);
+    }
+
+    fn tokens_today(&self, tenant: &TenantId) -> StoreFuture<u64> {
+        StoreFuture::ready(MemoryState::tokens_today(self, tenant))
+    }
+
+    fn set_daily_budget(
+        &self,
+        tenant: &TenantId,
+        tokens: Option<u64>,
+    ) -> StoreFuture<Result<(), StoreUnavailable>> {
+        MemoryState::set_daily_budget(self, tenant, tokens);
+        StoreFuture::ready(Ok(()))
+    }
+
+    fn daily_budget(&self, tenant: &TenantId) -> StoreFuture<Option<u64>> {
+        StoreFuture::ready(MemoryState::daily_budget(self, tenant))
+    }
+
+    fn demoted_for(&self, tenant: &TenantId) -> StoreFuture<Option<Duration>> {
+        StoreFuture::ready(MemoryState::demoted_for(self, tenant))
+    }
+
+    fn check_demotion(&self, tenant: &TenantId, policy: &DemotionPolicy) -> StoreFuture<Demotion> {
+        StoreFuture::ready(MemoryState::check_demotion(self, tenant, policy))
+    }
+
+    /// In one lock.
+    fn check_demotion_then_add_tokens(
+        &self,
+        tenant: &TenantId,
+        policy: &DemotionPolicy,
+        tokens: u64,
+    ) -> StoreFuture<Demotion> {
+        StoreFuture::ready(self.check_demotion_and_count(tenant, policy, tokens))
+    }
+}
+
+impl kinds::Cooldowns for MemoryState {
+    fn extend_cooldown(&self, upstream: &str, delay: Duration) -> StoreFuture<Duration> {
+        StoreFuture::ready(self.cooldowns.extend(upstream, delay))
+    }
+
+    fn cooldown(&self, upstream: &str) -> Option<Duration> {
+        self.cooldowns.remaining(upstream)
+    }
+}
+
+impl kinds::RateBuckets for MemoryState {
+    fn pace(&self, key: &str, limits: &[PaceLimit]) -> StoreFuture<Duration> {
+        StoreFuture::ready(self.pacers.reserve(key, limits))
+    }
+
+    fn learned_limits(&self, key: &str) -> StoreFuture<LearnedLimits> {
+        StoreFuture::ready(self.pacers.learned_limits(key))
+    }
+
+    fn pace_learned(&self, key: &str, ask: &PaceAsk) -> StoreFuture<PaceGrant> {
+        StoreFuture::ready(self.pacers.learned(key, ask))
+    }
+}
+
+impl kinds::SlotLeases for MemoryState {
+    /// A local release wakes the local waiters: nothing to queue.
+    fn acquire_slot(
+        &self,
+        tier: &Tier,
+        tenant: Option<&TenantId>,
+        limits: SlotLimits,
+        _queue: Option<SlotQueue>,
+    ) -> StoreFuture<Result<SlotLease, SlotRefusal>> {
+        StoreFuture::ready(self.slots.try_acquire(tier, tenant, limits))
+    }
+
+    fn slots_in_use(&self, tier: Option<&Tier>) -> StoreFuture<u32> {
+        StoreFuture::ready(self.slots.in_use(tier))
+    }
+
+    fn alive_workers(&self) -> u32 {
+        1
+    }
+
+    fn released(&self) -> &tokio::sync::Notify {
+        &self.slots.released
+    }
+}
+
+impl kinds::ServedCosts for MemoryState {
+    fn add_served_cost(&self, tenant: &TenantId, cost: u64) {
+        self.served.add(tenant, cost);
+    }
+
+    fn served_cost(&self, tenant: &TenantId) -> StoreFuture<u64> {
+        StoreFuture::ready(self.served.total(tenant))
     }
 }
 

@@ -34,6 +34,7 @@
 mod cooldown;
 #[cfg(feature = "redis")]
 mod keys;
+mod kinds;
 mod memory;
 mod pacing;
 #[cfg(feature = "redis")]
@@ -288,6 +289,53 @@ impl StoreBuilder {
 }
 
 impl Store {
+    /// The store's throttles, daily tokens, budgets and demotion per tenant.
+    fn tenants(&self) -> &dyn kinds::Tenants {
+        match &*self.backend {
+            Backend::Memory(memory) => memory,
+            #[cfg(feature = "redis")]
+            Backend::Redis(redis) => redis,
+        }
+    }
+
+    /// The store's cooldown gates.
+    fn cooldowns(&self) -> &dyn kinds::Cooldowns {
+        match &*self.backend {
+            Backend::Memory(memory) => memory,
+            #[cfg(feature = "redis")]
+            Backend::Redis(redis) => redis,
+        }
+    }
+
+    /// The store's pacing and learned buckets.
+    fn rate_buckets(&self) -> &dyn kinds::RateBuckets {
+        match &*self.backend {
+            Backend::Memory(memory) => memory,
+            #[cfg(feature = "redis")]
+            Backend::Redis(redis) => redis,
+        }
+    }
+
+    /// The store's slot leases and their wake-ups.
+    fn slot_leases(&self) -> &dyn kinds::SlotLeases {
+        match &*self.backend {
+            Backend::Memory(memory) => memory,
+            #[cfg(feature = "redis")]
+            Backend::Redis(redis) => redis,
+        }
+    }
+
+    /// The store's served cost per tenant.
+    fn served_costs(&self) -> &dyn kinds::ServedCosts {
+        match &*self.backend {
+            Backend::Memory(memory) => memory,
+            #[cfg(feature = "redis")]
+            Backend::Redis(redis) => redis,
+        }
+    }
+}
+
+impl Store {
     /// An in-process store with the default configuration.
     pub fn memory() -> Store {
         Store::in_process(StoreBuilder::default().throttle_window)
@@ -331,20 +379,12 @@ impl Store {
     /// Records a throttle (a 429 attributed to `tenant`) and returns how many fall inside the
     /// throttle window, this one included.
     pub fn record_throttle(&self, tenant: &TenantId) -> StoreFuture<u32> {
-        match &*self.backend {
-            Backend::Memory(memory) => StoreFuture::ready(memory.record_throttle(tenant)),
-            #[cfg(feature = "redis")]
-            Backend::Redis(redis) => redis.record_throttle(tenant),
-        }
+        self.tenants().record_throttle(tenant)
     }
 
     /// Throttles of `tenant` inside the throttle window.
     pub fn throttle_count(&self, tenant: &TenantId) -> StoreFuture<u32> {
-        match &*self.backend {
-            Backend::Memory(memory) => StoreFuture::ready(memory.throttle_count(tenant)),
-            #[cfg(feature = "redis")]
-            Backend::Redis(redis) => redis.throttle_count(tenant),
-        }
+        self.tenants().throttle_count(tenant)
     }
 
     /// Adds input tokens to `tenant`'s total for the current UTC day.
@@ -352,22 +392,12 @@ impl Store {
     /// Off the request path: the Redis store adds them up locally and sends them in the
     /// background (every 250 ms by default, or on [`flush`](Store::flush)).
     pub fn add_tokens(&self, tenant: &TenantId, tokens: u64) {
-        match &*self.backend {
-            Backend::Memory(memory) => {
-                memory.add_tokens(tenant, tokens);
-            }
-            #[cfg(feature = "redis")]
-            Backend::Redis(redis) => redis.add_tokens(tenant, tokens),
-        }
+        self.tenants().add_tokens(tenant, tokens);
     }
 
     /// `tenant`'s input tokens for the current UTC day, as far as they were flushed.
     pub fn tokens_today(&self, tenant: &TenantId) -> StoreFuture<u64> {
-        match &*self.backend {
-            Backend::Memory(memory) => StoreFuture::ready(memory.tokens_today(tenant)),
-            #[cfg(feature = "redis")]
-            Backend::Redis(redis) => redis.tokens_today(tenant),
-        }
+        self.tenants().tokens_today(tenant)
     }
 
     /// Sets (`Some`) or clears (`None`, back to the policy's default) `tenant`'s daily
@@ -381,32 +411,17 @@ impl Store {
         tenant: &TenantId,
         tokens: Option<u64>,
     ) -> StoreFuture<Result<(), StoreUnavailable>> {
-        match &*self.backend {
-            Backend::Memory(memory) => {
-                memory.set_daily_budget(tenant, tokens);
-                StoreFuture::ready(Ok(()))
-            }
-            #[cfg(feature = "redis")]
-            Backend::Redis(redis) => redis.set_daily_budget(tenant, tokens),
-        }
+        self.tenants().set_daily_budget(tenant, tokens)
     }
 
     /// `tenant`'s own daily budget, if one was set.
     pub fn daily_budget(&self, tenant: &TenantId) -> StoreFuture<Option<u64>> {
-        match &*self.backend {
-            Backend::Memory(memory) => StoreFuture::ready(memory.daily_budget(tenant)),
-            #[cfg(feature = "redis")]
-            Backend::Redis(redis) => redis.daily_budget(tenant),
-        }
+        self.tenants().daily_budget(tenant)
     }
 
     /// Time left on `tenant`'s demotion, if it is demoted. Reads only; never demotes.
     pub fn demoted_for(&self, tenant: &TenantId) -> StoreFuture<Option<Duration>> {
-        match &*self.backend {
-            Backend::Memory(memory) => StoreFuture::ready(memory.demoted_for(tenant)),
-            #[cfg(feature = "redis")]
-            Backend::Redis(redis) => redis.demoted_for(tenant),
-        }
+        self.tenants().demoted_for(tenant)
     }
 
     /// Checks `tenant` against `policy` and demotes it if it crossed a threshold, atomically
@@ -417,11 +432,7 @@ impl Store {
         tenant: &TenantId,
         policy: &DemotionPolicy,
     ) -> StoreFuture<Demotion> {
-        match &*self.backend {
-            Backend::Memory(memory) => StoreFuture::ready(memory.check_demotion(tenant, policy)),
-            #[cfg(feature = "redis")]
-            Backend::Redis(redis) => redis.check_demotion(tenant, policy),
-        }
+        self.tenants().check_demotion(tenant, policy)
     }
 
     /// Closes the cooldown gate of `upstream` (any name: a host, a model) for at least
@@ -431,11 +442,7 @@ impl Store {
     /// It closes for at most a day (a longer delay counts as a day), on every store. On Redis the gate lives in one hash (server time) and every worker's local copy is
     /// updated through pub/sub, so [`cooldown`](Store::cooldown) stays a local read.
     pub fn extend_cooldown(&self, upstream: &str, delay: Duration) -> StoreFuture<Duration> {
-        match &*self.backend {
-            Backend::Memory(memory) => StoreFuture::ready(memory.cooldowns.extend(upstream, delay)),
-            #[cfg(feature = "redis")]
-            Backend::Redis(redis) => redis.extend_cooldown(upstream, delay),
-        }
+        self.cooldowns().extend_cooldown(upstream, delay)
     }
 
     /// How long `upstream`'s cooldown gate stays closed; `None` when it is open.
@@ -443,11 +450,7 @@ impl Store {
     /// Never a round trip: on Redis this reads the worker's copy, which pub/sub keeps
     /// current (and a resync on every reconnect).
     pub fn cooldown(&self, upstream: &str) -> Option<Duration> {
-        match &*self.backend {
-            Backend::Memory(memory) => memory.cooldowns.remaining(upstream),
-            #[cfg(feature = "redis")]
-            Backend::Redis(redis) => redis.fallback.cooldowns.remaining(upstream),
-        }
+        self.cooldowns().cooldown(upstream)
     }
 
     /// Reserves a call's cells under the pacing `key` in every dimension of `limits` (GCRA:
@@ -460,11 +463,7 @@ impl Store {
     /// divided by the workers last seen alive (at least 1), as TierSlotLimit divides its
     /// caps.
     pub fn pace(&self, key: &str, limits: &[PaceLimit]) -> StoreFuture<Duration> {
-        match &*self.backend {
-            Backend::Memory(memory) => StoreFuture::ready(memory.pacers.reserve(key, limits)),
-            #[cfg(feature = "redis")]
-            Backend::Redis(redis) => redis.pace(key, limits),
-        }
+        self.rate_buckets().pace(key, limits)
     }
 
     /// The per-minute limits the provider reported for the upstream `key` (learned by
@@ -472,11 +471,7 @@ impl Store {
     /// as the store holds them: every worker on the store shares them, so a worker that
     /// starts later starts informed.
     pub fn learned_limits(&self, key: &str) -> StoreFuture<LearnedLimits> {
-        match &*self.backend {
-            Backend::Memory(memory) => StoreFuture::ready(memory.pacers.learned_limits(key)),
-            #[cfg(feature = "redis")]
-            Backend::Redis(redis) => redis.learned_limits(key),
-        }
+        self.rate_buckets().learned_limits(key)
     }
 
     /// Learned pacing, in one operation on the upstream `key`'s bucket (one script on
@@ -484,11 +479,7 @@ impl Store {
     /// corrections, and take the cells of the calls about to go (or be told to wait for a
     /// probe). See `pacing.rs`.
     pub(crate) fn pace_learned(&self, key: &str, ask: &PaceAsk) -> StoreFuture<PaceGrant> {
-        match &*self.backend {
-            Backend::Memory(memory) => StoreFuture::ready(memory.pacers.learned(key, ask)),
-            #[cfg(feature = "redis")]
-            Backend::Redis(redis) => redis.pace_learned(key, ask),
-        }
+        self.rate_buckets().pace_learned(key, ask)
     }
 
     /// Whether an operation may be a round trip (Redis), so callers batch.
@@ -496,23 +487,16 @@ impl Store {
         !matches!(&*self.backend, Backend::Memory(_))
     }
 
-    /// What PriorityClassify does per request: [`check_demotion`](Store::check_demotion), then
-    /// [`add_tokens`](Store::add_tokens) — in one lock on the memory store.
-    pub(crate) fn admit(
+    /// [`check_demotion`](Store::check_demotion), then [`add_tokens`](Store::add_tokens):
+    /// in one lock on the memory store.
+    pub(crate) fn check_demotion_then_add_tokens(
         &self,
         tenant: &TenantId,
         policy: &DemotionPolicy,
         tokens: u64,
     ) -> StoreFuture<Demotion> {
-        match &*self.backend {
-            Backend::Memory(memory) => StoreFuture::ready(memory.admit(tenant, policy, tokens)),
-            #[cfg(feature = "redis")]
-            Backend::Redis(redis) => {
-                let check = redis.check_demotion(tenant, policy);
-                redis.add_tokens(tenant, tokens);
-                check
-            }
-        }
+        self.tenants()
+            .check_demotion_then_add_tokens(tenant, policy, tokens)
     }
 
     /// Sends whatever is batched locally (token and served-cost counts) now. When it is
@@ -580,33 +564,18 @@ impl Store {
         limits: SlotLimits,
         queue: Option<SlotQueue>,
     ) -> StoreFuture<Result<SlotLease, SlotRefusal>> {
-        match &*self.backend {
-            Backend::Memory(memory) => {
-                let _ = queue; // a local release wakes the local waiters
-                StoreFuture::ready(memory.slots.try_acquire(tier, tenant, limits))
-            }
-            #[cfg(feature = "redis")]
-            Backend::Redis(redis) => redis.try_acquire_slot(tier, tenant, limits, queue),
-        }
+        self.slot_leases().acquire_slot(tier, tenant, limits, queue)
     }
 
     /// Slots held now: all tiers (`None`) or one. On Redis, across every worker.
     pub fn slots_in_use(&self, tier: Option<&Tier>) -> StoreFuture<u32> {
-        match &*self.backend {
-            Backend::Memory(memory) => StoreFuture::ready(memory.slots.in_use(tier)),
-            #[cfg(feature = "redis")]
-            Backend::Redis(redis) => redis.slots_in_use(tier),
-        }
+        self.slot_leases().slots_in_use(tier)
     }
 
     /// Workers that said they were alive at the last heartbeat (this one included); 1 on the
     /// memory store.
     pub fn alive_workers(&self) -> u32 {
-        match &*self.backend {
-            Backend::Memory(_) => 1,
-            #[cfg(feature = "redis")]
-            Backend::Redis(redis) => redis.alive_workers(),
-        }
+        self.slot_leases().alive_workers()
     }
 
     /// What woke this worker's slot waiters since the last call (Redis): the tiers releases
@@ -615,56 +584,35 @@ impl Store {
     /// been lost). `None`: nothing did, or the memory store, whose releases only notify
     /// [`slot_released`](Self::slot_released).
     pub(crate) fn take_slot_wakes(&self) -> Option<SlotWakes> {
-        match &*self.backend {
-            Backend::Memory(_) => None,
-            #[cfg(feature = "redis")]
-            Backend::Redis(redis) => redis.take_slot_wakes(),
-        }
+        self.slot_leases().take_wakes()
     }
 
     /// Passes on at once `n` wake-ups of `flow` in `tier` no call here can answer (the
     /// fair queue has fewer requests of the flow than wake-ups), so the slots go to the
     /// next flow in the fleet's order now rather than after the unanswered wake-ups'
     /// delay; with `leave`, no call of the flow waits here and the worker leaves it.
-    pub(crate) fn decline_slot_wakes(&self, tier: &Tier, flow: &str, n: usize, leave: bool) {
-        match &*self.backend {
-            Backend::Memory(_) => {
-                let _ = (tier, flow, n, leave);
-            }
-            #[cfg(feature = "redis")]
-            Backend::Redis(redis) => redis.decline_slot_wakes(tier, flow, n, leave),
-        }
+    pub(crate) fn pass_on_slot_wakes(&self, tier: &Tier, flow: &str, n: usize, leave: bool) {
+        self.slot_leases().pass_on_wakes(tier, flow, n, leave);
     }
 
     /// What a waiter of `tier` waits on when freed slots wake one worker each (Redis, up);
     /// `None`: wait on [`slot_released`](Self::slot_released).
-    pub(crate) fn slot_wake(&self, tier: &Tier) -> Option<Arc<tokio::sync::Notify>> {
-        match &*self.backend {
-            Backend::Memory(_) => {
-                let _ = tier;
-                None
-            }
-            #[cfg(feature = "redis")]
-            Backend::Redis(redis) => redis.slot_wake(tier),
-        }
+    pub(crate) fn slot_wake_for(&self, tier: &Tier) -> Option<Arc<tokio::sync::Notify>> {
+        self.slot_leases().wake_for(tier)
     }
 
     /// Whether a freed slot wakes one queued worker (Redis, up, with this worker's calls all
     /// counted there) rather than every local waiter (the memory store, or a Redis store
     /// keeping to its own share): then a slot given back here wakes nobody here directly.
-    pub(crate) fn wakes_one_by_one(&self) -> bool {
-        match &*self.backend {
-            Backend::Memory(_) => false,
-            #[cfg(feature = "redis")]
-            Backend::Redis(redis) => redis.wakes_one_by_one(),
-        }
+    pub(crate) fn wakes_per_freed_slot(&self) -> bool {
+        self.slot_leases().wakes_per_freed_slot()
     }
 
     /// How often a slot waiter polls, for a policy's `poll_interval`: ten times less often
     /// while freed slots wake waiters one by one, where the poll is only the safety net for
     /// a lost wake-up or an expired lease.
     pub(crate) fn slot_poll(&self, interval: Duration) -> Duration {
-        if self.wakes_one_by_one() {
+        if self.wakes_per_freed_slot() {
             interval.saturating_mul(10)
         } else {
             interval
@@ -673,11 +621,7 @@ impl Store {
 
     /// Notified whenever a slot may have come free in this process or, on Redis, anywhere.
     pub(crate) fn slot_released(&self) -> &tokio::sync::Notify {
-        match &*self.backend {
-            Backend::Memory(memory) => &memory.slots.released,
-            #[cfg(feature = "redis")]
-            Backend::Redis(redis) => redis.slot_released(),
-        }
+        self.slot_leases().released()
     }
 }
 

@@ -39,6 +39,7 @@ use crate::hash::HashMap;
 
 mod conn;
 mod cooldown;
+mod kinds;
 mod pacing;
 #[cfg(test)]
 mod pacing_differential;

@@ -452,7 +452,7 @@ impl Waiter {
             // too). While freed slots wake workers one by one, a wake-up for this tier is
             // waited for; otherwise, and by a tenant over its own cap (not woken that way),
             // any release.
-            let woken = self.shared.store.slot_wake(&self.tier);
+            let woken = self.shared.store.slot_wake_for(&self.tier);
             let tier_woken = woken.as_ref().map(|woken| woken.notified());
             let released = self.shared.store.slot_released().notified();
             tokio::pin!(tier_woken, released);

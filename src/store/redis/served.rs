@@ -80,7 +80,7 @@ impl ServedRedis {
 impl RedisStore {
     pub(crate) fn add_served_cost(&self, tenant: &TenantId, cost: u64) {
         if self.is_degraded() {
-            self.fallback.add_served_cost(tenant, cost);
+            self.fallback.served.add(tenant, cost);
         }
         self.batch_add(&self.served.pending, tenant, cost);
     }
@@ -162,7 +162,7 @@ impl RedisStore {
         let key = self.keys.tenant(tenant, "served");
         let tenant = tenant.clone();
         self.op(
-            move |local| local.served_cost(&tenant),
+            move |local| local.served.total(&tenant),
             move |this| async move {
                 let mut conn = this.conn.clone();
                 this.served

@@ -1022,13 +1022,7 @@ impl RedisStore {
 
     /// Passes on at once `n` wake-ups of `flow` in `tier` this worker has no call to answer
     /// with (leaving the flow with `leave`: no call of it waits here).
-    pub(crate) fn decline_slot_wakes(
-        self: &Arc<Self>,
-        tier: &Tier,
-        flow: &str,
-        n: usize,
-        leave: bool,
-    ) {
+    pub(crate) fn pass_on_wakes(self: &Arc<Self>, tier: &Tier, flow: &str, n: usize, leave: bool) {
         let tier_key = self.keys.slots_tier(tier);
         for _ in 0..n {
             let Some(token) = self.wakes.answer(&tier_key, flow) else {
@@ -1044,21 +1038,21 @@ impl RedisStore {
         self.fallback.slots.released.notify_waiters();
     }
 
-    pub(crate) fn take_slot_wakes(&self) -> Option<crate::store::SlotWakes> {
+    pub(crate) fn take_wakes(&self) -> Option<crate::store::SlotWakes> {
         self.wakes.take()
     }
 
     /// What a waiter of `tier` waits on while releases wake workers one by one; `None`
     /// while this worker keeps to its own share (its waiters wait for any release).
-    pub(crate) fn slot_wake(&self, tier: &Tier) -> Option<Arc<tokio::sync::Notify>> {
-        self.wakes_one_by_one()
+    pub(crate) fn wake_for(&self, tier: &Tier) -> Option<Arc<tokio::sync::Notify>> {
+        self.wakes_per_freed_slot()
             .then(|| self.wakes.notify_for(&self.keys.slots_tier(tier)))
     }
 
     /// Whether a freed slot wakes one queued worker (Redis answers, and this worker's
     /// calls are all counted there) rather than this worker's waiters trying on any
     /// release.
-    pub(crate) fn wakes_one_by_one(&self) -> bool {
+    pub(crate) fn wakes_per_freed_slot(&self) -> bool {
         !self.slots.restricted(self.is_degraded())
     }
 
