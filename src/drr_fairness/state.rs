@@ -70,7 +70,7 @@ struct Group {
     /// `None` for group 0: no slot to take.
     slots: Option<TierSlots>,
     /// Start-time fair queuing between the groups of a class: the cost served per unit of
-    /// the group's active weight. The group with the least goes next.
+    /// the tier's weight. The group with the least goes next.
     vtime: [f64; 3],
     /// The last step of `vtime` per class: charged ahead for an acquire under way, so the
     /// next pick sees the group as served and other tiers get their turn meanwhile.
@@ -1439,36 +1439,30 @@ impl FairQueue {
         let handed = Handed { lease, receipt };
         let g = &mut state.groups[group];
         let next = match &for_tenant {
-            Some(tenant) => std::iter::once(class).chain(Priority::ALL).find_map(|c| {
-                let active = g.scheduler.active_tenants(c);
-                g.scheduler.pop_tenant(c, tenant).map(|next| (active, next))
-            }),
+            Some(tenant) => std::iter::once(class)
+                .chain(Priority::ALL)
+                .find_map(|c| g.scheduler.pop_tenant(c, tenant)),
             None => {
                 // The class the slot was taken for, or (its requests went away meanwhile)
                 // the group's highest class with one.
                 std::iter::once(class)
                     .chain(Priority::ALL)
                     .find(|&c| g.scheduler.class_len(c) > 0)
-                    .and_then(|c| {
-                        let active = g.scheduler.active_tenants(c);
-                        g.scheduler.pop_class(c).map(|next| (active, next))
-                    })
+                    .and_then(|c| g.scheduler.pop_class(c))
             }
         };
         match next {
-            Some((active, next)) => self.handed(state, group, active, next, handed, after),
+            Some(next) => self.handed(state, group, next, handed, after),
             // Nothing of it waits any more: the slot and the cells go back.
             None => after.drop_handed.push(handed),
         }
     }
 
-    /// Hands `next` (popped from `group`, whose class had `active` tenants waiting) the
-    /// window place and `lease`.
+    /// Hands `next` (popped from `group`) the window place and `lease`.
     fn handed(
         &self,
         state: &mut Queues,
         group: usize,
-        active: usize,
         next: super::scheduler::Dispatched<Waiter>,
         handed: Handed,
         after: &mut AfterUnlock,
@@ -1476,8 +1470,9 @@ impl FairQueue {
         let class = next.class;
         let ci = class as usize;
         let g = &mut state.groups[group];
-        // The group's active weight: its tenants share a tier, so they share a weight.
-        let weight = f64::from(next.item.weight.max(1)) * active.max(1) as f64;
+        // The tier's weight, whatever its number of tenants waiting: a flood of many
+        // tenants of one tier takes that tier's share, not more.
+        let weight = f64::from(next.item.weight.max(1));
         g.last_step[ci] = next.cost as f64 / weight;
         g.vtime[ci] += g.last_step[ci];
         state.left(class);

@@ -1,10 +1,10 @@
 -- Gives a slot lease back and wakes one waiting worker for the slot, in the fleet's fair
 -- order (slot_queue.lua): of the tiers with a queued flow and room under their cap, the
 -- class by fair queuing on the class weights (one call each), then the tier in that class
--- by start-time fair queuing on the cost over the tier's active weight (its weight times
--- its flows waiting in the class: tiers share as their tenants' weights say, as in one
--- process; a class or tier that starts waiting starts at the current virtual time, so a
--- flood queued before it cannot hold it back), then the flow with the smallest start tag,
+-- by start-time fair queuing on the cost over the tier's weight (whatever its number of
+-- flows waiting, as in one process: a flood of many tenants takes its tier's share, not
+-- more; a class or tier that starts waiting starts at the current virtual time, so a flood
+-- queued before it cannot hold it back), then the flow with the smallest start tag,
 -- then the worker queued longest for that flow. The flow and its tier are charged what the
 -- worker said its next call costs. The worker is told on its own
 -- channel and goes to the back of the flow's workers, or leaves the flow when that was the
@@ -98,9 +98,9 @@ local function fairest(choices)
   return best
 end
 
--- Start-time fair queuing among `choices` (name, start tag, active weight): the least
--- start tag, the first listed on a tie; the one served is charged its call's cost over its
--- active weight when the cost is known.
+-- Start-time fair queuing among `choices` (name, start tag, weight): the least start tag,
+-- the first listed on a tie; the one served is charged its call's cost over its weight when
+-- the cost is known.
 local function earliest(choices)
   local best
   for _, c in ipairs(choices) do
@@ -130,9 +130,8 @@ local function pick(open)
   local c = class[1]
   local tiers = {}
   for _, key in ipairs(open) do
-    local flows = redis.call('ZCARD', key .. ':flows:' .. c)
-    if flows > 0 then
-      tiers[#tiers + 1] = {key, num('v:' .. c .. ':' .. key, num('v:' .. c, 0)), weight('w:' .. key) * flows}
+    if redis.call('ZCARD', key .. ':flows:' .. c) > 0 then
+      tiers[#tiers + 1] = {key, num('v:' .. c .. ':' .. key, num('v:' .. c, 0)), weight('w:' .. key)}
     end
   end
   local tier_turn = earliest(tiers)
