@@ -61,20 +61,9 @@ fn top_level_modules_import_no_cycle() {
             }
         }
     }
-    let cycles = cycles(&edges);
-    let mut report = String::new();
-    for cycle in &cycles {
-        let _ = writeln!(report, "  cycle: {}", cycle.join(" <-> "));
-        for from in cycle {
-            for to in cycle {
-                if let Some(at) = edges.get(from).and_then(|e| e.get(to)) {
-                    let _ = writeln!(report, "    crate::{from} uses crate::{to} at {at}");
-                }
-            }
-        }
-    }
+    let report = cycles_report("crate", &edges);
     assert!(
-        cycles.is_empty(),
+        report.is_empty(),
         "import cycles between top-level modules:\n{report}"
     );
 }
@@ -85,24 +74,31 @@ fn sibling_modules_import_no_cycle() {
         .into_iter()
         .filter(|f| f.krate == "lib")
         .collect();
-    let edges = sibling_edges(&files);
-    let mut report = String::new();
-    for (parent, edges) in &edges {
-        for cycle in cycles(edges) {
-            let _ = writeln!(report, "  in crate::{parent}: {}", cycle.join(" <-> "));
-            for from in &cycle {
-                for to in &cycle {
-                    if let Some(at) = edges.get(from).and_then(|e| e.get(to)) {
-                        let _ = writeln!(report, "    {from} uses {to} at {at}");
-                    }
-                }
-            }
-        }
-    }
+    let report: String = sibling_edges(&files)
+        .iter()
+        .map(|(parent, edges)| cycles_report(&format!("crate::{parent}"), edges))
+        .collect();
     assert!(
         report.is_empty(),
         "import cycles between the modules of one folder:\n{report}"
     );
+}
+
+/// The cycles among the modules of `parent` (`edges[from][to]`: where `from` names `to`
+/// first), each with the uses that make it; empty when there are none.
+fn cycles_report(parent: &str, edges: &BTreeMap<String, BTreeMap<String, String>>) -> String {
+    let mut report = String::new();
+    for cycle in cycles(edges) {
+        let _ = writeln!(report, "  in {parent}: {}", cycle.join(" <-> "));
+        for from in &cycle {
+            for to in &cycle {
+                if let Some(at) = edges.get(from).and_then(|e| e.get(to)) {
+                    let _ = writeln!(report, "    {from} uses {to} at {at}");
+                }
+            }
+        }
+    }
+    report
 }
 
 /// For each module with child modules, which child uses which sibling (and where first):

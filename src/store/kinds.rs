@@ -9,8 +9,8 @@
 //! | [`SlotLeases`] | slot leases (global, tier, tenant) and the wake-ups of freed slots |
 //! | [`ServedCosts`] | cost served per tenant, and the fleet's fairness index |
 //!
-//! A store hands out the one implementation of each kind its backend has; the `Store`
-//! methods of the same names say what each operation promises.
+//! A store's backend implements them all ([`AllKinds`]); the `Store` methods of the same
+//! names say what each operation promises.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -115,3 +115,11 @@ pub(crate) trait ServedCosts: Send + Sync {
         None
     }
 }
+
+/// Every kind at once: what a store's backend is.
+pub(crate) trait AllKinds:
+    Tenants + Cooldowns + RateBuckets + SlotLeases + ServedCosts
+{
+}
+
+impl<T: Tenants + Cooldowns + RateBuckets + SlotLeases + ServedCosts> AllKinds for T {}

@@ -289,44 +289,8 @@ impl StoreBuilder {
 }
 
 impl Store {
-    /// The store's throttles, daily tokens, budgets and demotion per tenant.
-    fn tenants(&self) -> &dyn kinds::Tenants {
-        match &*self.backend {
-            Backend::Memory(memory) => memory,
-            #[cfg(feature = "redis")]
-            Backend::Redis(redis) => redis,
-        }
-    }
-
-    /// The store's cooldown gates.
-    fn cooldowns(&self) -> &dyn kinds::Cooldowns {
-        match &*self.backend {
-            Backend::Memory(memory) => memory,
-            #[cfg(feature = "redis")]
-            Backend::Redis(redis) => redis,
-        }
-    }
-
-    /// The store's pacing and learned buckets.
-    fn rate_buckets(&self) -> &dyn kinds::RateBuckets {
-        match &*self.backend {
-            Backend::Memory(memory) => memory,
-            #[cfg(feature = "redis")]
-            Backend::Redis(redis) => redis,
-        }
-    }
-
-    /// The store's slot leases and their wake-ups.
-    fn slot_leases(&self) -> &dyn kinds::SlotLeases {
-        match &*self.backend {
-            Backend::Memory(memory) => memory,
-            #[cfg(feature = "redis")]
-            Backend::Redis(redis) => redis,
-        }
-    }
-
-    /// The store's served cost per tenant.
-    fn served_costs(&self) -> &dyn kinds::ServedCosts {
+    /// The backend's implementation of every kind of shared state (`kinds.rs`).
+    fn kinds(&self) -> &dyn kinds::AllKinds {
         match &*self.backend {
             Backend::Memory(memory) => memory,
             #[cfg(feature = "redis")]
@@ -379,12 +343,12 @@ impl Store {
     /// Records a throttle (a 429 attributed to `tenant`) and returns how many fall inside the
     /// throttle window, this one included.
     pub fn record_throttle(&self, tenant: &TenantId) -> StoreFuture<u32> {
-        self.tenants().record_throttle(tenant)
+        self.kinds().record_throttle(tenant)
     }
 
     /// Throttles of `tenant` inside the throttle window.
     pub fn throttle_count(&self, tenant: &TenantId) -> StoreFuture<u32> {
-        self.tenants().throttle_count(tenant)
+        self.kinds().throttle_count(tenant)
     }
 
     /// Adds input tokens to `tenant`'s total for the current UTC day.
@@ -392,12 +356,12 @@ impl Store {
     /// Off the request path: the Redis store adds them up locally and sends them in the
     /// background (every 250 ms by default, or on [`flush`](Store::flush)).
     pub fn add_tokens(&self, tenant: &TenantId, tokens: u64) {
-        self.tenants().add_tokens(tenant, tokens);
+        self.kinds().add_tokens(tenant, tokens);
     }
 
     /// `tenant`'s input tokens for the current UTC day, as far as they were flushed.
     pub fn tokens_today(&self, tenant: &TenantId) -> StoreFuture<u64> {
-        self.tenants().tokens_today(tenant)
+        self.kinds().tokens_today(tenant)
     }
 
     /// Sets (`Some`) or clears (`None`, back to the policy's default) `tenant`'s daily
@@ -411,17 +375,17 @@ impl Store {
         tenant: &TenantId,
         tokens: Option<u64>,
     ) -> StoreFuture<Result<(), StoreUnavailable>> {
-        self.tenants().set_daily_budget(tenant, tokens)
+        self.kinds().set_daily_budget(tenant, tokens)
     }
 
     /// `tenant`'s own daily budget, if one was set.
     pub fn daily_budget(&self, tenant: &TenantId) -> StoreFuture<Option<u64>> {
-        self.tenants().daily_budget(tenant)
+        self.kinds().daily_budget(tenant)
     }
 
     /// Time left on `tenant`'s demotion, if it is demoted. Reads only; never demotes.
     pub fn demoted_for(&self, tenant: &TenantId) -> StoreFuture<Option<Duration>> {
-        self.tenants().demoted_for(tenant)
+        self.kinds().demoted_for(tenant)
     }
 
     /// Checks `tenant` against `policy` and demotes it if it crossed a threshold, atomically
@@ -432,7 +396,7 @@ impl Store {
         tenant: &TenantId,
         policy: &DemotionPolicy,
     ) -> StoreFuture<Demotion> {
-        self.tenants().check_demotion(tenant, policy)
+        self.kinds().check_demotion(tenant, policy)
     }
 
     /// Closes the cooldown gate of `upstream` (any name: a host, a model) for at least
@@ -442,7 +406,7 @@ impl Store {
     /// It closes for at most a day (a longer delay counts as a day), on every store. On Redis the gate lives in one hash (server time) and every worker's local copy is
     /// updated through pub/sub, so [`cooldown`](Store::cooldown) stays a local read.
     pub fn extend_cooldown(&self, upstream: &str, delay: Duration) -> StoreFuture<Duration> {
-        self.cooldowns().extend_cooldown(upstream, delay)
+        self.kinds().extend_cooldown(upstream, delay)
     }
 
     /// How long `upstream`'s cooldown gate stays closed; `None` when it is open.
@@ -450,7 +414,7 @@ impl Store {
     /// Never a round trip: on Redis this reads the worker's copy, which pub/sub keeps
     /// current (and a resync on every reconnect).
     pub fn cooldown(&self, upstream: &str) -> Option<Duration> {
-        self.cooldowns().cooldown(upstream)
+        self.kinds().cooldown(upstream)
     }
 
     /// Reserves a call's cells under the pacing `key` in every dimension of `limits` (GCRA:
@@ -463,7 +427,7 @@ impl Store {
     /// divided by the workers last seen alive (at least 1), as TierSlotLimit divides its
     /// caps.
     pub fn pace(&self, key: &str, limits: &[PaceLimit]) -> StoreFuture<Duration> {
-        self.rate_buckets().pace(key, limits)
+        self.kinds().pace(key, limits)
     }
 
     /// The per-minute limits the provider reported for the upstream `key` (learned by
@@ -471,7 +435,7 @@ impl Store {
     /// as the store holds them: every worker on the store shares them, so a worker that
     /// starts later starts informed.
     pub fn learned_limits(&self, key: &str) -> StoreFuture<LearnedLimits> {
-        self.rate_buckets().learned_limits(key)
+        self.kinds().learned_limits(key)
     }
 
     /// Learned pacing, in one operation on the upstream `key`'s bucket (one script on
@@ -479,7 +443,7 @@ impl Store {
     /// corrections, and take the cells of the calls about to go (or be told to wait for a
     /// probe). See `pacing.rs`.
     pub(crate) fn pace_learned(&self, key: &str, ask: &PaceAsk) -> StoreFuture<PaceGrant> {
-        self.rate_buckets().pace_learned(key, ask)
+        self.kinds().pace_learned(key, ask)
     }
 
     /// Whether an operation may be a round trip (Redis), so callers batch.
@@ -495,7 +459,7 @@ impl Store {
         policy: &DemotionPolicy,
         tokens: u64,
     ) -> StoreFuture<Demotion> {
-        self.tenants()
+        self.kinds()
             .check_demotion_then_add_tokens(tenant, policy, tokens)
     }
 
@@ -564,18 +528,18 @@ impl Store {
         limits: SlotLimits,
         queue: Option<SlotQueue>,
     ) -> StoreFuture<Result<SlotLease, SlotRefusal>> {
-        self.slot_leases().acquire_slot(tier, tenant, limits, queue)
+        self.kinds().acquire_slot(tier, tenant, limits, queue)
     }
 
     /// Slots held now: all tiers (`None`) or one. On Redis, across every worker.
     pub fn slots_in_use(&self, tier: Option<&Tier>) -> StoreFuture<u32> {
-        self.slot_leases().slots_in_use(tier)
+        self.kinds().slots_in_use(tier)
     }
 
     /// Workers that said they were alive at the last heartbeat (this one included); 1 on the
     /// memory store.
     pub fn alive_workers(&self) -> u32 {
-        self.slot_leases().alive_workers()
+        self.kinds().alive_workers()
     }
 
     /// What woke this worker's slot waiters since the last call (Redis): the tiers releases
@@ -584,7 +548,7 @@ impl Store {
     /// been lost). `None`: nothing did, or the memory store, whose releases only notify
     /// [`slot_released`](Self::slot_released).
     pub(crate) fn take_slot_wakes(&self) -> Option<SlotWakes> {
-        self.slot_leases().take_wakes()
+        self.kinds().take_wakes()
     }
 
     /// Passes on at once `n` wake-ups of `flow` in `tier` no call here can answer (the
@@ -592,20 +556,20 @@ impl Store {
     /// next flow in the fleet's order now rather than after the unanswered wake-ups'
     /// delay; with `leave`, no call of the flow waits here and the worker leaves it.
     pub(crate) fn pass_on_slot_wakes(&self, tier: &Tier, flow: &str, n: usize, leave: bool) {
-        self.slot_leases().pass_on_wakes(tier, flow, n, leave);
+        self.kinds().pass_on_wakes(tier, flow, n, leave);
     }
 
     /// What a waiter of `tier` waits on when freed slots wake one worker each (Redis, up);
     /// `None`: wait on [`slot_released`](Self::slot_released).
     pub(crate) fn slot_wake_for(&self, tier: &Tier) -> Option<Arc<tokio::sync::Notify>> {
-        self.slot_leases().wake_for(tier)
+        self.kinds().wake_for(tier)
     }
 
     /// Whether a freed slot wakes one queued worker (Redis, up, with this worker's calls all
     /// counted there) rather than every local waiter (the memory store, or a Redis store
     /// keeping to its own share): then a slot given back here wakes nobody here directly.
     pub(crate) fn wakes_per_freed_slot(&self) -> bool {
-        self.slot_leases().wakes_per_freed_slot()
+        self.kinds().wakes_per_freed_slot()
     }
 
     /// How often a slot waiter polls, for a policy's `poll_interval`: ten times less often
@@ -621,7 +585,7 @@ impl Store {
 
     /// Notified whenever a slot may have come free in this process or, on Redis, anywhere.
     pub(crate) fn slot_released(&self) -> &tokio::sync::Notify {
-        self.slot_leases().released()
+        self.kinds().released()
     }
 }
 

@@ -113,28 +113,27 @@ impl Store {
     /// background with the token counts (every 250 ms by default, or on
     /// [`flush`](Store::flush)).
     pub fn add_served_cost(&self, tenant: &TenantId, cost: u64) {
-        self.served_costs().add_served_cost(tenant, cost);
+        self.kinds().add_served_cost(tenant, cost);
     }
 
     /// A fair queue's dispatch for the fleet's fairness index: `cost` served for `tenant`,
     /// of tier weight `weight`, `queued` if it waited in the queue (the memory store's
     /// index is the layer's own: nothing to do).
     pub(crate) fn add_fairness(&self, tenant: &TenantId, weight: u32, cost: u64, queued: bool) {
-        self.served_costs()
-            .add_fairness(tenant, weight, cost, queued);
+        self.kinds().add_fairness(tenant, weight, cost, queued);
     }
 
     /// Jain's index over every worker's dispatches in the last [`SERVED_WINDOW`] (Redis,
     /// while it answers): `Some(None)` when no tenant waited in a queue; `None` when the
     /// fleet's is not known (memory store, Redis away, not read yet).
     pub(crate) fn fleet_fairness_index(&self) -> Option<Option<f64>> {
-        self.served_costs().fleet_fairness_index()
+        self.kinds().fleet_fairness_index()
     }
 
     /// What was dispatched for `tenant` in the last [`SERVED_WINDOW`], as far as it was
     /// flushed (on Redis: by every worker).
     pub fn served_cost(&self, tenant: &TenantId) -> StoreFuture<u64> {
-        self.served_costs().served_cost(tenant)
+        self.kinds().served_cost(tenant)
     }
 }
 
