@@ -4,10 +4,10 @@
 -- by start-time fair queuing on the cost over the tier's weight (whatever its number of
 -- flows waiting, as in one process: a flood of many tenants takes its tier's share, not
 -- more; a class or tier that starts waiting starts at the current virtual time, so a flood
--- queued before it cannot hold it back), then the flow with the smallest start tag,
--- then the worker queued longest for that flow. The flow and its tier are charged what the
--- worker said its next call costs. The worker is told on its own
--- channel and goes to the back of the flow's workers, or leaves the flow when that was the
+-- queued before it cannot hold it back), then the flow with the smallest start tag, then
+-- the worker queued longest for that flow. The flow and its tier are charged what the
+-- worker said its next call costs. The worker is told on its own channel and goes to the
+-- back of the flow's workers, or leaves the flow when that was the
 -- last of its calls there; one no longer listening (gone), or no longer saying it is alive
 -- (its record in the worker set missing or not renewed for a while: crashed, or cut off
 -- from Redis while its subscription lingers), leaves it and is skipped, so a freed slot is
