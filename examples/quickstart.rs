@@ -20,11 +20,12 @@ use tower::{ServiceBuilder, ServiceExt, service_fn};
 async fn main() -> Result<(), BoxError> {
     let store = Store::memory();
     // Small caps so the demonstration fills them: 4 calls in flight at most, free users 2
-    // of them and never waiting, pro users up to 2 s.
+    // of them and never waiting, pro users up to 5 s (a tier's max wait counts from the
+    // call's arrival, retries included: step 4's retry comes 1.9-2.9 s after it).
     let slots = SlotPolicy::builder()
         .global_max(4)
         .tier("free", 2, Duration::ZERO)
-        .tier("pro", 4, Duration::from_secs(2))
+        .tier("pro", 4, Duration::from_secs(5))
         .build()?;
     // The four layers, every wire in sight (`FairgateLayer` does the same in one line): the
     // fair queue takes the slot layer's caps and the retry layer's rate gate, so whatever

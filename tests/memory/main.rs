@@ -20,6 +20,7 @@ mod dashboard;
 mod drr_fairness;
 mod learned_pacing;
 mod priority_classify;
+mod quickstart;
 mod replay;
 mod retry_after_backoff;
 mod simulate;
