@@ -176,8 +176,11 @@ async fn two_workers_guest_flood_at_the_providers_rate_premium_gets_its_weighted
         .collect();
     let in_window = |tier: &str| window.iter().filter(|t| **t == tier).count();
     let (p, g) = (in_window("premium"), in_window("guest"));
-    // One call of slack per worker: each worker's fair queue keeps the share.
-    let broken = share_broken(&window, "premium", "guest", 3, 2);
+    // One call of slack per worker (each worker's fair queue keeps the share) and one more:
+    // on a loaded machine a guest dispatched just before premium queued reaches the
+    // upstream after it (CI saw a fourth guest in the first nine dispatches). In arrival
+    // order every dispatch of the window would be a guest's.
+    let broken = share_broken(&window, "premium", "guest", 3, 3);
     let took: Vec<Duration> = premium.iter().map(Outcome::took).collect();
     println!(
         "two workers, guest flood at {RPM} RPM: premium {} of 20 served ({}), p50 {:?}, max \
