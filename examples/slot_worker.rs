@@ -50,9 +50,8 @@
 //! A call lasts 30-50 ms at the upstream stand-in, which counts it on the OBSERVER: in flight
 //! now and the maximum (`obs:now`, `obs:max`), in flight from this process (`obs:now:<pid>`,
 //! so a test that kills it can take its calls back out), and its start as
-//! `<ms on the observer's clock>:<tenant>` appended to `obs:starts`. Writes
-//! `obs:began:<pid>` (the observer's ms) when its callers begin. Prints `READY` once its store
-//! is built, then `ok=N busy=N failed=N`. `--lease-ttl-ms=N`: the lease TTL (default 30 s).
+//! `<ms on the observer's clock>:<tenant>` appended to `obs:starts`. Prints `READY` once its
+//! store is built, then `ok=N busy=N failed=N`. `--lease-ttl-ms=N`: the lease TTL (default 30 s).
 //!
 //! `--cluster` (anywhere; any mode): URL is a comma-separated list of a Redis
 //! Cluster's node URLs, and the store is built with `redis_cluster`. `--slots-only`
@@ -730,7 +729,7 @@ async fn fleet(
     lease_ttl: Option<Duration>,
     specs: Vec<Spec>,
 ) -> Result<(), BoxError> {
-    let mut probe = redis::Client::open(observer)?
+    let probe = redis::Client::open(observer)?
         .get_multiplexed_async_connection()
         .await?;
     let mine = format!("obs:now:{}", std::process::id());
@@ -770,12 +769,6 @@ async fn fleet(
         .layer(upstream);
     let service = tower::util::BoxCloneService::new(stack.map_response(drop));
     println!("READY");
-    let began: Vec<i64> = redis::cmd("TIME").query_async(&mut probe).await?;
-    let _: () = redis::cmd("SET")
-        .arg(format!("obs:began:{}", std::process::id()))
-        .arg(began[0] * 1_000 + began[1] / 1_000)
-        .query_async(&mut probe)
-        .await?;
     let until = tokio::time::Instant::now() + Duration::from_millis(millis as u64);
     let mut tasks = Vec::new();
     for spec in &specs {
