@@ -94,6 +94,7 @@ pub mod error;
 pub mod extract;
 pub mod gate;
 mod gcra;
+mod guarded;
 mod hash;
 mod job;
 mod labels;
