@@ -13,9 +13,9 @@ use std::task::{Context, Poll, ready};
 use pin_project_lite::pin_project;
 use tower_service::Service;
 
+use crate::JobRequest;
 use crate::body::GuardResponse;
 use crate::error::{BoxError, PolledAfterCompletion};
-use crate::{Job, JobRequest};
 
 /// A wait for a request's place.
 pub(crate) trait Turn {
@@ -25,8 +25,8 @@ pub(crate) trait Turn {
     /// Ready with the permit once the place is the request's, or with why it never will be.
     fn poll_turn(&mut self, cx: &mut Context<'_>) -> Poll<Result<Self::Permit, BoxError>>;
 
-    /// The request is about to be sent with `permit` (nothing to do by default).
-    fn going(_permit: &mut Self::Permit, _job: Option<&Job>) {}
+    /// `req` is about to be sent with `permit` (nothing to do by default).
+    fn going<Req: JobRequest>(_permit: &mut Self::Permit, _req: &Req) {}
 }
 
 pin_project! {
@@ -119,7 +119,7 @@ where
                         Err(e) => Err(e.into()),
                         Ok(()) => match (permit.take(), call.take()) {
                             (Some(mut permit), Some((mut inner, req))) => {
-                                W::going(&mut permit, req.job());
+                                W::going(&mut permit, &req);
                                 let fut = inner.call(req);
                                 let permit = Some(permit);
                                 this.state.set(State::Calling { fut, permit });

@@ -9,10 +9,10 @@ use pin_project_lite::pin_project;
 use tower_service::Service;
 
 use super::state::{Permit, Ticket};
+use crate::JobRequest;
 use crate::body::GuardResponse;
 use crate::error::BoxError;
 use crate::guarded::{GuardedCall, Turn};
-use crate::{Job, JobRequest};
 
 pin_project! {
     /// Waits for the request's turn in the fair order, then calls the inner service; the
@@ -30,8 +30,8 @@ impl Turn for Ticket {
         Ticket::poll_turn(self, cx).map_err(Into::into)
     }
 
-    fn going(permit: &mut Permit, job: Option<&Job>) {
-        permit.going(job);
+    fn going<Req: JobRequest>(permit: &mut Permit, req: &Req) {
+        permit.going(req.job());
     }
 }
 

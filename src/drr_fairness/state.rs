@@ -199,6 +199,17 @@ impl Queues {
         self.groups.iter().map(|g| g.scheduler.len()).sum()
     }
 
+    /// No request waits and no group owes the fleet's order a wake-up or a flow to queue:
+    /// a dispatch would find nothing to do (the common case of a release).
+    fn nothing_to_dispatch(&self) -> bool {
+        self.groups.iter().all(|g| {
+            g.scheduler.len() == 0
+                && g.slots
+                    .as_ref()
+                    .is_none_or(|s| s.owed.is_empty() && s.to_queue.is_empty())
+        })
+    }
+
     /// A slot may have come free: every blocked tier may try again. With `lost`, the
     /// shared store may have lost its wait queue (Redis back, or a missed message): every
     /// flow queues again.
@@ -811,9 +822,9 @@ impl FairQueue {
                 .dispatch_direct(class, tenant.clone(), weight, cost);
         // `None`: the class is at its tenant capacity (billions); served, not charged.
         let cost = charged.unwrap_or_else(|| self.config.max_charge().min(cost.max(1)));
-        after.index = state
-            .fairness
-            .record(tenant, weight, cost, false, Instant::now());
+        // One clock read for the fairness window and the slot's wait.
+        let now = Instant::now();
+        after.index = state.fairness.record(tenant, weight, cost, false, now);
         after.served.push((tenant.clone(), cost, weight, false));
         Admission::Now(Permit::new(
             self.clone(),
@@ -821,7 +832,7 @@ impl FairQueue {
             class,
             charged.map(|_| tenant.clone()),
             handed,
-            entry.arrived,
+            now.saturating_duration_since(entry.arrived),
         ))
     }
 
@@ -1044,6 +1055,9 @@ impl FairQueue {
         let mut stuck: Vec<(usize, Priority)> = Vec::new();
         // Set again below if the rate gate still holds the head back.
         state.rate_wait = None;
+        if state.nothing_to_dispatch() {
+            return;
+        }
         if !self.dispatch_flows(state, after) {
             return;
         }
@@ -1782,7 +1796,7 @@ impl Permit {
         class: Priority,
         charged: Option<TenantId>,
         handed: Handed,
-        arrived: Instant,
+        waited: Duration,
     ) -> Self {
         let Handed {
             lease: slot,
@@ -1790,7 +1804,7 @@ impl Permit {
         } = handed;
         if let Some(lease) = &slot {
             crate::metrics::slot_taken(lease.tier(), lease.is_fallback());
-            crate::metrics::slot_wait(lease.tier(), arrived.elapsed());
+            crate::metrics::slot_wait(lease.tier(), waited);
         }
         Permit {
             shared,
@@ -1920,7 +1934,7 @@ impl Ticket {
             self.class,
             Some(self.tenant.clone()),
             handed,
-            self.arrived,
+            self.arrived.elapsed(),
         )))
     }
 

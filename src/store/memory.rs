@@ -26,6 +26,13 @@ use crate::{TenantId, Tier};
 
 const SECONDS_PER_DAY: u64 = 86_400;
 
+/// The clock as one store call reads it: the instant and its UTC day.
+#[derive(Clone, Copy)]
+struct Moment {
+    now: Instant,
+    today: u64,
+}
+
 /// Per-tenant state. A tenant whose state is all empty is dropped by the sweep.
 #[derive(Debug, Default)]
 struct TenantState {
@@ -129,23 +136,33 @@ impl MemoryState {
         wall.as_secs() / SECONDS_PER_DAY
     }
 
+    /// The clock, read once per call: the instant and its UTC day.
+    fn moment(&self) -> Moment {
+        let now = Instant::now();
+        Moment {
+            now,
+            today: self.utc_day(now),
+        }
+    }
+
     /// Runs `f` on the tenant's state, creating it if needed, then sweeps a little.
     fn with_tenant<T>(
         &self,
         tenant: &TenantId,
-        f: impl FnOnce(&mut TenantState, Instant) -> T,
+        f: impl FnOnce(&mut TenantState, Moment) -> T,
     ) -> T {
-        let now = Instant::now();
+        let at = self.moment();
+        let now = at.now;
         let hash = self.hasher.hash(tenant);
         let out = {
             let mut shard = crate::sync::lock(&self.shards[TenantHasher::shard(hash)]);
             let state = shard.get_or_insert_with(hash, tenant, TenantState::default);
             let was_demoted = state.demoted_until.is_some();
-            let out = f(state, now);
+            let out = f(state, at);
             self.count_demotion(was_demoted, state, now);
             out
         };
-        self.sweep(now);
+        self.sweep(at);
         out
     }
 
@@ -153,23 +170,24 @@ impl MemoryState {
     fn read_tenant<T>(
         &self,
         tenant: &TenantId,
-        f: impl FnOnce(Option<&mut TenantState>, Instant) -> T,
+        f: impl FnOnce(Option<&mut TenantState>, Moment) -> T,
     ) -> T {
-        let now = Instant::now();
+        let at = self.moment();
+        let now = at.now;
         let hash = self.hasher.hash(tenant);
         let out = {
             let mut shard = crate::sync::lock(&self.shards[TenantHasher::shard(hash)]);
             match shard.get_mut(hash, tenant) {
                 Some(state) => {
                     let was_demoted = state.demoted_until.is_some();
-                    let out = f(Some(&mut *state), now);
+                    let out = f(Some(&mut *state), at);
                     self.count_demotion(was_demoted, state, now);
                     out
                 }
-                None => f(None, now),
+                None => f(None, at),
             }
         };
-        self.sweep(now);
+        self.sweep(at);
         out
     }
 
@@ -192,8 +210,7 @@ impl MemoryState {
 
     /// Sweeps at most [`SWEEP_BUDGET`] buckets of the next shard, dropping tenants with
     /// nothing left to remember; publishes the demoted gauge at most once a second.
-    fn sweep(&self, now: Instant) {
-        let today = self.utc_day(now);
+    fn sweep(&self, Moment { now, today }: Moment) {
         let window = self.throttle_window;
         sweep_shard(&self.shards, &self.sweep_shard, |_, state| {
             state.trim_throttles(now, window);
@@ -232,26 +249,26 @@ impl MemoryState {
 
     pub(crate) fn record_throttle(&self, tenant: &TenantId) -> u32 {
         let window = self.throttle_window;
-        self.with_tenant(tenant, |state, now| {
-            state.trim_throttles(now, window);
-            state.throttles.push_back(now);
+        self.with_tenant(tenant, |state, at| {
+            state.trim_throttles(at.now, window);
+            state.throttles.push_back(at.now);
             u32::try_from(state.throttles.len()).unwrap_or(u32::MAX)
         })
     }
 
     pub(crate) fn throttle_count(&self, tenant: &TenantId) -> u32 {
         let window = self.throttle_window;
-        self.read_tenant(tenant, |state, now| {
+        self.read_tenant(tenant, |state, at| {
             state.map_or(0, |state| {
-                state.trim_throttles(now, window);
+                state.trim_throttles(at.now, window);
                 u32::try_from(state.throttles.len()).unwrap_or(u32::MAX)
             })
         })
     }
 
     pub(crate) fn add_tokens(&self, tenant: &TenantId, tokens: u64) -> u64 {
-        self.with_tenant(tenant, |state, now| {
-            Self::count_tokens(state, self.utc_day(now), tokens)
+        self.with_tenant(tenant, |state, at| {
+            Self::count_tokens(state, at.today, tokens)
         })
     }
 
@@ -265,8 +282,8 @@ impl MemoryState {
     }
 
     pub(crate) fn tokens_today(&self, tenant: &TenantId) -> u64 {
-        self.read_tenant(tenant, |state, now| {
-            state.map_or(0, |state| state.tokens_on(self.utc_day(now)))
+        self.read_tenant(tenant, |state, at| {
+            state.map_or(0, |state| state.tokens_on(at.today))
         })
     }
 
@@ -279,14 +296,14 @@ impl MemoryState {
     }
 
     pub(crate) fn demoted_for(&self, tenant: &TenantId) -> Option<Duration> {
-        self.read_tenant(tenant, |state, now| {
-            state.and_then(|state| state.demoted_for(now))
+        self.read_tenant(tenant, |state, at| {
+            state.and_then(|state| state.demoted_for(at.now))
         })
     }
 
     /// The same rule as `scripts/check_demotion.lua`, under one lock.
     pub(crate) fn check_demotion(&self, tenant: &TenantId, policy: &DemotionPolicy) -> Demotion {
-        self.with_tenant(tenant, |state, now| self.demotion(state, now, policy))
+        self.with_tenant(tenant, |state, at| self.demotion(state, at, policy))
     }
 
     /// The demotion check, then the job's tokens, in one lock.
@@ -296,20 +313,21 @@ impl MemoryState {
         policy: &DemotionPolicy,
         tokens: u64,
     ) -> Demotion {
-        self.with_tenant(tenant, |state, now| {
-            let demotion = self.demotion(state, now, policy);
-            Self::count_tokens(state, self.utc_day(now), tokens);
+        self.with_tenant(tenant, |state, at| {
+            let demotion = self.demotion(state, at, policy);
+            Self::count_tokens(state, at.today, tokens);
             demotion
         })
     }
 
-    fn demotion(&self, state: &mut TenantState, now: Instant, policy: &DemotionPolicy) -> Demotion {
+    fn demotion(&self, state: &mut TenantState, at: Moment, policy: &DemotionPolicy) -> Demotion {
+        let now = at.now;
         if let Some(left) = state.demoted_for(now) {
             return Demotion::Demoted { left, newly: false };
         }
         state.trim_throttles(now, self.throttle_window);
         let throttles = u64::try_from(state.throttles.len()).unwrap_or(u64::MAX);
-        let tokens = state.tokens_on(self.utc_day(now));
+        let tokens = state.tokens_on(at.today);
         let budget = state.budget.unwrap_or(policy.default_daily_budget());
         if !policy.should_demote(throttles, tokens, budget) {
             return Demotion::NotDemoted;
