@@ -7,7 +7,8 @@
 //! - **One arrival.** The first layer that sees a job stamps its arrival
 //!   ([`Job::arrived_at`](crate::Job::arrived_at)); every wait counts from that instant, so
 //!   a tier's max wait is end to end, wherever in the stack the request waited. A retry is
-//!   a new attempt: the retry layer starts its clock again.
+//!   a new attempt: the retry layer starts its clock again when it sends the retry, after
+//!   its backoff.
 //! - **One order.** The fair queue is handed the slot layer's caps and the retry layer's
 //!   rate as gates ([`crate::gate`]) and decides who goes next whatever holds calls back.
 //!   Nothing is registered in the store by one layer for another: the wires are passed, and

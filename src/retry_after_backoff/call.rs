@@ -445,13 +445,23 @@ impl<S, Req, C> Call<S, Req, C> {
         Poll::Ready(Step::Send)
     }
 
-    /// Sends the next attempt: its service said it is ready.
+    /// Sends the next attempt: its service said it is ready. A retry is a new attempt: the
+    /// layers below count its waits (a tier's max wait) from now, when it reaches them, not
+    /// from before its backoff, and it takes its own slot.
     pub(super) fn send<F>(&mut self) -> Result<F, BoxError>
     where
         S: Service<Req, Future = F>,
+        Req: JobRequest,
     {
         match self.next.take() {
-            Some(req) => Ok(self.service.call(req)),
+            Some(mut req) => {
+                if self.retries > 0
+                    && let Some(job) = req.job_mut()
+                {
+                    job.restamp();
+                }
+                Ok(self.service.call(req))
+            }
             // Only reachable by polling after completion.
             None => Err(crate::error::PolledAfterCompletion.into()),
         }
@@ -603,10 +613,7 @@ impl<S, Req, C> Call<S, Req, C> {
         self.retries += 1;
         self.charge.charged = [0; DIMS];
         self.next = self.spare.take();
-        // A retry is a new attempt: the layers below count its waits (a tier's max wait)
-        // from now, and it takes its own slot.
         if let Some(job) = self.next.as_mut().and_then(|r| r.job_mut()) {
-            job.restamp();
             // A fresh cell: the retry is a new attempt (after a throttle its key is
             // recovering, so one is needed).
             if let RateWaiter::Below { attempt } = &mut self.rate {

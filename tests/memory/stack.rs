@@ -633,6 +633,95 @@ async fn a_call_held_by_the_gate_past_its_tiers_max_wait_is_told_busy_at_the_dea
 }
 
 #[tokio::test(start_paused = true)]
+async fn a_retry_waits_its_tiers_max_wait_counted_from_when_it_is_sent() {
+    // Pro: one slot, a max wait of 1 s. A's first call is answered 503 with retry-after:
+    // 2 s; during its backoff H takes the slot, and gives it back half a second after A's
+    // retry reached the fair queue. The retry's 1 s counts from there: it goes. Counted
+    // from A's arrival (about 2 s before), it would be told Busy the moment it had to wait.
+    let slots = SlotPolicy::builder()
+        .tier("pro", 1, SECOND)
+        .build()
+        .unwrap();
+    let backoff = BackoffPolicy::builder()
+        .retry_on(
+            fairgate::retry_after_backoff::StatusSet::default()
+                .with(http::StatusCode::SERVICE_UNAVAILABLE),
+        )
+        .backoff(2 * SECOND, 4 * SECOND)
+        .seed(7)
+        .build()
+        .unwrap();
+    let layer = fairgate::FairgateLayer::builder(Store::memory())
+        .slots(slots)
+        .backoff(backoff)
+        .build()
+        .unwrap();
+    let release = Arc::new(tokio::sync::Notify::new());
+    let calls = Arc::new(Mutex::new(Vec::<String>::new()));
+    let upstream = {
+        let (release, calls) = (release.clone(), calls.clone());
+        service_fn(move |req: http::Request<String>| {
+            let tenant = req.extensions().get::<Job>().unwrap().tenant().to_string();
+            let first = {
+                let mut calls = calls.lock().unwrap();
+                calls.push(tenant.clone());
+                calls.len() == 1
+            };
+            let release = release.clone();
+            async move {
+                if first {
+                    let unavailable = http::Response::builder()
+                        .status(503)
+                        .header("retry-after", "2")
+                        .body(String::new())?;
+                    return Ok::<_, BoxError>(unavailable);
+                }
+                if tenant == "h" {
+                    release.notified().await;
+                }
+                Ok(http::Response::new("ok".to_owned()))
+            }
+        })
+    };
+    let stack = tower::util::BoxCloneSyncService::new(
+        ServiceBuilder::new()
+            .layer(layer.clone())
+            .service(upstream)
+            .map_response(drop),
+    );
+    let a = send(&stack, user("a", "pro"));
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let h = send(&stack, user("h", "pro"));
+    // A's retry reaches the fair queue after its backoff, and waits there for H's slot.
+    let waiting = tokio::time::timeout(Duration::from_secs(10), async {
+        while (calls.lock().unwrap().len() < 2 || layer.fairness().queued(None) == 0)
+            && !a.is_finished()
+        {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await;
+    assert!(waiting.is_ok(), "A's retry never came");
+    let queued_at = Instant::now();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    release.notify_one();
+    let a = a.await.unwrap();
+    println!(
+        "A's retry waited in the fair queue from {:?} after A arrived; A answered after {:?}: {:?}",
+        queued_at.saturating_duration_since(a.sent),
+        a.took(),
+        a.result
+    );
+    assert!(
+        queued_at.saturating_duration_since(a.sent) > SECOND,
+        "the retry came past the max wait counted from A's arrival"
+    );
+    assert!(!a.busy(), "a retry's max wait counts from when it is sent");
+    assert!(!h.await.unwrap().busy());
+    assert_eq!(*calls.lock().unwrap(), ["a", "h", "a"]);
+}
+
+#[tokio::test(start_paused = true)]
 async fn through_the_one_line_stack_a_throttled_model_does_not_hold_another() {
     // FairgateLayer scoped per model: model A answers 429 (retry-after: 10 s) and closes
     // its gate; model B's calls go at once.
