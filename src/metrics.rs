@@ -7,8 +7,9 @@
 //! capped (see [`limit_tenant_labels`]) so a million tenants cannot explode a time-series
 //! database.
 
+use std::cell::RefCell;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{OnceLock, RwLock};
+use std::sync::{Arc, OnceLock, RwLock};
 use std::time::Duration;
 
 use metrics::{Key, Label, Level, Metadata};
@@ -298,25 +299,51 @@ struct TierKeys {
 /// the keys are built at each use.
 const TIER_KEYS_KEPT: usize = 256;
 
-static TIER_KEYS: OnceLock<RwLock<HashMap<crate::Tier, TierKeys>>> = OnceLock::new();
+static TIER_KEYS: OnceLock<RwLock<HashMap<crate::Tier, Arc<TierKeys>>>> = OnceLock::new();
+
+thread_local! {
+    /// The tier this thread last published for, with its keys: a request publishes for
+    /// one tier several times, so most calls skip the shared map's lock and hash.
+    static LAST_TIER: RefCell<Option<(crate::Tier, Arc<TierKeys>)>> = const { RefCell::new(None) };
+}
 
 fn with_tier_keys(tier: &crate::Tier, f: impl FnOnce(&TierKeys)) {
-    let kept = TIER_KEYS.get_or_init(Default::default);
-    if let Some(keys) = kept.read().unwrap_or_else(|e| e.into_inner()).get(tier) {
-        return f(keys);
-    }
-    let keys = TierKeys {
-        in_use: labelled_key(Metric::SlotsInUse, "tier", tier_label(tier)),
-        fallback: labelled_key(Metric::SlotsFallback, "tier", tier_label(tier)),
-        wait: labelled_key(Metric::SlotWait, "tier", tier_label(tier)),
+    let mut f = Some(f);
+    LAST_TIER.with_borrow(|last| {
+        if let Some((last, keys)) = last
+            && last == tier
+            && let Some(f) = f.take()
+        {
+            f(keys);
+        }
+    });
+    let Some(f) = f else {
+        return;
     };
-    let mut kept = kept.write().unwrap_or_else(|e| e.into_inner());
-    if kept.len() < TIER_KEYS_KEPT {
-        f(kept.entry(tier.clone()).or_insert(keys));
-    } else {
-        drop(kept);
-        f(&keys);
-    }
+    let kept = TIER_KEYS.get_or_init(Default::default);
+    let found = kept
+        .read()
+        .unwrap_or_else(|e| e.into_inner())
+        .get(tier)
+        .cloned();
+    let keys = match found {
+        Some(keys) => keys,
+        None => {
+            let keys = Arc::new(TierKeys {
+                in_use: labelled_key(Metric::SlotsInUse, "tier", tier_label(tier)),
+                fallback: labelled_key(Metric::SlotsFallback, "tier", tier_label(tier)),
+                wait: labelled_key(Metric::SlotWait, "tier", tier_label(tier)),
+            });
+            let mut kept = kept.write().unwrap_or_else(|e| e.into_inner());
+            if kept.len() >= TIER_KEYS_KEPT {
+                drop(kept);
+                return f(&keys);
+            }
+            kept.entry(tier.clone()).or_insert(keys).clone()
+        }
+    };
+    f(&keys);
+    LAST_TIER.set(Some((tier.clone(), keys)));
 }
 
 pub(crate) fn slot_taken(tier: &crate::Tier, fallback: bool) {

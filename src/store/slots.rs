@@ -258,7 +258,12 @@ impl LocalSlots {
             }
         };
         counts.global += 1;
-        counts.tiers.insert(tier.clone(), held + 1);
+        match counts.tiers.get_mut(tier) {
+            Some(count) => *count = held + 1,
+            None => {
+                counts.tiers.insert(tier.clone(), 1);
+            }
+        }
         Ok(SlotLease::new(
             tier.clone(),
             tenant,
@@ -269,11 +274,10 @@ impl LocalSlots {
     fn release(&self, tier: &Tier, tenant: Option<&TenantId>) {
         let mut counts = crate::sync::lock(&self.counts);
         counts.global = counts.global.saturating_sub(1);
+        // A tier's count stays at zero: tiers are the policy's, so few, and the next
+        // acquire of the tier finds its entry.
         if let Some(held) = counts.tiers.get_mut(tier) {
             *held = held.saturating_sub(1);
-            if *held == 0 {
-                counts.tiers.remove(tier);
-            }
         }
         if let Some(tenant) = tenant {
             let key = (tier.clone(), tenant.clone());
