@@ -71,9 +71,14 @@ impl CooldownGates {
 
     /// How long `upstream` stays closed; `None` when it is open.
     pub(crate) fn remaining(&self, upstream: &str) -> Option<Duration> {
+        let latest = self.latest.load(Ordering::Acquire);
+        if latest == 0 {
+            // No gate was ever closed: no clock read.
+            return None;
+        }
         let now = Instant::now();
         let since_base = now.saturating_duration_since(self.base).as_nanos();
-        if u128::from(self.latest.load(Ordering::Acquire)) <= since_base {
+        if u128::from(latest) <= since_base {
             return None;
         }
         let gates = self.lock();
