@@ -106,6 +106,8 @@ where
             let output = match this.state.as_mut().project() {
                 StateProj::Waiting { turn, call } => match ready!(turn.poll_turn(cx)) {
                     Ok(permit) => {
+                        // The turn gave its place up when it became the permit: dropping
+                        // it with the state does nothing.
                         let call = call.take();
                         let permit = Some(permit);
                         this.state.set(State::Ready { permit, call });
@@ -116,6 +118,7 @@ where
                 StateProj::Ready { permit, call } => match call.as_mut() {
                     None => Err(PolledAfterCompletion.into()),
                     Some((inner, _)) => match ready!(inner.poll_ready(cx)) {
+                        // The permit goes back with the state.
                         Err(e) => Err(e.into()),
                         Ok(()) => match (permit.take(), call.take()) {
                             (Some(mut permit), Some((mut inner, req))) => {
@@ -134,6 +137,7 @@ where
                     match (output, permit.take()) {
                         (Ok(response), Some(permit)) => Ok(response.guard(permit)),
                         (Ok(_), None) => Err(PolledAfterCompletion.into()),
+                        // The permit is dropped with the error: given back at once.
                         (Err(e), _) => Err(e.into()),
                     }
                 }

@@ -15,8 +15,13 @@ use crate::error::BoxError;
 use crate::guarded::{GuardedCall, Turn};
 
 pin_project! {
-    /// Waits for the request's turn in the fair order, then calls the inner service; the
-    /// response holds the [`Permit`].
+    /// Response future of [`DrrFairness`](crate::DrrFairness): waits for the request's
+    /// turn in the fair order, then for the inner service's readiness, then for its
+    /// response, into which it moves the [`Permit`] ([`GuardResponse`]).
+    ///
+    /// Dropped while waiting, the request leaves the queue; dropped later, the permit is
+    /// given back. Either way nothing leaks. Polled again after it completed, it returns
+    /// [`PolledAfterCompletion`](crate::error::PolledAfterCompletion).
     pub struct ResponseFuture<F, S, Req> {
         #[pin]
         call: GuardedCall<Ticket, F, S, Req>,
@@ -74,6 +79,7 @@ impl<F, S, Req> fmt::Debug for ResponseFuture<F, S, Req> {
             .finish()
     }
 }
+
 #[cfg(test)]
 mod tests {
     use crate::{DrrFairnessLayer, Store};

@@ -203,7 +203,7 @@ impl Queues {
     /// a dispatch would find nothing to do (the common case of a release).
     fn nothing_to_dispatch(&self) -> bool {
         self.groups.iter().all(|g| {
-            g.scheduler.len() == 0
+            g.scheduler.is_empty()
                 && g.slots
                     .as_ref()
                     .is_none_or(|s| s.owed.is_empty() && s.to_queue.is_empty())

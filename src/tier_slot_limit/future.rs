@@ -27,8 +27,11 @@ impl Turn for Wait {
 }
 
 pin_project! {
-    /// Waits for the request's slot, then calls the inner service; the response holds the
-    /// [`SlotPermit`].
+    /// Response future of [`TierSlotLimit`](crate::TierSlotLimit): waits for a slot, then
+    /// for the inner service, calls it, and moves the [`SlotPermit`] into the response.
+    ///
+    /// Polled again after it completed, it returns
+    /// [`PolledAfterCompletion`](crate::error::PolledAfterCompletion).
     pub struct ResponseFuture<S, Req>
     where
         S: Service<Req>,
