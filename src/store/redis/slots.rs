@@ -402,6 +402,15 @@ impl SlotState {
         }
     }
 
+    /// An acquire counted `workers` records in the worker set: a worker that joined since
+    /// this one's last heartbeat is known from now on (the heartbeat alone may leave it
+    /// unknown for a second, and a worker that thinks it is alone serves an outage from the
+    /// whole caps, or ends settling before the others put their calls back). Only raises:
+    /// the heartbeat's exact count lowers it again.
+    fn workers_heard(&self, workers: u32) {
+        self.alive_workers.fetch_max(workers, Ordering::Relaxed);
+    }
+
     fn settling(&self) -> bool {
         lock(&self.restriction).settling.is_some()
     }
@@ -527,6 +536,8 @@ struct AcquireAnswer {
     refusal: SlotRefusal,
     /// Room left in the tier after this acquire.
     room: u32,
+    /// The records in the worker set (0: not said).
+    workers: u32,
 }
 
 impl AcquireAnswer {
@@ -541,10 +552,12 @@ impl AcquireAnswer {
             _ => SlotRefusal::Full,
         };
         let room = answer.get(4).map_or(u32::MAX, |&n| count(n));
+        let workers = answer.get(5).map_or(0, |&n| count(n));
         Some(AcquireAnswer {
             status,
             refusal,
             room,
+            workers,
         })
     }
 }
@@ -669,6 +682,7 @@ impl RedisStore {
                 continue;
             }
             self.note_answer(&ask.id, answer.status != 0);
+            self.slots.workers_heard(answer.workers);
             if answer.status == 0 {
                 // A wake-up that came while this acquire was on its way is for this call:
                 // try once more with it, or the slot goes to nobody.

@@ -25,11 +25,12 @@
 -- ARGV[13] what the flow's next call here costs
 -- With a tenant cap (absent otherwise: then nothing is counted per tenant):
 -- KEYS[9] the tenant's lease set in this tier, ARGV[14] the tenant cap
--- Returns {status, global count, tier count, reason, room} (counting the promised slots):
--- status 1 when the lease was taken, 0 when a cap is reached, -1 when the worker must
--- resync; reason (with status 0) 1 when the global or tier cap is reached, 2 when only the
--- tenant's own cap is; room (with status 1) how many more calls the global and tier caps
--- have room for.
+-- Returns {status, global count, tier count, reason, room, workers} (counting the promised
+-- slots): status 1 when the lease was taken, 0 when a cap is reached, -1 when the worker
+-- must resync (nothing follows); reason (with status 0) 1 when the global or tier cap is
+-- reached, 2 when only the tenant's own cap is; room (with status 1) how many more calls
+-- the global and tier caps have room for; workers the records in the worker set (some
+-- maybe expired), so a worker learns of one that joined since its last heartbeat.
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local record = redis.call('ZSCORE', KEYS[3], ARGV[5])
@@ -57,12 +58,12 @@ if global >= tonumber(ARGV[1]) or tier >= tonumber(ARGV[2]) then
   if waiting > 0 then
     queue(waiting)
   end
-  return {0, global, tier, 1}
+  return {0, global, tier, 1, 0, redis.call('ZCARD', KEYS[3])}
 end
 if KEYS[9] then
   redis.call('ZREMRANGEBYSCORE', KEYS[9], '-inf', now)
   if redis.call('ZCARD', KEYS[9]) >= tonumber(ARGV[14]) then
-    return {0, global, tier, 2}
+    return {0, global, tier, 2, 0, redis.call('ZCARD', KEYS[3])}
   end
 end
 local expiry = now + tonumber(ARGV[3])
@@ -77,4 +78,4 @@ if waiting > 1 then
 elseif waiting > 0 then
   leave(KEYS[2], ARGV[5], class, tenant)
 end
-return {1, global + 1, tier + 1, 0, math.max(room, 0)}
+return {1, global + 1, tier + 1, 0, math.max(room, 0), redis.call('ZCARD', KEYS[3])}
