@@ -47,7 +47,7 @@ use std::time::Duration;
 use redis::Script;
 use tokio::time::Instant;
 
-use super::{RedisStore, duration_ms, lock};
+use super::{RedisStore, duration_ms, is_outage, lock};
 use crate::store::keys::Keys;
 use crate::store::slots::{Holder, ReleaseSlot, SlotLease, SlotLimits, SlotQueue, SlotRefusal};
 use crate::store::{OutagePolicy, StoreFuture};
@@ -979,6 +979,10 @@ impl RedisStore {
     /// Releases leases in Redis (one script each, pipelined), keeping for later those Redis
     /// did not take. Each release wakes one queued worker; while this worker keeps to its
     /// own share (Redis away, or settling after it was), its own waiters try again too.
+    ///
+    /// A release that finds Redis gone says so at once: the worker then keeps to the leases
+    /// its other calls still hold. Noticed only at its next acquire instead, a worker whose
+    /// calls all ended meanwhile would hold nothing of its own to serve the outage from.
     async fn release_leases(&self, leases: Vec<(String, String)>) {
         if self.is_degraded() {
             lock(&self.slots.unreleased).extend(leases);
@@ -986,13 +990,20 @@ impl RedisStore {
             let calls = leases.iter().map(|(id, tier_key)| {
                 let mut conn = self.conn.clone();
                 let release = self.release_call(id, tier_key, "", None);
-                async move { release.invoke_async::<Vec<i64>>(&mut conn).await.ok() }
+                async move { release.invoke_async::<Vec<i64>>(&mut conn).await }
             });
             let all = async { Ok(futures_util::future::join_all(calls).await) };
             let done = self.guard(all).await.unwrap_or_default();
+            if let Some(e) = done
+                .iter()
+                .filter_map(|r| r.as_ref().err())
+                .find(|e| is_outage(e))
+            {
+                self.mark_degraded(&e.to_string());
+            }
             let mut unreleased = lock(&self.slots.unreleased);
             for (i, lease) in leases.into_iter().enumerate() {
-                if done.get(i).is_none_or(Option::is_none) {
+                if done.get(i).is_none_or(Result::is_err) {
                     unreleased.push(lease);
                 }
             }
