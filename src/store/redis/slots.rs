@@ -33,6 +33,10 @@
 //! [`OutagePolicy`] decides: its share of the caps (the caps divided by the workers last
 //! seen alive), or nothing.
 //!
+//! A worker knows how many workers there are from its heartbeat (once a second) and from
+//! every acquire's answer; one that joined within the last second may be unknown to a
+//! worker that sent no acquire since (README, Known limits).
+//!
 //! Otherwise while restricted (Redis away and never synced, or alone; settling after a new
 //! epoch) a worker keeps to its share: the caps divided by the workers it knows of (the
 //! last count seen alive, at least [`expected_workers`](crate::StoreBuilder::expected_workers);
