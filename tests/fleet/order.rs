@@ -387,10 +387,15 @@ async fn the_fleets_order_comes_back_with_redis() {
     }
     fleet.callers(0, 12, "light", "pro", Origin::UserAction);
     tokio::time::sleep(WARM_UP).await;
+    let before = fleet.served(Instant::now() - WARM_UP / 2, WARM_UP / 2);
     server.kill();
     let away = Instant::now();
     tokio::time::sleep(Duration::from_millis(1_500)).await;
     let outage = fleet.served(away, Duration::from_millis(1_500));
+    let per_s = |served: &HashMap<String, usize>, span: Duration| {
+        served.values().sum::<usize>() as f64 / span.as_secs_f64()
+    };
+    let kept = per_s(&outage, Duration::from_millis(1_500)) / per_s(&before, WARM_UP / 2);
     server.restart();
     // Noticed at the next probe, then every worker resyncs.
     tokio::time::sleep(Duration::from_millis(2_000)).await;
@@ -407,11 +412,15 @@ async fn the_fleets_order_comes_back_with_redis() {
         served.get("hog").copied().unwrap_or(0) as f64,
     ]);
     println!(
-        "light's share: {:.1}% while Redis was away (each worker's own order), {:.1}% once \
-         it was back ({served:?}), Jain's index {index:.3}",
+        "light's share: {:.1}% while Redis was away (each worker's own order, {:.0}% of the \
+         rate before kept), {:.1}% once it was back ({served:?}), Jain's index {index:.3}",
         share(&outage) * 100.0,
+        kept * 100.0,
         share(&served) * 100.0
     );
+    // The rate kept is printed, not asserted (77-104% over six runs; 65-78% when the fault
+    // was noticed only when an operation failed, 150-190 ms after the kill, once most calls
+    // had ended): `a_killed_redis_is_noticed_when_the_subscription_closes` holds the rule.
     // Fair is half each, not more: light far above it means hog's calls lost their place.
     assert!(
         index >= 0.99,

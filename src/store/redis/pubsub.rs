@@ -5,7 +5,9 @@
 //! store comes back from an outage (a connection that lived through it may be half-open and
 //! silent, or, on a cluster, point at a master that is gone).
 //!
-//! - **One node**: a RESP2 pub/sub connection, `SUBSCRIBE` to both channels.
+//! - **One node**: a RESP2 pub/sub connection, `SUBSCRIBE` to both channels. The server
+//!   closing it (killed, restarted) degrades the store at once: the first sign of the fault,
+//!   while the calls in flight still hold the slots the outage is served from.
 //! - **Cluster**: a cluster connection in RESP3 (the only way the cluster client delivers
 //!   messages), `SSUBSCRIBE` to the wake channel (sharded pub/sub, Redis 7: it shares the
 //!   `{slots}` hash tag, so the release script `SPUBLISH`es it on the shard that owns the
@@ -115,7 +117,17 @@ pub(super) async fn listen(store: Weak<RedisStore>) {
                                     feed.catch_up(&redis).await;
                                 }
                             }
-                            Event::Closed => break,
+                            Event::Closed => {
+                                // The server closed it: going away or gone. Said now,
+                                // not when an operation times out, calls ending meanwhile
+                                // would send releases whose outcome is unknown, and their
+                                // slots would be lost to this worker's share of the outage.
+                                // (A cluster's client reconnects by itself.)
+                                if !redis.target.is_cluster() {
+                                    redis.mark_degraded("the subscription was closed");
+                                }
+                                break;
+                            }
                         }
                     },
                     // Back from an outage: this connection may be half-open or stale.
