@@ -984,9 +984,8 @@ impl RedisStore {
     /// did not take. Each release wakes one queued worker; while this worker keeps to its
     /// own share (Redis away, or settling after it was), its own waiters try again too.
     ///
-    /// A release that finds Redis gone says so at once: the worker then keeps to the leases
-    /// its other calls still hold. Noticed only at its next acquire instead, a worker whose
-    /// calls all ended meanwhile would hold nothing of its own to serve the outage from.
+    /// A release that finds Redis gone marks the store degraded, as every operation does:
+    /// the worker then keeps to the leases its other calls still hold.
     async fn release_leases(&self, leases: Vec<(String, String)>) {
         if self.is_degraded() {
             lock(&self.slots.unreleased).extend(leases);
