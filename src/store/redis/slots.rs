@@ -258,6 +258,8 @@ impl SlotState {
 
     /// Keeps to the share from now on (until [`restricted`](Self::restricted) says not),
     /// and to the leases this worker holds in Redis now, if Redis counted its calls.
+    /// `mark_degraded` calls it, so "now" is when the fault was first seen: an operation
+    /// that failed or timed out, or the subscription closed by the server (`pubsub.rs`).
     pub(super) fn freeze(&self) {
         if lock(&self.epoch).is_none() {
             return; // never counted in Redis: it holds nothing the others counted on

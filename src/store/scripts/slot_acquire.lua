@@ -37,6 +37,7 @@ local record = redis.call('ZSCORE', KEYS[3], ARGV[5])
 if redis.call('GET', KEYS[4]) ~= ARGV[6] or not record or tonumber(record) <= now then
   return {-1, 0, 0}
 end
+local workers = redis.call('ZCARD', KEYS[3])
 local waiting = tonumber(ARGV[7]) or 0
 local class, tenant = ARGV[10], ARGV[12]
 local function queue(n)
@@ -58,12 +59,12 @@ if global >= tonumber(ARGV[1]) or tier >= tonumber(ARGV[2]) then
   if waiting > 0 then
     queue(waiting)
   end
-  return {0, global, tier, 1, 0, redis.call('ZCARD', KEYS[3])}
+  return {0, global, tier, 1, 0, workers}
 end
 if KEYS[9] then
   redis.call('ZREMRANGEBYSCORE', KEYS[9], '-inf', now)
   if redis.call('ZCARD', KEYS[9]) >= tonumber(ARGV[14]) then
-    return {0, global, tier, 2, 0, redis.call('ZCARD', KEYS[3])}
+    return {0, global, tier, 2, 0, workers}
   end
 end
 local expiry = now + tonumber(ARGV[3])
@@ -78,4 +79,4 @@ if waiting > 1 then
 elseif waiting > 0 then
   leave(KEYS[2], ARGV[5], class, tenant)
 end
-return {1, global + 1, tier + 1, 0, math.max(room, 0), redis.call('ZCARD', KEYS[3])}
+return {1, global + 1, tier + 1, 0, math.max(room, 0), workers}
