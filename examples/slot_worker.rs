@@ -52,6 +52,8 @@
 //! so a test that kills it can take its calls back out), and its start as
 //! `<ms on the observer's clock>:<tenant>` appended to `obs:starts`. Prints `READY` once its
 //! store is built, then `ok=N busy=N failed=N`. `--lease-ttl-ms=N`: the lease TTL (default 30 s).
+//! `--rpm=N`: a shared pacing of N requests a minute (burst 1), the provider's rate the
+//! fleet orders with its slots.
 //!
 //! `--cluster` (anywhere; any mode): URL is a comma-separated list of a Redis
 //! Cluster's node URLs, and the store is built with `redis_cluster`. `--slots-only`
@@ -64,8 +66,9 @@
 use std::convert::Infallible;
 use std::time::Duration;
 
+use fairgate::retry_after_backoff::Pacing;
 use fairgate::{
-    BoxError, Busy, FairgateLayer, Job, Origin, OutagePolicy, SlotPolicy, Store,
+    BackoffPolicy, BoxError, Busy, FairgateLayer, Job, Origin, OutagePolicy, SlotPolicy, Store,
     TierSlotLimitLayer, WaitReason,
 };
 use tower::{Layer, ServiceExt, service_fn};
@@ -147,8 +150,12 @@ async fn main() -> Result<(), BoxError> {
             .find_map(|a| a.strip_prefix("--lease-ttl-ms=").map(str::to_owned))
             .map(|v| v.parse().map(Duration::from_millis))
             .transpose()?;
+        let rpm = std::env::args()
+            .find_map(|a| a.strip_prefix("--rpm=").map(str::parse::<u32>))
+            .transpose()?;
         let store = build(builder, url, cluster).await?;
-        return fleet(store, observer, millis, lease_ttl, specs).await;
+        let limits = FleetLimits { lease_ttl, rpm };
+        return fleet(store, observer, millis, limits, specs).await;
     }
     if mode == "faults" {
         let observer = args.get(2).ok_or("missing observer url")?;
@@ -722,11 +729,17 @@ if tonumber(ARGV[1]) > 0 then
 end
 return now";
 
+/// `fleet`'s options: the lease TTL, the provider's rate.
+struct FleetLimits {
+    lease_ttl: Option<Duration>,
+    rpm: Option<u32>,
+}
+
 async fn fleet(
     store: Store,
     observer: &str,
     millis: usize,
-    lease_ttl: Option<Duration>,
+    limits: FleetLimits,
     specs: Vec<Spec>,
 ) -> Result<(), BoxError> {
     let probe = redis::Client::open(observer)?
@@ -762,8 +775,13 @@ async fn fleet(
             }
         })
     };
+    let mut backoff = BackoffPolicy::builder();
+    if let Some(rpm) = limits.rpm {
+        backoff = backoff.pacing(Pacing::new().requests_per_minute(rpm).shared());
+    }
     let stack = FairgateLayer::builder(store)
-        .slots(fleet_policy(lease_ttl))
+        .slots(fleet_policy(limits.lease_ttl))
+        .backoff(backoff.build()?)
         .window(8)
         .build()?
         .layer(upstream);

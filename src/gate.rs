@@ -27,7 +27,7 @@ use std::sync::Arc;
 use tokio::time::Instant;
 
 pub use crate::admission::WaitReason;
-use crate::store::DIMS;
+use crate::store::{DIMS, FleetCells};
 use crate::{SlotPolicy, Store};
 
 /// What a rate gate says about the next call of an upstream key.
@@ -97,7 +97,16 @@ pub(crate) trait RateLimit: Send + Sync + 'static {
     /// The key of a request that names none.
     fn default_key(&self) -> Arc<str>;
     /// Whether a call of `cost` input tokens to `key` may go now; takes its cells if so.
-    fn check(self: Arc<Self>, key: &Arc<str>, cost: u32) -> Verdict;
+    /// With `fleet_cells`, the request rate's cell is not the gate's: the call takes it
+    /// with its slot, in the fleet's order (see [`fleet_cells`](RateLimit::fleet_cells)).
+    fn check(self: Arc<Self>, key: &Arc<str>, cost: u32, fleet_cells: bool) -> Verdict;
+    /// The request rate of `key` as cells the fleet's order can hand out with the slots:
+    /// a configured shared [`Pacing`](crate::retry_after_backoff::Pacing)'s request limit,
+    /// for the gate's own upstream key (`None` otherwise: the gate paces it).
+    fn fleet_cells(&self, key: &Arc<str>) -> Option<FleetCells> {
+        let _ = key;
+        None
+    }
     /// A receipt comes back (`used` if its call went upstream). Unused cells are kept for
     /// the next call; a probe that never went lets the next call probe.
     fn returned(&self, receipt: &Receipt);

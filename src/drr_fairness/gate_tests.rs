@@ -27,7 +27,7 @@ impl RateLimit for Scripted {
         Arc::from("k")
     }
 
-    fn check(self: Arc<Self>, key: &Arc<str>, _cost: u32) -> Verdict {
+    fn check(self: Arc<Self>, key: &Arc<str>, _cost: u32, _fleet_cells: bool) -> Verdict {
         if let Some(at) = *self.closed_until.lock().unwrap()
             && Instant::now() < at
         {

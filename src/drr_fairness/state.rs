@@ -21,7 +21,8 @@ use crate::hash::{HashMap, HashSet};
 use crate::metrics::Metric;
 use crate::rng::Rng;
 use crate::store::{
-    SlotLease, SlotLimits, SlotQueue, SlotRefusal, SlotWake, SlotWakes, StoreFuture, flow_name,
+    FleetCells, SlotLease, SlotLimits, SlotQueue, SlotRefusal, SlotWake, SlotWakes, StoreFuture,
+    flow_name,
 };
 use crate::{Job, Priority, Store, TenantId, Tier};
 
@@ -157,6 +158,9 @@ struct Queues {
     /// The rate gate held the fair order's head back: dispatch again then (`Some(None)`:
     /// when the gate notifies).
     rate_wait: Option<Option<Instant>>,
+    /// The provider's request rate the last rate check left to the fleet's order: the
+    /// acquire sent next, for the same request, takes its cell.
+    fleet_cells: Option<FleetCells>,
     next_id: u64,
     fairness: FairnessWindow,
     /// The watcher's poll jitter, seeded from the slot policy (`SlotPolicyBuilder::seed`)
@@ -612,6 +616,7 @@ impl FairQueue {
                 watching: false,
                 handed: HashMap::default(),
                 rate_wait: None,
+                fleet_cells: None,
                 next_id: 0,
                 fairness: FairnessWindow::new(fairness_window),
                 rng: None,
@@ -945,7 +950,14 @@ impl FairQueue {
     ) -> Option<Option<Taken>> {
         let rate = self.rate.as_ref()?;
         let key = key.unwrap_or(&rate.default_key);
-        Some(match rate.inner.clone().check(key, cost) {
+        // With its slot from the fleet, the call takes its cell of the request rate in the
+        // fleet's order too; the gate paces the rest.
+        state.fleet_cells = rate
+            .inner
+            .fleet_cells(key)
+            .filter(|_| self.fleet() && state.groups[group].slots.is_some());
+        let fleet_cells = state.fleet_cells.is_some();
+        Some(match rate.inner.clone().check(key, cost, fleet_cells) {
             Verdict::Go(taken) => Some(taken),
             Verdict::Until(at, reason) => {
                 state.groups[group].held_for = reason;
@@ -1284,8 +1296,11 @@ impl FairQueue {
         slots: &TierSlots,
         class: Priority,
         target: Option<&TenantId>,
+        cells: Option<FleetCells>,
     ) -> SlotQueue {
         let flow = target.filter(|_| self.fleet());
+        // The cells go with a flow the fleet orders (the rate check just now left them to it).
+        let cells = cells.filter(|_| flow.is_some());
         let waiting = match flow {
             Some(tenant) => g.scheduler.tenant_len(class, tenant),
             None => g.scheduler.len(),
@@ -1302,6 +1317,7 @@ impl FairQueue {
             tenant: flow.cloned(),
             cost,
             waiting: u32::try_from(waiting).unwrap_or(u32::MAX),
+            cells,
         }
     }
 
@@ -1319,6 +1335,7 @@ impl FairQueue {
         rate: Option<(TenantId, Taken)>,
         after: &mut AfterUnlock,
     ) -> bool {
+        let cells = state.fleet_cells.take();
         let Some(policy) = self.slot_policy() else {
             return false;
         };
@@ -1327,7 +1344,7 @@ impl FairQueue {
             return false;
         };
         let tenant = target.clone().filter(|_| slots.limit.tenant_cap.is_some());
-        let queue = self.slot_queue(g, slots, class, target.as_ref());
+        let queue = self.slot_queue(g, slots, class, target.as_ref(), cells);
         let more = queue.waiting > 1;
         let acquire = self.slot_store().acquire_slot(
             &slots.tier,

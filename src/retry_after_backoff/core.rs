@@ -59,6 +59,9 @@ pub(super) struct Core {
     pub(super) gates: Mutex<KeyGates>,
     /// Notified when a rate gate may have opened (one fair queue listens).
     pub(super) gate_changed: Arc<tokio::sync::Notify>,
+    /// The shared bucket of the token limits alone, while the fleet orders the request
+    /// limit's cells (`<upstream>#tokens`).
+    pub(super) tokens_key: Arc<str>,
 }
 
 /// A call counted as held while this lives.
@@ -144,6 +147,7 @@ impl Core {
             .filter(|pacing| !pacing.is_shared())
             .map(Pacer::new);
         let rng = policy.seed.map_or_else(Rng::from_entropy, Rng::seeded);
+        let tokens_key = Arc::from(format!("{}#tokens", policy.upstream));
         Core {
             store,
             policy,
@@ -161,6 +165,7 @@ impl Core {
             limits_changed: Arc::default(),
             gates: Mutex::default(),
             gate_changed: Arc::default(),
+            tokens_key,
         }
     }
 

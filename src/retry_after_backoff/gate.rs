@@ -16,7 +16,7 @@ use tokio::time::Instant;
 use super::core::{Core, Learned, taken};
 use super::key_gate::{KeyGate, Ready};
 use crate::gate::{RateLimit, Receipt, Verdict, WaitReason};
-use crate::store::{DIMS, PaceGrant};
+use crate::store::{DIMS, FleetCells, PaceGrant};
 
 impl Core {
     /// Applies the store's answer to a reservation made for the next call of `key`.
@@ -58,25 +58,33 @@ impl Core {
     }
 
     /// The configured pacing's verdict for the next call of `cost`: `None` when it may go.
+    /// With `fleet_cells`, the request limit is the fleet's to order: only the token
+    /// limits are reserved here, under a key of their own (a bucket's dimensions are
+    /// positional).
     fn configured_pacing(
         self: &Arc<Self>,
         gate: &mut KeyGate,
         key: &Arc<str>,
         cost: u32,
         now: Instant,
+        fleet_cells: bool,
     ) -> Option<Verdict> {
-        if let Some(pacing) = self.shared_pacing() {
+        let shared = self.shared_pacing().map(|pacing| {
+            let (limits, n) = pacing.limits(cost);
+            let skip = usize::from(fleet_cells && pacing.requests_per_minute_limit().is_some());
+            (limits, skip, n)
+        });
+        if let Some((limits, skip, n)) = shared.filter(|&(_, skip, n)| skip < n) {
             match gate.paced {
                 Some(at) if at > now => return Some(Verdict::Until(at, WaitReason::Rate)),
                 Some(_) => {}
                 None if gate.pacing_asking => return Some(Verdict::Notified(WaitReason::Rate)),
                 None => {
-                    let (limits, n) = pacing.limits(cost);
-                    match self
-                        .store
-                        .pace(&self.policy.upstream, &limits[..n])
-                        .into_ready()
-                    {
+                    let pace_key = match skip {
+                        0 => &self.policy.upstream,
+                        _ => &self.tokens_key,
+                    };
+                    match self.store.pace(pace_key, &limits[skip..n]).into_ready() {
                         Ok(wait) => {
                             gate.paced = Some(now + wait);
                             if !wait.is_zero() {
@@ -128,6 +136,7 @@ impl Core {
         key: &Arc<str>,
         cost: u32,
         now: Instant,
+        fleet_cells: bool,
     ) -> ControlFlow<Verdict, Ready> {
         self.cooldown_over(key, now)?;
         let cold_over = self.cold_start_over(gate, key, now);
@@ -138,7 +147,7 @@ impl Core {
         if !cold_over {
             self.learned_turn(gate, key, cost, now)?;
         }
-        if let Some(verdict) = self.configured_pacing(gate, key, cost, now) {
+        if let Some(verdict) = self.configured_pacing(gate, key, cost, now, fleet_cells) {
             return ControlFlow::Break(verdict);
         }
         gate.pace_step = 0;
@@ -295,14 +304,27 @@ impl RateLimit for Core {
         self.policy.upstream.clone()
     }
 
-    fn check(self: Arc<Self>, key: &Arc<str>, cost: u32) -> Verdict {
+    fn fleet_cells(&self, key: &Arc<str>) -> Option<FleetCells> {
+        let pacing = self.shared_pacing()?;
+        let per_minute = pacing.requests_per_minute_limit()?.max(1);
+        if **key != *self.policy.upstream {
+            return None;
+        }
+        let count = pacing.request_burst_limit().max(1);
+        Some(FleetCells {
+            count,
+            span: Duration::from_secs(60) * count / per_minute,
+        })
+    }
+
+    fn check(self: Arc<Self>, key: &Arc<str>, cost: u32, fleet_cells: bool) -> Verdict {
         if self.nothing_to_take(key) {
             return Verdict::Go(None);
         }
         let now = Instant::now();
         let mut gates = crate::sync::lock(&self.gates);
         let gate = gates.entry(key.clone()).or_default();
-        let ready = match self.take_turn(gate, key, cost, now) {
+        let ready = match self.take_turn(gate, key, cost, now, fleet_cells) {
             ControlFlow::Continue(ready) => ready,
             ControlFlow::Break(held) => return held,
         };
@@ -397,23 +419,23 @@ mod tests {
         let store = Store::memory();
         learn(&store, 60);
         let (gate, key) = gate(&store);
-        let mut first = go(gate.clone().check(&key, 10));
+        let mut first = go(gate.clone().check(&key, 10, false));
         first.mark_used();
         assert!(!first.probe);
         assert_eq!(first.charged[0], 1, "a request cell taken");
         // The next call's cells are reserved for whoever goes next, not for an asker.
-        let Verdict::Until(at, WaitReason::Rate) = gate.clone().check(&key, 10) else {
+        let Verdict::Until(at, WaitReason::Rate) = gate.clone().check(&key, 10, false) else {
             panic!("the second call of a 60 RPM key goes at once");
         };
         let interval = at.saturating_duration_since(Instant::now());
         assert!(interval > Duration::from_millis(1_000) && interval < Duration::from_millis(1_100));
         // Asking again changes nothing: one reservation ahead, not one per asker.
-        let Verdict::Until(again, _) = gate.clone().check(&key, 10) else {
+        let Verdict::Until(again, _) = gate.clone().check(&key, 10, false) else {
             panic!("held");
         };
         assert_eq!(again, at);
         tokio::time::sleep_until(at).await;
-        go(gate.clone().check(&key, 10)).mark_used();
+        go(gate.clone().check(&key, 10, false)).mark_used();
     }
 
     #[tokio::test(start_paused = true)]
@@ -422,8 +444,8 @@ mod tests {
         learn(&store, 60);
         let (gate, key) = gate(&store);
         // Taken for a call that then left (its caller went away before it went upstream).
-        drop(go(gate.clone().check(&key, 10)));
-        let mut next = go(gate.clone().check(&key, 10));
+        drop(go(gate.clone().check(&key, 10, false)));
+        let mut next = go(gate.clone().check(&key, 10, false));
         assert_eq!(next.charged[0], 1);
         next.mark_used();
     }
@@ -433,26 +455,26 @@ mod tests {
         let store = Store::memory();
         learn(&store, 60);
         let (gate, key) = gate(&store);
-        go(gate.clone().check(&key, 10)).mark_used();
-        let Verdict::Until(due, WaitReason::Rate) = gate.clone().check(&key, 10) else {
+        go(gate.clone().check(&key, 10, false)).mark_used();
+        let Verdict::Until(due, WaitReason::Rate) = gate.clone().check(&key, 10, false) else {
             panic!("the second call of a 60 RPM key waits");
         };
         // Its caller is held elsewhere (a full tier) and comes 3 s after its cells were due:
         // its call reaches the provider then, so the one after it waits a whole interval
         // from then, not from the cells' old time.
         tokio::time::sleep_until(due + Duration::from_secs(3)).await;
-        let mut late = go(gate.clone().check(&key, 10));
+        let mut late = go(gate.clone().check(&key, 10, false));
         late.mark_used();
         let sent = Instant::now();
-        let Verdict::Until(next, WaitReason::Rate) = gate.clone().check(&key, 10) else {
+        let Verdict::Until(next, WaitReason::Rate) = gate.clone().check(&key, 10, false) else {
             panic!("the call after a late one goes at once");
         };
         let interval = next.saturating_duration_since(sent);
         assert!(interval > Duration::from_millis(1_000), "{interval:?}");
         // A timer's lateness is not a caller's wait: cells taken just after their time keep it.
         tokio::time::sleep_until(next + Duration::from_millis(5)).await;
-        go(gate.clone().check(&key, 10)).mark_used();
-        let Verdict::Until(after, _) = gate.clone().check(&key, 10) else {
+        go(gate.clone().check(&key, 10, false)).mark_used();
+        let Verdict::Until(after, _) = gate.clone().check(&key, 10, false) else {
             panic!("held");
         };
         assert!(after.saturating_duration_since(next) > Duration::from_millis(1_000));
@@ -463,16 +485,16 @@ mod tests {
     async fn slow_start_holds_the_rest_while_the_first_call_is_out_for_at_most_its_bound() {
         let store = Store::memory();
         let (gate, key) = gate(&store);
-        let mut probe = go(gate.clone().check(&key, 10));
+        let mut probe = go(gate.clone().check(&key, 10, false));
         assert!(probe.probe, "the first call to a cold key is its probe");
         probe.mark_used();
         assert!(matches!(
-            gate.clone().check(&key, 10),
+            gate.clone().check(&key, 10, false),
             Verdict::Notified(WaitReason::Rate)
         ));
         // The first answer is slow: past `slow_start_max` the rest go (nothing to take).
         tokio::time::advance(Duration::from_millis(500)).await;
-        let mut after = go(gate.clone().check(&key, 10));
+        let mut after = go(gate.clone().check(&key, 10, false));
         assert!(!after.probe);
         assert_eq!(after.charged, [0; DIMS]);
         after.mark_used();
@@ -484,13 +506,13 @@ mod tests {
         let store = Store::memory();
         let (gate, key) = gate(&store);
         let started = Instant::now();
-        let probe = go(gate.clone().check(&key, 10));
+        let probe = go(gate.clone().check(&key, 10, false));
         assert!(probe.probe);
         drop(probe);
         // Not held for its answer (none comes): the store's lease of the lost probe holds
         // the rest until slow start's bound (500 ms), before the lease (1 s) runs out.
         let next = loop {
-            match gate.clone().check(&key, 10) {
+            match gate.clone().check(&key, 10, false) {
                 Verdict::Go(receipt) => break receipt,
                 Verdict::Until(at, WaitReason::Rate) => tokio::time::sleep_until(at).await,
                 Verdict::Until(_, reason) | Verdict::Notified(reason) => {
@@ -514,12 +536,61 @@ mod tests {
         let _ = store
             .extend_cooldown(KEY, Duration::from_secs(2))
             .into_ready();
-        let Verdict::Until(at, WaitReason::Cooldown) = gate.clone().check(&key, 10) else {
+        let Verdict::Until(at, WaitReason::Cooldown) = gate.clone().check(&key, 10, false) else {
             panic!("a closed gate holds the call");
         };
         let wait = at.saturating_duration_since(Instant::now());
         // Reopening plus this worker's point of the release window (a fifth of the delay).
         assert!(wait >= Duration::from_secs(2) && wait <= Duration::from_millis(2_400));
+    }
+
+    /// A gate of a shared pacing: 60 requests a minute, 100 input tokens a minute.
+    fn paced_gate(store: &Store) -> (Arc<dyn RateLimit>, Arc<str>) {
+        let pacing = crate::retry_after_backoff::Pacing::new()
+            .requests_per_minute(60)
+            .input_tokens_per_minute(100)
+            .shared();
+        let policy = BackoffPolicy::builder()
+            .pacing(pacing)
+            .seed(1)
+            .build()
+            .unwrap();
+        let (_, gate) = RetryAfterBackoffLayer::new(store.clone(), policy).with_gate_below();
+        (gate.inner, gate.default_key)
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn with_the_fleet_ordering_the_request_cells_the_gate_paces_only_the_tokens() {
+        let store = Store::memory();
+        learn(&store, 6_000);
+        let (gate, key) = paced_gate(&store);
+        assert_eq!(
+            gate.fleet_cells(&key),
+            Some(FleetCells {
+                count: 1,
+                span: Duration::from_secs(1)
+            }),
+            "one call a second, as cells"
+        );
+        assert_eq!(gate.fleet_cells(&Arc::from("another key")), None);
+        // The request limit is the fleet's: two calls of 40 tokens go back to back...
+        go(gate.clone().check(&key, 40, true)).mark_used();
+        go(gate.clone().check(&key, 40, true)).mark_used();
+        // ...and the third waits for the tokens (100 a minute: 20 more in 12 s).
+        let Verdict::Until(at, WaitReason::Rate) = gate.clone().check(&key, 40, true) else {
+            panic!("the token limit holds the third call");
+        };
+        let wait = at.saturating_duration_since(Instant::now());
+        assert!(wait > Duration::from_secs(11), "{wait:?}");
+        // The request bucket was left alone: on its own the gate still paces requests.
+        let store = Store::memory();
+        learn(&store, 6_000);
+        let (alone, key) = paced_gate(&store);
+        go(alone.clone().check(&key, 1, false)).mark_used();
+        let Verdict::Until(at, WaitReason::Rate) = alone.clone().check(&key, 1, false) else {
+            panic!("the second call of a 60 RPM key waits");
+        };
+        assert!(at.saturating_duration_since(Instant::now()) > Duration::from_millis(900));
     }
 }
 

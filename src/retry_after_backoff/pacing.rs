@@ -99,6 +99,12 @@ impl Pacing {
     /// every layer and worker on the store shares the limits: one GCRA script on Redis
     /// (server time), reserving all dimensions at once. Default: each layer paces alone, in
     /// process, and the limits are that layer's.
+    ///
+    /// Under the recommended stack on Redis ([`FairgateLayer`](crate::FairgateLayer) with
+    /// its slots), the request limit of the layer's own upstream key goes in the fleet's
+    /// fair order instead: each call takes its cell with its slot, and a freed cell goes to
+    /// the call the fleet's order picks, whichever worker holds it (while Redis answers;
+    /// meanwhile each worker paces its share). The token limits are reserved as above.
     pub fn shared(mut self) -> Self {
         self.shared = true;
         self
@@ -145,6 +151,11 @@ impl Pacing {
     /// The request limit, if set.
     pub fn requests_per_minute_limit(&self) -> Option<u32> {
         self.requests_per_minute
+    }
+
+    /// How many requests may go back to back ([`request_burst`](Pacing::request_burst)).
+    pub fn request_burst_limit(&self) -> u32 {
+        self.request_burst
     }
 
     /// The input-token limit, if set.

@@ -24,6 +24,9 @@ pub(crate) struct Keys {
     /// `prefix:{slots}:promised`: the slots a release woke a worker for, until its acquire
     /// comes (or a second passes), scored by expiry: nobody else takes them meanwhile.
     pub(crate) slots_promised: String,
+    /// `prefix:{slots}:cells`: the cells of the provider's request rate the fleet orders,
+    /// call ids scored by the microsecond their cell frees.
+    pub(crate) slots_cells: String,
     /// `prefix:{slots}:wake:`: the prefix of each worker's channel (its id follows), on
     /// which a release wakes it for a freed slot.
     pub(crate) slots_wake: String,
@@ -53,6 +56,7 @@ impl Keys {
             slots_workers: slots("workers"),
             slots_waits: slots("waits"),
             slots_promised: slots("promised"),
+            slots_cells: slots("cells"),
             slots_wake: slots("wake:"),
             slots_epoch: slots("epoch"),
             cooldowns: format!("{prefix}:{{g}}:cooldowns"),
@@ -168,6 +172,7 @@ mod tests {
         assert_eq!(keys.slots_workers, "fg:{slots}:workers");
         assert_eq!(keys.slots_waits, "fg:{slots}:waits");
         assert_eq!(keys.slots_promised, "fg:{slots}:promised");
+        assert_eq!(keys.slots_cells, "fg:{slots}:cells");
         assert_eq!(keys.slots_wake, "fg:{slots}:wake:");
         assert_eq!(keys.slots_epoch, "fg:{slots}:epoch");
         assert_eq!(

@@ -61,8 +61,8 @@ pub use self::pacing::{LearnedLimits, PaceLimit};
 #[cfg(feature = "redis")]
 pub use self::redis::RedisStoreError;
 pub use self::served::SERVED_WINDOW;
+pub(crate) use self::slots::{FleetCells, SlotQueue, flow_name};
 pub use self::slots::{SlotLease, SlotLimits, SlotRefusal};
-pub(crate) use self::slots::{SlotQueue, flow_name};
 
 /// One worker's share of a limit that `workers` processes keep alone while Redis is away:
 /// divided among them, at least 1.

@@ -443,6 +443,11 @@ fn duration_ms(d: Duration) -> u64 {
     u64::try_from(d.as_millis()).unwrap_or(u64::MAX).max(1)
 }
 
+/// A duration in whole microseconds, at least 1.
+fn duration_us(d: Duration) -> u64 {
+    u64::try_from(d.as_micros()).unwrap_or(u64::MAX).max(1)
+}
+
 /// A worker id unlikely to repeat across a fleet: 128 bits from the OS-seeded keys of std's
 /// `RandomState` (in containers every worker may be pid 1), plus the pid for the reader.
 fn worker_id() -> String {

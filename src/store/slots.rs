@@ -91,6 +91,17 @@ pub(crate) struct SlotQueue {
     /// How many calls of the flow wait at this worker, this one included: the worker is
     /// woken that many times (granted the last room, it stays queued for the rest).
     pub(crate) waiting: u32,
+    /// The provider's request rate, when the fleet orders its cells with the slots.
+    pub(crate) cells: Option<FleetCells>,
+}
+
+/// The provider's request rate as cells the fleet hands out in its fair order, with the
+/// slots: `count` cells, each taken by a call for `span` from when it goes (a rate of
+/// `count` calls per `span`; with one cell, one call per `span`, as a burst-1 GCRA).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct FleetCells {
+    pub(crate) count: u32,
+    pub(crate) span: std::time::Duration,
 }
 
 impl SlotQueue {

@@ -225,6 +225,7 @@ impl SlotLimiter {
             tenant: None,
             cost: 1,
             waiting: u32::try_from(waiting.max(1)).unwrap_or(u32::MAX),
+            cells: None,
         })
     }
 

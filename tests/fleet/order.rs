@@ -3,7 +3,9 @@
 //! share a global cap of 8 slots on one throwaway redis-server (or the test's own Redis
 //! Cluster), calls of 30-50 ms. A freed slot goes to the call the fair order of the whole fleet
 //! picks — class by its weights, tier by start-time fair queuing on the tier weights, tenant
-//! by start-time fair queuing on the cost — whichever worker holds it.
+//! by start-time fair queuing on the cost — whichever worker holds it. Where a shared
+//! pacing's request limit binds instead of the slots, each freed cell of the rate goes the
+//! same way.
 //!
 //! Counted at the upstream stand-in shared by every worker: who started when, and how many
 //! were in flight at once. Real time (Redis is real), a few seconds a scenario.
@@ -209,7 +211,6 @@ impl Fleet {
         self.upstream.lock().unwrap().starts.clone()
     }
 
-    /// Stops the callers; the most calls ever in flight at once at the upstream.
     /// Stops the callers and waits until their last calls are over.
     async fn stop_callers(&mut self) {
         self.stop.store(true, Ordering::Relaxed);
@@ -218,6 +219,7 @@ impl Fleet {
         }
     }
 
+    /// Stops the callers; the most calls ever in flight at once at the upstream.
     async fn stop(mut self) -> u32 {
         self.stop_callers().await;
         drop(self.workers);
@@ -306,49 +308,163 @@ async fn a_tenant_on_one_of_four_workers_gets_its_fair_half() {
     light_against_hog(Redis::Node(&server), 4).await;
 }
 
-/// The light-against-hog scenario at 4 workers where a shared pacing of 3,000 calls a
-/// minute (50/s, burst 1) binds instead of the slots: the fleet keeps to the rate, but the
-/// rate cells are ordered per worker (README, Known limits), so light gets about its
-/// worker's share (12.5%), not half. Printed, for the README's number.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn where_the_providers_rate_binds_the_fleet_keeps_to_it() {
-    let _turn = crate::support::file_turn(module_path!());
-    let _serial = SERIAL.lock().await;
-    let server = RedisServer::start();
-    let pacing = Pacing::new()
+/// A shared pacing of 3,000 calls a minute (50/s, burst 1): in the light-against-hog
+/// scenario it binds instead of the slots (8 slots of 40 ms calls take 200/s).
+fn rate_of_50_a_second() -> Pacing {
+    Pacing::new()
         .requests_per_minute(3_000)
         .request_burst(1)
-        .shared();
-    let mut fleet = Fleet::start_paced(&Redis::Node(&server), 4, Some(pacing)).await;
+        .shared()
+}
+
+/// The most calls started in any one second of `starts` (sorted by time).
+fn most_in_a_second(starts: &[Instant]) -> usize {
+    let mut most = 0;
+    let mut first = 0;
+    for (last, at) in starts.iter().enumerate() {
+        while *at - starts[first] >= Duration::from_secs(1) {
+            first += 1;
+        }
+        most = most.max(last + 1 - first);
+    }
+    most
+}
+
+/// The light-against-hog scenario where the provider's rate binds instead of the slots:
+/// the rate's cells go out in the fleet's order with the slots, so light gets its fair
+/// half whichever worker it is on, and the fleet keeps to the rate.
+async fn light_against_hog_at_the_rate(redis: Redis<'_>, workers: usize) {
+    let _serial = SERIAL.lock().await;
+    let mut fleet = Fleet::start_paced(&redis, workers, Some(rate_of_50_a_second())).await;
+    for w in 0..workers {
+        fleet.callers(w, 12, "hog", "pro", Origin::UserAction);
+    }
+    fleet.callers(0, 12, "light", "pro", Origin::UserAction);
+    tokio::time::sleep(WARM_UP).await;
+    // What Redis runs meanwhile (one node: MONITOR), per call started.
+    let monitor = match &redis {
+        Redis::Node(server) => Some((crate::wakeups::Monitor::start(server), *server)),
+        Redis::Cluster(_) => None,
+    };
+    let from = Instant::now();
+    tokio::time::sleep(MEASURE).await;
+    let scripts =
+        monitor.map(|(monitor, server)| crate::wakeups::scripts_in(&monitor.lines(server)));
+    let served = fleet.served(from, MEASURE);
+    let mut starts: Vec<Instant> = fleet.starts().iter().map(|s| s.at).collect();
+    starts.sort();
+    fleet.stop().await;
+    let light = served.get("light").copied().unwrap_or(0) as f64;
+    let hog = served.get("hog").copied().unwrap_or(0) as f64;
+    let per_request = scripts.map_or(String::new(), |(slot, all)| {
+        let per_call = |n: usize| n as f64 / (light + hog);
+        format!(
+            ", {:.2} slot scripts per call ({:.2} scripts of any kind)",
+            per_call(slot),
+            per_call(all)
+        )
+    });
+    println!(
+        "rate binding, {workers} workers: light {light}, hog {hog} calls started: light's \
+         share {:.1}%, Jain's index {:.3}, {:.0}% of the rate used{per_request}",
+        100.0 * light / (light + hog),
+        jain(&[light, hog]),
+        100.0 * (light + hog) / (50.0 * MEASURE.as_secs_f64())
+    );
+    // A cell is handed out up to 2 ms before it frees (its release is sent a little ahead):
+    // one call more than the rate in a second at most.
+    let most = most_in_a_second(&starts);
+    assert!(
+        most <= 52,
+        "{most} calls started in one second, over the rate (50)"
+    );
+    assert!(
+        light + hog >= 0.8 * 50.0 * MEASURE.as_secs_f64(),
+        "the rate was not used: {}",
+        light + hog
+    );
+    let share = light / (light + hog);
+    assert!(
+        share >= 0.45,
+        "light got {:.1}% of the calls",
+        share * 100.0
+    );
+    assert!(
+        jain(&[light, hog]) >= 0.99,
+        "Jain's index {:.3}",
+        jain(&[light, hog])
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn where_the_providers_rate_binds_a_tenant_on_one_of_four_workers_gets_its_half() {
+    let _turn = crate::support::file_turn(module_path!());
+    let server = RedisServer::start();
+    light_against_hog_at_the_rate(Redis::Node(&server), 4).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn where_the_providers_rate_binds_a_tenant_on_one_of_sixteen_workers_gets_its_half() {
+    let _turn = crate::support::file_turn(module_path!());
+    let server = RedisServer::start();
+    light_against_hog_at_the_rate(Redis::Node(&server), 16).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn where_the_providers_rate_binds_the_cluster_keeps_the_fair_half_too() {
+    let _turn = crate::support::file_turn(module_path!());
+    let cluster = RedisCluster::shared();
+    light_against_hog_at_the_rate(Redis::Cluster(cluster), 4).await;
+}
+
+/// Redis killed under the rate-bound light/hog load, then back (a fresh, empty server):
+/// meanwhile each worker paces its share of the rate in its own order (the fleet still
+/// keeps to the rate), and once Redis is back the rate's cells go in the fleet's order
+/// again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_rate_holds_while_redis_is_away_and_its_order_comes_back() {
+    let _turn = crate::support::file_turn(module_path!());
+    let _serial = SERIAL.lock().await;
+    let mut server = RedisServer::start();
+    let mut fleet = Fleet::start_paced(&Redis::Node(&server), 4, Some(rate_of_50_a_second())).await;
     for w in 0..4 {
         fleet.callers(w, 12, "hog", "pro", Origin::UserAction);
     }
     fleet.callers(0, 12, "light", "pro", Origin::UserAction);
     tokio::time::sleep(WARM_UP).await;
+    server.kill();
+    let away = Instant::now();
+    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    server.restart();
+    tokio::time::sleep(Duration::from_millis(2_000)).await;
     let from = Instant::now();
     tokio::time::sleep(MEASURE).await;
+    let outage = fleet.served(away, Duration::from_millis(1_500));
     let served = fleet.served(from, MEASURE);
+    let mut starts: Vec<Instant> = fleet.starts().iter().map(|s| s.at).collect();
+    starts.sort();
     fleet.stop().await;
-    let light = served.get("light").copied().unwrap_or(0) as f64;
-    let hog = served.get("hog").copied().unwrap_or(0) as f64;
+    let (light, hog) = (served["light"] as f64, served["hog"] as f64);
     println!(
-        "rate binding, 4 workers: light {light}, hog {hog} calls started: light's share \
-         {:.1}%, Jain's index {:.3}",
-        100.0 * light / (light + hog),
-        jain(&[light, hog])
+        "rate binding, Redis away 1.5 s: {} calls started meanwhile ({outage:?}), the most in \
+         any second of the run {}; once back light {light}, hog {hog}: light's share {:.1}%",
+        outage.values().sum::<usize>(),
+        most_in_a_second(&starts),
+        100.0 * light / (light + hog)
     );
-    // 50 calls a second over the window, one more for a call whose cells were reserved
-    // just before it.
-    let most = 50.0 * MEASURE.as_secs_f64() + 1.0;
+    // Each worker paces a quarter of the rate alone, each starting with its cell free; the
+    // fleet's cells taken just before the fault are not known to them: a few calls more.
+    // (Fewer are served meanwhile: a worker that held no slot when Redis went away refuses
+    // its calls, as the slot caps' outage policy says; at this rate most hold none.)
+    let most = most_in_a_second(&starts);
     assert!(
-        light + hog <= most,
-        "{} calls started in {MEASURE:?}, over the shared rate ({most})",
-        light + hog
+        most <= 50 + 4 + 2,
+        "{most} calls started in one second, over the rate (50)"
     );
     assert!(
-        light + hog >= 0.8 * most,
-        "the rate was not used: {}",
-        light + hog
+        jain(&[light, hog]) >= 0.99,
+        "light got {:.1}% once Redis was back",
+        100.0 * light / (light + hog)
     );
 }
 
@@ -524,9 +640,21 @@ async fn tier_weights_hold_across_the_fleet() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn user_actions_on_one_worker_go_before_batch_on_the_others() {
     let _turn = crate::support::file_turn(module_path!());
+    user_actions_before_batch(None).await;
+}
+
+/// The same where the provider's rate binds: the first user action goes at the next freed
+/// cell of the rate, and they get the critical share of the cells.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn where_the_rate_binds_user_actions_on_one_worker_go_before_batch_on_the_others() {
+    let _turn = crate::support::file_turn(module_path!());
+    user_actions_before_batch(Some(rate_of_50_a_second())).await;
+}
+
+async fn user_actions_before_batch(pacing: Option<Pacing>) {
     let _serial = SERIAL.lock().await;
     let server = RedisServer::start();
-    let mut fleet = Fleet::start(&Redis::Node(&server), 4).await;
+    let mut fleet = Fleet::start_paced(&Redis::Node(&server), 4, pacing).await;
     for w in 0..3 {
         fleet.callers(w, 12, &format!("batch-{w}"), "pro", Origin::BatchJob);
     }

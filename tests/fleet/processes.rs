@@ -8,8 +8,9 @@
 //!
 //! Cases: a tenant on one of four processes against one on all four (its fair half, on one
 //! node and on a cluster); user actions on one process before batch calls on three others;
-//! and a process SIGKILLed while it holds queued calls (the others keep being served, its
-//! queue entries are swept, its slots come back). Each asserts the cap at the observer. One
+//! a process SIGKILLed while it holds queued calls (the others keep being served, its
+//! queue entries are swept, its slots come back); and, where a shared rate binds instead of
+//! the slots, the fair half and the process that hands out the freed cells SIGKILLed. Each asserts the cap at the observer. One
 //! case at a time; every process is stopped by its pid, also when a case panics.
 
 use std::collections::HashMap;
@@ -474,4 +475,102 @@ fn a_killed_process_gives_its_slots_back_once_its_leases_run_out() {
         seen.back,
         seen.before
     );
+}
+
+/// Light against hog on four processes where a shared rate of 3,000 calls a minute (50/s,
+/// `--rpm`) binds instead of the slots: the rate's cells go in the fleet's order too, so
+/// light gets its fair half. Then the process that sends the ticks handing out the freed
+/// cells (the wait book names it) is SIGKILLed: the next release of another process takes
+/// the ticks over, so the others go on at the rate without a stall, and no second in the
+/// run starts more calls than the rate allows.
+#[test]
+fn where_the_rate_binds_the_fleet_keeps_its_order_and_a_killed_ticker_stalls_nobody() {
+    let _turn = crate::support::file_turn(module_path!());
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let server = RedisServer::start();
+    let rig = Rig::Node(&server);
+    let mut observer = Observer::start();
+    let flags = ["--rpm=3000", "--lease-ttl-ms=3000"];
+    let after = Duration::from_millis(3_000);
+    let run = WARM_UP + MEASURE + after + Duration::from_millis(1_000);
+    let mut workers: Vec<Worker> = (0..4)
+        .map(|w| Worker::start(&rig, &observer, run, light_and_hog(w), &flags))
+        .collect();
+    std::thread::sleep(WARM_UP);
+    let from = observer.now_ms();
+    std::thread::sleep(MEASURE);
+    let to = observer.now_ms();
+    let mut conn = redis::Client::open(server.url())
+        .and_then(|c| c.get_connection())
+        .expect("connect to the fleet's redis");
+    let ticker: String = redis::cmd("HGET")
+        .arg("fairgate:{slots}:waits")
+        .arg("cell_ticker")
+        .query(&mut conn)
+        .expect("a worker sends the ticks");
+    // A worker id starts with its process id.
+    let dead = workers
+        .iter()
+        .position(|w| ticker.starts_with(&format!("{}-", w.pid())))
+        .unwrap_or_else(|| panic!("the ticker {ticker} is none of the workers"));
+    let dead_pid = workers[dead].pid();
+    workers[dead].kill();
+    let killed = observer.now_ms();
+    observer.forget(dead_pid);
+    std::thread::sleep(after);
+    let end = observer.now_ms();
+    workers.remove(dead);
+    let ok: u64 = workers.into_iter().map(Worker::finish).sum();
+    let starts = observer.starts();
+    let max = observer.check_cap();
+    let measured = served(&starts, from, to);
+    let light = measured.get("light").copied().unwrap_or(0) as f64;
+    let hog = measured.get("hog").copied().unwrap_or(0) as f64;
+    let share = light / (light + hog);
+    let mut stall = 0;
+    let mut last = killed;
+    for &(at, _) in starts.iter().filter(|(at, _)| (killed..end).contains(at)) {
+        stall = stall.max(at - last);
+        last = at;
+    }
+    let since_kill: usize = served(&starts, killed + 200, end).values().sum();
+    let rate_after = since_kill as f64 * 1_000.0 / (end - killed - 200) as f64;
+    let times: Vec<u64> = starts.iter().map(|(at, _)| *at).collect();
+    let most = times
+        .iter()
+        .enumerate()
+        .map(|(i, &at)| times[i..].iter().take_while(|&&t| t < at + 1_000).count())
+        .max()
+        .unwrap_or(0);
+    println!(
+        "rate binding, 4 processes: light {light}, hog {hog} calls started in {} ms: light's \
+         share {:.1}%; killed the ticker (process {dead}); longest stall after {stall} ms, \
+         {rate_after:.0} calls/s after; the most in any second {most}; max in flight {max}; \
+         {ok} calls in all by the others",
+        to - from,
+        share * 100.0
+    );
+    assert!(
+        share >= 0.45,
+        "light got {:.1}% of the calls",
+        share * 100.0
+    );
+    assert!(
+        jain(&[light, hog]) >= 0.99,
+        "Jain's index {:.3}",
+        jain(&[light, hog])
+    );
+    // A cell goes out up to 2 ms before it frees (its tick is sent a little ahead): one
+    // call over the rate in a second at most.
+    assert!(
+        most <= 52,
+        "{most} calls started in one second, over the rate (50)"
+    );
+    // Calls end every 20 ms or so, and each release takes the ticks over if nobody sends
+    // them: a stall of ten cells would mean the fleet waited for its safety-net poll.
+    assert!(
+        stall <= 200,
+        "no call started for {stall} ms after the kill"
+    );
+    assert!(rate_after >= 40.0, "{rate_after:.0} calls/s after the kill");
 }

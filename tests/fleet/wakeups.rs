@@ -36,13 +36,13 @@ fn policy() -> SlotPolicy {
 }
 
 /// Every `MONITOR` line of one server, in a file, until dropped.
-struct Monitor {
+pub(crate) struct Monitor {
     child: Child,
     path: PathBuf,
 }
 
 impl Monitor {
-    fn start(server: &RedisServer) -> Monitor {
+    pub(crate) fn start(server: &RedisServer) -> Monitor {
         let path = std::env::temp_dir().join(format!(
             "fairgate-monitor-{}-{}.log",
             std::process::id(),
@@ -72,7 +72,7 @@ impl Monitor {
     }
 
     /// Every line up to a marker sent now, so nothing still in flight is missed.
-    fn lines(&self, server: &RedisServer) -> Vec<String> {
+    pub(crate) fn lines(&self, server: &RedisServer) -> Vec<String> {
         server.command("ECHO fairgate-wakeups-end");
         self.wait_for("fairgate-wakeups-end");
         self.text().lines().map(str::to_owned).collect()
@@ -209,6 +209,16 @@ async fn run(workers: usize) -> Run {
             seen.max[tier]
         );
     }
+    let (slot_scripts, all_scripts) = scripts_in(&lines);
+    Run {
+        requests,
+        slot_scripts,
+        all_scripts,
+    }
+}
+
+/// The slot scripts (acquire and release) and the scripts of any kind in MONITOR `lines`.
+pub(crate) fn scripts_in(lines: &[String]) -> (usize, usize) {
     let sha = |source: &str| redis::Script::new(source).get_hash().to_owned();
     // The slot scripts are sent with the fleet order's prelude.
     let acquire = sha(concat!(
@@ -227,11 +237,7 @@ async fn run(workers: usize) -> Run {
         .iter()
         .filter(|l| l.contains(&acquire) || l.contains(&release))
         .count();
-    Run {
-        requests,
-        slot_scripts,
-        all_scripts: scripts.len(),
-    }
+    (slot_scripts, scripts.len())
 }
 
 /// One run at a time: two at once on two cores would measure each other.

@@ -51,7 +51,7 @@ use std::time::Duration;
 use redis::Script;
 use tokio::time::Instant;
 
-use super::{RedisStore, duration_ms, is_outage, lock};
+use super::{RedisStore, duration_ms, duration_us, is_outage, lock};
 use crate::store::keys::Keys;
 use crate::store::slots::{Holder, ReleaseSlot, SlotLease, SlotLimits, SlotQueue, SlotRefusal};
 use crate::store::{OutagePolicy, StoreFuture};
@@ -544,6 +544,8 @@ struct AcquireAnswer {
     room: u32,
     /// The records in the worker set (0: not said).
     workers: u32,
+    /// Refused for the provider's rate: the tick this worker is to send, if any.
+    tick: Option<Tick>,
 }
 
 impl AcquireAnswer {
@@ -552,18 +554,43 @@ impl AcquireAnswer {
             return None;
         };
         let count = |n: i64| u32::try_from(n).unwrap_or(0);
-        // 2: the tier had room, the tenant's own cap did not.
+        // 2: the tier had room, the tenant's own cap did not (3: the rate had no cell,
+        // which waits as a full tier does: for the fleet's wake-up).
         let refusal = match answer.get(3) {
             Some(2) => SlotRefusal::TenantCap,
             _ => SlotRefusal::Full,
         };
         let room = answer.get(4).map_or(u32::MAX, |&n| count(n));
         let workers = answer.get(5).map_or(0, |&n| count(n));
+        let tick = Tick::read(answer.get(6..8));
         Some(AcquireAnswer {
             status,
             refusal,
             room,
             workers,
+            tick,
+        })
+    }
+}
+
+/// A tick this worker is to send (see `RedisStore::tick_in`): after `wait`, naming the
+/// cell's time `at` (Redis microseconds).
+#[derive(Clone, Copy, Debug)]
+struct Tick {
+    wait: Duration,
+    at: i64,
+}
+
+impl Tick {
+    /// From a script's `{wait (us), at}`; `None` for a wait of 0 (another worker ticks).
+    fn read(answer: Option<&[i64]>) -> Option<Tick> {
+        let &[wait, at] = answer? else {
+            return None;
+        };
+        let wait = u64::try_from(wait).ok().filter(|&us| us > 0)?;
+        Some(Tick {
+            wait: Duration::from_micros(wait),
+            at,
         })
     }
 }
@@ -689,6 +716,9 @@ impl RedisStore {
             }
             self.note_answer(&ask.id, answer.status != 0);
             self.slots.workers_heard(answer.workers);
+            if let Some(tick) = answer.tick {
+                self.tick_in(&ask.tier_key, tick);
+            }
             if answer.status == 0 {
                 // A wake-up that came while this acquire was on its way is for this call:
                 // try once more with it, or the slot goes to nobody.
@@ -760,6 +790,11 @@ impl RedisStore {
                     .map_or("", |t| t.as_str()),
             )
             .arg(cost);
+        let cells = queue.and_then(|q| q.cells);
+        acquire
+            .key(&self.keys.slots_cells)
+            .arg(cells.map_or(0, |c| c.count))
+            .arg(cells.map_or(0, |c| duration_us(c.span)));
         if let (Some(key), Some(cap)) = (&ask.tenant_key, limits.tenant) {
             acquire.key(key).arg(cap);
         }
@@ -937,14 +972,16 @@ impl RedisStore {
     }
 
     /// The release script for `id` of `tier_key`, or ('' and the wake's token) to pass a
-    /// wake-up on (this worker leaving the flow `leave`, if any): it wakes one queued worker
-    /// for the freed slot, maybe this one.
+    /// wake-up on (this worker leaving the flow `leave`, if any), or (all '' but `tick_at`)
+    /// to hand out a freed cell of the provider's rate: it wakes one queued worker for the
+    /// freed slot, maybe this one.
     fn release_call(
         &self,
         id: &str,
         tier_key: &str,
         token: &str,
         leave: Option<&str>,
+        tick_at: &str,
     ) -> redis::ScriptInvocation<'_> {
         let mut release = self.slot_scripts.release.prepare_invoke();
         release
@@ -953,6 +990,7 @@ impl RedisStore {
             .key(&self.keys.slots_waits)
             .key(&self.keys.slots_promised)
             .key(&self.keys.slots_workers)
+            .key(&self.keys.slots_cells)
             .arg(id)
             .arg(&self.keys.slots_wake)
             .arg(if self.target.is_cluster() {
@@ -962,7 +1000,9 @@ impl RedisStore {
             })
             .arg(token)
             .arg(leave.map_or(String::new(), |flow| format!("{}|{flow}", self.worker_id)))
-            .arg(duration_ms(WORKER_TTL.saturating_sub(WORKER_SILENT)));
+            .arg(duration_ms(WORKER_TTL.saturating_sub(WORKER_SILENT)))
+            .arg(tick_at)
+            .arg(&self.worker_id);
         release
     }
 
@@ -977,9 +1017,49 @@ impl RedisStore {
         let leave = leave.map(str::to_owned);
         runtime.spawn(async move {
             let mut conn = this.conn.clone();
-            let pass = this.release_call("", &tier_key, &token, leave.as_deref());
-            let _ = this.guard(pass.invoke_async::<Vec<i64>>(&mut conn)).await;
+            let pass = this.release_call("", &tier_key, &token, leave.as_deref(), "");
+            if let Some(answer) = this.guard(pass.invoke_async::<Vec<i64>>(&mut conn)).await {
+                this.tick_after(&tier_key, &answer);
+            }
         });
+    }
+
+    /// Calls wait for the provider's rate and the next freed cell is this worker's to hand
+    /// out: after the tick's wait, a release with no lease (the tick) gives it to the call
+    /// the fleet's order picks, as a freed slot is; its answer says whether the next one is
+    /// this worker's too (in the background). If this worker dies first, the next refused
+    /// acquire of another (its poll's) takes the ticks over.
+    fn tick_in(self: &Arc<Self>, tier_key: &str, tick: Tick) {
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let this = self.clone();
+        let tier_key = tier_key.to_owned();
+        // The script made the wait a little shorter than the cell's time left, so the tick
+        // comes just in time.
+        let due = Instant::now() + tick.wait;
+        runtime.spawn(async move {
+            tokio::time::sleep_until(due).await;
+            if this.is_degraded() {
+                return;
+            }
+            let mut conn = this.conn.clone();
+            let at = tick.at.to_string();
+            let release = this.release_call("", &tier_key, "", None, &at);
+            if let Some(answer) = this
+                .guard(release.invoke_async::<Vec<i64>>(&mut conn))
+                .await
+            {
+                this.tick_after(&tier_key, &answer);
+            }
+        });
+    }
+
+    /// A release's answer: the next tick, if it is this worker's.
+    fn tick_after(self: &Arc<Self>, tier_key: &str, answer: &[i64]) {
+        if let Some(tick) = Tick::read(answer.get(3..5)) {
+            self.tick_in(tier_key, tick);
+        }
     }
 
     /// Releases leases in Redis (one script each, pipelined), keeping for later those Redis
@@ -988,13 +1068,13 @@ impl RedisStore {
     ///
     /// A release that finds Redis gone marks the store degraded, as every operation does:
     /// the worker then keeps to the leases its other calls still hold.
-    async fn release_leases(&self, leases: Vec<(String, String)>) {
+    async fn release_leases(self: &Arc<Self>, leases: Vec<(String, String)>) {
         if self.is_degraded() {
             lock(&self.slots.unreleased).extend(leases);
         } else {
             let calls = leases.iter().map(|(id, tier_key)| {
                 let mut conn = self.conn.clone();
-                let release = self.release_call(id, tier_key, "", None);
+                let release = self.release_call(id, tier_key, "", None, "");
                 async move { release.invoke_async::<Vec<i64>>(&mut conn).await }
             });
             let all = async { Ok(futures_util::future::join_all(calls).await) };
@@ -1008,8 +1088,9 @@ impl RedisStore {
             }
             let mut unreleased = lock(&self.slots.unreleased);
             for (i, lease) in leases.into_iter().enumerate() {
-                if done.get(i).is_none_or(Result::is_err) {
-                    unreleased.push(lease);
+                match done.get(i) {
+                    Some(Ok(answer)) => self.tick_after(&lease.1, answer),
+                    _ => unreleased.push(lease),
                 }
             }
         }
@@ -1087,7 +1168,7 @@ impl RedisStore {
     }
 
     /// Retries the releases that could not be made when they happened.
-    pub(super) async fn release_unreleased(&self) {
+    pub(super) async fn release_unreleased(self: &Arc<Self>) {
         let leases = std::mem::take(&mut *lock(&self.slots.unreleased));
         if !leases.is_empty() {
             self.release_leases(leases).await;

@@ -23,14 +23,25 @@
 -- acquire answers, or '', ARGV[10] the flow's class (0-2), ARGV[11] the class's weight,
 -- ARGV[12] the flow's tenant ('' for a worker that orders its calls of the tier itself),
 -- ARGV[13] what the flow's next call here costs
+-- The provider's request rate, when the fleet orders its cells too: KEYS[9] the cells (call
+-- ids scored by the microsecond their cell frees), ARGV[14] how many cells there are ('0':
+-- the rate is not the fleet's to order), ARGV[15] how long (us) a cell stays taken. A call
+-- takes a cell as it takes its slot (one promised to it came with its cell, `p<token>`);
+-- with every cell taken, the call is refused and queued as for a full tier, and the next
+-- freed cell goes in the fleet's fair order (slot_release.lua). The book keeps the cells'
+-- number and span for 10 s after the last acquire that names them, so releases hand a slot
+-- out only with a cell free.
 -- With a tenant cap (absent otherwise: then nothing is counted per tenant):
--- KEYS[9] the tenant's lease set in this tier, ARGV[14] the tenant cap
--- Returns {status, global count, tier count, reason, room, workers} (counting the promised
+-- KEYS[10] the tenant's lease set in this tier, ARGV[16] the tenant cap
+-- Returns {status, global count, tier count, reason, room, workers, tick, at} (counting the promised
 -- slots): status 1 when the lease was taken, 0 when a cap is reached, -1 when the worker
 -- must resync (nothing follows); reason (with status 0) 1 when the global or tier cap is
--- reached, 2 when only the tenant's own cap is; room (with status 1) how many more calls
+-- reached, 2 when only the tenant's own cap is, 3 when every cell of the rate is taken;
+-- room (with status 1) how many more calls (and cells)
 -- the global and tier caps have room for; workers the records in the worker set (some
--- maybe expired), so a worker learns of one that joined since its last heartbeat.
+-- maybe expired), so a worker learns of one that joined since its last heartbeat; tick
+-- (refused for the rate) how long (us) before this worker sends the tick that hands out the
+-- next freed cell (0: another worker sends it; see slot_queue.lua), at the time it names.
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local record = redis.call('ZSCORE', KEYS[3], ARGV[5])
@@ -61,19 +72,46 @@ if global >= tonumber(ARGV[1]) or tier >= tonumber(ARGV[2]) then
   end
   return {0, global, tier, 1, 0, workers}
 end
-if KEYS[9] then
-  redis.call('ZREMRANGEBYSCORE', KEYS[9], '-inf', now)
-  if redis.call('ZCARD', KEYS[9]) >= tonumber(ARGV[14]) then
+if KEYS[10] then
+  redis.call('ZREMRANGEBYSCORE', KEYS[10], '-inf', now)
+  if redis.call('ZCARD', KEYS[10]) >= tonumber(ARGV[16]) then
     return {0, global, tier, 2, 0, workers}
   end
+end
+local cells = tonumber(ARGV[14]) or 0
+local now_us = tonumber(t[1]) * 1000000 + tonumber(t[2])
+if cells > 0 then
+  redis.call('HSET', KEYS[5], 'cells', cells, 'cells_span', ARGV[15], 'cells_to', now + 10000)
+end
+local promised_cell = ARGV[9] ~= '' and redis.call('ZSCORE', KEYS[9], 'p' .. ARGV[9])
+-- How long (us) the cell this call holds stays taken (0: it takes none).
+local cell_left = 0
+if promised_cell then
+  cell_left = math.max(tonumber(promised_cell) - now_us, 0)
+elseif cells > 0 then
+  redis.call('ZREMRANGEBYSCORE', KEYS[9], '-inf', now_us)
+  if redis.call('ZCARD', KEYS[9]) >= cells then
+    if waiting > 0 then
+      queue(waiting)
+    end
+    local tick = cell_tick(KEYS[5], KEYS[9], now_us, cell_lead(tonumber(ARGV[15])), '', ARGV[5])
+    return {0, global, tier, 3, 0, workers, tick[1], tick[2]}
+  end
+  cell_left = tonumber(ARGV[15])
+  redis.call('ZADD', KEYS[9], now_us + cell_left, ARGV[4])
+  redis.call('PEXPIRE', KEYS[9], math.ceil(cell_left / 1000) + 1000)
 end
 local expiry = now + tonumber(ARGV[3])
 redis.call('ZADD', KEYS[1], expiry, ARGV[4])
 redis.call('ZADD', KEYS[2], expiry, ARGV[4])
-if KEYS[9] then
-  redis.call('ZADD', KEYS[9], expiry, ARGV[4])
+if KEYS[10] then
+  redis.call('ZADD', KEYS[10], expiry, ARGV[4])
 end
 local room = math.min(tonumber(ARGV[1]) - global, tonumber(ARGV[2]) - tier) - 1
+if cell_left > 0 then
+  -- The rate's cells left are room too: with none, the worker waits to be woken.
+  room = math.min(room, cells - redis.call('ZCARD', KEYS[9]))
+end
 if waiting > 1 then
   queue(waiting - 1)
 elseif waiting > 0 then

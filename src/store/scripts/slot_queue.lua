@@ -88,3 +88,42 @@ local function leave_entry(key, entry)
     redis.call('ZREM', key .. ':waiting', entry)
   end
 end
+
+-- Whether any worker waits in the fleet's order, in any tier.
+local function someone_waits(book)
+  for _, field in ipairs(redis.call('HKEYS', book)) do
+    if string.sub(field, 1, 2) == 'c:' and redis.call('ZCARD', string.sub(field, 3) .. ':waiting') > 0 then
+      return true
+    end
+  end
+  return false
+end
+
+-- How long (us) before a cell of `span` us frees a release may hand it out: 2 ms, or an
+-- eighth of the span if less (so a fast rate's cells are not all counted free).
+local function cell_lead(span)
+  return math.min(2000, math.floor(span / 8))
+end
+
+-- The provider's rate while the fleet orders its cells (slot_acquire.lua), with every cell
+-- taken and calls waiting: one worker sends a release with no lease (a tick) when the first
+-- cell frees, so that cell goes out in the fleet's order. The tick is sent three quarters
+-- of the `lead` ahead, to come just in time (a release hands out a cell that frees within
+-- the lead). Returns {how long (us) the caller waits before it sends it, the cell's time
+-- (us) its tick names}: {0, 0} when another worker sends it already (the book's
+-- `cell_tick` is that time or later) — unless that is the caller, whose tick `mine` (the
+-- time it named, or '') came too early. The book names the worker that sends the ticks
+-- (`cell_ticker`), for whoever looks.
+local function cell_tick(book, cells_key, now_us, lead, mine, worker)
+  local first = redis.call('ZRANGE', cells_key, 0, 0, 'WITHSCORES')
+  if not first[2] then
+    return {0, 0}
+  end
+  local at = math.max(tonumber(first[2]), now_us + 1)
+  local current = tonumber(redis.call('HGET', book, 'cell_tick') or '') or 0
+  if current >= at and current ~= tonumber(mine) then
+    return {0, 0}
+  end
+  redis.call('HSET', book, 'cell_tick', string.format('%.0f', at), 'cell_ticker', worker)
+  return {math.max(at - now_us - math.floor(lead * 3 / 4), 1), at}
+end

@@ -18,14 +18,22 @@
 -- it got, and leaves the flow.
 -- KEYS[1] global lease set, KEYS[2] tier lease set, KEYS[3] wait book (slot_acquire.lua),
 -- KEYS[4] the promised slots (each also in `<tier key>:promised`), KEYS[5] the worker set
--- (slot_heartbeat.lua)
+-- (slot_heartbeat.lua), KEYS[6] the cells of the provider's request rate (slot_acquire.lua:
+-- while the book names a number of cells, a slot is handed out only with a cell free, and
+-- the promise takes the cell as `p<token>`; a wake-up passed on gives its cell back; while
+-- calls wait for a cell, one worker sends a release with no lease, no token and no entry
+-- (a tick) when a cell frees, so the freed cell goes in the fleet's order as a freed slot
+-- does: see slot_queue.lua)
 -- ARGV[1] lease id or '', ARGV[2] the wake channels' prefix (the worker id follows),
 -- ARGV[3] 'PUBLISH' (one node) or 'SPUBLISH' (a cluster: sharded pub/sub; the channels
 -- share the lease sets' hash tag, so they belong to this shard), ARGV[4] the token passed
 -- on, or '', ARGV[5] the entry (`worker|class|tenant`) leaving its flow, or '', ARGV[6] how
 -- long (ms) a live worker's record has left at least (a worker TTL less the heartbeat's
--- slack)
--- Returns {removed, global count, tier count} (before the wake-up's promise).
+-- slack), ARGV[7] for a tick, the time it names (see slot_queue.lua), or '', ARGV[8] the
+-- worker's id
+-- Returns {removed, global count, tier count, tick, at} (the counts before the wake-up's
+-- promise; tick: how long (us) before the caller sends the next tick, 0 for none, and the
+-- time that tick names).
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local removed = 0
@@ -36,6 +44,7 @@ end
 if ARGV[4] ~= '' then
   redis.call('ZREM', KEYS[4], ARGV[4])
   redis.call('ZREM', KEYS[2] .. ':promised', ARGV[4])
+  redis.call('ZREM', KEYS[6], 'p' .. ARGV[4])
 end
 if ARGV[5] ~= '' then
   leave_entry(KEYS[2], ARGV[5])
@@ -140,7 +149,36 @@ local function pick(open)
   return {c, key, head[1], tonumber(head[2]), class, tier_turn}
 end
 
-if (removed == 1 or ARGV[1] == '') and global + redis.call('ZCARD', KEYS[4]) < num('global', 0) then
+-- Whether the fleet orders the provider's request rate now: how long a cell stays taken
+-- (us) then, else nil.
+local function cell_span()
+  if num('cells', 0) > 0 and num('cells_to', 0) >= now and num('cells_span', 0) > 0 then
+    return num('cells_span', 0)
+  end
+end
+local now_us = tonumber(t[1]) * 1000000 + tonumber(t[2])
+local span = cell_span()
+
+-- Whether the provider's rate has a cell free (always, while the fleet does not order it).
+-- A cell that frees within the lead (`cell_lead`) counts as free (its tick is sent a little
+-- ahead, so the next call is not late by a round trip), and the next one is dated from when
+-- it frees: the cells follow each other without a gap and never overlap.
+local cell_from = now_us
+local lead = span and cell_lead(span) or 0
+local function cell_free()
+  if not span then
+    return true
+  end
+  local first = redis.call('ZRANGE', KEYS[6], 0, 0, 'WITHSCORES')
+  redis.call('ZREMRANGEBYSCORE', KEYS[6], '-inf', now_us + lead)
+  if first[2] and tonumber(first[2]) <= now_us + lead then
+    cell_from = math.max(now_us, tonumber(first[2]))
+  end
+  return redis.call('ZCARD', KEYS[6]) < num('cells', 0)
+end
+
+if (removed == 1 or ARGV[1] == '') and global + redis.call('ZCARD', KEYS[4]) < num('global', 0)
+  and cell_free() then
   for _ = 1, 16 do
     local turn = pick(open_tiers())
     if not turn then
@@ -159,6 +197,10 @@ if (removed == 1 or ARGV[1] == '') and global + redis.call('ZCARD', KEYS[4]) < n
       if token and redis.call(ARGV[3], ARGV[2] .. worker, message) > 0 then
         redis.call('ZADD', KEYS[4], now + 1000, token)
         redis.call('ZADD', key .. ':promised', now + 1000, token)
+        if span then
+          redis.call('ZADD', KEYS[6], cell_from + span, 'p' .. token)
+          redis.call('PEXPIRE', KEYS[6], math.ceil(span / 1000) + 1000)
+        end
         local class_turn, tier_turn = turn[5], turn[6]
         local m = member(worker, class, tenant)
         local cost = math.max(tonumber(redis.call('HGET', key .. ':costs', m) or '1') or 1, 1)
@@ -179,4 +221,11 @@ if (removed == 1 or ARGV[1] == '') and global + redis.call('ZCARD', KEYS[4]) < n
     end
   end
 end
-return {removed, global, tier}
+-- Calls still wait for the rate, every cell taken: the next tick is this caller's to send
+-- unless another worker's is due (the tick this caller sent may have come too early). With
+-- a cell still free, the next release hands it out.
+local tick = {0, 0}
+if span and someone_waits(book) and not cell_free() then
+  tick = cell_tick(book, KEYS[6], now_us, lead, ARGV[7] or '', ARGV[8] or '')
+end
+return {removed, global, tier, tick[1], tick[2]}
