@@ -952,10 +952,10 @@ impl FairQueue {
         let key = key.unwrap_or(&rate.default_key);
         // With its slot from the fleet, the call takes its cell of the request rate in the
         // fleet's order too; the gate paces the rest.
-        state.fleet_cells = rate
-            .inner
-            .fleet_cells(key)
-            .filter(|_| self.fleet() && state.groups[group].slots.is_some());
+        state.fleet_cells = match self.fleet() && state.groups[group].slots.is_some() {
+            true => rate.inner.fleet_cells(key),
+            false => None,
+        };
         let fleet_cells = state.fleet_cells.is_some();
         Some(match rate.inner.clone().check(key, cost, fleet_cells) {
             Verdict::Go(taken) => Some(taken),

@@ -179,7 +179,7 @@ end
 
 if (removed == 1 or ARGV[1] == '') and global + redis.call('ZCARD', KEYS[4]) < num('global', 0)
   and cell_free() then
-  for _ = 1, 16 do
+  for _ = 1, 64 do
     local turn = pick(open_tiers())
     if not turn then
       break
@@ -215,9 +215,14 @@ if (removed == 1 or ARGV[1] == '') and global + redis.call('ZCARD', KEYS[4]) < n
         else
           leave(key, worker, class, tenant)
         end
-        break
+        -- One wake-up per freed slot; where the rate's cells bind, one per free cell (a
+        -- tick may free several at once) while the global cap has room.
+        if not span or global + redis.call('ZCARD', KEYS[4]) >= num('global', 0) or not cell_free() then
+          break
+        end
+      else
+        leave(key, worker, class, tenant)
       end
-      leave(key, worker, class, tenant)
     end
   end
 end
