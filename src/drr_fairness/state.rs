@@ -1048,6 +1048,10 @@ impl FairQueue {
                 self.block(state, group, after);
                 None
             }
+            Ok(Err(SlotRefusal::Rate)) => {
+                self.block_for_rate(state, group, after);
+                None
+            }
             Ok(Err(SlotRefusal::Store)) => {
                 self.refuse(state, group, after);
                 None
@@ -1366,6 +1370,7 @@ impl FairQueue {
                     self.hold_tenant(state, group, tenant, after);
                 }
                 (SlotRefusal::Store, _) => self.refuse(state, group, after),
+                (SlotRefusal::Rate, _) => self.block_for_rate(state, group, after),
                 _ => self.block(state, group, after),
             },
             Err(pending) => {
@@ -1428,6 +1433,13 @@ impl FairQueue {
             state.watching = true;
             after.watch = true;
         }
+    }
+
+    /// The fleet's cells of the provider's request rate are all taken: the group's calls
+    /// wait for a wake-up as for a full tier, held for the rate.
+    fn block_for_rate(&self, state: &mut Queues, group: usize, after: &mut AfterUnlock) {
+        self.block(state, group, after);
+        state.groups[group].held_for = WaitReason::Rate;
     }
 
     /// The store refused the group's tier for its own absence (Redis away, and this worker
@@ -1581,7 +1593,7 @@ impl FairQueue {
             Self::answered_tenant(slots, target);
             let flow = (sent.class, target.clone());
             match &answer {
-                Err(SlotRefusal::Full) if fleet => {
+                Err(SlotRefusal::Full | SlotRefusal::Rate) if fleet => {
                     slots.queued.insert(flow);
                 }
                 Ok(_) if fleet && sent.more => {
@@ -1709,6 +1721,7 @@ impl FairQueue {
                     });
                     match refusal {
                         SlotRefusal::Store => self.refuse(state, group, after),
+                        SlotRefusal::Rate => self.block_for_rate(state, group, after),
                         _ => self.block(state, group, after),
                     }
                 }

@@ -353,7 +353,18 @@ impl Core {
         }
         let mut need = needs(cost, view.output_avg);
         if fleet_cells {
+            // Only the token limits learned are this worker's to reserve; with none, nothing
+            // is asked of the store (an ask on its way would hold the fleet's wake-ups for
+            // this worker's calls, which pass them on).
             need[REQUESTS] = 0;
+            for (need, limit) in need.iter_mut().zip(view.limits) {
+                if limit == 0 {
+                    *need = 0;
+                }
+            }
+            if view.mode == 2 && !recovering && need.iter().all(|n| *n == 0) {
+                return Learned::Go(Duration::ZERO, need, need);
+            }
         }
         if view.mode == 2 && !recovering && (0..DIMS).all(|d| view.credit[d] >= need[d]) {
             for (credit, need) in view.credit.iter_mut().zip(need) {

@@ -47,6 +47,10 @@ pub enum SlotRefusal {
     /// ([`OutagePolicy::Refuse`](crate::OutagePolicy::Refuse)). Waiting would not help:
     /// answer at once, so the caller can try another worker.
     Store,
+    /// The provider's request rate, which the fleet's order hands out with the slots
+    /// (Redis), has no cell free: the next freed cell comes with a wake-up, as a freed slot
+    /// does.
+    Rate,
 }
 
 impl SlotLimits {

@@ -554,10 +554,10 @@ impl AcquireAnswer {
             return None;
         };
         let count = |n: i64| u32::try_from(n).unwrap_or(0);
-        // 2: the tier had room, the tenant's own cap did not (3: the rate had no cell,
-        // which waits as a full tier does: for the fleet's wake-up).
+        // 2: the tier had room, the tenant's own cap did not; 3: the rate had no cell.
         let refusal = match answer.get(3) {
             Some(2) => SlotRefusal::TenantCap,
+            Some(3) => SlotRefusal::Rate,
             _ => SlotRefusal::Full,
         };
         let room = answer.get(4).map_or(u32::MAX, |&n| count(n));
