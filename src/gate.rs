@@ -101,9 +101,8 @@ pub(crate) trait RateLimit: Send + Sync + 'static {
     /// with its slot, in the fleet's order (see [`fleet_cells`](RateLimit::fleet_cells)).
     fn check(self: Arc<Self>, key: &Arc<str>, cost: u32, fleet_cells: bool) -> Verdict;
     /// The request rate of `key` as cells the fleet's order can hand out with the slots:
-    /// a configured shared [`Pacing`](crate::retry_after_backoff::Pacing)'s request limit
-    /// or the learned one (the slower of the two), for the gate's own upstream key (`None`
-    /// otherwise: the gate paces it).
+    /// a configured shared [`Pacing`](crate::retry_after_backoff::Pacing)'s request limit,
+    /// for the gate's own upstream key (`None` otherwise: the gate paces it).
     fn fleet_cells(&self, key: &Arc<str>) -> Option<FleetCells> {
         let _ = key;
         None

@@ -108,13 +108,6 @@ pub(crate) struct FleetCells {
     pub(crate) span: std::time::Duration,
 }
 
-impl FleetCells {
-    /// The rate, in calls a second.
-    pub(crate) fn per_second(&self) -> f64 {
-        f64::from(self.count) / self.span.as_secs_f64().max(1e-9)
-    }
-}
-
 impl SlotQueue {
     /// The flow's name in a wake-up: `<class index>|<tenant>`.
     #[cfg_attr(not(feature = "redis"), allow(dead_code))]
