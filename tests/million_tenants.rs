@@ -6,12 +6,14 @@
 //! cargo test --release --all-features --test million_tenants -- --nocapture
 //! ```
 //!
-//! The bounds (slowest call under 5 ms, memory after the rollover within 2x of before the
+//! The bounds (slowest call under 20 ms, memory after the rollover within 2x of before the
 //! million arrived) are asserted in every build, the call's time as its thread's CPU time
 //! (the wall-clock time is printed too: on a shared, busy machine it also counts the time
-//! the scheduler gave the core to someone else). A debug build runs 50,000 tenants (its
-//! slowest call 0.4-0.7 ms, where work over all of them would take milliseconds) and
-//! checks that the counts stay right too.
+//! the scheduler gave the core to someone else). Every build runs the whole million: in a
+//! debug build its slowest call takes about 1 ms, while one call doing work over all of
+//! them (the shards swept a few buckets each in turn, so that they all shrink at once)
+//! takes 78 ms. (Over 50,000 tenants that work shrinks with them, while a loaded machine
+//! once measured 9.6 ms of CPU for a healthy call.)
 //!
 //! Time is tokio's paused clock, which the store's UTC day follows, so the test crosses
 //! midnight by advancing it a day. Memory is the live heap, counted by the allocator below.
@@ -124,10 +126,7 @@ impl std::fmt::Display for Slowest {
     }
 }
 
-#[cfg(not(debug_assertions))]
 const TENANTS: usize = 1_000_000;
-#[cfg(debug_assertions)]
-const TENANTS: usize = 50_000;
 
 /// The tenants of the steady traffic before and after the million.
 const REGULARS: usize = 1_000;
@@ -220,7 +219,7 @@ async fn a_million_tenants_never_stall_a_call_and_their_memory_comes_back_after_
     );
 
     assert!(
-        slowest.cpu <= Duration::from_millis(5),
+        slowest.cpu <= Duration::from_millis(20),
         "a call took {slowest}"
     );
     assert!(
