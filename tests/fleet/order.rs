@@ -739,6 +739,15 @@ async fn a_newcomer_on_an_idle_worker_goes_at_the_next_freed_slot() {
         .expect("an observer connection");
     let (mut waits, mut sent_waits) = (Vec::new(), Vec::new());
     for round in 0..5 {
+        // The fleet is backlogged: the hog waits in the fleet's queue as the newcomer comes.
+        let hog_waits: Vec<String> = redis::cmd("KEYS")
+            .arg("*:fw:0|hog")
+            .query(&mut observer)
+            .expect("KEYS");
+        assert!(
+            !hog_waits.is_empty(),
+            "round {round}: the hog waits in the fleet"
+        );
         let tenant = format!("new-{round}");
         let mut req = http::Request::new(());
         let job = Job::new(tenant.as_str(), Origin::UserAction).tier("pro");
@@ -786,10 +795,11 @@ async fn a_newcomer_on_an_idle_worker_goes_at_the_next_freed_slot() {
     // granted before the newcomer queued may still start after it (a slot frees every 5 ms,
     // and with 13 workers and 156 callers on two cores a grant now and then takes tens of
     // ms to reach the upstream): most newcomers go within two calls, none behind the other
-    // workers' turns.
-    let seen: Vec<usize> = waits.iter().flatten().copied().collect();
-    assert!(seen.len() >= 2, "newcomers seen waiting: {waits:?}");
-    assert!(seen.iter().all(|&n| n <= 8), "{waits:?}");
-    let soon = seen.iter().filter(|&&n| n <= 2).count();
-    assert!(2 * soon > seen.len(), "{waits:?}");
+    // workers' turns. One served before it was seen queued went ahead of the waiting hog
+    // (on a loaded machine the observer's polls are far apart; without the fleet's order a
+    // newcomer waits 60 ms or more, in plain sight).
+    let calls_ahead: Vec<usize> = waits.iter().map(|n| n.unwrap_or(0)).collect();
+    assert!(calls_ahead.iter().all(|&n| n <= 8), "{waits:?}");
+    let soon = calls_ahead.iter().filter(|&&n| n <= 2).count();
+    assert!(2 * soon > calls_ahead.len(), "{waits:?}");
 }
