@@ -101,11 +101,19 @@ pub(crate) trait RateLimit: Send + Sync + 'static {
     /// with its slot, in the fleet's order (see [`fleet_cells`](RateLimit::fleet_cells)).
     fn check(self: Arc<Self>, key: &Arc<str>, cost: u32, fleet_cells: bool) -> Verdict;
     /// The request rate of `key` as cells the fleet's order can hand out with the slots:
-    /// a configured shared [`Pacing`](crate::retry_after_backoff::Pacing)'s request limit,
-    /// for the gate's own upstream key (`None` otherwise: the gate paces it).
+    /// a configured shared [`Pacing`](crate::retry_after_backoff::Pacing)'s request limit
+    /// or the learned one (the slower of the two), for the gate's own upstream key (`None`
+    /// otherwise: the gate paces it). Learning, with no limit in this worker's view now:
+    /// [`FleetCells::FROM_THE_FLEET`], the cells another worker names.
     fn fleet_cells(&self, key: &Arc<str>) -> Option<FleetCells> {
         let _ = key;
         None
+    }
+    /// Whether a reservation for `key` is on its way to the store: the gate will have its
+    /// word within a round trip (a wake-up of the fleet's order is worth keeping for it).
+    fn answering(&self, key: &Arc<str>) -> bool {
+        let _ = key;
+        false
     }
     /// A receipt comes back (`used` if its call went upstream). Unused cells are kept for
     /// the next call; a probe that never went lets the next call probe.

@@ -956,7 +956,8 @@ impl FairQueue {
             true => rate.inner.fleet_cells(key),
             false => None,
         };
-        let fleet_cells = state.fleet_cells.is_some();
+        // The gate leaves the request limit to the cells only where this worker names them.
+        let fleet_cells = state.fleet_cells.is_some_and(|c| c.names_a_limit());
         Some(match rate.inner.clone().check(key, cost, fleet_cells) {
             Verdict::Go(taken) => Some(taken),
             Verdict::Until(at, reason) => {
@@ -1221,6 +1222,15 @@ impl FairQueue {
             return FlowStep::Next;
         };
         let Ok(rate) = self.rate_for(state, group, call, &tenant, after) else {
+            if owed && self.rate_answering(&state.groups[group], call, &tenant) {
+                // The gate's word comes within a round trip (its notice runs this again):
+                // passed on now, the slot and the cell would go to whoever is next, here or
+                // on another worker, ahead of this flow's turn.
+                if let Some(slots) = state.groups[group].slots.as_mut() {
+                    slots.owed.push_front((class, tenant));
+                }
+                return FlowStep::GroupDone;
+            }
             return Self::flow_without_rate(state, group, (class, tenant), owed, after);
         };
         if self.take_slot(state, group, call, Some(tenant), rate, after) {
@@ -1228,6 +1238,16 @@ impl FairQueue {
         } else {
             FlowStep::PolicyGone
         }
+    }
+
+    /// Whether the rate gate's word on `tenant`'s next call in `class` is on its way (a
+    /// reservation sent to the store).
+    fn rate_answering(&self, g: &Group, class: Priority, tenant: &TenantId) -> bool {
+        let (Some(rate), Some(head)) = (&self.rate, g.scheduler.peek_tenant(class, tenant)) else {
+            return false;
+        };
+        rate.inner
+            .answering(head.key.as_ref().unwrap_or(&rate.default_key))
     }
 
     /// A flow's rate cells are not there yet: the provider's rate binds, not the slots. The

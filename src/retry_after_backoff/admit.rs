@@ -80,7 +80,7 @@ impl<S, Req, C> Call<S, Req, C> {
         let core = &self.shared.core;
         let mut wait = Duration::ZERO;
         if core.store.cooldown(&self.upstream).is_none() {
-            match core.admit_learned(&self.upstream, self.cost) {
+            match core.admit_learned(&self.upstream, self.cost, false) {
                 Learned::Go(first, need, charged) => {
                     (self.charge.need, self.charge.charged) = (need, charged);
                     self.admission.learned = LearnedPass::Let;
@@ -244,7 +244,7 @@ impl<S, Req, C> Call<S, Req, C> {
                 return Poll::Ready(Admit::Pass);
             }
             LearnedPass::Asking(asked) => asked,
-            LearnedPass::Unasked => match core.admit_learned(&self.upstream, self.cost) {
+            LearnedPass::Unasked => match core.admit_learned(&self.upstream, self.cost, false) {
                 Learned::Go(wait, need, charged) => {
                     self.admission.learned = LearnedPass::Let;
                     self.charge.need = need;

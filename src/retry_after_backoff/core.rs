@@ -16,7 +16,7 @@ use super::telemetry;
 use crate::Store;
 use crate::hash::HashMap;
 use crate::rng::Rng;
-use crate::store::{DIMS, PaceAsk, PaceGrant};
+use crate::store::{DIMS, FleetCells, PaceAsk, PaceGrant, REQUESTS, learned_rate};
 
 /// What every service and future of one layer shares: its `Core` and how it copies a
 /// request for a retry.
@@ -296,8 +296,49 @@ impl Core {
             && self.loud.load(Ordering::Acquire) == 0
     }
 
+    /// The learned request limit of `key` as cells the fleet's order can hand out (see
+    /// `RateLimit::fleet_cells`): the limit with the headroom, each cell taken for at least
+    /// 100 ms (so a fast rate's handing out does not cost a script every millisecond), never
+    /// more cells than a second of the rate. With no limit in this worker's view now (not
+    /// learned yet, or its last answer said none), the cells another worker names
+    /// ([`FleetCells::FROM_THE_FLEET`]): a worker pacing in the shared bucket while others
+    /// hand out cells would take the whole rate a second time.
+    pub(super) fn learned_cells(&self, key: &Arc<str>) -> Option<FleetCells> {
+        if !self.policy.learned_pacing {
+            return None;
+        }
+        let limit = match self.all_quiet(key) {
+            true => 0,
+            false => {
+                let views = crate::sync::lock(&self.views);
+                views
+                    .peek(key)
+                    .filter(|view| view.mode == 2)
+                    .map_or(0, |view| view.limits[REQUESTS])
+            }
+        };
+        if limit == 0 {
+            return Some(FleetCells::FROM_THE_FLEET);
+        }
+        let rate = learned_rate(REQUESTS, limit, self.policy.learned_headroom);
+        let interval = rate.interval().max(1);
+        let count = (100_000 + interval - 1) / interval;
+        let count = count.clamp(1, rate.cells(i64::MAX));
+        Some(FleetCells {
+            count: u32::try_from(count).unwrap_or(1),
+            span: Duration::from_micros(u64::try_from(count * interval).unwrap_or(u64::MAX)),
+        })
+    }
+
     /// Whether a call to `key` may go now without asking the store, or what to ask it.
-    pub(super) fn admit_learned(self: &Arc<Self>, key: &Arc<str>, cost: u32) -> Learned {
+    /// With `fleet_cells`, the request limit is the fleet's to order: no request cell is
+    /// asked for.
+    pub(super) fn admit_learned(
+        self: &Arc<Self>,
+        key: &Arc<str>,
+        cost: u32,
+        fleet_cells: bool,
+    ) -> Learned {
         // The layer's own key, known, and every view quiet: it is quiet too, so the call goes
         // as without learned pacing, without the lock.
         if self.all_quiet(key) {
@@ -318,7 +359,21 @@ impl Core {
         if view.mode == 1 && !recovering {
             return Learned::Go(Duration::ZERO, [0; DIMS], [0; DIMS]);
         }
-        let need = needs(cost, view.output_avg);
+        let mut need = needs(cost, view.output_avg);
+        if fleet_cells {
+            // Only the token limits learned are this worker's to reserve; with none, nothing
+            // is asked of the store (an ask on its way would hold the fleet's wake-ups for
+            // this worker's calls, which pass them on).
+            need[REQUESTS] = 0;
+            for (need, limit) in need.iter_mut().zip(view.limits) {
+                if limit == 0 {
+                    *need = 0;
+                }
+            }
+            if view.mode == 2 && !recovering && need.iter().all(|n| *n == 0) {
+                return Learned::Go(Duration::ZERO, need, need);
+            }
+        }
         if view.mode == 2 && !recovering && (0..DIMS).all(|d| view.credit[d] >= need[d]) {
             for (credit, need) in view.credit.iter_mut().zip(need) {
                 *credit -= need;

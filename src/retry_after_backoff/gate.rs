@@ -145,7 +145,7 @@ impl Core {
             gate.probing = false;
         }
         if !cold_over {
-            self.learned_turn(gate, key, cost, now)?;
+            self.learned_turn(gate, key, cost, now, fleet_cells)?;
         }
         if let Some(verdict) = self.configured_pacing(gate, key, cost, now, fleet_cells) {
             return ControlFlow::Break(verdict);
@@ -196,6 +196,7 @@ impl Core {
         key: &Arc<str>,
         cost: u32,
         now: Instant,
+        fleet_cells: bool,
     ) -> ControlFlow<Verdict> {
         if gate.probing {
             return ControlFlow::Break(Verdict::Notified(WaitReason::Rate));
@@ -216,7 +217,7 @@ impl Core {
             self.correct_usage(key, stale.charged.map(|c| -i64::from(c)), None);
         }
         if gate.ready.is_none() {
-            self.reserve_learned(gate, key, cost, now)?;
+            self.reserve_learned(gate, key, cost, now, fleet_cells)?;
             if let Some(at) = gate.hold_until {
                 return ControlFlow::Break(Verdict::Until(at, WaitReason::Rate));
             }
@@ -231,14 +232,16 @@ impl Core {
 
     /// Reserves the cells learned pacing asks of the next call: from this worker's credit,
     /// or from the store, whose answer may come later (the call waits to be notified).
+    /// With `fleet_cells`, no request cell (the fleet's order hands it out).
     fn reserve_learned(
         self: &Arc<Self>,
         gate: &mut KeyGate,
         key: &Arc<str>,
         cost: u32,
         now: Instant,
+        fleet_cells: bool,
     ) -> ControlFlow<Verdict> {
-        let (asked, need) = match self.admit_learned(key, cost) {
+        let (asked, need) = match self.admit_learned(key, cost, fleet_cells) {
             Learned::Go(wait, need, charged) => {
                 gate.ready = Some(Ready {
                     due: now + wait,
@@ -305,16 +308,28 @@ impl RateLimit for Core {
     }
 
     fn fleet_cells(&self, key: &Arc<str>) -> Option<FleetCells> {
-        let pacing = self.shared_pacing()?;
-        let per_minute = pacing.requests_per_minute_limit()?.max(1);
         if **key != *self.policy.upstream {
             return None;
         }
-        let count = pacing.request_burst_limit().max(1);
-        Some(FleetCells {
-            count,
-            span: Duration::from_secs(60) * count / per_minute,
-        })
+        let configured = self.shared_pacing().and_then(|pacing| {
+            let per_minute = pacing.requests_per_minute_limit()?.max(1);
+            let count = pacing.request_burst_limit().max(1);
+            Some(FleetCells {
+                count,
+                span: Duration::from_secs(60) * count / per_minute,
+            })
+        });
+        let learned = self.learned_cells(key);
+        match (configured, learned) {
+            // Both: the slower rate binds.
+            (Some(c), Some(l)) if l.names_a_limit() => Some(if c.per_second() <= l.per_second() {
+                c
+            } else {
+                l
+            }),
+            (Some(c), _) => Some(c),
+            (None, l) => l,
+        }
     }
 
     fn check(self: Arc<Self>, key: &Arc<str>, cost: u32, fleet_cells: bool) -> Verdict {
@@ -340,6 +355,12 @@ impl RateLimit for Core {
             due: ready.due,
             gate: Some(gate),
         })))
+    }
+
+    fn answering(&self, key: &Arc<str>) -> bool {
+        crate::sync::lock(&self.gates)
+            .get(key)
+            .is_some_and(|gate| gate.asking || gate.pacing_asking)
     }
 
     fn returned(&self, receipt: &Receipt) {
@@ -542,6 +563,44 @@ mod tests {
         let wait = at.saturating_duration_since(Instant::now());
         // Reopening plus this worker's point of the release window (a fifth of the delay).
         assert!(wait >= Duration::from_secs(2) && wait <= Duration::from_millis(2_400));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_learned_request_limit_is_handed_to_the_fleet_as_cells_of_at_least_100_ms() {
+        let store = Store::memory();
+        learn(&store, 3_000);
+        let (fast, key) = gate(&store);
+        assert_eq!(
+            fast.fleet_cells(&key),
+            Some(FleetCells::FROM_THE_FLEET),
+            "nothing learned here yet: the cells another worker names"
+        );
+        go(fast.clone().check(&key, 10, false)).mark_used();
+        // 95% of 3,000 a minute: a cell every 21,052 us, five to a cell of 105 ms.
+        assert_eq!(
+            fast.fleet_cells(&key),
+            Some(FleetCells {
+                count: 5,
+                span: Duration::from_micros(5 * 21_052)
+            })
+        );
+        // At 60 a minute (57 with the headroom) one cell, one call, every 1.05 s; the gate
+        // leaves it to the fleet: two calls go back to back.
+        let store = Store::memory();
+        learn(&store, 60);
+        let (slow, key) = gate(&store);
+        go(slow.clone().check(&key, 10, true)).mark_used();
+        let cells = slow.fleet_cells(&key).expect("learned");
+        assert_eq!(
+            (cells.count, cells.span),
+            (1, Duration::from_micros(1_052_631))
+        );
+        go(slow.clone().check(&key, 10, true)).mark_used();
+        // They took nothing of the request bucket; on its own the gate paces them.
+        go(slow.clone().check(&key, 10, false)).mark_used();
+        let Verdict::Until(..) = slow.clone().check(&key, 10, false) else {
+            panic!("the learned request limit holds the call");
+        };
     }
 
     /// A gate of a shared pacing: 60 requests a minute, 100 input tokens a minute.

@@ -313,6 +313,11 @@ impl Views {
         }
     }
 
+    /// The view of `key`, if there is one (none is created).
+    pub(super) fn peek(&self, key: &str) -> Option<&View> {
+        self.map.get(key)
+    }
+
     /// The block reservation of `key` asked for by [`View::block`] is answered (or given
     /// up): the next call short of cells may ask for a block again.
     pub(super) fn block_done(&mut self, key: &str) {

@@ -108,6 +108,27 @@ pub(crate) struct FleetCells {
     pub(crate) span: std::time::Duration,
 }
 
+impl FleetCells {
+    /// The fleet orders the rate's cells, but this worker's view names no limit now: the
+    /// call takes a cell if another worker names them (the acquire finds their number in
+    /// the wait book), and goes as the gate lets it otherwise.
+    pub(crate) const FROM_THE_FLEET: FleetCells = FleetCells {
+        count: 0,
+        span: std::time::Duration::ZERO,
+    };
+
+    /// Whether this worker names the cells (a limit it knows), or takes them as the fleet
+    /// names them.
+    pub(crate) fn names_a_limit(&self) -> bool {
+        self.count > 0
+    }
+
+    /// The rate, in calls a second.
+    pub(crate) fn per_second(&self) -> f64 {
+        f64::from(self.count) / self.span.as_secs_f64().max(1e-9)
+    }
+}
+
 impl SlotQueue {
     /// The flow's name in a wake-up: `<class index>|<tenant>`.
     #[cfg_attr(not(feature = "redis"), allow(dead_code))]

@@ -793,7 +793,10 @@ impl RedisStore {
         let cells = queue.and_then(|q| q.cells);
         acquire
             .key(&self.keys.slots_cells)
-            .arg(cells.map_or(0, |c| c.count))
+            .arg(cells.map_or(0, |c| match c.names_a_limit() {
+                true => i64::from(c.count),
+                false => -1,
+            }))
             .arg(cells.map_or(0, |c| duration_us(c.span)));
         if let (Some(key), Some(cap)) = (&ask.tenant_key, limits.tenant) {
             acquire.key(key).arg(cap);

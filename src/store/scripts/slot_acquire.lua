@@ -25,7 +25,8 @@
 -- ARGV[13] what the flow's next call here costs
 -- The provider's request rate, when the fleet orders its cells too: KEYS[9] the cells (call
 -- ids scored by the microsecond their cell frees), ARGV[14] how many cells there are ('0':
--- the rate is not the fleet's to order), ARGV[15] how long (us) a cell stays taken. A call
+-- the rate is not the fleet's to order; '-1': as many as another worker named, if one
+-- did), ARGV[15] how long (us) a cell stays taken. A call
 -- takes a cell as it takes its slot (one promised to it came with its cell, `p<token>`);
 -- with every cell taken, the call is refused and queued as for a full tier, and the next
 -- freed cell goes in the fleet's fair order (slot_release.lua). The book keeps the cells'
@@ -78,10 +79,18 @@ if KEYS[10] then
     return {0, global, tier, 2, 0, workers}
   end
 end
-local cells = tonumber(ARGV[14]) or 0
+local cells, span = tonumber(ARGV[14]) or 0, tonumber(ARGV[15]) or 0
 local now_us = tonumber(t[1]) * 1000000 + tonumber(t[2])
 if cells > 0 then
-  redis.call('HSET', KEYS[5], 'cells', cells, 'cells_span', ARGV[15], 'cells_to', now + 10000)
+  redis.call('HSET', KEYS[5], 'cells', cells, 'cells_span', span, 'cells_to', now + 10000)
+elseif cells < 0 then
+  -- The worker names no cells but another may (this one's view of the limit is behind):
+  -- the call takes one too, or each side would take the whole rate.
+  cells = 0
+  local book = redis.call('HMGET', KEYS[5], 'cells', 'cells_span', 'cells_to')
+  if (tonumber(book[3]) or 0) > now then
+    cells, span = tonumber(book[1]) or 0, tonumber(book[2]) or 0
+  end
 end
 local promised_cell = ARGV[9] ~= '' and redis.call('ZSCORE', KEYS[9], 'p' .. ARGV[9])
 -- How long (us) the cell this call holds stays taken (0: it takes none).
@@ -94,10 +103,10 @@ elseif cells > 0 then
     if waiting > 0 then
       queue(waiting)
     end
-    local tick = cell_tick(KEYS[5], KEYS[9], now_us, cell_lead(tonumber(ARGV[15])), '', ARGV[5])
+    local tick = cell_tick(KEYS[5], KEYS[9], now_us, cell_lead(span), '', ARGV[5])
     return {0, global, tier, 3, 0, workers, tick[1], tick[2]}
   end
-  cell_left = tonumber(ARGV[15])
+  cell_left = span
   redis.call('ZADD', KEYS[9], now_us + cell_left, ARGV[4])
   redis.call('PEXPIRE', KEYS[9], math.ceil(cell_left / 1000) + 1000)
 end

@@ -108,12 +108,13 @@ local function fairest(choices)
 end
 
 -- Start-time fair queuing among `choices` (name, start tag, weight): the least start tag,
--- the first listed on a tie; the one served is charged its call's cost over its weight when
--- the cost is known.
+-- on a tie the heaviest (the least finish for the same cost: a tier that starts waiting
+-- starts at the virtual time, where one queued since may still stand), then the first
+-- listed; the one served is charged its call's cost over its weight when the cost is known.
 local function earliest(choices)
   local best
   for _, c in ipairs(choices) do
-    if not best or c[2] < best[2] then
+    if not best or c[2] < best[2] or (c[2] == best[2] and c[3] > best[3]) then
       best = c
     end
   end
