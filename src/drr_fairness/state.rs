@@ -158,9 +158,6 @@ struct Queues {
     /// The rate gate held the fair order's head back: dispatch again then (`Some(None)`:
     /// when the gate notifies).
     rate_wait: Option<Option<Instant>>,
-    /// The provider's request rate the last rate check left to the fleet's order: the
-    /// acquire sent next, for the same request, takes its cell.
-    fleet_cells: Option<FleetCells>,
     next_id: u64,
     fairness: FairnessWindow,
     /// The watcher's poll jitter, seeded from the slot policy (`SlotPolicyBuilder::seed`)
@@ -363,6 +360,13 @@ struct Sent {
     /// The rate cells taken for the request whose turn it was, and its tenant: the slot
     /// goes to that tenant's request.
     rate: Option<(TenantId, Taken)>,
+}
+
+/// The rate gate let a request go: what it took, and the cells of the provider's request
+/// rate it left to the fleet's order (the acquire of the request's slot takes one).
+struct RateGo {
+    taken: Taken,
+    cells: Option<FleetCells>,
 }
 
 /// What one step of `dispatch_flows` says.
@@ -616,7 +620,6 @@ impl FairQueue {
                 watching: false,
                 handed: HashMap::default(),
                 rate_wait: None,
-                fleet_cells: None,
                 next_id: 0,
                 fairness: FairnessWindow::new(fairness_window),
                 rng: None,
@@ -792,7 +795,7 @@ impl FairQueue {
                 Some(lease) => {
                     let handed = Handed {
                         lease,
-                        receipt: receipt.flatten().flatten(),
+                        receipt: receipt.flatten().and_then(|go| go.taken),
                     };
                     self.admit_now(&mut state, &entry, handed, &mut after)
                 }
@@ -849,7 +852,7 @@ impl FairQueue {
         mut state: MutexGuard<'_, Queues>,
         entry: Entry<'_>,
         patience: Option<(Tier, TierLimit)>,
-        receipt: Option<Option<Taken>>,
+        receipt: Option<Option<RateGo>>,
         mut after: AfterUnlock,
     ) -> Result<Admission, QueueFull> {
         let Entry {
@@ -938,8 +941,8 @@ impl FairQueue {
     }
 
     /// The rate gate's word on a request that could go at once: `None` without a rate gate,
-    /// `Some(Some(taken))` when it may go (with what it took, if anything), `Some(None)` when
-    /// the gate holds it (it queues, and the queue waits for the gate).
+    /// `Some(Some(go))` when it may go (with what it took, and the cells its acquire takes),
+    /// `Some(None)` when the gate holds it (it queues, and the queue waits for the gate).
     fn rate_now(
         &self,
         state: &mut Queues,
@@ -947,19 +950,19 @@ impl FairQueue {
         key: Option<&Arc<str>>,
         cost: u32,
         after: &mut AfterUnlock,
-    ) -> Option<Option<Taken>> {
+    ) -> Option<Option<RateGo>> {
         let rate = self.rate.as_ref()?;
         let key = key.unwrap_or(&rate.default_key);
         // With its slot from the fleet, the call takes its cell of the request rate in the
         // fleet's order too; the gate paces the rest.
-        state.fleet_cells = match self.fleet() && state.groups[group].slots.is_some() {
+        let cells = match self.fleet() && state.groups[group].slots.is_some() {
             true => rate.inner.fleet_cells(key),
             false => None,
         };
         // The gate leaves the request limit to the cells only where this worker names them.
-        let fleet_cells = state.fleet_cells.is_some_and(|c| c.names_a_limit());
+        let fleet_cells = cells.is_some_and(|c| c.names_a_limit());
         Some(match rate.inner.clone().check(key, cost, fleet_cells) {
-            Verdict::Go(taken) => Some(taken),
+            Verdict::Go(taken) => Some(RateGo { taken, cells }),
             Verdict::Until(at, reason) => {
                 state.groups[group].held_for = reason;
                 state.hold_for_rate(Some(at), after);
@@ -983,7 +986,7 @@ impl FairQueue {
         group: usize,
         class: Priority,
         after: &mut AfterUnlock,
-    ) -> Result<Option<(TenantId, Taken)>, ()> {
+    ) -> Result<Option<(TenantId, RateGo)>, ()> {
         if self.rate.is_none() {
             return Ok(None);
         }
@@ -999,7 +1002,7 @@ impl FairQueue {
         class: Priority,
         tenant: &TenantId,
         after: &mut AfterUnlock,
-    ) -> Result<Option<(TenantId, Taken)>, ()> {
+    ) -> Result<Option<(TenantId, RateGo)>, ()> {
         if self.rate.is_none() {
             return Ok(None);
         }
@@ -1109,9 +1112,10 @@ impl FairQueue {
                 }
             };
             let Some(slots) = &state.groups[group].slots else {
+                // No slot to take: no cells either (the fleet orders them with slots).
                 let handout = Handout {
                     lease: None,
-                    rate,
+                    rate: rate.map(|(tenant, go)| (tenant, go.taken)),
                     target: None,
                 };
                 self.hand_next(state, group, class, handout, after);
@@ -1356,10 +1360,11 @@ impl FairQueue {
         group: usize,
         class: Priority,
         target: Option<TenantId>,
-        rate: Option<(TenantId, Taken)>,
+        rate: Option<(TenantId, RateGo)>,
         after: &mut AfterUnlock,
     ) -> bool {
-        let cells = state.fleet_cells.take();
+        let cells = rate.as_ref().and_then(|(_, go)| go.cells);
+        let rate = rate.map(|(tenant, go)| (tenant, go.taken));
         let Some(policy) = self.slot_policy() else {
             return false;
         };
