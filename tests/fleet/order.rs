@@ -11,7 +11,7 @@
 //! were in flight at once. Real time (Redis is real), a few seconds a scenario.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -78,16 +78,23 @@ enum Redis<'a> {
 }
 
 impl Redis<'_> {
-    async fn store(&self) -> Store {
+    /// A worker's store; on the cluster (shared by the binary's tests) under the fleet's
+    /// own key prefix, so that what an earlier test's fleet left (a wait book naming other
+    /// cells, for 10 s) is not this one's.
+    async fn store(&self, fleet: u64) -> Store {
         match self {
             Redis::Node(server) => Store::redis(&server.url()).await.expect("a store"),
             Redis::Cluster(cluster) => Store::builder()
+                .key_prefix(format!("order-fleet-{fleet}"))
                 .redis_cluster(cluster.urls())
                 .await
                 .expect("a store on the cluster"),
         }
     }
 }
+
+/// Numbers each fleet started (its key prefix on the cluster).
+static FLEETS: AtomicU64 = AtomicU64::new(0);
 
 impl Fleet {
     async fn start(redis: &Redis<'_>, workers: usize) -> Fleet {
@@ -126,6 +133,7 @@ impl Fleet {
         rpm: Option<(u32, usize)>,
     ) -> Fleet {
         let upstream = Arc::new(Mutex::new(Upstream::default()));
+        let fleet_id = FLEETS.fetch_add(1, Ordering::Relaxed);
         let mut fleet = Fleet {
             upstream: upstream.clone(),
             workers: Vec::new(),
@@ -136,7 +144,7 @@ impl Fleet {
             callers: Vec::new(),
         };
         for worker in 0..workers {
-            let store = redis.store().await;
+            let store = redis.store(fleet_id).await;
             let upstream = upstream.clone();
             let rpm = rpm
                 .filter(|&(_, first)| worker >= first)
@@ -475,24 +483,33 @@ async fn light_against_hog_paced(mut fleet: Fleet, redis: &Redis<'_>, workers: u
     );
 }
 
-/// The same where the rate is learned from the answers (3,000 requests a minute, paced at
-/// 95% of it, in cells of 5: each at least 100 ms), not configured.
+/// The light-against-hog scenario where the rate is learned from the answers (3,000
+/// requests a minute, paced at 95% of it, in cells of 5: each at least 100 ms), not
+/// configured.
+async fn light_against_hog_at_the_learned_rate(redis: Redis<'_>, workers: usize) {
+    let _serial = SERIAL.lock().await;
+    let fleet = Fleet::start_learned(&redis, workers, 3_000).await;
+    light_against_hog_paced(fleet, &redis, workers, Rate::kept(47.5, 5)).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn where_the_learned_rate_binds_a_tenant_on_one_of_four_workers_gets_its_half() {
     let _turn = crate::support::file_turn(module_path!());
     let server = RedisServer::start();
-    let _serial = SERIAL.lock().await;
-    let fleet = Fleet::start_learned(&Redis::Node(&server), 4, 3_000).await;
-    light_against_hog_paced(fleet, &Redis::Node(&server), 4, Rate::kept(47.5, 5)).await;
+    light_against_hog_at_the_learned_rate(Redis::Node(&server), 4).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn where_the_learned_rate_binds_a_tenant_on_one_of_sixteen_workers_gets_its_half() {
     let _turn = crate::support::file_turn(module_path!());
     let server = RedisServer::start();
-    let _serial = SERIAL.lock().await;
-    let fleet = Fleet::start_learned(&Redis::Node(&server), 16, 3_000).await;
-    light_against_hog_paced(fleet, &Redis::Node(&server), 16, Rate::kept(47.5, 5)).await;
+    light_against_hog_at_the_learned_rate(Redis::Node(&server), 16).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn where_the_learned_rate_binds_the_cluster_keeps_the_fair_half_too() {
+    let _turn = crate::support::file_turn(module_path!());
+    light_against_hog_at_the_learned_rate(Redis::Cluster(RedisCluster::shared()), 4).await;
 }
 
 /// The same where one worker's answers never say the limit (light is on it), and its first
@@ -830,6 +847,56 @@ async fn user_actions_before_batch(pacing: Option<Pacing>) {
     // the upstream.
     assert!(before_first <= 3, "{before_first} batch calls went first");
     assert!(share >= 0.9, "user actions got {:.1}%", share * 100.0);
+}
+
+/// A heavier tier that starts waiting beside a lighter one no release has served yet goes
+/// at the next freed slot: both start at the virtual time, and on a tie the heavier goes
+/// first (as listed, the lighter tier, queued first, went first).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_heavier_tier_that_starts_waiting_beside_a_lighter_one_goes_at_the_next_freed_slot() {
+    let _turn = crate::support::file_turn(module_path!());
+    let _serial = SERIAL.lock().await;
+    let server = RedisServer::start();
+    // Calls of 300-400 ms: the 8 slots are taken by the free flood's first calls at once,
+    // the rest queue, no release comes before pro queues, and the releases come apart.
+    let mut fleet = Fleet::start_with(&Redis::Node(&server), 3, None, (300, 100), None).await;
+    // Slow start over first (one call through each worker): it would hold the flood behind
+    // its probe, and then let everything go at once.
+    for worker in &fleet.workers {
+        let mut req = http::Request::new(());
+        let job = Job::new("warm-up", Origin::UserAction).tier("premium");
+        req.extensions_mut().insert(job.cost(COST));
+        worker.clone().oneshot(req).await.expect("the warm-up call");
+    }
+    let warmed = Instant::now();
+    for w in 0..2 {
+        fleet.callers(w, 8, "flood", "free", Origin::UserAction);
+    }
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let mut req = http::Request::new(());
+    let job = Job::new("pro-one", Origin::UserAction).tier("pro");
+    req.extensions_mut().insert(job.cost(COST));
+    let sent = Instant::now();
+    fleet.workers[2]
+        .clone()
+        .oneshot(req)
+        .await
+        .expect("the pro call is served");
+    let starts = fleet.starts();
+    fleet.stop().await;
+    let before = starts
+        .iter()
+        .filter(|s| s.at >= warmed && s.at < sent)
+        .count();
+    assert_eq!(before, 8, "the flood's first calls took every slot");
+    let after: Vec<&str> = starts
+        .iter()
+        .filter(|s| s.at >= sent)
+        .map(|s| s.tenant.as_str())
+        .take(3)
+        .collect();
+    println!("the calls that started after pro's was sent: {after:?}");
+    assert_eq!(after.first(), Some(&"pro-one"), "{after:?}");
 }
 
 /// Workers 0-11 backlogged with one tenant's calls; a newcomer's one call on worker 12
