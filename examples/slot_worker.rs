@@ -53,7 +53,9 @@
 //! `<ms on the observer's clock>:<tenant>` appended to `obs:starts`. Prints `READY` once its
 //! store is built, then `ok=N busy=N failed=N`. `--lease-ttl-ms=N`: the lease TTL (default 30 s).
 //! `--rpm=N`: a shared pacing of N requests a minute (burst 1), the provider's rate the
-//! fleet orders with its slots.
+//! fleet orders with its slots. `--learned-rpm=N`: the upstream stand-in's answers say its
+//! request limit is N a minute (`anthropic-ratelimit-requests-*`), so learned pacing learns
+//! it and the fleet orders its cells.
 //!
 //! `--cluster` (anywhere; any mode): URL is a comma-separated list of a Redis
 //! Cluster's node URLs, and the store is built with `redis_cluster`. `--slots-only`
@@ -150,11 +152,18 @@ async fn main() -> Result<(), BoxError> {
             .find_map(|a| a.strip_prefix("--lease-ttl-ms=").map(str::to_owned))
             .map(|v| v.parse().map(Duration::from_millis))
             .transpose()?;
-        let rpm = std::env::args()
-            .find_map(|a| a.strip_prefix("--rpm=").map(str::parse::<u32>))
-            .transpose()?;
+        let number = |flag: &str| {
+            std::env::args()
+                .find_map(|a| a.strip_prefix(flag).map(str::parse::<u32>))
+                .transpose()
+        };
+        let (rpm, learned_rpm) = (number("--rpm=")?, number("--learned-rpm=")?);
         let store = build(builder, url, cluster).await?;
-        let limits = FleetLimits { lease_ttl, rpm };
+        let limits = FleetLimits {
+            lease_ttl,
+            rpm,
+            learned_rpm,
+        };
         return fleet(store, observer, millis, limits, specs).await;
     }
     if mode == "faults" {
@@ -729,10 +738,12 @@ if tonumber(ARGV[1]) > 0 then
 end
 return now";
 
-/// `fleet`'s options: the lease TTL, the provider's rate.
+/// `fleet`'s options: the lease TTL, the provider's rate (configured, or said by the
+/// answers).
 struct FleetLimits {
     lease_ttl: Option<Duration>,
     rpm: Option<u32>,
+    learned_rpm: Option<u32>,
 }
 
 async fn fleet(
@@ -748,6 +759,7 @@ async fn fleet(
     let mine = format!("obs:now:{}", std::process::id());
     let observe = redis::Script::new(FLEET_OBSERVE);
     let calls = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let learned_rpm = limits.learned_rpm;
     let upstream = {
         let probe = probe.clone();
         service_fn(move |req: http::Request<()>| {
@@ -771,7 +783,18 @@ async fn fleet(
                 let _: i64 = call(1).invoke_async(&mut probe).await?;
                 tokio::time::sleep(hold).await;
                 let _: i64 = call(-1).invoke_async(&mut probe).await?;
-                Ok::<_, redis::RedisError>(http::Response::new(String::new()))
+                let mut answer = http::Response::new(String::new());
+                if let Some(rpm) = learned_rpm {
+                    for name in [
+                        "anthropic-ratelimit-requests-limit",
+                        "anthropic-ratelimit-requests-remaining",
+                    ] {
+                        answer
+                            .headers_mut()
+                            .insert(name, http::HeaderValue::from(rpm));
+                    }
+                }
+                Ok::<_, redis::RedisError>(answer)
             }
         })
     };
