@@ -362,8 +362,8 @@ impl Core {
         let mut need = needs(cost, view.output_avg);
         if fleet_cells {
             // Only the token limits learned are this worker's to reserve; with none, nothing
-            // is asked of the store (an ask on its way would hold the fleet's wake-ups for
-            // this worker's calls, which pass them on).
+            // is asked of the store (an ask on its way holds this worker's calls, and the
+            // fleet's wake-ups it keeps for them, for a round trip).
             need[REQUESTS] = 0;
             for (need, limit) in need.iter_mut().zip(view.limits) {
                 if limit == 0 {
