@@ -93,6 +93,14 @@ impl Redis<'_> {
     }
 }
 
+/// One call of `tenant` in `tier`, costing [`COST`].
+fn call_of(tenant: &str, tier: &str, origin: Origin) -> http::Request<()> {
+    let mut req = http::Request::new(());
+    let job = Job::new(tenant, origin).tier(tier);
+    req.extensions_mut().insert(job.cost(COST));
+    req
+}
+
 /// Numbers each fleet started (its key prefix on the cluster).
 static FLEETS: AtomicU64 = AtomicU64::new(0);
 
@@ -209,9 +217,7 @@ impl Fleet {
             let (tenant, tier) = (tenant.to_owned(), tier.to_owned());
             self.callers.push(tokio::spawn(async move {
                 while !stop.load(Ordering::Relaxed) {
-                    let mut req = http::Request::new(());
-                    let job = Job::new(tenant.as_str(), origin).tier(tier.as_str());
-                    req.extensions_mut().insert(job.cost(COST));
+                    let req = call_of(&tenant, &tier, origin);
                     if service.clone().oneshot(req).await.is_err() {
                         // Refused (`Busy`): a client waits a moment before it tries again.
                         tokio::time::sleep(Duration::from_millis(20)).await;
@@ -522,12 +528,9 @@ async fn where_one_worker_never_learns_the_limit_its_calls_take_the_cells_the_ot
     let server = RedisServer::start();
     let _serial = SERIAL.lock().await;
     let fleet = Fleet::start_learned_from(&Redis::Node(&server), 4, 3_000, 1).await;
-    let mut first = http::Request::new(());
-    let job = Job::new("light", Origin::UserAction).tier("pro");
-    first.extensions_mut().insert(job.cost(COST));
     fleet.workers[0]
         .clone()
-        .oneshot(first)
+        .oneshot(call_of("light", "pro", Origin::UserAction))
         .await
         .expect("the first call");
     // Until another worker's answer has said the limit, the fleet runs unpaced (about
@@ -863,9 +866,7 @@ async fn a_heavier_tier_that_starts_waiting_beside_a_lighter_one_goes_at_the_nex
     // Slow start over first (one call through each worker): it would hold the flood behind
     // its probe, and then let everything go at once.
     for worker in &fleet.workers {
-        let mut req = http::Request::new(());
-        let job = Job::new("warm-up", Origin::UserAction).tier("premium");
-        req.extensions_mut().insert(job.cost(COST));
+        let req = call_of("warm-up", "premium", Origin::UserAction);
         worker.clone().oneshot(req).await.expect("the warm-up call");
     }
     let warmed = Instant::now();
@@ -873,9 +874,7 @@ async fn a_heavier_tier_that_starts_waiting_beside_a_lighter_one_goes_at_the_nex
         fleet.callers(w, 8, "flood", "free", Origin::UserAction);
     }
     tokio::time::sleep(Duration::from_millis(100)).await;
-    let mut req = http::Request::new(());
-    let job = Job::new("pro-one", Origin::UserAction).tier("pro");
-    req.extensions_mut().insert(job.cost(COST));
+    let req = call_of("pro-one", "pro", Origin::UserAction);
     let sent = Instant::now();
     fleet.workers[2]
         .clone()
@@ -929,9 +928,7 @@ async fn a_newcomer_on_an_idle_worker_goes_at_the_next_freed_slot() {
             "round {round}: the hog waits in the fleet"
         );
         let tenant = format!("new-{round}");
-        let mut req = http::Request::new(());
-        let job = Job::new(tenant.as_str(), Origin::UserAction).tier("pro");
-        req.extensions_mut().insert(job.cost(COST));
+        let req = call_of(&tenant, "pro", Origin::UserAction);
         let sent = Instant::now();
         let call = tokio::spawn(fleet.workers[12].clone().oneshot(req));
         // The newcomer arrives when the fleet's order holds it (an observer sees its flow

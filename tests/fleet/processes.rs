@@ -567,11 +567,14 @@ fn rate_bound_light_against_hog(
         .map(|(i, &at)| times[i..].iter().take_while(|&&t| t < at + 1_000).count())
         .max()
         .unwrap_or(0);
+    let then = match kill_the_ticker {
+        true => format!("killed the ticker (process {dead}); after it"),
+        false => format!("the ticker (process {dead}) left running; after the measure"),
+    };
     println!(
         "rate binding, 4 processes: light {light}, hog {hog} calls started in {} ms: light's \
-         share {:.1}%; killed the ticker ({kill_the_ticker}: process {dead}); longest stall after {stall} ms, \
-         {rate_after:.0} calls/s after; the most in any second {most}; max in flight {max}; \
-         {ok} calls in all by the others",
+         share {:.1}%; {then}: longest gap {stall} ms, {rate_after:.0} calls/s; the most in \
+         any second {most}; max in flight {max}; {ok} calls in all by the others",
         to - from,
         share * 100.0
     );
