@@ -327,11 +327,15 @@ impl<S, Req, C> Call<S, Req, C> {
 
     /// Settles an outcome: spends the budget, records the throttle and the gate.
     fn settle<B: Body>(
-        &self,
+        &mut self,
         mut outcome: Outcome,
         response: http::Response<ResponseBody<B>>,
         spend_limit: bool,
-    ) -> Step<B> {
+    ) -> Step<B>
+    where
+        C: CloneRequest<Req>,
+        Req: JobRequest,
+    {
         let core = &self.shared.core;
         if spend_limit {
             // Waiting does not lift a spend limit: neither retry nor hold anyone back.
@@ -366,11 +370,17 @@ impl<S, Req, C> Call<S, Req, C> {
         if outcome.slow_down {
             self.log_throttled(&outcome);
         }
+        let then = self.then(outcome, response, limits);
+        if throttle.is_none() && gate.is_none() && report.is_none() {
+            // Nothing for the store to take (a success with nothing learned, the usual
+            // answer): no recording step to pass the response through.
+            return self.recorded(then);
+        }
         Step::Record(Recording {
             throttle,
             gate,
             report,
-            then: self.then(outcome, response, limits),
+            then,
         })
     }
 
@@ -477,6 +487,8 @@ impl<S, Req, C> Call<S, Req, C> {
         F: Future<Output = Result<http::Response<B>, E>>,
         E: Into<BoxError>,
         B: Body,
+        C: CloneRequest<Req>,
+        Req: JobRequest,
     {
         let response = match ready!(fut.poll(cx)) {
             Ok(response) => response,
@@ -522,7 +534,11 @@ impl<S, Req, C> Call<S, Req, C> {
         peeked: &mut Option<Peeked<B>>,
         mut outcome: Outcome,
         deadline: Pin<&mut Sleep>,
-    ) -> Poll<Step<B>> {
+    ) -> Poll<Step<B>>
+    where
+        C: CloneRequest<Req>,
+        Req: JobRequest,
+    {
         let policy = &self.shared.core.policy;
         // Why the reading stopped before the body could be judged, if it did.
         let cut = match peeked.as_mut() {
@@ -593,15 +609,26 @@ impl<S, Req, C> Call<S, Req, C> {
         if throttle.is_some() || gate.is_some() || report.is_some() {
             return Poll::Pending;
         }
+        Poll::Ready(match then.take() {
+            Some(then) => self.recorded(then),
+            None => Step::fail(crate::error::PolledAfterCompletion),
+        })
+    }
+
+    /// The store took what the answer taught: retry, or give the response back.
+    fn recorded<B: Body>(&mut self, then: Then<B>) -> Step<B>
+    where
+        C: CloneRequest<Req>,
+        Req: JobRequest,
+    {
         // The gate and the learned bucket now say what this answer taught.
         self.charge.probe = false;
         // The rate gate may let the next call go (a probe's answer is in).
         self.charge.receipt = None;
-        Poll::Ready(match then.take() {
-            Some(Then::Retry(delay)) => self.retry(delay),
-            Some(Then::Return(response)) => Step::Finish(Ok(response)),
-            None => Step::fail(crate::error::PolledAfterCompletion),
-        })
+        match then {
+            Then::Retry(delay) => self.retry(delay),
+            Then::Return(response) => Step::Finish(Ok(response)),
+        }
     }
 
     /// Makes the spare copy the next attempt, after `delay`.

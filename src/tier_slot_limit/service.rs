@@ -77,17 +77,15 @@ where
             return ResponseFuture::missing_job();
         };
         let shared = &self.shared;
-        let started = job.arrival();
-        let held_above = job.slot_held_by(&shared.gate);
-        if !held_above {
-            job.mark_slot_held_by(&shared.gate);
-        }
-        let (tier, limit, state) = shared.resolve(job.tier_name());
         let inner = self.inner.clone();
-        if held_above {
+        if job.slot_held_by(&shared.gate) {
             // An outer layer (a fair queue handed this layer's gate) took its slot.
+            let tier = shared.resolve_tier(job.tier_name());
             return ResponseFuture::acquired(SlotPermit::held_above(tier), inner, req);
         }
+        job.mark_slot_held_by(&shared.gate);
+        let started = job.arrival();
+        let (tier, limit, state) = shared.resolve(job.tier_name());
 
         // A tier that caps tenants: the request first takes its place in its tenant's line.
         let tenant = limit.tenant_cap.map(|_| job.tenant().clone());

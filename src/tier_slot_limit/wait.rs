@@ -173,6 +173,15 @@ impl SlotLimiter {
         (self.policy.default_tier.clone(), *limit, state.clone())
     }
 
+    /// The tier `asked` counts against (the default tier for an unknown one), for a
+    /// request whose slot is held above: its cap and state are not needed.
+    pub(super) fn resolve_tier(&self, asked: Option<&Tier>) -> Tier {
+        match asked {
+            Some(asked) if self.tiers.contains_key(asked) => asked.clone(),
+            _ => self.policy.default_tier.clone(),
+        }
+    }
+
     pub(super) fn limits(&self, limit: TierLimit) -> SlotLimits {
         SlotLimits::of(&self.policy, limit)
     }
