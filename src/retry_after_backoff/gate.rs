@@ -138,7 +138,7 @@ impl Core {
         now: Instant,
         fleet_cells: bool,
     ) -> ControlFlow<Verdict, Ready> {
-        self.cooldown_over(key, now)?;
+        self.cooldown_over(key, now, fleet_cells)?;
         let cold_over = self.cold_start_over(gate, key, now);
         if gate.probing && !self.probes(key) {
             // Another answer ended slow start or recovery before the probe's own did.
@@ -174,15 +174,27 @@ impl Core {
     }
 
     /// The cooldown gate after a throttle, and this worker's own release after it.
-    fn cooldown_over(&self, key: &Arc<str>, now: Instant) -> ControlFlow<Verdict> {
+    ///
+    /// With `fleet_cells` the fleet's order hands out the rate's cells: every worker's
+    /// calls wait for the reopening itself, and the cells pace them from there in the
+    /// fleet's order. A release of its own, drawn at random over the window after the
+    /// reopening, would spread nothing the cells do not already pace, and would serve the
+    /// tenants of the workers that drew early first.
+    fn cooldown_over(
+        &self,
+        key: &Arc<str>,
+        now: Instant,
+        fleet_cells: bool,
+    ) -> ControlFlow<Verdict> {
         if let Some(left) = self.store.cooldown(key) {
             // Closed after a throttle: this worker's release is its own random point of the
             // window after the reopening, and then one probe goes for the fleet.
             self.note_at_limit(key);
             let at = self.note_reopen(key, left);
+            let at = if fleet_cells { now + left } else { at };
             return ControlFlow::Break(Verdict::Until(at, WaitReason::Cooldown));
         }
-        if let Some(wait) = self.release_in(key) {
+        if !fleet_cells && let Some(wait) = self.release_in(key) {
             return ControlFlow::Break(Verdict::Until(now + wait, WaitReason::Cooldown));
         }
         ControlFlow::Continue(())
