@@ -61,6 +61,8 @@ struct Upstream {
     /// The next call is answered 429 with this `retry-after-ms`; when that answer went.
     throttle_next: Option<u64>,
     throttled_at: Option<Instant>,
+    /// When the first answer went back.
+    first_answer: Option<Instant>,
 }
 
 type Service = BoxCloneService<http::Request<()>, (), fairgate::BoxError>;
@@ -182,6 +184,7 @@ impl Fleet {
                     {
                         let mut up = upstream.lock().unwrap();
                         up.in_flight -= 1;
+                        up.first_answer.get_or_insert_with(Instant::now);
                         if let Some(ms) = throttle {
                             up.throttled_at = Some(Instant::now());
                             *answer.status_mut() = http::StatusCode::TOO_MANY_REQUESTS;
@@ -1076,4 +1079,38 @@ async fn after_a_429s_cooldown_the_fleets_order_resumes_at_the_reopening() {
         "light got {:.1}% of the calls after the reopening",
         share * 100.0
     );
+}
+
+/// Slow start across the fleet: four workers start cold together under the
+/// light-against-hog load, the upstream saying its limit in every answer; one call goes for
+/// the whole fleet (the store's probe lease) and the rest wait for its answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cold_fleet_sends_one_call_until_the_first_answer() {
+    let _turn = crate::support::file_turn(module_path!());
+    let server = RedisServer::start();
+    let _serial = SERIAL.lock().await;
+    let mut fleet = Fleet::start_learned(&Redis::Node(&server), 4, 3_000).await;
+    for w in 0..4 {
+        fleet.callers(w, 12, "hog", "pro", Origin::UserAction);
+    }
+    fleet.callers(0, 12, "light", "pro", Origin::UserAction);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let (first_answer, before) = {
+        let up = fleet.upstream.lock().unwrap();
+        let first = up.first_answer.expect("an answer within 500 ms");
+        (first, up.starts.iter().filter(|s| s.at < first).count())
+    };
+    let starts = fleet.starts();
+    fleet.stop().await;
+    let after: Vec<u128> = starts
+        .iter()
+        .filter(|s| s.at >= first_answer)
+        .take(6)
+        .map(|s| s.at.duration_since(first_answer).as_millis())
+        .collect();
+    println!(
+        "cold fleet of 4: {before} call(s) started before the first answer; the next at \
+         {after:?} ms after it"
+    );
+    assert_eq!(before, 1, "calls started before the first answer");
 }
