@@ -1026,11 +1026,12 @@ async fn after_a_429s_cooldown_the_fleets_order_resumes_at_the_reopening() {
     let reopen = throttled_at + RETRY_AFTER;
     let window = Duration::from_millis(2_000);
     tokio::time::sleep_until((reopen + window).into()).await;
-    // From a moment after the 429's answer (calls already started went on) to a moment
-    // before the reopening (the local copies of the gate may differ by a few ms).
+    // From a moment after the 429's answer (calls already on their way went on, and the
+    // other workers hear of the gate through pub/sub) to a moment before the reopening
+    // (the local copies of the gate may differ by a few ms).
     let closed = fleet.served(
-        throttled_at + Duration::from_millis(60),
-        RETRY_AFTER - Duration::from_millis(120),
+        throttled_at + Duration::from_millis(250),
+        RETRY_AFTER - Duration::from_millis(300),
     );
     let after = fleet.served(reopen, window);
     let mut starts: Vec<Instant> = fleet
