@@ -346,11 +346,16 @@ fn with_tier_keys(tier: &crate::Tier, f: impl FnOnce(&TierKeys)) {
     LAST_TIER.set(Some((tier.clone(), keys)));
 }
 
-pub(crate) fn slot_taken(tier: &crate::Tier, fallback: bool) {
+/// A slot of `tier` taken (from the outage fallback: `fallback`), after waiting `waited`
+/// if the taker records its wait here: one look-up of the tier's keys for both.
+pub(crate) fn slot_taken(tier: &crate::Tier, fallback: bool, waited: Option<Duration>) {
     with_tier_keys(tier, |keys| {
         gauge(&keys.in_use).increment(1.0);
         if fallback {
             counter(&keys.fallback).increment(1);
+        }
+        if let Some(waited) = waited {
+            histogram(&keys.wait).record(waited.as_secs_f64());
         }
     });
 }

@@ -333,8 +333,15 @@ impl<T> Few<T> {
         }
     }
 
-    fn into_iter(self) -> impl Iterator<Item = T> {
-        self.first.into_iter().chain(self.rest)
+    /// Runs `f` on each value in order (no iterator built and dropped for the usual one
+    /// value or none).
+    fn for_each(self, mut f: impl FnMut(T)) {
+        if let Some(first) = self.first {
+            f(first);
+        }
+        if !self.rest.is_empty() {
+            self.rest.into_iter().for_each(f);
+        }
     }
 }
 
@@ -418,10 +425,10 @@ struct Declined {
 
 impl AfterUnlock {
     fn run(self, shared: &Arc<FairQueue>, depths: Option<(Priority, usize)>) {
-        for (tenant, cost, weight, queued) in self.served.into_iter() {
+        self.served.for_each(|(tenant, cost, weight, queued)| {
             shared.store.add_served_cost(&tenant, cost);
             shared.store.add_fairness(&tenant, weight, cost, queued);
-        }
+        });
         if let Some((priority, depth)) = depths {
             metrics::gauge!(Metric::QueueDepth.name(), "priority" => priority.as_str())
                 .set(depth as f64);
@@ -433,37 +440,42 @@ impl AfterUnlock {
             metrics::gauge!(Metric::FairnessIndex.name()).set(index.unwrap_or(1.0));
         }
         drop(self.drop_handed);
-        for Declined {
-            tier,
-            flow,
-            n,
-            leave,
-        } in self.declined
-        {
-            shared
-                .slot_store()
-                .pass_on_slot_wakes(&tier, &flow, n, leave);
+        // Most calls leave these empty: no iterator to build and drop.
+        if !self.declined.is_empty() {
+            for Declined {
+                tier,
+                flow,
+                n,
+                leave,
+            } in self.declined
+            {
+                shared
+                    .slot_store()
+                    .pass_on_slot_wakes(&tier, &flow, n, leave);
+            }
         }
         let spawns = !self.acquires.is_empty() || self.watch;
         let runtime = spawns
             .then(tokio::runtime::Handle::try_current)
             .and_then(Result::ok);
-        for acquire in self.acquires {
-            let shared = shared.clone();
-            match &runtime {
-                Some(runtime) => {
-                    runtime.spawn(async move {
-                        let answer = acquire.slot.await;
-                        shared.answered(acquire.sent, answer);
-                    });
-                }
-                // Nothing can send it (no runtime): unsent, it holds nothing.
-                None => {
-                    let sent = Sent {
-                        more: false,
-                        ..acquire.sent
-                    };
-                    shared.answered(sent, Err(SlotRefusal::Full));
+        if spawns {
+            for acquire in self.acquires {
+                let shared = shared.clone();
+                match &runtime {
+                    Some(runtime) => {
+                        runtime.spawn(async move {
+                            let answer = acquire.slot.await;
+                            shared.answered(acquire.sent, answer);
+                        });
+                    }
+                    // Nothing can send it (no runtime): unsent, it holds nothing.
+                    None => {
+                        let sent = Sent {
+                            more: false,
+                            ..acquire.sent
+                        };
+                        shared.answered(sent, Err(SlotRefusal::Full));
+                    }
                 }
             }
         }
@@ -475,9 +487,7 @@ impl AfterUnlock {
         if self.rewatch {
             shared.rewatch.notify_one();
         }
-        for waker in self.wake.into_iter() {
-            waker.wake();
-        }
+        self.wake.for_each(Waker::wake);
     }
 }
 
@@ -1858,8 +1868,7 @@ impl Permit {
             receipt,
         } = handed;
         if let Some(lease) = &slot {
-            crate::metrics::slot_taken(lease.tier(), lease.is_fallback());
-            crate::metrics::slot_wait(lease.tier(), waited);
+            crate::metrics::slot_taken(lease.tier(), lease.is_fallback(), Some(waited));
         }
         Permit {
             shared,

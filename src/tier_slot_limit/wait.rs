@@ -266,7 +266,7 @@ struct HeldSlot {
 
 impl SlotPermit {
     pub(super) fn new(lease: SlotLease, state: Arc<TierState>) -> Self {
-        metrics::slot_taken(lease.tier(), lease.is_fallback());
+        metrics::slot_taken(lease.tier(), lease.is_fallback(), None);
         SlotPermit {
             tier: lease.tier().clone(),
             held: Some(HeldSlot {
