@@ -764,7 +764,24 @@ async fn tier_weights_hold_across_the_fleet() {
     let _turn = crate::support::file_turn(module_path!());
     let _serial = SERIAL.lock().await;
     let server = RedisServer::start();
-    let mut fleet = Fleet::start(&Redis::Node(&server), 4).await;
+    let fleet = Fleet::start(&Redis::Node(&server), 4).await;
+    tier_weights(fleet).await;
+}
+
+/// The same where the learned request limit binds (3,000 a minute) instead of the slots:
+/// the rate's cells go by the tier weights too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn where_the_learned_rate_binds_tier_weights_hold_across_the_fleet() {
+    let _turn = crate::support::file_turn(module_path!());
+    let _serial = SERIAL.lock().await;
+    let server = RedisServer::start();
+    let fleet = Fleet::start_learned(&Redis::Node(&server), 4, 3_000).await;
+    tier_weights(fleet).await;
+}
+
+/// Pro on worker 0, free on workers 1-3, all backlogged, on `fleet`: see
+/// `tier_weights_hold_across_the_fleet`.
+async fn tier_weights(mut fleet: Fleet) {
     fleet.callers(0, 12, "paying", "pro", Origin::UserAction);
     for w in 1..4 {
         fleet.callers(w, 12, &format!("free-{w}"), "free", Origin::UserAction);
