@@ -5,7 +5,7 @@
 //! picks — class by its weights, tier by start-time fair queuing on the tier weights, tenant
 //! by start-time fair queuing on the cost — whichever worker holds it. Where a shared
 //! pacing's request limit binds instead of the slots, each freed cell of the rate goes the
-//! same way.
+//! same way; where a learned input-token limit binds, so do the tokens.
 //!
 //! Counted at the upstream stand-in shared by every worker: who started when, and how many
 //! were in flight at once. Real time (Redis is real), a few seconds a scenario.
