@@ -33,6 +33,11 @@ impl Gcra {
         self.interval
     }
 
+    #[cfg_attr(not(feature = "redis"), allow(dead_code))]
+    pub(crate) fn capacity(&self) -> i64 {
+        self.capacity
+    }
+
     /// The cells a call asking for `asked` takes: at least 1, and at most the capacity — a
     /// call larger than the bucket takes all of it rather than never going.
     pub(crate) fn cells(&self, asked: i64) -> i64 {

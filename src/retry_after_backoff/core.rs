@@ -14,9 +14,10 @@ use super::learned::{self, Views};
 use super::pacing::Pacer;
 use super::telemetry;
 use crate::Store;
+use crate::gcra::Gcra;
 use crate::hash::HashMap;
 use crate::rng::Rng;
-use crate::store::{DIMS, FleetCells, PaceAsk, PaceGrant, REQUESTS, learned_rate};
+use crate::store::{DIMS, FleetCells, INPUT, PaceAsk, PaceGrant, REQUESTS, learned_rate};
 
 /// What every service and future of one layer shares: its `Core` and how it copies a
 /// request for a retry.
@@ -123,6 +124,21 @@ pub(super) fn needs(cost: u32, output: u32) -> [u32; DIMS] {
         output.max(1),
         cost.max(1).saturating_add(output),
     ]
+}
+
+/// A learned input-token limit (per minute, 0: none) as the token rate the fleet's order
+/// hands out (`FleetCells::tokens`): the limit with the headroom, in microseconds a token,
+/// holding 900 ms of it at once — with the 100 ms a handing out may go ahead of the
+/// tokens (`tokens_batch` in `slot_queue.lua`), a second's burst. The provider's bucket
+/// holds a minute, but the fleet does not learn how full it is: a second's burst is what
+/// it sends back to back.
+fn fleet_tokens(limit: u32, headroom: u32) -> Option<Gcra> {
+    if limit == 0 {
+        return None;
+    }
+    let rate = learned_rate(INPUT, limit, headroom);
+    let burst = 900_000 / rate.interval().max(1);
+    Some(Gcra::new(rate.interval(), burst))
 }
 
 /// `cells` in the dimensions with a limit, 0 elsewhere: what the store took.
@@ -307,18 +323,23 @@ impl Core {
         if !self.policy.learned_pacing {
             return None;
         }
-        let limit = match self.all_quiet(key) {
-            true => 0,
+        let limits = match self.all_quiet(key) {
+            true => [0; DIMS],
             false => {
                 let views = crate::sync::lock(&self.views);
                 views
                     .peek(key)
                     .filter(|view| view.mode == 2)
-                    .map_or(0, |view| view.limits[REQUESTS])
+                    .map_or([0; DIMS], |view| view.limits)
             }
         };
+        let tokens = fleet_tokens(limits[INPUT], self.policy.learned_headroom);
+        let limit = limits[REQUESTS];
         if limit == 0 {
-            return Some(FleetCells::FROM_THE_FLEET);
+            return Some(FleetCells {
+                tokens,
+                ..FleetCells::FROM_THE_FLEET
+            });
         }
         let rate = learned_rate(REQUESTS, limit, self.policy.learned_headroom);
         let interval = rate.interval().max(1);
@@ -327,6 +348,7 @@ impl Core {
         Some(FleetCells {
             count: u32::try_from(count).unwrap_or(1),
             span: Duration::from_micros(u64::try_from(count * interval).unwrap_or(u64::MAX)),
+            tokens,
         })
     }
 
@@ -361,12 +383,12 @@ impl Core {
         }
         let mut need = needs(cost, view.output_avg);
         if fleet_cells {
-            // Only the token limits learned are this worker's to reserve; with none, nothing
-            // is asked of the store (an ask on its way holds this worker's calls, and the
-            // fleet's wake-ups it keeps for them, for a round trip).
-            need[REQUESTS] = 0;
-            for (need, limit) in need.iter_mut().zip(view.limits) {
-                if limit == 0 {
+            // Only the output and total token limits learned are this worker's to reserve
+            // (the requests and input tokens are the fleet's: `learned_cells`); with none,
+            // nothing is asked of the store (an ask on its way holds this worker's calls,
+            // and the fleet's wake-ups it keeps for them, for a round trip).
+            for (d, (need, limit)) in need.iter_mut().zip(view.limits).enumerate() {
+                if limit == 0 || d == REQUESTS || d == INPUT {
                     *need = 0;
                 }
             }

@@ -329,17 +329,23 @@ impl RateLimit for Core {
             Some(FleetCells {
                 count,
                 span: Duration::from_secs(60) * count / per_minute,
+                tokens: None,
             })
         });
         let learned = self.learned_cells(key);
         match (configured, learned) {
-            // Both: the slower rate binds.
-            (Some(c), Some(l)) if l.names_a_limit() => Some(if c.per_second() <= l.per_second() {
-                c
-            } else {
-                l
-            }),
-            (Some(c), _) => Some(c),
+            // Both: the slower request rate binds; the token rate is the learned one.
+            (Some(c), Some(l)) => {
+                let requests = match l.count > 0 && l.per_second() < c.per_second() {
+                    true => l,
+                    false => c,
+                };
+                Some(FleetCells {
+                    tokens: l.tokens,
+                    ..requests
+                })
+            }
+            (Some(c), None) => Some(c),
             (None, l) => l,
         }
     }
@@ -593,7 +599,8 @@ mod tests {
             fast.fleet_cells(&key),
             Some(FleetCells {
                 count: 5,
-                span: Duration::from_micros(5 * 21_052)
+                span: Duration::from_micros(5 * 21_052),
+                tokens: None,
             })
         );
         // At 60 a minute (57 with the headroom) one cell, one call, every 1.05 s; the gate
@@ -612,6 +619,39 @@ mod tests {
         go(slow.clone().check(&key, 10, false)).mark_used();
         let Verdict::Until(..) = slow.clone().check(&key, 10, false) else {
             panic!("the learned request limit holds the call");
+        };
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_learned_input_token_limit_is_handed_to_the_fleet_as_a_token_rate() {
+        let store = Store::memory();
+        let mut learn = [(0, 0); DIMS];
+        learn[0] = (3_000, 3_000);
+        learn[1] = (600, 600);
+        let ask = PaceAsk {
+            headroom_permille: 950,
+            learn,
+            answered: 1,
+            ..PaceAsk::default()
+        };
+        let _ = store.pace_learned(KEY, &ask).into_ready();
+        let (gate, key) = gate(&store);
+        go(gate.clone().check(&key, 10, false)).mark_used();
+        // 95% of 600 a minute: a token every 105,263 us, 900 ms of them at once (8).
+        let cells = gate.fleet_cells(&key).expect("learned");
+        assert_eq!(cells.tokens, Some(crate::gcra::Gcra::new(105_263, 8)));
+        assert_eq!(cells.count, 5);
+        // The fleet orders the tokens: calls of 100 go back to back here, far past the
+        // learned bucket (570)...
+        for _ in 0..10 {
+            go(gate.clone().check(&key, 100, true)).mark_used();
+        }
+        // ...which they took nothing of: on its own the gate holds the sixth of 100.
+        for _ in 0..5 {
+            go(gate.clone().check(&key, 100, false)).mark_used();
+        }
+        let Verdict::Until(_, WaitReason::Rate) = gate.clone().check(&key, 100, false) else {
+            panic!("the learned input-token limit holds the call");
         };
     }
 
@@ -639,7 +679,8 @@ mod tests {
             gate.fleet_cells(&key),
             Some(FleetCells {
                 count: 1,
-                span: Duration::from_secs(1)
+                span: Duration::from_secs(1),
+                tokens: None,
             }),
             "one call a second, as cells"
         );

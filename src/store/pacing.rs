@@ -150,6 +150,8 @@ impl Pacers {
 pub(crate) const DIMS: usize = 4;
 /// The requests dimension's index.
 pub(crate) const REQUESTS: usize = 0;
+/// The input tokens dimension's index.
+pub(crate) const INPUT: usize = 1;
 /// The largest limit believed (per minute); a larger one is absurd and ignored.
 pub(crate) const MAX_LIMIT: u32 = 1_000_000_000;
 

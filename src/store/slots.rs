@@ -12,6 +12,7 @@ use std::time::Duration;
 
 use tokio::sync::Notify;
 
+use crate::gcra::Gcra;
 use crate::hash::HashMap;
 use crate::{Priority, TenantId, Tier};
 
@@ -102,10 +103,13 @@ pub(crate) struct SlotQueue {
 /// The provider's request rate as cells the fleet hands out in its fair order, with the
 /// slots: `count` cells, each taken by a call for `span` from when it goes (a rate of
 /// `count` calls per `span`; with one cell, one call per `span`, as a burst-1 GCRA).
+/// With `tokens`, the provider's input-token rate goes in the same order: a GCRA in
+/// microseconds a token, each call taking its cost in tokens with its slot.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct FleetCells {
     pub(crate) count: u32,
     pub(crate) span: std::time::Duration,
+    pub(crate) tokens: Option<Gcra>,
 }
 
 impl FleetCells {
@@ -115,12 +119,13 @@ impl FleetCells {
     pub(crate) const FROM_THE_FLEET: FleetCells = FleetCells {
         count: 0,
         span: std::time::Duration::ZERO,
+        tokens: None,
     };
 
-    /// Whether this worker names the cells (a limit it knows), or takes them as the fleet
-    /// names them.
+    /// Whether this worker names the cells or the token rate (a limit it knows), or takes
+    /// them as the fleet names them.
     pub(crate) fn names_a_limit(&self) -> bool {
-        self.count > 0
+        self.count > 0 || self.tokens.is_some()
     }
 
     /// The rate, in calls a second.

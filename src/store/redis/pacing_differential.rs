@@ -257,3 +257,78 @@ fn learned_pace_script_answers_as_the_memory_store() {
         panic!("{failure}");
     }
 }
+
+// ---------------------------------------------------------------------------------------
+// The fleet's input-token rate in the slot scripts (`slot_queue.lua`)
+// ---------------------------------------------------------------------------------------
+
+/// Runs one call of the slot scripts' token rate, as a release or an acquire does: when its
+/// cost conforms (`tokens_conform`), then the tokens taken dated from then (`tokens_take`);
+/// answers that time and the TAT the wait book keeps.
+const TOKENS_DRIVER: &str = "
+local rate = {tonumber(ARGV[1]), tonumber(ARGV[2])}
+local now, cost = tonumber(ARGV[3]), tonumber(ARGV[4])
+local at = tokens_conform(KEYS[1], rate, now, cost)
+tokens_take(KEYS[1], rate, at, cost)
+return {string.format('%.0f', at), redis.call('HGET', KEYS[1], 'tokens_tat')}
+";
+
+/// One call: the time since the previous one (µs), its cost in tokens.
+type TokenCall = (i64, i64);
+
+/// A rate (µs a token, tokens at once), then the calls.
+fn tokens_case() -> impl Strategy<Value = ((i64, i64), Vec<TokenCall>)> {
+    let interval = prop_oneof![1i64..2_000, 1i64..60_000_000];
+    let capacity = prop_oneof![1i64..40, 1i64..1_000_000];
+    let cost = prop_oneof![1i64..60, 1i64..200_000];
+    (
+        (interval, capacity),
+        prop::collection::vec((advance(), cost), 1..60),
+    )
+}
+
+#[test]
+fn slot_scripts_token_rate_answers_as_the_gcra_core() {
+    use crate::gcra::Gcra;
+    let redis = Redis::start();
+    let source = format!(
+        "{}{TOKENS_DRIVER}",
+        include_str!("../scripts/slot_queue.lua")
+    );
+    let script = Script::new(&source);
+    let result = seeded(64, 0x746f_6b6e).run(&tokens_case(), |((interval, capacity), calls)| {
+        let case = redis.next_case();
+        let book = format!("case{case}:waits");
+        let rate = Gcra::new(interval, capacity);
+        let (mut tat, mut now) = (0i64, 0i64);
+        for (i, (advance, cost)) in calls.into_iter().enumerate() {
+            now += advance;
+            let at = rate.conforms_at(tat, now, cost);
+            tat = rate.charge(tat, at, cost);
+            let reply: Vec<String> = script
+                .key(&book)
+                .arg(interval)
+                .arg(capacity)
+                .arg(EPOCH + now)
+                .arg(cost)
+                .invoke(&mut *redis.conn.borrow_mut())
+                .expect("run the script");
+            let got: Vec<i64> = reply
+                .iter()
+                .map(|n| n.parse::<i64>().expect("a number") - EPOCH)
+                .collect();
+            prop_assert_eq!(
+                got,
+                vec![at, tat],
+                "call {} at {} of {} tokens",
+                i,
+                now,
+                cost
+            );
+        }
+        Ok(())
+    });
+    if let Err(failure) = result {
+        panic!("{failure}");
+    }
+}

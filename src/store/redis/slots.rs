@@ -798,6 +798,10 @@ impl RedisStore {
                 false => -1,
             }))
             .arg(cells.map_or(0, |c| duration_us(c.span)));
+        let tokens = cells.and_then(|c| c.tokens);
+        acquire
+            .arg(tokens.map_or(0, |t| t.interval()))
+            .arg(tokens.map_or(0, |t| t.capacity()));
         if let (Some(key), Some(cap)) = (&ask.tenant_key, limits.tenant) {
             acquire.key(key).arg(cap);
         }

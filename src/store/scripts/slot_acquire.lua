@@ -32,12 +32,20 @@
 -- freed cell goes in the fleet's fair order (slot_release.lua). The book keeps the cells'
 -- number and span for 10 s after the last acquire that names them, so releases hand a slot
 -- out only with a cell free.
+-- The provider's input-token rate, when the fleet orders it too: ARGV[16] how long (us) a
+-- token takes to refill, ARGV[17] how many tokens may go at once ('0', '0': none named;
+-- with ARGV[14] '-1', the rate another worker named, if one did). A call not promised its
+-- slot takes its cost (ARGV[13]) in tokens when it conforms (slot_queue.lua's GCRA); with
+-- the tokens short it is refused and queued as for a full tier, and the tokens go in the
+-- fleet's fair order (slot_release.lua). The book keeps the rate for 10 s after the last
+-- acquire that names it.
 -- With a tenant cap (absent otherwise: then nothing is counted per tenant):
--- KEYS[10] the tenant's lease set in this tier, ARGV[16] the tenant cap
+-- KEYS[10] the tenant's lease set in this tier, ARGV[18] the tenant cap
 -- Returns {status, global count, tier count, reason, room, workers, tick, at} (counting the promised
 -- slots): status 1 when the lease was taken, 0 when a cap is reached, -1 when the worker
 -- must resync (nothing follows); reason (with status 0) 1 when the global or tier cap is
--- reached, 2 when only the tenant's own cap is, 3 when every cell of the rate is taken;
+-- reached, 2 when only the tenant's own cap is, 3 when every cell of the rate is taken
+-- (or the input tokens are short);
 -- room (with status 1) how many more calls (and cells)
 -- the global and tier caps have room for; workers the records in the worker set (some
 -- maybe expired), so a worker learns of one that joined since its last heartbeat; tick
@@ -57,8 +65,10 @@ local function queue(n)
   redis.call('HSET', KEYS[5], 'global', ARGV[1], 'c:' .. KEYS[2], ARGV[2], 'w:' .. KEYS[2], ARGV[8],
     'k:' .. class, ARGV[11])
 end
+-- Whether a release promised this call its slot (and took its tokens).
+local promised = false
 if ARGV[9] ~= '' then
-  redis.call('ZREM', KEYS[7], ARGV[9])
+  promised = redis.call('ZREM', KEYS[7], ARGV[9]) == 1
   redis.call('ZREM', KEYS[8], ARGV[9])
 end
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
@@ -75,7 +85,7 @@ if global >= tonumber(ARGV[1]) or tier >= tonumber(ARGV[2]) then
 end
 if KEYS[10] then
   redis.call('ZREMRANGEBYSCORE', KEYS[10], '-inf', now)
-  if redis.call('ZCARD', KEYS[10]) >= tonumber(ARGV[16]) then
+  if redis.call('ZCARD', KEYS[10]) >= tonumber(ARGV[18]) then
     return {0, global, tier, 2, 0, workers}
   end
 end
@@ -92,6 +102,29 @@ elseif cells < 0 then
     cells, span = tonumber(book[1]) or 0, tonumber(book[2]) or 0
   end
 end
+local tok_iv, tok_cap = tonumber(ARGV[16]) or 0, tonumber(ARGV[17]) or 0
+if tok_iv > 0 and tok_cap > 0 then
+  redis.call('HSET', KEYS[5], 'tokens_iv', tok_iv, 'tokens_cap', tok_cap, 'tokens_to', now + 10000)
+end
+-- The input-token rate the fleet orders (this worker named it, or takes what another
+-- named), unless a release promised this call its slot: the promise took its tokens.
+local named_tokens = (tok_iv > 0 or ARGV[14] == '-1') and token_rate(KEYS[5], now)
+local tokens = not promised and named_tokens
+local cost = math.max(tonumber(ARGV[13]) or 1, 1)
+-- Refused for the rate: queued as for a full tier, and told when to send the tick that
+-- hands out what frees next (the tick at `at`, else at the first cell's time).
+local function refused_for_rate(at, lead)
+  if waiting > 0 then
+    queue(waiting)
+  end
+  local tick
+  if at then
+    tick = tick_at(KEYS[5], at, now_us, lead, '', ARGV[5])
+  else
+    tick = cell_tick(KEYS[5], KEYS[9], now_us, lead, '', ARGV[5])
+  end
+  return {0, global, tier, 3, 0, workers, tick[1], tick[2]}
+end
 local promised_cell = ARGV[9] ~= '' and redis.call('ZSCORE', KEYS[9], 'p' .. ARGV[9])
 -- How long (us) the cell this call holds stays taken (0: it takes none).
 local cell_left = 0
@@ -100,13 +133,19 @@ if promised_cell then
 elseif cells > 0 then
   redis.call('ZREMRANGEBYSCORE', KEYS[9], '-inf', now_us)
   if redis.call('ZCARD', KEYS[9]) >= cells then
-    if waiting > 0 then
-      queue(waiting)
-    end
-    local tick = cell_tick(KEYS[5], KEYS[9], now_us, cell_lead(span), '', ARGV[5])
-    return {0, global, tier, 3, 0, workers, tick[1], tick[2]}
+    return refused_for_rate(nil, cell_lead(span))
   end
   cell_left = span
+end
+if tokens then
+  local at = tokens_conform(KEYS[5], tokens, now_us, cost)
+  local lead = tokens_lead(tokens, cost)
+  if at > now_us + lead then
+    return refused_for_rate(at, lead)
+  end
+  tokens_take(KEYS[5], tokens, at, cost)
+end
+if cell_left > 0 and not promised_cell then
   redis.call('ZADD', KEYS[9], now_us + cell_left, ARGV[4])
   redis.call('PEXPIRE', KEYS[9], math.ceil(cell_left / 1000) + 1000)
 end
@@ -120,6 +159,13 @@ local room = math.min(tonumber(ARGV[1]) - global, tonumber(ARGV[2]) - tier) - 1
 if cell_left > 0 then
   -- The rate's cells left are room too: with none, the worker waits to be woken.
   room = math.min(room, cells - redis.call('ZCARD', KEYS[9]))
+end
+if named_tokens then
+  -- Room for another call of the same cost only if its tokens conform already.
+  local at = tokens_conform(KEYS[5], named_tokens, now_us, cost)
+  if at > now_us + tokens_lead(named_tokens, cost) then
+    room = 0
+  end
 end
 if waiting > 1 then
   queue(waiting - 1)

@@ -113,17 +113,74 @@ end
 -- (us) its tick names}: {0, 0} when another worker sends it already (the book's
 -- `cell_tick` is that time or later) — unless that is the caller, whose tick `mine` (the
 -- time it named, or '') came too early. The book names the worker that sends the ticks
--- (`cell_ticker`), for whoever looks.
-local function cell_tick(book, cells_key, now_us, lead, mine, worker)
-  local first = redis.call('ZRANGE', cells_key, 0, 0, 'WITHSCORES')
-  if not first[2] then
-    return {0, 0}
-  end
-  local at = math.max(tonumber(first[2]), now_us + 1)
+-- (`cell_ticker`), for whoever looks. `tick_at` names the time `at` (us): when the next
+-- cell frees (`cell_tick`), or when the next call's tokens conform.
+local function tick_at(book, at, now_us, lead, mine, worker)
+  at = math.max(at, now_us + 1)
   local current = tonumber(redis.call('HGET', book, 'cell_tick') or '') or 0
   if current >= at and current ~= tonumber(mine) then
     return {0, 0}
   end
   redis.call('HSET', book, 'cell_tick', string.format('%.0f', at), 'cell_ticker', worker)
   return {math.max(at - now_us - math.floor(lead * 3 / 4), 1), at}
+end
+
+-- `tick_at` the time the first cell frees.
+local function cell_tick(book, cells_key, now_us, lead, mine, worker)
+  local first = redis.call('ZRANGE', cells_key, 0, 0, 'WITHSCORES')
+  if not first[2] then
+    return {0, 0}
+  end
+  return tick_at(book, tonumber(first[2]), now_us, lead, mine, worker)
+end
+
+-- The provider's input-token rate while the fleet orders it too: a GCRA (src/gcra.rs, the
+-- same arithmetic, checked against it by store::redis::pacing_differential) of `iv` us a
+-- token and `cap` tokens at once, its TAT (us) in the book's `tokens_tat`. A call of `cost`
+-- tokens conforms at `tokens_conform`'s time; going at `at`, it is charged its whole cost
+-- (`Gcra::charge`: a call larger than the bucket waits for a full one, and the next waits
+-- for what it took beyond).
+local function gcra_conforms_at(iv, cap, tat, now, cells)
+  local n = math.max(1, math.min(cells, cap))
+  return math.max(now, tat - (cap - n) * iv)
+end
+
+local function gcra_charge(iv, tat, now, cells)
+  return math.max(math.max(tat, now) + cells * iv, now)
+end
+
+-- The fleet's token rate {iv, cap} while an acquire named it in the last 10 s, else nil.
+local function token_rate(book, now)
+  local r = redis.call('HMGET', book, 'tokens_iv', 'tokens_cap', 'tokens_to')
+  local iv, cap = tonumber(r[1]) or 0, tonumber(r[2]) or 0
+  if iv > 0 and cap > 0 and (tonumber(r[3]) or 0) >= now then
+    return {iv, cap}
+  end
+end
+
+-- When (us) a call of `cost` tokens conforms under the fleet's token rate `rate`.
+local function tokens_conform(book, rate, now_us, cost)
+  local tat = tonumber(redis.call('HGET', book, 'tokens_tat') or '') or 0
+  return gcra_conforms_at(rate[1], rate[2], tat, now_us, cost)
+end
+
+-- Charges a call of `cost` tokens going at `at` to the fleet's token rate.
+local function tokens_take(book, rate, at, cost)
+  local tat = tonumber(redis.call('HGET', book, 'tokens_tat') or '') or 0
+  redis.call('HSET', book, 'tokens_tat', string.format('%.0f', gcra_charge(rate[1], tat, at, cost)))
+end
+
+-- How long before a call of `cost` tokens conforms its tick is sent (as `cell_lead`, over
+-- the span its tokens refill in).
+local function tokens_lead(rate, cost)
+  return cell_lead(rate[1] * math.max(1, math.min(cost, rate[2])))
+end
+
+-- The span of one handing out: a release that hands out a call whose tokens conform (within
+-- the lead) hands out with it the calls whose tokens conform within 100 ms of it (an eighth
+-- of the bucket if less), as a cell of the request rate lasts 100 ms at least: one tick
+-- for the calls of 100 ms rather than one a call. Their tokens are taken dated from when
+-- they conform, so the rate is kept and no call goes more than that span ahead of it.
+local function tokens_batch(rate)
+  return math.min(100000, math.floor(rate[1] * rate[2] / 8))
 end

@@ -178,6 +178,12 @@ local function cell_free()
   return redis.call('ZCARD', KEYS[6]) < num('cells', 0)
 end
 
+-- The input-token rate, while the fleet orders it: the flow picked goes only once its
+-- next call's cost conforms (within the lead; with it, those that conform within the
+-- batch's span: `tokens_batch`), and the tokens are taken dated from when they conform;
+-- until then nothing is promised, and the tick names that time (`token_wait`).
+local tokens = token_rate(book, now)
+local token_wait, token_lead, batch_until
 if (removed == 1 or ARGV[1] == '') and global + redis.call('ZCARD', KEYS[4]) < num('global', 0)
   and cell_free() then
   for _ = 1, 64 do
@@ -192,10 +198,24 @@ if (removed == 1 or ARGV[1] == '') and global + redis.call('ZCARD', KEYS[4]) < n
       -- A flow with no worker (left behind by a wipe of part of the queue): forget it.
       redis.call('ZREM', key .. ':flows:' .. class, tenant)
     else
+      local m = member(worker, class, tenant)
+      local cost = math.max(tonumber(redis.call('HGET', key .. ':costs', m) or '1') or 1, 1)
+      local tokens_at = now_us
+      if tokens then
+        tokens_at, token_lead = tokens_conform(book, tokens, now_us, cost), tokens_lead(tokens, cost)
+        if tokens_at > (batch_until or now_us + token_lead) then
+          token_wait = tokens_at
+          break
+        end
+      end
       local record = tonumber(redis.call('ZSCORE', KEYS[5], worker) or '0')
       local token = record > now + tonumber(ARGV[6]) and tostring(redis.call('HINCRBY', book, 'token', 1))
       local message = key .. '\n' .. (token or '') .. '\n' .. class .. '\n' .. tenant
       if token and redis.call(ARGV[3], ARGV[2] .. worker, message) > 0 then
+        if tokens then
+          tokens_take(book, tokens, tokens_at, cost)
+          batch_until = batch_until or tokens_at + tokens_batch(tokens)
+        end
         redis.call('ZADD', KEYS[4], now + 1000, token)
         redis.call('ZADD', key .. ':promised', now + 1000, token)
         if span then
@@ -203,8 +223,6 @@ if (removed == 1 or ARGV[1] == '') and global + redis.call('ZCARD', KEYS[4]) < n
           redis.call('PEXPIRE', KEYS[6], math.ceil(span / 1000) + 1000)
         end
         local class_turn, tier_turn = turn[5], turn[6]
-        local m = member(worker, class, tenant)
-        local cost = math.max(tonumber(redis.call('HGET', key .. ':costs', m) or '1') or 1, 1)
         redis.call('HSET', book, 'u:' .. class, tag(class_turn[3]), 'u', tag(class_turn[2]),
           'v:' .. class .. ':' .. key, tag(tier_turn[2] + cost / tier_turn[3]),
           'v:' .. class, tag(tier_turn[2]), 't:' .. class .. ':' .. key, tag(start))
@@ -216,9 +234,11 @@ if (removed == 1 or ARGV[1] == '') and global + redis.call('ZCARD', KEYS[4]) < n
         else
           leave(key, worker, class, tenant)
         end
-        -- One wake-up per freed slot; where the rate's cells bind, one per free cell (a
-        -- tick may free several at once) while the global cap has room.
-        if not span or global + redis.call('ZCARD', KEYS[4]) >= num('global', 0) or not cell_free() then
+        -- One wake-up per freed slot; where the rate's cells or tokens bind, one per free
+        -- cell or conforming call (a tick may free several at once) while the global cap
+        -- has room.
+        if not (span or tokens) or global + redis.call('ZCARD', KEYS[4]) >= num('global', 0)
+          or not cell_free() then
           break
         end
       else
@@ -233,5 +253,7 @@ end
 local tick = {0, 0}
 if span and someone_waits(book) and not cell_free() then
   tick = cell_tick(book, KEYS[6], now_us, lead, ARGV[7] or '', ARGV[8] or '')
+elseif token_wait and someone_waits(book) then
+  tick = tick_at(book, token_wait, now_us, token_lead, ARGV[7] or '', ARGV[8] or '')
 end
 return {removed, global, tier, tick[1], tick[2]}
