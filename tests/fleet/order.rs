@@ -1116,11 +1116,23 @@ async fn a_newcomer_on_an_idle_worker_goes_at_the_next_freed_slot() {
 /// 2 s after it, two runs; 28.6-48.9% of the first 1.5 s, four runs).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn after_a_429s_cooldown_the_fleets_order_resumes_at_the_reopening() {
-    const RETRY_AFTER: Duration = Duration::from_millis(5_000);
     let _turn = crate::support::file_turn(module_path!());
     let server = RedisServer::start();
+    reopening_after_a_429(Redis::Node(&server)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_a_429s_cooldown_the_fleets_order_resumes_at_the_reopening_on_a_cluster() {
+    let _turn = crate::support::file_turn(module_path!());
+    reopening_after_a_429(Redis::Cluster(RedisCluster::shared())).await;
+}
+
+/// The scenario of `after_a_429s_cooldown_the_fleets_order_resumes_at_the_reopening` on
+/// `redis`.
+async fn reopening_after_a_429(redis: Redis<'_>) {
+    const RETRY_AFTER: Duration = Duration::from_millis(5_000);
     let _serial = SERIAL.lock().await;
-    let mut fleet = Fleet::start_learned(&Redis::Node(&server), 4, 3_000).await;
+    let mut fleet = Fleet::start_learned(&redis, 4, 3_000).await;
     for w in 0..4 {
         fleet.callers(w, 12, "hog", "pro", Origin::UserAction);
     }
