@@ -552,6 +552,13 @@ async fn light_against_hog_paced(mut fleet: Fleet, redis: &Redis<'_>, workers: u
         "the rate was not used: {}",
         light + hog
     );
+    // Over the whole measure, too: the rate and a burst (one call more at most).
+    let most_in_the_measure = per_second * MEASURE.as_secs_f64() + burst as f64 + 1.0;
+    assert!(
+        light + hog <= most_in_the_measure,
+        "{} calls started in {MEASURE:?}, over the rate ({per_second}/s, {burst} at once)",
+        light + hog
+    );
     let share = light / (light + hog);
     assert!(
         share >= 0.45,
@@ -649,6 +656,31 @@ async fn where_one_worker_never_learns_the_limit_its_calls_take_the_cells_the_ot
     let rate = Rate {
         from_the_first_call: false,
         ..Rate::kept(47.5, 5)
+    };
+    light_against_hog_paced(fleet, &Redis::Node(&server), 4, rate).await;
+}
+
+/// The same where the input-token limit binds: the worker whose answers never say the
+/// limits (light's) takes the token rate the others name in the wait book.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn where_one_worker_never_learns_the_token_limit_its_calls_take_the_rate_the_others_name() {
+    let _turn = crate::support::file_turn(module_path!());
+    let server = RedisServer::start();
+    let _serial = SERIAL.lock().await;
+    let said = Said {
+        rpm: 100_000,
+        itpm: Some(30_000),
+        first: 1,
+    };
+    let fleet = Fleet::start_with(&Redis::Node(&server), 4, None, CALL_MS, Some(said)).await;
+    fleet.workers[0]
+        .clone()
+        .oneshot(call_of("light", "pro", Origin::UserAction))
+        .await
+        .expect("the first call");
+    let rate = Rate {
+        from_the_first_call: false,
+        ..Rate::kept(47.5, 48)
     };
     light_against_hog_paced(fleet, &Redis::Node(&server), 4, rate).await;
 }
