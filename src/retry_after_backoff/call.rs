@@ -24,7 +24,7 @@ use super::usage::Usage;
 use crate::admission::Busy;
 use crate::error::BoxError;
 use crate::gate::{AttemptCell, Taken};
-use crate::store::{DIMS, PaceGrant, StoreFuture};
+use crate::store::{DIMS, OUTPUT, PaceGrant, StoreFuture, TOTAL};
 use crate::{JobRequest, TenantId};
 
 /// Everything one call carries from attempt to attempt.
@@ -410,10 +410,14 @@ impl<S, Req, C> Call<S, Req, C> {
                 Then::Retry(delay)
             }
             // A success charged tokens by learned pacing: its usage corrects the estimate,
-            // read as the body streams to the caller.
+            // read as the body streams to the caller. With an output or combined limit
+            // learned it is read even when nothing was charged (the fleet's order takes
+            // those as cells): its usage moves the key's average call, which sizes them.
             None if outcome.status.is_success()
                 && limits[1..].iter().any(|l| *l > 0)
-                && charged[1..].iter().any(|c| *c > 0) =>
+                && (charged[1..].iter().any(|c| *c > 0)
+                    || limits[OUTPUT] > 0
+                    || limits[TOTAL] > 0) =>
             {
                 let core = self.shared.core.clone();
                 let usage = Usage::new(core, self.upstream.clone(), need, charged, limits);

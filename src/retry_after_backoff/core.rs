@@ -10,14 +10,16 @@ use tower::retry::budget::TpsBudget;
 
 use super::BackoffPolicy;
 use super::key_gate::KeyGates;
-use super::learned::{self, Views};
+use super::learned::{self, View, Views};
 use super::pacing::Pacer;
 use super::telemetry;
 use crate::Store;
 use crate::gcra::Gcra;
 use crate::hash::HashMap;
 use crate::rng::Rng;
-use crate::store::{DIMS, FleetCells, INPUT, PaceAsk, PaceGrant, REQUESTS, learned_rate};
+use crate::store::{
+    DIMS, FleetCells, INPUT, OUTPUT, PaceAsk, PaceGrant, REQUESTS, TOTAL, learned_rate,
+};
 
 /// What every service and future of one layer shares: its `Core` and how it copies a
 /// request for a retry.
@@ -139,6 +141,44 @@ fn fleet_tokens(limit: u32, headroom: u32) -> Option<Gcra> {
     let rate = learned_rate(INPUT, limit, headroom);
     let burst = 900_000 / rate.interval().max(1);
     Some(Gcra::new(rate.interval(), burst))
+}
+
+/// What a call of `view`'s key takes on average in the dimensions the fleet's order keeps
+/// as a bound on the calls: the output tokens and the combined tokens, once the answers'
+/// usage has said (0 elsewhere: the requests are the calls, the input tokens are the
+/// fleet's token rate, and a dimension with no average yet this worker reserves itself).
+fn per_call(view: &View) -> [u32; DIMS] {
+    let mut out = [0; DIMS];
+    if view.output_avg > 0 {
+        out[OUTPUT] = view.output_avg;
+        if view.input_avg > 0 {
+            out[TOTAL] = view.input_avg.saturating_add(view.output_avg);
+        }
+    }
+    out
+}
+
+/// The calls a minute the learned limits allow the fleet (0: no limit known): the request
+/// limit, or an output or combined token limit over what a call takes of it on average
+/// ([`per_call`]) where that allows fewer. Every call is taken to use the average, so such
+/// a limit bounds the calls, handed out as the request cells are.
+fn calls_a_minute(limits: &[u32; DIMS], per_call: &[u32; DIMS]) -> u32 {
+    let mut calls = limits[REQUESTS];
+    for (limit, tokens) in limits.iter().zip(per_call) {
+        if *limit > 0 && *tokens > 0 {
+            let bound = (limit / tokens).max(1);
+            calls = if calls == 0 { bound } else { calls.min(bound) };
+        }
+    }
+    calls
+}
+
+/// `avg` (0: none yet) moved towards `sample`: an average over about the last 8.
+fn moving_average(avg: u32, sample: u32) -> u32 {
+    match avg {
+        0 => sample,
+        avg => (f64::from(avg) + (f64::from(sample) - f64::from(avg)) / 8.0).round() as u32,
+    }
 }
 
 /// `cells` in the dimensions with a limit, 0 elsewhere: what the store took.
@@ -312,8 +352,9 @@ impl Core {
             && self.loud.load(Ordering::Acquire) == 0
     }
 
-    /// The learned request limit of `key` as cells the fleet's order can hand out (see
-    /// `RateLimit::fleet_cells`): the limit with the headroom, each cell taken for at least
+    /// The learned limits of `key` as cells the fleet's order can hand out (see
+    /// `RateLimit::fleet_cells`): the calls a minute they allow ([`calls_a_minute`]) with
+    /// the headroom, and the input-token rate ([`fleet_tokens`]); each cell taken for at least
     /// 100 ms (so a fast rate's handing out does not cost a script every millisecond), never
     /// more cells than a second of the rate. With no limit in this worker's view now (not
     /// learned yet, or its last answer said none), the cells another worker names
@@ -323,18 +364,27 @@ impl Core {
         if !self.policy.learned_pacing {
             return None;
         }
-        let limits = match self.all_quiet(key) {
-            true => [0; DIMS],
+        let (limits, per_call) = match self.all_quiet(key) {
+            true => ([0; DIMS], [0; DIMS]),
             false => {
                 let views = crate::sync::lock(&self.views);
                 views
                     .peek(key)
                     .filter(|view| view.mode == 2)
-                    .map_or([0; DIMS], |view| view.limits)
+                    .map_or(([0; DIMS], [0; DIMS]), |view| (view.limits, per_call(view)))
             }
         };
         let tokens = fleet_tokens(limits[INPUT], self.policy.learned_headroom);
-        let limit = limits[REQUESTS];
+        // An output or combined limit with no average call yet cannot be sized: the cells
+        // are taken as the fleet names them (a worker naming the request limit alone would
+        // hand out the whole request rate meanwhile).
+        let not_sized = [OUTPUT, TOTAL]
+            .iter()
+            .any(|&d| limits[d] > 0 && per_call[d] == 0);
+        let limit = match not_sized {
+            true => 0,
+            false => calls_a_minute(&limits, &per_call),
+        };
         if limit == 0 {
             return Some(FleetCells {
                 tokens,
@@ -383,12 +433,14 @@ impl Core {
         }
         let mut need = needs(cost, view.output_avg);
         if fleet_cells {
-            // Only the output and total token limits learned are this worker's to reserve
-            // (the requests and input tokens are the fleet's: `learned_cells`); with none,
-            // nothing is asked of the store (an ask on its way holds this worker's calls,
-            // and the fleet's wake-ups it keeps for them, for a round trip).
+            // The requests, the input tokens, and the output and combined tokens once a
+            // call's average is known are the fleet's (`learned_cells`); only the rest is
+            // this worker's to reserve. With nothing to reserve nothing is asked of the
+            // store (an ask on its way holds this worker's calls, and the fleet's wake-ups
+            // it keeps for them, for a round trip).
+            let per_call = per_call(&view);
             for (d, (need, limit)) in need.iter_mut().zip(view.limits).enumerate() {
-                if limit == 0 || d == REQUESTS || d == INPUT {
+                if limit == 0 || d == REQUESTS || d == INPUT || per_call[d] > 0 {
                     *need = 0;
                 }
             }
@@ -529,25 +581,29 @@ impl Core {
     /// Charges `charge` (cells per dimension; negative gives back) to `key`'s learned
     /// bucket after the fact: a call's true usage against what it was charged. At once on
     /// the memory store; on Redis with the next reservation, as the headers' reports go.
-    /// `output`, the output tokens of a complete answer, moves the key's expected output
-    /// per call (an average over about the last 8 answers).
-    pub(super) fn correct_usage(&self, key: &Arc<str>, charge: [i64; DIMS], output: Option<u32>) {
+    /// `used`, the input and output tokens of a complete answer, moves the key's expected
+    /// input and output per call (averages over about the last 8 answers).
+    pub(super) fn correct_usage(
+        &self,
+        key: &Arc<str>,
+        charge: [i64; DIMS],
+        used: Option<(u32, u32)>,
+    ) {
         let ask = PaceAsk {
             charge,
             ..self.ask()
         };
         let mut views = crate::sync::lock(&self.views);
         let mut view = views.get(key, self.policy.learned_pacing, &self.loud);
-        if let Some(output) = output {
+        if let Some((input, output)) = used {
             // At most one minute of the learned limit (the store takes no more for a call).
-            let output = match view.limits[2] {
+            let output = match view.limits[OUTPUT] {
                 0 => output,
                 limit => output.min(limit),
             };
-            view.output_avg = match view.output_avg {
-                0 => output,
-                avg => (f64::from(avg) + (f64::from(output) - f64::from(avg)) / 8.0).round() as u32,
-            };
+            // At least 1: 0 is "none seen".
+            view.input_avg = moving_average(view.input_avg, input.max(1));
+            view.output_avg = moving_average(view.output_avg, output.max(1));
         }
         if charge.iter().all(|c| *c == 0) {
             return;
@@ -565,5 +621,47 @@ impl Core {
     /// A uniform draw in [0, 1) from the layer's seeded source.
     pub(super) fn unit(&self) -> f64 {
         crate::sync::lock(&self.rng).unit()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn view(limits: [u32; DIMS], input_avg: u32, output_avg: u32) -> View {
+        let mut view = View::new(true);
+        view.limits = limits;
+        view.input_avg = input_avg;
+        view.output_avg = output_avg;
+        view
+    }
+
+    #[test]
+    fn output_and_combined_limits_bound_the_calls_at_the_average_call() {
+        // 1,000 requests; 18,000 output tokens at 100 a call: 180 calls.
+        let v = view([1_000, 0, 18_000, 0], 10, 100);
+        assert_eq!(calls_a_minute(&v.limits, &per_call(&v)), 180);
+        // 22,000 combined tokens at 110 a call: 200 calls; the tighter output binds.
+        let v = view([1_000, 0, 18_000, 22_000], 10, 100);
+        assert_eq!(calls_a_minute(&v.limits, &per_call(&v)), 180);
+        let v = view([0, 0, 0, 22_000], 10, 100);
+        assert_eq!(calls_a_minute(&v.limits, &per_call(&v)), 200);
+        // The request limit where it allows fewer.
+        let v = view([60, 0, 18_000, 22_000], 10, 100);
+        assert_eq!(calls_a_minute(&v.limits, &per_call(&v)), 60);
+        // No average yet: the token limits bound nothing (the caller takes the fleet's
+        // cells meanwhile); a limit below one call still lets one call a minute.
+        let v = view([60, 0, 18_000, 22_000], 0, 0);
+        assert_eq!(per_call(&v), [0; DIMS]);
+        assert_eq!(calls_a_minute(&v.limits, &per_call(&v)), 60);
+        let v = view([0, 0, 50, 0], 10, 100);
+        assert_eq!(calls_a_minute(&v.limits, &per_call(&v)), 1);
+    }
+
+    #[test]
+    fn the_average_call_moves_an_eighth_towards_each_answer() {
+        assert_eq!(moving_average(0, 80), 80);
+        assert_eq!(moving_average(80, 160), 90);
+        assert_eq!(moving_average(80, 0), 70);
     }
 }

@@ -205,12 +205,14 @@ pub(super) struct View {
     /// A reservation of a block of calls is on its way to the store (see
     /// [`View::block`]).
     pub(super) block_asked: bool,
-    /// Output tokens per call, on average over the recent answers' usage (0: none seen).
+    /// Input and output tokens per call, on average over the recent answers' usage (0:
+    /// none seen).
+    pub(super) input_avg: u32,
     pub(super) output_avg: u32,
 }
 
 impl View {
-    fn new(learning: bool) -> Self {
+    pub(super) fn new(learning: bool) -> Self {
         View {
             // Without learning there is no cold start: calls go without waiting for an answer.
             mode: if learning { 0 } else { 1 },
@@ -220,6 +222,7 @@ impl View {
             credit_at: Instant::now(),
             pending: None,
             block_asked: false,
+            input_avg: 0,
             output_avg: 0,
         }
     }

@@ -224,8 +224,15 @@ impl Usage {
                 self.scanner.input_tokens(),
                 self.scanner.output_tokens(),
             );
-            let output = self.scanner.output_tokens().filter(|_| ended);
-            report.core.correct_usage(&report.key, charge, output);
+            let used = self
+                .scanner
+                .output_tokens()
+                .filter(|_| ended)
+                .map(|output| {
+                    let input = self.scanner.input_tokens().unwrap_or(report.need[1]);
+                    (input, output)
+                });
+            report.core.correct_usage(&report.key, charge, used);
         }
     }
 }

@@ -56,7 +56,9 @@ use crate::{Priority, TenantId, Tier};
 
 use memory::MemoryState;
 
-pub(crate) use self::pacing::{DIMS, INPUT, MAX_LIMIT, PaceAsk, PaceGrant, REQUESTS, learned_rate};
+pub(crate) use self::pacing::{
+    DIMS, INPUT, MAX_LIMIT, OUTPUT, PaceAsk, PaceGrant, REQUESTS, TOTAL, learned_rate,
+};
 pub use self::pacing::{LearnedLimits, PaceLimit};
 #[cfg(feature = "redis")]
 pub use self::redis::RedisStoreError;

@@ -152,6 +152,10 @@ pub(crate) const DIMS: usize = 4;
 pub(crate) const REQUESTS: usize = 0;
 /// The input tokens dimension's index.
 pub(crate) const INPUT: usize = 1;
+/// The output tokens dimension's index.
+pub(crate) const OUTPUT: usize = 2;
+/// The combined tokens dimension's index (input and output).
+pub(crate) const TOTAL: usize = 3;
 /// The largest limit believed (per minute); a larger one is absurd and ignored.
 pub(crate) const MAX_LIMIT: u32 = 1_000_000_000;
 

@@ -18,6 +18,7 @@ use std::time::{Duration, Instant};
 use crate::support::{RedisCluster, RedisServer};
 use fairgate::retry_after_backoff::Pacing;
 use fairgate::{BackoffPolicy, FairgateLayer, Job, Origin, SlotPolicy, Store};
+use http_body_util::BodyExt;
 use tower::util::BoxCloneService;
 use tower::{Layer, ServiceExt, service_fn};
 
@@ -63,9 +64,19 @@ struct Upstream {
     throttled_at: Option<Instant>,
     /// When the first answer went back.
     first_answer: Option<Instant>,
-    /// The upstream's input-token bucket, where its answers say an input-token limit: when
-    /// it is full again (seconds after the fleet started), as the provider's GCRA keeps it.
-    input_full_at: f64,
+    /// The upstream's token buckets (input, output, combined), where its answers say their
+    /// limit: when each is full again (seconds after the fleet started), as the provider's
+    /// GCRA keeps it.
+    full_at: [f64; 3],
+}
+
+/// Takes `tokens` from a bucket of `limit` a minute that is full again at `full_at`
+/// (seconds): what is left of it after.
+fn take_tokens(full_at: &mut f64, limit: u32, tokens: u32, now: f64) -> u32 {
+    let per_token = 60.0 / f64::from(limit);
+    *full_at = full_at.max(now) + f64::from(tokens) * per_token;
+    let missing = (*full_at - now) / per_token;
+    (f64::from(limit) - missing).clamp(0.0, f64::from(limit)) as u32
 }
 
 /// What every answer says of the upstream's limits (`anthropic-ratelimit-*`): the request
@@ -76,8 +87,17 @@ struct Upstream {
 struct Said {
     rpm: u32,
     itpm: Option<u32>,
+    /// An output-token limit a minute: then every answer's body reports its usage,
+    /// [`OUTPUT`] tokens out.
+    otpm: Option<u32>,
+    /// The combined token limit a minute (input and output): then every answer's body
+    /// reports its usage too.
+    tpm: Option<u32>,
     first: usize,
 }
+
+/// Output tokens an answer reports in its usage, where the upstream says an output limit.
+const OUTPUT: u32 = 100;
 
 type Service = BoxCloneService<http::Request<()>, (), fairgate::BoxError>;
 
@@ -139,6 +159,8 @@ impl Fleet {
         let said = Said {
             rpm,
             itpm: None,
+            otpm: None,
+            tpm: None,
             first: 0,
         };
         Fleet::start_with(redis, workers, None, CALL_MS, Some(said)).await
@@ -151,6 +173,8 @@ impl Fleet {
         let said = Said {
             rpm,
             itpm: Some(itpm),
+            otpm: None,
+            tpm: None,
             first: 0,
         };
         Fleet::start_with(redis, workers, None, CALL_MS, Some(said)).await
@@ -167,6 +191,8 @@ impl Fleet {
         let said = Said {
             rpm,
             itpm: None,
+            otpm: None,
+            tpm: None,
             first,
         };
         Fleet::start_with(redis, workers, None, CALL_MS, Some(said)).await
@@ -183,7 +209,7 @@ impl Fleet {
     ) -> Fleet {
         let upstream = Arc::new(Mutex::new(Upstream {
             // Empty: full again in a minute.
-            input_full_at: 60.0,
+            full_at: [60.0; 3],
             ..Upstream::default()
         }));
         let started = Instant::now();
@@ -205,17 +231,20 @@ impl Fleet {
                 let upstream = upstream.clone();
                 async move {
                     let job = req.extensions().get::<Job>().expect("a job");
-                    let (call, throttle, input_left) = {
+                    let (call, throttle, left) = {
                         let mut up = upstream.lock().unwrap();
-                        // The provider's input-token bucket takes the call's tokens.
-                        let input_left = said.and_then(|s| s.itpm).map(|itpm| {
-                            let per_token = 60.0 / f64::from(itpm);
-                            let now = started.elapsed().as_secs_f64();
-                            up.input_full_at =
-                                up.input_full_at.max(now) + f64::from(COST) * per_token;
-                            let missing = (up.input_full_at - now) / per_token;
-                            (f64::from(itpm) - missing).clamp(0.0, f64::from(itpm)) as u32
-                        });
+                        // The provider's token buckets take the call's tokens.
+                        let now = started.elapsed().as_secs_f64();
+                        let mut left = [None; 3];
+                        if let Some(said) = said {
+                            let limits = [said.itpm, said.otpm, said.tpm];
+                            let tokens = [COST, OUTPUT, COST + OUTPUT];
+                            for d in 0..3 {
+                                left[d] = limits[d].map(|limit| {
+                                    take_tokens(&mut up.full_at[d], limit, tokens[d], now)
+                                });
+                            }
+                        }
                         up.starts.push(Start {
                             tenant: job.tenant().as_str().to_owned(),
                             at: Instant::now(),
@@ -225,7 +254,7 @@ impl Fleet {
                         up.calls += 1;
                         let (least, spread) = call_ms;
                         let call = Duration::from_millis(least + up.calls * 7_919 % (spread + 1));
-                        (call, up.throttle_next.take(), input_left)
+                        (call, up.throttle_next.take(), left)
                     };
                     tokio::time::sleep(call).await;
                     let mut answer = http::Response::new(String::new());
@@ -249,16 +278,25 @@ impl Fleet {
                         ] {
                             headers.insert(name, http::HeaderValue::from(said.rpm));
                         }
-                        if let (Some(itpm), Some(left)) = (said.itpm, input_left) {
-                            headers.insert(
-                                "anthropic-ratelimit-input-tokens-limit",
-                                http::HeaderValue::from(itpm),
-                            );
-                            headers.insert(
-                                "anthropic-ratelimit-input-tokens-remaining",
-                                http::HeaderValue::from(left),
-                            );
+                        let limits = [said.itpm, said.otpm, said.tpm];
+                        for (d, dim) in ["input-tokens", "output-tokens", "tokens"]
+                            .iter()
+                            .enumerate()
+                        {
+                            let (Some(limit), Some(left)) = (limits[d], left[d]) else {
+                                continue;
+                            };
+                            for (end, value) in [("limit", limit), ("remaining", left)] {
+                                let name = format!("anthropic-ratelimit-{dim}-{end}");
+                                let name = http::HeaderName::try_from(name).expect("a name");
+                                headers.insert(name, http::HeaderValue::from(value));
+                            }
                         }
+                    }
+                    if said.is_some_and(|said| said.otpm.is_some() || said.tpm.is_some()) {
+                        *answer.body_mut() = format!(
+                            r#"{{"usage":{{"input_tokens":{COST},"output_tokens":{OUTPUT}}}}}"#
+                        );
                     }
                     Ok::<_, std::convert::Infallible>(answer)
                 }
@@ -275,9 +313,14 @@ impl Fleet {
                 .expect("a stack");
             fleet.fair_queues.push(layer.fairness().clone());
             let service = layer.layer(call);
-            fleet
-                .workers
-                .push(BoxCloneService::new(service.map_response(drop)));
+            // Each answer read to its end, as a caller does (its usage is seen).
+            let service = service.and_then(
+                |answer: http::Response<fairgate::FairgateBody<String>>| async move {
+                    let _ = answer.into_body().collect().await;
+                    Ok::<_, fairgate::BoxError>(())
+                },
+            );
+            fleet.workers.push(BoxCloneService::new(service));
             fleet.stores.push(store);
         }
         fleet
@@ -660,6 +703,62 @@ async fn where_one_worker_never_learns_the_limit_its_calls_take_the_cells_the_ot
     light_against_hog_paced(fleet, &Redis::Node(&server), 4, rate).await;
 }
 
+/// The light-against-hog scenario where a learned output or combined token limit binds
+/// (`said`), the requests, the input tokens and the slots not: such a limit bounds the
+/// fleet's request cells at the average call (10 tokens in, 100 out), which go in the
+/// fleet's order. Until the first answers' usage is seen the fleet runs as it learns: the
+/// rate is kept from the end of the warm-up.
+async fn light_against_hog_at_a_learned_token_limit(redis: Redis<'_>, workers: usize, said: Said) {
+    let _serial = SERIAL.lock().await;
+    let fleet = Fleet::start_with(&redis, workers, None, CALL_MS, Some(said)).await;
+    let rate = Rate {
+        from_the_first_call: false,
+        ..Rate::kept(28.5, 3)
+    };
+    light_against_hog_paced(fleet, &redis, workers, rate).await;
+}
+
+/// 180,000 output tokens a minute, 100 an answer: 28.5 calls a second with the headroom.
+const OUTPUT_LIMIT: Said = Said {
+    rpm: 100_000,
+    itpm: None,
+    otpm: Some(180_000),
+    tpm: None,
+    first: 0,
+};
+
+/// 198,000 tokens a minute, 110 a call: 28.5 calls a second with the headroom.
+const COMBINED_LIMIT: Said = Said {
+    rpm: 100_000,
+    itpm: None,
+    otpm: None,
+    tpm: Some(198_000),
+    first: 0,
+};
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn where_the_learned_output_token_rate_binds_a_tenant_on_one_of_four_workers_gets_its_half() {
+    let _turn = crate::support::file_turn(module_path!());
+    let server = RedisServer::start();
+    light_against_hog_at_a_learned_token_limit(Redis::Node(&server), 4, OUTPUT_LIMIT).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn where_the_learned_combined_token_rate_binds_a_tenant_on_one_of_four_workers_gets_its_half()
+{
+    let _turn = crate::support::file_turn(module_path!());
+    let server = RedisServer::start();
+    light_against_hog_at_a_learned_token_limit(Redis::Node(&server), 4, COMBINED_LIMIT).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn where_the_learned_combined_token_rate_binds_a_tenant_on_one_of_sixteen_workers_gets_its_half()
+ {
+    let _turn = crate::support::file_turn(module_path!());
+    let server = RedisServer::start();
+    light_against_hog_at_a_learned_token_limit(Redis::Node(&server), 16, COMBINED_LIMIT).await;
+}
+
 /// The same where the input-token limit binds: the worker whose answers never say the
 /// limits (light's) takes the token rate the others name in the wait book.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -670,6 +769,8 @@ async fn where_one_worker_never_learns_the_token_limit_its_calls_take_the_rate_t
     let said = Said {
         rpm: 100_000,
         itpm: Some(30_000),
+        otpm: None,
+        tpm: None,
         first: 1,
     };
     let fleet = Fleet::start_with(&Redis::Node(&server), 4, None, CALL_MS, Some(said)).await;
