@@ -14,7 +14,6 @@ use super::learned::{self, View, Views};
 use super::pacing::Pacer;
 use super::telemetry;
 use crate::Store;
-use crate::gcra::Gcra;
 use crate::hash::HashMap;
 use crate::rng::Rng;
 use crate::store::{
@@ -62,9 +61,6 @@ pub(super) struct Core {
     pub(super) gates: Mutex<KeyGates>,
     /// Notified when a rate gate may have opened (one fair queue listens).
     pub(super) gate_changed: Arc<tokio::sync::Notify>,
-    /// The shared bucket of the token limits alone, while the fleet orders the request
-    /// limit's cells (`<upstream>#tokens`).
-    pub(super) tokens_key: Arc<str>,
 }
 
 /// A call counted as held while this lives.
@@ -128,21 +124,6 @@ pub(super) fn needs(cost: u32, output: u32) -> [u32; DIMS] {
     ]
 }
 
-/// A learned input-token limit (per minute, 0: none) as the token rate the fleet's order
-/// hands out (`FleetCells::tokens`): the limit with the headroom, in microseconds a token,
-/// holding 900 ms of it at once — with the 100 ms a handing out may go ahead of the
-/// tokens (`tokens_batch` in `slot_queue.lua`), a second's burst. The provider's bucket
-/// holds a minute, but the fleet does not learn how full it is: a second's burst is what
-/// it sends back to back.
-fn fleet_tokens(limit: u32, headroom: u32) -> Option<Gcra> {
-    if limit == 0 {
-        return None;
-    }
-    let rate = learned_rate(INPUT, limit, headroom);
-    let burst = 900_000 / rate.interval().max(1);
-    Some(Gcra::new(rate.interval(), burst))
-}
-
 /// What a call of `view`'s key takes on average in the dimensions the fleet's order keeps
 /// as a bound on the calls: the output tokens and the combined tokens, once the answers'
 /// usage has said (0 elsewhere: the requests are the calls, the input tokens are the
@@ -156,6 +137,16 @@ fn per_call(view: &View) -> [u32; DIMS] {
         }
     }
     out
+}
+
+/// Whether every output or combined limit of `view` can be sized at the average call:
+/// then the fleet's order keeps all of the key's learned limits; before, this worker
+/// reserves them itself (and takes the cells as the fleet names them).
+fn sized(view: &View) -> bool {
+    let per_call = per_call(view);
+    [OUTPUT, TOTAL]
+        .iter()
+        .all(|&d| view.limits[d] == 0 || per_call[d] > 0)
 }
 
 /// The calls a minute the learned limits allow the fleet (0: no limit known): the request
@@ -203,7 +194,6 @@ impl Core {
             .filter(|pacing| !pacing.is_shared())
             .map(Pacer::new);
         let rng = policy.seed.map_or_else(Rng::from_entropy, Rng::seeded);
-        let tokens_key = Arc::from(format!("{}#tokens", policy.upstream));
         Core {
             store,
             policy,
@@ -221,7 +211,6 @@ impl Core {
             limits_changed: Arc::default(),
             gates: Mutex::default(),
             gate_changed: Arc::default(),
-            tokens_key,
         }
     }
 
@@ -364,27 +353,22 @@ impl Core {
         if !self.policy.learned_pacing {
             return None;
         }
+        // An output or combined limit with no average call yet cannot be sized: the cells
+        // are taken as the fleet names them (a worker naming the request limit alone would
+        // hand out the whole request rate meanwhile).
         let (limits, per_call) = match self.all_quiet(key) {
             true => ([0; DIMS], [0; DIMS]),
             false => {
                 let views = crate::sync::lock(&self.views);
                 views
                     .peek(key)
-                    .filter(|view| view.mode == 2)
+                    .filter(|view| view.mode == 2 && sized(view))
                     .map_or(([0; DIMS], [0; DIMS]), |view| (view.limits, per_call(view)))
             }
         };
-        let tokens = fleet_tokens(limits[INPUT], self.policy.learned_headroom);
-        // An output or combined limit with no average call yet cannot be sized: the cells
-        // are taken as the fleet names them (a worker naming the request limit alone would
-        // hand out the whole request rate meanwhile).
-        let not_sized = [OUTPUT, TOTAL]
-            .iter()
-            .any(|&d| limits[d] > 0 && per_call[d] == 0);
-        let limit = match not_sized {
-            true => 0,
-            false => calls_a_minute(&limits, &per_call),
-        };
+        let tokens = (limits[INPUT] > 0)
+            .then(|| FleetCells::token_rate(limits[INPUT], self.policy.learned_headroom));
+        let limit = calls_a_minute(&limits, &per_call);
         if limit == 0 {
             return Some(FleetCells {
                 tokens,
@@ -403,8 +387,8 @@ impl Core {
     }
 
     /// Whether a call to `key` may go now without asking the store, or what to ask it.
-    /// With `fleet_cells`, the request limit is the fleet's to order: no request cell is
-    /// asked for.
+    /// With `fleet_cells`, the learned limits are the fleet's to order once they can be
+    /// sized ([`sized`]): no cell is asked for.
     pub(super) fn admit_learned(
         self: &Arc<Self>,
         key: &Arc<str>,
@@ -432,19 +416,13 @@ impl Core {
             return Learned::Go(Duration::ZERO, [0; DIMS], [0; DIMS]);
         }
         let mut need = needs(cost, view.output_avg);
-        if fleet_cells {
-            // The requests, the input tokens, and the output and combined tokens once a
-            // call's average is known are the fleet's (`learned_cells`); only the rest is
-            // this worker's to reserve. With nothing to reserve nothing is asked of the
-            // store (an ask on its way holds this worker's calls, and the fleet's wake-ups
-            // it keeps for them, for a round trip).
-            let per_call = per_call(&view);
-            for (d, (need, limit)) in need.iter_mut().zip(view.limits).enumerate() {
-                if limit == 0 || d == REQUESTS || d == INPUT || per_call[d] > 0 {
-                    *need = 0;
-                }
-            }
-            if view.mode == 2 && !recovering && need.iter().all(|n| *n == 0) {
+        // Every learned limit is the fleet's to order (`learned_cells`) once it can be
+        // sized: no cell is this worker's to reserve, and out of recovery nothing is asked
+        // of the store (an ask on its way holds this worker's calls, and the fleet's
+        // wake-ups it keeps for them, for a round trip).
+        if fleet_cells && sized(&view) {
+            need = [0; DIMS];
+            if view.mode == 2 && !recovering {
                 return Learned::Go(Duration::ZERO, need, need);
             }
         }

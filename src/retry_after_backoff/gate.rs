@@ -15,6 +15,7 @@ use tokio::time::Instant;
 
 use super::core::{Core, Learned, taken};
 use super::key_gate::{KeyGate, Ready};
+use super::pacing::Pacing;
 use crate::gate::{RateLimit, Receipt, Verdict, WaitReason};
 use crate::store::{DIMS, FleetCells, PaceGrant};
 
@@ -58,9 +59,8 @@ impl Core {
     }
 
     /// The configured pacing's verdict for the next call of `cost`: `None` when it may go.
-    /// With `fleet_cells`, the request limit is the fleet's to order: only the token
-    /// limits are reserved here, under a key of their own (a bucket's dimensions are
-    /// positional).
+    /// With `fleet_cells`, every configured limit is the fleet's to order
+    /// ([`Pacing::fleet_cells`]): none is reserved here.
     fn configured_pacing(
         self: &Arc<Self>,
         gate: &mut KeyGate,
@@ -69,22 +69,21 @@ impl Core {
         now: Instant,
         fleet_cells: bool,
     ) -> Option<Verdict> {
-        let shared = self.shared_pacing().map(|pacing| {
-            let (limits, n) = pacing.limits(cost);
-            let skip = usize::from(fleet_cells && pacing.requests_per_minute_limit().is_some());
-            (limits, skip, n)
-        });
-        if let Some((limits, skip, n)) = shared.filter(|&(_, skip, n)| skip < n) {
+        let shared = match fleet_cells {
+            true => None,
+            false => self.shared_pacing().map(|pacing| pacing.limits(cost)),
+        };
+        if let Some((limits, n)) = shared.filter(|&(_, n)| n > 0) {
             match gate.paced {
                 Some(at) if at > now => return Some(Verdict::Until(at, WaitReason::Rate)),
                 Some(_) => {}
                 None if gate.pacing_asking => return Some(Verdict::Notified(WaitReason::Rate)),
                 None => {
-                    let pace_key = match skip {
-                        0 => &self.policy.upstream,
-                        _ => &self.tokens_key,
-                    };
-                    match self.store.pace(pace_key, &limits[skip..n]).into_ready() {
+                    match self
+                        .store
+                        .pace(&self.policy.upstream, &limits[..n])
+                        .into_ready()
+                    {
                         Ok(wait) => {
                             gate.paced = Some(now + wait);
                             if !wait.is_zero() {
@@ -323,28 +322,11 @@ impl RateLimit for Core {
         if **key != *self.policy.upstream {
             return None;
         }
-        let configured = self.shared_pacing().and_then(|pacing| {
-            let per_minute = pacing.requests_per_minute_limit()?.max(1);
-            let count = pacing.request_burst_limit().max(1);
-            Some(FleetCells {
-                count,
-                span: Duration::from_secs(60) * count / per_minute,
-                tokens: None,
-            })
-        });
+        let configured = self.shared_pacing().and_then(Pacing::fleet_cells);
         let learned = self.learned_cells(key);
         match (configured, learned) {
-            // Both: the slower request rate binds; the token rate is the learned one.
-            (Some(c), Some(l)) => {
-                let requests = match l.count > 0 && l.per_second() < c.per_second() {
-                    true => l,
-                    false => c,
-                };
-                Some(FleetCells {
-                    tokens: l.tokens,
-                    ..requests
-                })
-            }
+            // Both: the slower request rate and the slower token rate bind.
+            (Some(c), Some(l)) => Some(c.slower(l)),
             (Some(c), None) => Some(c),
             (None, l) => l,
         }
@@ -671,7 +653,7 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
-    async fn with_the_fleet_ordering_the_request_cells_the_gate_paces_only_the_tokens() {
+    async fn with_the_fleet_ordering_the_configured_limits_the_gate_reserves_none() {
         let store = Store::memory();
         learn(&store, 6_000);
         let (gate, key) = paced_gate(&store);
@@ -680,29 +662,62 @@ mod tests {
             Some(FleetCells {
                 count: 1,
                 span: Duration::from_secs(1),
-                tokens: None,
+                // 100 tokens a minute: one every 600 ms, at most one at once.
+                tokens: Some(crate::gcra::Gcra::new(600_000, 1)),
             }),
-            "one call a second, as cells"
+            "one call a second, as cells, and the token rate"
         );
         assert_eq!(gate.fleet_cells(&Arc::from("another key")), None);
-        // The request limit is the fleet's: two calls of 40 tokens go back to back...
-        go(gate.clone().check(&key, 40, true)).mark_used();
-        go(gate.clone().check(&key, 40, true)).mark_used();
-        // ...and the third waits for the tokens (100 a minute: 20 more in 12 s).
-        let Verdict::Until(at, WaitReason::Rate) = gate.clone().check(&key, 40, true) else {
-            panic!("the token limit holds the third call");
-        };
-        let wait = at.saturating_duration_since(Instant::now());
-        assert!(wait > Duration::from_secs(11), "{wait:?}");
-        // The request bucket was left alone: on its own the gate still paces requests.
+        // Both limits are the fleet's: calls of 40 tokens go back to back here.
+        for _ in 0..5 {
+            go(gate.clone().check(&key, 40, true)).mark_used();
+        }
+        // On its own the gate paces both: the second call waits for the request limit...
         let store = Store::memory();
         learn(&store, 6_000);
         let (alone, key) = paced_gate(&store);
-        go(alone.clone().check(&key, 1, false)).mark_used();
-        let Verdict::Until(at, WaitReason::Rate) = alone.clone().check(&key, 1, false) else {
+        go(alone.clone().check(&key, 40, false)).mark_used();
+        let Verdict::Until(at, WaitReason::Rate) = alone.clone().check(&key, 40, false) else {
             panic!("the second call of a 60 RPM key waits");
         };
         assert!(at.saturating_duration_since(Instant::now()) > Duration::from_millis(900));
+        // ...and the third, a second later, for the tokens (100 a minute: 80 taken, 17
+        // more after the 2 s gone, 10 s).
+        tokio::time::advance(Duration::from_secs(1)).await;
+        go(alone.clone().check(&key, 40, false)).mark_used();
+        tokio::time::advance(Duration::from_secs(1)).await;
+        let Verdict::Until(at, WaitReason::Rate) = alone.clone().check(&key, 40, false) else {
+            panic!("the token limit holds the third call");
+        };
+        let wait = at.saturating_duration_since(Instant::now());
+        assert!(wait > Duration::from_secs(9), "{wait:?}");
+    }
+
+    #[test]
+    fn the_slower_of_two_namings_binds_in_each_part() {
+        let cells = |count, ms, tokens: Option<i64>| FleetCells {
+            count,
+            span: Duration::from_millis(ms),
+            tokens: tokens.map(|iv| crate::gcra::Gcra::new(iv, 10)),
+        };
+        // The slower request rate, and the slower token rate, wherever each is named.
+        assert_eq!(
+            cells(5, 100, Some(10)).slower(cells(1, 100, Some(20))),
+            cells(1, 100, Some(20))
+        );
+        assert_eq!(
+            cells(1, 100, Some(20)).slower(cells(5, 100, Some(10))),
+            cells(1, 100, Some(20))
+        );
+        // A count of 0 names no request rate; no token rate names none.
+        assert_eq!(
+            cells(0, 0, Some(10)).slower(cells(5, 100, None)),
+            cells(5, 100, Some(10))
+        );
+        assert_eq!(
+            cells(5, 100, None).slower(cells(0, 0, None)),
+            cells(5, 100, None)
+        );
     }
 }
 

@@ -12,7 +12,7 @@ use tokio::time::Instant;
 
 use crate::error::ConfigError;
 use crate::gcra::Gcra;
-use crate::store::PaceLimit;
+use crate::store::{FleetCells, PaceLimit};
 
 /// Limits to stay under before any 429: requests, input tokens and output tokens per minute.
 ///
@@ -146,6 +146,37 @@ impl Pacing {
             }
         }
         (out, n)
+    }
+
+    /// The limits as the fleet's order hands them out with the slots (`None` without a
+    /// limit): the calls a minute the request limit and the output-token limit allow (the
+    /// latter at [`expected_output_tokens`](Pacing::expected_output_tokens) a call), in
+    /// cells of [`request_burst`](Pacing::request_burst); the input-token limit as a token
+    /// rate of a second's burst ([`FleetCells::token_rate`]; the fleet does not know how
+    /// full the provider's bucket of a minute is).
+    pub(crate) fn fleet_cells(&self) -> Option<FleetCells> {
+        let by_output = self
+            .output_tokens_per_minute
+            .map(|limit| (limit / self.expected_output_tokens.max(1)).max(1));
+        let calls = match (self.requests_per_minute, by_output) {
+            (Some(requests), Some(output)) => Some(requests.min(output)),
+            (requests, output) => requests.or(output),
+        };
+        let tokens = self
+            .input_tokens_per_minute
+            .map(|limit| FleetCells::token_rate(limit, 1000));
+        if calls.is_none() && tokens.is_none() {
+            return None;
+        }
+        let count = self.request_burst.max(1);
+        let (count, span) = calls.map_or((0, Duration::ZERO), |per_minute| {
+            (count, Duration::from_secs(60) * count / per_minute.max(1))
+        });
+        Some(FleetCells {
+            count,
+            span,
+            tokens,
+        })
     }
 
     /// The request limit, if set.

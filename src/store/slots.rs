@@ -122,6 +122,34 @@ impl FleetCells {
         tokens: None,
     };
 
+    /// An input-token limit of `per_minute` (with `headroom_permille`) as the token rate
+    /// the fleet's order hands out: microseconds a token, holding 900 ms of it at once —
+    /// with the 100 ms a handing out may go ahead of the tokens (`tokens_batch` in
+    /// `slot_queue.lua`), a second's burst. A provider's bucket holds a minute, but the
+    /// fleet does not know how full it is: a second's burst is what it sends back to back.
+    pub(crate) fn token_rate(per_minute: u32, headroom_permille: u32) -> Gcra {
+        let rate = crate::store::learned_rate(crate::store::INPUT, per_minute, headroom_permille);
+        let burst = 900_000 / rate.interval().max(1);
+        Gcra::new(rate.interval(), burst)
+    }
+
+    /// The slower of two namings of one upstream's limits, in each of its two parts: the
+    /// request cells (a count of 0 names none) and the token rate.
+    pub(crate) fn slower(self, other: FleetCells) -> FleetCells {
+        let requests = match (self.count, other.count) {
+            (0, _) => other,
+            (_, 0) => self,
+            _ if other.per_second() < self.per_second() => other,
+            _ => self,
+        };
+        let tokens = match (self.tokens, other.tokens) {
+            (Some(a), Some(b)) if b.interval() > a.interval() => Some(b),
+            (Some(a), _) => Some(a),
+            (None, b) => b,
+        };
+        FleetCells { tokens, ..requests }
+    }
+
     /// Whether this worker names the cells or the token rate (a limit it knows), or takes
     /// them as the fleet names them.
     pub(crate) fn names_a_limit(&self) -> bool {

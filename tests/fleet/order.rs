@@ -814,6 +814,46 @@ async fn where_the_providers_rate_binds_the_cluster_keeps_the_fair_half_too() {
     light_against_hog_at_the_rate(Redis::Cluster(cluster), 4).await;
 }
 
+/// The light-against-hog scenario where a configured shared pacing's token limit binds
+/// (`pacing`, 50 calls a second of 10 tokens in and 100 out): its tokens go in the fleet's
+/// order with the slots, as its requests do.
+async fn light_against_hog_at_a_configured_token_limit(
+    redis: Redis<'_>,
+    workers: usize,
+    pacing: Pacing,
+    rate: Rate,
+) {
+    let _serial = SERIAL.lock().await;
+    let fleet = Fleet::start_paced(&redis, workers, Some(pacing)).await;
+    light_against_hog_paced(fleet, &redis, workers, rate).await;
+}
+
+/// 30,000 input tokens a minute (calls of 10: 50 a second), handed out as a token rate
+/// of a second's burst (45 calls, and 100 ms ahead).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn where_a_configured_input_token_limit_binds_a_tenant_on_one_of_four_workers_gets_its_half()
+{
+    let _turn = crate::support::file_turn(module_path!());
+    let server = RedisServer::start();
+    let pacing = Pacing::new().input_tokens_per_minute(30_000).shared();
+    let rate = Rate::kept(50.0, 50);
+    light_against_hog_at_a_configured_token_limit(Redis::Node(&server), 4, pacing, rate).await;
+}
+
+/// 300,000 output tokens a minute at 100 a call expected: 50 calls a second, one at a time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn where_a_configured_output_token_limit_binds_a_tenant_on_one_of_four_workers_gets_its_half()
+{
+    let _turn = crate::support::file_turn(module_path!());
+    let server = RedisServer::start();
+    let pacing = Pacing::new()
+        .output_tokens_per_minute(300_000)
+        .expected_output_tokens(100)
+        .shared();
+    let rate = Rate::kept(50.0, 1);
+    light_against_hog_at_a_configured_token_limit(Redis::Node(&server), 4, pacing, rate).await;
+}
+
 /// Redis killed under the rate-bound light/hog load, then back (a fresh, empty server):
 /// meanwhile each worker paces its share of the rate in its own order (the fleet still
 /// keeps to the rate), and once Redis is back the rate's cells go in the fleet's order
