@@ -104,7 +104,11 @@ impl Pacing {
     /// its slots), the request limit of the layer's own upstream key goes in the fleet's
     /// fair order instead: each call takes its cell with its slot, and a freed cell goes to
     /// the call the fleet's order picks, whichever worker holds it (while Redis answers;
-    /// meanwhile each worker paces its share). The token limits are reserved as above.
+    /// meanwhile each worker paces its share). The token limits go in the same order: the
+    /// output limit as a bound on the calls at
+    /// [`expected_output_tokens`](Pacing::expected_output_tokens) a call, the input limit
+    /// as a token rate that bursts one second of it (not its minute: the fleet does not
+    /// know how full the provider's bucket is).
     pub fn shared(mut self) -> Self {
         self.shared = true;
         self
