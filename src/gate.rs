@@ -58,6 +58,9 @@ pub(crate) struct Receipt {
     pub(crate) used: bool,
     /// When the cells were due: kept for another call, they are still dated then.
     pub(crate) due: Instant,
+    /// The input tokens the fleet's token rate took for the call with its slot (its
+    /// estimate; 0: none): its answer's usage corrects them.
+    pub(crate) fleet_tokens: u32,
     pub(crate) gate: Option<Arc<dyn RateLimit>>,
 }
 

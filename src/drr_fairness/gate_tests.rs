@@ -42,6 +42,7 @@ impl RateLimit for Scripted {
             probe: false,
             used: false,
             due: Instant::now(),
+            fleet_tokens: 0,
             gate: Some(gate),
         })))
     }

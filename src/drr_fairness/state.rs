@@ -972,7 +972,16 @@ impl FairQueue {
         // The gate leaves the request limit to the cells only where this worker names them.
         let fleet_cells = cells.is_some_and(|c| c.names_a_limit());
         Some(match rate.inner.clone().check(key, cost, fleet_cells) {
-            Verdict::Go(taken) => Some(RateGo { taken, cells }),
+            Verdict::Go(mut taken) => {
+                // The acquire takes the call's cost from the fleet's token rate where this
+                // worker names one, or takes the fleet's naming: its usage corrects it.
+                if let Some(receipt) = taken.as_mut()
+                    && cells.is_some_and(|c| c.tokens.is_some() || !c.names_a_limit())
+                {
+                    receipt.fleet_tokens = cost;
+                }
+                Some(RateGo { taken, cells })
+            }
             Verdict::Until(at, reason) => {
                 state.groups[group].held_for = reason;
                 state.hold_for_rate(Some(at), after);

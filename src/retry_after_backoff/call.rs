@@ -64,6 +64,9 @@ pub(super) struct Charge {
     /// What the attempt took from the rate gate of a fair queue below, until its answer is
     /// reported.
     pub(super) receipt: Taken,
+    /// The input tokens the fleet's token rate took for the attempt (see
+    /// [`Receipt::fleet_tokens`](crate::gate::Receipt)).
+    pub(super) fleet_tokens: u32,
 }
 
 /// Who waits for the upstream's rate before an attempt.
@@ -403,24 +406,32 @@ impl<S, Req, C> Call<S, Req, C> {
         response: http::Response<ResponseBody<B>>,
         limits: [u32; DIMS],
     ) -> Then<B> {
-        let Charge { need, charged, .. } = self.charge;
+        let Charge {
+            need,
+            charged,
+            fleet_tokens,
+            ..
+        } = self.charge;
         match outcome.retry {
             Some(delay) => {
                 telemetry::retry(outcome.status);
                 Then::Retry(delay)
             }
-            // A success charged tokens by learned pacing: its usage corrects the estimate,
-            // read as the body streams to the caller. With an output or combined limit
-            // learned it is read even when nothing was charged (the fleet's order takes
-            // those as cells): its usage moves the key's average call, which sizes them.
+            // A success charged tokens by learned pacing or by the fleet's token rate: its
+            // usage corrects the estimate, read as the body streams to the caller. With an
+            // output or combined limit learned it is read even when nothing was charged
+            // (the fleet's order takes those as cells): its usage moves the key's average
+            // call, which sizes them.
             None if outcome.status.is_success()
-                && limits[1..].iter().any(|l| *l > 0)
-                && (charged[1..].iter().any(|c| *c > 0)
-                    || limits[OUTPUT] > 0
-                    || limits[TOTAL] > 0) =>
+                && (fleet_tokens > 0
+                    || limits[1..].iter().any(|l| *l > 0)
+                        && (charged[1..].iter().any(|c| *c > 0)
+                            || limits[OUTPUT] > 0
+                            || limits[TOTAL] > 0)) =>
             {
                 let core = self.shared.core.clone();
-                let usage = Usage::new(core, self.upstream.clone(), need, charged, limits);
+                let charge = (need, charged, fleet_tokens);
+                let usage = Usage::new(core, self.upstream.clone(), charge, limits);
                 Then::Return(response.map(|body| body.scanned(usage)))
             }
             None => Then::Return(response),
@@ -511,6 +522,7 @@ impl<S, Req, C> Call<S, Req, C> {
             self.charge.probe = receipt.probe;
             self.charge.need = receipt.need;
             self.charge.charged = receipt.charged;
+            self.charge.fleet_tokens = receipt.fleet_tokens;
             self.charge.receipt = Some(receipt);
         }
         let outcome = self.judge(response.status(), response.headers());
@@ -629,6 +641,7 @@ impl<S, Req, C> Call<S, Req, C> {
         self.charge.probe = false;
         // The rate gate may let the next call go (a probe's answer is in).
         self.charge.receipt = None;
+        self.charge.fleet_tokens = 0;
         match then {
             Then::Retry(delay) => self.retry(delay),
             Then::Return(response) => Step::Finish(Ok(response)),

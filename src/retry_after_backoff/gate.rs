@@ -353,6 +353,7 @@ impl RateLimit for Core {
             probe: ready.probe,
             used: false,
             due: ready.due,
+            fleet_tokens: 0,
             gate: Some(gate),
         })))
     }

@@ -165,18 +165,21 @@ struct Report {
     key: Arc<str>,
     /// The cells the call needed per dimension (see `needs`) ...
     need: [u32; DIMS],
-    /// ... and those the store took (0 where no limit was learned).
+    /// ... and those the store took (0 where no limit was learned) ...
     charged: [u32; DIMS],
+    /// ... and the input tokens the fleet's token rate took (0: none).
+    fleet_tokens: u32,
     /// The key's learned limits when the answer came.
     limits: [u32; DIMS],
 }
 
 impl Usage {
+    /// The report of a call that needed `need` cells per dimension, of which learned pacing
+    /// took `charged` and the fleet's token rate `fleet_tokens` input tokens.
     pub(super) fn new(
         core: Arc<Core>,
         key: Arc<str>,
-        need: [u32; DIMS],
-        charged: [u32; DIMS],
+        (need, charged, fleet_tokens): ([u32; DIMS], [u32; DIMS], u32),
         limits: [u32; DIMS],
     ) -> Self {
         Usage {
@@ -186,6 +189,7 @@ impl Usage {
                 key,
                 need,
                 charged,
+                fleet_tokens,
                 limits,
             }),
         }
@@ -233,6 +237,10 @@ impl Usage {
                     (input, output)
                 });
             report.core.correct_usage(&report.key, charge, used);
+            if let (true, Some(input)) = (report.fleet_tokens > 0, self.scanner.input_tokens()) {
+                let beyond = i64::from(input) - i64::from(report.fleet_tokens);
+                report.core.store.correct_fleet_tokens(beyond);
+            }
         }
     }
 }
@@ -361,7 +369,7 @@ mod tests {
         // 30 cells charged after the fact (31 used, 1 charged before).
         let need = needs(1, 1);
         let charged = [0, 0, 1, 0];
-        let mut usage = Usage::new(core.clone(), key.clone(), need, charged, limits);
+        let mut usage = Usage::new(core.clone(), key.clone(), (need, charged, 0), limits);
         usage.feed(&&body[..20]);
         usage.feed(&&body[20..]);
         usage.finish(true);
@@ -371,14 +379,14 @@ mod tests {
         assert_eq!(grant.wait, Duration::ZERO);
         // Dropped after the usage was seen, without an end: charged (27 more cells would
         // fit; 28 more do not).
-        let mut usage = Usage::new(core.clone(), key.clone(), need, charged, limits);
+        let mut usage = Usage::new(core.clone(), key.clone(), (need, charged, 0), limits);
         usage.feed(&&br#"{"output_tokens":29}"#[..]);
         drop(usage);
         let grant = core.store.pace_learned(&key, &ask(1)).into_ready().unwrap();
         assert!(grant.wait > Duration::ZERO, "{grant:?}");
         // No usage seen: nothing charged.
         tokio::time::advance(Duration::from_secs(120)).await;
-        let mut usage = Usage::new(core.clone(), key.clone(), need, charged, limits);
+        let mut usage = Usage::new(core.clone(), key.clone(), (need, charged, 0), limits);
         usage.feed(&&br#"{"type":"error"}"#[..]);
         usage.finish(true);
         drop(usage);

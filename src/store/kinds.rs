@@ -99,6 +99,12 @@ pub(crate) trait SlotLeases: Send + Sync {
     }
     /// Notified whenever a slot may have come free.
     fn released(&self) -> &tokio::sync::Notify;
+    /// The input tokens answered calls used beyond (or, negative, short of) the estimates
+    /// the fleet's token rate took for them: corrects that rate (Redis: with this worker's
+    /// next slot release; the memory store has no fleet's rate).
+    fn correct_fleet_tokens(&self, diff: i64) {
+        let _ = diff;
+    }
 }
 
 /// Cost served per tenant over the last minute, and the fleet's fairness index.

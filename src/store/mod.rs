@@ -561,6 +561,14 @@ impl Store {
         self.kinds().pass_on_wakes(tier, flow, n, leave);
     }
 
+    /// Corrects the fleet's input-token rate by what an answered call used beyond (or short
+    /// of) the estimate it took (see `SlotLeases::correct_fleet_tokens`).
+    pub(crate) fn correct_fleet_tokens(&self, diff: i64) {
+        if diff != 0 {
+            self.kinds().correct_fleet_tokens(diff);
+        }
+    }
+
     /// What a waiter of `tier` waits on when freed slots wake one worker each (Redis, up);
     /// `None`: wait on [`slot_released`](Self::slot_released).
     pub(crate) fn slot_wake_for(&self, tier: &Tier) -> Option<Arc<tokio::sync::Notify>> {

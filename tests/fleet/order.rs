@@ -93,6 +93,8 @@ struct Said {
     /// The combined token limit a minute (input and output): then every answer's body
     /// reports its usage too.
     tpm: Option<u32>,
+    /// The input tokens each answer's usage reports (the jobs estimate [`COST`]).
+    input: u32,
     first: usize,
 }
 
@@ -161,6 +163,7 @@ impl Fleet {
             itpm: None,
             otpm: None,
             tpm: None,
+            input: COST,
             first: 0,
         };
         Fleet::start_with(redis, workers, None, CALL_MS, Some(said)).await
@@ -175,6 +178,7 @@ impl Fleet {
             itpm: Some(itpm),
             otpm: None,
             tpm: None,
+            input: COST,
             first: 0,
         };
         Fleet::start_with(redis, workers, None, CALL_MS, Some(said)).await
@@ -193,6 +197,7 @@ impl Fleet {
             itpm: None,
             otpm: None,
             tpm: None,
+            input: COST,
             first,
         };
         Fleet::start_with(redis, workers, None, CALL_MS, Some(said)).await
@@ -238,7 +243,7 @@ impl Fleet {
                         let mut left = [None; 3];
                         if let Some(said) = said {
                             let limits = [said.itpm, said.otpm, said.tpm];
-                            let tokens = [COST, OUTPUT, COST + OUTPUT];
+                            let tokens = [said.input, OUTPUT, said.input + OUTPUT];
                             for d in 0..3 {
                                 left[d] = limits[d].map(|limit| {
                                     take_tokens(&mut up.full_at[d], limit, tokens[d], now)
@@ -293,9 +298,11 @@ impl Fleet {
                             }
                         }
                     }
-                    if said.is_some_and(|said| said.otpm.is_some() || said.tpm.is_some()) {
+                    if let Some(Said { input, .. }) =
+                        said.filter(|s| s.itpm.is_some() || s.otpm.is_some() || s.tpm.is_some())
+                    {
                         *answer.body_mut() = format!(
-                            r#"{{"usage":{{"input_tokens":{COST},"output_tokens":{OUTPUT}}}}}"#
+                            r#"{{"usage":{{"input_tokens":{input},"output_tokens":{OUTPUT}}}}}"#
                         );
                     }
                     Ok::<_, std::convert::Infallible>(answer)
@@ -724,6 +731,7 @@ const OUTPUT_LIMIT: Said = Said {
     itpm: None,
     otpm: Some(180_000),
     tpm: None,
+    input: COST,
     first: 0,
 };
 
@@ -733,6 +741,7 @@ const COMBINED_LIMIT: Said = Said {
     itpm: None,
     otpm: None,
     tpm: Some(198_000),
+    input: COST,
     first: 0,
 };
 
@@ -759,6 +768,48 @@ async fn where_the_learned_combined_token_rate_binds_a_tenant_on_one_of_sixteen_
     light_against_hog_at_a_learned_token_limit(Redis::Node(&server), 16, COMBINED_LIMIT).await;
 }
 
+/// The light-against-hog scenario where the learned input-token limit binds (30,000 a
+/// minute) and the calls use `input` tokens each against an estimate of 10: the answers'
+/// usage corrects the fleet's token rate, so the fleet keeps to the limit in the tokens
+/// really used — `per_second` calls a second at 95% of it.
+async fn light_against_hog_where_the_estimates_are_off(input: u32, per_second: f64) {
+    let server = RedisServer::start();
+    let _serial = SERIAL.lock().await;
+    let said = Said {
+        rpm: 100_000,
+        itpm: Some(30_000),
+        otpm: None,
+        tpm: None,
+        input,
+        first: 0,
+    };
+    let fleet = Fleet::start_with(&Redis::Node(&server), 4, None, CALL_MS, Some(said)).await;
+    // A second of the limit's burst (in calls of the tokens used), and the calls whose
+    // corrections are not in yet.
+    let burst = (per_second * 0.9) as usize + 4;
+    let rate = Rate {
+        from_the_first_call: false,
+        ..Rate::kept(per_second, burst)
+    };
+    light_against_hog_paced(fleet, &Redis::Node(&server), 4, rate).await;
+}
+
+/// Calls using half their estimate: the fleet sends twice the calls the estimates allow
+/// (95 a second, not 47.5), where the limit lets it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn where_the_estimates_are_twice_the_tokens_used_the_fleets_token_rate_gets_them_back() {
+    let _turn = crate::support::file_turn(module_path!());
+    light_against_hog_where_the_estimates_are_off(5, 95.0).await;
+}
+
+/// Calls using twice their estimate: the fleet sends half the calls the estimates allow
+/// (23.75 a second, not 47.5), so the provider's limit holds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn where_the_estimates_are_half_the_tokens_used_the_fleets_token_rate_charges_the_rest() {
+    let _turn = crate::support::file_turn(module_path!());
+    light_against_hog_where_the_estimates_are_off(20, 23.75).await;
+}
+
 /// The same where the input-token limit binds: the worker whose answers never say the
 /// limits (light's) takes the token rate the others name in the wait book.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -771,6 +822,7 @@ async fn where_one_worker_never_learns_the_token_limit_its_calls_take_the_rate_t
         itpm: Some(30_000),
         otpm: None,
         tpm: None,
+        input: COST,
         first: 1,
     };
     let fleet = Fleet::start_with(&Redis::Node(&server), 4, None, CALL_MS, Some(said)).await;

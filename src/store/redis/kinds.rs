@@ -114,6 +114,12 @@ impl SlotLeases for Arc<RedisStore> {
     fn released(&self) -> &tokio::sync::Notify {
         RedisStore::slot_released(self)
     }
+
+    fn correct_fleet_tokens(&self, diff: i64) {
+        self.slots
+            .tokens_beyond
+            .fetch_add(diff, std::sync::atomic::Ordering::Relaxed);
+    }
 }
 
 impl ServedCosts for Arc<RedisStore> {

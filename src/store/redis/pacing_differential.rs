@@ -270,11 +270,14 @@ local rate = {tonumber(ARGV[1]), tonumber(ARGV[2])}
 local now, cost = tonumber(ARGV[3]), tonumber(ARGV[4])
 local at = tokens_conform(KEYS[1], rate, now, cost)
 tokens_take(KEYS[1], rate, at, cost)
-return {string.format('%.0f', at), redis.call('HGET', KEYS[1], 'tokens_tat')}
+local taken = redis.call('HGET', KEYS[1], 'tokens_tat')
+tokens_correct(KEYS[1], rate, now, tonumber(ARGV[5]))
+return {string.format('%.0f', at), taken, redis.call('HGET', KEYS[1], 'tokens_tat')}
 ";
 
-/// One call: the time since the previous one (µs), its cost in tokens.
-type TokenCall = (i64, i64);
+/// One call: the time since the previous one (µs), its cost in tokens, and the tokens
+/// it used beyond its cost (negative: fewer), corrected at once.
+type TokenCall = (i64, i64, i64);
 
 /// A rate (µs a token, tokens at once), then the calls.
 fn tokens_case() -> impl Strategy<Value = ((i64, i64), Vec<TokenCall>)> {
@@ -283,7 +286,7 @@ fn tokens_case() -> impl Strategy<Value = ((i64, i64), Vec<TokenCall>)> {
     let cost = prop_oneof![1i64..60, 1i64..200_000];
     (
         (interval, capacity),
-        prop::collection::vec((advance(), cost), 1..60),
+        prop::collection::vec((advance(), cost, -200_000i64..200_000), 1..60),
     )
 }
 
@@ -301,16 +304,21 @@ fn slot_scripts_token_rate_answers_as_the_gcra_core() {
         let book = format!("case{case}:waits");
         let rate = Gcra::new(interval, capacity);
         let (mut tat, mut now) = (0i64, 0i64);
-        for (i, (advance, cost)) in calls.into_iter().enumerate() {
+        for (i, (advance, cost, beyond)) in calls.into_iter().enumerate() {
             now += advance;
             let at = rate.conforms_at(tat, now, cost);
             tat = rate.charge(tat, at, cost);
+            let taken = tat;
+            // Never below what was taken back: a call uses at least nothing.
+            let beyond = beyond.max(-cost);
+            tat = rate.charge(tat, now, beyond);
             let reply: Vec<String> = script
                 .key(&book)
                 .arg(interval)
                 .arg(capacity)
                 .arg(EPOCH + now)
                 .arg(cost)
+                .arg(beyond)
                 .invoke(&mut *redis.conn.borrow_mut())
                 .expect("run the script");
             let got: Vec<i64> = reply
@@ -319,11 +327,12 @@ fn slot_scripts_token_rate_answers_as_the_gcra_core() {
                 .collect();
             prop_assert_eq!(
                 got,
-                vec![at, tat],
-                "call {} at {} of {} tokens",
+                vec![at, taken, tat],
+                "call {} at {} of {} tokens, {} beyond",
                 i,
                 now,
-                cost
+                cost,
+                beyond
             );
         }
         Ok(())

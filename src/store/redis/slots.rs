@@ -44,7 +44,7 @@
 //! to what it held when the fault began.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -212,6 +212,10 @@ pub(super) struct SlotState {
     /// How long this worker's calls hold their slots, on average (microseconds; a moving
     /// average over the last calls or so).
     hold_us: AtomicU64,
+    /// Input tokens this worker's answered calls used beyond the estimates the fleet's
+    /// token rate took for them (negative: fewer), not yet sent: the next release carries
+    /// them (`tokens_correct` in `slot_queue.lua`).
+    pub(super) tokens_beyond: AtomicI64,
 }
 
 impl SlotState {
@@ -228,6 +232,7 @@ impl SlotState {
             recovering: AtomicBool::new(false),
             after_outage,
             hold_us: AtomicU64::new(0),
+            tokens_beyond: AtomicI64::new(0),
         }
     }
 
@@ -1009,7 +1014,8 @@ impl RedisStore {
             .arg(leave.map_or(String::new(), |flow| format!("{}|{flow}", self.worker_id)))
             .arg(duration_ms(WORKER_TTL.saturating_sub(WORKER_SILENT)))
             .arg(tick_at)
-            .arg(&self.worker_id);
+            .arg(&self.worker_id)
+            .arg(self.slots.tokens_beyond.swap(0, Ordering::Relaxed));
         release
     }
 

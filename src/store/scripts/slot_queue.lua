@@ -170,6 +170,16 @@ local function tokens_take(book, rate, at, cost)
   redis.call('HSET', book, 'tokens_tat', string.format('%.0f', gcra_charge(rate[1], tat, at, cost)))
 end
 
+-- Corrects the fleet's token rate `rate` by `diff` tokens (the calls' true input less the
+-- estimates they took) at `now_us`: more is charged as a call would be; less is given
+-- back, never below now (a full bucket holds no more).
+local function tokens_correct(book, rate, now_us, diff)
+  if diff ~= 0 then
+    local tat = tonumber(redis.call('HGET', book, 'tokens_tat') or '') or 0
+    redis.call('HSET', book, 'tokens_tat', string.format('%.0f', gcra_charge(rate[1], tat, now_us, diff)))
+  end
+end
+
 -- How long before a call of `cost` tokens conforms its tick is sent (as `cell_lead`, over
 -- the span its tokens refill in).
 local function tokens_lead(rate, cost)

@@ -30,7 +30,9 @@
 -- on, or '', ARGV[5] the entry (`worker|class|tenant`) leaving its flow, or '', ARGV[6] how
 -- long (ms) a live worker's record has left at least (a worker TTL less the heartbeat's
 -- slack), ARGV[7] for a tick, the time it names (see slot_queue.lua), or '', ARGV[8] the
--- worker's id
+-- worker's id, ARGV[9] the input tokens this worker's answered calls used beyond the
+-- estimates the fleet's token rate took for them (negative: fewer), or '' (see
+-- `tokens_correct`)
 -- Returns {removed, global count, tier count, tick, at} (the counts before the wake-up's
 -- promise; tick: how long (us) before the caller sends the next tick, 0 for none, and the
 -- time that tick names).
@@ -183,6 +185,9 @@ end
 -- batch's span: `tokens_batch`), and the tokens are taken dated from when they conform;
 -- until then nothing is promised, and the tick names that time (`token_wait`).
 local tokens = token_rate(book, now)
+if tokens then
+  tokens_correct(book, tokens, now_us, tonumber(ARGV[9] or '') or 0)
+end
 local token_wait, token_lead, batch_until
 if (removed == 1 or ARGV[1] == '') and global + redis.call('ZCARD', KEYS[4]) < num('global', 0)
   and cell_free() then
