@@ -412,6 +412,11 @@ impl<S, Req, C> Call<S, Req, C> {
             fleet_tokens,
             ..
         } = self.charge;
+        // Off, no usage corrects the fleet's token rate either.
+        let fleet_tokens = match self.shared.core.policy.usage_correction {
+            true => fleet_tokens,
+            false => 0,
+        };
         match outcome.retry {
             Some(delay) => {
                 telemetry::retry(outcome.status);

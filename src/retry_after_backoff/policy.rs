@@ -352,8 +352,9 @@ impl BackoffPolicyBuilder {
     /// streams to the caller (never buffered) for `"input_tokens"` and the largest
     /// `"output_tokens"` (a JSON message, or a stream's `message_start` and
     /// `message_delta` events), and when the body ends, or is dropped after its usage was
-    /// seen, the difference is charged (or given back) once. Off: only the provider's
-    /// `-remaining` on later answers corrects the estimate.
+    /// seen, the difference is charged (or given back) once — to the fleet's input-token
+    /// rate too, where the fleet orders it. Off: only the provider's `-remaining` on later
+    /// answers corrects the estimate (and nothing the fleet's rate).
     pub fn usage_correction(mut self, on: bool) -> Self {
         self.policy.usage_correction = on;
         self
