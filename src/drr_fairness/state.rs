@@ -973,10 +973,12 @@ impl FairQueue {
         let fleet_cells = cells.is_some_and(|c| c.names_a_limit());
         Some(match rate.inner.clone().check(key, cost, fleet_cells) {
             Verdict::Go(mut taken) => {
-                // The acquire takes the call's cost from the fleet's token rate where this
-                // worker names one, or takes the fleet's naming: its usage corrects it.
+                // The acquire takes the call's cost from the token rate this worker names:
+                // its usage corrects it. (A worker naming none, whose acquire takes the
+                // rate another names, reads no usage for it: its calls go at their
+                // estimates.)
                 if let Some(receipt) = taken.as_mut()
-                    && cells.is_some_and(|c| c.tokens.is_some() || !c.names_a_limit())
+                    && cells.is_some_and(|c| c.tokens.is_some())
                 {
                     receipt.fleet_tokens = cost;
                 }

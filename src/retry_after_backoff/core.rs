@@ -139,14 +139,22 @@ fn per_call(view: &View) -> [u32; DIMS] {
     out
 }
 
-/// Whether every output or combined limit of `view` can be sized at the average call:
-/// then the fleet's order keeps all of the key's learned limits; before, this worker
-/// reserves them itself (and takes the cells as the fleet names them).
-fn sized(view: &View) -> bool {
+/// Which of `view`'s learned limits the fleet's order keeps where it orders the rate (the
+/// rest this worker reserves itself): the requests, the input tokens, and the output and
+/// combined tokens as a bound on the calls at the average call ([`per_call`]) — all of
+/// them once every such limit can be sized, none before (a worker naming the request
+/// limit alone would hand out the whole request rate meanwhile). Without `averages` (no
+/// usage is read: usage correction off) none ever comes: the output and combined limits
+/// stay this worker's, the rest is the fleet's.
+fn kept_by_the_fleet(view: &View, averages: bool) -> [bool; DIMS] {
+    if !averages {
+        return [true, true, false, false];
+    }
     let per_call = per_call(view);
-    [OUTPUT, TOTAL]
+    let sized = [OUTPUT, TOTAL]
         .iter()
-        .all(|&d| view.limits[d] == 0 || per_call[d] > 0)
+        .all(|&d| view.limits[d] == 0 || per_call[d] > 0);
+    [sized; DIMS]
 }
 
 /// The calls a minute the learned limits allow the fleet (0: no limit known): the request
@@ -342,8 +350,9 @@ impl Core {
     }
 
     /// The learned limits of `key` as cells the fleet's order can hand out (see
-    /// `RateLimit::fleet_cells`): the calls a minute they allow ([`calls_a_minute`]) with
-    /// the headroom, and the input-token rate ([`fleet_tokens`]); each cell taken for at least
+    /// `RateLimit::fleet_cells`): of those the fleet keeps ([`kept_by_the_fleet`]), the
+    /// calls a minute they allow ([`calls_a_minute`]) with the headroom, and the input-token
+    /// rate ([`FleetCells::token_rate`]); each cell taken for at least
     /// 100 ms (so a fast rate's handing out does not cost a script every millisecond), never
     /// more cells than a second of the rate. With no limit in this worker's view now (not
     /// learned yet, or its last answer said none), the cells another worker names
@@ -353,17 +362,22 @@ impl Core {
         if !self.policy.learned_pacing {
             return None;
         }
-        // An output or combined limit with no average call yet cannot be sized: the cells
-        // are taken as the fleet names them (a worker naming the request limit alone would
-        // hand out the whole request rate meanwhile).
         let (limits, per_call) = match self.all_quiet(key) {
             true => ([0; DIMS], [0; DIMS]),
             false => {
                 let views = crate::sync::lock(&self.views);
+                let kept = |view: &View| {
+                    let kept = kept_by_the_fleet(view, self.policy.usage_correction);
+                    let (mut limits, mut per_call) = (view.limits, per_call(view));
+                    for d in (0..DIMS).filter(|d| !kept[*d]) {
+                        (limits[d], per_call[d]) = (0, 0);
+                    }
+                    (limits, per_call)
+                };
                 views
                     .peek(key)
-                    .filter(|view| view.mode == 2 && sized(view))
-                    .map_or(([0; DIMS], [0; DIMS]), |view| (view.limits, per_call(view)))
+                    .filter(|view| view.mode == 2)
+                    .map_or(([0; DIMS], [0; DIMS]), kept)
             }
         };
         let tokens = (limits[INPUT] > 0)
@@ -387,8 +401,8 @@ impl Core {
     }
 
     /// Whether a call to `key` may go now without asking the store, or what to ask it.
-    /// With `fleet_cells`, the learned limits are the fleet's to order once they can be
-    /// sized ([`sized`]): no cell is asked for.
+    /// With `fleet_cells`, the learned limits the fleet keeps ([`kept_by_the_fleet`]) are
+    /// not reserved here.
     pub(super) fn admit_learned(
         self: &Arc<Self>,
         key: &Arc<str>,
@@ -416,15 +430,22 @@ impl Core {
             return Learned::Go(Duration::ZERO, [0; DIMS], [0; DIMS]);
         }
         let mut need = needs(cost, view.output_avg);
-        // Every learned limit is the fleet's to order (`learned_cells`) once it can be
-        // sized: no cell is this worker's to reserve, and out of recovery nothing is asked
-        // of the store (an ask on its way holds this worker's calls, and the fleet's
-        // wake-ups it keeps for them, for a round trip).
-        if fleet_cells && sized(&view) {
-            need = [0; DIMS];
-            if view.mode == 2 && !recovering {
-                return Learned::Go(Duration::ZERO, need, need);
+        if fleet_cells {
+            // Only the limits the fleet does not keep (`learned_cells`) are this worker's to
+            // reserve; with none, out of recovery nothing is asked of the store (an ask on
+            // its way holds this worker's calls, and the fleet's wake-ups it keeps for
+            // them, for a round trip) and the call goes, its need told for its usage.
+            let kept = kept_by_the_fleet(&view, self.policy.usage_correction);
+            let mut reserve = need;
+            for (d, n) in reserve.iter_mut().enumerate() {
+                if kept[d] || view.limits[d] == 0 {
+                    *n = 0;
+                }
             }
+            if view.mode == 2 && !recovering && reserve.iter().all(|n| *n == 0) {
+                return Learned::Go(Duration::ZERO, need, [0; DIMS]);
+            }
+            need = reserve;
         }
         if view.mode == 2 && !recovering && (0..DIMS).all(|d| view.credit[d] >= need[d]) {
             for (credit, need) in view.credit.iter_mut().zip(need) {

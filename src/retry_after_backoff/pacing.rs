@@ -69,7 +69,9 @@ impl Pacing {
     }
 
     /// At most `n` estimated input tokens ([`Job::estimated_tokens`](crate::Job::estimated_tokens))
-    /// per minute (at least 1).
+    /// per minute (at least 1). Where the fleet's order hands the limit out
+    /// ([`shared`](Pacing::shared)), the answers' usage corrects each call's estimate (see
+    /// [`usage_correction`](crate::retry_after_backoff::BackoffPolicyBuilder::usage_correction)).
     pub fn input_tokens_per_minute(mut self, n: u32) -> Self {
         self.input_tokens_per_minute = Some(n);
         self

@@ -16,6 +16,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use crate::support::{RedisCluster, RedisServer};
+use fairgate::retry_after_backoff::BackoffPolicyBuilder;
 use fairgate::retry_after_backoff::Pacing;
 use fairgate::{BackoffPolicy, FairgateLayer, Job, Origin, SlotPolicy, Store};
 use http_body_util::BodyExt;
@@ -212,6 +213,18 @@ impl Fleet {
         call_ms: (u64, u64),
         said: Option<Said>,
     ) -> Fleet {
+        Fleet::start_tuned(redis, workers, pacing, call_ms, said, |policy| policy).await
+    }
+
+    /// `start_with`, each worker's retry policy tuned by `tune`.
+    async fn start_tuned(
+        redis: &Redis<'_>,
+        workers: usize,
+        pacing: Option<Pacing>,
+        call_ms: (u64, u64),
+        said: Option<Said>,
+        tune: fn(BackoffPolicyBuilder) -> BackoffPolicyBuilder,
+    ) -> Fleet {
         let upstream = Arc::new(Mutex::new(Upstream {
             // Empty: full again in a minute.
             full_at: [60.0; 3],
@@ -308,7 +321,7 @@ impl Fleet {
                     Ok::<_, std::convert::Infallible>(answer)
                 }
             });
-            let mut backoff = BackoffPolicy::builder();
+            let mut backoff = tune(BackoffPolicy::builder());
             if let Some(pacing) = pacing.clone() {
                 backoff = backoff.pacing(pacing);
             }
@@ -808,6 +821,31 @@ async fn where_the_estimates_are_twice_the_tokens_used_the_fleets_token_rate_get
 async fn where_the_estimates_are_half_the_tokens_used_the_fleets_token_rate_charges_the_rest() {
     let _turn = crate::support::file_turn(module_path!());
     light_against_hog_where_the_estimates_are_off(20, 23.75).await;
+}
+
+/// The learned input-token limit binding, the answers saying an output limit too (as the
+/// provider's do), with usage correction off: no average call ever comes to size the
+/// output limit, so it stays each worker's (it does not bind here), and the input tokens
+/// still go in the fleet's order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_usage_correction_the_learned_input_token_rate_still_goes_in_the_fleets_order() {
+    let _turn = crate::support::file_turn(module_path!());
+    let server = RedisServer::start();
+    let _serial = SERIAL.lock().await;
+    let said = Said {
+        rpm: 100_000,
+        itpm: Some(30_000),
+        otpm: Some(5_000_000),
+        tpm: None,
+        input: COST,
+        first: 0,
+    };
+    let redis = Redis::Node(&server);
+    let fleet = Fleet::start_tuned(&redis, 4, None, CALL_MS, Some(said), |policy| {
+        policy.usage_correction(false)
+    })
+    .await;
+    light_against_hog_paced(fleet, &redis, 4, Rate::kept(47.5, 48)).await;
 }
 
 /// The same where the input-token limit binds: the worker whose answers never say the

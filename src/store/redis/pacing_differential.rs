@@ -309,9 +309,11 @@ fn slot_scripts_token_rate_answers_as_the_gcra_core() {
             let at = rate.conforms_at(tat, now, cost);
             tat = rate.charge(tat, at, cost);
             let taken = tat;
-            // Never below what was taken back: a call uses at least nothing.
+            // Never below what was taken back: a call uses at least nothing. The script
+            // takes at most a minute of the rate either way.
             let beyond = beyond.max(-cost);
-            tat = rate.charge(tat, now, beyond);
+            let minute = 60_000_000 / interval;
+            tat = rate.charge(tat, now, beyond.clamp(-minute, minute));
             let reply: Vec<String> = script
                 .key(&book)
                 .arg(interval)

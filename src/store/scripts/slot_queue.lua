@@ -172,8 +172,11 @@ end
 
 -- Corrects the fleet's token rate `rate` by `diff` tokens (the calls' true input less the
 -- estimates they took) at `now_us`: more is charged as a call would be; less is given
--- back, never below now (a full bucket holds no more).
+-- back, never below now (a full bucket holds no more). At most a minute of the rate
+-- either way: a usage misread must not stall the fleet for hours.
 local function tokens_correct(book, rate, now_us, diff)
+  local minute = math.floor(60000000 / rate[1])
+  diff = math.max(-minute, math.min(diff, minute))
   if diff ~= 0 then
     local tat = tonumber(redis.call('HGET', book, 'tokens_tat') or '') or 0
     redis.call('HSET', book, 'tokens_tat', string.format('%.0f', gcra_charge(rate[1], tat, now_us, diff)))
