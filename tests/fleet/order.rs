@@ -774,6 +774,13 @@ async fn where_the_learned_combined_token_rate_binds_a_tenant_on_one_of_four_wor
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn where_the_learned_combined_token_rate_binds_the_cluster_keeps_the_fair_half_too() {
+    let _turn = crate::support::file_turn(module_path!());
+    let cluster = Redis::Cluster(RedisCluster::shared());
+    light_against_hog_at_a_learned_token_limit(cluster, 4, COMBINED_LIMIT).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn where_the_learned_combined_token_rate_binds_a_tenant_on_one_of_sixteen_workers_gets_its_half()
  {
     let _turn = crate::support::file_turn(module_path!());
@@ -785,8 +792,11 @@ async fn where_the_learned_combined_token_rate_binds_a_tenant_on_one_of_sixteen_
 /// minute) and the calls use `input` tokens each against an estimate of 10: the answers'
 /// usage corrects the fleet's token rate, so the fleet keeps to the limit in the tokens
 /// really used — `per_second` calls a second at 95% of it.
-async fn light_against_hog_where_the_estimates_are_off(input: u32, per_second: f64) {
-    let server = RedisServer::start();
+async fn light_against_hog_where_the_estimates_are_off(
+    redis: Redis<'_>,
+    input: u32,
+    per_second: f64,
+) {
     let _serial = SERIAL.lock().await;
     let said = Said {
         rpm: 100_000,
@@ -796,7 +806,7 @@ async fn light_against_hog_where_the_estimates_are_off(input: u32, per_second: f
         input,
         first: 0,
     };
-    let fleet = Fleet::start_with(&Redis::Node(&server), 4, None, CALL_MS, Some(said)).await;
+    let fleet = Fleet::start_with(&redis, 4, None, CALL_MS, Some(said)).await;
     // A second of the limit's burst (in calls of the tokens used), and the calls whose
     // corrections are not in yet.
     let burst = (per_second * 0.9) as usize + 4;
@@ -804,7 +814,7 @@ async fn light_against_hog_where_the_estimates_are_off(input: u32, per_second: f
         from_the_first_call: false,
         ..Rate::kept(per_second, burst)
     };
-    light_against_hog_paced(fleet, &Redis::Node(&server), 4, rate).await;
+    light_against_hog_paced(fleet, &redis, 4, rate).await;
 }
 
 /// Calls using half their estimate: the fleet sends twice the calls the estimates allow
@@ -812,7 +822,8 @@ async fn light_against_hog_where_the_estimates_are_off(input: u32, per_second: f
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn where_the_estimates_are_twice_the_tokens_used_the_fleets_token_rate_gets_them_back() {
     let _turn = crate::support::file_turn(module_path!());
-    light_against_hog_where_the_estimates_are_off(5, 95.0).await;
+    let server = RedisServer::start();
+    light_against_hog_where_the_estimates_are_off(Redis::Node(&server), 5, 95.0).await;
 }
 
 /// Calls using twice their estimate: the fleet sends half the calls the estimates allow
@@ -820,7 +831,15 @@ async fn where_the_estimates_are_twice_the_tokens_used_the_fleets_token_rate_get
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn where_the_estimates_are_half_the_tokens_used_the_fleets_token_rate_charges_the_rest() {
     let _turn = crate::support::file_turn(module_path!());
-    light_against_hog_where_the_estimates_are_off(20, 23.75).await;
+    let server = RedisServer::start();
+    light_against_hog_where_the_estimates_are_off(Redis::Node(&server), 20, 23.75).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn where_the_estimates_are_half_the_tokens_used_the_cluster_charges_the_rest_too() {
+    let _turn = crate::support::file_turn(module_path!());
+    let cluster = Redis::Cluster(RedisCluster::shared());
+    light_against_hog_where_the_estimates_are_off(cluster, 20, 23.75).await;
 }
 
 /// The learned input-token limit binding, the answers saying an output limit too (as the
