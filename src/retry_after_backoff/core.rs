@@ -658,6 +658,26 @@ mod tests {
     }
 
     #[test]
+    fn the_fleet_keeps_every_learned_limit_once_it_can_size_them() {
+        let all = [true; DIMS];
+        // An output limit and no average call yet: none (the worker reserves them all).
+        let v = view([1_000, 30_000, 18_000, 0], 0, 0);
+        assert_eq!(kept_by_the_fleet(&v, true), [false; DIMS]);
+        // Sized: all of them.
+        let v = view([1_000, 30_000, 18_000, 0], 10, 100);
+        assert_eq!(kept_by_the_fleet(&v, true), all);
+        // A combined limit needs the input average too.
+        let v = view([1_000, 0, 0, 22_000], 0, 100);
+        assert_eq!(kept_by_the_fleet(&v, true), [false; DIMS]);
+        // No output or combined limit: nothing to size.
+        let v = view([1_000, 30_000, 0, 0], 0, 0);
+        assert_eq!(kept_by_the_fleet(&v, true), all);
+        // No usage read: the requests and input tokens, never the others.
+        let v = view([1_000, 30_000, 18_000, 22_000], 10, 100);
+        assert_eq!(kept_by_the_fleet(&v, false), [true, true, false, false]);
+    }
+
+    #[test]
     fn the_average_call_moves_an_eighth_towards_each_answer() {
         assert_eq!(moving_average(0, 80), 80);
         assert_eq!(moving_average(80, 160), 90);
