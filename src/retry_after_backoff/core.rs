@@ -157,6 +157,19 @@ fn kept_by_the_fleet(view: &View, averages: bool) -> [bool; DIMS] {
     [sized; DIMS]
 }
 
+/// What of `need` a worker still reserves itself where the fleet orders the rate: the
+/// learned limits the fleet does not keep ([`kept_by_the_fleet`]).
+fn reserved_here(view: &View, need: [u32; DIMS], averages: bool) -> [u32; DIMS] {
+    let kept = kept_by_the_fleet(view, averages);
+    let mut reserve = need;
+    for (d, n) in reserve.iter_mut().enumerate() {
+        if kept[d] || view.limits[d] == 0 {
+            *n = 0;
+        }
+    }
+    reserve
+}
+
 /// The calls a minute the learned limits allow the fleet (0: no limit known): the request
 /// limit, or an output or combined token limit over what a call takes of it on average
 /// ([`per_call`]) where that allows fewer. Every call is taken to use the average, so such
@@ -431,17 +444,10 @@ impl Core {
         }
         let mut need = needs(cost, view.output_avg);
         if fleet_cells {
-            // Only the limits the fleet does not keep (`learned_cells`) are this worker's to
-            // reserve; with none, out of recovery nothing is asked of the store (an ask on
-            // its way holds this worker's calls, and the fleet's wake-ups it keeps for
+            // With nothing to reserve, out of recovery nothing is asked of the store (an ask
+            // on its way holds this worker's calls, and the fleet's wake-ups it keeps for
             // them, for a round trip) and the call goes, its need told for its usage.
-            let kept = kept_by_the_fleet(&view, self.policy.usage_correction);
-            let mut reserve = need;
-            for (d, n) in reserve.iter_mut().enumerate() {
-                if kept[d] || view.limits[d] == 0 {
-                    *n = 0;
-                }
-            }
+            let reserve = reserved_here(&view, need, self.policy.usage_correction);
             if view.mode == 2 && !recovering && reserve.iter().all(|n| *n == 0) {
                 return Learned::Go(Duration::ZERO, need, [0; DIMS]);
             }
