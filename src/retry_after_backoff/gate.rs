@@ -416,11 +416,14 @@ mod tests {
 
     /// The store learns `rpm` from an answer with a full bucket.
     fn learn(store: &Store, rpm: u32) {
-        let mut learn = [(0, 0); DIMS];
-        learn[0] = (rpm, rpm);
+        learn_limits(store, [rpm, 0, 0, 0]);
+    }
+
+    /// The store learns `limits` (per dimension, 0: none) from an answer with full buckets.
+    fn learn_limits(store: &Store, limits: [u32; DIMS]) {
         let ask = PaceAsk {
             headroom_permille: 950,
-            learn,
+            learn: limits.map(|limit| (limit, limit)),
             answered: 1,
             ..PaceAsk::default()
         };
@@ -608,16 +611,7 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn a_learned_input_token_limit_is_handed_to_the_fleet_as_a_token_rate() {
         let store = Store::memory();
-        let mut learn = [(0, 0); DIMS];
-        learn[0] = (3_000, 3_000);
-        learn[1] = (600, 600);
-        let ask = PaceAsk {
-            headroom_permille: 950,
-            learn,
-            answered: 1,
-            ..PaceAsk::default()
-        };
-        let _ = store.pace_learned(KEY, &ask).into_ready();
+        learn_limits(&store, [3_000, 600, 0, 0]);
         let (gate, key) = gate(&store);
         go(gate.clone().check(&key, 10, false)).mark_used();
         // 95% of 600 a minute: a token every 105,263 us, 900 ms of them at once (8).
