@@ -64,9 +64,6 @@ pub(super) struct Charge {
     /// What the attempt took from the rate gate of a fair queue below, until its answer is
     /// reported.
     pub(super) receipt: Taken,
-    /// The input tokens the fleet's token rate took for the attempt (see
-    /// [`Receipt::fleet_tokens`](crate::gate::Receipt)).
-    pub(super) fleet_tokens: u32,
 }
 
 /// Who waits for the upstream's rate before an attempt.
@@ -409,12 +406,13 @@ impl<S, Req, C> Call<S, Req, C> {
         let Charge {
             need,
             charged,
-            fleet_tokens,
+            ref receipt,
             ..
         } = self.charge;
-        // Off, no usage corrects the fleet's token rate either.
+        // The input tokens the fleet's token rate took for the attempt; with usage
+        // correction off, none is corrected.
         let fleet_tokens = match self.shared.core.policy.usage_correction {
-            true => fleet_tokens,
+            true => receipt.as_ref().map_or(0, |r| r.fleet_tokens),
             false => 0,
         };
         match outcome.retry {
@@ -527,7 +525,6 @@ impl<S, Req, C> Call<S, Req, C> {
             self.charge.probe = receipt.probe;
             self.charge.need = receipt.need;
             self.charge.charged = receipt.charged;
-            self.charge.fleet_tokens = receipt.fleet_tokens;
             self.charge.receipt = Some(receipt);
         }
         let outcome = self.judge(response.status(), response.headers());
@@ -646,7 +643,6 @@ impl<S, Req, C> Call<S, Req, C> {
         self.charge.probe = false;
         // The rate gate may let the next call go (a probe's answer is in).
         self.charge.receipt = None;
-        self.charge.fleet_tokens = 0;
         match then {
             Then::Retry(delay) => self.retry(delay),
             Then::Return(response) => Step::Finish(Ok(response)),
