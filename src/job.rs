@@ -154,6 +154,11 @@ impl Job {
         *self.arrived.get_or_insert_with(Instant::now)
     }
 
+    /// The arrival, stamped `now` (the caller's clock read) if no layer stamped it yet.
+    pub(crate) fn arrival_or(&mut self, now: Instant) -> Instant {
+        *self.arrived.get_or_insert(now)
+    }
+
     /// Starts the clock again: a retry is a new attempt, its waits count from now.
     pub(crate) fn restamp(&mut self) {
         self.arrived = Some(Instant::now());

@@ -19,7 +19,7 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use crate::TenantId;
-use crate::store::swept::{SHARDS, SWEEP_BUDGET, SweptTable, TenantHasher};
+use crate::store::swept::{SHARDS, SWEEP_BUDGET, SWEEP_EVERY, SweptTable, TenantHasher};
 
 const BUCKETS: u32 = 10;
 
@@ -82,6 +82,8 @@ pub(super) struct FairnessWindow {
     shards: Box<[SweptTable<Served>]>,
     /// The shard the sweep is in, and the index summed so far in this pass.
     sweep_shard: usize,
+    /// Records so far: one in [`SWEEP_EVERY`] sweeps.
+    records: usize,
     pass: Jain,
     /// The index of the last complete pass.
     last_pass: Option<f64>,
@@ -103,6 +105,7 @@ impl FairnessWindow {
             hasher: TenantHasher::default(),
             shards: (0..SHARDS).map(|_| SweptTable::default()).collect(),
             sweep_shard: 0,
+            records: 0,
             pass: Jain::default(),
             last_pass: None,
             last_publish: None,
@@ -164,8 +167,13 @@ impl FairnessWindow {
         }
     }
 
-    /// Sweeps a few buckets of the pass's shard; a pass ends when the last shard wraps.
+    /// One record in [`SWEEP_EVERY`] sweeps a few buckets of the pass's shard; a pass ends when
+    /// the last shard wraps.
     fn sweep_step(&mut self, bucket: u64) {
+        self.records = self.records.wrapping_add(1);
+        if self.records % SWEEP_EVERY != 1 {
+            return;
+        }
         let oldest = Self::oldest(bucket);
         let pass = &mut self.pass;
         let swept = self.shards[self.sweep_shard].sweep(SWEEP_BUDGET, |_, served| {
@@ -258,7 +266,7 @@ mod tests {
     /// Dispatches enough for the sweep to make two passes over every shard.
     fn sweep_all(w: &mut FairnessWindow, tenant: &TenantId, now: Instant) {
         let widest = w.shards.iter().map(SweptTable::capacity).max().unwrap_or(0);
-        for _ in 0..2 * SHARDS * (2 * widest / SWEEP_BUDGET + 1) {
+        for _ in 0..2 * SHARDS * SWEEP_EVERY * (2 * widest / SWEEP_BUDGET + 1) {
             w.record(tenant, 1, 1, true, now);
         }
     }
@@ -300,7 +308,7 @@ mod tests {
         // Dispatches of a tenant that never waited (not part of the index) drive the passes.
         let probe = TenantId::new("probe");
         let widest = w.shards.iter().map(SweptTable::capacity).max().unwrap_or(0);
-        for _ in 0..2 * SHARDS * (2 * widest / SWEEP_BUDGET + 1) {
+        for _ in 0..2 * SHARDS * SWEEP_EVERY * (2 * widest / SWEEP_BUDGET + 1) {
             w.record(&probe, 1, 1, false, now);
         }
         let index = w.index(now).expect("a pass completed");

@@ -400,7 +400,7 @@ struct Handout {
 struct AfterUnlock {
     wake: Few<Waker>,
     /// Dispatches to record in the store: tenant, cost, tier weight, whether it queued.
-    served: Few<(TenantId, u64, u32, bool)>,
+    served: Few<(TenantId, u64, u32, bool, Instant)>,
     depth: Option<Priority>,
     index: Option<Option<f64>>,
     /// Slot acquires to send (Redis).
@@ -425,8 +425,8 @@ struct Declined {
 
 impl AfterUnlock {
     fn run(self, shared: &Arc<FairQueue>, depths: Option<(Priority, usize)>) {
-        self.served.for_each(|(tenant, cost, weight, queued)| {
-            shared.store.add_served_cost(&tenant, cost);
+        self.served.for_each(|(tenant, cost, weight, queued, at)| {
+            shared.store.add_served_cost_at(&tenant, cost, at);
             shared.store.add_fairness(&tenant, weight, cost, queued);
         });
         if let Some((priority, depth)) = depths {
@@ -843,7 +843,9 @@ impl FairQueue {
         // One clock read for the fairness window and the slot's wait.
         let now = Instant::now();
         after.index = state.fairness.record(tenant, weight, cost, false, now);
-        after.served.push((tenant.clone(), cost, weight, false));
+        after
+            .served
+            .push((tenant.clone(), cost, weight, false, now));
         Admission::Now(Permit::new(
             self.clone(),
             group,
@@ -1566,20 +1568,17 @@ impl FairQueue {
         g.vtime[ci] += g.last_step[ci];
         state.left(class);
         state.in_flight += 1;
-        after.index = state.fairness.record(
-            &next.tenant,
-            next.item.weight,
-            next.cost,
-            true,
-            Instant::now(),
-        );
+        let now = Instant::now();
+        after.index = state
+            .fairness
+            .record(&next.tenant, next.item.weight, next.cost, true, now);
         after.depth = Some(next.class);
         if handed.lease.is_some() || handed.receipt.is_some() {
             state.handed.insert(next.item.id, handed);
         }
         after
             .served
-            .push((next.tenant, next.cost, next.item.weight, true));
+            .push((next.tenant, next.cost, next.item.weight, true, now));
         if let Some(waker) = next.item.waker {
             after.wake.push(waker);
         }

@@ -1,6 +1,7 @@
 use std::fmt;
 use std::task::{Context, Poll};
 
+use tokio::time::Instant;
 use tower_service::Service;
 
 use super::classifier::{Classifier, decide};
@@ -71,8 +72,10 @@ where
         let Some(job) = req.job_mut() else {
             return ResponseFuture::missing_job();
         };
-        // The outermost layer: every wait below counts from here.
-        let started = job.arrival();
+        // The outermost layer: every wait below counts from here. One clock read for the
+        // arrival and the demotion check.
+        let now = Instant::now();
+        let started = job.arrival_or(now);
         let shared = &self.shared;
         let by_rule = shared.rule.classify(job);
         // Checked before this job's tokens count, the same on every store: the job that
@@ -81,7 +84,7 @@ where
         let check =
             shared
                 .store
-                .check_demotion_then_add_tokens(job.tenant(), &shared.policy, tokens);
+                .check_demotion_then_add_tokens(job.tenant(), &shared.policy, tokens, now);
         crate::metrics::input_tokens(job.tenant(), tokens);
 
         match check.into_ready() {

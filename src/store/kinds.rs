@@ -15,6 +15,8 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use tokio::time::Instant;
+
 use super::pacing::{LearnedLimits, PaceAsk, PaceGrant, PaceLimit};
 use super::slots::{SlotLease, SlotLimits, SlotQueue, SlotRefusal};
 use super::{Demotion, SlotWakes, StoreFuture, StoreUnavailable};
@@ -35,13 +37,16 @@ pub(crate) trait Tenants: Send + Sync {
     fn daily_budget(&self, tenant: &TenantId) -> StoreFuture<Option<u64>>;
     fn demoted_for(&self, tenant: &TenantId) -> StoreFuture<Option<Duration>>;
     fn check_demotion(&self, tenant: &TenantId, policy: &DemotionPolicy) -> StoreFuture<Demotion>;
-    /// [`check_demotion`](Self::check_demotion), then [`add_tokens`](Self::add_tokens).
+    /// [`check_demotion`](Self::check_demotion) at `now` (the caller's clock read; Redis
+    /// keeps its own time), then [`add_tokens`](Self::add_tokens).
     fn check_demotion_then_add_tokens(
         &self,
         tenant: &TenantId,
         policy: &DemotionPolicy,
         tokens: u64,
+        now: Instant,
     ) -> StoreFuture<Demotion> {
+        let _ = now;
         let check = self.check_demotion(tenant, policy);
         self.add_tokens(tenant, tokens);
         check
@@ -109,7 +114,8 @@ pub(crate) trait SlotLeases: Send + Sync {
 
 /// Cost served per tenant over the last minute, and the fleet's fairness index.
 pub(crate) trait ServedCosts: Send + Sync {
-    fn add_served_cost(&self, tenant: &TenantId, cost: u64);
+    /// `cost` served for `tenant` at `at` (a dispatch's own clock read: none of its own).
+    fn add_served_cost(&self, tenant: &TenantId, cost: u64, at: Instant);
     fn served_cost(&self, tenant: &TenantId) -> StoreFuture<u64>;
     /// A fair queue's dispatch, for an index shared by the fleet (nothing to keep in one
     /// process: the fair queue's own index is the index).

@@ -17,9 +17,9 @@ use tokio::time::Instant;
 use super::kinds;
 use super::pacing::{LearnedLimits, PaceAsk, PaceGrant, PaceLimit};
 use super::slots::{LocalSlots, SlotLease, SlotLimits, SlotQueue, SlotRefusal};
+use super::swept::{SHARDS, Sweeper, SweptTable, TenantHasher};
 #[cfg(test)]
-use super::swept::SWEEP_BUDGET;
-use super::swept::{SHARDS, SweptTable, TenantHasher, sweep_shard};
+use super::swept::{SWEEP_BUDGET, SWEEP_EVERY};
 use super::{Demotion, StoreFuture, StoreUnavailable};
 use crate::admission::DemotionPolicy;
 use crate::{TenantId, Tier};
@@ -88,10 +88,9 @@ pub(crate) struct MemoryState {
     /// holds more than its share of the tenants, so no call waits on work the size of all
     /// the tenants.
     shards: Box<[Mutex<SweptTable<TenantState>>]>,
-    /// The shard being swept. Every call sweeps a few buckets of it, whichever tenant the
-    /// call is about, and the sweep moves on when it reached the shard's end (see
-    /// [`sweep_shard`]).
-    sweep_shard: AtomicUsize,
+    /// The shard being swept. Every few calls sweep a few buckets of it, whichever tenant
+    /// the call is about, and the sweep moves on when it reached the shard's end.
+    sweeper: Sweeper,
     /// Tenants whose `demoted_until` is set (one whose demotion ran out counts until a call
     /// or the sweep clears it).
     demoted: AtomicUsize,
@@ -120,7 +119,7 @@ impl MemoryState {
                 .unwrap_or_default(),
             hasher: TenantHasher::default(),
             shards: (0..SHARDS).map(|_| Mutex::default()).collect(),
-            sweep_shard: AtomicUsize::new(0),
+            sweeper: Sweeper::default(),
             demoted: AtomicUsize::new(0),
             gauge_published: AtomicU64::new(0),
             reports_gauges,
@@ -138,7 +137,11 @@ impl MemoryState {
 
     /// The clock, read once per call: the instant and its UTC day.
     fn moment(&self) -> Moment {
-        let now = Instant::now();
+        self.moment_at(Instant::now())
+    }
+
+    /// `now`, read by the caller, and its UTC day.
+    fn moment_at(&self, now: Instant) -> Moment {
         Moment {
             now,
             today: self.utc_day(now),
@@ -151,8 +154,17 @@ impl MemoryState {
         tenant: &TenantId,
         f: impl FnOnce(&mut TenantState, Moment) -> T,
     ) -> T {
-        let at = self.moment();
-        let now = at.now;
+        self.with_tenant_at(tenant, Instant::now(), f)
+    }
+
+    /// [`with_tenant`](Self::with_tenant) at `now`, read by the caller.
+    fn with_tenant_at<T>(
+        &self,
+        tenant: &TenantId,
+        now: Instant,
+        f: impl FnOnce(&mut TenantState, Moment) -> T,
+    ) -> T {
+        let at = self.moment_at(now);
         let hash = self.hasher.hash(tenant);
         let out = {
             let mut shard = crate::sync::lock(&self.shards[TenantHasher::shard(hash)]);
@@ -212,7 +224,7 @@ impl MemoryState {
     /// nothing left to remember; publishes the demoted gauge at most once a second.
     fn sweep(&self, Moment { now, today }: Moment) {
         let window = self.throttle_window;
-        sweep_shard(&self.shards, &self.sweep_shard, |_, state| {
+        self.sweeper.step(&self.shards, |_, state| {
             state.trim_throttles(now, window);
             self.count_demotion(state.demoted_until.is_some(), state, now);
             !state.is_empty(now, today)
@@ -306,14 +318,15 @@ impl MemoryState {
         self.with_tenant(tenant, |state, at| self.demotion(state, at, policy))
     }
 
-    /// The demotion check, then the job's tokens, in one lock.
+    /// The demotion check at `now`, then the job's tokens, in one lock.
     pub(crate) fn check_demotion_and_count(
         &self,
         tenant: &TenantId,
         policy: &DemotionPolicy,
         tokens: u64,
+        now: Instant,
     ) -> Demotion {
-        self.with_tenant(tenant, |state, at| {
+        self.with_tenant_at(tenant, now, |state, at| {
             let demotion = self.demotion(state, at, policy);
             Self::count_tokens(state, at.today, tokens);
             demotion
@@ -384,8 +397,9 @@ impl kinds::Tenants for MemoryState {
         tenant: &TenantId,
         policy: &DemotionPolicy,
         tokens: u64,
+        now: Instant,
     ) -> StoreFuture<Demotion> {
-        StoreFuture::ready(self.check_demotion_and_count(tenant, policy, tokens))
+        StoreFuture::ready(self.check_demotion_and_count(tenant, policy, tokens, now))
     }
 }
 
@@ -439,8 +453,8 @@ impl kinds::SlotLeases for MemoryState {
 }
 
 impl kinds::ServedCosts for MemoryState {
-    fn add_served_cost(&self, tenant: &TenantId, cost: u64) {
-        self.served.add(tenant, cost);
+    fn add_served_cost(&self, tenant: &TenantId, cost: u64, at: Instant) {
+        self.served.add(tenant, cost, at);
     }
 
     fn served_cost(&self, tenant: &TenantId) -> StoreFuture<u64> {
@@ -465,7 +479,7 @@ mod tests {
             .max()
             .unwrap_or(0);
         let probe = TenantId::new("probe");
-        for _ in 0..2 * SHARDS * (2 * widest / SWEEP_BUDGET + 1) {
+        for _ in 0..2 * SHARDS * SWEEP_EVERY * (2 * widest / SWEEP_BUDGET + 1) {
             state.throttle_count(&probe);
         }
     }

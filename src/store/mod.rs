@@ -50,6 +50,8 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
+use tokio::time::Instant;
+
 use crate::admission::DemotionPolicy;
 use crate::error::ConfigError;
 use crate::{Priority, TenantId, Tier};
@@ -453,16 +455,17 @@ impl Store {
         !matches!(&*self.backend, Backend::Memory(_))
     }
 
-    /// [`check_demotion`](Store::check_demotion), then [`add_tokens`](Store::add_tokens):
-    /// in one lock on the memory store.
+    /// [`check_demotion`](Store::check_demotion) at `now`, then
+    /// [`add_tokens`](Store::add_tokens): in one lock on the memory store.
     pub(crate) fn check_demotion_then_add_tokens(
         &self,
         tenant: &TenantId,
         policy: &DemotionPolicy,
         tokens: u64,
+        now: Instant,
     ) -> StoreFuture<Demotion> {
         self.kinds()
-            .check_demotion_then_add_tokens(tenant, policy, tokens)
+            .check_demotion_then_add_tokens(tenant, policy, tokens, now)
     }
 
     /// Sends whatever is batched locally (token and served-cost counts) now. When it is

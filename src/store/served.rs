@@ -8,14 +8,13 @@
 
 use std::collections::VecDeque;
 use std::sync::Mutex;
-use std::sync::atomic::AtomicUsize;
 use std::time::Duration;
 
 use tokio::time::Instant;
 
+use super::swept::{SHARDS, Sweeper, SweptTable, TenantHasher};
 #[cfg(test)]
-use super::swept::SWEEP_BUDGET;
-use super::swept::{SHARDS, SweptTable, TenantHasher, sweep_shard};
+use super::swept::{SWEEP_BUDGET, SWEEP_EVERY};
 use super::{Store, StoreFuture};
 use crate::TenantId;
 
@@ -35,8 +34,8 @@ pub(crate) struct ServedCost {
     started: Instant,
     hasher: TenantHasher,
     shards: Box<[Mutex<SweptTable<Buckets>>]>,
-    /// The shard being swept (see [`sweep_shard`]).
-    sweep_shard: AtomicUsize,
+    /// Where the sweep is (see `swept.rs`).
+    sweeper: Sweeper,
 }
 
 impl ServedCost {
@@ -45,14 +44,12 @@ impl ServedCost {
             started: Instant::now(),
             hasher: TenantHasher::default(),
             shards: (0..SHARDS).map(|_| Mutex::default()).collect(),
-            sweep_shard: AtomicUsize::new(0),
+            sweeper: Sweeper::default(),
         }
     }
 
-    fn second(&self) -> u64 {
-        Instant::now()
-            .saturating_duration_since(self.started)
-            .as_secs()
+    fn second(&self, at: Instant) -> u64 {
+        at.saturating_duration_since(self.started).as_secs()
     }
 
     /// The oldest second still inside the window at `now`.
@@ -66,8 +63,8 @@ impl ServedCost {
         }
     }
 
-    pub(crate) fn add(&self, tenant: &TenantId, cost: u64) {
-        let now = self.second();
+    pub(crate) fn add(&self, tenant: &TenantId, cost: u64, at: Instant) {
+        let now = self.second(at);
         let hash = self.hasher.hash(tenant);
         {
             let mut shard = crate::sync::lock(&self.shards[TenantHasher::shard(hash)]);
@@ -79,14 +76,14 @@ impl ServedCost {
             Self::trim(buckets, now);
         }
         // A few buckets of one shard: forget tenants with nothing left in the window.
-        sweep_shard(&self.shards, &self.sweep_shard, |_, buckets| {
+        self.sweeper.step(&self.shards, |_, buckets| {
             Self::trim(buckets, now);
             !buckets.is_empty()
         });
     }
 
     pub(crate) fn total(&self, tenant: &TenantId) -> u64 {
-        let oldest = Self::oldest(self.second());
+        let oldest = Self::oldest(self.second(Instant::now()));
         let hash = self.hasher.hash(tenant);
         let shard = crate::sync::lock(&self.shards[TenantHasher::shard(hash)]);
         shard.get(hash, tenant).map_or(0, |buckets| {
@@ -113,7 +110,12 @@ impl Store {
     /// background with the token counts (every 250 ms by default, or on
     /// [`flush`](Store::flush)).
     pub fn add_served_cost(&self, tenant: &TenantId, cost: u64) {
-        self.kinds().add_served_cost(tenant, cost);
+        self.kinds().add_served_cost(tenant, cost, Instant::now());
+    }
+
+    /// A fair queue's dispatch of `cost` for `tenant` at `at` (its own clock read).
+    pub(crate) fn add_served_cost_at(&self, tenant: &TenantId, cost: u64, at: Instant) {
+        self.kinds().add_served_cost(tenant, cost, at);
     }
 
     /// A fair queue's dispatch for the fleet's fairness index: `cost` served for `tenant`,
@@ -145,10 +147,10 @@ mod tests {
     async fn served_cost_slides_out_of_the_window() {
         let served = ServedCost::new();
         let (a, b) = (TenantId::new("a"), TenantId::new("b"));
-        served.add(&a, 100);
+        served.add(&a, 100, Instant::now());
         tokio::time::advance(Duration::from_secs(30)).await;
-        served.add(&a, 10);
-        served.add(&b, 1);
+        served.add(&a, 10, Instant::now());
+        served.add(&b, 1, Instant::now());
         assert_eq!(served.total(&a), 110);
         assert_eq!(served.total(&b), 1);
         tokio::time::advance(Duration::from_secs(30)).await;
@@ -156,9 +158,9 @@ mod tests {
         tokio::time::advance(Duration::from_secs(30)).await;
         assert_eq!(served.total(&a), 0);
         assert_eq!(served.tenants(), 2, "not swept yet");
-        // One shard swept per add: after a round of them every shard was.
-        for _ in 0..SHARDS {
-            served.add(&b, 5);
+        // One shard swept per sweep: after a round of them every shard was.
+        for _ in 0..SWEEP_EVERY * SHARDS {
+            served.add(&b, 5, Instant::now());
         }
         assert_eq!(served.tenants(), 1, "a was forgotten");
     }
@@ -167,7 +169,7 @@ mod tests {
     async fn served_tables_shrink_once_their_tenants_went_quiet() {
         let served = ServedCost::new();
         for i in 0..50_000 {
-            served.add(&TenantId::new(format!("t{i}")), 1);
+            served.add(&TenantId::new(format!("t{i}")), 1, Instant::now());
         }
         let full: usize = served
             .shards
@@ -177,8 +179,9 @@ mod tests {
         tokio::time::advance(SERVED_WINDOW).await;
         let quiet = TenantId::new("quiet");
         // Enough adds for every shard's sweep to pass over it twice (a shrink restarts a pass).
-        for _ in 0..2 * SHARDS * (full / SHARDS).div_ceil(SWEEP_BUDGET) + 2 * SHARDS {
-            served.add(&quiet, 1);
+        for _ in 0..SWEEP_EVERY * (2 * SHARDS * (full / SHARDS).div_ceil(SWEEP_BUDGET) + 2 * SHARDS)
+        {
+            served.add(&quiet, 1, Instant::now());
         }
         assert_eq!(served.tenants(), 1);
         let left: usize = served

@@ -8,14 +8,17 @@
 //! - a table is split into [`SHARDS`] shards by the tenant's hash, so growing one rehashes
 //!   a 1/256th of the tenants (each entry keeps its hash, so a rehash reads it instead of
 //!   hashing the name again);
-//! - each call sweeps at most [`SWEEP_BUDGET`] buckets of the shard being swept, from
-//!   where the last sweep stopped (a cursor over bucket indices: removing an entry moves no
-//!   other), then the next shard, so no call does more than a bounded amount of cleanup,
-//!   and every entry is visited once per pass whatever tenants the traffic is about;
+//! - one call in [`SWEEP_EVERY`] sweeps at most [`SWEEP_BUDGET`] buckets of the shard being
+//!   swept, from where the last sweep stopped (a cursor over bucket indices: removing an
+//!   entry moves no other), then the next shard, so no call does more than a bounded amount
+//!   of cleanup, and every entry is visited once per pass whatever tenants the traffic is
+//!   about (the calls in between pay nothing for it: a sweep's lock and cursor cost as much
+//!   as its buckets while the tenants are few);
 //! - a shard whose entries fall under a quarter of its capacity is shrunk to fit.
 //!
 //! The price is that a dead entry lingers until the sweep reaches it: one pass over all the
-//! buckets, `buckets / SWEEP_BUDGET` calls (about 30,000 calls for a million tenants). Every
+//! buckets, `SWEEP_EVERY * buckets / SWEEP_BUDGET` calls (about 30,000 calls for a million
+//! tenants). Every
 //! reader checks an entry's own expiry, so a lingering entry is memory, never a wrong answer.
 
 use std::hash::BuildHasher;
@@ -30,21 +33,50 @@ use crate::hash::Seeded;
 /// Shards per table (a power of two).
 pub(crate) const SHARDS: usize = 256;
 
-/// Buckets one call may sweep.
-pub(crate) const SWEEP_BUDGET: usize = 64;
+/// Calls per sweep.
+pub(crate) const SWEEP_EVERY: usize = 4;
+
+/// Buckets one sweep may visit: the share of [`SWEEP_EVERY`] calls, 64 each.
+pub(crate) const SWEEP_BUDGET: usize = 64 * SWEEP_EVERY;
 
 /// A table this small is not worth shrinking.
 const MIN_CAPACITY: usize = 16;
 
-/// One call's share of the cleanup of `shards`: at most [`SWEEP_BUDGET`] buckets of the
-/// shard being swept, moving to the next shard when that one's pass is complete.
+/// Where the sweep of a table's shards is: the shard being swept, and the calls since the
+/// last sweep.
+#[derive(Debug, Default)]
+pub(crate) struct Sweeper {
+    shard: AtomicUsize,
+    calls: AtomicUsize,
+}
+
+impl Sweeper {
+    /// One call's share of the cleanup of `shards`: every [`SWEEP_EVERY`]th call sweeps (see
+    /// [`sweep_shard`]).
+    pub(crate) fn step<V>(
+        &self,
+        shards: &[Mutex<SweptTable<V>>],
+        keep: impl FnMut(&TenantId, &mut V) -> bool,
+    ) {
+        if self
+            .calls
+            .fetch_add(1, Ordering::Relaxed)
+            .is_multiple_of(SWEEP_EVERY)
+        {
+            sweep_shard(shards, &self.shard, keep);
+        }
+    }
+}
+
+/// One sweep of `shards`: at most [`SWEEP_BUDGET`] buckets of the shard being swept, moving
+/// to the next shard when that one's pass is complete.
 ///
 /// The shards are swept one after the other, not a few buckets of each in turn, for the
 /// allocator's sake: glibc keeps small freed blocks aside and sorts them all out on the next
 /// large free, which here is a shard shrinking. Swept in turn, every shard would shrink at
 /// about the same moment, after most of the tenants were freed (80 ms for one call after a
 /// million tenants' day ended); swept one by one, a shrink follows one shard's frees.
-pub(crate) fn sweep_shard<V>(
+fn sweep_shard<V>(
     shards: &[Mutex<SweptTable<V>>],
     current: &AtomicUsize,
     keep: impl FnMut(&TenantId, &mut V) -> bool,

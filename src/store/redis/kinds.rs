@@ -4,6 +4,8 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use tokio::time::Instant;
+
 use super::RedisStore;
 use crate::admission::DemotionPolicy;
 use crate::store::kinds::{Cooldowns, RateBuckets, ServedCosts, SlotLeases, Tenants};
@@ -123,8 +125,8 @@ impl SlotLeases for Arc<RedisStore> {
 }
 
 impl ServedCosts for Arc<RedisStore> {
-    fn add_served_cost(&self, tenant: &TenantId, cost: u64) {
-        RedisStore::add_served_cost(self, tenant, cost);
+    fn add_served_cost(&self, tenant: &TenantId, cost: u64, at: Instant) {
+        RedisStore::add_served_cost(self, tenant, cost, at);
     }
 
     fn served_cost(&self, tenant: &TenantId) -> StoreFuture<u64> {

@@ -78,9 +78,9 @@ impl ServedRedis {
 }
 
 impl RedisStore {
-    pub(crate) fn add_served_cost(&self, tenant: &TenantId, cost: u64) {
+    pub(crate) fn add_served_cost(&self, tenant: &TenantId, cost: u64, at: Instant) {
         if self.is_degraded() {
-            self.fallback.served.add(tenant, cost);
+            self.fallback.served.add(tenant, cost, at);
         }
         self.batch_add(&self.served.pending, tenant, cost);
     }
