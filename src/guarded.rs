@@ -5,6 +5,11 @@
 //!
 //! Every way out ends in `Done`: a poll after the output was given answers
 //! [`PolledAfterCompletion`], never panics.
+//!
+//! Such a layer answers ready whatever its inner service says (a request waits for its place
+//! in the future, never in `poll_ready`), but asks the inner service ahead ([`Ahead`]): a
+//! request whose place is its own at once is then sent from `call`, and its future only
+//! waits for the answer.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -67,6 +72,15 @@ impl<W: Turn, F, S, Req> GuardedCall<W, F, S, Req> {
         let state = State::Ready {
             permit: Some(permit),
             call: Some((inner, req)),
+        };
+        GuardedCall { state }
+    }
+
+    /// The request holds its place and was sent.
+    fn calling(fut: F, permit: W::Permit) -> Self {
+        let state = State::Calling {
+            fut,
+            permit: Some(permit),
         };
         GuardedCall { state }
     }
@@ -149,5 +163,106 @@ where
             this.state.set(State::Done);
             return Poll::Ready(output);
         }
+    }
+}
+
+/// A layer's inner service, with what it said when the layer's own `poll_ready` asked it
+/// ahead.
+#[derive(Debug)]
+pub(crate) struct Ahead<S> {
+    service: S,
+    said: Said,
+}
+
+/// What the inner service said to the last `poll_ready`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Said {
+    Unasked,
+    Ready,
+    /// Not ready, or an error: whatever it holds (an acquisition under way) is dropped with
+    /// it at the next call.
+    NotReady,
+}
+
+impl<S: Clone> Clone for Ahead<S> {
+    /// A clone was asked nothing.
+    fn clone(&self) -> Self {
+        Ahead::new(self.service.clone())
+    }
+}
+
+impl<S> Ahead<S> {
+    pub(crate) fn new(service: S) -> Self {
+        Ahead {
+            service,
+            said: Said::Unasked,
+        }
+    }
+
+    pub(crate) fn get_ref(&self) -> &S {
+        &self.service
+    }
+
+    pub(crate) fn get_mut(&mut self) -> &mut S {
+        &mut self.service
+    }
+
+    pub(crate) fn into_inner(self) -> S {
+        self.service
+    }
+
+    /// Asks the inner service whether it is ready, never waiting for it.
+    pub(crate) fn poll_ready<Req>(&mut self, cx: &mut Context<'_>)
+    where
+        S: Service<Req>,
+    {
+        if self.said != Said::Ready {
+            self.said = match self.service.poll_ready(cx) {
+                Poll::Ready(Ok(())) => Said::Ready,
+                _ => Said::NotReady,
+            };
+        }
+    }
+
+    /// The call of `req`, whose place `permit` holds already: sent now if the inner service
+    /// said ready, else by the future once it does.
+    pub(crate) fn send<W, Req>(
+        &mut self,
+        mut permit: W::Permit,
+        req: Req,
+    ) -> GuardedCall<W, S::Future, S, Req>
+    where
+        W: Turn,
+        S: Service<Req> + Clone,
+        Req: JobRequest,
+    {
+        if std::mem::replace(&mut self.said, Said::Unasked) == Said::Ready {
+            W::going(&mut permit, &req);
+            return GuardedCall::calling(self.service.call(req), permit);
+        }
+        GuardedCall::ready(permit, self.for_future(), req)
+    }
+
+    /// The call of `req` once `turn` gives it its place.
+    pub(crate) fn wait<W, Req>(&mut self, turn: W, req: Req) -> GuardedCall<W, S::Future, S, Req>
+    where
+        W: Turn,
+        S: Service<Req> + Clone,
+    {
+        GuardedCall::waiting(turn, self.for_future(), req)
+    }
+
+    /// A service for a future to drive: a clone that was asked nothing. One that was asked
+    /// is dropped here (replaced by a clone): a request waiting for its place must not hold
+    /// what the inner service reserved for a call (a concurrency permit, a buffer slot)
+    /// while others that have theirs wait for it.
+    fn for_future(&mut self) -> S
+    where
+        S: Clone,
+    {
+        if std::mem::replace(&mut self.said, Said::Unasked) != Said::Unasked {
+            self.service = self.service.clone();
+        }
+        self.service.clone()
     }
 }

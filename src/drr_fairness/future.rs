@@ -41,13 +41,7 @@ impl Turn for Ticket {
 }
 
 impl<F, S, Req> ResponseFuture<F, S, Req> {
-    pub(super) fn waiting(ticket: Ticket, inner: S, req: Req) -> Self {
-        let call = GuardedCall::waiting(ticket, inner, req);
-        ResponseFuture { call }
-    }
-
-    pub(super) fn ready(permit: Permit, inner: S, req: Req) -> Self {
-        let call = GuardedCall::ready(permit, inner, req);
+    pub(super) fn new(call: GuardedCall<Ticket, F, S, Req>) -> Self {
         ResponseFuture { call }
     }
 

@@ -8,6 +8,7 @@ use super::scheduler::{ClassSelection, ClassWeights, SchedulerConfig};
 use super::state::{FairQueue, TierWeights};
 use super::{DrrFairness, Settler};
 use crate::error::ConfigError;
+use crate::guarded::Ahead;
 use crate::{Priority, Store, Tier};
 
 /// Applies [`DrrFairness`] to a service: at most `max_in_flight` requests below it at once,
@@ -104,7 +105,7 @@ impl<S> Layer<S> for DrrFairnessLayer {
 
     fn layer(&self, inner: S) -> Self::Service {
         DrrFairness {
-            inner,
+            inner: Ahead::new(inner),
             shared: self.shared.clone(),
         }
     }

@@ -9,6 +9,7 @@ use super::future::ResponseFuture;
 use super::state::{Admission, FairQueue, Permit};
 use crate::body::GuardResponse;
 use crate::error::{BoxError, MissingJob};
+use crate::guarded::Ahead;
 use crate::{JobRequest, Priority};
 
 /// A concurrency limiter that dispatches waiting requests in fair order (Deficit Round
@@ -18,24 +19,24 @@ use crate::{JobRequest, Priority};
 /// # Clone
 /// Clones share the layer's window and queues (and clone the inner service).
 pub struct DrrFairness<S> {
-    pub(super) inner: S,
+    pub(super) inner: Ahead<S>,
     pub(super) shared: Arc<FairQueue>,
 }
 
 impl<S> DrrFairness<S> {
     /// The wrapped service.
     pub fn get_ref(&self) -> &S {
-        &self.inner
+        self.inner.get_ref()
     }
 
     /// The wrapped service, mutably.
     pub fn get_mut(&mut self) -> &mut S {
-        &mut self.inner
+        self.inner.get_mut()
     }
 
     /// Unwraps the inner service.
     pub fn into_inner(self) -> S {
-        self.inner
+        self.inner.into_inner()
     }
 
     /// A handle to settle requests' real usage; see [`Settler`].
@@ -73,7 +74,7 @@ impl<S: Clone> Clone for DrrFairness<S> {
 impl<S: fmt::Debug> fmt::Debug for DrrFairness<S> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("DrrFairness")
-            .field("inner", &self.inner)
+            .field("inner", self.inner.get_ref())
             .field("state", &self.shared)
             .finish()
     }
@@ -94,7 +95,10 @@ where
     /// in the queue there, and its response future waits for its turn and then for the
     /// inner service's readiness. Nothing is reserved here, so a service dropped after
     /// `poll_ready` holds nothing.
-    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        // Ready whatever the inner service says: a request waits for its turn in the
+        // future. Asked ahead, so a request admitted at once is sent from `call`.
+        self.inner.poll_ready(cx);
         Poll::Ready(Ok(()))
     }
 
@@ -111,13 +115,11 @@ where
             job.mark_slot_held_by(gate);
         }
         let job = &*job;
-        // The future drives its own clone's readiness once dispatched (as tower's Buffer
-        // worker does); `self.inner` is never polled, so no readiness is moved or lost.
+        // A queued request's future drives its own clone's readiness once dispatched (as
+        // tower's Buffer worker does), holding nothing the inner service reserves meanwhile.
         match self.shared.admit(job, arrived, held_above) {
-            Ok(Admission::Now(permit)) => ResponseFuture::ready(permit, self.inner.clone(), req),
-            Ok(Admission::Queued(ticket)) => {
-                ResponseFuture::waiting(ticket, self.inner.clone(), req)
-            }
+            Ok(Admission::Now(permit)) => ResponseFuture::new(self.inner.send(permit, req)),
+            Ok(Admission::Queued(ticket)) => ResponseFuture::new(self.inner.wait(ticket, req)),
             Err(full) => ResponseFuture::failed(full.into()),
         }
     }

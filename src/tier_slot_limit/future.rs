@@ -42,13 +42,7 @@ pin_project! {
 }
 
 impl<S: Service<Req>, Req> ResponseFuture<S, Req> {
-    pub(super) fn waiting(wait: Wait, inner: S, req: Req) -> Self {
-        let call = GuardedCall::waiting(wait, inner, req);
-        ResponseFuture { call }
-    }
-
-    pub(super) fn acquired(permit: SlotPermit, inner: S, req: Req) -> Self {
-        let call = GuardedCall::ready(permit, inner, req);
+    pub(super) fn new(call: GuardedCall<Wait, S::Future, S, Req>) -> Self {
         ResponseFuture { call }
     }
 

@@ -6,6 +6,7 @@ use tower_layer::Layer;
 use super::wait::SlotLimiter;
 use super::{SlotPolicy, TierSlotLimit};
 use crate::Store;
+use crate::guarded::Ahead;
 
 /// Applies [`TierSlotLimit`] to a service.
 ///
@@ -62,7 +63,7 @@ impl<S> Layer<S> for TierSlotLimitLayer {
 
     fn layer(&self, inner: S) -> Self::Service {
         TierSlotLimit {
-            inner,
+            inner: Ahead::new(inner),
             shared: self.shared.clone(),
         }
     }

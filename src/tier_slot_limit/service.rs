@@ -10,29 +10,30 @@ use crate::JobRequest;
 use crate::body::GuardResponse;
 use crate::error::BoxError;
 use crate::gate::WaitReason;
+use crate::guarded::Ahead;
 use crate::store::SlotRefusal;
 
 /// Holds every call to a slot: a global cap and a cap per tier, shared by every worker on
 /// the store; see the [module docs](crate::tier_slot_limit).
 pub struct TierSlotLimit<S> {
-    pub(super) inner: S,
+    pub(super) inner: Ahead<S>,
     pub(super) shared: Arc<SlotLimiter>,
 }
 
 impl<S> TierSlotLimit<S> {
     /// The wrapped service.
     pub fn get_ref(&self) -> &S {
-        &self.inner
+        self.inner.get_ref()
     }
 
     /// The wrapped service, mutably.
     pub fn get_mut(&mut self) -> &mut S {
-        &mut self.inner
+        self.inner.get_mut()
     }
 
     /// Unwraps the inner service.
     pub fn into_inner(self) -> S {
-        self.inner
+        self.inner.into_inner()
     }
 }
 
@@ -48,7 +49,7 @@ impl<S: Clone> Clone for TierSlotLimit<S> {
 impl<S: fmt::Debug> fmt::Debug for TierSlotLimit<S> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("TierSlotLimit")
-            .field("inner", &self.inner)
+            .field("inner", self.inner.get_ref())
             .field("policy", &self.shared.policy)
             .finish()
     }
@@ -68,7 +69,10 @@ where
     /// Always ready: the tier is only known in `call`, so the wait for a slot (and then for
     /// the inner service) happens in the response future, as in tower's `Buffer`. Holding
     /// the inner service's readiness through a wait of up to a minute would starve others.
-    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        // Ready whatever the inner service says: a request waits for its slot in the
+        // future. Asked ahead, so a request with its slot at once is sent from `call`.
+        self.inner.poll_ready(cx);
         Poll::Ready(Ok(()))
     }
 
@@ -77,11 +81,10 @@ where
             return ResponseFuture::missing_job();
         };
         let shared = &self.shared;
-        let inner = self.inner.clone();
         if job.slot_held_by(&shared.gate) {
             // An outer layer (a fair queue handed this layer's gate) took its slot.
             let tier = shared.resolve_tier(job.tier_name());
-            return ResponseFuture::acquired(SlotPermit::held_above(tier), inner, req);
+            return ResponseFuture::new(self.inner.send(SlotPermit::held_above(tier), req));
         }
         job.mark_slot_held_by(&shared.gate);
         let started = job.arrival();
@@ -108,7 +111,7 @@ where
             {
                 Ok(Ok(lease)) => {
                     let permit = SlotPermit::new(lease, state);
-                    return ResponseFuture::acquired(permit, inner, req);
+                    return ResponseFuture::new(self.inner.send(permit, req));
                 }
                 // Redis is away and this worker cannot admit it soundly: say so at once.
                 Ok(Err(SlotRefusal::Store)) => {
@@ -133,6 +136,6 @@ where
             turn,
             first_try,
         });
-        ResponseFuture::waiting(Box::pin(wait), inner, req)
+        ResponseFuture::new(self.inner.wait(Box::pin(wait), req))
     }
 }

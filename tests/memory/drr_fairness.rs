@@ -675,6 +675,36 @@ async fn service_drop_frees_capacity() {
     assert_eq!((drr.in_flight(), drr.queued(None)), (0, 0));
 }
 
+/// The layer asks its inner service ahead (so a request admitted at once is sent from
+/// `call`), but a request that queues takes nothing the inner service reserved: under a
+/// `ConcurrencyLimit(1)`, a queued request holding the inner's next permit while the fair
+/// order dispatches another would leave both waiting for ever.
+#[tokio::test(start_paused = true)]
+async fn a_queued_request_holds_nothing_the_inner_service_reserved() {
+    let drr = DrrFairnessLayer::new(Store::memory(), 1);
+    let (upstream, mut handle) = mock::pair::<http::Request<()>, ()>();
+    let mut service = drr.layer(ConcurrencyLimitLayer::new(1).layer(upstream));
+    let mut calls = Vec::new();
+    for tenant in ["x", "x", "y"] {
+        service.ready().await.unwrap();
+        let mut call = Box::pin(service.call(job(tenant)));
+        assert!((&mut call).now_or_never().is_none());
+        calls.push(tokio::spawn(async move { call.await.map(drop) }));
+    }
+    assert_eq!((drr.in_flight(), drr.queued(None)), (1, 2));
+    let mut served = Vec::new();
+    for _ in 0..3 {
+        let next = tokio::time::timeout(Duration::from_secs(5), handle.next_request()).await;
+        let (req, respond) = next.expect("the next call reaches the upstream").unwrap();
+        served.push(req.extensions().get::<Job>().unwrap().tenant().to_string());
+        respond.send_response(());
+    }
+    for call in calls {
+        call.await.unwrap().unwrap();
+    }
+    assert_eq!(served, ["x", "y", "x"], "the fair order");
+}
+
 #[tokio::test(start_paused = true)]
 async fn response_future_drop_releases_capacity() {
     let (drr, mut service, mut handle) = window(1);
