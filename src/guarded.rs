@@ -48,9 +48,11 @@ pin_project! {
 
 pin_project! {
     #[project = StateProj]
+    // The service and the request wait boxed: only a request that waits keeps them, and
+    // unboxed they would make every future of the stack above as large, moved as often.
     enum State<W, P, F, S, Req> {
-        Waiting { turn: W, call: Option<(S, Req)> },
-        Ready { permit: Option<P>, call: Option<(S, Req)> },
+        Waiting { turn: W, call: Option<Box<(S, Req)>> },
+        Ready { permit: Option<P>, call: Option<Box<(S, Req)>> },
         Calling { #[pin] fut: F, permit: Option<P> },
         Failed { error: Option<BoxError> },
         Done,
@@ -62,7 +64,7 @@ impl<W: Turn, F, S, Req> GuardedCall<W, F, S, Req> {
     pub(crate) fn waiting(turn: W, inner: S, req: Req) -> Self {
         let state = State::Waiting {
             turn,
-            call: Some((inner, req)),
+            call: Some(Box::new((inner, req))),
         };
         GuardedCall { state }
     }
@@ -71,7 +73,7 @@ impl<W: Turn, F, S, Req> GuardedCall<W, F, S, Req> {
     pub(crate) fn ready(permit: W::Permit, inner: S, req: Req) -> Self {
         let state = State::Ready {
             permit: Some(permit),
-            call: Some((inner, req)),
+            call: Some(Box::new((inner, req))),
         };
         GuardedCall { state }
     }
@@ -131,10 +133,10 @@ where
                 },
                 StateProj::Ready { permit, call } => match call.as_mut() {
                     None => Err(PolledAfterCompletion.into()),
-                    Some((inner, _)) => match ready!(inner.poll_ready(cx)) {
+                    Some(waiting) => match ready!(waiting.0.poll_ready(cx)) {
                         // The permit goes back with the state.
                         Err(e) => Err(e.into()),
-                        Ok(()) => match (permit.take(), call.take()) {
+                        Ok(()) => match (permit.take(), call.take().map(|call| *call)) {
                             (Some(mut permit), Some((mut inner, req))) => {
                                 W::going(&mut permit, &req);
                                 let fut = inner.call(req);

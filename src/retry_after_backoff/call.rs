@@ -31,8 +31,9 @@ use crate::{JobRequest, TenantId};
 pub(super) struct Call<S, Req, C> {
     pub(super) shared: Arc<CoreAndCloner<C>>,
     pub(super) service: S,
-    /// The request of the next attempt, while admitting it.
-    pub(super) next: Option<Req>,
+    /// The request of the next attempt, while admitting it (boxed: only an attempt that
+    /// waits here has one, and unboxed it would make every future above as large).
+    pub(super) next: Option<Box<Req>>,
     /// A copy kept for a retry; `None` once it could not be cloned.
     pub(super) spare: Option<Req>,
     pub(super) tenant: TenantId,
@@ -157,8 +158,9 @@ pub(super) enum Step<B: Body> {
     Backoff(Option<Pin<Box<Sleep>>>),
     /// Read a 429's body ahead.
     Peek(Box<Peek<B>>),
-    /// Record what the answer taught in the store.
-    Record(Recording<B>),
+    /// Record what the answer taught in the store (boxed: rare, and the response it holds
+    /// would make every future of the stack above as large).
+    Record(Box<Recording<B>>),
     /// The call's outcome.
     Finish(Result<http::Response<ResponseBody<B>>, BoxError>),
 }
@@ -176,7 +178,8 @@ pub(super) struct Recording<B: Body> {
     pub(super) throttle: Option<StoreFuture<u32>>,
     pub(super) gate: Option<StoreFuture<std::time::Duration>>,
     pub(super) report: Option<StoreFuture<PaceGrant>>,
-    pub(super) then: Then<B>,
+    /// Taken once the store has it all.
+    pub(super) then: Option<Then<B>>,
 }
 
 impl<B: Body> Step<B> {
@@ -376,12 +379,12 @@ impl<S, Req, C> Call<S, Req, C> {
             // answer): no recording step to pass the response through.
             return self.recorded(then);
         }
-        Step::Record(Recording {
+        Step::Record(Box::new(Recording {
             throttle,
             gate,
             report,
-            then,
-        })
+            then: Some(then),
+        }))
     }
 
     fn log_throttled(&self, outcome: &Outcome) {
@@ -482,7 +485,8 @@ impl<S, Req, C> Call<S, Req, C> {
         Req: JobRequest,
     {
         match self.next.take() {
-            Some(mut req) => {
+            Some(req) => {
+                let mut req = *req;
                 if self.retries > 0
                     && let Some(job) = req.job_mut()
                 {
@@ -592,10 +596,7 @@ impl<S, Req, C> Call<S, Req, C> {
     pub(super) fn poll_recording<B: Body>(
         &mut self,
         cx: &mut Context<'_>,
-        throttle: &mut Option<StoreFuture<u32>>,
-        gate: &mut Option<StoreFuture<Duration>>,
-        report: &mut Option<StoreFuture<PaceGrant>>,
-        then: &mut Option<Then<B>>,
+        recording: &mut Recording<B>,
     ) -> Poll<Step<B>>
     where
         C: CloneRequest<Req>,
@@ -603,6 +604,12 @@ impl<S, Req, C> Call<S, Req, C> {
     {
         // All go to the store at once (one round trip each on Redis, side by side): wait
         // until none is pending.
+        let Recording {
+            throttle,
+            gate,
+            report,
+            then,
+        } = recording;
         if let Some(count) = throttle.as_mut()
             && let Poll::Ready(count) = Pin::new(count).poll(cx)
         {
@@ -657,7 +664,7 @@ impl<S, Req, C> Call<S, Req, C> {
     {
         self.retries += 1;
         self.charge.charged = [0; DIMS];
-        self.next = self.spare.take();
+        self.next = self.spare.take().map(Box::new);
         if let Some(job) = self.next.as_mut().and_then(|r| r.job_mut()) {
             // A fresh cell: the retry is a new attempt (after a throttle its key is
             // recovering, so one is needed).

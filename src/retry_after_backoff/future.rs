@@ -11,11 +11,10 @@ use tokio::time::Sleep;
 use tower_service::Service;
 
 use super::body::{Peeked, ResponseBody};
-use super::call::{Call, Outcome, Peek, Step, Then, Waits};
+use super::call::{Call, Outcome, Peek, Recording, Step, Waits};
 use super::request::CloneRequest;
 use crate::JobRequest;
 use crate::error::{BoxError, MissingJob, PolledAfterCompletion};
-use crate::store::{PaceGrant, StoreFuture};
 
 pin_project! {
     /// Response future of [`RetryAfterBackoff`](crate::RetryAfterBackoff): waits for the
@@ -66,10 +65,7 @@ pin_project! {
         },
         // Waiting for the store to take the throttle and the gate.
         Recording {
-            throttle: Option<StoreFuture<u32>>,
-            gate: Option<StoreFuture<std::time::Duration>>,
-            report: Option<StoreFuture<PaceGrant>>,
-            then: Option<Then<B>>,
+            recording: Box<Recording<B>>,
         },
         MissingJob,
         Done,
@@ -131,15 +127,9 @@ where
                     },
                     Some(call),
                 ) => ready!(call.poll_peeking(cx, head, peeked, *outcome, deadline)),
-                (
-                    StateProj::Recording {
-                        throttle,
-                        gate,
-                        report,
-                        then,
-                    },
-                    Some(call),
-                ) => ready!(call.poll_recording(cx, throttle, gate, report, then)),
+                (StateProj::Recording { recording }, Some(call)) => {
+                    ready!(call.poll_recording(cx, recording))
+                }
             };
             match step {
                 Step::Again => {}
@@ -170,12 +160,7 @@ where
                         deadline,
                     });
                 }
-                Step::Record(record) => this.state.set(State::Recording {
-                    throttle: record.throttle,
-                    gate: record.gate,
-                    report: record.report,
-                    then: Some(record.then),
-                }),
+                Step::Record(recording) => this.state.set(State::Recording { recording }),
                 Step::Finish(output) => {
                     this.state.set(State::Done);
                     return Poll::Ready(output);

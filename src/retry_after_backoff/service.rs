@@ -138,7 +138,7 @@ where
         match first_wait {
             None => ResponseFuture::calling(self.inner.call(req), call),
             Some(wait) => {
-                call.next = Some(req);
+                call.next = Some(Box::new(req));
                 ResponseFuture::admitting(call, wait)
             }
         }
