@@ -93,11 +93,14 @@ where
 
     /// Always ready: the tenant is not known before `call`, so a request takes its place
     /// in the queue there, and its response future waits for its turn and then for the
-    /// inner service's readiness. Nothing is reserved here, so a service dropped after
-    /// `poll_ready` holds nothing.
+    /// inner service's readiness. No place is reserved here, so a service dropped after
+    /// `poll_ready` holds none.
+    ///
+    /// The inner service is asked ahead (never waited for): if it said ready, a request
+    /// admitted at once is sent from `call`. A request that queues drops whatever the inner
+    /// service reserved for that (a concurrency permit, a buffer slot), so it holds nothing
+    /// another request admitted before it needs.
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
-        // Ready whatever the inner service says: a request waits for its turn in the
-        // future. Asked ahead, so a request admitted at once is sent from `call`.
         self.inner.poll_ready(cx);
         Poll::Ready(Ok(()))
     }

@@ -68,10 +68,10 @@ where
 
     /// Always ready: the tier is only known in `call`, so the wait for a slot (and then for
     /// the inner service) happens in the response future, as in tower's `Buffer`. Holding
-    /// the inner service's readiness through a wait of up to a minute would starve others.
+    /// the inner service's readiness through a wait of up to a minute would starve others:
+    /// the inner service is asked ahead (never waited for), a request with its slot at once
+    /// is sent from `call` if it said ready, and one that waits drops what it reserved.
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
-        // Ready whatever the inner service says: a request waits for its slot in the
-        // future. Asked ahead, so a request with its slot at once is sent from `call`.
         self.inner.poll_ready(cx);
         Poll::Ready(Ok(()))
     }
