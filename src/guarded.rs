@@ -177,13 +177,15 @@ pub(crate) struct Ahead<S> {
 }
 
 /// What the inner service said to the last `poll_ready`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug)]
 enum Said {
     Unasked,
     Ready,
-    /// Not ready, or an error: whatever it holds (an acquisition under way) is dropped with
-    /// it at the next call.
+    /// Not yet: whatever it holds (an acquisition under way) is dropped with it at the next
+    /// call.
     NotReady,
+    /// An error: not asked again; the next call answers it.
+    Failed(BoxError),
 }
 
 impl<S: Clone> Clone for Ahead<S> {
@@ -217,11 +219,13 @@ impl<S> Ahead<S> {
     pub(crate) fn poll_ready<Req>(&mut self, cx: &mut Context<'_>)
     where
         S: Service<Req>,
+        S::Error: Into<BoxError>,
     {
-        if self.said != Said::Ready {
+        if matches!(self.said, Said::Unasked | Said::NotReady) {
             self.said = match self.service.poll_ready(cx) {
                 Poll::Ready(Ok(())) => Said::Ready,
-                _ => Said::NotReady,
+                Poll::Ready(Err(error)) => Said::Failed(error.into()),
+                Poll::Pending => Said::NotReady,
             };
         }
     }
@@ -238,11 +242,16 @@ impl<S> Ahead<S> {
         S: Service<Req> + Clone,
         Req: JobRequest,
     {
-        if std::mem::replace(&mut self.said, Said::Unasked) == Said::Ready {
+        if matches!(self.said, Said::Ready) {
+            self.said = Said::Unasked;
             W::going(&mut permit, &req);
             return GuardedCall::calling(self.service.call(req), permit);
         }
-        GuardedCall::ready(permit, self.for_future(), req)
+        match self.for_future() {
+            Ok(service) => GuardedCall::ready(permit, service, req),
+            // The place goes back with the permit.
+            Err(error) => GuardedCall::failed(error),
+        }
     }
 
     /// The call of `req` once `turn` gives it its place.
@@ -251,20 +260,29 @@ impl<S> Ahead<S> {
         W: Turn,
         S: Service<Req> + Clone,
     {
-        GuardedCall::waiting(turn, self.for_future(), req)
+        match self.for_future() {
+            Ok(service) => GuardedCall::waiting(turn, service, req),
+            // The place in the queue goes with the turn.
+            Err(error) => GuardedCall::failed(error),
+        }
     }
 
-    /// A service for a future to drive: a clone that was asked nothing. One that was asked
-    /// is dropped here (replaced by a clone): a request waiting for its place must not hold
-    /// what the inner service reserved for a call (a concurrency permit, a buffer slot)
-    /// while others that have theirs wait for it.
-    fn for_future(&mut self) -> S
+    /// A service for a future to drive (a clone that was asked nothing), or the error the
+    /// asked one gave. One that was asked is dropped here (replaced by a clone): a request
+    /// waiting for its place must not hold what the inner service reserved for a call (a
+    /// concurrency permit, a buffer slot) while others that have theirs wait for it.
+    fn for_future(&mut self) -> Result<S, BoxError>
     where
         S: Clone,
     {
-        if std::mem::replace(&mut self.said, Said::Unasked) != Said::Unasked {
-            self.service = self.service.clone();
+        match std::mem::replace(&mut self.said, Said::Unasked) {
+            Said::Unasked => {}
+            Said::Ready | Said::NotReady => self.service = self.service.clone(),
+            Said::Failed(error) => {
+                self.service = self.service.clone();
+                return Err(error);
+            }
         }
-        self.service.clone()
+        Ok(self.service.clone())
     }
 }

@@ -755,6 +755,14 @@ async fn inner_readiness_error_releases_capacity() {
     let err = service.call(job("a")).await.expect_err("not ready");
     assert_eq!(err.to_string(), "dead upstream");
     assert_eq!(drr.in_flight(), 0);
+    // Heard when the layer's own poll_ready asked the inner service ahead: the next call
+    // answers it, and its place goes back.
+    handle.send_error("dead again");
+    service.ready().await.expect("the layer stays ready");
+    let answer = tokio::time::timeout(Duration::from_secs(1), service.call(job("b"))).await;
+    let err = answer.expect("answered at once").expect_err("not ready");
+    assert_eq!(err.to_string(), "dead again");
+    assert_eq!((drr.in_flight(), drr.queued(None)), (0, 0));
 }
 
 #[tokio::test(start_paused = true)]
