@@ -36,7 +36,7 @@ impl Turn for Ticket {
     }
 
     fn going<Req: JobRequest>(permit: &mut Permit, req: &Req) {
-        permit.going(req.job());
+        permit.going(|| req.job());
     }
 }
 

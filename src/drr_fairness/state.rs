@@ -1896,13 +1896,14 @@ impl Permit {
     }
 
     /// The call goes upstream now: its rate cells are spent, and the receipt goes to the
-    /// retry layer above through the job's attempt cell (if it left one).
-    pub(super) fn going(&mut self, job: Option<&Job>) {
+    /// retry layer above through the job's attempt cell (if it left one). The job is looked
+    /// up only when there is a receipt to give it.
+    pub(super) fn going<'a>(&mut self, job: impl FnOnce() -> Option<&'a Job>) {
         if let Some(mut receipt) = self.receipt.take() {
             receipt.mark_used();
             // A receipt of nothing (no limit learned, no probe) tells the retry layer nothing.
             if receipt.tells_something()
-                && let Some(cell) = job.and_then(Job::attempt_cell)
+                && let Some(cell) = job().and_then(Job::attempt_cell)
             {
                 cell.put(receipt);
             }

@@ -108,7 +108,10 @@ where
         };
         let rate = if gated {
             let attempt = core.attempt_cell(&upstream);
-            if let (Some(cell), Some(job)) = (&attempt, req.job_mut()) {
+            // The job is looked up again only when there is a cell to give it.
+            if let Some(cell) = &attempt
+                && let Some(job) = req.job_mut()
+            {
                 job.set_attempt(upstream.clone(), cell.clone());
             }
             RateWaiter::Below { attempt }
