@@ -114,7 +114,7 @@ pub(crate) trait SlotLeases: Send + Sync {
 
 /// Cost served per tenant over the last minute, and the fleet's fairness index.
 pub(crate) trait ServedCosts: Send + Sync {
-    /// `cost` served for `tenant` at `at` (a dispatch's own clock read: none of its own).
+    /// `cost` served for `tenant` at `at`, the caller's clock read (the store reads none).
     fn add_served_cost(&self, tenant: &TenantId, cost: u64, at: Instant);
     fn served_cost(&self, tenant: &TenantId) -> StoreFuture<u64>;
     /// A fair queue's dispatch, for an index shared by the fleet (nothing to keep in one

@@ -70,7 +70,9 @@ impl ServedCost {
             let mut shard = crate::sync::lock(&self.shards[TenantHasher::shard(hash)]);
             let buckets = shard.get_or_insert_with(hash, tenant, VecDeque::new);
             match buckets.back_mut() {
-                Some((second, total)) if *second == now => *total = total.saturating_add(cost),
+                // `at` was read before the lock: a dispatch added after one that read the
+                // clock later counts in that later second, so the buckets stay in order.
+                Some((second, total)) if *second >= now => *total = total.saturating_add(cost),
                 _ => buckets.push_back((now, cost)),
             }
             Self::trim(buckets, now);
@@ -163,6 +165,22 @@ mod tests {
             served.add(&b, 5, Instant::now());
         }
         assert_eq!(served.tenants(), 1, "a was forgotten");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_cost_added_after_a_later_one_counts_in_the_later_second() {
+        let served = ServedCost::new();
+        let a = TenantId::new("a");
+        let early = Instant::now();
+        tokio::time::advance(Duration::from_secs(2)).await;
+        served.add(&a, 10, Instant::now());
+        served.add(&a, 5, early);
+        assert_eq!(served.total(&a), 15);
+        // Both slide out together, with the later second.
+        tokio::time::advance(SERVED_WINDOW - Duration::from_secs(1)).await;
+        assert_eq!(served.total(&a), 15);
+        tokio::time::advance(Duration::from_secs(1)).await;
+        assert_eq!(served.total(&a), 0);
     }
 
     #[tokio::test(start_paused = true)]
