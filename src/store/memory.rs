@@ -285,7 +285,9 @@ impl MemoryState {
     }
 
     fn count_tokens(state: &mut TenantState, today: u64, tokens: u64) -> u64 {
-        if state.day != today {
+        // Only forward: a call that read the clock just before midnight but locked after
+        // one that rolled the day over counts in the new day instead of zeroing it.
+        if state.day < today {
             state.day = today;
             state.tokens = 0;
         }
@@ -533,6 +535,19 @@ mod tests {
             state.demoted_for(&tenant(i));
         }
         assert_eq!(state.tenants(), 0);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_call_from_before_midnight_does_not_zero_the_new_days_tokens() {
+        let state = MemoryState::new(Duration::from_secs(60), false);
+        let policy = DemotionPolicy::default();
+        let a = tenant(1);
+        let yesterday = Instant::now();
+        tokio::time::advance(Duration::from_secs(SECONDS_PER_DAY)).await;
+        state.check_demotion_and_count(&a, &policy, 10, Instant::now());
+        // Read the clock before midnight, took the lock after the day rolled over.
+        state.check_demotion_and_count(&a, &policy, 5, yesterday);
+        assert_eq!(state.tokens_today(&a), 15);
     }
 
     #[tokio::test(start_paused = true)]
