@@ -966,8 +966,10 @@ impl FairQueue {
         let rate = self.rate.as_ref()?;
         let key = key.unwrap_or(&rate.default_key);
         // With its slot from the fleet, the call takes its cell of the request rate in the
-        // fleet's order too; the gate paces the rest.
-        let cells = match self.fleet() && state.groups[group].slots.is_some() {
+        // fleet's order too; the gate paces the rest. While Redis is away nobody hands out
+        // cells: the gate paces it all, against this worker's share of each limit.
+        let from_the_fleet = self.fleet() && !self.slot_store().is_degraded();
+        let cells = match from_the_fleet && state.groups[group].slots.is_some() {
             true => rate.inner.fleet_cells(key),
             false => None,
         };

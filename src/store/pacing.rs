@@ -49,12 +49,17 @@ impl PaceLimit {
     }
 
     /// One worker's share of the limit when `workers` pace alone (Redis away): rate and
-    /// burst divided, at least 1 each.
+    /// burst divided, at least 1 each, and the burst at most a second of the share. The
+    /// fleet's bucket was being spent when Redis went away and no worker knows how much of
+    /// it is left: a token limit's whole minute at once (a fresh bucket's burst) would
+    /// overrun the provider's by that much.
     #[cfg_attr(not(feature = "redis"), allow(dead_code))]
     pub(crate) fn share_of(self, workers: u32) -> PaceLimit {
+        let per_minute = super::per_worker(self.per_minute, workers);
+        let a_second = (per_minute / 60).max(1);
         PaceLimit {
-            per_minute: super::per_worker(self.per_minute, workers),
-            burst: super::per_worker(self.burst, workers),
+            per_minute,
+            burst: super::per_worker(self.burst, workers).min(a_second),
             cells: self.cells,
         }
     }
@@ -372,7 +377,7 @@ mod tests {
     };
 
     #[test]
-    fn a_workers_share_divides_rate_and_burst_and_never_reaches_zero() {
+    fn a_workers_share_divides_rate_and_burst_bursts_a_second_at_most_and_never_reaches_zero() {
         let limit = PaceLimit {
             per_minute: 600,
             burst: 10,
@@ -384,6 +389,15 @@ mod tests {
         assert_eq!(limit.share_of(1), limit);
         let tiny = limit.share_of(10_000);
         assert_eq!((tiny.per_minute, tiny.burst), (1, 1));
+        // A token limit bursts its minute; a share bursts a second of the share.
+        let tokens = PaceLimit {
+            per_minute: 30_000,
+            burst: 30_000,
+            cells: 10,
+        };
+        let quarter = tokens.share_of(4);
+        assert_eq!((quarter.per_minute, quarter.burst), (7_500, 125));
+        assert_eq!(tokens.share_of(1).burst, 500);
     }
 
     #[test]

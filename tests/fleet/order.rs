@@ -929,19 +929,25 @@ async fn the_rate_holds_while_redis_is_away_and_its_order_comes_back() {
 
 /// The same where a configured input-token limit binds (30,000 a minute: 50 calls of 10 a
 /// second): its tokens go in the fleet's order before and after; meanwhile each worker
-/// paces its share of them alone, as in one process.
+/// paces its share of them alone, as in one process, bursting a second of its share at
+/// most (a fresh bucket's whole minute would overrun the provider's, which the fleet was
+/// spending: 145-216 calls in the 1.5 s before that was fixed, 122-147 in one second).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_token_rate_holds_while_redis_is_away_and_its_order_comes_back() {
     let _turn = crate::support::file_turn(module_path!());
     let pacing = Pacing::new().input_tokens_per_minute(30_000).shared();
     // The rate and a second of burst, which a fresh Redis's wait book starts with again
-    // (98-102 seen), and a few.
-    redis_away_under(pacing, 50 + 50 + 10).await;
+    // (94-100 seen at the start), plus what workers still pacing their shares alone send in
+    // that second as they find Redis back one by one (a second of the rate between them at
+    // most; up to 109 seen in all), and a few.
+    redis_away_under(pacing, 50 + 50 + 50 + 10).await;
 }
 
-/// Redis killed for 1.5 s under the light/hog load where `pacing` binds, then back (a
-/// fresh, empty server): at most `most` calls start in any second of the run, and once
-/// Redis is back the fleet's order holds again (Jain >= 0.99).
+/// Redis killed for 1.5 s under the light/hog load where `pacing` binds (50 calls a
+/// second), then back (a fresh, empty server): while it is away the fleet keeps to the rate
+/// (and a second of it: each worker's share bursts a second of the share at most), at most
+/// `most_allowed` calls start in any second of the run, and once Redis is back the fleet's
+/// order holds again (Jain >= 0.99).
 async fn redis_away_under(pacing: Pacing, most_allowed: usize) {
     let _serial = SERIAL.lock().await;
     let mut server = RedisServer::start();
@@ -955,6 +961,7 @@ async fn redis_away_under(pacing: Pacing, most_allowed: usize) {
     let away = Instant::now();
     tokio::time::sleep(Duration::from_millis(1_500)).await;
     server.restart();
+    let back = Instant::now();
     tokio::time::sleep(Duration::from_millis(2_000)).await;
     let from = Instant::now();
     tokio::time::sleep(MEASURE).await;
@@ -964,15 +971,25 @@ async fn redis_away_under(pacing: Pacing, most_allowed: usize) {
     starts.sort();
     fleet.stop().await;
     let (light, hog) = (served["light"] as f64, served["hog"] as f64);
+    let before_back: Vec<Instant> = starts.iter().copied().filter(|at| *at < back).collect();
+    let after_back: Vec<Instant> = starts.iter().copied().filter(|at| *at >= back).collect();
     println!(
         "rate binding, Redis away 1.5 s: {} calls started meanwhile ({outage:?}), the most in \
-         any second of the run {}; once back light {light}, hog {hog}: light's share {:.1}%",
+         any second of the run {} (before Redis was back {}, after {}); once back light \
+         {light}, hog {hog}: light's share {:.1}%",
         outage.values().sum::<usize>(),
         most_in_a_second(&starts),
+        most_in_a_second(&before_back),
+        most_in_a_second(&after_back),
         100.0 * light / (light + hog)
     );
     // (Fewer are served meanwhile than the rate: a worker that held no slot when Redis
     // went away refuses its calls, as the slot caps' outage policy says.)
+    let away: usize = outage.values().sum();
+    assert!(
+        away <= 75 + 50 + 5,
+        "{away} calls started in the 1.5 s Redis was away, over the rate's 75 and a second"
+    );
     let most = most_in_a_second(&starts);
     assert!(
         most <= most_allowed,
