@@ -939,7 +939,7 @@ async fn the_token_rate_holds_while_redis_is_away_and_its_order_comes_back() {
     // The rate and a second of burst, which a fresh Redis's wait book starts with again
     // (94-100 seen at the start), plus what workers still pacing their shares alone send in
     // that second as they find Redis back one by one (a second of the rate between them at
-    // most; up to 109 seen in all), and a few.
+    // most; up to 110 seen in all), and a few.
     redis_away_under(pacing, 50 + 50 + 50 + 10).await;
 }
 
