@@ -774,3 +774,36 @@ async fn through_the_one_line_stack_a_throttled_model_does_not_hold_another() {
         }
     }
 }
+
+/// The whole stack over an upstream behind a `ConcurrencyLimit(1)`, a window of one: each
+/// layer that holds places asks the service below it ahead, but a request that queues
+/// keeps nothing it reserved (here, the upstream's next permit). Otherwise the queued
+/// second call of `x` holds that permit while the fair order dispatches `y`, which waits
+/// for it for ever.
+#[tokio::test(start_paused = true)]
+async fn a_request_queued_in_the_stack_holds_no_permit_of_the_service_below() {
+    let layer = fairgate::FairgateLayer::builder(Store::memory())
+        .window(1)
+        .build()
+        .unwrap();
+    let upstream = Upstream::new(SECOND);
+    let stack = tower::util::BoxCloneSyncService::new(
+        ServiceBuilder::new()
+            .layer(layer)
+            .concurrency_limit(1)
+            .service(upstream.service())
+            .map_response(drop),
+    );
+    let mut sent = Vec::new();
+    for tenant in ["x", "x", "y"] {
+        sent.push(send(&stack, user(tenant, "pro")));
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    for call in sent {
+        let done = tokio::time::timeout(10 * SECOND, call).await;
+        let outcome = done.expect("every call answered").unwrap();
+        assert!(outcome.result.is_ok(), "{:?}", outcome.result);
+    }
+    let order: Vec<String> = upstream.calls().into_iter().map(|c| c.tenant).collect();
+    assert_eq!(order, ["x", "y", "x"], "the fair order");
+}
