@@ -19,7 +19,7 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use crate::TenantId;
-use crate::store::swept::{SHARDS, SWEEP_BUDGET, SWEEP_EVERY, SweptTable, TenantHasher};
+use crate::store::swept::{SHARDS, SWEEP_BUDGET, SweptTable, TenantHasher, sweeps};
 
 const BUCKETS: u32 = 10;
 
@@ -82,7 +82,7 @@ pub(super) struct FairnessWindow {
     shards: Box<[SweptTable<Served>]>,
     /// The shard the sweep is in, and the index summed so far in this pass.
     sweep_shard: usize,
-    /// Records so far: one in [`SWEEP_EVERY`] sweeps.
+    /// Records so far: one in [`SWEEP_EVERY`](crate::store::swept::SWEEP_EVERY) sweeps.
     records: usize,
     pass: Jain,
     /// The index of the last complete pass.
@@ -167,11 +167,12 @@ impl FairnessWindow {
         }
     }
 
-    /// One record in [`SWEEP_EVERY`] sweeps a few buckets of the pass's shard; a pass ends when
-    /// the last shard wraps.
+    /// One record in [`SWEEP_EVERY`](crate::store::swept::SWEEP_EVERY) sweeps a few buckets
+    /// of the pass's shard; a pass ends when the last shard wraps.
     fn sweep_step(&mut self, bucket: u64) {
-        self.records = self.records.wrapping_add(1);
-        if self.records % SWEEP_EVERY != 1 {
+        let record = self.records;
+        self.records = record.wrapping_add(1);
+        if !sweeps(record) {
             return;
         }
         let oldest = Self::oldest(bucket);
@@ -225,6 +226,7 @@ impl FairnessWindow {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::store::swept::SWEEP_EVERY;
 
     #[tokio::test(start_paused = true)]
     async fn a_fresh_window_publishes_on_its_first_record_then_once_per_bucket() {

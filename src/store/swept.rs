@@ -58,14 +58,15 @@ impl Sweeper {
         shards: &[Mutex<SweptTable<V>>],
         keep: impl FnMut(&TenantId, &mut V) -> bool,
     ) {
-        if self
-            .calls
-            .fetch_add(1, Ordering::Relaxed)
-            .is_multiple_of(SWEEP_EVERY)
-        {
+        if sweeps(self.calls.fetch_add(1, Ordering::Relaxed)) {
             sweep_shard(shards, &self.shard, keep);
         }
     }
+}
+
+/// Whether call number `call` (counted from 0) of a table is one that sweeps.
+pub(crate) fn sweeps(call: usize) -> bool {
+    call.is_multiple_of(SWEEP_EVERY)
 }
 
 /// One sweep of `shards`: at most [`SWEEP_BUDGET`] buckets of the shard being swept, moving
