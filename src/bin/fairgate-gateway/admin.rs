@@ -96,6 +96,8 @@ pub(crate) async fn handle(admin: Arc<Admin>, req: Request<Incoming>) -> Respons
                     r#""keys":{{"keys":{keys},"tenants":{tenants},"reloads":{reloads},"failed_reloads":{failed}}},"#,
                     r#""connections":{{"open":{open},"max":{max},"evicted":{evicted},"timed_out":{timed_out},"refused":{refused}}},"#,
                     r#""body_budget":{{"used_bytes":{used},"max_bytes":{budget}}},"#,
+                    r#""answer_buffer":{{"used_bytes":{answers}}},"#,
+                    r#""per_key":{{"requests":{key_requests},"body_bytes":{key_body},"answer_bytes":{key_answers}}},"#,
                     r#""auth":{{"slowed_addresses":{slowed}}}}}"#
                 ),
                 version = env!("CARGO_PKG_VERSION"),
@@ -112,8 +114,12 @@ pub(crate) async fn handle(admin: Arc<Admin>, req: Request<Incoming>) -> Respons
                 evicted = conns.evicted.load(Ordering::Relaxed),
                 timed_out = conns.timed_out.load(Ordering::Relaxed),
                 refused = conns.refused.load(Ordering::Relaxed),
-                used = gw.budget.used(),
-                budget = gw.budget.max(),
+                used = gw.holders.body_used(),
+                budget = gw.holders.body_max(),
+                answers = gw.holders.answers_used(),
+                key_requests = gw.holders.limits().requests,
+                key_body = gw.holders.limits().body_bytes,
+                key_answers = gw.holders.limits().answer_bytes,
                 slowed = gw.auth.slowed_addresses(),
             );
             text(StatusCode::OK, "application/json", body)

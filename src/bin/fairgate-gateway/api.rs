@@ -3,12 +3,19 @@
 //! - The path is checked and routed first (the `routes` module).
 //! - The key is checked from the headers, failures slowed per address (the `auth` module);
 //!   an unknown key is answered before a byte of the body is read.
+//! - Each request then holds a claim on its key holder's share (the `holders` module):
+//!   past `--key-max-requests` in progress, `429` before a byte of the body is read.
 //! - `POST /v1/messages` buffers its body (so a throttled call can be sent again) within
-//!   two bounds: one body at most `--max-body` (`413`, told at once from
-//!   `content-length`), all bodies being buffered at most `--body-budget` (`529` with
-//!   `retry-after` at once past it). A body that stalls for `--body-idle-timeout`, or is
-//!   not whole within `--body-timeout`, gets `408`; on shutdown a half-sent body gets `503` at once.
+//!   three bounds: one body at most `--max-body` (`413`, told at once from
+//!   `content-length`); the bytes arrived so far of all the key holder's bodies at most
+//!   `--key-body-budget` (`429`), of everyone's at most `--body-budget` (`529`), both with
+//!   `retry-after`. What a body declares is not reserved, what arrives is. A body that
+//!   stalls for `--body-idle-timeout`, or is not whole within `--body-timeout`, gets `408`;
+//!   on shutdown a half-sent body gets `503` at once.
 //! - Forwarded paths stream their body through, under the same idle timeout.
+//! - Every answer is relayed through the key holder's answer buffer (the `answer` module):
+//!   the call's slot and body bytes are given back at the upstream's last byte, and a
+//!   client that stops reading is cut after `--write-timeout`.
 
 use std::net::IpAddr;
 use std::sync::atomic::AtomicU64;
@@ -24,17 +31,19 @@ use http::header::{self, HeaderValue};
 use http::{Request, Response, StatusCode};
 use http_body_util::{BodyExt, BodyStream, Full, StreamBody};
 use hyper::body::Incoming;
-use tokio::sync::{OwnedSemaphorePermit, Semaphore, watch};
+use tokio::sync::watch;
 use tower::util::BoxCloneSyncService;
 use tower::{ServiceBuilder, ServiceExt, service_fn};
 use tracing::{debug, info, warn};
 
 use super::Body;
+use super::answer::relay;
 use super::auth::{AuthGuard, Verdict};
+use super::holders::{Claim, Held, Holders, Spent};
 use super::config::Config;
 use super::record::{Probe, Recorder, Recording, Trace};
 use super::routes::{Route, route};
-use super::server::{Holding, stopped};
+use super::server::{Hangup, Holding, stopped};
 use super::upstream::{Upstream, full};
 
 /// `POST /v1/messages` through the stack: the buffered request in, the client's response out.
@@ -101,36 +110,7 @@ impl Live {
     }
 }
 
-/// The bytes all `/v1/messages` bodies being buffered may take together.
-pub(crate) struct BodyBudget {
-    permits: Arc<Semaphore>,
-    max: usize,
-}
-
-impl BodyBudget {
-    pub(crate) fn new(max: usize) -> BodyBudget {
-        let max = max.min(Semaphore::MAX_PERMITS);
-        BodyBudget {
-            permits: Arc::new(Semaphore::new(max)),
-            max,
-        }
-    }
-
-    fn take(&self, bytes: usize) -> Option<OwnedSemaphorePermit> {
-        let bytes = u32::try_from(bytes).ok()?;
-        self.permits.clone().try_acquire_many_owned(bytes).ok()
-    }
-
-    pub(crate) fn used(&self) -> usize {
-        self.max - self.permits.available_permits()
-    }
-
-    pub(crate) fn max(&self) -> usize {
-        self.max
-    }
-}
-
-/// The API port's limits on request bodies.
+/// The API port's limits on request bodies and answers.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct BodyLimits {
     pub(crate) max_body: usize,
@@ -138,13 +118,19 @@ pub(crate) struct BodyLimits {
     pub(crate) idle: Duration,
     /// How long a buffered (`/v1/messages`) body may take in all.
     pub(crate) total: Duration,
+    /// How long an answer may wait with nothing of it read by the client.
+    pub(crate) write: Duration,
 }
+
+/// The first bytes reserved for a body; more are taken as they arrive.
+const FIRST_RESERVATION: usize = 64 * 1024;
 
 /// Everything the API port's requests share.
 pub(crate) struct Gateway {
     live: RwLock<Arc<Live>>,
     pub(crate) upstream: Upstream,
-    pub(crate) budget: BodyBudget,
+    /// What each key holder holds of the shared resources, and the gateway's bounds.
+    pub(crate) holders: Holders,
     pub(crate) auth: AuthGuard,
     pub(crate) bodies: BodyLimits,
     pub(crate) shutdown: watch::Receiver<bool>,
@@ -158,7 +144,7 @@ impl Gateway {
     pub(crate) fn new(
         live: Live,
         upstream: Upstream,
-        budget: BodyBudget,
+        holders: Holders,
         auth: AuthGuard,
         bodies: BodyLimits,
         shutdown: watch::Receiver<bool>,
@@ -167,7 +153,7 @@ impl Gateway {
         Gateway {
             live: RwLock::new(Arc::new(live)),
             upstream,
-            budget,
+            holders,
             auth,
             bodies,
             shutdown,
@@ -271,35 +257,57 @@ pub(crate) async fn handle(
             ));
         }
     }
+    let Some((holder, _)) = api_key(&req).and_then(|key| live.keys().get(key)) else {
+        // Checked just above; a reload in between is the only way here.
+        return closing(rendered(&BoxError::from(fairgate::Unidentified::new(
+            "unknown api key",
+        ))));
+    };
+    let Some(claim) = gw.holders.begin(holder) else {
+        metrics::counter!("gateway_key_refusals_total", "reason" => "requests").increment(1);
+        return closing(with_retry_after(
+            error_response(
+                StatusCode::TOO_MANY_REQUESTS,
+                "rate_limit_error",
+                "this key has as many requests in progress as it may hold",
+            ),
+            Duration::from_secs(1),
+        ));
+    };
+    let claim = Arc::new(claim);
     if route == Route::Messages {
-        messages(&gw, live, req).await
+        messages(&gw, live, req, claim).await
     } else {
-        forward(&gw, req).await
+        forward(&gw, req, claim).await
     }
 }
 
 /// Why a body was not buffered.
 enum Unread {
     TooLarge,
-    OverBudget,
+    /// The key holder's body bytes, or the gateway's.
+    OverBudget(Spent),
     Stalled,
     ShuttingDown,
     Failed(hyper::Error),
 }
 
-/// Reads `body` into one buffer, within the size limit and the budget.
+/// Reads `body` into one buffer, within the size limit and the budgets of `claim`.
 async fn buffer(
     gw: &Gateway,
     body: &mut Incoming,
     declared: Option<usize>,
-) -> Result<(Bytes, OwnedSemaphorePermit), Unread> {
+    claim: &Claim,
+) -> Result<(Bytes, Held), Unread> {
     let max = gw.bodies.max_body;
     if declared.is_some_and(|len| len > max) {
         return Err(Unread::TooLarge);
     }
-    let mut held = declared.unwrap_or(0).max(1);
-    let mut permit = gw.budget.take(held).ok_or(Unread::OverBudget)?;
-    let mut buf: Vec<u8> = Vec::with_capacity(declared.unwrap_or(0));
+    // What arrives is paid for, not what is declared: a body that declares 32 MiB and
+    // trickles holds what it has sent.
+    let mut held = declared.unwrap_or(0).clamp(1, FIRST_RESERVATION);
+    let mut permit = claim.take_body(held).map_err(Unread::OverBudget)?;
+    let mut buf: Vec<u8> = Vec::with_capacity(held);
     let mut shutdown = gw.shutdown.clone();
     // A body trickled just fast enough never idles: it must also end within the total.
     let deadline = tokio::time::sleep(gw.bodies.total);
@@ -326,7 +334,9 @@ async fn buffer(
         if needed > held {
             // Grow by doubling (as a Vec would), every byte of it paid from the budget first.
             let grown = needed.max(held.saturating_mul(2)).min(max);
-            let more = gw.budget.take(grown - held).ok_or(Unread::OverBudget)?;
+            let more = claim
+                .take_body(grown - held)
+                .map_err(Unread::OverBudget)?;
             permit.merge(more);
             held = grown;
             buf.reserve_exact(grown - buf.len());
@@ -350,10 +360,16 @@ async fn discard(mut body: Incoming, limit: u64, idle: Duration) {
     }
 }
 
-async fn messages(gw: &Gateway, live: Arc<Live>, req: Request<Incoming>) -> Response<Body> {
+async fn messages(
+    gw: &Gateway,
+    live: Arc<Live>,
+    req: Request<Incoming>,
+    claim: Arc<Claim>,
+) -> Response<Body> {
     let (parts, mut body) = req.into_parts();
+    let hangup = parts.extensions.get::<Hangup>().cloned();
     let declared = declared_length(&parts.headers);
-    let (bytes, permit) = match buffer(gw, &mut body, declared).await {
+    let (bytes, permit) = match buffer(gw, &mut body, declared, &claim).await {
         Ok(read) => read,
         Err(unread) => return unread_response(gw, unread, &parts.headers, body),
     };
@@ -373,9 +389,11 @@ async fn messages(gw: &Gateway, live: Arc<Live>, req: Request<Incoming>) -> Resp
                 ms = started.elapsed().as_millis() as u64,
                 "POST /v1/messages"
             );
-            // The buffer's share of the budget comes back when the answer has been sent.
+            // The slot, the window permit and the body's bytes come back at the upstream's
+            // last byte; the claim at the client's.
             response.map(|body| {
-                let body = Holding::new(body, permit).boxed_unsync();
+                let body = relay(body, permit, claim.clone(), gw.bodies.write, hangup);
+                let body = Holding::new(body, claim).boxed_unsync();
                 match trace {
                     Some(trace) => Recording::new(body, status, trace).boxed_unsync(),
                     None => body,
@@ -418,7 +436,20 @@ fn unread_response(
                 &format!("request body is larger than the gateway's {mb} MiB limit"),
             ))
         }
-        Unread::OverBudget => {
+        Unread::OverBudget(Spent::Key) => {
+            metrics::counter!("gateway_key_refusals_total", "reason" => "body_bytes")
+                .increment(1);
+            info!("refused: the key's body budget is spent");
+            closing(with_retry_after(
+                error_response(
+                    StatusCode::TOO_MANY_REQUESTS,
+                    "rate_limit_error",
+                    "this key's request bodies in progress hold as many bytes as it may buffer",
+                ),
+                Duration::from_secs(1),
+            ))
+        }
+        Unread::OverBudget(Spent::Gateway) => {
             metrics::counter!("gateway_body_budget_refusals_total").increment(1);
             info!("refused: the body budget is spent");
             closing(with_retry_after(
@@ -499,10 +530,14 @@ fn streamed(gw: &Gateway, body: Incoming) -> Body {
     StreamBody::new(stream).boxed_unsync()
 }
 
-async fn forward(gw: &Gateway, req: Request<Incoming>) -> Response<Body> {
+async fn forward(gw: &Gateway, req: Request<Incoming>, claim: Arc<Claim>) -> Response<Body> {
+    let hangup = req.extensions().get::<Hangup>().cloned();
     let req = req.map(|body| streamed(gw, body));
     match gw.upstream.send(req).await {
-        Ok(response) => response,
+        Ok(response) => response.map(|body| {
+            let body = relay(body, (), claim.clone(), gw.bodies.write, hangup);
+            Holding::new(body, claim).boxed_unsync()
+        }),
         Err(error) => {
             warn!(error = %error, "upstream call failed");
             rendered(&error)

@@ -15,6 +15,8 @@
 //! - `routes`: canonical paths only, one admission path, an allow-list for the rest;
 //! - `auth`: the key check, failures slowed per address;
 //! - `api`: the API port (authenticate from the headers, then buffer within a budget);
+//! - `holders`: what each key holder may hold at once (requests, body and answer bytes);
+//! - `answer`: answers relayed through a bounded buffer, the slot free at the upstream's end;
 //! - `server`: connections (cap, header / body / keep-alive timeouts, drain);
 //! - `admin`: `/metrics`, `/healthz`, `/readyz`, `/status` on the admin listener;
 //! - `dashboard`: the admin listener's live page (`/`) and its numbers (`/live`);
@@ -22,10 +24,12 @@
 //! - `upstream`: the upstream client.
 
 mod admin;
+mod answer;
 mod api;
 mod auth;
 mod config;
 mod dashboard;
+mod holders;
 mod record;
 mod routes;
 mod server;
@@ -47,7 +51,8 @@ use tokio::task::JoinHandle;
 use tracing::{info, warn};
 use tracing_subscriber::EnvFilter;
 
-use self::api::{BodyBudget, BodyLimits, Gateway, Live};
+use self::api::{BodyLimits, Gateway, Live};
+use self::holders::{HolderLimits, Holders};
 use self::auth::AuthGuard;
 use self::server::{ConnLimits, Connections};
 use self::upstream::Upstream;
@@ -96,7 +101,9 @@ pub(crate) struct Args {
     )]
     admin: SocketAddr,
 
-    /// Connections open at once on the API port; at the cap a new one closes the oldest idle one.
+    /// Connections open at once on the API port; at the cap a new one closes the oldest idle
+    /// one, or is answered 529 when none is idle. Lowered to fit the open-files limit, two
+    /// files a call (its connection and the upstream's).
     #[arg(long, env = "FAIRGATE_MAX_CONNECTIONS", value_name = "N", default_value_t = 4096,
           value_parser = clap::value_parser!(u32).range(1..))]
     max_connections: u32,
@@ -130,6 +137,34 @@ pub(crate) struct Args {
     #[arg(long, env = "FAIRGATE_BODY_BUDGET", value_name = "SIZE", default_value = "128MiB",
           value_parser = size)]
     body_budget: usize,
+
+    /// Body bytes one key holder's requests may have buffered at once (429 past it);
+    /// default: a quarter of --body-budget, at least --max-body.
+    #[arg(long, env = "FAIRGATE_KEY_BODY_BUDGET", value_name = "SIZE", value_parser = size)]
+    key_body_budget: Option<usize>,
+
+    /// Requests one key holder may have in progress at once, from its key check to its
+    /// answer's last byte (429 past it); default: a quarter of --max-connections.
+    #[arg(long, env = "FAIRGATE_KEY_MAX_REQUESTS", value_name = "N",
+          value_parser = clap::value_parser!(u32).range(1..))]
+    key_max_requests: Option<u32>,
+
+    /// Memory all answers waiting for their clients to read them may take together.
+    #[arg(long, env = "FAIRGATE_ANSWER_BUFFER", value_name = "SIZE", default_value = "256MiB",
+          value_parser = size)]
+    answer_buffer: usize,
+
+    /// Memory one key holder's answers waiting for their clients may take; past it the
+    /// upstream is read no faster than the client reads.
+    #[arg(long, env = "FAIRGATE_KEY_ANSWER_BUFFER", value_name = "SIZE",
+          default_value = "8MiB", value_parser = size)]
+    key_answer_buffer: usize,
+
+    /// Time an answer may wait with nothing of it read by its client (the connection is
+    /// cut past it).
+    #[arg(long, env = "FAIRGATE_WRITE_TIMEOUT", value_name = "DURATION", default_value = "30s",
+          value_parser = duration)]
+    write_timeout: Duration,
 
     /// Failed authentications an address may make at once before it is slowed (429).
     #[arg(
@@ -240,8 +275,12 @@ fn raise_open_files_limit() -> Option<u64> {
     getrlimit(Resource::Nofile).current
 }
 
-/// Sockets and files kept for the upstream pool, Redis and the process itself.
+/// Files kept for Redis, the admin listener, the upstream's idle pool and the process
+/// itself.
 const RESERVED_FILES: u64 = 512;
+
+/// Files each API connection may need at once: its own socket and the upstream's.
+const FILES_PER_CONNECTION: u64 = 2;
 
 /// Reads the keys file again: the new keys, tiers and limits apply to calls that begin
 /// from now on; a bad file keeps the old one.
@@ -342,16 +381,31 @@ fn gateway(
     Ok(Gateway::new(
         live,
         upstream,
-        BodyBudget::new(args.body_budget),
+        Holders::new(holder_limits(args), args.body_budget, args.answer_buffer),
         AuthGuard::new(args.auth_failure_burst, args.auth_failure_rate),
         BodyLimits {
             max_body: args.max_body,
             idle: args.body_idle_timeout,
             total: args.body_timeout,
+            write: args.write_timeout,
         },
         stopped,
         recorder,
     ))
+}
+
+/// What each key holder may hold, from the flags (or their defaults, from the gateway's
+/// bounds).
+fn holder_limits(args: &Args) -> HolderLimits {
+    HolderLimits {
+        requests: args
+            .key_max_requests
+            .map_or((args.max_connections / 4).max(1) as usize, |n| n as usize),
+        body_bytes: args
+            .key_body_budget
+            .unwrap_or((args.body_budget / 4).max(args.max_body)),
+        answer_bytes: args.key_answer_buffer,
+    }
 }
 
 /// Refuses what the gateway cannot start with (no upstream key; a body budget smaller than
@@ -368,8 +422,11 @@ fn check_args(args: &mut Args) -> Result<String, String> {
             args.body_budget, args.max_body
         ));
     }
+    if args.key_body_budget.is_some_and(|key| key < args.max_body) {
+        return Err("--key-body-budget must hold at least one --max-body".into());
+    }
     if let Some(files) = raise_open_files_limit() {
-        let fit = files.saturating_sub(RESERVED_FILES).max(1);
+        let fit = (files.saturating_sub(RESERVED_FILES) / FILES_PER_CONNECTION).max(1);
         if u64::from(args.max_connections) > fit {
             warn!(
                 max_connections = args.max_connections,
@@ -439,7 +496,10 @@ fn background(gw: &Arc<Gateway>, metrics: PrometheusHandle) -> [JoinHandle<()>; 
                 let mut every = tokio::time::interval(Duration::from_secs(1));
                 loop {
                     every.tick().await;
-                    metrics::gauge!("gateway_body_budget_used_bytes").set(gw.budget.used() as f64);
+                    metrics::gauge!("gateway_body_budget_used_bytes")
+                        .set(gw.holders.body_used() as f64);
+                    metrics::gauge!("gateway_answer_buffer_used_bytes")
+                        .set(gw.holders.answers_used() as f64);
                 }
             })
         },

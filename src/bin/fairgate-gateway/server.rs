@@ -8,8 +8,13 @@
 //! keep-alive timeout after a request. At the cap, a new connection closes the oldest idle
 //! one, preferring one never served a request (so a flood of idle sockets cannot lock a
 //! client out, nor push a client's pooled connections out first); when none is idle, the
-//! new one is refused. On shutdown idle connections close at
-//! once; the others finish their request (bounded by the drain time).
+//! new one is answered `529` with `retry-after` and closed (never left to time out). On
+//! shutdown idle connections close at once; the others finish their request (bounded by
+//! the drain time).
+//!
+//! A request carries a [`Hangup`] for its connection: the answer's relay (`answer.rs`)
+//! uses it to close a connection whose client stopped reading, which no timeout of
+//! hyper's would ever close.
 
 use std::collections::BTreeMap;
 use std::future::Future;
@@ -40,6 +45,11 @@ use super::Body;
 /// have small heads, and a trickled head costs at most this much.
 const MAX_HEAD: usize = 32 * 1024;
 
+/// The whole answer to a connection refused at the cap.
+const AT_CAPACITY: &[u8] = b"HTTP/1.1 529 Overloaded\r\ncontent-type: application/json\r\n\
+retry-after: 1\r\nconnection: close\r\ncontent-length: 99\r\n\r\n\
+{\"type\":\"error\",\"error\":{\"type\":\"overloaded_error\",\"message\":\"the gateway has no connection free\"}}";
+
 /// How a listener treats its connections.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct ConnLimits {
@@ -58,7 +68,10 @@ struct Conn {
     head_started: AtomicU64,
     /// Whether a request of it has been served (or is being served).
     served: AtomicBool,
+    /// Close when idle (timed out, evicted).
     close: Notify,
+    /// Close now, whatever it is doing ([`Hangup`]).
+    cut: Notify,
 }
 
 /// The connections of one listener.
@@ -122,6 +135,7 @@ impl Connections {
             head_started: AtomicU64::new(now + 1),
             served: AtomicBool::new(false),
             close: Notify::new(),
+            cut: Notify::new(),
         });
         table.insert(id, conn.clone());
         metrics::gauge!("gateway_connections_open", "listener" => self.name)
@@ -219,6 +233,17 @@ impl Drop for Busy {
             .idle_since
             .store(self.table.now_ms(), Ordering::SeqCst);
         self.conn.active.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// A request's handle on its connection: [`Hangup::cut`] closes the connection at once,
+/// dropping whatever it was writing (a client that stopped reading its answer).
+#[derive(Clone)]
+pub(crate) struct Hangup(Arc<Conn>);
+
+impl Hangup {
+    pub(crate) fn cut(&self) {
+        self.0.cut.notify_one();
     }
 }
 
@@ -353,6 +378,10 @@ where
                         ));
                     }
                     None => {
+                        // Told, not left to time out: a client (or its SDK) retries after
+                        // the `retry-after`. The write cannot block: a few hundred bytes
+                        // into a fresh socket's send buffer, or nothing.
+                        let _ = tcp.try_write(AT_CAPACITY);
                         drop(tcp);
                         refused(&table, &mut last_refusal_log);
                     }
@@ -438,8 +467,9 @@ async fn connection<H, Fut>(
         {
             let conn = conn.clone();
             let table = table.clone();
-            service_fn(move |req: http::Request<Incoming>| {
+            service_fn(move |mut req: http::Request<Incoming>| {
                 let busy = Busy::begin(conn.clone(), table.clone());
+                req.extensions_mut().insert(Hangup(conn.clone()));
                 let answer = handler(peer.ip(), req);
                 async move {
                     let response = answer.await;
@@ -460,6 +490,11 @@ async fn connection<H, Fut>(
                 if let Err(e) = result {
                     debug!(listener = table.name, error = %e, "connection ended with an error");
                 }
+                break;
+            }
+            // A client that stopped reading its answer: nothing more is written.
+            _ = conn.cut.notified() => {
+                debug!(listener = table.name, "connection cut: its answer went unread");
                 break;
             }
             // Timed out or evicted while idle; should a request have begun in between,
@@ -498,4 +533,24 @@ pub(crate) fn log_drained(listener: &str, cut: usize) {
 /// Resolves when `shutdown` turns true (or its sender is gone).
 pub(crate) async fn stopped(shutdown: &mut watch::Receiver<bool>) {
     let _ = shutdown.wait_for(|stop| *stop).await;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_answer_at_capacity_is_a_whole_http_response() {
+        let text = std::str::from_utf8(AT_CAPACITY).unwrap();
+        let (head, body) = text.split_once("\r\n\r\n").unwrap();
+        assert!(head.starts_with("HTTP/1.1 529 "));
+        let length: usize = head
+            .lines()
+            .find_map(|line| line.strip_prefix("content-length: "))
+            .unwrap()
+            .parse()
+            .unwrap();
+        assert_eq!(length, body.len());
+        assert!(head.contains("\r\nretry-after: 1\r\n"));
+    }
 }

@@ -26,6 +26,9 @@ pub(crate) struct Upstream {
     api_key: HeaderValue,
 }
 
+/// Idle upstream connections kept for reuse at most.
+const MAX_IDLE_CONNECTIONS: usize = 64;
+
 /// Headers that belong to one connection, never forwarded (RFC 9110 §7.6.1).
 const HOP_BY_HOP: [&str; 8] = [
     "connection",
@@ -69,6 +72,9 @@ impl Upstream {
             .wrap_connector(http);
         let client = Client::builder(TokioExecutor::new())
             .pool_idle_timeout(Duration::from_secs(60))
+            // After a burst of thousands of calls, a few idle connections are kept, not
+            // the burst's: each is a file and a few KiB.
+            .pool_max_idle_per_host(MAX_IDLE_CONNECTIONS)
             .build(https);
         let mut api_key = HeaderValue::from_str(api_key)
             .map_err(|_| "ANTHROPIC_API_KEY is not a valid header value".to_owned())?;
