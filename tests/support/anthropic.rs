@@ -8,7 +8,7 @@
 //!    ([`MESSAGE_JSON`]).
 //!
 //! `x-mock-delay-ms` on a request (or [`MockAnthropic::set_delay`]) delays the answer's
-//! head; SSE events are [`MockAnthropic::set_event_gap`] apart. Every answer carries
+//! head; `x-mock-padding-bytes: N` makes a message answer's text N bytes long; SSE events are [`MockAnthropic::set_event_gap`] apart. Every answer carries
 //! `request-id: req_mock_<n>` and `anthropic-ratelimit-requests-limit: 1000000` (so high
 //! that learned pacing never binds: the tests and the bench measure the gateway); 429s
 //! carry `retry-after` and Anthropic's `rate_limit_error` body, 529s an `overloaded_error`.
@@ -379,11 +379,11 @@ async fn handle(State(inner): State<Arc<Inner>>, req: Request) -> Response {
     };
     // The message body, held with the in-flight guard until it is sent.
     let body = if status == StatusCode::OK && path == "/v1/messages" {
-        guarded(
-            vec![Bytes::from_static(MESSAGE_JSON.as_bytes())],
-            guard,
-            Duration::ZERO,
-        )
+        let chunks = match header("x-mock-padding-bytes").and_then(|v| v.parse().ok()) {
+            Some(padding) => padded_message(padding),
+            None => vec![Bytes::from_static(MESSAGE_JSON.as_bytes())],
+        };
+        guarded(chunks, guard, Duration::ZERO)
     } else {
         drop(guard);
         body
@@ -397,6 +397,24 @@ async fn handle(State(inner): State<Arc<Inner>>, req: Request) -> Response {
         headers.insert("retry-after", HeaderValue::from(secs));
     }
     response
+}
+
+/// A message whose text is `padding` bytes of `x`, in 64 KiB chunks (a large answer).
+fn padded_message(padding: usize) -> Vec<Bytes> {
+    let mut chunks = vec![Bytes::from_static(
+        br#"{"id":"msg_mock_03","type":"message","role":"assistant","model":"claude-mock-1","content":[{"type":"text","text":""#,
+    )];
+    let chunk = Bytes::from(vec![b'x'; 64 << 10]);
+    let mut left = padding;
+    while left > 0 {
+        let n = left.min(chunk.len());
+        chunks.push(chunk.slice(..n));
+        left -= n;
+    }
+    chunks.push(Bytes::from_static(
+        br#""}],"stop_reason":"end_turn","stop_sequence":null,"usage":{"input_tokens":12,"output_tokens":7}}"#,
+    ));
+    chunks
 }
 
 fn wants_stream(body: &[u8]) -> bool {

@@ -90,6 +90,18 @@ impl Gateway {
 
     /// Starts the gateway with `extra` flags after the usual ones.
     pub fn start_with(upstream: &str, keys: &str, redis: Option<&str>, extra: &[&str]) -> Gateway {
+        Gateway::start_limited(upstream, keys, redis, extra, None)
+    }
+
+    /// Starts the gateway as [`Gateway::start_with`] does, under `ulimit -n open_files`
+    /// when given.
+    pub fn start_limited(
+        upstream: &str,
+        keys: &str,
+        redis: Option<&str>,
+        extra: &[&str],
+        open_files: Option<u64>,
+    ) -> Gateway {
         static N: AtomicUsize = AtomicUsize::new(0);
         let n = N.fetch_add(1, Ordering::SeqCst);
         let id = format!("gateway-{}-{n}", std::process::id());
@@ -98,7 +110,17 @@ impl Gateway {
         for attempt in 0..3 {
             let (port, admin_port) = (free_port(), free_port());
             let log = target_tmp().join(format!("{id}-{attempt}.log"));
-            let mut cmd = Command::new(gateway_binary());
+            let mut cmd = match open_files {
+                // `exec` keeps the pid: the guard still stops the gateway itself.
+                Some(files) => {
+                    let mut sh = Command::new("sh");
+                    sh.arg("-c")
+                        .arg(format!(r#"ulimit -n {files} && exec "$0" "$@""#))
+                        .arg(gateway_binary());
+                    sh
+                }
+                None => Command::new(gateway_binary()),
+            };
             cmd.args(["--listen", &format!("127.0.0.1:{port}")])
                 .args(["--admin", &format!("127.0.0.1:{admin_port}")])
                 .args(["--upstream", upstream])

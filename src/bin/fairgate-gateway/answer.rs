@@ -231,7 +231,10 @@ mod tests {
             None,
         );
         tokio::time::sleep(Duration::from_millis(1)).await;
-        assert!(released.load(Ordering::SeqCst), "the slot waits for the client");
+        assert!(
+            released.load(Ordering::SeqCst),
+            "the slot waits for the client"
+        );
         assert_eq!(holders.answers_used(), 10_000);
         let read = body.collect().await.unwrap().to_bytes();
         assert_eq!(read.len(), 10_000);
@@ -263,13 +266,7 @@ mod tests {
     async fn a_client_reading_slowly_is_never_cut() {
         let holders = holders(2_000);
         let claim = Arc::new(holders.begin(&TenantId::new("t")).unwrap());
-        let mut body = relay(
-            upstream(20, 1000),
-            (),
-            claim,
-            Duration::from_secs(5),
-            None,
-        );
+        let mut body = relay(upstream(20, 1000), (), claim, Duration::from_secs(5), None);
         let mut read = 0;
         while let Some(frame) = body.frame().await {
             read += frame.unwrap().into_data().unwrap().len();

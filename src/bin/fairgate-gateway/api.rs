@@ -39,8 +39,8 @@ use tracing::{debug, info, warn};
 use super::Body;
 use super::answer::relay;
 use super::auth::{AuthGuard, Verdict};
-use super::holders::{Claim, Held, Holders, Spent};
 use super::config::Config;
+use super::holders::{Claim, Held, Holders, Spent};
 use super::record::{Probe, Recorder, Recording, Trace};
 use super::routes::{Route, route};
 use super::server::{Hangup, Holding, stopped};
@@ -334,9 +334,7 @@ async fn buffer(
         if needed > held {
             // Grow by doubling (as a Vec would), every byte of it paid from the budget first.
             let grown = needed.max(held.saturating_mul(2)).min(max);
-            let more = claim
-                .take_body(grown - held)
-                .map_err(Unread::OverBudget)?;
+            let more = claim.take_body(grown - held).map_err(Unread::OverBudget)?;
             permit.merge(more);
             held = grown;
             buf.reserve_exact(grown - buf.len());
@@ -437,8 +435,7 @@ fn unread_response(
             ))
         }
         Unread::OverBudget(Spent::Key) => {
-            metrics::counter!("gateway_key_refusals_total", "reason" => "body_bytes")
-                .increment(1);
+            metrics::counter!("gateway_key_refusals_total", "reason" => "body_bytes").increment(1);
             info!("refused: the key's body budget is spent");
             closing(with_retry_after(
                 error_response(

@@ -135,9 +135,11 @@ impl Holders {
                 })
                 .clone()
         };
-        let taken = holder.requests.fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
-            (n < self.limits.requests).then_some(n + 1)
-        });
+        let taken = holder
+            .requests
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                (n < self.limits.requests).then_some(n + 1)
+            });
         taken.ok().map(|_| Claim {
             holder,
             body: self.body.clone(),
@@ -173,7 +175,10 @@ impl Drop for Claim {
 
 fn take_now(key: &Arc<Semaphore>, all: &Arc<Semaphore>, n: usize) -> Result<Held, Spent> {
     let n = u32::try_from(n).map_err(|_| Spent::Key)?;
-    let key = key.clone().try_acquire_many_owned(n).map_err(|_| Spent::Key)?;
+    let key = key
+        .clone()
+        .try_acquire_many_owned(n)
+        .map_err(|_| Spent::Key)?;
     let all = all
         .clone()
         .try_acquire_many_owned(n)

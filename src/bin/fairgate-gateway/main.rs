@@ -52,8 +52,8 @@ use tracing::{info, warn};
 use tracing_subscriber::EnvFilter;
 
 use self::api::{BodyLimits, Gateway, Live};
-use self::holders::{HolderLimits, Holders};
 use self::auth::AuthGuard;
+use self::holders::{HolderLimits, Holders};
 use self::server::{ConnLimits, Connections};
 use self::upstream::Upstream;
 

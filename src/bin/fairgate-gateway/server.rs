@@ -50,6 +50,19 @@ const AT_CAPACITY: &[u8] = b"HTTP/1.1 529 Overloaded\r\ncontent-type: applicatio
 retry-after: 1\r\nconnection: close\r\ncontent-length: 99\r\n\r\n\
 {\"type\":\"error\",\"error\":{\"type\":\"overloaded_error\",\"message\":\"the gateway has no connection free\"}}";
 
+/// How long a connection must have been idle before a newcomer at the cap may close it.
+const EVICTABLE_AFTER: Duration = Duration::from_secs(1);
+
+/// Connections being refused at once at most (each a file for up to [`REFUSAL_LINGER`]);
+/// past it the listener accepts no more until one is done.
+const MAX_REFUSING: usize = 256;
+
+/// How long a refused connection is kept: for its request's head (an HTTP client takes an
+/// answer that comes before its request for a broken connection), then to read away what
+/// else its client sent, so that its close is a FIN after the answer and not a reset that
+/// could destroy it.
+const REFUSAL_LINGER: Duration = Duration::from_millis(500);
+
 /// How a listener treats its connections.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct ConnLimits {
@@ -144,9 +157,16 @@ impl Connections {
     }
 
     /// Closes the oldest idle connection that has not been served a request yet (a socket
-    /// opened and left silent, or trickling), else the oldest idle one.
+    /// opened and left silent, or trickling), else the oldest idle one. Only one idle for
+    /// [`EVICTABLE_AFTER`]: in a burst of clients, a connection whose request has not
+    /// arrived yet, or a pooled one about to send its next, is not closed under its client.
     fn evict_oldest_idle(&self, table: &mut BTreeMap<u64, Arc<Conn>>) -> bool {
-        let idle = |conn: &Arc<Conn>| conn.active.load(Ordering::SeqCst) == 0;
+        let now = self.now_ms();
+        let grace = EVICTABLE_AFTER.as_millis() as u64;
+        let idle = |conn: &Arc<Conn>| {
+            conn.active.load(Ordering::SeqCst) == 0
+                && now.saturating_sub(conn.idle_since.load(Ordering::SeqCst)) >= grace
+        };
         let oldest = table
             .iter()
             .find(|(_, conn)| idle(conn) && !conn.served.load(Ordering::Relaxed))
@@ -357,6 +377,7 @@ where
 {
     let mut tasks = JoinSet::new();
     let sweeper = tokio::spawn(sweep(table.clone()));
+    let refusing = Arc::new(tokio::sync::Semaphore::new(MAX_REFUSING));
     let mut last_refusal_log: Option<Instant> = None;
     let for_connections = shutdown.clone();
     loop {
@@ -379,10 +400,11 @@ where
                     }
                     None => {
                         // Told, not left to time out: a client (or its SDK) retries after
-                        // the `retry-after`. The write cannot block: a few hundred bytes
-                        // into a fresh socket's send buffer, or nothing.
-                        let _ = tcp.try_write(AT_CAPACITY);
-                        drop(tcp);
+                        // the `retry-after`. While as many are being told as files allow,
+                        // the next ones wait in the listen backlog (a few ms at most).
+                        if let Ok(turn) = refusing.clone().acquire_owned().await {
+                            tokio::spawn(refuse(tcp, turn));
+                        }
                         refused(&table, &mut last_refusal_log);
                     }
                 },
@@ -400,6 +422,34 @@ where
     let cut = finish(tasks, drain).await;
     sweeper.abort();
     cut
+}
+
+/// Answers `tcp` [`AT_CAPACITY`] once its request's head has come, and closes it after
+/// reading away what else the client sent (all within [`REFUSAL_LINGER`]); `_turn` bounds
+/// how many do so at once.
+async fn refuse(mut tcp: TcpStream, _turn: tokio::sync::OwnedSemaphorePermit) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let linger = async {
+        let mut sink = [0u8; 4096];
+        let mut head = Vec::new();
+        while !head.windows(4).any(|w| w == b"\r\n\r\n") && head.len() < MAX_HEAD {
+            match tcp.read(&mut sink).await? {
+                0 => return Ok(()),
+                n => head.extend_from_slice(&sink[..n]),
+            }
+        }
+        tcp.write_all(AT_CAPACITY).await?;
+        tcp.shutdown().await?;
+        let mut read = 0;
+        while read < 64 * 1024 {
+            match tcp.read(&mut sink).await? {
+                0 => break,
+                n => read += n,
+            }
+        }
+        Ok::<_, io::Error>(())
+    };
+    let _ = tokio::time::timeout(REFUSAL_LINGER, linger).await;
 }
 
 /// Closes what idles too long in `table`, every quarter second.
