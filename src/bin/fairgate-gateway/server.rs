@@ -50,17 +50,23 @@ const AT_CAPACITY: &[u8] = b"HTTP/1.1 529 Overloaded\r\ncontent-type: applicatio
 retry-after: 1\r\nconnection: close\r\ncontent-length: 99\r\n\r\n\
 {\"type\":\"error\",\"error\":{\"type\":\"overloaded_error\",\"message\":\"the gateway has no connection free\"}}";
 
-/// How long a connection must have been idle before a newcomer at the cap may close it.
-const EVICTABLE_AFTER: Duration = Duration::from_secs(1);
+/// How long a connection never served must have been open, and a served one idle, before
+/// a newcomer at the cap may close it: a client's request is read well within the first,
+/// and a pooled connection is reused well within the second.
+const EVICTABLE_AFTER: [Duration; 2] = [Duration::from_millis(250), Duration::from_secs(1)];
 
 /// Connections being refused at once at most (each a file for up to [`REFUSAL_LINGER`]);
 /// past it the listener accepts no more until one is done.
 const MAX_REFUSING: usize = 256;
 
-/// How long a refused connection is kept: for its request's head (an HTTP client takes an
-/// answer that comes before its request for a broken connection), then to read away what
-/// else its client sent, so that its close is a FIN after the answer and not a reset that
-/// could destroy it.
+/// How long a refused connection waits for its request's head before its answer (an HTTP
+/// client takes an answer that comes before its request for a broken connection); a
+/// socket that sends nothing in that time is closed unanswered.
+const REFUSAL_HEAD_WAIT: Duration = Duration::from_millis(100);
+
+/// How long a refused connection is kept in all: its head, its answer, then reading away
+/// what else its client sent, so that its close is a FIN after the answer and not a reset
+/// that could destroy it.
 const REFUSAL_LINGER: Duration = Duration::from_millis(500);
 
 /// How a listener treats its connections.
@@ -157,21 +163,30 @@ impl Connections {
     }
 
     /// Closes the oldest idle connection that has not been served a request yet (a socket
-    /// opened and left silent, or trickling), else the oldest idle one. Only one idle for
-    /// [`EVICTABLE_AFTER`]: in a burst of clients, a connection whose request has not
-    /// arrived yet, or a pooled one about to send its next, is not closed under its client.
+    /// opened and left silent, or trickling), else the oldest idle one; only one idle for
+    /// [`EVICTABLE_AFTER`], so that in a burst of clients a connection whose request has
+    /// not arrived yet is not closed under its client (the newcomer is refused instead).
+    /// While any connection never served is open, no served one is closed for a newcomer:
+    /// a flood of silent sockets cannot push a client's kept-alive connection out.
     fn evict_oldest_idle(&self, table: &mut BTreeMap<u64, Arc<Conn>>) -> bool {
         let now = self.now_ms();
-        let grace = EVICTABLE_AFTER.as_millis() as u64;
-        let idle = |conn: &Arc<Conn>| {
-            conn.active.load(Ordering::SeqCst) == 0
-                && now.saturating_sub(conn.idle_since.load(Ordering::SeqCst)) >= grace
+        let idle = |conn: &Arc<Conn>| conn.active.load(Ordering::SeqCst) == 0;
+        let never_served = |conn: &Arc<Conn>| !conn.served.load(Ordering::Relaxed);
+        let long_idle = |conn: &Arc<Conn>| {
+            let grace = EVICTABLE_AFTER[usize::from(!never_served(conn))].as_millis() as u64;
+            idle(conn) && now.saturating_sub(conn.idle_since.load(Ordering::SeqCst)) >= grace
         };
-        let oldest = table
+        let oldest = match table
             .iter()
-            .find(|(_, conn)| idle(conn) && !conn.served.load(Ordering::Relaxed))
-            .or_else(|| table.iter().find(|(_, conn)| idle(conn)))
-            .map(|(&id, _)| id);
+            .find(|(_, conn)| idle(conn) && never_served(conn))
+        {
+            Some((_, conn)) if !long_idle(conn) => None,
+            Some((&id, _)) => Some(id),
+            None => table
+                .iter()
+                .find(|(_, conn)| long_idle(conn))
+                .map(|(&id, _)| id),
+        };
         match oldest.and_then(|id| table.remove(&id)) {
             Some(conn) => {
                 conn.close.notify_one();
@@ -432,11 +447,17 @@ async fn refuse(mut tcp: TcpStream, _turn: tokio::sync::OwnedSemaphorePermit) {
     let linger = async {
         let mut sink = [0u8; 4096];
         let mut head = Vec::new();
-        while !head.windows(4).any(|w| w == b"\r\n\r\n") && head.len() < MAX_HEAD {
-            match tcp.read(&mut sink).await? {
-                0 => return Ok(()),
-                n => head.extend_from_slice(&sink[..n]),
+        let head_came = tokio::time::timeout(REFUSAL_HEAD_WAIT, async {
+            while !head.windows(4).any(|w| w == b"\r\n\r\n") && head.len() < MAX_HEAD {
+                match tcp.read(&mut sink).await? {
+                    0 => return Ok(false),
+                    n => head.extend_from_slice(&sink[..n]),
+                }
             }
+            Ok::<_, io::Error>(true)
+        });
+        if !matches!(head_came.await, Ok(Ok(true))) {
+            return Ok(());
         }
         tcp.write_all(AT_CAPACITY).await?;
         tcp.shutdown().await?;
