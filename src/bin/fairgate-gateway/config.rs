@@ -517,7 +517,11 @@ mod tests {
         );
         let refusal = refused(&twice);
         assert_eq!(refusal.line, Some(6));
-        assert!(refusal.message.contains("listed twice"), "{}", refusal.message);
+        assert!(
+            refusal.message.contains("listed twice"),
+            "{}",
+            refusal.message
+        );
     }
 
     #[test]
@@ -544,7 +548,11 @@ mod tests {
         ] {
             let refusal = refused(&text);
             assert_eq!(refusal.line, Some(line), "{text}: {}", refusal.message);
-            assert!(refusal.message.contains(what), "{text}: {}", refusal.message);
+            assert!(
+                refusal.message.contains(what),
+                "{text}: {}",
+                refusal.message
+            );
             assert!(!refusal.message.contains(SECRET), "{}", refusal.message);
         }
     }
@@ -557,7 +565,10 @@ mod tests {
             entry("key = \"sk-b\"").replace("\"t\"", "\"u\"")
         );
         assert_eq!(
-            parse(&format!("expect_keys = 2\n\n{two}")).unwrap().keys.len(),
+            parse(&format!("expect_keys = 2\n\n{two}"))
+                .unwrap()
+                .keys
+                .len(),
             2
         );
         // Cut after the first entry: the count says so, on expect_keys' line.
