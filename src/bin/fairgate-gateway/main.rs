@@ -96,6 +96,18 @@ pub(crate) struct Args {
     )]
     admin: SocketAddr,
 
+    /// Bearer token every admin route but /healthz and /readyz asks for; required when
+    /// --admin binds beyond loopback. Prefer the environment variable (a flag shows in ps).
+    #[arg(long, env = "FAIRGATE_ADMIN_TOKEN", value_name = "TOKEN", hide_env_values = true,
+          value_parser = admin::AdminToken::parse)]
+    admin_token: Option<admin::AdminToken>,
+
+    /// How many gateways share --redis: while Redis has not answered since start, each
+    /// serves the caps divided by this (default 1: the whole caps, right for one gateway).
+    #[arg(long, env = "FAIRGATE_FLEET_SIZE", value_name = "N", default_value_t = 1,
+          value_parser = clap::value_parser!(u32).range(1..))]
+    fleet_size: u32,
+
     /// Connections open at once on the API port; at the cap a new one closes the oldest idle one.
     #[arg(long, env = "FAIRGATE_MAX_CONNECTIONS", value_name = "N", default_value_t = 4096,
           value_parser = clap::value_parser!(u32).range(1..))]
@@ -131,7 +143,8 @@ pub(crate) struct Args {
           value_parser = size)]
     body_budget: usize,
 
-    /// Failed authentications an address may make at once before it is slowed (429).
+    /// Failed authentications with one key, and with distinct keys, an address may make at
+    /// once before it is slowed (429).
     #[arg(
         long,
         env = "FAIRGATE_AUTH_FAILURE_BURST",
@@ -140,7 +153,7 @@ pub(crate) struct Args {
     )]
     auth_failure_burst: u32,
 
-    /// Failed authentications an address may make per second after its burst.
+    /// Failed authentications (as above) an address may make per second after its burst.
     #[arg(
         long,
         env = "FAIRGATE_AUTH_FAILURE_RATE",
@@ -272,7 +285,13 @@ async fn reload(gw: &Gateway, args: &Args) {
 
 async fn open_store(args: &Args) -> Result<Store, String> {
     match &args.redis {
-        Some(url) => Store::redis(url).await.map_err(|e| format!("--redis: {e}")),
+        // Until Redis first answers, the store knows of no other gateway: it serves the caps
+        // divided by --fleet-size (the library's default without one is a slot at a time).
+        Some(url) => Store::builder()
+            .expected_workers(args.fleet_size)
+            .redis(url)
+            .await
+            .map_err(|e| format!("--redis: {e}")),
         None => Ok(Store::memory()),
     }
 }
@@ -309,6 +328,8 @@ async fn run(mut args: Args) -> Result<(), String> {
         connections: listeners.api_conns.clone(),
         metrics: metrics.clone(),
         started: Instant::now(),
+        token: args.admin_token.clone(),
+        fleet_size: args.fleet_size,
     });
     let background = background(&gw, metrics);
     let mut servers = Servers::start(listeners, &gw, admin, stopped, args.drain_timeout);
@@ -336,7 +357,7 @@ fn gateway(
     stopped: tokio::sync::watch::Receiver<bool>,
 ) -> Result<Gateway, String> {
     let recorder = match &args.record {
-        Some(path) => Some(record::Recorder::start(path)?),
+        Some(path) => Some(record::Recorder::start(path, &args.keys)?),
         None => None,
     };
     Ok(Gateway::new(
@@ -355,7 +376,8 @@ fn gateway(
 }
 
 /// Refuses what the gateway cannot start with (no upstream key; a body budget smaller than
-/// one body), lowers `--max-connections` to fit the open-files limit, and returns the
+/// one body; an admin listener beyond loopback without a token; a `--record` file it must
+/// not overwrite), lowers `--max-connections` to fit the open-files limit, and returns the
 /// upstream key.
 fn check_args(args: &mut Args) -> Result<String, String> {
     let api_key = std::env::var("ANTHROPIC_API_KEY").unwrap_or_default();
@@ -367,6 +389,16 @@ fn check_args(args: &mut Args) -> Result<String, String> {
             "--body-budget ({} bytes) must hold at least one --max-body ({} bytes)",
             args.body_budget, args.max_body
         ));
+    }
+    if !args.admin.ip().to_canonical().is_loopback() && args.admin_token.is_none() {
+        return Err(format!(
+            "--admin {} is reachable beyond loopback: set --admin-token (FAIRGATE_ADMIN_TOKEN) \
+             too, since /live and /status name tenants; or bind --admin to 127.0.0.1",
+            args.admin
+        ));
+    }
+    if let Some(path) = &args.record {
+        record::check_target(path, &args.keys)?;
     }
     if let Some(files) = raise_open_files_limit() {
         let fit = files.saturating_sub(RESERVED_FILES).max(1);
