@@ -99,7 +99,7 @@ pub(crate) struct Args {
     /// Bearer token every admin route but /healthz and /readyz asks for; required when
     /// --admin binds beyond loopback. Prefer the environment variable (a flag shows in ps).
     #[arg(long, env = "FAIRGATE_ADMIN_TOKEN", value_name = "TOKEN", hide_env_values = true,
-          value_parser = admin::AdminToken::parse)]
+          value_parser = admin::AdminToken::read)]
     admin_token: Option<admin::AdminToken>,
 
     /// How many gateways share --redis: while Redis has not answered since start, each
@@ -389,6 +389,9 @@ fn check_args(args: &mut Args) -> Result<String, String> {
             "--body-budget ({} bytes) must hold at least one --max-body ({} bytes)",
             args.body_budget, args.max_body
         ));
+    }
+    if let Some(token) = &args.admin_token {
+        token.check()?;
     }
     if !args.admin.ip().to_canonical().is_loopback() && args.admin_token.is_none() {
         return Err(format!(
