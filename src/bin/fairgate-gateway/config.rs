@@ -113,7 +113,7 @@ impl<'de> serde::de::Visitor<'de> for SecretVisitor {
     }
 }
 
-const NOT_A_STRING: &str = "`key` and `key_sha256` must be strings in quotes";
+const NOT_A_STRING: &str = "`key` (or `key_sha256`) must be a string in quotes";
 
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -544,7 +544,7 @@ mod tests {
                 2,
                 "64 hex digits",
             ),
-            (entry("key_sha256 = 12"), 2, "strings in quotes"),
+            (entry("key_sha256 = 12"), 2, "must be a string"),
         ] {
             let refusal = refused(&text);
             assert_eq!(refusal.line, Some(line), "{text}: {}", refusal.message);
