@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 
 use fairgate::extract::KeyTable;
 
+use crate::support::RedisServer;
 use crate::support::anthropic::MockAnthropic;
 use crate::support::gateway::*;
 
@@ -353,4 +354,30 @@ async fn a_gateway_started_while_redis_is_unreachable_serves_its_share_of_the_ca
     eprintln!("fleet of 2: 8 premium calls of 1 s in {took:?}");
     assert!(statuses.iter().all(|&s| s == 200), "{statuses:?}");
     assert_eq!(mock.max_in_flight(), 4);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gateway_started_while_redis_is_full_serves_its_share_of_the_caps() {
+    let _turn = crate::support::file_turn(module_path!());
+    let _serial = SERIAL.lock().await;
+    let mock = MockAnthropic::start();
+    // A Redis that answers PING but refuses every write: out of memory, nothing to evict.
+    let redis = RedisServer::start();
+    redis.command("CONFIG SET maxmemory-policy noeviction");
+    redis.command("CONFIG SET maxmemory 1");
+    assert!(
+        redis.command("SET fairgate-full 1").contains("OOM"),
+        "Redis is full"
+    );
+    let gateway = Gateway::start(&mock.url(), &keys_toml(8, 200, ""), Some(&redis.url()));
+    let ready = gateway.admin("/readyz").await;
+    assert!(ready.contains("serving 1/1 of the caps"), "{ready}");
+    let (took, statuses) = premium_calls(&gateway, 16, Duration::from_secs(1)).await;
+    eprintln!("Redis full, fleet of 1: 16 premium calls of 1 s in {took:?}");
+    assert!(statuses.iter().all(|&s| s == 200), "{statuses:?}");
+    assert_eq!(mock.max_in_flight(), 8);
+    assert!(
+        took < Duration::from_secs(4),
+        "16 calls of 1 s took {took:?}"
+    );
 }
