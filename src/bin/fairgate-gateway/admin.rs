@@ -5,7 +5,8 @@
 //! - `GET /healthz`: `200 ok` while the process serves.
 //! - `GET /readyz`: `200` once the keys are loaded, saying whether Redis answers or the
 //!   store serves from in-process state (degraded, still serving); `503` while draining.
-//! - `GET /status`: JSON: store, keys, connections, body budget, reloads.
+//! - `GET /status`: JSON: store, keys, connections, body budget, reloads, slowed
+//!   addresses and (address, key) pairs.
 //! - `GET /`: the live page, and `GET /live`, the JSON it reads every second: calls in
 //!   flight and waiting per tier, `Busy` by reason, latency per class, top tenants, learned
 //!   limits and cooldown gates (see `dashboard.rs`).
@@ -241,7 +242,7 @@ pub(crate) async fn handle(admin: Arc<Admin>, req: Request<Incoming>) -> Respons
                     r#""keys":{{"keys":{keys},"tenants":{tenants},"reloads":{reloads},"failed_reloads":{failed}}},"#,
                     r#""connections":{{"open":{open},"max":{max},"evicted":{evicted},"timed_out":{timed_out},"refused":{refused}}},"#,
                     r#""body_budget":{{"used_bytes":{used},"max_bytes":{budget}}},"#,
-                    r#""auth":{{"slowed_addresses":{slowed}}}}}"#
+                    r#""auth":{{"slowed_addresses":{slowed},"slowed_keys":{slowed_keys}}}}}"#
                 ),
                 version = env!("CARGO_PKG_VERSION"),
                 uptime = admin.started.elapsed().as_secs(),
@@ -260,6 +261,7 @@ pub(crate) async fn handle(admin: Arc<Admin>, req: Request<Incoming>) -> Respons
                 used = gw.budget.used(),
                 budget = gw.budget.max(),
                 slowed = gw.auth.slowed_addresses(),
+                slowed_keys = gw.auth.slowed_keys(),
             );
             text(StatusCode::OK, "application/json", body)
         }

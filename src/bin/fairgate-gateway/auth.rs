@@ -119,6 +119,17 @@ impl AuthGuard {
             .count()
     }
 
+    /// (Address, key) pairs whose failures are being slowed now (one bad key retried).
+    pub(crate) fn slowed_keys(&self) -> usize {
+        let now = Instant::now();
+        let pairs = self.pairs.lock().unwrap_or_else(|e| e.into_inner());
+        pairs
+            .map
+            .values()
+            .filter(|b| self.refilled(b, now) < 1.0)
+            .count()
+    }
+
     fn refilled(&self, bucket: &Bucket, now: Instant) -> f64 {
         let secs = now.saturating_duration_since(bucket.at).as_secs_f64();
         (bucket.tokens + secs * self.per_sec).min(self.burst)
@@ -240,6 +251,8 @@ mod tests {
             assert_eq!(guard.check(nat, None, &keys), Verdict::Unknown);
         }
         assert!(matches!(guard.check(nat, None, &keys), Verdict::Slowed(_)));
+        assert!(guard.slowed_keys() >= 1);
+        assert_eq!(guard.slowed_addresses(), 0);
         assert_eq!(guard.check(nat, Some("sk-good"), &keys), Verdict::Known);
     }
 

@@ -13,10 +13,11 @@
 //! variables). The modules:
 //! - `config`: the keys file, checked in full at start and on `SIGHUP`;
 //! - `routes`: canonical paths only, one admission path, an allow-list for the rest;
-//! - `auth`: the key check, failures slowed per address;
+//! - `auth`: the key check, failures slowed per (address, key) and per address on
+//!   distinct keys;
 //! - `api`: the API port (authenticate from the headers, then buffer within a budget);
 //! - `server`: connections (cap, header / body / keep-alive timeouts, drain);
-//! - `admin`: `/metrics`, `/healthz`, `/readyz`, `/status` on the admin listener;
+//! - `admin`: `/metrics`, `/healthz`, `/readyz`, `/status` on the admin listener (its token);
 //! - `dashboard`: the admin listener's live page (`/`) and its numbers (`/live`);
 //! - `record`: `--record`, the admitted calls as JSON lines for the simulator's replay;
 //! - `upstream`: the upstream client.
