@@ -302,8 +302,10 @@ pub fn api_key<B>(req: &http::Request<B>) -> Option<&str> {
         .filter(|k| !k.is_empty())
 }
 
-/// Known API keys and the tenant and tier each stands for. Keys are kept hashed (SHA-256):
-/// the table never holds one in clear, and its `Debug` shows only tenants.
+/// Known API keys and the tenant and tier each stands for. Keys are kept by their SHA-256:
+/// the table never holds one in clear, its `Debug` shows only how many it holds, and a
+/// configuration may give a key's hash instead of the key ([`key_sha256`](KeyTable::key_sha256)).
+/// A presented key is hashed once and looked up by its hash.
 #[derive(Clone, Default)]
 pub struct KeyTable {
     by_hash: HashMap<[u8; 32], (TenantId, Tier)>,
@@ -323,16 +325,60 @@ impl KeyTable {
 
     /// Adds (or replaces) `key`, standing for `tenant` on `tier`.
     pub fn insert(&mut self, key: &str, tenant: impl Into<TenantId>, tier: impl Into<Tier>) {
-        self.by_hash.insert(
-            Sha256::digest(key.as_bytes()).into(),
-            (tenant.into(), tier.into()),
-        );
+        self.insert_sha256(KeyTable::sha256(key), tenant, tier);
+    }
+
+    /// Adds (or replaces) the key whose SHA-256 is `sha256`, standing for `tenant` on
+    /// `tier`: for a configuration that keeps only the keys' hashes (the key itself is
+    /// then known to its holder alone). A presented key matches if its SHA-256 is
+    /// `sha256`; [`KeyTable::sha256`] computes it.
+    ///
+    /// ```
+    /// use fairgate::extract::KeyTable;
+    ///
+    /// // `printf %s sk-team-a | sha256sum`
+    /// let hash = KeyTable::sha256("sk-team-a");
+    /// let keys = KeyTable::new().key_sha256(hash, "team-a", "premium");
+    /// let (tenant, tier) = keys.get("sk-team-a").unwrap();
+    /// assert_eq!((tenant.as_str(), tier.as_str()), ("team-a", "premium"));
+    /// assert!(keys.get("sk-team-b").is_none());
+    /// ```
+    pub fn key_sha256(
+        mut self,
+        sha256: [u8; 32],
+        tenant: impl Into<TenantId>,
+        tier: impl Into<Tier>,
+    ) -> Self {
+        self.insert_sha256(sha256, tenant, tier);
+        self
+    }
+
+    /// Adds (or replaces) the key whose SHA-256 is `sha256`; see
+    /// [`key_sha256`](KeyTable::key_sha256).
+    pub fn insert_sha256(
+        &mut self,
+        sha256: [u8; 32],
+        tenant: impl Into<TenantId>,
+        tier: impl Into<Tier>,
+    ) {
+        self.by_hash.insert(sha256, (tenant.into(), tier.into()));
+    }
+
+    /// The SHA-256 of `key`: what the table keeps of it, and what
+    /// [`get_sha256`](KeyTable::get_sha256) looks up.
+    pub fn sha256(key: &str) -> [u8; 32] {
+        Sha256::digest(key.as_bytes()).into()
     }
 
     /// The tenant and tier of `key`, if the table knows it.
     pub fn get(&self, key: &str) -> Option<&(TenantId, Tier)> {
-        let hash: [u8; 32] = Sha256::digest(key.as_bytes()).into();
-        self.by_hash.get(&hash)
+        self.get_sha256(&KeyTable::sha256(key))
+    }
+
+    /// The tenant and tier of the key whose SHA-256 is `sha256`, if the table knows it: for
+    /// a caller that hashes a presented key once and uses the hash for more than the look-up.
+    pub fn get_sha256(&self, sha256: &[u8; 32]) -> Option<&(TenantId, Tier)> {
+        self.by_hash.get(sha256)
     }
 
     /// How many keys the table knows.
@@ -599,6 +645,29 @@ mod tests {
             .extract(&req(&[("x-tenant-id", "acme"), ("x-sla", "-1e400")], ""))
             .unwrap();
         assert_eq!(garbage.sla_window(), None);
+    }
+
+    #[test]
+    fn a_key_given_by_its_sha256_matches_the_key_and_nothing_else() {
+        let hash = KeyTable::sha256("sk-hashed");
+        // The well-known digest, so a file's `key_sha256` from `sha256sum` matches.
+        assert_eq!(
+            KeyTable::sha256("abc")[..4],
+            [0xba, 0x78, 0x16, 0xbf],
+            "SHA-256 of `abc`"
+        );
+        let mut table = KeyTable::new()
+            .key("sk-plain", "plain", "pro")
+            .key_sha256(hash, "hashed", "premium");
+        let (tenant, tier) = table.get("sk-hashed").unwrap();
+        assert_eq!((tenant.as_str(), tier.as_str()), ("hashed", "premium"));
+        assert_eq!(table.get_sha256(&hash), table.get("sk-hashed"));
+        assert!(table.get("sk-hashed ").is_none());
+        assert_eq!(table.get("sk-plain").unwrap().0.as_str(), "plain");
+        // The same key given both ways is one key: the later replaces the earlier.
+        table.insert("sk-hashed", "again", "free");
+        assert_eq!(table.len(), 2);
+        assert_eq!(table.get_sha256(&hash).unwrap().0.as_str(), "again");
     }
 
     #[test]

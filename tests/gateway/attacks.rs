@@ -781,83 +781,165 @@ async fn at_the_cap_with_every_connection_busy_a_new_one_is_refused() {
     );
 }
 
+/// A `POST /v1/messages` with `key` from `client`: the status, `retry-after` and body.
+async fn auth_answer(
+    client: &reqwest::Client,
+    gateway: &Gateway,
+    key: &str,
+) -> (u16, Option<String>, String) {
+    let response = client
+        .post(format!("{}/v1/messages", gateway.url()))
+        .header("x-api-key", key)
+        .body(messages_body(false))
+        .send()
+        .await
+        .unwrap();
+    let status = response.status().as_u16();
+    let retry_after = response
+        .headers()
+        .get("retry-after")
+        .map(|v| v.to_str().unwrap().to_owned());
+    (status, retry_after, response.text().await.unwrap())
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn failed_authentications_are_slowed_per_address_but_known_keys_are_not() {
+async fn failed_authentications_are_slowed_per_key_and_per_address_on_distinct_keys() {
     let _turn = crate::support::file_turn(module_path!());
     let _serial = SERIAL.lock().await;
     let mock = MockAnthropic::start();
+    // Sixty more users behind the same address (a NAT), their keys never seen from it yet,
+    // as after a restart.
+    let users: Vec<String> = (0..60).map(|i| format!("sk-gw-nat-user-{i}")).collect();
+    let extra: String = users
+        .iter()
+        .enumerate()
+        .map(|(i, key)| {
+            format!("\n[[keys]]\nkey = \"{key}\"\ntenant = \"nat-{i}\"\ntier = \"premium\"\n")
+        })
+        .collect();
     let gateway = Gateway::start_with(
         &mock.url(),
-        &keys_toml(8, 200, ""),
+        &keys_toml(8, 200, &extra),
         None,
         &["--auth-failure-burst", "5", "--auth-failure-rate", "1"],
     );
-    // The team's key works from this address before the guessing starts.
-    let response = post_messages(&gateway, PREMIUM_KEY, false).await.unwrap();
-    assert_eq!(response.status(), 200);
 
+    // One client retries a revoked key twice a second from 127.0.0.1 all along.
+    let stop = Arc::new(AtomicBool::new(false));
+    let retrier = tokio::spawn({
+        let (url, stop) = (gateway.url(), stop.clone());
+        async move {
+            let mut statuses = Vec::new();
+            let mut every = tokio::time::interval(Duration::from_millis(500));
+            while !stop.load(Ordering::Relaxed) && statuses.len() < 200 {
+                every.tick().await;
+                let response = client()
+                    .post(format!("{url}/v1/messages"))
+                    .header("x-api-key", "sk-gw-revoked")
+                    .body(messages_body(false))
+                    .send()
+                    .await
+                    .unwrap();
+                statuses.push(response.status().as_u16());
+            }
+            statuses
+        }
+    });
+    // Once it is slowed (its burst of 5 spent, at 2 a second), the others call.
+    let slowed = eventually(Duration::from_secs(10), async || {
+        let text = gateway.metrics().await;
+        text.lines()
+            .any(|l| l.starts_with("gateway_auth_failures_total{answer=\"429\"}"))
+    })
+    .await;
+    assert!(slowed, "the retrier was slowed");
+    let mut served = 0;
+    for key in &users {
+        let (status, ..) = auth_answer(&client(), &gateway, key).await;
+        served += usize::from(status == 200);
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    stop.store(true, Ordering::Relaxed);
+    let retried = retrier.await.unwrap();
+    let checked = retried.iter().filter(|&&s| s == 401).count();
+    eprintln!(
+        "revoked key retried {} times ({checked} checked, the rest 429); other users: {served} of 60 served",
+        retried.len()
+    );
+    assert_eq!(served, 60, "the other users behind the address were served");
+    assert!(
+        retried.contains(&429),
+        "the retrier was slowed: {retried:?}"
+    );
+    // Its burst, then one a second (it sent two a second).
+    assert!(
+        checked <= 6 + retried.len() / 2,
+        "{checked} retries checked: {retried:?}"
+    );
+
+    // A guesser cycling distinct keys from the same address is slowed.
     let started = Instant::now();
     let mut statuses = Vec::new();
     let mut retry_after = None;
     for i in 0..200 {
-        let response = client()
-            .post(format!("{}/v1/messages", gateway.url()))
-            .header("x-api-key", format!("sk-guess-{i}"))
-            .body(messages_body(false))
-            .send()
-            .await
-            .unwrap();
-        statuses.push(response.status().as_u16());
-        if response.status() == 429 {
-            retry_after = response.headers().get("retry-after").cloned();
-        }
+        let (status, after, _) = auth_answer(&client(), &gateway, &format!("sk-guess-{i}")).await;
+        statuses.push(status);
+        retry_after = after.or(retry_after);
     }
     let took = started.elapsed();
     let unauthorized = statuses.iter().filter(|&&s| s == 401).count();
     let slowed = statuses.iter().filter(|&&s| s == 429).count();
     eprintln!("200 guesses in {took:?}: {unauthorized} checked (401), {slowed} not checked (429)");
-    // The burst, then one a second while the guessing went on.
+    // The burst (one drawn by the revoked key, refilled since), then one a second.
     let refilled = took.as_secs() as usize + 1;
     assert!(
-        (5..=5 + refilled).contains(&unauthorized),
+        (4..=5 + refilled).contains(&unauthorized),
         "{unauthorized} checked in {took:?}: {statuses:?}"
     );
     assert_eq!(unauthorized + slowed, 200);
-    let retry_after: u64 = retry_after
-        .expect("retry-after")
-        .to_str()
-        .unwrap()
-        .parse()
-        .unwrap();
+    let retry_after: u64 = retry_after.expect("retry-after").parse().unwrap();
     assert!((1..=2).contains(&retry_after), "retry-after {retry_after}");
 
-    // The known key from the same address is served at once.
-    let sent = Instant::now();
-    let response = post_messages(&gateway, PREMIUM_KEY, false).await.unwrap();
-    assert_eq!(response.status(), 200);
-    assert!(sent.elapsed() < Duration::from_millis(500));
+    // While slowed, a right key (one of the users', never sent by the guesser) and a wrong
+    // one get the same answer. Just after a refill is spent, so a second of slowing is left.
+    let spent = eventually(Duration::from_secs(5), async || {
+        auth_answer(&client(), &gateway, "sk-guess-wait").await.0 == 401
+    })
+    .await;
+    assert!(spent, "a refill came within the bound");
+    let spent_at = Instant::now();
+    let (mut right_times, mut wrong_times) = (Vec::new(), Vec::new());
+    // Pairs while well within that second (each a fresh connection, a few ms).
+    while right_times.len() < 20 && spent_at.elapsed() < Duration::from_millis(600) {
+        let sent = Instant::now();
+        let right = auth_answer(&client(), &gateway, &users[right_times.len()]).await;
+        right_times.push(sent.elapsed());
+        let sent = Instant::now();
+        let wrong = auth_answer(&client(), &gateway, "sk-guess-wrong").await;
+        wrong_times.push(sent.elapsed());
+        assert_eq!(right.0, 429, "{right:?}");
+        assert_eq!(right, wrong, "a right key is told apart from a wrong one");
+    }
+    assert!(!right_times.is_empty());
+    let median = |times: &mut Vec<Duration>| {
+        times.sort();
+        times[times.len() / 2]
+    };
+    eprintln!(
+        "while slowed, {} right and wrong keys: the same 429; median {:?} and {:?}",
+        right_times.len(),
+        median(&mut right_times),
+        median(&mut wrong_times)
+    );
+
     // Another address is not slowed.
     let other = reqwest::Client::builder()
         .local_address(std::net::IpAddr::from([127, 0, 0, 2]))
         .build()
         .unwrap();
-    let response = other
-        .post(format!("{}/v1/messages", gateway.url()))
-        .header("x-api-key", "sk-guess-other")
-        .body(messages_body(false))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(response.status(), 401);
-    let response = other
-        .post(format!("{}/v1/messages", gateway.url()))
-        .header("x-api-key", GUEST_KEY)
-        .body(messages_body(false))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(response.status(), 200);
-    assert_eq!(mock.calls(), 3);
+    assert_eq!(auth_answer(&other, &gateway, "sk-guess-other").await.0, 401);
+    assert_eq!(auth_answer(&other, &gateway, GUEST_KEY).await.0, 200);
+    assert_eq!(mock.calls(), 61);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

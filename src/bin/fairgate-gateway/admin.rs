@@ -5,19 +5,28 @@
 //! - `GET /healthz`: `200 ok` while the process serves.
 //! - `GET /readyz`: `200` once the keys are loaded, saying whether Redis answers or the
 //!   store serves from in-process state (degraded, still serving); `503` while draining.
-//! - `GET /status`: JSON: store, keys, connections, body budget, reloads.
+//! - `GET /status`: JSON: store, keys, connections, body budget, reloads, slowed
+//!   addresses and (address, key) pairs.
 //! - `GET /`: the live page, and `GET /live`, the JSON it reads every second: calls in
 //!   flight and waiting per tier, `Busy` by reason, latency per class, top tenants, learned
 //!   limits and cooldown gates (see `dashboard.rs`).
+//!
+//! With `--admin-token`, every route but `/healthz` and `/readyz` answers `401` unless the
+//! request carries `Authorization: Bearer <token>` (or `Basic` with the token as the
+//! password, which a browser sends for the live page and its `/live` once asked). The two
+//! probes stay open: load balancers' and orchestrators' health checks often cannot send a
+//! header, and they say only whether the process serves (no tenant, no usage). The token
+//! is kept as its SHA-256 and compared in constant time.
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 
 use http::header::{self, HeaderValue};
-use http::{Method, Request, Response, StatusCode};
+use http::{HeaderMap, Method, Request, Response, StatusCode};
 use hyper::body::Incoming;
 use metrics_exporter_prometheus::PrometheusHandle;
+use sha2::{Digest, Sha256};
 
 use super::Body;
 use super::api::{Gateway, error_response};
@@ -30,6 +39,128 @@ pub(crate) struct Admin {
     pub(crate) connections: Arc<Connections>,
     pub(crate) metrics: PrometheusHandle,
     pub(crate) started: Instant,
+    /// What every route but the probes asks for, when set.
+    pub(crate) token: Option<AdminToken>,
+    /// `--fleet-size`: the gateways a degraded store shares the caps with, at least.
+    pub(crate) fleet_size: u32,
+}
+
+/// The admin listener's bearer token (`--admin-token`), kept as its SHA-256; its `Debug`
+/// shows nothing of it.
+#[derive(Clone)]
+pub(crate) struct AdminToken {
+    sha256: [u8; 32],
+    /// Why the token is refused, if it is (checked at start, so that the refusal does not
+    /// quote it as a flag parser's would).
+    refused: Option<String>,
+}
+
+impl std::fmt::Debug for AdminToken {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("AdminToken(..)")
+    }
+}
+
+/// The shortest token taken: a short one could be guessed over the network.
+const MIN_TOKEN_LEN: usize = 16;
+
+impl AdminToken {
+    /// Reads `--admin-token`; never fails (see [`check`](Self::check)).
+    pub(crate) fn read(token: &str) -> Result<AdminToken, std::convert::Infallible> {
+        let refused = (token.len() < MIN_TOKEN_LEN || !token.bytes().all(|b| b.is_ascii_graphic()))
+            .then(|| {
+                format!(
+                    "--admin-token: give at least {MIN_TOKEN_LEN} visible ASCII characters, no \
+                 spaces (e.g. `openssl rand -hex 32`)"
+                )
+            });
+        Ok(AdminToken {
+            sha256: Sha256::digest(token.as_bytes()).into(),
+            refused,
+        })
+    }
+
+    /// Refuses a token shorter than 16 characters, or one a header cannot carry.
+    pub(crate) fn check(&self) -> Result<(), String> {
+        self.refused.clone().map_or(Ok(()), Err)
+    }
+
+    /// Whether `presented` is the token: the digests compared in constant time (an XOR of
+    /// every byte), so the time of a refusal says nothing of how much of a guess was right.
+    fn is(&self, presented: &[u8]) -> bool {
+        let digest: [u8; 32] = Sha256::digest(presented).into();
+        digest
+            .iter()
+            .zip(self.sha256.iter())
+            .fold(0u8, |diff, (a, b)| diff | (a ^ b))
+            == 0
+    }
+
+    /// Whether `headers` carry the token: `Authorization: Bearer <token>`, or `Basic` with
+    /// the token as the password (any user name).
+    fn admits(&self, headers: &HeaderMap) -> bool {
+        let Some(value) = headers.get(header::AUTHORIZATION) else {
+            return false;
+        };
+        let value = value.as_bytes().trim_ascii();
+        let Some(space) = value.iter().position(|&b| b == b' ') else {
+            return false;
+        };
+        let (scheme, rest) = (&value[..space], value[space..].trim_ascii());
+        if scheme.eq_ignore_ascii_case(b"bearer") {
+            return self.is(rest);
+        }
+        if scheme.eq_ignore_ascii_case(b"basic") {
+            return base64_decode(rest)
+                .and_then(|pair| {
+                    let colon = pair.iter().position(|&b| b == b':')?;
+                    Some(self.is(&pair[colon + 1..]))
+                })
+                .unwrap_or(false);
+        }
+        false
+    }
+}
+
+/// Standard base64 (padding optional), or `None`.
+fn base64_decode(text: &[u8]) -> Option<Vec<u8>> {
+    let text = text
+        .strip_suffix(b"==")
+        .or(text.strip_suffix(b"="))
+        .unwrap_or(text);
+    let mut out = Vec::with_capacity(text.len() * 3 / 4);
+    let (mut bits, mut n) = (0u32, 0u32);
+    for &c in text {
+        let v = match c {
+            b'A'..=b'Z' => c - b'A',
+            b'a'..=b'z' => c - b'a' + 26,
+            b'0'..=b'9' => c - b'0' + 52,
+            b'+' => 62,
+            b'/' => 63,
+            _ => return None,
+        };
+        bits = (bits << 6) | u32::from(v);
+        n += 6;
+        if n >= 8 {
+            n -= 8;
+            out.push((bits >> n) as u8);
+            bits &= (1 << n) - 1;
+        }
+    }
+    Some(out)
+}
+
+fn unauthorized() -> Response<Body> {
+    let mut response = error_response(
+        StatusCode::UNAUTHORIZED,
+        "authentication_error",
+        "the admin listener needs Authorization: Bearer <admin token>",
+    );
+    response.headers_mut().insert(
+        header::WWW_AUTHENTICATE,
+        HeaderValue::from_static("Bearer realm=\"fairgate admin\", Basic realm=\"fairgate admin\""),
+    );
+    response
 }
 
 fn text(status: StatusCode, content_type: &'static str, body: String) -> Response<Body> {
@@ -42,6 +173,13 @@ fn text(status: StatusCode, content_type: &'static str, body: String) -> Respons
 }
 
 pub(crate) async fn handle(admin: Arc<Admin>, req: Request<Incoming>) -> Response<Body> {
+    let probe = matches!(req.uri().path(), "/healthz" | "/readyz");
+    if let Some(token) = &admin.token
+        && !probe
+        && !token.admits(req.headers())
+    {
+        return unauthorized();
+    }
     if req.method() != Method::GET {
         return error_response(StatusCode::NOT_FOUND, "not_found_error", "not found");
     }
@@ -66,9 +204,17 @@ pub(crate) async fn handle(admin: Arc<Admin>, req: Request<Incoming>) -> Respons
         "/readyz" => {
             let live = gw.live();
             let store = match (live.store.backend_name(), live.store.is_degraded()) {
-                ("redis", false) => "redis reachable",
-                ("redis", true) => "redis unreachable: degraded, serving from in-process state",
-                _ => "in-process store",
+                ("redis", false) => "redis reachable".to_owned(),
+                ("redis", true) => {
+                    // The store's own rule: the last count seen alive, at least the fleet.
+                    let fleet = live.store.alive_workers().max(admin.fleet_size);
+                    format!(
+                        "redis unreachable: degraded, serving 1/{fleet} of the caps from \
+                         in-process state ({fleet} gateways: the last count seen alive, at \
+                         least --fleet-size)"
+                    )
+                }
+                _ => "in-process store".to_owned(),
             };
             let keys = live.config.keys.len();
             if gw.draining() {
@@ -98,7 +244,7 @@ pub(crate) async fn handle(admin: Arc<Admin>, req: Request<Incoming>) -> Respons
                     r#""body_budget":{{"used_bytes":{used},"max_bytes":{budget}}},"#,
                     r#""answer_buffer":{{"used_bytes":{answers}}},"#,
                     r#""per_key":{{"requests":{key_requests},"body_bytes":{key_body},"answer_bytes":{key_answers}}},"#,
-                    r#""auth":{{"slowed_addresses":{slowed}}}}}"#
+                    r#""auth":{{"slowed_addresses":{slowed},"slowed_keys":{slowed_keys}}}}}"#
                 ),
                 version = env!("CARGO_PKG_VERSION"),
                 uptime = admin.started.elapsed().as_secs(),
@@ -121,9 +267,61 @@ pub(crate) async fn handle(admin: Arc<Admin>, req: Request<Incoming>) -> Respons
                 key_body = gw.holders.limits().body_bytes,
                 key_answers = gw.holders.limits().answer_bytes,
                 slowed = gw.auth.slowed_addresses(),
+                slowed_keys = gw.auth.slowed_keys(),
             );
             text(StatusCode::OK, "application/json", body)
         }
         _ => error_response(StatusCode::NOT_FOUND, "not_found_error", "not found"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const TOKEN: &str = "admin-token-0123456789";
+
+    fn headers(authorization: &str) -> HeaderMap {
+        let mut headers = HeaderMap::new();
+        headers.insert(
+            header::AUTHORIZATION,
+            HeaderValue::from_str(authorization).unwrap(),
+        );
+        headers
+    }
+
+    #[test]
+    fn only_the_token_is_admitted_as_bearer_or_as_a_basic_password() {
+        let token = AdminToken::read(TOKEN).unwrap();
+        assert!(token.admits(&headers(&format!("Bearer {TOKEN}"))));
+        assert!(token.admits(&headers(&format!("bearer  {TOKEN} "))));
+        // `ops:admin-token-0123456789`, as a browser sends it.
+        assert!(token.admits(&headers("Basic b3BzOmFkbWluLXRva2VuLTAxMjM0NTY3ODk=")));
+        assert!(!token.admits(&HeaderMap::new()));
+        assert!(!token.admits(&headers(&format!("Bearer {TOKEN}x"))));
+        assert!(!token.admits(&headers(&format!("Bearer {}", &TOKEN[..20]))));
+        assert!(!token.admits(&headers(TOKEN)));
+        assert!(!token.admits(&headers("Bearer")));
+        assert!(!token.admits(&headers("Basic !!!")));
+        assert!(!token.admits(&headers("Basic b3Bz"))); // `ops`: no password
+        assert_eq!(format!("{token:?}"), "AdminToken(..)");
+    }
+
+    #[test]
+    fn a_short_or_unsendable_token_is_refused() {
+        let check = |token: &str| AdminToken::read(token).unwrap().check();
+        assert!(check("short").is_err());
+        assert!(check("sixteen chars ok").is_err(), "a space");
+        assert!(!check("sixteen chars ok").unwrap_err().contains("sixteen"));
+        assert_eq!(check("sixteen-chars-ok"), Ok(()));
+    }
+
+    #[test]
+    fn base64_decodes_with_or_without_padding() {
+        assert_eq!(base64_decode(b"b3Bz").as_deref(), Some(&b"ops"[..]));
+        assert_eq!(base64_decode(b"b3A=").as_deref(), Some(&b"op"[..]));
+        assert_eq!(base64_decode(b"bw==").as_deref(), Some(&b"o"[..]));
+        assert_eq!(base64_decode(b"bw").as_deref(), Some(&b"o"[..]));
+        assert_eq!(base64_decode(b"b w"), None);
     }
 }

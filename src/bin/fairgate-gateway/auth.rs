@@ -1,14 +1,30 @@
-//! The key check, with failed attempts slowed per source address.
+//! The key check, with failed attempts slowed per (address, key) and per address on
+//! distinct keys.
 //!
-//! Each address (an IPv4 address, or an IPv6 /64) has a small token bucket that only
-//! failures draw from: `burst` unknown keys at once, then `per_sec` a second. While its
-//! bucket is empty, a request from that address is answered `429` with `retry-after`
-//! *without its key being checked*: answering a right guess differently from a wrong one
-//! would let the guessing go on at full speed. Keys that authenticated from that address
-//! before (remembered as a salted hash of address and key, for an hour) are still checked
-//! and served: a team behind the same NAT as a guesser is not slowed.
+//! Two kinds of token bucket, both drawn from by failures only (`burst` at once, then
+//! `per_sec` a second):
 //!
-//! Both tables are bounded, so an attacker with many addresses costs a few MB at most.
+//! - one per (address, key presented): a client retrying one bad key (a revoked key in a
+//!   loop, a missing key) is slowed on that pair alone. The other users behind the same
+//!   address (a NAT, a proxy) are not: their keys are other pairs.
+//! - one per address, drawn from only by a failure with a key not failing from that address
+//!   already (a new pair): a guesser cycling keys is slowed there.
+//!
+//! While a request's pair or its address is slowed, it is answered `429` with `retry-after`
+//! **without its key being looked up**: the same answer, from the same steps, whatever key
+//! it presents. A right guess made while slowed is told apart from a wrong one neither by
+//! the answer nor by its time, so guessing goes no faster than the address's bucket allows.
+//! (The `retry-after` is the address's wait, or a pair's longer one: a pair has a wait only
+//! for a key that already failed, which the guesser knows is wrong.)
+//!
+//! The price: while one address guesses distinct keys, every user behind it is slowed too;
+//! a lone client's bad key costs its neighbours nothing. No key is ever exempted by having
+//! worked from the address before: such a key would be checked while the others are not,
+//! which answers the guesser "right" for exactly the keys its neighbours use.
+//!
+//! An address is an IPv4 address or an IPv6 /64. The key is kept as a salted 64-bit hash
+//! of (address, SHA-256 of the key), never in clear. Both tables are bounded (refilled
+//! buckets are forgotten first, then all), so many addresses or keys cost a few MB at most.
 
 use std::collections::HashMap;
 use std::hash::{BuildHasher, RandomState};
@@ -21,10 +37,8 @@ use tokio::time::Instant;
 
 /// Addresses with a bucket at most; past it the refilled ones are forgotten first.
 const MAX_ADDRESSES: usize = 65_536;
-/// (address, key) pairs remembered as good at most.
-const MAX_GOOD: usize = 65_536;
-/// How long a key that authenticated from an address stays good there without use.
-const GOOD_FOR: Duration = Duration::from_secs(3_600);
+/// (address, key) pairs with a bucket at most; likewise.
+const MAX_PAIRS: usize = 65_536;
 
 /// What the check says.
 #[derive(Debug, PartialEq)]
@@ -33,7 +47,8 @@ pub(crate) enum Verdict {
     Known,
     /// No key or an unknown one: `401`.
     Unknown,
-    /// Too many failures from this address: `429`, retry after this long.
+    /// Too many failures from this address, or with this key from it: `429`, retry after
+    /// this long.
     Slowed(Duration),
 }
 
@@ -50,37 +65,66 @@ impl From<IpAddr> for Source {
     }
 }
 
+#[derive(Clone, Copy)]
 struct Bucket {
     tokens: f64,
     at: Instant,
+}
+
+/// A bounded table of failure buckets.
+struct Buckets<K> {
+    map: HashMap<K, Bucket>,
+    max: usize,
+}
+
+impl<K: std::hash::Hash + Eq + Copy> Buckets<K> {
+    fn new(max: usize) -> Self {
+        Buckets {
+            map: HashMap::new(),
+            max,
+        }
+    }
 }
 
 /// The failed-authentication limiter; shared by every connection.
 pub(crate) struct AuthGuard {
     burst: f64,
     per_sec: f64,
-    buckets: Mutex<HashMap<Source, Bucket>>,
-    good: Mutex<HashMap<u64, Instant>>,
+    addresses: Mutex<Buckets<Source>>,
+    pairs: Mutex<Buckets<u64>>,
     salt: RandomState,
 }
 
 impl AuthGuard {
-    /// `burst` failures at once, `per_sec` a second after that, per address.
+    /// `burst` failures at once, `per_sec` a second after that: per (address, key), and per
+    /// address for distinct keys.
     pub(crate) fn new(burst: u32, per_sec: f64) -> AuthGuard {
         AuthGuard {
             burst: f64::from(burst.max(1)),
             per_sec: per_sec.max(0.001),
-            buckets: Mutex::new(HashMap::new()),
-            good: Mutex::new(HashMap::new()),
+            addresses: Mutex::new(Buckets::new(MAX_ADDRESSES)),
+            pairs: Mutex::new(Buckets::new(MAX_PAIRS)),
             salt: RandomState::new(),
         }
     }
 
-    /// Addresses whose failures are being slowed now.
+    /// Addresses whose failures are being slowed now (guessing distinct keys).
     pub(crate) fn slowed_addresses(&self) -> usize {
         let now = Instant::now();
-        let buckets = self.buckets.lock().unwrap_or_else(|e| e.into_inner());
-        buckets
+        let addresses = self.addresses.lock().unwrap_or_else(|e| e.into_inner());
+        addresses
+            .map
+            .values()
+            .filter(|b| self.refilled(b, now) < 1.0)
+            .count()
+    }
+
+    /// (Address, key) pairs whose failures are being slowed now (one bad key retried).
+    pub(crate) fn slowed_keys(&self) -> usize {
+        let now = Instant::now();
+        let pairs = self.pairs.lock().unwrap_or_else(|e| e.into_inner());
+        pairs
+            .map
             .values()
             .filter(|b| self.refilled(b, now) < 1.0)
             .count()
@@ -91,66 +135,74 @@ impl AuthGuard {
         (bucket.tokens + secs * self.per_sec).min(self.burst)
     }
 
+    /// How long until `bucket` has a token again, if it has none now.
+    fn empty_for(&self, bucket: Option<&Bucket>, now: Instant) -> Option<Duration> {
+        let tokens = self.refilled(bucket?, now);
+        (tokens < 1.0).then(|| Duration::from_secs_f64((1.0 - tokens) / self.per_sec))
+    }
+
     /// Checks `key` (from `ip`) against `keys`.
     pub(crate) fn check(&self, ip: IpAddr, key: Option<&str>, keys: &KeyTable) -> Verdict {
         let source = Source::from(ip);
         let now = Instant::now();
-        let pair = key.map(|key| self.salt.hash_one((source, key)));
-        let empty_for = {
-            let mut buckets = self.buckets.lock().unwrap_or_else(|e| e.into_inner());
-            buckets.get_mut(&source).and_then(|bucket| {
-                let tokens = self.refilled(bucket, now);
-                (tokens < 1.0).then(|| Duration::from_secs_f64((1.0 - tokens) / self.per_sec))
-            })
+        // Hashed once, for the pair and the look-up alike; "no key" is a pair of its own.
+        let sha256 = key.map(KeyTable::sha256);
+        let pair = self.salt.hash_one((source, sha256));
+        let (pair_wait, known_pair) = {
+            let pairs = self.pairs.lock().unwrap_or_else(|e| e.into_inner());
+            let bucket = pairs.map.get(&pair);
+            (self.empty_for(bucket, now), bucket.is_some())
         };
-        if let Some(wait) = empty_for {
-            let was_good = pair.is_some_and(|pair| {
-                let good = self.good.lock().unwrap_or_else(|e| e.into_inner());
-                good.get(&pair)
-                    .is_some_and(|at| now.saturating_duration_since(*at) < GOOD_FOR)
-            });
-            if !was_good {
-                return Verdict::Slowed(wait);
-            }
+        let address_wait = {
+            let addresses = self.addresses.lock().unwrap_or_else(|e| e.into_inner());
+            self.empty_for(addresses.map.get(&source), now)
+        };
+        // Slowed: answered before the key is looked up, the same way for every key.
+        if let Some(wait) = pair_wait.max(address_wait) {
+            return Verdict::Slowed(wait);
         }
-        match (key.and_then(|key| keys.get(key)), pair) {
-            (Some(_), Some(pair)) => {
-                self.remember_good(pair, now);
-                Verdict::Known
-            }
-            _ => {
-                self.charge(source, now);
-                Verdict::Unknown
-            }
+        if sha256.is_some_and(|sha256| keys.get_sha256(&sha256).is_some()) {
+            return Verdict::Known;
         }
+        self.charge(&self.pairs, pair, now);
+        if !known_pair {
+            // A key not failing from here already: one more distinct guess.
+            self.charge(&self.addresses, source, now);
+        }
+        Verdict::Unknown
     }
 
-    fn remember_good(&self, pair: u64, now: Instant) {
-        let mut good = self.good.lock().unwrap_or_else(|e| e.into_inner());
-        if good.len() >= MAX_GOOD && !good.contains_key(&pair) {
-            good.retain(|_, at| now.saturating_duration_since(*at) < GOOD_FOR);
-            if good.len() >= MAX_GOOD {
-                // Forgotten pairs are learned again at their next success.
-                good.clear();
+    fn charge<K: std::hash::Hash + Eq + Copy>(
+        &self,
+        table: &Mutex<Buckets<K>>,
+        key: K,
+        now: Instant,
+    ) {
+        let mut table = table.lock().unwrap_or_else(|e| e.into_inner());
+        let max = table.max;
+        if table.map.len() >= max && !table.map.contains_key(&key) {
+            table.map.retain(|_, b| self.refilled(b, now) < self.burst);
+            if table.map.len() >= max {
+                // Still full of drained buckets: start again. A forgotten pair counts as a
+                // distinct key once more, a forgotten address has its burst back; memory
+                // stays bounded whatever the number of addresses.
+                table.map.clear();
             }
         }
-        good.insert(pair, now);
-    }
-
-    fn charge(&self, source: Source, now: Instant) {
-        let mut buckets = self.buckets.lock().unwrap_or_else(|e| e.into_inner());
-        if buckets.len() >= MAX_ADDRESSES && !buckets.contains_key(&source) {
-            buckets.retain(|_, b| self.refilled(b, now) < self.burst);
-            if buckets.len() >= MAX_ADDRESSES {
-                buckets.clear();
-            }
-        }
-        let bucket = buckets.entry(source).or_insert(Bucket {
+        let bucket = table.map.entry(key).or_insert(Bucket {
             tokens: self.burst,
             at: now,
         });
         bucket.tokens = (self.refilled(bucket, now) - 1.0).max(0.0);
         bucket.at = now;
+    }
+
+    #[cfg(test)]
+    fn sizes(&self) -> (usize, usize) {
+        fn len<K>(table: &Mutex<Buckets<K>>) -> usize {
+            table.lock().map_or(0, |t| t.map.len())
+        }
+        (len(&self.addresses), len(&self.pairs))
     }
 }
 
@@ -159,46 +211,131 @@ mod tests {
     use super::*;
 
     fn table() -> KeyTable {
-        KeyTable::new().key("sk-good", "team", "premium")
+        KeyTable::new()
+            .key("sk-good", "team", "premium")
+            .key("sk-other-user", "neighbour", "pro")
+    }
+
+    fn ip(text: &str) -> IpAddr {
+        text.parse().unwrap()
     }
 
     #[tokio::test(start_paused = true)]
-    async fn failures_past_the_burst_are_slowed_but_a_known_key_from_the_address_is_not() {
+    async fn retrying_one_bad_key_slows_that_pair_only_not_the_other_keys_of_the_address() {
         let guard = AuthGuard::new(3, 1.0);
         let keys = table();
-        let ip: IpAddr = "10.0.0.1".parse().unwrap();
-        let other: IpAddr = "10.0.0.2".parse().unwrap();
-        assert_eq!(guard.check(ip, Some("sk-good"), &keys), Verdict::Known);
+        let nat = ip("10.0.0.1");
+        // A client retrying a revoked key twice a second for a minute.
+        let mut unknown = 0;
+        for _ in 0..120 {
+            match guard.check(nat, Some("sk-revoked"), &keys) {
+                Verdict::Unknown => unknown += 1,
+                Verdict::Slowed(_) => {}
+                Verdict::Known => panic!("a revoked key was served"),
+            }
+            tokio::time::advance(Duration::from_millis(500)).await;
+        }
+        // Its burst, then one a second.
+        assert!((60..=64).contains(&unknown), "{unknown} checked");
+        // The other users behind the address, whose keys it never presented: served.
+        assert_eq!(guard.check(nat, Some("sk-good"), &keys), Verdict::Known);
+        assert_eq!(
+            guard.check(nat, Some("sk-other-user"), &keys),
+            Verdict::Known
+        );
+        // And a typo from another user is checked, not slowed: one distinct key so far.
+        assert_eq!(guard.check(nat, Some("sk-typo"), &keys), Verdict::Unknown);
+        assert_eq!(guard.slowed_addresses(), 0);
+        // A missing key is a pair of its own, slowed alone too.
         for _ in 0..3 {
-            assert_eq!(guard.check(ip, Some("sk-bad"), &keys), Verdict::Unknown);
+            assert_eq!(guard.check(nat, None, &keys), Verdict::Unknown);
+        }
+        assert!(matches!(guard.check(nat, None, &keys), Verdict::Slowed(_)));
+        assert!(guard.slowed_keys() >= 1);
+        assert_eq!(guard.slowed_addresses(), 0);
+        assert_eq!(guard.check(nat, Some("sk-good"), &keys), Verdict::Known);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_guesser_cycling_distinct_keys_is_slowed_and_its_address_refills() {
+        let guard = AuthGuard::new(3, 1.0);
+        let keys = table();
+        let guesser = ip("10.0.0.1");
+        for i in 0..3 {
+            assert_eq!(
+                guard.check(guesser, Some(&format!("sk-guess-{i}")), &keys),
+                Verdict::Unknown
+            );
+        }
+        assert_eq!(
+            guard.check(guesser, Some("sk-guess-3"), &keys),
+            Verdict::Slowed(Duration::from_secs(1))
+        );
+        assert_eq!(guard.slowed_addresses(), 1);
+        // Another address is not slowed.
+        assert_eq!(
+            guard.check(ip("10.0.0.2"), Some("sk-guess-0"), &keys),
+            Verdict::Unknown
+        );
+        // A /64 is one address.
+        for i in 0..3 {
+            let from = ip(&format!("2001:db8::{i}"));
+            assert_eq!(
+                guard.check(from, Some(&format!("sk-v6-{i}")), &keys),
+                Verdict::Unknown
+            );
         }
         assert!(matches!(
-            guard.check(ip, Some("sk-bad"), &keys),
+            guard.check(ip("2001:db8::ff"), Some("sk-v6-9"), &keys),
             Verdict::Slowed(_)
         ));
-        assert!(matches!(guard.check(ip, None, &keys), Verdict::Slowed(_)));
-        assert_eq!(guard.check(ip, Some("sk-good"), &keys), Verdict::Known);
-        assert_eq!(guard.check(other, Some("sk-bad"), &keys), Verdict::Unknown);
-        assert_eq!(guard.slowed_addresses(), 1);
+        // One guess a second after that.
         tokio::time::advance(Duration::from_millis(1_001)).await;
-        assert_eq!(guard.check(ip, Some("sk-bad"), &keys), Verdict::Unknown);
+        assert_eq!(
+            guard.check(guesser, Some("sk-guess-4"), &keys),
+            Verdict::Unknown
+        );
         assert!(matches!(
-            guard.check(ip, Some("sk-bad"), &keys),
+            guard.check(guesser, Some("sk-guess-5"), &keys),
             Verdict::Slowed(_)
         ));
     }
 
     #[tokio::test(start_paused = true)]
-    async fn a_right_guess_while_slowed_is_not_told_apart_from_a_wrong_one() {
+    async fn while_slowed_a_right_key_and_a_wrong_one_get_the_same_answer() {
         let guard = AuthGuard::new(2, 1.0);
         let keys = table();
-        let ip: IpAddr = "10.0.0.1".parse().unwrap();
-        for _ in 0..2 {
-            assert_eq!(guard.check(ip, Some("sk-bad"), &keys), Verdict::Unknown);
+        let guesser = ip("10.0.0.1");
+        for i in 0..2 {
+            guard.check(guesser, Some(&format!("sk-guess-{i}")), &keys);
         }
-        assert!(matches!(
-            guard.check(ip, Some("sk-good"), &keys),
-            Verdict::Slowed(_)
-        ));
+        tokio::time::advance(Duration::from_millis(250)).await;
+        let right = guard.check(guesser, Some("sk-good"), &keys);
+        let wrong = guard.check(guesser, Some("sk-guess-new"), &keys);
+        let none = guard.check(guesser, None, &keys);
+        assert_eq!(right, Verdict::Slowed(Duration::from_millis(750)));
+        assert_eq!(wrong, right);
+        assert_eq!(none, right);
+        // The answers charged nothing: at the refill, the next guess is checked.
+        tokio::time::advance(Duration::from_millis(750)).await;
+        assert_eq!(guard.check(guesser, Some("sk-good"), &keys), Verdict::Known);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn many_addresses_and_keys_keep_the_tables_bounded() {
+        let guard = AuthGuard::new(1, 0.001);
+        let keys = table();
+        for i in 0..(MAX_ADDRESSES as u32 + 1_000) {
+            let from = IpAddr::from((0x0a00_0000 + i).to_be_bytes());
+            guard.check(from, Some("sk-bad"), &keys);
+        }
+        let (addresses, pairs) = guard.sizes();
+        assert!(addresses <= MAX_ADDRESSES, "{addresses}");
+        assert!(pairs <= MAX_PAIRS, "{pairs}");
+        // A known key from a fresh address is still served.
+        assert_eq!(
+            guard.check(ip("192.0.2.1"), Some("sk-good"), &keys),
+            Verdict::Known
+        );
     }
 }

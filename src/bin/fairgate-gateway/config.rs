@@ -1,6 +1,24 @@
 //! The keys file (`--keys`, TOML): the clients' keys, the optional `[limits]` and
 //! `[[tiers]]`, checked in full before the gateway starts or takes a reload.
 //!
+//! ```toml
+//! expect_keys = 2          # optional, before any table: refuse a file with another count
+//!
+//! [[keys]]
+//! key = "sk-gw-team-a"     # the key clients send
+//! tenant = "team-a"
+//! tier = "premium"
+//!
+//! [[keys]]                 # or its SHA-256 (`printf %s KEY | sha256sum`): the file then
+//! key_sha256 = "9f86d0…"   # holds nothing that authenticates (64 hex digits)
+//! tenant = "team-b"
+//! tier = "pro"
+//! ```
+//!
+//! `expect_keys = N` makes a file that was cut short at an entry boundary (a partial copy,
+//! a truncated template) a refusal instead of a gateway that quietly lost keys: at start
+//! the gateway does not start, on `SIGHUP` the old keys are kept.
+//!
 //! Every refusal names the file and, where the file has one, the line; none shows a key
 //! (a parse error's snippet of the file could, so only its message and line are kept, and
 //! a key of the wrong type is refused by a message of our own, not serde's, which would
@@ -23,6 +41,8 @@ const MAX_WAIT_MS: u64 = 3_600_000;
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct KeysFile {
+    /// How many `[[keys]]` the file must hold, when given.
+    expect_keys: Option<Spanned<u64>>,
     #[serde(default)]
     keys: Vec<Spanned<KeyEntry>>,
     #[serde(default)]
@@ -34,7 +54,9 @@ struct KeysFile {
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct KeyEntry {
-    key: Spanned<Secret>,
+    /// The key, or (exactly one of the two) its SHA-256 in hex.
+    key: Option<Spanned<Secret>>,
+    key_sha256: Option<Spanned<Secret>>,
     tenant: String,
     tier: String,
 }
@@ -91,7 +113,7 @@ impl<'de> serde::de::Visitor<'de> for SecretVisitor {
     }
 }
 
-const NOT_A_STRING: &str = "`key` must be a string in quotes";
+const NOT_A_STRING: &str = "`key` (or `key_sha256`) must be a string in quotes";
 
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -172,6 +194,22 @@ pub(crate) fn parse(text: &str) -> Result<Config, Refusal> {
     // The parse error's message and line only: its snippet of the file could show a key.
     let file: KeysFile =
         toml::from_str(text).map_err(|e| refuse(text, e.span(), e.message().to_owned()))?;
+    if let Some(expected) = &file.expect_keys
+        && *expected.get_ref() != file.keys.len() as u64
+    {
+        // Before the entries are checked: a file cut short says so, not what its last
+        // entry lacks.
+        return Err(refuse(
+            text,
+            Some(expected.span()),
+            format!(
+                "expect_keys = {} but the file holds {} [[keys]]: cut short, or an entry \
+                 missing or extra? (update expect_keys with the keys)",
+                expected.get_ref(),
+                file.keys.len()
+            ),
+        ));
+    }
     if file.keys.is_empty() {
         return Err(refuse(
             text,
@@ -317,12 +355,8 @@ fn clients(
     let mut tenants = HashSet::new();
     let mut tenant_tiers = BTreeMap::new();
     for (i, entry) in entries.iter().enumerate() {
-        let entry = check_key(text, i + 1, entry, tiers, &keys)?;
-        keys.insert(
-            &entry.key.get_ref().0,
-            entry.tenant.as_str(),
-            entry.tier.as_str(),
-        );
+        let (entry, sha256) = check_key(text, i + 1, entry, tiers, &keys)?;
+        keys.insert_sha256(sha256, entry.tenant.as_str(), entry.tier.as_str());
         tenants.insert(entry.tenant.clone());
         tenant_tiers
             .entry(entry.tenant.clone())
@@ -337,30 +371,74 @@ fn clients(
     })
 }
 
-/// Key #`n`, refused unless it can authenticate, names a tenant and a known tier, and is
-/// not in `keys` already.
+/// The 32 bytes written as 64 hex digits (either case), or `None`.
+fn sha256_hex(hex: &str) -> Option<[u8; 32]> {
+    let digits = hex.as_bytes();
+    if digits.len() != 64 {
+        return None;
+    }
+    let mut out = [0u8; 32];
+    for (byte, pair) in out.iter_mut().zip(digits.chunks_exact(2)) {
+        let high = char::from(pair[0]).to_digit(16)?;
+        let low = char::from(pair[1]).to_digit(16)?;
+        *byte = u8::try_from(high << 4 | low).ok()?;
+    }
+    Some(out)
+}
+
+/// Key #`n`, refused unless it gives exactly one of `key` and `key_sha256`, can
+/// authenticate, names a tenant and a known tier, and is not in `keys` already. The entry
+/// and the SHA-256 of its key.
 fn check_key<'a>(
     text: &str,
     n: usize,
     entry: &'a Spanned<KeyEntry>,
     tiers: &[String],
     keys: &KeyTable,
-) -> Result<&'a KeyEntry, Refusal> {
+) -> Result<(&'a KeyEntry, [u8; 32]), Refusal> {
     let span = Some(entry.span());
     let entry = entry.get_ref();
-    let key = &entry.key.get_ref().0;
-    let key_span = Some(entry.key.span());
-    if !key_is_sendable(key) {
-        return Err(refuse(
-            text,
-            key_span,
-            format!(
-                "key #{n} (tenant `{}`) is empty or has a character a header cannot carry \
-                 (spaces, control characters, NUL or non-ASCII): it could never authenticate",
-                entry.tenant
-            ),
-        ));
-    }
+    let (sha256, key_span) = match (&entry.key, &entry.key_sha256) {
+        (Some(key), None) => {
+            if !key_is_sendable(&key.get_ref().0) {
+                return Err(refuse(
+                    text,
+                    Some(key.span()),
+                    format!(
+                        "key #{n} (tenant `{}`) is empty or has a character a header cannot \
+                         carry (spaces, control characters, NUL or non-ASCII): it could never \
+                         authenticate",
+                        entry.tenant
+                    ),
+                ));
+            }
+            (KeyTable::sha256(&key.get_ref().0), Some(key.span()))
+        }
+        (None, Some(hash)) => match sha256_hex(&hash.get_ref().0) {
+            Some(sha256) => (sha256, Some(hash.span())),
+            None => {
+                return Err(refuse(
+                    text,
+                    Some(hash.span()),
+                    format!(
+                        "key #{n} (tenant `{}`): `key_sha256` must be 64 hex digits, the \
+                         SHA-256 of the key (`printf %s KEY | sha256sum`)",
+                        entry.tenant
+                    ),
+                ));
+            }
+        },
+        _ => {
+            return Err(refuse(
+                text,
+                span,
+                format!(
+                    "key #{n} (tenant `{}`): give exactly one of `key` and `key_sha256`",
+                    entry.tenant
+                ),
+            ));
+        }
+    };
     if entry.tenant.trim().is_empty() {
         return Err(refuse(text, span, format!("key #{n} has an empty tenant")));
     }
@@ -376,14 +454,14 @@ fn check_key<'a>(
             ),
         ));
     }
-    if keys.get(key).is_some() {
+    if keys.get_sha256(&sha256).is_some() {
         return Err(refuse(
             text,
             key_span,
             format!("key #{n} (tenant `{}`) is listed twice", entry.tenant),
         ));
     }
-    Ok(entry)
+    Ok((entry, sha256))
 }
 
 /// The demotion policy's `[limits]`: the daily token budget and how long a demotion lasts.
@@ -403,4 +481,110 @@ fn demotion(text: &str, limits: &Limits) -> Result<DemotionPolicy, Refusal> {
     demotion
         .build()
         .map_err(|e| refuse(text, span, format!("bad [limits] demotion: {e}")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const SECRET: &str = "sk-secret-never-shown";
+
+    fn entry(key_line: &str) -> String {
+        format!("[[keys]]\n{key_line}\ntenant = \"t\"\ntier = \"premium\"\n")
+    }
+
+    fn refused(text: &str) -> Refusal {
+        match parse(text) {
+            Ok(_) => panic!("accepted:\n{text}"),
+            Err(refusal) => refusal,
+        }
+    }
+
+    #[test]
+    fn a_key_given_by_its_sha256_authenticates_the_key() {
+        let hex: String = KeyTable::sha256(SECRET)
+            .iter()
+            .map(|b| format!("{b:02X}"))
+            .collect();
+        let config = parse(&entry(&format!("key_sha256 = \"{hex}\""))).unwrap();
+        assert_eq!(config.keys.get(SECRET).unwrap().0.as_str(), "t");
+        assert!(config.keys.get("sk-other").is_none());
+        // The same key given in clear and by its hash is listed twice.
+        let twice = format!(
+            "{}{}",
+            entry(&format!("key = \"{SECRET}\"")),
+            entry(&format!("key_sha256 = \"{}\"", hex.to_lowercase()))
+        );
+        let refusal = refused(&twice);
+        assert_eq!(refusal.line, Some(6));
+        assert!(
+            refusal.message.contains("listed twice"),
+            "{}",
+            refusal.message
+        );
+    }
+
+    #[test]
+    fn an_entry_needs_exactly_one_of_key_and_key_sha256_and_a_well_formed_hash() {
+        let hex = "ab".repeat(32);
+        for (text, line, what) in [
+            (
+                entry(&format!("key = \"{SECRET}\"\nkey_sha256 = \"{hex}\"")),
+                1,
+                "exactly one of",
+            ),
+            (entry(""), 1, "exactly one of"),
+            (
+                entry(&format!("key_sha256 = \"{}\"", &hex[..63])),
+                2,
+                "64 hex digits",
+            ),
+            (
+                entry(&format!("key_sha256 = \"{}zz\"", &hex[..62])),
+                2,
+                "64 hex digits",
+            ),
+            (entry("key_sha256 = 12"), 2, "must be a string"),
+        ] {
+            let refusal = refused(&text);
+            assert_eq!(refusal.line, Some(line), "{text}: {}", refusal.message);
+            assert!(
+                refusal.message.contains(what),
+                "{text}: {}",
+                refusal.message
+            );
+            assert!(!refusal.message.contains(SECRET), "{}", refusal.message);
+        }
+    }
+
+    #[test]
+    fn expect_keys_refuses_a_file_with_another_count() {
+        let two = format!(
+            "{}\n{}",
+            entry("key = \"sk-a\""),
+            entry("key = \"sk-b\"").replace("\"t\"", "\"u\"")
+        );
+        assert_eq!(
+            parse(&format!("expect_keys = 2\n\n{two}"))
+                .unwrap()
+                .keys
+                .len(),
+            2
+        );
+        // Cut after the first entry: the count says so, on expect_keys' line.
+        let cut = format!("expect_keys = 2\n\n{}", entry("key = \"sk-a\""));
+        let refusal = refused(&cut);
+        assert_eq!(refusal.line, Some(1));
+        assert!(
+            refusal
+                .message
+                .contains("expect_keys = 2 but the file holds 1 [[keys]]"),
+            "{}",
+            refusal.message
+        );
+        let refusal = refused(&format!("expect_keys = 3\n\n{two}"));
+        assert!(refusal.message.contains("holds 2"), "{}", refusal.message);
+        // Cut before any entry.
+        assert!(refused("expect_keys = 1\n").message.contains("holds 0"));
+    }
 }

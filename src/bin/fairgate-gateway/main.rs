@@ -13,12 +13,13 @@
 //! variables). The modules:
 //! - `config`: the keys file, checked in full at start and on `SIGHUP`;
 //! - `routes`: canonical paths only, one admission path, an allow-list for the rest;
-//! - `auth`: the key check, failures slowed per address;
+//! - `auth`: the key check, failures slowed per (address, key) and per address on
+//!   distinct keys;
 //! - `api`: the API port (authenticate from the headers, then buffer within a budget);
 //! - `holders`: what each key holder may hold at once (requests, body and answer bytes);
 //! - `answer`: answers relayed through a bounded buffer, the slot free at the upstream's end;
 //! - `server`: connections (cap, header / body / keep-alive timeouts, drain);
-//! - `admin`: `/metrics`, `/healthz`, `/readyz`, `/status` on the admin listener;
+//! - `admin`: `/metrics`, `/healthz`, `/readyz`, `/status` on the admin listener (its token);
 //! - `dashboard`: the admin listener's live page (`/`) and its numbers (`/live`);
 //! - `record`: `--record`, the admitted calls as JSON lines for the simulator's replay;
 //! - `upstream`: the upstream client.
@@ -101,6 +102,18 @@ pub(crate) struct Args {
     )]
     admin: SocketAddr,
 
+    /// Bearer token every admin route but /healthz and /readyz asks for; required when
+    /// --admin binds beyond loopback. Prefer the environment variable (a flag shows in ps).
+    #[arg(long, env = "FAIRGATE_ADMIN_TOKEN", value_name = "TOKEN", hide_env_values = true,
+          value_parser = admin::AdminToken::read)]
+    admin_token: Option<admin::AdminToken>,
+
+    /// How many gateways share --redis: while Redis has not answered since start, each
+    /// serves the caps divided by this (default 1: the whole caps, right for one gateway).
+    #[arg(long, env = "FAIRGATE_FLEET_SIZE", value_name = "N", default_value_t = 1,
+          value_parser = clap::value_parser!(u32).range(1..))]
+    fleet_size: u32,
+
     /// Connections open at once on the API port; at the cap a new one closes the oldest idle
     /// one, or is answered 529 when none is idle. Lowered to fit the open-files limit, two
     /// files a call (its connection and the upstream's).
@@ -166,7 +179,8 @@ pub(crate) struct Args {
           value_parser = duration)]
     write_timeout: Duration,
 
-    /// Failed authentications an address may make at once before it is slowed (429).
+    /// Failed authentications with one key, and with distinct keys, an address may make at
+    /// once before it is slowed (429).
     #[arg(
         long,
         env = "FAIRGATE_AUTH_FAILURE_BURST",
@@ -175,7 +189,7 @@ pub(crate) struct Args {
     )]
     auth_failure_burst: u32,
 
-    /// Failed authentications an address may make per second after its burst.
+    /// Failed authentications (as above) an address may make per second after its burst.
     #[arg(
         long,
         env = "FAIRGATE_AUTH_FAILURE_RATE",
@@ -311,7 +325,13 @@ async fn reload(gw: &Gateway, args: &Args) {
 
 async fn open_store(args: &Args) -> Result<Store, String> {
     match &args.redis {
-        Some(url) => Store::redis(url).await.map_err(|e| format!("--redis: {e}")),
+        // Until Redis first answers, the store knows of no other gateway: it serves the caps
+        // divided by --fleet-size (the library's default without one is a slot at a time).
+        Some(url) => Store::builder()
+            .expected_workers(args.fleet_size)
+            .redis(url)
+            .await
+            .map_err(|e| format!("--redis: {e}")),
         None => Ok(Store::memory()),
     }
 }
@@ -348,6 +368,8 @@ async fn run(mut args: Args) -> Result<(), String> {
         connections: listeners.api_conns.clone(),
         metrics: metrics.clone(),
         started: Instant::now(),
+        token: args.admin_token.clone(),
+        fleet_size: args.fleet_size,
     });
     let background = background(&gw, metrics);
     let mut servers = Servers::start(listeners, &gw, admin, stopped, args.drain_timeout);
@@ -375,7 +397,7 @@ fn gateway(
     stopped: tokio::sync::watch::Receiver<bool>,
 ) -> Result<Gateway, String> {
     let recorder = match &args.record {
-        Some(path) => Some(record::Recorder::start(path)?),
+        Some(path) => Some(record::Recorder::start(path, &args.keys)?),
         None => None,
     };
     Ok(Gateway::new(
@@ -409,7 +431,8 @@ fn holder_limits(args: &Args) -> HolderLimits {
 }
 
 /// Refuses what the gateway cannot start with (no upstream key; a body budget smaller than
-/// one body), lowers `--max-connections` to fit the open-files limit, and returns the
+/// one body; an admin listener beyond loopback without a token; a `--record` file it must
+/// not overwrite), lowers `--max-connections` to fit the open-files limit, and returns the
 /// upstream key.
 fn check_args(args: &mut Args) -> Result<String, String> {
     let api_key = std::env::var("ANTHROPIC_API_KEY").unwrap_or_default();
@@ -424,6 +447,19 @@ fn check_args(args: &mut Args) -> Result<String, String> {
     }
     if args.key_body_budget.is_some_and(|key| key < args.max_body) {
         return Err("--key-body-budget must hold at least one --max-body".into());
+    }
+    if let Some(token) = &args.admin_token {
+        token.check()?;
+    }
+    if !args.admin.ip().to_canonical().is_loopback() && args.admin_token.is_none() {
+        return Err(format!(
+            "--admin {} is reachable beyond loopback: set --admin-token (FAIRGATE_ADMIN_TOKEN) \
+             too, since /live and /status name tenants; or bind --admin to 127.0.0.1",
+            args.admin
+        ));
+    }
+    if let Some(path) = &args.record {
+        record::check_target(path, &args.keys)?;
     }
     if let Some(files) = raise_open_files_limit() {
         let fit = (files.saturating_sub(RESERVED_FILES) / FILES_PER_CONNECTION).max(1);

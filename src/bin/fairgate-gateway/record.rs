@@ -19,6 +19,11 @@
 //! - `latency_ms`: from `at_ms` to the answer's last byte, what the client waited;
 //! - `status`: the status the client got (`499` if it left before its answer began).
 //!
+//! The file is refused, before anything is written, if it is the keys file (the same file
+//! by any path or link) or an existing non-empty file whose first line is not a recording
+//! line: `--record` truncates, and a mistyped path must not cost a file. A new or empty
+//! file, or an earlier recording, is taken.
+//!
 //! Writing never holds a call up: lines go through a bounded channel to a writer thread,
 //! and a line that finds the channel full is dropped and counted
 //! (`gateway_record_dropped_total`). The writer flushes whenever it has nothing waiting,
@@ -26,7 +31,7 @@
 //! usage is read from it as it passes by a scanner that keeps a few bytes of state.
 
 use std::fs::File;
-use std::io::{BufWriter, Write};
+use std::io::{BufWriter, Read, Write};
 use std::path::Path;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
@@ -52,8 +57,10 @@ pub(crate) struct Recorder {
 }
 
 impl Recorder {
-    /// Creates (or truncates) `path` and starts the writer thread.
-    pub(crate) fn start(path: &Path) -> Result<Arc<Recorder>, String> {
+    /// Creates (or truncates) `path` and starts the writer thread; refuses the keys file
+    /// (`keys`) and any other file that is not a recording (see [`check_target`]).
+    pub(crate) fn start(path: &Path, keys: &Path) -> Result<Arc<Recorder>, String> {
+        check_target(path, keys)?;
         let file = File::create(path).map_err(|e| format!("--record {}: {e}", path.display()))?;
         let (lines, mut queued) = mpsc::channel::<String>(QUEUE);
         let shown = path.display().to_string();
@@ -98,6 +105,82 @@ impl Recorder {
             metrics::counter!("gateway_record_dropped_total").increment(1);
         }
     }
+}
+
+/// The keys of a recording line, in the order they are written.
+const LINE_KEYS: [&str; 11] = [
+    "at_ms",
+    "tenant",
+    "tier",
+    "origin",
+    "sla_ms",
+    "est_input_tokens",
+    "input_tokens",
+    "output_tokens",
+    "upstream_ms",
+    "latency_ms",
+    "status",
+];
+
+/// Whether `line` reads as a line [`Trace`] writes: a JSON object with its keys in its
+/// order and a number for `status` last.
+fn is_recording_line(line: &str) -> bool {
+    let Some(mut rest) = line
+        .trim_end()
+        .strip_prefix('{')
+        .and_then(|l| l.strip_suffix('}'))
+    else {
+        return false;
+    };
+    for (i, key) in LINE_KEYS.iter().enumerate() {
+        let quoted = format!("\"{key}\":");
+        let Some(at) = rest.find(&quoted) else {
+            return false;
+        };
+        // The first key opens the object; every other follows a comma.
+        if (i == 0 && at != 0) || (i > 0 && !rest[..at].ends_with(',')) {
+            return false;
+        }
+        rest = &rest[at + quoted.len()..];
+    }
+    !rest.is_empty() && rest.bytes().all(|b| b.is_ascii_digit())
+}
+
+/// The first line of a recording is never longer than this (a tier name is short).
+const FIRST_LINE_MAX: usize = 4096;
+
+/// Refuses `path` as `--record`'s file when it is the keys file (compared by device and
+/// inode, so a symlink, a hard link or `./` spelling is caught too), or an existing
+/// non-empty file whose first line is not a recording line. A new or empty file is fine.
+pub(crate) fn check_target(path: &Path, keys: &Path) -> Result<(), String> {
+    use std::os::unix::fs::MetadataExt;
+    let shown = path.display();
+    let Ok(meta) = std::fs::metadata(path) else {
+        return Ok(()); // not there: created
+    };
+    if let Ok(keys_meta) = std::fs::metadata(keys)
+        && (meta.dev(), meta.ino()) == (keys_meta.dev(), keys_meta.ino())
+    {
+        return Err(format!(
+            "--record {shown} is the keys file (--keys {}): recording would overwrite it",
+            keys.display()
+        ));
+    }
+    if !meta.is_file() || meta.len() == 0 {
+        return Ok(()); // empty, or a device such as /dev/null
+    }
+    let mut head = Vec::with_capacity(FIRST_LINE_MAX);
+    File::open(path)
+        .and_then(|f| f.take(FIRST_LINE_MAX as u64).read_to_end(&mut head))
+        .map_err(|e| format!("--record {shown}: {e}"))?;
+    let first = head.split(|&b| b == b'\n').next().unwrap_or_default();
+    if std::str::from_utf8(first).is_ok_and(is_recording_line) {
+        return Ok(());
+    }
+    Err(format!(
+        "--record {shown} exists and is not a recording (its first line is not one): \
+         recording would overwrite it; give a new or empty file, or remove it"
+    ))
 }
 
 /// What the stack tells about a call as it goes: its job, its last dispatch. Travels in
@@ -483,6 +566,63 @@ mod tests {
         // Without a job (never admitted), nothing is written.
         drop(recorder.begin());
         assert!(queued.try_recv().is_err());
+    }
+
+    #[test]
+    fn the_lines_written_read_as_recording_lines_and_other_text_does_not() {
+        let (lines, mut queued) = mpsc::channel(4);
+        let recorder = Arc::new(Recorder {
+            lines,
+            epoch: Instant::now(),
+        });
+        let trace = recorder.begin();
+        trace
+            .probe()
+            .job(&Job::new("t", Origin::UserAction).tier("pro"));
+        trace.finish(200, &UsageScan::default());
+        let line = queued.try_recv().unwrap();
+        assert!(is_recording_line(&line), "{line}");
+        for text in [
+            "",
+            "[[keys]]",
+            "key = \"sk-x\"",
+            "{}",
+            "{\"status\":200}",
+            &line.replace("\"status\":200", "\"status\":\"x\""),
+            &line.replace("{\"at_ms\"", "{\"x\":1,\"at_ms\""),
+        ] {
+            assert!(!is_recording_line(text), "{text}");
+        }
+    }
+
+    #[test]
+    fn record_refuses_the_keys_file_and_a_file_that_is_not_a_recording() {
+        let dir = std::env::temp_dir().join(format!("fairgate-record-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let keys = dir.join("keys.toml");
+        std::fs::write(&keys, "[[keys]]\nkey = \"sk-x\"\n").unwrap();
+        let err = check_target(&keys, &keys).unwrap_err();
+        assert!(err.contains("is the keys file"), "{err}");
+        let link = dir.join("link.jsonl");
+        let _ = std::fs::remove_file(&link);
+        std::os::unix::fs::symlink(&keys, &link).unwrap();
+        assert!(
+            check_target(&link, &keys)
+                .unwrap_err()
+                .contains("is the keys file")
+        );
+        let other = dir.join("notes.txt");
+        std::fs::write(&other, "my notes\n").unwrap();
+        assert!(
+            check_target(&other, &keys)
+                .unwrap_err()
+                .contains("not a recording")
+        );
+        let empty = dir.join("empty.jsonl");
+        std::fs::write(&empty, "").unwrap();
+        assert_eq!(check_target(&empty, &keys), Ok(()));
+        assert_eq!(check_target(&dir.join("new.jsonl"), &keys), Ok(()));
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]
