@@ -23,9 +23,9 @@ use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
 use bytes::Bytes;
-use fairgate::extract::{FromHeaders, KeyTable, api_key};
+use fairgate::extract::{KeyTable, api_key};
 use fairgate::reject::{Style, render};
-use fairgate::{BoxError, FairgateLayer, Job, JobLayer, Store, TenantId};
+use fairgate::{BoxError, FairgateLayer, Job, Store, TenantId};
 use futures_util::StreamExt;
 use http::header::{self, HeaderValue};
 use http::{Request, Response, StatusCode};
@@ -41,6 +41,7 @@ use super::answer::relay;
 use super::auth::{AuthGuard, Verdict};
 use super::config::Config;
 use super::holders::{Claim, Held, Holders, Spent};
+use super::identity::KeyPolicy;
 use super::record::{Probe, Recorder, Recording, Trace};
 use super::routes::{Route, route};
 use super::server::{Hangup, Holding, stopped};
@@ -74,14 +75,21 @@ impl Live {
             if let Some(probe) = req.extensions().get::<Probe>() {
                 probe.dispatched();
             }
+            // What the call was given, read at dispatch: told to the client on the answer.
+            let applied = req.extensions().get::<Job>().map(Applied::of);
             async move {
-                upstream
+                let response = upstream
                     .send(req.map(|body| body.map_err(|never| match never {}).boxed_unsync()))
-                    .await
+                    .await?;
+                Ok::<_, BoxError>(match applied {
+                    Some(applied) => applied.tell(response),
+                    None => response,
+                })
             }
         });
+        // The job is the gateway's own extractor's (the `identity` module), put on the
+        // request by `messages` before the stack.
         let stack = ServiceBuilder::new()
-            .layer(JobLayer::new(FromHeaders::new().keys(config.keys.clone())))
             // `--record`: the job as the stack admits it.
             .map_request(|req: Request<Full<Bytes>>| {
                 if let (Some(probe), Some(job)) = (
@@ -257,7 +265,13 @@ pub(crate) async fn handle(
             ));
         }
     }
-    let Some((holder, _)) = api_key(&req).and_then(|key| live.keys().get(key)) else {
+    // Hashed once for the holder and the key's policy.
+    let sha256 = api_key(&req).map(KeyTable::sha256);
+    let found = sha256.as_ref().and_then(|sha256| {
+        let (holder, _) = live.keys().get_sha256(sha256)?;
+        Some((holder, live.config.identities.get_sha256(sha256)?.clone()))
+    });
+    let Some((holder, policy)) = found else {
         // Checked just above; a reload in between is the only way here.
         return closing(rendered(&BoxError::from(fairgate::Unidentified::new(
             "unknown api key",
@@ -276,7 +290,7 @@ pub(crate) async fn handle(
     };
     let claim = Arc::new(claim);
     if route == Route::Messages {
-        messages(&gw, live, req, claim).await
+        messages(&gw, live, policy, req, claim).await
     } else {
         forward(&gw, req, claim).await
     }
@@ -361,6 +375,7 @@ async fn discard(mut body: Incoming, limit: u64, idle: Duration) {
 async fn messages(
     gw: &Gateway,
     live: Arc<Live>,
+    policy: Arc<KeyPolicy>,
     req: Request<Incoming>,
     claim: Arc<Claim>,
 ) -> Response<Body> {
@@ -372,7 +387,12 @@ async fn messages(
         Err(unread) => return unread_response(gw, unread, &parts.headers, body),
     };
     let size = bytes.len();
+    let job = match policy.identify(&parts.headers, &bytes) {
+        Ok(job) => job.cost(tokens_of(size)),
+        Err(refused) => return refused.response(),
+    };
     let mut req = Request::from_parts(parts, Full::new(bytes));
+    req.extensions_mut().insert(job);
     let started = tokio::time::Instant::now();
     let trace = gw.recorder.as_ref().map(|recorder| recorder.begin());
     if let Some(trace) = &trace {
@@ -399,6 +419,48 @@ async fn messages(
             })
         }
         Err(error) => failed(&error, trace),
+    }
+}
+
+/// Estimated input tokens of a body of `bytes`: ceil(bytes / 3.5), at least 1 (as the
+/// library's `FromHeaders` counts).
+fn tokens_of(bytes: usize) -> u32 {
+    u32::try_from((bytes as u64).saturating_mul(2).div_ceil(7).max(1)).unwrap_or(u32::MAX)
+}
+
+/// What a call was given, told to the client on its answer (`x-fairgate-tier`,
+/// `x-fairgate-class`, `x-fairgate-queued-ms`): read from the job at dispatch, no store
+/// round trip.
+struct Applied {
+    tier: Option<HeaderValue>,
+    class: Option<&'static str>,
+    queued_ms: u64,
+}
+
+impl Applied {
+    fn of(job: &Job) -> Applied {
+        Applied {
+            // Tier names are checked header-safe by the keys file; one that is not is left out.
+            tier: job
+                .tier_name()
+                .and_then(|tier| HeaderValue::from_str(tier.as_str()).ok()),
+            class: job.priority().map(fairgate::Priority::as_str),
+            queued_ms: job
+                .arrived_at()
+                .map_or(0, |at| at.elapsed().as_millis() as u64),
+        }
+    }
+
+    fn tell(self, mut response: Response<Body>) -> Response<Body> {
+        let headers = response.headers_mut();
+        if let Some(tier) = self.tier {
+            headers.insert("x-fairgate-tier", tier);
+        }
+        if let Some(class) = self.class {
+            headers.insert("x-fairgate-class", HeaderValue::from_static(class));
+        }
+        headers.insert("x-fairgate-queued-ms", HeaderValue::from(self.queued_ms));
+        response
     }
 }
 

@@ -30,9 +30,11 @@ use std::path::Path;
 use std::time::Duration;
 
 use fairgate::extract::KeyTable;
-use fairgate::{DemotionPolicy, SlotPolicy, SlotPolicyBuilder, Tier};
+use fairgate::{DemotionPolicy, Origin, SlotPolicy, SlotPolicyBuilder, Tier};
 use serde::{Deserialize, Deserializer};
 use toml::Spanned;
+
+use super::identity::{Claims, Identities, KeyPolicy, origin_name, parse_origin};
 
 /// The longest `retry_after_ms` and `max_wait_ms` taken: an hour. A client told to wait
 /// longer has been told something wrong.
@@ -49,6 +51,9 @@ struct KeysFile {
     limits: Limits,
     #[serde(default)]
     tiers: Vec<Spanned<TierEntry>>,
+    /// The secret the end users' ids are hashed with (see `identity`); when absent, each
+    /// service key's own SHA-256.
+    user_secret: Option<Spanned<Secret>>,
 }
 
 #[derive(Deserialize)]
@@ -59,10 +64,24 @@ struct KeyEntry {
     key_sha256: Option<Spanned<Secret>>,
     tenant: String,
     tier: String,
+    /// Calls name their end user, each a tenant inside `tenant`.
+    #[serde(default)]
+    users: bool,
+    /// The origin of a call that claims none (default `user`).
+    origin: Option<Spanned<String>>,
+    /// The tiers (origins) a call may claim; none when absent.
+    tiers: Option<Spanned<Vec<String>>>,
+    origins: Option<Spanned<Vec<String>>>,
 }
 
 /// A client key as read from the file: a string, or a refusal that never quotes it.
 struct Secret(String);
+
+impl fmt::Debug for Secret {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("<secret>")
+    }
+}
 
 impl<'de> Deserialize<'de> for Secret {
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
@@ -113,7 +132,7 @@ impl<'de> serde::de::Visitor<'de> for SecretVisitor {
     }
 }
 
-const NOT_A_STRING: &str = "`key` (or `key_sha256`) must be a string in quotes";
+const NOT_A_STRING: &str = "`key` (or `key_sha256`, `user_secret`) must be a string in quotes";
 
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -132,6 +151,8 @@ struct TierEntry {
     name: String,
     cap: u32,
     max_wait_ms: Spanned<u64>,
+    /// The slots one tenant (one end user of a service key) of the tier holds at once.
+    tenant_cap: Option<Spanned<u32>>,
 }
 
 impl fmt::Debug for KeyEntry {
@@ -140,6 +161,7 @@ impl fmt::Debug for KeyEntry {
         f.debug_struct("KeyEntry")
             .field("tenant", &self.tenant)
             .field("tier", &self.tier)
+            .field("users", &self.users)
             .finish_non_exhaustive()
     }
 }
@@ -155,6 +177,8 @@ pub(crate) struct Config {
     /// Each tenant's tier (of its first key): its weight on the live page.
     pub(crate) tenant_tiers: BTreeMap<String, String>,
     pub(crate) demotion: DemotionPolicy,
+    /// What each key may claim and whom it acts for, by the key's SHA-256.
+    pub(crate) identities: Identities,
 }
 
 /// Reads and checks the keys file at `path`.
@@ -227,6 +251,19 @@ pub(crate) fn parse(text: &str) -> Result<Config, Refusal> {
         let tier = check_tier(text, entry, &mut configured)?;
         let wait = Duration::from_millis(*tier.max_wait_ms.get_ref());
         builder = builder.tier(tier.name.as_str(), tier.cap, wait);
+        if let Some(cap) = &tier.tenant_cap {
+            if *cap.get_ref() == 0 {
+                return Err(refuse(
+                    text,
+                    Some(cap.span()),
+                    format!(
+                        "[[tiers]] `{}`: tenant_cap = 0: give at least 1 (or leave it out)",
+                        tier.name
+                    ),
+                ));
+            }
+            builder = builder.tenant_cap(tier.name.as_str(), *cap.get_ref());
+        }
         if !tiers.contains(&tier.name) {
             tiers.push(tier.name.clone());
         }
@@ -234,7 +271,22 @@ pub(crate) fn parse(text: &str) -> Result<Config, Refusal> {
     let policy = builder
         .build()
         .map_err(|e| refuse(text, None, format!("bad [limits] or [[tiers]]: {e}")))?;
-    let clients = clients(text, &file.keys, &tiers)?;
+    let user_secret = file
+        .user_secret
+        .as_ref()
+        .map(|secret| secret.get_ref().0.as_bytes());
+    if let (Some(secret), Some(spanned)) = (user_secret, &file.user_secret)
+        && secret.len() < 16
+    {
+        return Err(refuse(
+            text,
+            Some(spanned.span()),
+            "user_secret is shorter than 16 bytes: give a long random string (the same on \
+             every gateway of a fleet)"
+                .into(),
+        ));
+    }
+    let clients = clients(text, &file.keys, &tiers, user_secret)?;
     let window = match &limits.window {
         Some(window) if *window.get_ref() == 0 => {
             return Err(refuse(
@@ -254,6 +306,7 @@ pub(crate) fn parse(text: &str) -> Result<Config, Refusal> {
         tenants: clients.tenants,
         tenant_tiers: clients.tenant_tiers,
         demotion,
+        identities: clients.identities,
     })
 }
 
@@ -342,6 +395,7 @@ struct Clients {
     /// Sorted.
     tenants: Vec<String>,
     tenant_tiers: BTreeMap<String, String>,
+    identities: Identities,
 }
 
 /// The `[[keys]]`, each checked against `tiers` (the known tier names) and the keys before
@@ -350,12 +404,22 @@ fn clients(
     text: &str,
     entries: &[Spanned<KeyEntry>],
     tiers: &[String],
+    user_secret: Option<&[u8]>,
 ) -> Result<Clients, Refusal> {
     let mut keys = KeyTable::new();
     let mut tenants = HashSet::new();
     let mut tenant_tiers = BTreeMap::new();
-    for (i, entry) in entries.iter().enumerate() {
-        let (entry, sha256) = check_key(text, i + 1, entry, tiers, &keys)?;
+    let mut identities = Identities::default();
+    for (i, spanned) in entries.iter().enumerate() {
+        let (entry, sha256) = check_key(text, i + 1, spanned, tiers, &keys)?;
+        let claims = check_claims(text, i + 1, spanned)?;
+        let policy = KeyPolicy::new(
+            entry.tenant.as_str(),
+            entry.tier.as_str(),
+            claims,
+            entry.users.then(|| user_secret.unwrap_or(&sha256)),
+        );
+        identities.insert(sha256, policy);
         keys.insert_sha256(sha256, entry.tenant.as_str(), entry.tier.as_str());
         tenants.insert(entry.tenant.clone());
         tenant_tiers
@@ -368,6 +432,67 @@ fn clients(
         keys,
         tenants,
         tenant_tiers,
+        identities,
+    })
+}
+
+/// Key #`n`'s `origin`, `tiers` and `origins`, refused unless each names a known origin or
+/// a tier the key's own `tier` is among (a default it could not claim is a mistake).
+fn check_claims(text: &str, n: usize, spanned: &Spanned<KeyEntry>) -> Result<Claims, Refusal> {
+    let entry = spanned.get_ref();
+    let origin_of = |name: &str, span| {
+        parse_origin(name).ok_or_else(|| {
+            refuse(
+                text,
+                Some(span),
+                format!(
+                    "key #{n} (tenant `{}`): unknown origin `{name}`; known: user, scheduled, \
+                     batch",
+                    entry.tenant
+                ),
+            )
+        })
+    };
+    let origin = match &entry.origin {
+        Some(origin) => origin_of(origin.get_ref(), origin.span())?,
+        None => Origin::UserAction,
+    };
+    let mut origins = Vec::new();
+    if let Some(list) = &entry.origins {
+        for name in list.get_ref() {
+            origins.push(origin_of(name, list.span())?);
+        }
+        if !origins.contains(&origin) {
+            return Err(refuse(
+                text,
+                Some(list.span()),
+                format!(
+                    "key #{n} (tenant `{}`): its origin `{}` is not among its `origins`",
+                    entry.tenant,
+                    origin_name(origin)
+                ),
+            ));
+        }
+    }
+    let mut tiers = Vec::new();
+    if let Some(list) = &entry.tiers {
+        // Each must be known: checked by the caller against the configured tiers.
+        tiers.clone_from(list.get_ref());
+        if !tiers.contains(&entry.tier) {
+            return Err(refuse(
+                text,
+                Some(list.span()),
+                format!(
+                    "key #{n} (tenant `{}`): its tier `{}` is not among its `tiers`",
+                    entry.tenant, entry.tier
+                ),
+            ));
+        }
+    }
+    Ok(Claims {
+        origin,
+        origins,
+        tiers,
     })
 }
 
@@ -451,6 +576,31 @@ fn check_key<'a>(
                 entry.tenant,
                 entry.tier,
                 tiers.join(", ")
+            ),
+        ));
+    }
+    if let Some(list) = &entry.tiers
+        && let Some(unknown) = list.get_ref().iter().find(|t| !tiers.contains(t))
+    {
+        return Err(refuse(
+            text,
+            Some(list.span()),
+            format!(
+                "key #{n} (tenant `{}`): unknown tier `{unknown}` in `tiers`; known: {} (add it \
+                 under [[tiers]])",
+                entry.tenant,
+                tiers.join(", ")
+            ),
+        ));
+    }
+    if entry.users && entry.tenant.contains('/') {
+        return Err(refuse(
+            text,
+            span,
+            format!(
+                "key #{n} (tenant `{}`): a key with `users = true` names a tenant without `/` \
+                 (its end users are `tenant/…`)",
+                entry.tenant
             ),
         ));
     }
@@ -586,5 +736,98 @@ mod tests {
         assert!(refusal.message.contains("holds 2"), "{}", refusal.message);
         // Cut before any entry.
         assert!(refused("expect_keys = 1\n").message.contains("holds 0"));
+    }
+
+    const SERVICE: &str = "[[keys]]
+key = \"sk-svc\"
+tenant = \"companion-app\"
+users = true
+tier = \"free\"
+origin = \"user\"
+tiers = [\"guest\", \"free\", \"pro\", \"premium\"]
+origins = [\"user\", \"scheduled\", \"batch\"]
+";
+
+    #[test]
+    fn a_service_key_with_the_issues_fields_is_taken() {
+        let config = parse(SERVICE).unwrap();
+        let sha256 = KeyTable::sha256("sk-svc");
+        let policy = config.identities.get_sha256(&sha256).unwrap();
+        let mut headers = http::HeaderMap::new();
+        headers.insert("x-fairgate-tier", "premium".parse().unwrap());
+        let job = policy
+            .identify(&headers, br#"{"metadata":{"user_id":"u1"}}"#)
+            .unwrap();
+        assert!(job.tenant().as_str().starts_with("companion-app/"));
+        assert_eq!(job.tier_name().unwrap().as_str(), "premium");
+        // With a `user_secret` the same user is another tenant (and the same on every
+        // gateway with that file).
+        let secret = format!("user_secret = \"{}\"\n{SERVICE}", "s".repeat(16));
+        let other = parse(&secret).unwrap();
+        let job2 = other
+            .identities
+            .get_sha256(&sha256)
+            .unwrap()
+            .identify(&headers, br#"{"metadata":{"user_id":"u1"}}"#)
+            .unwrap();
+        assert_ne!(job.tenant(), job2.tenant());
+    }
+
+    #[test]
+    fn bad_claims_fields_are_refused_on_their_line() {
+        for (from, to, line, what) in [
+            (
+                "origin = \"user\"",
+                "origin = \"cron\"",
+                6,
+                "unknown origin `cron`",
+            ),
+            (
+                "origins = [\"user\", \"scheduled\", \"batch\"]",
+                "origins = [\"batch\"]",
+                8,
+                "not among its `origins`",
+            ),
+            (
+                "tiers = [\"guest\", \"free\", \"pro\", \"premium\"]",
+                "tiers = [\"gold\"]",
+                7,
+                "unknown tier `gold` in `tiers`",
+            ),
+            (
+                "tiers = [\"guest\", \"free\", \"pro\", \"premium\"]",
+                "tiers = [\"pro\"]",
+                7,
+                "tier `free` is not among its `tiers`",
+            ),
+            (
+                "tenant = \"companion-app\"",
+                "tenant = \"a/b\"",
+                1,
+                "without `/`",
+            ),
+            ("users = true", "users = \"yes\"", 4, "expected a boolean"),
+        ] {
+            let text = SERVICE.replace(from, to);
+            let refusal = refused(&text);
+            assert_eq!(refusal.line, Some(line), "{text}: {}", refusal.message);
+            assert!(refusal.message.contains(what), "{}", refusal.message);
+        }
+        let short = refused(&format!("user_secret = \"short\"\n{SERVICE}"));
+        assert_eq!(short.line, Some(1));
+        assert!(!short.message.contains("\"short\""), "{}", short.message);
+    }
+
+    #[test]
+    fn a_tier_tenant_cap_is_the_policys_and_zero_is_refused() {
+        let tiers = "[[tiers]]\nname = \"free\"\ncap = 15\nmax_wait_ms = 1000\ntenant_cap = 2\n";
+        let config = parse(&format!("{SERVICE}\n{tiers}")).unwrap();
+        assert_eq!(
+            config.policy.limit(Some(&"free".into())).1.tenant_cap,
+            Some(2)
+        );
+        let zero = refused(&format!("{SERVICE}\n{}", tiers.replace("= 2", "= 0")));
+        assert_eq!(zero.line, Some(14));
+        assert!(zero.message.contains("tenant_cap = 0"), "{}", zero.message);
     }
 }

@@ -31,6 +31,7 @@ mod auth;
 mod config;
 mod dashboard;
 mod holders;
+mod identity;
 mod record;
 mod routes;
 mod server;

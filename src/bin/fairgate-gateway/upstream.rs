@@ -109,6 +109,16 @@ impl Upstream {
         headers.remove(header::AUTHORIZATION);
         headers.remove(header::EXPECT);
         headers.insert("x-api-key", self.api_key.clone());
+        // The gateway's own claims are for the gateway alone (collects nothing, so
+        // allocates nothing, when there are none).
+        let ours: Vec<HeaderName> = headers
+            .keys()
+            .filter(|name| name.as_str().starts_with("x-fairgate-"))
+            .cloned()
+            .collect();
+        for name in ours {
+            headers.remove(name);
+        }
         parts.version = http::Version::HTTP_11;
         Ok(http::Request::from_parts(parts, body))
     }
