@@ -20,3 +20,4 @@ mod page;
 mod proxy;
 mod rate;
 mod record;
+mod users;

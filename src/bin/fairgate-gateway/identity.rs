@@ -493,9 +493,16 @@ mod tests {
         );
     }
 
-    #[test]
-    fn a_refusal_is_anthropic_json_even_with_quotes() {
+    #[tokio::test]
+    async fn a_refusal_is_anthropic_json_even_with_quotes() {
+        use http_body_util::BodyExt;
         let refusal = Refused::new(StatusCode::FORBIDDEN, "permission_error", "a \"b\"".into());
-        assert_eq!(refusal.response().status(), StatusCode::FORBIDDEN);
+        let response = refusal.response();
+        assert_eq!(response.status(), StatusCode::FORBIDDEN);
+        let body = response.into_body().collect().await.unwrap().to_bytes();
+        let answer: serde_json::Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(answer["type"], "error");
+        assert_eq!(answer["error"]["type"], "permission_error");
+        assert_eq!(answer["error"]["message"], "a \"b\"");
     }
 }
