@@ -47,6 +47,13 @@ impl fmt::Display for TenantId {
     }
 }
 
+/// Hashes and compares as its name (so a map of tenants is searched by a `&str`).
+impl std::borrow::Borrow<str> for TenantId {
+    fn borrow(&self) -> &str {
+        &self.0
+    }
+}
+
 impl From<&str> for TenantId {
     fn from(name: &str) -> Self {
         TenantId::new(name)

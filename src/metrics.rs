@@ -8,7 +8,7 @@
 //! database.
 
 use std::cell::RefCell;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock, RwLock};
 use std::time::Duration;
 
@@ -156,6 +156,7 @@ pub const OTHER_TENANTS: &str = "_other";
 static TENANT_LABEL_LIMIT: AtomicUsize = AtomicUsize::new(1_000);
 /// The labelled tenants, each with its input-token counter's key (built once).
 static TENANT_LABELS: OnceLock<RwLock<HashMap<TenantId, Key>>> = OnceLock::new();
+static NAMESPACE_LABELS: AtomicBool = AtomicBool::new(false);
 
 /// Caps how many distinct tenants get their own `tenant_id` label (default 1,000, process
 /// wide, first come first labelled); the rest are counted under [`OTHER_TENANTS`].
@@ -163,31 +164,65 @@ pub fn limit_tenant_labels(max: usize) {
     TENANT_LABEL_LIMIT.store(max, Ordering::Relaxed);
 }
 
-/// The label value for `tenant`: its name (shared with the `TenantId`, no copy), or
-/// [`OTHER_TENANTS`] past the cap.
+/// Labels a tenant named `namespace/rest` by its `namespace` alone (default off, process
+/// wide): the end users of a service (`service/<hash>`, as `fairgate-gateway` names them)
+/// then never become a label, and their service's label counts them all. A name without
+/// `/` is its own label, as before. A gauge labelled so (`claude_throttle_count`) shows
+/// the last value set by any of the namespace's tenants.
+pub fn label_tenants_by_namespace(on: bool) {
+    NAMESPACE_LABELS.store(on, Ordering::Relaxed);
+}
+
+/// The part of `tenant`'s name its label shows.
+fn label_name(tenant: &TenantId) -> &str {
+    label_part(tenant.as_str(), NAMESPACE_LABELS.load(Ordering::Relaxed))
+}
+
+/// `name`, or with `by_namespace` its part before the first `/`.
+fn label_part(name: &str, by_namespace: bool) -> &str {
+    match name.split_once('/') {
+        Some((namespace, _)) if by_namespace => namespace,
+        _ => name,
+    }
+}
+
+/// The label value for `tenant`: its name (shared, no copy), or [`OTHER_TENANTS`] past the
+/// cap.
 pub(crate) fn tenant_label(tenant: &TenantId) -> metrics::SharedString {
-    match labelled(tenant, |_| ()) {
-        Some(()) => metrics::SharedString::from(tenant.shared_name()),
+    match labelled(tenant, |labelled, _| labelled.shared_name()) {
+        Some(name) => metrics::SharedString::from(name),
         None => metrics::SharedString::const_str(OTHER_TENANTS),
     }
 }
 
-/// `f` on the input-token key of `tenant` when the tenant has (or now gets) its own label;
-/// `None` past the cap.
-fn labelled<T>(tenant: &TenantId, f: impl FnOnce(&Key) -> T) -> Option<T> {
+/// `f` on the labelled tenant (`tenant`, or its namespace) and its input-token key when it
+/// has (or now gets) its own label; `None` past the cap.
+fn labelled<T>(tenant: &TenantId, f: impl FnOnce(&TenantId, &Key) -> T) -> Option<T> {
     let labels = TENANT_LABELS.get_or_init(Default::default);
-    if let Some(key) = labels.read().unwrap_or_else(|e| e.into_inner()).get(tenant) {
-        return Some(f(key));
+    let name = label_name(tenant);
+    if let Some((labelled, key)) = labels
+        .read()
+        .unwrap_or_else(|e| e.into_inner())
+        .get_key_value(name)
+    {
+        return Some(f(labelled, key));
     }
     let mut labels = labels.write().unwrap_or_else(|e| e.into_inner());
-    if !labels.contains_key(tenant) && labels.len() >= TENANT_LABEL_LIMIT.load(Ordering::Relaxed) {
+    if !labels.contains_key(name) && labels.len() >= TENANT_LABEL_LIMIT.load(Ordering::Relaxed) {
         return None;
     }
-    let key = labels.entry(tenant.clone()).or_insert_with(|| {
-        let label = metrics::SharedString::from(tenant.shared_name());
-        labelled_key(Metric::InputTokens, "tenant_id", label)
-    });
-    Some(f(key))
+    if !labels.contains_key(name) {
+        // Once per label: the namespace's own id, or the tenant's (no copy).
+        let id = if name.len() == tenant.as_str().len() {
+            tenant.clone()
+        } else {
+            TenantId::new(name)
+        };
+        let label = metrics::SharedString::from(id.shared_name());
+        labels.insert(id, labelled_key(Metric::InputTokens, "tenant_id", label));
+    }
+    let (labelled, key) = labels.get_key_value(name)?;
+    Some(f(labelled, key))
 }
 
 /// The metadata every metric here registers with.
@@ -222,7 +257,7 @@ pub(crate) fn request_latency(priority: Priority, elapsed: Duration) {
 }
 
 pub(crate) fn input_tokens(tenant: &TenantId, tokens: u64) {
-    if labelled(tenant, |key| counter(key).increment(tokens)).is_none() {
+    if labelled(tenant, |_, key| counter(key).increment(tokens)).is_none() {
         static OTHER: OnceLock<Key> = OnceLock::new();
         let key = OTHER
             .get_or_init(|| labelled_key(Metric::InputTokens, "tenant_id", OTHER_TENANTS.into()));
@@ -373,4 +408,19 @@ pub(crate) fn slot_wait(tier: &crate::Tier, waited: Duration) {
 pub(crate) fn server_busy(tier: &crate::Tier, reason: crate::admission::WaitReason) {
     metrics::counter!(Metric::ServerBusy.name(), "tier" => tier_label(tier), "reason" => reason.as_str())
         .increment(1);
+}
+
+#[cfg(test)]
+mod namespace_tests {
+    use super::label_part;
+
+    #[test]
+    fn an_end_user_is_labelled_by_its_service_only_when_asked() {
+        assert_eq!(label_part("companion-app/0123abcd", true), "companion-app");
+        assert_eq!(label_part("team-a", true), "team-a");
+        assert_eq!(
+            label_part("companion-app/0123abcd", false),
+            "companion-app/0123abcd"
+        );
+    }
 }

@@ -344,6 +344,9 @@ async fn run(mut args: Args) -> Result<(), String> {
     let metrics = PrometheusBuilder::new()
         .install_recorder()
         .map_err(|e| format!("cannot install the metrics recorder: {e}"))?;
+    // A service key's end users (`service/<hash>`) are labelled by their service: an
+    // end user never becomes a label.
+    fairgate::metrics::label_tenants_by_namespace(true);
     let store = open_store(&args).await?;
     let tenants = config.tenants.len();
     let (global_max, window) = (config.policy.global_max(), config.window);
