@@ -343,9 +343,10 @@ async fn one_users_flood_through_a_service_key_does_not_hold_up_another_user() {
 /// `critical` (its `x-fairgate-class`) and waits in the fair queue (`queue.slow_wait`
 /// warnings), yet all 200 batch calls reach the mock first (user actions queued ~3.3 s,
 /// batch ~0.9-1.8 s), also with the window below the tier cap (no slot gate blocking).
-/// The library's own critical-behind-batch test (`tests/memory/stack_rate.rs`) warms the
-/// rate gate first; the gateway's stack starts cold (slow start, learned pacing), which is
-/// where to look.
+/// The same shape through the library's stack alone passes, cold and warm, with this
+/// window, these caps and the demotion policy
+/// (`stack_rate::critical_of_many_tenants_goes_before_a_batch_backlog_at_1000_rpm`): the
+/// cause lies between the gateway's request path and the stack, not in the fair queue.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "fails: queued batch goes before critical through the gateway's stack; see the doc comment"]
 async fn user_actions_go_before_queued_batch_through_one_key_and_batch_keeps_its_share() {
@@ -423,14 +424,14 @@ async fn user_actions_go_before_queued_batch_through_one_key_and_batch_keeps_its
          batch still queued after: {batch_after}",
         order.len()
     );
-    // Critical takes 90% of dispatches while it waits: 20 user actions and about 2 batch
-    // calls (the window's first calls already out), never 0 batch and never most.
+    // Critical and batch weigh 270:5: over the 20 user actions' dispatches batch's turn
+    // comes at most once (every 55 dispatches), and the backlog is served in full.
     assert!(
         batch_after > 100,
         "the user actions went before most of the queued batch"
     );
     assert!(
-        (1..=8).contains(&batch_between),
+        batch_between <= 2,
         "batch got {batch_between} dispatches among the 20 user actions"
     );
 }

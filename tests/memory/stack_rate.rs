@@ -739,3 +739,81 @@ fn the_share_rule_counts_prefixes() {
         Some((2, 0, 2))
     );
 }
+
+// 5. Critical behind a batch backlog, cold and warm, with many tenants: the shape of the
+// gateway's `users::user_actions_go_before_queued_batch_through_one_key` (one service key,
+// 10 batch tenants, 20 user-action tenants, window 4, the mock's 1,000 RPM) through the
+// library's stack alone.
+#[tokio::test(start_paused = true)]
+async fn critical_of_many_tenants_goes_before_a_batch_backlog_at_1000_rpm() {
+    for warm in [false, true] {
+        let upstream = RateLimited::new(100_000, ms(60));
+        let fairgate = FairgateLayer::builder(Store::memory())
+            .backoff(BackoffPolicy::builder().seed(18).build().unwrap())
+            .slots(
+                fairgate::SlotPolicy::builder()
+                    .global_max(8)
+                    .tier("free", 8, secs(60.0))
+                    .tier("premium", 8, secs(60.0))
+                    .build()
+                    .unwrap(),
+            )
+            .window(4)
+            .demotion(fairgate::DemotionPolicy::builder().build().unwrap())
+            .build()
+            .unwrap();
+        let service = fairgate
+            .layer(upstream.service())
+            .map_response(|response| response.status().as_u16());
+        let mut rig = Rig {
+            upstream,
+            stack: tower::util::BoxCloneSyncService::new(service),
+            start: Instant::now(),
+            ids: Arc::default(),
+        };
+        if warm {
+            let warm = rig.send(
+                ZERO,
+                Job::new("warm-up", Origin::UserAction).tier("premium"),
+            );
+            assert!(warm.await.unwrap().ok());
+            rig.upstream.forget();
+            rig.start = Instant::now();
+        }
+        let backlog: Vec<_> = (0..200)
+            .map(|i| {
+                rig.send(
+                    ms(i * 3),
+                    batch(&format!("batch-{}", i % 10), "free").cost(45),
+                )
+            })
+            .collect();
+        let users: Vec<_> = (0..20)
+            .map(|i| rig.send(ms(700 + i * 2), user(&format!("chat-{i}"), "free").cost(45)))
+            .collect();
+        let users = joined(users).await;
+        let _ = joined(backlog).await;
+        let calls = rig.upstream.calls();
+        let order: Vec<&str> = calls.iter().map(|c| c.tenant.as_str()).collect();
+        let first = order.iter().position(|t| t.starts_with("chat-")).unwrap();
+        let last = order.iter().rposition(|t| t.starts_with("chat-")).unwrap();
+        let between = order[first..=last]
+            .iter()
+            .filter(|t| t.starts_with("batch-"))
+            .count();
+        let took: Vec<Duration> = users.iter().map(Outcome::took).collect();
+        println!(
+            "warm {warm}: user actions at {first}..={last} of {}, batch between {between}, took {took:?}",
+            order.len()
+        );
+        // 270:5: batch's turn comes once in 55 dispatches while both wait.
+        assert!(
+            between <= 1,
+            "warm {warm}: {first}..={last}, {between} batch between"
+        );
+        assert!(
+            first < 60,
+            "warm {warm}: the first user action went {first}th"
+        );
+    }
+}
