@@ -50,6 +50,8 @@ pub struct Job {
     origin: Origin,
     sla: Option<Duration>,
     tier: Option<Tier>,
+    /// The group its tenant is fair-queued in inside its tier (a service and its users).
+    group: Option<TenantId>,
     cost: u32,
     priority: Option<Priority>,
     /// When the request entered the first fairgate layer: every wait counts from here.
@@ -71,6 +73,7 @@ impl Job {
             origin,
             sla: None,
             tier: None,
+            group: None,
             cost: 1,
             priority: None,
             arrived: None,
@@ -84,6 +87,32 @@ impl Job {
     pub fn tier(mut self, tier: impl Into<Tier>) -> Self {
         self.tier = Some(tier.into());
         self
+    }
+
+    /// Puts the job's tenant in `group` (a service, whose end users are its tenants): inside
+    /// a tier, the fair queue is fair first across groups, each one share of the tier, then
+    /// across a group's tenants by DRR. A service with 1,000 waiting users and one with a
+    /// single user then get one share each, not 1,000 to 1. Jobs without a group share one
+    /// group of their tier, as before.
+    ///
+    /// Name groups by what holds a key (a service, a team), never by end user: each group
+    /// of each tier is kept for the life of the layer. Two levels are kept by an in-process
+    /// store; on Redis the fleet's order is one level, across tenants (groups are ignored).
+    ///
+    /// ```
+    /// use fairgate::{Job, Origin};
+    ///
+    /// let job = Job::new("companion-app/4f2a", Origin::UserAction).group("companion-app");
+    /// assert_eq!(job.group_name().unwrap().as_str(), "companion-app");
+    /// ```
+    pub fn group(mut self, group: impl Into<TenantId>) -> Self {
+        self.group = Some(group.into());
+        self
+    }
+
+    /// The group the job's tenant is fair-queued in, if set ([`Job::group`]).
+    pub fn group_name(&self) -> Option<&TenantId> {
+        self.group.as_ref()
     }
 
     /// Sets how soon an answer is needed.

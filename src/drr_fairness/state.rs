@@ -146,8 +146,11 @@ impl Group {
 /// rate cells handed to dispatched requests, and the fairness window.
 struct Queues {
     groups: Vec<Group>,
-    /// Gated groups by tier (the tier a request counts under in the slot policy).
+    /// Gated groups by tier (the tier a request counts under in the slot policy), for
+    /// requests of no group ([`Job::group`]).
     by_tier: HashMap<Tier, usize>,
+    /// Gated groups by tier and group (in-process stores only).
+    by_group: HashMap<(Tier, TenantId), usize>,
     picker: ClassPicker,
     in_flight: usize,
     /// A task waits for a slot to come free elsewhere (another worker, another layer).
@@ -625,6 +628,7 @@ impl FairQueue {
             state: Mutex::new(Queues {
                 groups: vec![Group::new(&config, None)?],
                 by_tier: HashMap::default(),
+                by_group: HashMap::default(),
                 picker: ClassPicker::new(&config),
                 in_flight: 0,
                 watching: false,
@@ -687,9 +691,11 @@ impl FairQueue {
     pub(super) fn queued_in_tier(&self, tier: &Tier) -> usize {
         let state = self.lock();
         state
-            .by_tier
-            .get(tier)
-            .map_or(0, |&group| state.groups[group].scheduler.len())
+            .groups
+            .iter()
+            .filter(|g| g.slots.as_ref().is_some_and(|slots| &slots.tier == tier))
+            .map(|g| g.scheduler.len())
+            .sum()
     }
 
     pub(super) fn fairness_index(&self) -> Option<f64> {
@@ -721,7 +727,17 @@ impl FairQueue {
             });
         };
         let (tier, limit, _) = policy.limit(job.tier_name());
-        let group = match state.by_tier.get(&tier) {
+        // A job's group is a level of its own in an in-process store; the fleet's order on
+        // a shared store is one level (its wake-ups name a tier and a tenant).
+        let named = job
+            .group_name()
+            .filter(|_| !self.slot_store().is_remote())
+            .map(|name| (tier.clone(), name.clone()));
+        let known = match &named {
+            Some(key) => state.by_group.get(key),
+            None => state.by_tier.get(&tier),
+        };
+        let group = match known {
             Some(&group) => group,
             None => {
                 let slots = TierSlots {
@@ -738,7 +754,10 @@ impl FairQueue {
                 };
                 state.groups.push(Group::new(&self.config, Some(slots))?);
                 let group = state.groups.len() - 1;
-                state.by_tier.insert(tier.clone(), group);
+                match named {
+                    Some(key) => state.by_group.insert(key, group),
+                    None => state.by_tier.insert(tier.clone(), group),
+                };
                 group
             }
         };
@@ -1010,13 +1029,26 @@ impl FairQueue {
         state: &mut Queues,
         group: usize,
         class: Priority,
+        held: &mut Vec<Option<Arc<str>>>,
         after: &mut AfterUnlock,
     ) -> Result<Option<(TenantId, RateGo)>, ()> {
         if self.rate.is_none() {
             return Ok(None);
         }
         let tenant = Self::next_tenant(&mut state.groups[group], class).ok_or(())?;
-        self.rate_for(state, group, class, &tenant, after)
+        let head = state.groups[group].scheduler.peek_tenant(class, &tenant);
+        let key = head.ok_or(())?.key.clone();
+        // What the gate reserved for the fair order's head (cells due a moment later) is
+        // the head's: a request after it in the order, on the same key, must not take it
+        // in the same pass, or the head asks again next time and loses again.
+        if held.contains(&key) {
+            return Err(());
+        }
+        let turn = self.rate_for(state, group, class, &tenant, after);
+        if turn.is_err() {
+            held.push(key);
+        }
+        turn
     }
 
     /// `rate_turn` for `tenant`'s next request in `class`.
@@ -1098,6 +1130,8 @@ impl FairQueue {
     /// dispatch.
     fn dispatch(self: &Arc<Self>, state: &mut Queues, after: &mut AfterUnlock) {
         let mut stuck: Vec<(usize, Priority)> = Vec::new();
+        // The rate gate's keys that held the fair order's head back in this pass.
+        let mut held: Vec<Option<Arc<str>>> = Vec::new();
         // Set again below if the rate gate still holds the head back.
         state.rate_wait = None;
         if state.nothing_to_dispatch() {
@@ -1128,7 +1162,7 @@ impl FairQueue {
             else {
                 return;
             };
-            let rate = match self.rate_turn(state, group, class, after) {
+            let rate = match self.rate_turn(state, group, class, &mut held, after) {
                 Ok(rate) => rate,
                 Err(()) => {
                     state.picker = picker;
@@ -1562,11 +1596,15 @@ impl FairQueue {
     ) {
         let class = next.class;
         let ci = class as usize;
-        let g = &mut state.groups[group];
         // The tier's weight, whatever its number of tenants waiting: a flood of many
         // tenants of one tier takes that tier's share, not more.
         let weight = f64::from(next.item.weight.max(1));
-        g.last_step[ci] = next.cost as f64 / weight;
+        // The tier's share is split among its groups with work in the class: each steps
+        // as many times as far, so the tier as a whole advances as one group would, and
+        // inside it the groups (services) go in turn whatever their number of tenants.
+        let groups = Self::groups_sharing(state, group, class);
+        let g = &mut state.groups[group];
+        g.last_step[ci] = next.cost as f64 * groups as f64 / weight;
         g.vtime[ci] += g.last_step[ci];
         state.left(class);
         state.in_flight += 1;
@@ -1584,6 +1622,28 @@ impl FairQueue {
         if let Some(waker) = next.item.waker {
             after.wake.push(waker);
         }
+    }
+
+    /// How many groups of `group`'s tier (itself included) have requests of `class`
+    /// waiting: 1 unless jobs name groups ([`Job::group`]).
+    fn groups_sharing(state: &Queues, group: usize, class: Priority) -> usize {
+        let Some(tier) = state.groups[group].slots.as_ref().map(|slots| &slots.tier) else {
+            return 1;
+        };
+        if state.by_group.is_empty() {
+            return 1;
+        }
+        let others = state
+            .groups
+            .iter()
+            .enumerate()
+            .filter(|(i, g)| {
+                *i != group
+                    && g.scheduler.class_len(class) > 0
+                    && g.slots.as_ref().is_some_and(|slots| &slots.tier == tier)
+            })
+            .count();
+        1 + others
     }
 
     /// The tenant whose DRR turn it is in `class` of `group`, passing over (to the back of
@@ -1828,7 +1888,15 @@ impl FairQueue {
         let mut state = self.lock();
         let group = self
             .slot_policy()
-            .and_then(|policy| state.by_tier.get(&policy.limit(job.tier_name()).0).copied())
+            .and_then(|policy| {
+                let tier = policy.limit(job.tier_name()).0;
+                match job.group_name() {
+                    Some(name) if !self.slot_store().is_remote() => {
+                        state.by_group.get(&(tier, name.clone())).copied()
+                    }
+                    _ => state.by_tier.get(&tier).copied(),
+                }
+            })
             .unwrap_or(0);
         state.groups[group]
             .scheduler

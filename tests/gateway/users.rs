@@ -17,6 +17,7 @@ static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 const SERVICE_KEY: &str = "sk-svc-companion";
 const FREE_ONLY_KEY: &str = "sk-free-only";
 const BATCH_KEY: &str = "sk-nightly";
+const SOLO_KEY: &str = "sk-svc-solo";
 
 /// The service key, a key limited to `free`, a batch key; `global` slots, every
 /// tier capped at `global` (and `tenant_cap` per user of `free`, when given), long waits.
@@ -45,6 +46,12 @@ key = "{FREE_ONLY_KEY}"
 tenant = "limited"
 tier = "free"
 tiers = ["free"]
+
+[[keys]]
+key = "{SOLO_KEY}"
+tenant = "solo-app"
+users = true
+tier = "free"
 
 [[keys]]
 key = "{BATCH_KEY}"
@@ -338,17 +345,7 @@ async fn one_users_flood_through_a_service_key_does_not_hold_up_another_user() {
 
 /// Classes through one key: 200 batch calls queued, then 20 user actions: the user actions
 /// go first, and batch still gets the share the class weights give it while both wait.
-///
-/// Ignored: it fails, and the cause is below the gateway. Every user action is classified
-/// `critical` (its `x-fairgate-class`) and waits in the fair queue (`queue.slow_wait`
-/// warnings), yet all 200 batch calls reach the mock first (user actions queued ~3.3 s,
-/// batch ~0.9-1.8 s), also with the window below the tier cap (no slot gate blocking).
-/// The same shape through the library's stack alone passes, cold and warm, with this
-/// window, these caps and the demotion policy
-/// (`stack_rate::critical_of_many_tenants_goes_before_a_batch_backlog_at_1000_rpm`): the
-/// cause lies between the gateway's request path and the stack, not in the fair queue.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "fails: queued batch goes before critical through the gateway's stack; see the doc comment"]
 async fn user_actions_go_before_queued_batch_through_one_key_and_batch_keeps_its_share() {
     let _turn = crate::support::file_turn(module_path!());
     let _serial = SERIAL.lock().await;
@@ -530,4 +527,65 @@ async fn the_recording_names_no_user_in_clear() {
         .collect();
     assert_eq!(tenants.len(), 2, "{text}");
     let _ = std::fs::remove_file(&file);
+}
+
+/// Two services on one gateway, one with 1,000 end users and one with a single user, both
+/// backlogged in one tier: each gets one share (each key its tier's weight), not 1,000:1.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_services_1000_users_and_1_user_each_get_one_share() {
+    let _turn = crate::support::file_turn(module_path!());
+    let _serial = SERIAL.lock().await;
+    const WINDOW: usize = 4;
+    let mock = MockAnthropic::start();
+    mock.set_delay(Duration::from_millis(50));
+    let gateway = Gateway::start(&mock.url(), &keys(WINDOW as u32, None, ""), None);
+    let url = gateway.url();
+    let send = |key: &'static str, user: String| {
+        let url = url.clone();
+        tokio::spawn(async move {
+            let _ = client()
+                .post(format!("{url}/v1/messages"))
+                .header("x-api-key", key)
+                .header("content-type", "application/json")
+                .body(body(&user, 0))
+                .send()
+                .await;
+        })
+    };
+    let mut calls: Vec<_> = (0..1000)
+        .map(|u| send(SERVICE_KEY, format!("many-{u}")))
+        .collect();
+    calls.extend((0..300).map(|_| send(SOLO_KEY, "solo-user".to_owned())));
+    // Both backlogged: most of the 1,300 calls wait in the fair queue.
+    assert!(
+        eventually(Duration::from_secs(60), async || {
+            metric_sum(&gateway.metrics().await, "claude_queue_depth") >= 1000.0
+        })
+        .await,
+        "the calls queue"
+    );
+    let from = mock.calls() as usize;
+    assert!(
+        eventually(Duration::from_secs(60), async || mock.calls() as usize
+            >= from + 200)
+        .await,
+        "200 more dispatches"
+    );
+    for call in calls {
+        call.abort();
+    }
+    let seen = mock.requests();
+    let window = &seen[from..from + 200];
+    let solo = window
+        .iter()
+        .filter(|r| user_of(&r.body) == "solo-user")
+        .count();
+    println!(
+        "of 200 dispatches with both backlogged: solo-app {solo}, companion-app (1,000 users) {}",
+        200 - solo
+    );
+    assert!(
+        (85..=115).contains(&solo),
+        "the 1-user service got {solo} of 200"
+    );
 }

@@ -817,3 +817,107 @@ async fn critical_of_many_tenants_goes_before_a_batch_backlog_at_1000_rpm() {
         );
     }
 }
+
+/// The stack with `window` places and every tier capped at `cap`, over a fast upstream
+/// whose rate never binds: the window is the limit.
+fn window_rig(window: usize, cap: u32) -> Rig {
+    let upstream = RateLimited::new(1_000_000, ms(60));
+    let mut policy = fairgate::SlotPolicy::builder().global_max(cap);
+    for tier in ["guest", "free", "pro", "premium"] {
+        policy = policy.tier(tier, cap, secs(600.0));
+    }
+    let fairgate = FairgateLayer::builder(Store::memory())
+        .backoff(BackoffPolicy::builder().seed(18).build().unwrap())
+        .slots(policy.build().unwrap())
+        .window(window)
+        .build()
+        .unwrap();
+    let service = fairgate
+        .layer(upstream.service())
+        .map_response(|response| response.status().as_u16());
+    Rig {
+        upstream,
+        stack: tower::util::BoxCloneSyncService::new(service),
+        start: Instant::now(),
+        ids: Arc::default(),
+    }
+}
+
+/// Of the upstream's first `n` calls, how many each tenant-name prefix (before `/`) had.
+fn shares_of(rig: &Rig, n: usize) -> std::collections::BTreeMap<String, usize> {
+    let mut shares = std::collections::BTreeMap::new();
+    for call in rig.upstream.calls().iter().take(n) {
+        let prefix = call.tenant.split('/').next().unwrap_or("").to_owned();
+        *shares.entry(prefix).or_default() += 1;
+    }
+    shares
+}
+
+// 6. Two levels: inside a tier, services first (each one share), then a service's users.
+#[tokio::test(start_paused = true)]
+async fn a_service_with_1000_users_and_one_with_1_user_get_one_share_each_in_their_tier() {
+    for grouped in [true, false] {
+        let rig = window_rig(4, 4);
+        let job = |service: &str, n: usize| {
+            let job = user(&format!("{service}/u{n}"), "free");
+            if grouped { job.group(service) } else { job }
+        };
+        let mut calls: Vec<_> = (0..1000).map(|u| rig.send(ZERO, job("many", u))).collect();
+        calls.extend((0..300).map(|_| rig.send(ms(1), job("one", 0))));
+        // The first 400 dispatches, both backlogged all along.
+        let deadline = rig.at(secs(60.0));
+        while rig.upstream.calls().len() < 400 && Instant::now() < deadline {
+            tokio::time::sleep(ms(100)).await;
+        }
+        let shares = shares_of(&rig, 400);
+        println!("grouped {grouped}: of 400 dispatches {shares:?}");
+        for call in calls {
+            call.abort();
+        }
+        let one = shares.get("one").copied().unwrap_or(0);
+        if grouped {
+            // One share each: 200 and 200, within a few dispatches.
+            assert!(
+                (190..=210).contains(&one),
+                "the 1-user service got {one} of 400"
+            );
+        } else {
+            // One level: each user a turn, so the single user gets about 1 in 1,001.
+            assert!(
+                one < 20,
+                "the 1-user service got {one} of 400 without groups"
+            );
+        }
+    }
+}
+
+// 7. Groups split their tier's share; the tiers keep their weights (premium 3, free 1).
+#[tokio::test(start_paused = true)]
+async fn groups_split_their_tiers_share_and_tiers_keep_their_weights() {
+    let rig = window_rig(4, 4);
+    let mut calls = Vec::new();
+    for (service, tier, users) in [
+        ("prem", "premium", 1),
+        ("free-a", "free", 50),
+        ("free-b", "free", 2),
+    ] {
+        for n in 0..600 {
+            let name = format!("{service}/u{}", n % users);
+            calls.push(rig.send(ZERO, user(&name, tier).group(service)));
+        }
+    }
+    let deadline = rig.at(secs(60.0));
+    while rig.upstream.calls().len() < 800 && Instant::now() < deadline {
+        tokio::time::sleep(ms(100)).await;
+    }
+    let shares = shares_of(&rig, 800);
+    println!("of 800 dispatches: {shares:?}");
+    for call in calls {
+        call.abort();
+    }
+    let get = |name: &str| shares.get(name).copied().unwrap_or(0) as f64 / 800.0;
+    // premium 3/4, each free service 1/8.
+    assert!((get("prem") - 0.75).abs() < 0.03, "{shares:?}");
+    assert!((get("free-a") - 0.125).abs() < 0.02, "{shares:?}");
+    assert!((get("free-b") - 0.125).abs() < 0.02, "{shares:?}");
+}

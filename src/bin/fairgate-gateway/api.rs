@@ -77,6 +77,9 @@ impl Live {
             }
             // What the call was given, read at dispatch: told to the client on the answer.
             let applied = req.extensions().get::<Job>().map(Applied::of);
+            if let (Some(job), Some(applied)) = (req.extensions().get::<Job>(), &applied) {
+                debug!(tenant = %job.tenant(), class = applied.class, queued_ms = applied.queued_ms, "dispatched");
+            }
             async move {
                 let response = upstream
                     .send(req.map(|body| body.map_err(|never| match never {}).boxed_unsync()))

@@ -18,6 +18,10 @@
 //! a batch call, which stays batch). A claim beyond them is a `403 permission_error` naming
 //! the header, never silently lowered: a client that could name any tier could name itself
 //! premium. The priority stays the classifier's alone.
+//!
+//! Each key's calls are one group of the fair queue ([`Job::group`]): inside a tier the
+//! order goes across keys first, each one share, then across a service's end users, so a
+//! service cannot crowd out the others with many (or invented) users.
 
 use std::borrow::Cow;
 use std::collections::HashMap;
@@ -156,7 +160,11 @@ impl KeyPolicy {
                     )
                 })?,
         };
-        let mut job = Job::new(tenant, origin).tier(tier);
+        // Every key is a group of its own inside its tier: the fair order goes across keys
+        // first (each one share of its tier), then across a service's end users.
+        let mut job = Job::new(tenant, origin)
+            .tier(tier)
+            .group(self.tenant.clone());
         if let Some(secs) = header(headers, &SLA)? {
             let sla = secs
                 .parse::<f64>()
