@@ -488,7 +488,7 @@ async fn python_sdk_against_the_gateway() {
 
 /// A Python with the `anthropic` SDK installed, or `None` (with a message) when it cannot be
 /// had outside CI.
-fn sdk_python() -> Option<PathBuf> {
+pub(crate) fn sdk_python() -> Option<PathBuf> {
     let venv = target_tmp().join("anthropic-sdk-venv");
     let python = venv.join("bin").join("python");
     let has_sdk = |python: &PathBuf| {

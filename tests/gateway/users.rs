@@ -589,3 +589,95 @@ async fn two_services_1000_users_and_1_user_each_get_one_share() {
         "the 1-user service got {solo} of 200"
     );
 }
+
+/// The second write-up through the gateway with the official Python SDK: 8 client
+/// processes share one service key; 200 free users flood, 5 premium users chat (1 s
+/// upstream calls, the default caps). Every premium call is answered, premium p99 <= 2 s;
+/// free users get `529` with `retry-after` within their max wait; the upstream never sees
+/// more than the global cap.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn python_sdk_backend_with_many_users() {
+    let _turn = crate::support::file_turn(module_path!());
+    let _serial = SERIAL.lock().await;
+    let Some(python) = crate::proxy::sdk_python() else {
+        return;
+    };
+    const FREE_MAX_WAIT: f64 = 12.0; // the default free tier's
+    let mock = MockAnthropic::start();
+    mock.set_delay(Duration::from_secs(1));
+    let keys = format!(
+        "[[keys]]\nkey = \"{SERVICE_KEY}\"\ntenant = \"companion-app\"\nusers = true\n\
+         tier = \"free\"\ntiers = [\"free\", \"premium\"]\n"
+    );
+    let gateway = Gateway::start(&mock.url(), &keys, None);
+    let script =
+        std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/python/sdk_users.py");
+    let run = tokio::process::Command::new(python)
+        .arg(&script)
+        .env("GATEWAY_URL", gateway.url())
+        .env("SERVICE_KEY", SERVICE_KEY)
+        .env("SECONDS", "16")
+        .env("FREE_MAX_WAIT", FREE_MAX_WAIT.to_string())
+        .env_remove("ANTHROPIC_API_KEY")
+        .env_remove("ANTHROPIC_BASE_URL")
+        .stdin(std::process::Stdio::null())
+        .kill_on_drop(true)
+        .output();
+    let output = tokio::time::timeout(Duration::from_secs(180), run)
+        .await
+        .expect("the SDK script ends within 180 s")
+        .expect("run the SDK script");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(output.status.success(), "the SDK script failed:\n{stderr}");
+    let seen: Value = serde_json::from_slice(&output.stdout).expect("the script's JSON line");
+
+    let mut premium: Vec<f64> = Vec::new();
+    for call in seen["premium"].as_array().unwrap() {
+        assert_eq!(call[0], "ok", "a premium call was not answered: {call}");
+        assert_eq!(call[2], "premium", "{call}");
+        premium.push(call[1].as_f64().unwrap());
+    }
+    premium.sort_by(f64::total_cmp);
+    let p =
+        |q: f64| premium[((premium.len() as f64 * q).ceil() as usize).clamp(1, premium.len()) - 1];
+    let (mut ok, mut busy, mut longest_busy) = (0, 0, 0.0f64);
+    for call in seen["free"].as_array().unwrap() {
+        if call[0] == "ok" {
+            ok += 1;
+            continue;
+        }
+        assert_eq!(call[0], 529, "a free call got {call}");
+        assert!(
+            call[2].as_str().is_some_and(|s| s.parse::<u64>().is_ok()),
+            "no retry-after: {call}"
+        );
+        busy += 1;
+        longest_busy = longest_busy.max(call[1].as_f64().unwrap());
+    }
+    println!(
+        "Python SDK, 8 processes, one service key, 1 s calls: premium {} calls, p50 {:.2} s, \
+         p99 {:.2} s, max {:.2} s; free {ok} answered, {busy} got 529 (the longest after \
+         {longest_busy:.2} s); the upstream saw at most {} at once",
+        premium.len(),
+        p(0.5),
+        p(0.99),
+        p(1.0),
+        mock.max_in_flight()
+    );
+    assert!(
+        premium.len() >= 20,
+        "the premium users chatted: {}",
+        premium.len()
+    );
+    assert!(p(0.99) <= 2.0, "premium p99 {:.2} s", p(0.99));
+    assert!(busy > 0, "a flood of 200 users on a cap of 15 refuses some");
+    assert!(
+        longest_busy <= FREE_MAX_WAIT + 1.5,
+        "a 529 after {longest_busy:.2} s"
+    );
+    assert!(
+        mock.max_in_flight() <= 30,
+        "the upstream saw {} at once",
+        mock.max_in_flight()
+    );
+}
