@@ -681,3 +681,78 @@ async fn python_sdk_backend_with_many_users() {
         mock.max_in_flight()
     );
 }
+
+/// The noisy neighbour through one service key on Redis, three gateways: end user A's 60
+/// calls spread over the three, then user B's one through the third. The fleet serves the
+/// service's users in one order: B waits for one call of A's to end, not for A's backlog.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_gateways_on_redis_serve_one_services_users_in_one_order() {
+    let _turn = crate::support::file_turn(module_path!());
+    let _serial = SERIAL.lock().await;
+    const CALL: Duration = Duration::from_millis(400);
+    const GLOBAL: usize = 3;
+    let redis = crate::support::RedisServer::start();
+    let mock = MockAnthropic::start();
+    mock.set_delay(CALL);
+    let keys = keys(GLOBAL as u32, None, "");
+    let gateways: Vec<Gateway> = (0..3)
+        .map(|_| Gateway::start(&mock.url(), &keys, Some(&redis.url())))
+        .collect();
+    let flood: Vec<_> = (0..60)
+        .map(|i| {
+            let url = gateways[i % 3].url();
+            tokio::spawn(async move {
+                let _ = client()
+                    .post(format!("{url}/v1/messages"))
+                    .header("x-api-key", SERVICE_KEY)
+                    .header("x-fairgate-tier", "pro")
+                    .header("content-type", "application/json")
+                    .body(body("user-a", 0))
+                    .send()
+                    .await;
+            })
+        })
+        .collect();
+    assert!(mock.wait_in_flight(GLOBAL, Duration::from_secs(20)));
+    let mut queued = 0.0;
+    for _ in 0..200 {
+        queued = 0.0;
+        for gateway in &gateways {
+            queued += metric_sum(&gateway.metrics().await, "claude_queue_depth");
+        }
+        if queued >= 50.0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(queued >= 50.0, "A's calls queue across the fleet: {queued}");
+    let started = Instant::now();
+    let response = call(
+        &gateways[2],
+        SERVICE_KEY,
+        "user-b",
+        &[("x-fairgate-tier", "pro")],
+    )
+    .await;
+    let took = started.elapsed();
+    assert_eq!(response.status(), 200);
+    let waited = header(&response, "x-fairgate-queued-ms").to_owned();
+    for task in flood {
+        task.abort();
+    }
+    println!(
+        "three gateways on Redis: B answered in {} ms (queued {waited} ms) behind A's 60 calls \
+         (call {} ms, {GLOBAL} slots); the upstream saw at most {} at once",
+        took.as_millis(),
+        CALL.as_millis(),
+        mock.max_in_flight()
+    );
+    assert!(
+        mock.max_in_flight() <= GLOBAL,
+        "the fleet kept the global cap"
+    );
+    assert!(
+        took <= 2 * CALL + Duration::from_millis(300),
+        "B took {took:?} behind A's backlog"
+    );
+}
