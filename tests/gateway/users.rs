@@ -370,12 +370,11 @@ async fn user_actions_go_before_queued_batch_through_one_key_and_batch_keeps_its
                 .send()
                 .await
                 .map(|r| {
-                    let got = (
+                    (
                         r.status().as_u16(),
                         header(&r, "x-fairgate-class").to_owned(),
                         header(&r, "x-fairgate-queued-ms").to_owned(),
-                    );
-                    got
+                    )
                 })
                 .unwrap_or_default()
         })
