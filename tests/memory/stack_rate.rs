@@ -921,3 +921,72 @@ async fn groups_split_their_tiers_share_and_tiers_keep_their_weights() {
     assert!((get("free-a") - 0.125).abs() < 0.02, "{shares:?}");
     assert!((get("free-b") - 0.125).abs() < 0.02, "{shares:?}");
 }
+
+// 8. Two levels, for any mix: every group gets its tier's share (premium 3, free 1) split
+// evenly among the tier's groups, whatever the number of users in each.
+mod two_levels {
+    use super::*;
+    use proptest::prelude::*;
+
+    /// The first `n` dispatches per group when every group (premium or not, its number of
+    /// users) is backlogged from the start with `n` calls over its users.
+    async fn dispatches(groups: &[(bool, usize)], n: usize) -> Vec<usize> {
+        let rig = window_rig(4, 4);
+        let mut calls = Vec::new();
+        for (g, &(premium, users)) in groups.iter().enumerate() {
+            let tier = if premium { "premium" } else { "free" };
+            for k in 0..n {
+                let job = user(&format!("g{g}/u{}", k % users), tier).group(format!("g{g}"));
+                calls.push(rig.send(ZERO, job));
+            }
+        }
+        let deadline = rig.at(secs(600.0));
+        while rig.upstream.calls().len() < n && Instant::now() < deadline {
+            tokio::time::sleep(ms(100)).await;
+        }
+        for call in calls {
+            call.abort();
+        }
+        let shares = shares_of(&rig, n);
+        (0..groups.len())
+            .map(|g| shares.get(&format!("g{g}")).copied().unwrap_or(0))
+            .collect()
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig {
+            cases: 48,
+            failure_persistence: None,
+            ..ProptestConfig::default()
+        })]
+
+        #[test]
+        fn each_group_gets_its_tiers_share_split_evenly_whatever_its_users(
+            groups in prop::collection::vec((any::<bool>(), 1usize..=60), 2..=4),
+        ) {
+            const N: usize = 240;
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_time()
+                .start_paused(true)
+                .build()
+                .unwrap();
+            let got = runtime.block_on(dispatches(&groups, N));
+            let weight = |premium: bool| if premium { 3.0 } else { 1.0 };
+            let tiers: Vec<bool> = [true, false]
+                .into_iter()
+                .filter(|t| groups.iter().any(|g| g.0 == *t))
+                .collect();
+            let total: f64 = tiers.iter().map(|&t| weight(t)).sum();
+            for (g, &(premium, _)) in groups.iter().enumerate() {
+                let in_tier = groups.iter().filter(|o| o.0 == premium).count() as f64;
+                let expected = weight(premium) / total / in_tier;
+                let share = got[g] as f64 / N as f64;
+                // The window's first calls go as they come, before any order: 4 of 240.
+                prop_assert!(
+                    (share - expected).abs() <= 0.04,
+                    "group {g} of {groups:?}: {share:.3}, expected {expected:.3} ({got:?})"
+                );
+            }
+        }
+    }
+}
