@@ -20,6 +20,10 @@ struct Scripted {
     used: AtomicUsize,
     unused: AtomicUsize,
     changed: Arc<tokio::sync::Notify>,
+    /// As learned pacing does: a check with no cell reserved reserves one due a moment
+    /// later (and holds the caller until then); the next check takes it, whoever asks.
+    reserve_first: bool,
+    reserved: std::sync::atomic::AtomicBool,
 }
 
 impl RateLimit for Scripted {
@@ -33,6 +37,10 @@ impl RateLimit for Scripted {
         {
             return Verdict::Until(at, WaitReason::Rate);
         }
+        if self.reserve_first && !self.reserved.swap(true, Ordering::SeqCst) {
+            return Verdict::Until(Instant::now() + Duration::from_millis(1), WaitReason::Rate);
+        }
+        self.reserved.store(false, Ordering::SeqCst);
         self.given.fetch_add(1, Ordering::SeqCst);
         let gate: Arc<dyn RateLimit> = self.clone();
         Verdict::Go(Some(Box::new(Receipt {
@@ -196,5 +204,39 @@ async fn after_a_long_hold_the_class_weights_still_decide_who_goes_first() {
         &order[..3],
         &[Priority::Critical; 3],
         "critical first: {order:?}"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_cell_reserved_for_the_fair_orders_head_is_the_heads() {
+    // The gate reserves a cell for the call that asks first (the head of the fair order:
+    // the critical call) and holds it a moment; the dispatcher must not let the next
+    // candidate (a batch call, same key) take that cell meanwhile, or the head asks again
+    // next time and loses again, for as long as batch has work.
+    let gate = Arc::new(Scripted {
+        reserve_first: true,
+        ..Scripted::default()
+    });
+    *gate.closed_until.lock().unwrap() = Some(Instant::now() + Duration::from_secs(1));
+    let (_layer, went, service) = fair(gate.clone());
+    let mut calls = Vec::new();
+    for i in 0..5 {
+        let call = service
+            .clone()
+            .oneshot(request(&format!("b{i}"), Priority::Batch));
+        calls.push(tokio::spawn(call));
+    }
+    tokio::task::yield_now().await;
+    calls.push(tokio::spawn(
+        service.clone().oneshot(request("user", Priority::Critical)),
+    ));
+    for call in calls {
+        drop(call.await.unwrap().unwrap());
+    }
+    let went = went.lock().unwrap();
+    assert_eq!(went.len(), 6);
+    assert_eq!(
+        went[0].0, "user",
+        "the head's cell went to another: {went:?}"
     );
 }
