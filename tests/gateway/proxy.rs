@@ -586,8 +586,8 @@ fn a_bad_command_line_or_keys_file_is_refused_at_start_with_a_clear_message() {
     assert!(!err.contains("sk-secret-2"), "no key in the message: {err}");
     let err = run(
         &base,
-        Some("[[keys]]\nkey = \"k\"\ntenant = \"t\"\ntiers = \"pro\"\n"),
+        Some("[[keys]]\nkey = \"k\"\ntenant = \"t\"\nweight = 3\n"),
     );
-    assert!(err.contains("unknown field `tiers`"), "{err}");
+    assert!(err.contains("unknown field `weight`"), "{err}");
     assert!(run(&base, Some("")).contains("no [[keys]]"));
 }
