@@ -76,10 +76,11 @@ impl Live {
                 probe.dispatched();
             }
             // What the call was given, read at dispatch: told to the client on the answer.
-            let applied = req.extensions().get::<Job>().map(Applied::of);
-            if let (Some(job), Some(applied)) = (req.extensions().get::<Job>(), &applied) {
+            let applied = req.extensions().get::<Job>().map(|job| {
+                let applied = Applied::of(job);
                 debug!(tenant = %job.tenant(), class = applied.class, queued_ms = applied.queued_ms, "dispatched");
-            }
+                applied
+            });
             async move {
                 let response = upstream
                     .send(req.map(|body| body.map_err(|never| match never {}).boxed_unsync()))
