@@ -252,16 +252,6 @@ pub(crate) fn parse(text: &str) -> Result<Config, Refusal> {
         let wait = Duration::from_millis(*tier.max_wait_ms.get_ref());
         builder = builder.tier(tier.name.as_str(), tier.cap, wait);
         if let Some(cap) = &tier.tenant_cap {
-            if *cap.get_ref() == 0 {
-                return Err(refuse(
-                    text,
-                    Some(cap.span()),
-                    format!(
-                        "[[tiers]] `{}`: tenant_cap = 0: give at least 1 (or leave it out)",
-                        tier.name
-                    ),
-                ));
-            }
             builder = builder.tenant_cap(tier.name.as_str(), *cap.get_ref());
         }
         if !tiers.contains(&tier.name) {
@@ -271,22 +261,7 @@ pub(crate) fn parse(text: &str) -> Result<Config, Refusal> {
     let policy = builder
         .build()
         .map_err(|e| refuse(text, None, format!("bad [limits] or [[tiers]]: {e}")))?;
-    let user_secret = file
-        .user_secret
-        .as_ref()
-        .map(|secret| secret.get_ref().0.as_bytes());
-    if let (Some(secret), Some(spanned)) = (user_secret, &file.user_secret)
-        && secret.len() < 16
-    {
-        return Err(refuse(
-            text,
-            Some(spanned.span()),
-            "user_secret is shorter than 16 bytes: give a long random string (the same on \
-             every gateway of a fleet)"
-                .into(),
-        ));
-    }
-    let clients = clients(text, &file.keys, &tiers, user_secret)?;
+    let clients = clients(text, &file.keys, &tiers, user_secret(text, &file)?)?;
     let window = match &limits.window {
         Some(window) if *window.get_ref() == 0 => {
             return Err(refuse(
@@ -308,6 +283,24 @@ pub(crate) fn parse(text: &str) -> Result<Config, Refusal> {
         demotion,
         identities: clients.identities,
     })
+}
+
+/// The `user_secret`, refused when shorter than 16 bytes.
+fn user_secret<'a>(text: &str, file: &'a KeysFile) -> Result<Option<&'a [u8]>, Refusal> {
+    let Some(spanned) = &file.user_secret else {
+        return Ok(None);
+    };
+    let secret = spanned.get_ref().0.as_bytes();
+    if secret.len() < 16 {
+        return Err(refuse(
+            text,
+            Some(spanned.span()),
+            "user_secret is shorter than 16 bytes: give a long random string (the same on \
+             every gateway of a fleet)"
+                .into(),
+        ));
+    }
+    Ok(Some(secret))
 }
 
 /// The slot policy's `[limits]`: the global cap, the Retry-After, the lease TTL.
@@ -375,6 +368,18 @@ fn check_tier<'a>(
             format!("[[tiers]] `{}`: cap = 0: give at least 1", tier.name),
         ));
     }
+    if let Some(cap) = &tier.tenant_cap
+        && *cap.get_ref() == 0
+    {
+        return Err(refuse(
+            text,
+            Some(cap.span()),
+            format!(
+                "[[tiers]] `{}`: tenant_cap = 0: give at least 1 (or leave it out)",
+                tier.name
+            ),
+        ));
+    }
     let wait = *tier.max_wait_ms.get_ref();
     if wait > MAX_WAIT_MS {
         return Err(refuse(
@@ -412,7 +417,7 @@ fn clients(
     let mut identities = Identities::default();
     for (i, spanned) in entries.iter().enumerate() {
         let (entry, sha256) = check_key(text, i + 1, spanned, tiers, &keys)?;
-        let claims = check_claims(text, i + 1, spanned)?;
+        let claims = check_claims(text, i + 1, spanned, tiers)?;
         let policy = KeyPolicy::new(
             entry.tenant.as_str(),
             entry.tier.as_str(),
@@ -436,10 +441,9 @@ fn clients(
     })
 }
 
-/// Key #`n`'s `origin`, `tiers` and `origins`, refused unless each names a known origin or
-/// a tier the key's own `tier` is among (a default it could not claim is a mistake).
-fn check_claims(text: &str, n: usize, spanned: &Spanned<KeyEntry>) -> Result<Claims, Refusal> {
-    let entry = spanned.get_ref();
+/// Key #`n`'s `origin` (default `user`) and `origins`, refused unless each is a known
+/// origin and the key's own is among those it may claim.
+fn check_origins(text: &str, n: usize, entry: &KeyEntry) -> Result<(Origin, Vec<Origin>), Refusal> {
     let origin_of = |name: &str, span| {
         parse_origin(name).ok_or_else(|| {
             refuse(
@@ -474,9 +478,44 @@ fn check_claims(text: &str, n: usize, spanned: &Spanned<KeyEntry>) -> Result<Cla
             ));
         }
     }
+    Ok((origin, origins))
+}
+
+/// Key #`n`'s `origin`, `tiers` and `origins`, refused unless each names a known origin or
+/// a tier the key's own `tier` is among (a default it could not claim is a mistake).
+fn check_claims(
+    text: &str,
+    n: usize,
+    spanned: &Spanned<KeyEntry>,
+    known: &[String],
+) -> Result<Claims, Refusal> {
+    let entry = spanned.get_ref();
+    if entry.users && entry.tenant.contains('/') {
+        return Err(refuse(
+            text,
+            Some(spanned.span()),
+            format!(
+                "key #{n} (tenant `{}`): a key with `users = true` names a tenant without `/` \
+                 (its end users are `tenant/…`)",
+                entry.tenant
+            ),
+        ));
+    }
+    let (origin, origins) = check_origins(text, n, entry)?;
     let mut tiers = Vec::new();
     if let Some(list) = &entry.tiers {
-        // Each must be known: checked by the caller against the configured tiers.
+        if let Some(unknown) = list.get_ref().iter().find(|t| !known.contains(t)) {
+            return Err(refuse(
+                text,
+                Some(list.span()),
+                format!(
+                    "key #{n} (tenant `{}`): unknown tier `{unknown}` in `tiers`; known: {} \
+                     (add it under [[tiers]])",
+                    entry.tenant,
+                    known.join(", ")
+                ),
+            ));
+        }
         tiers.clone_from(list.get_ref());
         if !tiers.contains(&entry.tier) {
             return Err(refuse(
@@ -576,31 +615,6 @@ fn check_key<'a>(
                 entry.tenant,
                 entry.tier,
                 tiers.join(", ")
-            ),
-        ));
-    }
-    if let Some(list) = &entry.tiers
-        && let Some(unknown) = list.get_ref().iter().find(|t| !tiers.contains(t))
-    {
-        return Err(refuse(
-            text,
-            Some(list.span()),
-            format!(
-                "key #{n} (tenant `{}`): unknown tier `{unknown}` in `tiers`; known: {} (add it \
-                 under [[tiers]])",
-                entry.tenant,
-                tiers.join(", ")
-            ),
-        ));
-    }
-    if entry.users && entry.tenant.contains('/') {
-        return Err(refuse(
-            text,
-            span,
-            format!(
-                "key #{n} (tenant `{}`): a key with `users = true` names a tenant without `/` \
-                 (its end users are `tenant/…`)",
-                entry.tenant
             ),
         ));
     }
