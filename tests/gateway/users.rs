@@ -234,8 +234,19 @@ async fn claims_beyond_the_key_are_refused_403_and_the_upstream_sees_no_claim_an
     .await;
     assert_eq!(response.status(), 200);
     assert_eq!(header(&response, "x-fairgate-class"), "standard");
-    let response = call(&gateway, SERVICE_KEY, "", &[("x-fairgate-user", "carol")]).await;
+    // `scheduled` with no SLA is batch.
+    let response = call(
+        &gateway,
+        SERVICE_KEY,
+        "",
+        &[
+            ("x-fairgate-user", "carol"),
+            ("x-fairgate-origin", "scheduled"),
+        ],
+    )
+    .await;
     assert_eq!(response.status(), 200);
+    assert_eq!(header(&response, "x-fairgate-class"), "batch");
 
     let seen = mock.requests();
     assert_eq!(seen.len(), 4);
@@ -256,8 +267,18 @@ async fn claims_beyond_the_key_are_refused_403_and_the_upstream_sees_no_claim_an
     // `metadata` goes as sent.
     assert_eq!(user_of(&seen[0].body), "alice");
 
-    // An end user is never a metric label: its service is.
+    // An end user is never a metric label: its service is. The refusals are counted by
+    // what was refused.
     let metrics = gateway.metrics().await;
+    let refused = |what: &str, status: &str| {
+        metrics.lines().any(|line| {
+            line.starts_with("gateway_claim_refusals_total")
+                && line.contains(&format!("what=\"{what}\""))
+                && line.contains(&format!("status=\"{status}\""))
+        })
+    };
+    assert!(refused("x-fairgate-tier", "403"), "{metrics}");
+    assert!(refused("metadata.user_id", "400"), "{metrics}");
     let labels: Vec<&str> = metrics
         .lines()
         .filter(|line| line.contains("tenant_id=\""))

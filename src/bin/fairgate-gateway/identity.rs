@@ -38,10 +38,10 @@ use super::Body;
 use super::upstream::full;
 
 /// The claim headers (every `x-fairgate-*` header is dropped before the upstream).
-pub(crate) const USER: HeaderName = HeaderName::from_static("x-fairgate-user");
-pub(crate) const TIER: HeaderName = HeaderName::from_static("x-fairgate-tier");
-pub(crate) const ORIGIN: HeaderName = HeaderName::from_static("x-fairgate-origin");
-pub(crate) const SLA: HeaderName = HeaderName::from_static("x-fairgate-sla");
+pub(crate) static USER: HeaderName = HeaderName::from_static("x-fairgate-user");
+pub(crate) static TIER: HeaderName = HeaderName::from_static("x-fairgate-tier");
+pub(crate) static ORIGIN: HeaderName = HeaderName::from_static("x-fairgate-origin");
+pub(crate) static SLA: HeaderName = HeaderName::from_static("x-fairgate-sla");
 
 /// The longest end-user id taken, in bytes.
 const MAX_USER: usize = 256;
@@ -123,7 +123,7 @@ impl KeyPolicy {
                 let user = user_of(headers, body)?;
                 TenantId::from(hash.tenant(&self.prefix, user.as_bytes()))
             }
-            None if headers.contains_key(USER) => {
+            None if headers.contains_key(&USER) => {
                 return Err(Refused::forbidden(
                     &USER,
                     "this key does not act for end users (`users = true` in the keys file)",
@@ -189,7 +189,10 @@ impl KeyPolicy {
 }
 
 /// A header's value, trimmed; `None` when absent or empty.
-fn header<'a>(headers: &'a HeaderMap, name: &HeaderName) -> Result<Option<&'a str>, Refused> {
+fn header<'a>(
+    headers: &'a HeaderMap,
+    name: &'static HeaderName,
+) -> Result<Option<&'a str>, Refused> {
     match headers.get(name) {
         None => Ok(None),
         Some(value) => value
@@ -226,6 +229,7 @@ fn user_of<'a>(headers: &'a HeaderMap, body: &'a [u8]) -> Result<Cow<'a, str>, R
             return Err(Refused::new(
                 StatusCode::BAD_REQUEST,
                 "invalid_request_error",
+                "metadata.user_id",
                 format!("metadata.user_id: longer than {MAX_USER} bytes"),
             ));
         }
@@ -239,6 +243,7 @@ fn user_of<'a>(headers: &'a HeaderMap, body: &'a [u8]) -> Result<Cow<'a, str>, R
         None => Err(Refused::new(
             StatusCode::BAD_REQUEST,
             "invalid_request_error",
+            "metadata.user_id",
             "metadata.user_id: this key acts for end users, and the call names none \
              (give `metadata.user_id` in the body, or the x-fairgate-user header)"
                 .into(),
@@ -296,35 +301,47 @@ impl UserHash {
 pub(crate) struct Refused {
     status: StatusCode,
     kind: &'static str,
+    /// The header or field refused: the metric's label (a fixed name, never a value).
+    what: &'static str,
     message: String,
 }
 
 impl Refused {
-    fn new(status: StatusCode, kind: &'static str, message: String) -> Self {
+    fn new(status: StatusCode, kind: &'static str, what: &'static str, message: String) -> Self {
         Refused {
             status,
             kind,
+            what,
             message,
         }
     }
 
-    fn invalid(header: &HeaderName, why: &str) -> Self {
+    fn invalid(header: &'static HeaderName, why: &str) -> Self {
         Refused::new(
             StatusCode::BAD_REQUEST,
             "invalid_request_error",
+            header.as_str(),
             format!("{header}: {why}"),
         )
     }
 
-    fn forbidden(header: &HeaderName, why: &str) -> Self {
+    fn forbidden(header: &'static HeaderName, why: &str) -> Self {
         Refused::new(
             StatusCode::FORBIDDEN,
             "permission_error",
+            header.as_str(),
             format!("{header}: {why}"),
         )
     }
 
+    /// Counted in `gateway_claim_refusals_total{what, status}`.
     pub(crate) fn response(&self) -> Response<Body> {
+        metrics::counter!(
+            "gateway_claim_refusals_total",
+            "what" => self.what,
+            "status" => self.status.as_str().to_owned()
+        )
+        .increment(1);
         let body = serde_json::json!({
             "type": "error",
             "error": { "type": self.kind, "message": self.message },
@@ -504,7 +521,12 @@ mod tests {
     #[tokio::test]
     async fn a_refusal_is_anthropic_json_even_with_quotes() {
         use http_body_util::BodyExt;
-        let refusal = Refused::new(StatusCode::FORBIDDEN, "permission_error", "a \"b\"".into());
+        let refusal = Refused::new(
+            StatusCode::FORBIDDEN,
+            "permission_error",
+            "x-fairgate-tier",
+            "a \"b\"".into(),
+        );
         let response = refusal.response();
         assert_eq!(response.status(), StatusCode::FORBIDDEN);
         let body = response.into_body().collect().await.unwrap().to_bytes();
