@@ -125,8 +125,17 @@ impl<T> StoreFuture<T> {
 }
 
 impl<T> StoreFuture<T> {
-    /// The value if it is already there, else the future itself (to poll later).
-    pub(crate) fn into_ready(self) -> Result<T, Self> {
+    /// The value if it is already there, else the future itself (to poll later): an
+    /// in-process store (or Redis's answer from this worker's own state) answers at once,
+    /// so a caller can use an answer that costs no round trip and skip one that would.
+    ///
+    /// ```
+    /// use fairgate::{Store, TenantId};
+    ///
+    /// let store = Store::memory();
+    /// assert_eq!(store.tokens_today(&TenantId::new("t")).into_ready().ok(), Some(0));
+    /// ```
+    pub fn into_ready(self) -> Result<T, Self> {
         match self.state {
             FutureState::Ready(Some(value)) => Ok(value),
             state => Err(StoreFuture { state }),
@@ -450,8 +459,9 @@ impl Store {
         self.kinds().pace_learned(key, ask)
     }
 
-    /// Whether an operation may be a round trip (Redis), so callers batch.
-    pub(crate) fn is_remote(&self) -> bool {
+    /// Whether an operation may be a round trip (Redis), so callers batch (or, with
+    /// [`StoreFuture::into_ready`], use only the answers that cost none).
+    pub fn is_remote(&self) -> bool {
         !matches!(&*self.backend, Backend::Memory(_))
     }
 

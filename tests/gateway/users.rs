@@ -479,6 +479,8 @@ async fn demotion_and_caps_are_per_end_user() {
         let response = post("spender", 400).await.unwrap();
         assert_eq!(response.status(), 200);
         if header(&response, "x-fairgate-class") == "batch" {
+            // Past 1.5x its budget: nothing left of it.
+            assert_eq!(header(&response, "x-fairgate-budget-remaining"), "0");
             demoted = true;
             break;
         }
@@ -491,6 +493,11 @@ async fn demotion_and_caps_are_per_end_user() {
         "critical",
         "the other user is not"
     );
+    // Its own budget: 100 tokens less this call's estimate (its body's bytes / 3.5).
+    let left: u64 = header(&response, "x-fairgate-budget-remaining")
+        .parse()
+        .unwrap();
+    assert!((30..100).contains(&left), "thrifty has {left} tokens left");
 
     // tenant_cap = 1 on `free`: four calls of one user and one of another, the mock slow.
     mock.set_delay(Duration::from_millis(300));

@@ -395,6 +395,7 @@ async fn messages(
         Ok(job) => job.cost(tokens_of(size)),
         Err(refused) => return refused.response(),
     };
+    let tenant = job.tenant().clone();
     let mut req = Request::from_parts(parts, Full::new(bytes));
     req.extensions_mut().insert(job);
     let started = tokio::time::Instant::now();
@@ -411,6 +412,12 @@ async fn messages(
                 ms = started.elapsed().as_millis() as u64,
                 "POST /v1/messages"
             );
+            let mut response = response;
+            if let Some(left) = budget_left(&live, &tenant) {
+                response
+                    .headers_mut()
+                    .insert("x-fairgate-budget-remaining", HeaderValue::from(left));
+            }
             // The slot, the window permit and the body's bytes come back at the upstream's
             // last byte; the claim at the client's.
             response.map(|body| {
@@ -466,6 +473,19 @@ impl Applied {
         headers.insert("x-fairgate-queued-ms", HeaderValue::from(self.queued_ms));
         response
     }
+}
+
+/// The input tokens left of `tenant`'s daily budget (this call counted), when the store
+/// knows it without a round trip (an in-process store, or Redis while degraded): never a
+/// round trip on the answer's path.
+fn budget_left(live: &Live, tenant: &TenantId) -> Option<u64> {
+    if live.store.is_remote() && !live.store.is_degraded() {
+        return None; // no future built for an answer that would be a round trip
+    }
+    let used = live.store.tokens_today(tenant).into_ready().ok()?;
+    let budget = live.store.daily_budget(tenant).into_ready().ok()?;
+    let budget = budget.unwrap_or(live.config.demotion.default_daily_budget());
+    Some(budget.saturating_sub(used))
 }
 
 /// The body's length as its `Content-Length` declares it, if it does.
