@@ -8,7 +8,8 @@
 //!   `content-length`), all bodies being buffered at most `--body-budget` (`529` with
 //!   `retry-after` at once past it). A body that stalls for `--body-idle-timeout`, or is
 //!   not whole within `--body-timeout`, gets `408`; on shutdown a half-sent body gets `503` at once.
-//! - Forwarded paths stream their body through, under the same idle timeout.
+//! - Forwarded paths stream their body through, under the same idle timeout; the batch
+//!   routes go to the `batches` module with the caller's key as their owner.
 
 use std::net::IpAddr;
 use std::sync::atomic::AtomicU64;
@@ -31,6 +32,7 @@ use tracing::{debug, info, warn};
 
 use super::Body;
 use super::auth::{AuthGuard, Verdict};
+use super::batches::{Batches, Owner};
 use super::config::Config;
 use super::record::{Probe, Recorder, Recording, Trace};
 use super::routes::{Route, route};
@@ -152,6 +154,8 @@ pub(crate) struct Gateway {
     pub(crate) failed_reloads: AtomicU64,
     /// `--record`: where each admitted call's line goes.
     pub(crate) recorder: Option<Arc<Recorder>>,
+    /// The batch routes' owner book.
+    pub(crate) batches: Batches,
 }
 
 impl Gateway {
@@ -163,6 +167,7 @@ impl Gateway {
         bodies: BodyLimits,
         shutdown: watch::Receiver<bool>,
         recorder: Option<Arc<Recorder>>,
+        batches: Batches,
     ) -> Gateway {
         Gateway {
             live: RwLock::new(Arc::new(live)),
@@ -174,6 +179,7 @@ impl Gateway {
             reloads: AtomicU64::new(0),
             failed_reloads: AtomicU64::new(0),
             recorder,
+            batches,
         }
     }
 
@@ -242,7 +248,7 @@ pub(crate) async fn handle(
         Route::NotFound => {
             return error_response(StatusCode::NOT_FOUND, "not_found_error", "not found");
         }
-        Route::Messages | Route::Forward => {}
+        Route::Messages | Route::Batch(_) | Route::Forward => {}
     }
     let live = gw.live();
     match gw.auth.check(peer, api_key(&req), live.keys()) {
@@ -271,10 +277,21 @@ pub(crate) async fn handle(
             ));
         }
     }
-    if route == Route::Messages {
-        messages(&gw, live, req).await
-    } else {
-        forward(&gw, req).await
+    match route {
+        Route::Messages => messages(&gw, live, req).await,
+        Route::Batch(batch) => {
+            // Known: the key is there and in the table.
+            let owner = api_key(&req)
+                .and_then(|key| Some(Owner::of(key, live.keys().get(key)?.0.as_str())));
+            let Some(owner) = owner else {
+                return closing(rendered(&BoxError::from(fairgate::Unidentified::new(
+                    "unknown api key",
+                ))));
+            };
+            let req = req.map(|body| streamed(&gw, body));
+            gw.batches.handle(&gw.upstream, batch, &owner, req).await
+        }
+        _ => forward(&gw, req).await,
     }
 }
 

@@ -15,6 +15,7 @@
 //! - `routes`: canonical paths only, one admission path, an allow-list for the rest;
 //! - `auth`: the key check, failures slowed per address;
 //! - `api`: the API port (authenticate from the headers, then buffer within a budget);
+//! - `batches`: message batches, each answered only to the key that created it;
 //! - `server`: connections (cap, header / body / keep-alive timeouts, drain);
 //! - `admin`: `/metrics`, `/healthz`, `/readyz`, `/status` on the admin listener;
 //! - `dashboard`: the admin listener's live page (`/`) and its numbers (`/live`);
@@ -24,6 +25,7 @@
 mod admin;
 mod api;
 mod auth;
+mod batches;
 mod config;
 mod dashboard;
 mod record;
@@ -154,6 +156,11 @@ pub(crate) struct Args {
           value_parser = duration)]
     drain_timeout: Duration,
 
+    /// The URL clients reach this gateway at, e.g. https://llm.example.com: batches'
+    /// results_url points there (default: http:// and the listen address).
+    #[arg(long, env = "FAIRGATE_PUBLIC_URL", value_name = "URL", value_parser = public_url)]
+    public_url: Option<Uri>,
+
     /// Record each POST /v1/messages call the admission stack saw to FILE (created or
     /// truncated), one JSON line each when it ends: for the simulator's --replay.
     #[arg(long, env = "FAIRGATE_RECORD", value_name = "FILE")]
@@ -168,6 +175,14 @@ fn upstream_url(value: &str) -> Result<Uri, String> {
     }
     if parsed.query().is_some() {
         return Err("no query string, please".into());
+    }
+    Ok(parsed)
+}
+
+fn public_url(value: &str) -> Result<Uri, String> {
+    let parsed = upstream_url(value)?;
+    if value.contains('#') {
+        return Err("no fragment, please".into());
     }
     Ok(parsed)
 }
@@ -289,8 +304,9 @@ async fn run(mut args: Args) -> Result<(), String> {
     let (global_max, window) = (config.policy.global_max(), config.window);
     let live = Live::new(config, store, &upstream)?;
     let (stop, stopped) = tokio::sync::watch::channel(false);
-    let gw = Arc::new(gateway(&args, live, upstream, stopped.clone())?);
     let listeners = Listeners::bind(&args).await?;
+    let batches = batch_book(&args, listeners.api_addr)?;
+    let gw = Arc::new(gateway(&args, live, upstream, stopped.clone(), batches)?);
     info!(
         listen = %listeners.api_addr,
         admin = %listeners.admin_addr,
@@ -334,6 +350,7 @@ fn gateway(
     live: Live,
     upstream: Upstream,
     stopped: tokio::sync::watch::Receiver<bool>,
+    batches: batches::Batches,
 ) -> Result<Gateway, String> {
     let recorder = match &args.record {
         Some(path) => Some(record::Recorder::start(path)?),
@@ -351,7 +368,30 @@ fn gateway(
         },
         stopped,
         recorder,
+        batches,
     ))
+}
+
+/// The batch routes' owner book (on `--redis` when given) and the URL their `results_url`
+/// names: `--public-url`, else the API listener's address.
+fn batch_book(args: &Args, api_addr: SocketAddr) -> Result<batches::Batches, String> {
+    let public_url = match &args.public_url {
+        Some(url) => url.to_string(),
+        None => {
+            if api_addr.ip().is_unspecified() {
+                warn!(
+                    listen = %api_addr,
+                    "no --public-url: batches' results_url names {api_addr}, which clients \
+                     cannot reach; give the URL they use"
+                );
+            }
+            format!("http://{api_addr}")
+        }
+    };
+    match &args.redis {
+        Some(url) => batches::Batches::on_redis(url, &public_url),
+        None => Ok(batches::Batches::in_memory(&public_url)),
+    }
 }
 
 /// Refuses what the gateway cannot start with (no upstream key; a body budget smaller than

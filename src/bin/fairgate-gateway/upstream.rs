@@ -38,6 +38,29 @@ const HOP_BY_HOP: [&str; 8] = [
     "upgrade",
 ];
 
+/// Request headers never forwarded upstream, on any route: the one list. The upstream is
+/// called under the team's key, so a header that names another credential, account or
+/// workspace, or another client, would let a caller act as someone it is not:
+/// - the client's own credentials (`x-api-key`, `authorization`), replaced by the team's key;
+/// - `anthropic-workspace-id`, which picks the workspace a multi-workspace credential acts
+///   on, and `anthropic-organization-id` (a response header of Anthropic's; refused in a
+///   request should it ever be read);
+/// - `cookie`, a session credential of its own;
+/// - `forwarded`, `x-forwarded-*`, `x-real-ip`: who the client is, as a proxy would tell
+///   it; the gateway does not vouch for what a client says of itself.
+pub(crate) const NOT_FORWARDED: [&str; 10] = [
+    "x-api-key",
+    "authorization",
+    "anthropic-workspace-id",
+    "anthropic-organization-id",
+    "cookie",
+    "forwarded",
+    "x-forwarded-for",
+    "x-forwarded-host",
+    "x-forwarded-proto",
+    "x-real-ip",
+];
+
 pub(crate) fn strip_hop_by_hop(headers: &mut HeaderMap) {
     // Headers the `Connection` header names are hop-by-hop too.
     let named: Vec<HeaderName> = headers
@@ -83,7 +106,7 @@ impl Upstream {
     }
 
     /// `req` readdressed to the upstream at `path` (canonical, checked by the caller), with
-    /// the upstream key instead of the client's.
+    /// the upstream key instead of the client's and none of [`NOT_FORWARDED`].
     fn prepare<B>(&self, req: http::Request<B>) -> Result<http::Request<B>, BoxError> {
         let (mut parts, body) = req.into_parts();
         let path_and_query = parts
@@ -100,8 +123,10 @@ impl Upstream {
         strip_hop_by_hop(headers);
         headers.remove(header::HOST);
         headers.remove(header::CONTENT_LENGTH);
-        headers.remove(header::AUTHORIZATION);
         headers.remove(header::EXPECT);
+        for name in NOT_FORWARDED {
+            headers.remove(name);
+        }
         headers.insert("x-api-key", self.api_key.clone());
         parts.version = http::Version::HTTP_11;
         Ok(http::Request::from_parts(parts, body))
