@@ -171,7 +171,7 @@ async fn another_key_can_neither_read_nor_touch_a_batch_it_did_not_create() {
         Vec::<String>::new(),
         "no call of another key reached the upstream"
     );
-    assert_eq!(mock.batch_ids(), [id.clone()], "the batch is still there");
+    assert_eq!(mock.batch_ids(), [id.as_str()], "the batch is still there");
 
     // The owner can do all of it.
     let (status, batch) = call("GET", &batch_url, PREMIUM_KEY).await;

@@ -159,6 +159,8 @@ pub(crate) struct Gateway {
 }
 
 impl Gateway {
+    // Each argument is a part of its own, built from its own flags.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn new(
         live: Live,
         upstream: Upstream,

@@ -87,6 +87,10 @@ const DEFAULT_LIMIT: usize = 20;
 /// The longest batch id taken (Anthropic's are about 35 characters).
 const MAX_ID: usize = 128;
 
+/// A listed batch as the upstream has it now; `None` when the upstream no longer has it;
+/// the answer to give instead of the list when the upstream fails.
+type Fetched = Result<Option<Map<String, Value>>, Response<Body>>;
+
 /// Where the owners are kept.
 enum Book {
     Memory(MemoryBook),
@@ -309,12 +313,11 @@ impl Batches {
             Ok(None) => return not_found(),
             Ok(Some(page)) => page,
         };
-        let fetched: Vec<Result<Option<Map<String, Value>>, Response<Body>>> =
-            futures_util::stream::iter(page.ids.iter().cloned())
-                .map(|id| self.fetch(upstream, headers, id))
-                .buffered(LIST_CONCURRENCY)
-                .collect()
-                .await;
+        let fetched: Vec<Fetched> = futures_util::stream::iter(page.ids.iter().cloned())
+            .map(|id| self.fetch(upstream, headers, id))
+            .buffered(LIST_CONCURRENCY)
+            .collect()
+            .await;
         let mut data = Vec::with_capacity(fetched.len());
         for batch in fetched {
             match batch {
@@ -341,14 +344,8 @@ impl Batches {
         json_response(StatusCode::OK, HeaderMap::new(), &list)
     }
 
-    /// One listed batch as the upstream has it now (rewritten); `None` when the upstream
-    /// no longer has it; the answer to give instead of the list when the upstream fails.
-    async fn fetch(
-        &self,
-        upstream: &Upstream,
-        headers: &HeaderMap,
-        id: String,
-    ) -> Result<Option<Map<String, Value>>, Response<Body>> {
+    /// One listed batch as the upstream has it now, its `results_url` rewritten.
+    async fn fetch(&self, upstream: &Upstream, headers: &HeaderMap, id: String) -> Fetched {
         let path = format!("/v1/messages/batches/{id}");
         let req = upstream_request(headers, Method::GET, &path, full(""));
         let answer = read(upstream, req).await?;

@@ -156,9 +156,11 @@ pub(crate) struct Args {
           value_parser = duration)]
     drain_timeout: Duration,
 
-    /// The URL clients reach this gateway at, e.g. https://llm.example.com: batches'
-    /// results_url points there (default: http:// and the listen address).
-    #[arg(long, env = "FAIRGATE_PUBLIC_URL", value_name = "URL", value_parser = public_url)]
+    /// The URL clients reach this gateway at, e.g. `https://llm.example.com`: batches'
+    /// `results_url` points there (default: `http://` and the listen address).
+    #[arg(long, env = "FAIRGATE_PUBLIC_URL", value_name = "URL", value_parser = public_url,
+          help = "The URL clients reach this gateway at, e.g. https://llm.example.com: \
+                  batches' results_url points there (default: http:// and the listen address)")]
     public_url: Option<Uri>,
 
     /// Record each POST /v1/messages call the admission stack saw to FILE (created or
@@ -609,6 +611,15 @@ mod tests {
         assert_eq!(size("1000"), Ok(1000));
         assert!(size("0").is_err());
         assert!(size("3 parsecs").is_err());
+    }
+
+    #[test]
+    fn the_public_url_is_an_http_base_url() {
+        assert!(public_url("https://llm.example.com").is_ok());
+        assert!(public_url("http://10.0.0.5:8080/anthropic/").is_ok());
+        for bad in ["llm.example.com", "ftp://x", "https://x/?a=1", "https://x/#top", "/v1"] {
+            assert!(public_url(bad).is_err(), "{bad}");
+        }
     }
 
     #[test]

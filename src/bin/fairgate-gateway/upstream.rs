@@ -158,3 +158,36 @@ pub(crate) fn full(bytes: impl Into<Bytes>) -> Body {
         .map_err(|never| match never {})
         .boxed_unsync()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn no_credential_account_or_client_identity_of_the_caller_goes_upstream() {
+        let upstream = Upstream::new(&"http://127.0.0.1:9/base".parse().unwrap(), "sk-team")
+            .expect("an upstream");
+        let mut req = http::Request::builder()
+            .uri("/v1/messages?beta=true")
+            .header("x-api-key", "sk-client")
+            .header("authorization", "Bearer sk-client")
+            .header("anthropic-version", "2023-06-01")
+            .header("anthropic-beta", "output-128k-2025-02-19");
+        for name in NOT_FORWARDED {
+            req = req.header(name, "someone-else");
+        }
+        let prepared = upstream.prepare(req.body(()).unwrap()).unwrap();
+        let headers = prepared.headers();
+        assert_eq!(headers.get_all("x-api-key").iter().count(), 1);
+        assert_eq!(headers["x-api-key"], "sk-team");
+        for name in NOT_FORWARDED.iter().filter(|n| **n != "x-api-key") {
+            assert!(headers.get(*name).is_none(), "{name} forwarded");
+        }
+        assert_eq!(headers["anthropic-version"], "2023-06-01");
+        assert_eq!(headers["anthropic-beta"], "output-128k-2025-02-19");
+        assert_eq!(
+            prepared.uri().to_string(),
+            "http://127.0.0.1:9/base/v1/messages?beta=true"
+        );
+    }
+}
