@@ -20,6 +20,10 @@
 //!   directly with the client's key, come back through this owner check (the upstream's URL
 //!   would send the client's key to the upstream, which refuses it).
 //!
+//! The owner is the key, not the tenant: a second key of the same tenant, or the tenant's
+//! key after a rotation, does not see the first key's batches (a key holder owns what it
+//! creates, DESIGN §13). A key moved to another tenant in the keys file is a new owner too.
+//!
 //! # Why the gateway pages, and not the upstream
 //!
 //! The upstream's list is the workspace's: filtering its pages down to the caller's batches
@@ -221,9 +225,15 @@ impl Batches {
             BatchRoute::Delete => (Method::DELETE, format!("/v1/messages/batches/{id}")),
             _ => (Method::GET, format!("/v1/messages/batches/{id}")),
         };
-        let req = upstream_request(headers, method, &path, body);
+        let mut req = upstream_request(headers, method, &path, body);
         if route == BatchRoute::Results {
-            // JSON lines, possibly large: streamed through as they come.
+            // JSON lines, possibly large: streamed through as they come, in whichever
+            // encoding the client accepts.
+            let accepted = req.headers_mut();
+            accepted.remove(header::ACCEPT_ENCODING);
+            for value in headers.get_all(header::ACCEPT_ENCODING) {
+                accepted.append(header::ACCEPT_ENCODING, value.clone());
+            }
             return match upstream.send(req).await {
                 Ok(response) => response,
                 Err(error) => upstream_failed(&error),
@@ -438,7 +448,9 @@ fn list_query(query: &str) -> Result<(Cursor, usize), &'static str> {
 }
 
 /// A request to the upstream at `path` with the client's headers (the upstream client drops
-/// the client's credentials and the rest of `upstream::NOT_FORWARDED`).
+/// the client's credentials and the rest of `upstream::NOT_FORWARDED`), asking for an
+/// answer the gateway can read (`accept-encoding: identity`: the SDKs accept gzip, and a
+/// batch must be read to be rewritten).
 fn upstream_request(headers: &HeaderMap, method: Method, path: &str, body: Body) -> Request<Body> {
     let mut req = Request::new(body);
     *req.method_mut() = method.clone();
@@ -446,6 +458,10 @@ fn upstream_request(headers: &HeaderMap, method: Method, path: &str, body: Body)
     if method != Method::POST {
         req.headers_mut().remove(header::CONTENT_TYPE);
     }
+    req.headers_mut().insert(
+        header::ACCEPT_ENCODING,
+        HeaderValue::from_static("identity"),
+    );
     *req.uri_mut() = match path.parse() {
         Ok(uri) => uri,
         // Unreachable: `path` is built of checked ids; `/` is then a harmless 404 upstream.
@@ -632,6 +648,22 @@ mod tests {
         assert!(batches.rewritten(b"[1,2]").is_none());
         assert!(batches.rewritten(b"{\"id\":").is_none());
         assert!(batches.rewritten(b"").is_none());
+    }
+
+    #[test]
+    fn batches_are_asked_of_the_upstream_unencoded_with_the_clients_other_headers() {
+        let mut client = HeaderMap::new();
+        client.insert("anthropic-version", HeaderValue::from_static("2023-06-01"));
+        client.insert("accept-encoding", HeaderValue::from_static("gzip, br"));
+        client.insert("content-type", HeaderValue::from_static("application/json"));
+        let req = upstream_request(&client, Method::GET, "/v1/messages/batches/b", full(""));
+        assert_eq!(req.uri(), "/v1/messages/batches/b");
+        assert_eq!(req.headers()["accept-encoding"], "identity");
+        assert_eq!(req.headers()["anthropic-version"], "2023-06-01");
+        assert!(
+            req.headers().get("content-type").is_none(),
+            "a GET has no body"
+        );
     }
 
     #[test]

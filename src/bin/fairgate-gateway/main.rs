@@ -617,7 +617,13 @@ mod tests {
     fn the_public_url_is_an_http_base_url() {
         assert!(public_url("https://llm.example.com").is_ok());
         assert!(public_url("http://10.0.0.5:8080/anthropic/").is_ok());
-        for bad in ["llm.example.com", "ftp://x", "https://x/?a=1", "https://x/#top", "/v1"] {
+        for bad in [
+            "llm.example.com",
+            "ftp://x",
+            "https://x/?a=1",
+            "https://x/#top",
+            "/v1",
+        ] {
             assert!(public_url(bad).is_err(), "{bad}");
         }
     }

@@ -21,7 +21,10 @@
 //! (`anthropic-workspace-id`, ...) are dropped on every route (`upstream::NOT_FORWARDED`).
 //! Then, route by route:
 //! - **Message batches** are kept by the upstream per workspace: the gateway records which
-//!   key created each batch and answers the others `404` (the `batches` module).
+//!   key created each batch and answers the others `404` (the `batches` module). They are
+//!   not admitted by the fair stack: one key can spend the team's batch rate limits and
+//!   its queue of batch requests first come, first served, and each batch a list shows
+//!   costs one upstream call.
 //! - **`POST /v1/messages/count_tokens`** answers a count of the caller's own body: no other
 //!   tenant's data. It is not admitted by the fair stack, so it spends the team's
 //!   count-tokens rate limit first come, first served.
