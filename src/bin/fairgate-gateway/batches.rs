@@ -58,6 +58,8 @@
 //! chose.
 
 mod book;
+#[cfg(test)]
+mod differential;
 mod shared;
 
 use std::time::Duration;
