@@ -524,3 +524,53 @@ async fn on_redis_every_gateway_answers_the_owner_and_no_one_else_and_refuses_wi
     .await;
     assert!(came_back, "batches are served again once Redis is back");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_whose_owner_cannot_be_recorded_is_cancelled_upstream_and_refused() {
+    let _turn = crate::support::file_turn(module_path!());
+    let _serial = SERIAL.lock().await;
+    let redis = RedisServer::start();
+    let mock = MockAnthropic::start();
+    let gateway = Gateway::start(&mock.url(), &keys(), Some(&redis.url()));
+    // Redis answers, but takes no write (a primary that lost its replicas).
+    assert!(
+        redis
+            .command("CONFIG SET min-replicas-to-write 1")
+            .contains("OK")
+    );
+    let (status, error) = call_with(
+        "POST",
+        &format!("{}/v1/messages/batches", gateway.url()),
+        PREMIUM_KEY,
+        Some(batch_body(&["a"])),
+        &[],
+    )
+    .await;
+    assert_eq!(status, 503, "{error}");
+    assert_eq!(error["error"]["type"], "overloaded_error");
+    let created = mock.batch_ids();
+    assert_eq!(
+        created.len(),
+        1,
+        "the upstream created it before the owner failed"
+    );
+    let cancel = format!("/v1/messages/batches/{}/cancel", created[0]);
+    let cancelled = eventually(Duration::from_secs(10), async || {
+        mock.requests()
+            .iter()
+            .any(|r| r.method == "POST" && r.path == cancel)
+    })
+    .await;
+    assert!(cancelled, "the ownerless batch was cancelled upstream");
+    assert_eq!(
+        call(
+            "GET",
+            &format!("{}/v1/messages/batches/{}", gateway.url(), created[0]),
+            PREMIUM_KEY
+        )
+        .await
+        .0,
+        404,
+        "and nobody owns it"
+    );
+}
