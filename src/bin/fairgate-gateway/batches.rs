@@ -85,6 +85,9 @@ use super::upstream::{Upstream, full};
 const MAX_OBJECT: usize = 1 << 20;
 /// How long an upstream call whose answer is rewritten may take, to its last byte.
 const UPSTREAM_TIMEOUT: Duration = Duration::from_secs(60);
+/// The same for a create, whose request body (up to the API's 256 MB) goes up within it:
+/// that body is also cut when it stalls for `--body-idle-timeout`.
+const CREATE_TIMEOUT: Duration = Duration::from_secs(15 * 60);
 /// Batches fetched from the upstream at once for one page of the list.
 const LIST_CONCURRENCY: usize = 8;
 /// The most batches one page lists.
@@ -271,7 +274,7 @@ impl Batches {
             return unavailable();
         }
         let req = upstream_request(headers, Method::POST, "/v1/messages/batches", body);
-        let answer = match read(upstream, req).await {
+        let answer = match read_within(CREATE_TIMEOUT, upstream, req).await {
             Ok(answer) => answer,
             Err(response) => return response,
         };
@@ -499,7 +502,15 @@ impl Answer {
 /// Sends `req` upstream and reads the answer, within [`UPSTREAM_TIMEOUT`] and
 /// [`MAX_OBJECT`]; the response to give the client when that fails.
 async fn read(upstream: &Upstream, req: Request<Body>) -> Result<Answer, Response<Body>> {
-    match tokio::time::timeout(UPSTREAM_TIMEOUT, read_in_full(upstream, req)).await {
+    read_within(UPSTREAM_TIMEOUT, upstream, req).await
+}
+
+async fn read_within(
+    timeout: Duration,
+    upstream: &Upstream,
+    req: Request<Body>,
+) -> Result<Answer, Response<Body>> {
+    match tokio::time::timeout(timeout, read_in_full(upstream, req)).await {
         Ok(Ok(answer)) => Ok(answer),
         Ok(Err(error)) => Err(upstream_failed(&error)),
         Err(_) => {
