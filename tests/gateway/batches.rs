@@ -574,3 +574,33 @@ async fn a_batch_whose_owner_cannot_be_recorded_is_cancelled_upstream_and_refuse
         "and nobody owns it"
     );
 }
+
+/// A full page (100) costs one upstream call per batch listed, and no more; its time is
+/// printed (`-- --nocapture`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_page_costs_one_upstream_call_per_batch_listed() {
+    let _turn = crate::support::file_turn(module_path!());
+    let _serial = SERIAL.lock().await;
+    let mock = MockAnthropic::start();
+    let gateway = Gateway::start(&mock.url(), &keys(), None);
+    let url = gateway.url();
+    for _ in 0..120 {
+        create(&url, PREMIUM_KEY, &["a"]).await;
+    }
+    let before = mock.requests().len();
+    let started = std::time::Instant::now();
+    let (ids, more, _, _) = page(&url, PREMIUM_KEY, "limit=1000").await;
+    let took = started.elapsed();
+    assert_eq!(
+        (ids.len(), more),
+        (100, true),
+        "limit is read as at most 100"
+    );
+    let calls = &mock.requests()[before..];
+    assert_eq!(calls.len(), 100, "one upstream call per batch listed");
+    assert!(calls.iter().all(|r| r.method == "GET"));
+    eprintln!(
+        "a page of 100 batches: {:.1} ms through the gateway (debug build, mock on loopback)",
+        took.as_secs_f64() * 1e3
+    );
+}
