@@ -12,7 +12,8 @@
 //!   `retry-after`. What a body declares is not reserved, what arrives is. A body that
 //!   stalls for `--body-idle-timeout`, or is not whole within `--body-timeout`, gets `408`;
 //!   on shutdown a half-sent body gets `503` at once.
-//! - Forwarded paths stream their body through, under the same idle timeout.
+//! - Forwarded paths stream their body through, under the same idle timeout; the batch
+//!   routes go to the `batches` module with the caller's key as their owner.
 //! - Every answer is relayed through the key holder's answer buffer (the `answer` module):
 //!   the call's slot and body bytes are given back at the upstream's last byte, and a
 //!   client that stops reading is cut after `--write-timeout`.
@@ -39,6 +40,7 @@ use tracing::{debug, info, warn};
 use super::Body;
 use super::answer::relay;
 use super::auth::{AuthGuard, Verdict};
+use super::batches::{Batches, Owner};
 use super::config::Config;
 use super::holders::{Claim, Held, Holders, Spent};
 use super::record::{Probe, Recorder, Recording, Trace};
@@ -138,9 +140,13 @@ pub(crate) struct Gateway {
     pub(crate) failed_reloads: AtomicU64,
     /// `--record`: where each admitted call's line goes.
     pub(crate) recorder: Option<Arc<Recorder>>,
+    /// The batch routes' owner book.
+    pub(crate) batches: Batches,
 }
 
 impl Gateway {
+    // Each argument is a part of its own, built from its own flags.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn new(
         live: Live,
         upstream: Upstream,
@@ -149,6 +155,7 @@ impl Gateway {
         bodies: BodyLimits,
         shutdown: watch::Receiver<bool>,
         recorder: Option<Arc<Recorder>>,
+        batches: Batches,
     ) -> Gateway {
         Gateway {
             live: RwLock::new(Arc::new(live)),
@@ -160,6 +167,7 @@ impl Gateway {
             reloads: AtomicU64::new(0),
             failed_reloads: AtomicU64::new(0),
             recorder,
+            batches,
         }
     }
 
@@ -228,7 +236,7 @@ pub(crate) async fn handle(
         Route::NotFound => {
             return error_response(StatusCode::NOT_FOUND, "not_found_error", "not found");
         }
-        Route::Messages | Route::Forward => {}
+        Route::Messages | Route::Batch(_) | Route::Forward => {}
     }
     let live = gw.live();
     match gw.auth.check(peer, api_key(&req), live.keys()) {
@@ -257,13 +265,14 @@ pub(crate) async fn handle(
             ));
         }
     }
-    let Some((holder, _)) = api_key(&req).and_then(|key| live.keys().get(key)) else {
+    let found = api_key(&req).and_then(|key| Some((key, live.keys().get(key)?.0.clone())));
+    let Some((key, holder)) = found else {
         // Checked just above; a reload in between is the only way here.
         return closing(rendered(&BoxError::from(fairgate::Unidentified::new(
             "unknown api key",
         ))));
     };
-    let Some(claim) = gw.holders.begin(holder) else {
+    let Some(claim) = gw.holders.begin(&holder) else {
         metrics::counter!("gateway_key_refusals_total", "reason" => "requests").increment(1);
         return closing(with_retry_after(
             error_response(
@@ -275,11 +284,20 @@ pub(crate) async fn handle(
         ));
     };
     let claim = Arc::new(claim);
-    if route == Route::Messages {
-        messages(&gw, live, req, claim).await
-    } else {
-        forward(&gw, req, claim).await
-    }
+    let hangup = req.extensions().get::<Hangup>().cloned();
+    let response = match route {
+        Route::Messages => return messages(&gw, live, req, claim).await,
+        Route::Batch(batch) => {
+            let owner = Owner::of(key, holder.as_str());
+            let req = req.map(|body| streamed(&gw, body));
+            gw.batches.handle(&gw.upstream, batch, &owner, req).await
+        }
+        _ => forward(&gw, req).await,
+    };
+    response.map(|body| {
+        let body = relay(body, (), claim.clone(), gw.bodies.write, hangup);
+        Holding::new(body, claim).boxed_unsync()
+    })
 }
 
 /// Why a body was not buffered.
@@ -527,14 +545,10 @@ fn streamed(gw: &Gateway, body: Incoming) -> Body {
     StreamBody::new(stream).boxed_unsync()
 }
 
-async fn forward(gw: &Gateway, req: Request<Incoming>, claim: Arc<Claim>) -> Response<Body> {
-    let hangup = req.extensions().get::<Hangup>().cloned();
+async fn forward(gw: &Gateway, req: Request<Incoming>) -> Response<Body> {
     let req = req.map(|body| streamed(gw, body));
     match gw.upstream.send(req).await {
-        Ok(response) => response.map(|body| {
-            let body = relay(body, (), claim.clone(), gw.bodies.write, hangup);
-            Holding::new(body, claim).boxed_unsync()
-        }),
+        Ok(response) => response,
         Err(error) => {
             warn!(error = %error, "upstream call failed");
             rendered(&error)

@@ -16,6 +16,7 @@
 //! - `auth`: the key check, failures slowed per (address, key) and per address on
 //!   distinct keys;
 //! - `api`: the API port (authenticate from the headers, then buffer within a budget);
+//! - `batches`: message batches, each answered only to the key that created it;
 //! - `holders`: what each key holder may hold at once (requests, body and answer bytes);
 //! - `answer`: answers relayed through a bounded buffer, the slot free at the upstream's end;
 //! - `server`: connections (cap, header / body / keep-alive timeouts, drain);
@@ -28,6 +29,7 @@ mod admin;
 mod answer;
 mod api;
 mod auth;
+mod batches;
 mod config;
 mod dashboard;
 mod holders;
@@ -203,6 +205,13 @@ pub(crate) struct Args {
           value_parser = duration)]
     drain_timeout: Duration,
 
+    /// The URL clients reach this gateway at, e.g. `https://llm.example.com`: batches'
+    /// `results_url` points there (default: `http://` and the listen address).
+    #[arg(long, env = "FAIRGATE_PUBLIC_URL", value_name = "URL", value_parser = public_url,
+          help = "The URL clients reach this gateway at, e.g. https://llm.example.com: \
+                  batches' results_url points there (default: http:// and the listen address)")]
+    public_url: Option<Uri>,
+
     /// Record each POST /v1/messages call the admission stack saw to FILE (created or
     /// truncated), one JSON line each when it ends: for the simulator's --replay.
     #[arg(long, env = "FAIRGATE_RECORD", value_name = "FILE")]
@@ -217,6 +226,14 @@ fn upstream_url(value: &str) -> Result<Uri, String> {
     }
     if parsed.query().is_some() {
         return Err("no query string, please".into());
+    }
+    Ok(parsed)
+}
+
+fn public_url(value: &str) -> Result<Uri, String> {
+    let parsed = upstream_url(value)?;
+    if value.contains('#') {
+        return Err("no fragment, please".into());
     }
     Ok(parsed)
 }
@@ -348,8 +365,9 @@ async fn run(mut args: Args) -> Result<(), String> {
     let (global_max, window) = (config.policy.global_max(), config.window);
     let live = Live::new(config, store, &upstream)?;
     let (stop, stopped) = tokio::sync::watch::channel(false);
-    let gw = Arc::new(gateway(&args, live, upstream, stopped.clone())?);
     let listeners = Listeners::bind(&args).await?;
+    let batches = batch_book(&args, listeners.api_addr)?;
+    let gw = Arc::new(gateway(&args, live, upstream, stopped.clone(), batches)?);
     info!(
         listen = %listeners.api_addr,
         admin = %listeners.admin_addr,
@@ -395,6 +413,7 @@ fn gateway(
     live: Live,
     upstream: Upstream,
     stopped: tokio::sync::watch::Receiver<bool>,
+    batches: batches::Batches,
 ) -> Result<Gateway, String> {
     let recorder = match &args.record {
         Some(path) => Some(record::Recorder::start(path, &args.keys)?),
@@ -413,6 +432,7 @@ fn gateway(
         },
         stopped,
         recorder,
+        batches,
     ))
 }
 
@@ -427,6 +447,28 @@ fn holder_limits(args: &Args) -> HolderLimits {
             .key_body_budget
             .unwrap_or((args.body_budget / 4).max(args.max_body)),
         answer_bytes: args.key_answer_buffer,
+    }
+}
+
+/// The batch routes' owner book (on `--redis` when given) and the URL their `results_url`
+/// names: `--public-url`, else the API listener's address.
+fn batch_book(args: &Args, api_addr: SocketAddr) -> Result<batches::Batches, String> {
+    let public_url = match &args.public_url {
+        Some(url) => url.to_string(),
+        None => {
+            if api_addr.ip().is_unspecified() {
+                warn!(
+                    listen = %api_addr,
+                    "no --public-url: batches' results_url names {api_addr}, which clients \
+                     cannot reach; give the URL they use"
+                );
+            }
+            format!("http://{api_addr}")
+        }
+    };
+    match &args.redis {
+        Some(url) => batches::Batches::on_redis(url, &public_url),
+        None => Ok(batches::Batches::in_memory(&public_url)),
     }
 }
 
@@ -665,6 +707,21 @@ mod tests {
         assert_eq!(size("1000"), Ok(1000));
         assert!(size("0").is_err());
         assert!(size("3 parsecs").is_err());
+    }
+
+    #[test]
+    fn the_public_url_is_an_http_base_url() {
+        assert!(public_url("https://llm.example.com").is_ok());
+        assert!(public_url("http://10.0.0.5:8080/anthropic/").is_ok());
+        for bad in [
+            "llm.example.com",
+            "ftp://x",
+            "https://x/?a=1",
+            "https://x/#top",
+            "/v1",
+        ] {
+            assert!(public_url(bad).is_err(), "{bad}");
+        }
     }
 
     #[test]
