@@ -1,5 +1,6 @@
 //! The gateway program (`fairgate-gateway`) end to end, as a real process on loopback
-//! ports: its calls and clients (`proxy`), the attacks on it (`attacks`), its live page
+//! ports: its calls and clients (`proxy`), the attacks on it (`attacks`), what a call costs
+//! (`cost`), its live page
 //! (`page`), its rate under a provider's limit (`rate`) and its record of calls
 //! (`record`).
 //!
@@ -13,6 +14,7 @@
 mod support;
 
 mod attacks;
+mod cost;
 mod page;
 mod proxy;
 mod rate;

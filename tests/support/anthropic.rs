@@ -13,6 +13,11 @@
 //! that learned pacing never binds: the tests and the bench measure the gateway); 429s
 //! carry `retry-after` and Anthropic's `rate_limit_error` body, 529s an `overloaded_error`.
 //!
+//! With [`MockAnthropic::set_output_pace`] a message answer is as long as the request's
+//! `max_tokens`: it takes that many output tokens at the pace set, and its `usage` says so
+//! (`input_tokens` a quarter of the body's bytes); the time each call took is summed by
+//! its `x-mock-tag` header ([`MockAnthropic::busy_by_tag`]). Off by default.
+//!
 //! `GET /v1/models` and `POST /v1/messages/count_tokens` answer small fixed JSON. The mock
 //! counts the calls in flight (a call ends when its answer's last byte is sent or the
 //! connection drops it), their maximum, and records every request's method, path, headers
@@ -118,6 +123,10 @@ struct Inner {
     normalise_paths: std::sync::atomic::AtomicBool,
     script: Mutex<VecDeque<Reply>>,
     recorded: Mutex<VecDeque<Recorded>>,
+    /// Microseconds per output token of a message answer; 0: the fixed answer at once.
+    output_pace_us: AtomicU64,
+    /// Microseconds answers were in flight, and calls, by `x-mock-tag`.
+    busy: Mutex<std::collections::BTreeMap<String, (u64, u64)>>,
 }
 
 /// How many requests are kept for [`MockAnthropic::requests`].
@@ -187,6 +196,27 @@ impl MockAnthropic {
         self.inner
             .event_gap_ms
             .store(gap.as_millis() as u64, Ordering::Relaxed);
+    }
+
+    /// Makes each message answer (not a stream) as long as its request's `max_tokens`, at
+    /// `per_token` a token: the answer comes after `max_tokens × per_token`, and its usage
+    /// reports `max_tokens` output tokens. `Duration::ZERO` turns it off (the default).
+    pub fn set_output_pace(&self, per_token: Duration) {
+        self.inner
+            .output_pace_us
+            .store(per_token.as_micros() as u64, Ordering::Relaxed);
+    }
+
+    /// Time answers were in flight (arrival to last byte) and calls, summed by the
+    /// requests' `x-mock-tag` header (untagged calls are not counted).
+    pub fn busy_by_tag(&self) -> std::collections::BTreeMap<String, (Duration, u64)> {
+        self.inner
+            .busy
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|(tag, (us, calls))| (tag.clone(), (Duration::from_micros(*us), *calls)))
+            .collect()
     }
 
     /// Routes on the path as a lenient server would read it: percent-decoded, `;` params
@@ -264,26 +294,44 @@ impl Drop for MockAnthropic {
     }
 }
 
-/// Counts a call in flight until dropped (with the answer's body, so to its last byte).
-struct InFlight(Arc<Inner>);
+/// Counts a call in flight until dropped (with the answer's body, so to its last byte);
+/// a tagged call's time is added to its tag's.
+struct InFlight(Arc<Inner>, Option<(String, std::time::Instant)>);
 
 impl InFlight {
     fn enter(inner: &Arc<Inner>) -> InFlight {
         let now = inner.in_flight.fetch_add(1, Ordering::SeqCst) + 1;
         inner.max_in_flight.fetch_max(now, Ordering::SeqCst);
-        InFlight(inner.clone())
+        InFlight(inner.clone(), None)
     }
 }
 
 impl Drop for InFlight {
     fn drop(&mut self) {
         self.0.in_flight.fetch_sub(1, Ordering::SeqCst);
+        if let Some((tag, since)) = self.1.take() {
+            let mut busy = self.0.busy.lock().unwrap();
+            let entry = busy.entry(tag).or_default();
+            entry.0 += since.elapsed().as_micros() as u64;
+            entry.1 += 1;
+        }
     }
+}
+
+/// The request body's `max_tokens`, if it has one.
+fn max_tokens(body: &[u8]) -> Option<u64> {
+    serde_json::from_slice::<serde_json::Value>(body)
+        .ok()?
+        .get("max_tokens")?
+        .as_u64()
 }
 
 async fn handle(State(inner): State<Arc<Inner>>, req: Request) -> Response {
     let n = inner.calls.fetch_add(1, Ordering::SeqCst) + 1;
-    let guard = InFlight::enter(&inner);
+    let mut guard = InFlight::enter(&inner);
+    if let Some(tag) = req.headers().get("x-mock-tag").and_then(|v| v.to_str().ok()) {
+        guard.1 = Some((tag.to_owned(), std::time::Instant::now()));
+    }
     let (parts, body) = req.into_parts();
     let body = axum::body::to_bytes(body, 64 << 20)
         .await
@@ -307,6 +355,7 @@ async fn handle(State(inner): State<Arc<Inner>>, req: Request) -> Response {
             .and_then(|v| v.to_str().ok())
             .map(str::to_owned)
     };
+    let request_body = body.clone();
     let delay = header("x-mock-delay-ms")
         .and_then(|v| v.parse().ok())
         .unwrap_or_else(|| inner.delay_ms.load(Ordering::Relaxed));
@@ -378,7 +427,18 @@ async fn handle(State(inner): State<Arc<Inner>>, req: Request) -> Response {
         ),
     };
     // The message body, held with the in-flight guard until it is sent.
-    let body = if status == StatusCode::OK && path == "/v1/messages" {
+    let pace = inner.output_pace_us.load(Ordering::Relaxed);
+    let body = if status == StatusCode::OK && path == "/v1/messages" && pace > 0 {
+        // As long as `max_tokens`: that many output tokens, at the pace set.
+        let output = max_tokens(&request_body).unwrap_or(1);
+        tokio::time::sleep(Duration::from_micros(output.saturating_mul(pace))).await;
+        let input = request_body.len() as u64 / 4;
+        let json = MESSAGE_JSON.replace(
+            r#""usage":{"input_tokens":12,"output_tokens":7}"#,
+            &format!(r#""usage":{{"input_tokens":{input},"output_tokens":{output}}}"#),
+        );
+        guarded(vec![Bytes::from(json)], guard, Duration::ZERO)
+    } else if status == StatusCode::OK && path == "/v1/messages" {
         guarded(
             vec![Bytes::from_static(MESSAGE_JSON.as_bytes())],
             guard,
