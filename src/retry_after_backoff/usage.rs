@@ -8,7 +8,10 @@
 //! `message_delta` events (the output count so far, cumulative). [`UsageScanner`] finds them
 //! in the bytes as they pass — no buffering, no parsing of the JSON, no allocation: a few
 //! bytes of state carry a match over from one frame to the next, wherever a frame splits
-//! it. The largest value of each field wins (a stream's counts only grow).
+//! it. The largest value of each field wins (a stream's counts only grow). The prompt
+//! cache's counts (`cache_creation_input_tokens`, `cache_read_input_tokens`, reported
+//! beside `input_tokens`, not in it) are read the same way, for callers that charge them
+//! (public as [`UsageScanner`](crate::retry_after_backoff::UsageScanner)).
 //!
 //! A value is taken only as JSON writes a number: digits after `"input_tokens"` or
 //! `"output_tokens"`, a colon and optional whitespace, ended by whitespace, `,`, `}` or
@@ -29,7 +32,13 @@ use crate::store::DIMS;
 /// itself is capped again at one minute of the learned limit (see `Core::correct_usage`).
 pub(crate) const MAX_TOKENS: u32 = 10_000_000;
 
-const NEEDLES: [&[u8]; 2] = [b"\"input_tokens\"", b"\"output_tokens\""];
+/// The fields read, in the order of [`UsageScanner`]'s `seen`.
+const NEEDLES: [&[u8]; 4] = [
+    b"\"input_tokens\"",
+    b"\"output_tokens\"",
+    b"\"cache_creation_input_tokens\"",
+    b"\"cache_read_input_tokens\"",
+];
 
 /// Where the scanner is in a `"…_tokens": N` pattern.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -45,41 +54,66 @@ enum Step {
     Digits,
 }
 
-/// Finds the largest `"input_tokens": N` and `"output_tokens": M` in a byte stream fed in
-/// pieces of any size. Fixed size; never allocates.
+/// Finds the largest `"input_tokens": N`, `"output_tokens": M` and the prompt cache's
+/// `"cache_creation_input_tokens"` and `"cache_read_input_tokens"` in an answer's bytes (a
+/// JSON message, or an SSE stream's events) fed in pieces of any size, wherever they split.
+/// Fixed size; never allocates; never panics on any bytes. A value counts only as JSON
+/// writes a whole number (capped at 10,000,000); a model's text cannot forge one.
+///
+/// ```
+/// use fairgate::retry_after_backoff::UsageScanner;
+///
+/// let mut usage = UsageScanner::default();
+/// usage.feed(br#"{"usage":{"input_tokens":20,"cache_read_input_tok"#);
+/// usage.feed(br#"ens":900,"output_tokens":512}}"#);
+/// assert_eq!(usage.input_tokens(), Some(20));
+/// assert_eq!(usage.cache_read_input_tokens(), Some(900));
+/// assert_eq!(usage.output_tokens(), Some(512));
+/// assert_eq!(usage.cache_creation_input_tokens(), None);
+/// ```
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub(crate) struct UsageScanner {
+pub struct UsageScanner {
     /// Bytes of each needle matched so far.
-    matched: [u8; 2],
+    matched: [u8; 4],
     step: Step,
     /// The needle whose value is being read.
     field: u8,
     /// The digits so far (saturated past [`MAX_TOKENS`]).
     value: u32,
     /// The largest value seen per field.
-    seen: [Option<u32>; 2],
+    seen: [Option<u32>; 4],
 }
 
 impl UsageScanner {
     /// The largest `input_tokens` seen so far.
-    pub(crate) fn input_tokens(&self) -> Option<u32> {
+    pub fn input_tokens(&self) -> Option<u32> {
         self.seen[0]
     }
 
     /// The largest `output_tokens` seen so far.
-    pub(crate) fn output_tokens(&self) -> Option<u32> {
+    pub fn output_tokens(&self) -> Option<u32> {
         self.seen[1]
     }
 
-    /// Whether any usage was seen.
-    pub(crate) fn saw_usage(&self) -> bool {
-        self.seen.iter().any(Option::is_some)
+    /// The largest `cache_creation_input_tokens` seen so far (prompt cache writes).
+    pub fn cache_creation_input_tokens(&self) -> Option<u32> {
+        self.seen[2]
+    }
+
+    /// The largest `cache_read_input_tokens` seen so far (prompt cache reads).
+    pub fn cache_read_input_tokens(&self) -> Option<u32> {
+        self.seen[3]
+    }
+
+    /// Whether an input or output count was seen.
+    pub fn saw_usage(&self) -> bool {
+        self.seen[..2].iter().any(Option::is_some)
     }
 
     /// Reads the next bytes of the body.
-    pub(crate) fn feed(&mut self, mut bytes: &[u8]) {
+    pub fn feed(&mut self, mut bytes: &[u8]) {
         while !bytes.is_empty() {
-            if self.step == Step::Seek && self.matched == [0, 0] {
+            if self.step == Step::Seek && self.matched == [0; 4] {
                 // The common case, outside any pattern: skip to the next quote.
                 match bytes.iter().position(|b| *b == b'"') {
                     Some(at) => bytes = &bytes[at..],
@@ -137,7 +171,7 @@ impl UsageScanner {
             let at = usize::from(self.matched[i]);
             if needle[at] == b {
                 if at + 1 == needle.len() {
-                    self.matched = [0, 0];
+                    self.matched = [0; 4];
                     self.field = i as u8;
                     self.step = Step::Colon;
                     return;
@@ -447,6 +481,30 @@ mod tests {
         // Only the bare field names count; a model's text has its quotes escaped.
         let body = br#"{"cache_creation_input_tokens":900,"cache_read_input_tokens":800,"text":"\"input_tokens\":5 \"output_tokens\": 6"}"#;
         assert_eq!(scan(&[body]), (None, None));
+    }
+
+    #[test]
+    fn cache_counts_are_read_apart_from_the_input_wherever_the_frames_split() {
+        let body = br#"{"usage":{"input_tokens":12,"cache_creation_input_tokens":900,"cache_read_input_tokens":800,"output_tokens":7}}"#;
+        for at in 0..=body.len() {
+            let mut s = UsageScanner::default();
+            s.feed(&body[..at]);
+            s.feed(&body[at..]);
+            assert_eq!(
+                (
+                    s.input_tokens(),
+                    s.cache_creation_input_tokens(),
+                    s.cache_read_input_tokens(),
+                    s.output_tokens()
+                ),
+                (Some(12), Some(900), Some(800), Some(7)),
+                "split at {at}"
+            );
+        }
+        // A cache count alone is no usage: the correction needs input or output.
+        let mut s = UsageScanner::default();
+        s.feed(br#"{"cache_read_input_tokens":800}"#);
+        assert!(!s.saw_usage());
     }
 
     #[test]

@@ -5,7 +5,7 @@
 //! The mock upstream answers each message as long as its `max_tokens`
 //! ([`MockAnthropic::set_output_pace`]), so a call's time holding a slot is proportional to
 //! its output, and it sums that time per caller (`x-mock-tag`). Two tenants of one tier:
-//! the peer sends ordinary calls (a short prompt, `max_tokens` 256); the hog sends tiny
+//! the peer sends ordinary calls (a short prompt, `max_tokens` 2,048); the hog sends tiny
 //! bodies asking for 64,000 output tokens each.
 
 use std::sync::Arc;
@@ -19,15 +19,18 @@ const HOG_KEY: &str = "sk-gw-hog-1";
 const PEER_KEY: &str = "sk-gw-peer-1";
 /// Slots of the tier both tenants are in (and the global cap).
 const SLOTS: u32 = 8;
-/// An output token takes this long at the mock: a hog's answer 640 ms, a peer's 2.6 ms.
+/// An output token takes this long at the mock: a hog's answer 640 ms, a peer's 20 ms
+/// (long enough that the gateway's own work, on a busy machine, is a small part of it).
 const PACE: Duration = Duration::from_micros(10);
 const HOG_MAX_TOKENS: u64 = 64_000;
-const PEER_MAX_TOKENS: u64 = 256;
+const PEER_MAX_TOKENS: u64 = 2_048;
+/// A daily budget no phase of the share test reaches (a demotion would change the classes).
+const BUDGET: u64 = 1_000_000_000_000;
 
 static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
-/// Both tenants on the `pro` tier, `SLOTS` slots; `extra` after the limits.
-fn keys(extra: &str) -> String {
+/// Both tenants on the `pro` tier, `SLOTS` slots, a daily budget of `budget`.
+fn keys(budget: u64) -> String {
     format!(
         r#"
 [[keys]]
@@ -42,10 +45,9 @@ tier = "pro"
 
 [limits]
 global_max = {SLOTS}
-daily_token_budget = {BUDGET}
+daily_token_budget = {budget}
 retry_after_ms = 300
 lease_ttl_ms = 5000
-{extra}
 
 [[tiers]]
 name = "pro"
@@ -55,7 +57,7 @@ max_wait_ms = 60000
     )
 }
 
-/// A peer's ordinary call: a prompt of about 400 tokens, 256 tokens of answer.
+/// A peer's ordinary call: a prompt of about 400 tokens, 2,048 tokens of answer.
 fn peer_body() -> String {
     let prompt = "Summarise the review below in one sentence. ".repeat(32);
     format!(
@@ -115,9 +117,10 @@ struct Phase {
     hog_share: f64,
 }
 
-/// Runs the peer's and (if `hog_body` is given) the hog's callers, `SLOTS` each (both
-/// always have calls waiting), for `length`; then stops them and waits for the upstream to
-/// be idle.
+/// Runs the peer's and (if `hog` is given) the hog's callers, twice `SLOTS` each (so both
+/// always have calls waiting at the gateway: a tenant whose queue is empty when a slot
+/// frees is not backlogged, and the other takes the slot), for `length`; then stops them
+/// and waits for the upstream to be idle.
 async fn phase(
     gateway: &Gateway,
     mock: &MockAnthropic,
@@ -127,13 +130,26 @@ async fn phase(
     let before = mock.busy_by_tag();
     let stop = Arc::new(AtomicBool::new(false));
     let (peer_done, hog_done) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
-    let clients = SLOTS as usize;
-    let mut tasks = callers(gateway, PEER_KEY, "peer", peer_body(), clients, &stop, &peer_done);
+    let clients = 2 * SLOTS as usize;
+    let mut tasks = callers(
+        gateway,
+        PEER_KEY,
+        "peer",
+        peer_body(),
+        clients,
+        &stop,
+        &peer_done,
+    );
     if let Some(body) = hog {
-        tasks.extend(callers(gateway, HOG_KEY, "hog", body, clients, &stop, &hog_done));
+        tasks.extend(callers(
+            gateway, HOG_KEY, "hog", body, clients, &stop, &hog_done,
+        ));
     }
     let started = Instant::now();
     tokio::time::sleep(length).await;
+    // The slot time used inside the phase (calls still in flight counted to now): what
+    // the callers left waiting get after it is not part of it.
+    let after = mock.busy_by_tag();
     let peer_calls = peer_done.load(Ordering::SeqCst);
     let elapsed = started.elapsed();
     stop.store(true, Ordering::SeqCst);
@@ -144,7 +160,6 @@ async fn phase(
             .expect("no caller failed");
     }
     assert!(mock.wait_in_flight(0, Duration::from_secs(30)));
-    let after = mock.busy_by_tag();
     let busy = |tag: &str| {
         let of = |m: &std::collections::BTreeMap<String, (Duration, u64)>| {
             m.get(tag).map_or(Duration::ZERO, |(d, _)| *d)
@@ -168,7 +183,7 @@ async fn a_tenant_asking_for_long_answers_gets_its_tiers_share_of_slot_time() {
     let _serial = SERIAL.lock().await;
     let mock = MockAnthropic::start();
     mock.set_output_pace(PACE);
-    let gateway = Gateway::start(&mock.url(), &keys(""), None);
+    let gateway = Gateway::start(&mock.url(), &keys(BUDGET), None);
     let length = Duration::from_secs(5);
 
     let alone = phase(&gateway, &mock, None, length).await;
@@ -205,15 +220,16 @@ fn demoted(gateway: &Gateway, tenant: &str) -> bool {
 }
 
 /// The rule: the daily budget counts what a call costs, output included: with a budget of
-/// 400,000 (demoted past 1.5 times it), a few calls asking for 64,000 output tokens demote
-/// the hog, while 150 ordinary calls of the peer do not demote it.
+/// 1,500,000 (demoted past 1.5 times it), a dozen calls asking for 64,000 output tokens
+/// (320,000 each at weight 5) demote the hog, while 150 ordinary calls of the peer (about
+/// 10,700 each) do not demote it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_daily_budget_demotes_the_hog_not_the_ordinary_tenant() {
     let _turn = crate::support::file_turn(module_path!());
     let _serial = SERIAL.lock().await;
     let mock = MockAnthropic::start();
     mock.set_output_pace(PACE);
-    let gateway = Gateway::start(&mock.url(), &keys("daily_token_budget = 400000"), None);
+    let gateway = Gateway::start(&mock.url(), &keys(1_500_000), None);
     let send = |key: &'static str, body: String| {
         let url = format!("{}/v1/messages", gateway.url());
         async move {
@@ -232,14 +248,14 @@ async fn the_daily_budget_demotes_the_hog_not_the_ordinary_tenant() {
     for _ in 0..150 / 6 {
         futures_util::future::join_all((0..6).map(|_| send(PEER_KEY, peer_body()))).await;
     }
-    for _ in 0..4 {
-        send(HOG_KEY, hog_body()).await;
+    for _ in 0..2 {
+        futures_util::future::join_all((0..6).map(|_| send(HOG_KEY, hog_body()))).await;
     }
     // The demotion is logged when the call that finds the tenant over its budget is
     // classified: before the calls above were answered.
     let hog = demoted(&gateway, "team-hog");
     let peer = demoted(&gateway, "team-peer");
-    eprintln!("after 150 ordinary calls and 4 long ones: hog demoted {hog}, peer demoted {peer}");
+    eprintln!("after 150 ordinary calls and 12 long ones: hog demoted {hog}, peer demoted {peer}");
     assert!(hog, "the hog was not demoted");
     assert!(!peer, "the ordinary tenant was demoted");
 }

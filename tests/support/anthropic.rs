@@ -125,8 +125,10 @@ struct Inner {
     recorded: Mutex<VecDeque<Recorded>>,
     /// Microseconds per output token of a message answer; 0: the fixed answer at once.
     output_pace_us: AtomicU64,
-    /// Microseconds answers were in flight, and calls, by `x-mock-tag`.
-    busy: Mutex<std::collections::BTreeMap<String, (u64, u64)>>,
+    /// Per `x-mock-tag`: microseconds of answers ended, calls ended, calls in flight and
+    /// the sum of their start times (microseconds since `epoch`).
+    busy: Mutex<std::collections::BTreeMap<String, [u64; 4]>>,
+    epoch: std::sync::OnceLock<std::time::Instant>,
 }
 
 /// How many requests are kept for [`MockAnthropic::requests`].
@@ -207,15 +209,20 @@ impl MockAnthropic {
             .store(per_token.as_micros() as u64, Ordering::Relaxed);
     }
 
-    /// Time answers were in flight (arrival to last byte) and calls, summed by the
-    /// requests' `x-mock-tag` header (untagged calls are not counted).
+    /// Time answers were in flight (arrival to last byte) up to now, those still in flight
+    /// included, and calls ended, summed by the requests' `x-mock-tag` header (untagged
+    /// calls are not counted).
     pub fn busy_by_tag(&self) -> std::collections::BTreeMap<String, (Duration, u64)> {
+        let now = self.inner.micros();
         self.inner
             .busy
             .lock()
             .unwrap()
             .iter()
-            .map(|(tag, (us, calls))| (tag.clone(), (Duration::from_micros(*us), *calls)))
+            .map(|(tag, [ended, calls, open, starts])| {
+                let busy = ended + (open * now).saturating_sub(*starts);
+                (tag.clone(), (Duration::from_micros(busy), *calls))
+            })
             .collect()
     }
 
@@ -294,9 +301,17 @@ impl Drop for MockAnthropic {
     }
 }
 
+impl Inner {
+    /// Microseconds since the first call to this.
+    fn micros(&self) -> u64 {
+        let epoch = self.epoch.get_or_init(std::time::Instant::now);
+        epoch.elapsed().as_micros() as u64
+    }
+}
+
 /// Counts a call in flight until dropped (with the answer's body, so to its last byte);
-/// a tagged call's time is added to its tag's.
-struct InFlight(Arc<Inner>, Option<(String, std::time::Instant)>);
+/// a tagged call's time counts toward its tag's (tag, start in `Inner::micros`).
+struct InFlight(Arc<Inner>, Option<(String, u64)>);
 
 impl InFlight {
     fn enter(inner: &Arc<Inner>) -> InFlight {
@@ -309,11 +324,14 @@ impl InFlight {
 impl Drop for InFlight {
     fn drop(&mut self) {
         self.0.in_flight.fetch_sub(1, Ordering::SeqCst);
-        if let Some((tag, since)) = self.1.take() {
+        if let Some((tag, start)) = self.1.take() {
+            let now = self.0.micros();
             let mut busy = self.0.busy.lock().unwrap();
-            let entry = busy.entry(tag).or_default();
-            entry.0 += since.elapsed().as_micros() as u64;
-            entry.1 += 1;
+            let [ended, calls, open, starts] = busy.entry(tag).or_default();
+            *ended += now.saturating_sub(start);
+            *calls += 1;
+            *open -= 1;
+            *starts -= start;
         }
     }
 }
@@ -329,8 +347,17 @@ fn max_tokens(body: &[u8]) -> Option<u64> {
 async fn handle(State(inner): State<Arc<Inner>>, req: Request) -> Response {
     let n = inner.calls.fetch_add(1, Ordering::SeqCst) + 1;
     let mut guard = InFlight::enter(&inner);
-    if let Some(tag) = req.headers().get("x-mock-tag").and_then(|v| v.to_str().ok()) {
-        guard.1 = Some((tag.to_owned(), std::time::Instant::now()));
+    if let Some(tag) = req
+        .headers()
+        .get("x-mock-tag")
+        .and_then(|v| v.to_str().ok())
+    {
+        let start = inner.micros();
+        let mut busy = inner.busy.lock().unwrap();
+        let [_, _, open, starts] = busy.entry(tag.to_owned()).or_default();
+        *open += 1;
+        *starts += start;
+        guard.1 = Some((tag.to_owned(), start));
     }
     let (parts, body) = req.into_parts();
     let body = axum::body::to_bytes(body, 64 << 20)

@@ -1,5 +1,5 @@
-//! The keys file (`--keys`, TOML): the clients' keys, the optional `[limits]` and
-//! `[[tiers]]`, checked in full before the gateway starts or takes a reload.
+//! The keys file (`--keys`, TOML): the clients' keys, the optional `[limits]`,
+//! `[[tiers]]` and `[cost]` (what a call is charged: the `cost` module), checked in full before the gateway starts or takes a reload.
 //!
 //! Every refusal names the file and, where the file has one, the line; none shows a key
 //! (a parse error's snippet of the file could, so only its message and line are kept, and
@@ -14,6 +14,8 @@ use std::time::Duration;
 use fairgate::extract::KeyTable;
 use fairgate::{DemotionPolicy, SlotPolicy, SlotPolicyBuilder, Tier};
 use serde::{Deserialize, Deserializer};
+
+use super::cost::{CostModel, CostTable};
 use toml::Spanned;
 
 /// The longest `retry_after_ms` and `max_wait_ms` taken: an hour. A client told to wait
@@ -29,6 +31,8 @@ struct KeysFile {
     limits: Limits,
     #[serde(default)]
     tiers: Vec<Spanned<TierEntry>>,
+    #[serde(default)]
+    cost: CostTable,
 }
 
 #[derive(Deserialize)]
@@ -133,6 +137,8 @@ pub(crate) struct Config {
     /// Each tenant's tier (of its first key): its weight on the live page.
     pub(crate) tenant_tiers: BTreeMap<String, String>,
     pub(crate) demotion: DemotionPolicy,
+    /// What a call is charged (`[cost]`).
+    pub(crate) cost: std::sync::Arc<CostModel>,
 }
 
 /// Reads and checks the keys file at `path`.
@@ -209,6 +215,7 @@ pub(crate) fn parse(text: &str) -> Result<Config, Refusal> {
         None => policy.global_max() as usize,
     };
     let demotion = demotion(text, limits)?;
+    let cost = CostModel::from_table(&file.cost).map_err(|e| refuse(text, None, e))?;
     Ok(Config {
         keys: clients.keys,
         policy,
@@ -216,6 +223,7 @@ pub(crate) fn parse(text: &str) -> Result<Config, Refusal> {
         tenants: clients.tenants,
         tenant_tiers: clients.tenant_tiers,
         demotion,
+        cost: std::sync::Arc::new(cost),
     })
 }
 

@@ -25,6 +25,7 @@ mod admin;
 mod api;
 mod auth;
 mod config;
+mod cost;
 mod dashboard;
 mod record;
 mod routes;
