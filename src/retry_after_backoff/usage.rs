@@ -60,10 +60,13 @@ enum Step {
 /// Fixed size; never allocates; never panics on any bytes. A value counts only as JSON
 /// writes a whole number (capped at 10,000,000); a model's text cannot forge one.
 ///
+/// `FIELDS` says how many of the four it reads, in that order: the default reads all four;
+/// the library's own correction reads `UsageScanner<2>` (input and output), half the size.
+///
 /// ```
 /// use fairgate::retry_after_backoff::UsageScanner;
 ///
-/// let mut usage = UsageScanner::default();
+/// let mut usage: UsageScanner = UsageScanner::default();
 /// usage.feed(br#"{"usage":{"input_tokens":20,"cache_read_input_tok"#);
 /// usage.feed(br#"ens":900,"output_tokens":512}}"#);
 /// assert_eq!(usage.input_tokens(), Some(20));
@@ -71,49 +74,61 @@ enum Step {
 /// assert_eq!(usage.output_tokens(), Some(512));
 /// assert_eq!(usage.cache_creation_input_tokens(), None);
 /// ```
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct UsageScanner {
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct UsageScanner<const FIELDS: usize = 4> {
     /// Bytes of each needle matched so far.
-    matched: [u8; 4],
+    matched: [u8; FIELDS],
     step: Step,
     /// The needle whose value is being read.
     field: u8,
     /// The digits so far (saturated past [`MAX_TOKENS`]).
     value: u32,
-    /// The largest value seen per field.
-    seen: [Option<u32>; 4],
+    /// The largest value seen per field, [`UNSEEN`] for none (never a value: they are
+    /// capped at [`MAX_TOKENS`]); plain `u32`s keep the scanner, which rides in every
+    /// scanned response body, small.
+    seen: [u32; FIELDS],
 }
 
-impl UsageScanner {
+/// A field not seen yet.
+const UNSEEN: u32 = u32::MAX;
+
+impl<const FIELDS: usize> Default for UsageScanner<FIELDS> {
+    fn default() -> Self {
+        const { assert!(FIELDS >= 2 && FIELDS <= NEEDLES.len()) };
+        UsageScanner {
+            matched: [0; FIELDS],
+            step: Step::Seek,
+            field: 0,
+            value: 0,
+            seen: [UNSEEN; FIELDS],
+        }
+    }
+}
+
+impl<const FIELDS: usize> UsageScanner<FIELDS> {
     /// The largest `input_tokens` seen so far.
     pub fn input_tokens(&self) -> Option<u32> {
-        self.seen[0]
+        self.get(0)
+    }
+
+    fn get(&self, field: usize) -> Option<u32> {
+        Some(self.seen[field]).filter(|v| *v != UNSEEN)
     }
 
     /// The largest `output_tokens` seen so far.
     pub fn output_tokens(&self) -> Option<u32> {
-        self.seen[1]
-    }
-
-    /// The largest `cache_creation_input_tokens` seen so far (prompt cache writes).
-    pub fn cache_creation_input_tokens(&self) -> Option<u32> {
-        self.seen[2]
-    }
-
-    /// The largest `cache_read_input_tokens` seen so far (prompt cache reads).
-    pub fn cache_read_input_tokens(&self) -> Option<u32> {
-        self.seen[3]
+        self.get(1)
     }
 
     /// Whether an input or output count was seen.
     pub fn saw_usage(&self) -> bool {
-        self.seen[..2].iter().any(Option::is_some)
+        self.seen[..2].iter().any(|v| *v != UNSEEN)
     }
 
     /// Reads the next bytes of the body.
     pub fn feed(&mut self, mut bytes: &[u8]) {
         while !bytes.is_empty() {
-            if self.step == Step::Seek && self.matched == [0; 4] {
+            if self.step == Step::Seek && self.matched == [0; FIELDS] {
                 // The common case, outside any pattern: skip to the next quote.
                 match bytes.iter().position(|b| *b == b'"') {
                     Some(at) => bytes = &bytes[at..],
@@ -151,7 +166,10 @@ impl UsageScanner {
                 }
                 b' ' | b'\t' | b'\r' | b'\n' | b',' | b'}' | b']' => {
                     let seen = &mut self.seen[usize::from(self.field)];
-                    *seen = Some(seen.map_or(self.value, |v| v.max(self.value)));
+                    *seen = match *seen {
+                        UNSEEN => self.value,
+                        v => v.max(self.value),
+                    };
                     self.step = Step::Seek;
                 }
                 // A fraction, an exponent, a quote: not a token count.
@@ -167,11 +185,11 @@ impl UsageScanner {
     }
 
     fn seek(&mut self, b: u8) {
-        for (i, needle) in NEEDLES.iter().enumerate() {
+        for (i, needle) in NEEDLES[..FIELDS].iter().enumerate() {
             let at = usize::from(self.matched[i]);
             if needle[at] == b {
                 if at + 1 == needle.len() {
-                    self.matched = [0; 4];
+                    self.matched = [0; FIELDS];
                     self.field = i as u8;
                     self.step = Step::Colon;
                     return;
@@ -186,10 +204,22 @@ impl UsageScanner {
     }
 }
 
+impl UsageScanner<4> {
+    /// The largest `cache_creation_input_tokens` seen so far (prompt cache writes).
+    pub fn cache_creation_input_tokens(&self) -> Option<u32> {
+        self.get(2)
+    }
+
+    /// The largest `cache_read_input_tokens` seen so far (prompt cache reads).
+    pub fn cache_read_input_tokens(&self) -> Option<u32> {
+        self.get(3)
+    }
+}
+
 /// A success's body being scanned for its usage, and the correction to report once it is
 /// known: when the body ends, or when it is dropped after a usage was seen.
 pub(super) struct Usage {
-    scanner: UsageScanner,
+    scanner: UsageScanner<2>,
     /// `None` once reported (or given up).
     report: Option<Report>,
 }
@@ -316,7 +346,7 @@ mod tests {
     use std::time::Duration;
 
     fn scan(pieces: &[&[u8]]) -> (Option<u32>, Option<u32>) {
-        let mut s = UsageScanner::default();
+        let mut s = UsageScanner::<2>::default();
         for piece in pieces {
             s.feed(piece);
         }
@@ -487,7 +517,7 @@ mod tests {
     fn cache_counts_are_read_apart_from_the_input_wherever_the_frames_split() {
         let body = br#"{"usage":{"input_tokens":12,"cache_creation_input_tokens":900,"cache_read_input_tokens":800,"output_tokens":7}}"#;
         for at in 0..=body.len() {
-            let mut s = UsageScanner::default();
+            let mut s: UsageScanner = UsageScanner::default();
             s.feed(&body[..at]);
             s.feed(&body[at..]);
             assert_eq!(
@@ -502,7 +532,7 @@ mod tests {
             );
         }
         // A cache count alone is no usage: the correction needs input or output.
-        let mut s = UsageScanner::default();
+        let mut s: UsageScanner = UsageScanner::default();
         s.feed(br#"{"cache_read_input_tokens":800}"#);
         assert!(!s.saw_usage());
     }
@@ -542,7 +572,7 @@ mod tests {
             bytes in proptest::collection::vec(any::<u8>(), 0..512),
             cuts in proptest::collection::vec(any::<usize>(), 0..8),
         ) {
-            let mut s = UsageScanner::default();
+            let mut s: UsageScanner = UsageScanner::default();
             let mut rest = &bytes[..];
             for cut in cuts {
                 let (piece, tail) = rest.split_at(cut % (rest.len() + 1));

@@ -18,9 +18,9 @@
 //!   it holds a slot, whatever the size of its prompt.
 //! - **On the answer**, its `usage` (a JSON message's, or a stream's `message_start` and
 //!   `message_delta` events, read as the bytes pass by the library's
-//!   [`UsageScanner`](fairgate::retry_after_backoff::UsageScanner)) replaces the estimate:
+//!   [`UsageScanner`]) replaces the estimate:
 //!   the difference is settled against the tenant's DRR deficit and its token count for the
-//!   day ([`Settler`](fairgate::drr_fairness::Settler)). An answer that ends with no usage
+//!   day ([`Settler`]). An answer that ends with no usage
 //!   (an error) cost nothing and is settled at 0; one dropped before any usage keeps the
 //!   estimate.
 //!
@@ -126,7 +126,7 @@ impl CostModel {
             }
             models.push((prefix.clone(), w));
         }
-        models.sort_by(|a, b| b.0.len().cmp(&a.0.len()));
+        models.sort_by_key(|(prefix, _)| std::cmp::Reverse(prefix.len()));
         Ok(CostModel {
             output: weight("output_weight", table.output_weight, defaults.output)?,
             cache_write: weight(
@@ -274,25 +274,20 @@ fn read_head(
         .get(header::CONTENT_ENCODING)
         .map(|v| v.to_str().unwrap_or("?").trim().to_ascii_lowercase());
     let limit = max_decoded.min(body.len().saturating_mul(MAX_RATIO).max(RATIO_FLOOR));
-    let parsed = match coding.as_deref() {
-        None | Some("") | Some("identity") => {
-            return serde_json::from_slice(body)
-                .map(|head| (head, body.len()))
-                .map_err(|e| Refused::bad(format!("the body is not valid JSON: {e}")));
-        }
+    match coding.as_deref() {
+        None | Some("") | Some("identity") => serde_json::from_slice(body)
+            .map(|head| (head, body.len()))
+            .map_err(|e| Refused::bad(format!("the body is not valid JSON: {e}"))),
         Some("gzip" | "x-gzip") => decoded(flate2::read::GzDecoder::new(body), limit),
         Some("deflate") => decoded(flate2::read::ZlibDecoder::new(body), limit),
-        Some(other) => {
-            return Err(Refused {
-                status: StatusCode::UNSUPPORTED_MEDIA_TYPE,
-                kind: "invalid_request_error",
-                message: format!(
-                    "content-encoding {other} is not supported: send gzip, deflate or identity"
-                ),
-            });
-        }
-    };
-    parsed
+        Some(other) => Err(Refused {
+            status: StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            kind: "invalid_request_error",
+            message: format!(
+                "content-encoding {other} is not supported: send gzip, deflate or identity"
+            ),
+        }),
+    }
 }
 
 /// Reads a decompressing reader's JSON head, refusing it past `limit` decoded bytes.
