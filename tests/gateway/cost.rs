@@ -259,3 +259,53 @@ async fn the_daily_budget_demotes_the_hog_not_the_ordinary_tenant() {
     assert!(hog, "the hog was not demoted");
     assert!(!peer, "the ordinary tenant was demoted");
 }
+
+/// The rule: a body whose cost cannot be estimated is answered at once, as the API would
+/// answer it, and takes no slot: not JSON or no `max_tokens` → `400`; a gzip body that
+/// decompresses past 100 times its size (a zip bomb) → `413`; an encoding the gateway
+/// cannot read → `415`. A gzip body within the bounds goes through.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_body_whose_cost_cannot_be_read_is_refused_as_the_api_would() {
+    use std::io::Write;
+    let _turn = crate::support::file_turn(module_path!());
+    let _serial = SERIAL.lock().await;
+    let mock = MockAnthropic::start();
+    let gateway = Gateway::start(&mock.url(), &keys(BUDGET), None);
+    let gzip = |bytes: &[u8]| {
+        let mut encoder = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::best());
+        encoder.write_all(bytes).unwrap();
+        encoder.finish().unwrap()
+    };
+    let post = |body: Vec<u8>, encoding: Option<&'static str>| {
+        let url = format!("{}/v1/messages", gateway.url());
+        async move {
+            let mut request = client()
+                .post(url)
+                .header("x-api-key", PEER_KEY)
+                .header("content-type", "application/json");
+            if let Some(encoding) = encoding {
+                request = request.header("content-encoding", encoding);
+            }
+            let response = request.body(body).send().await.expect("an answer");
+            let status = response.status().as_u16();
+            (status, response.text().await.unwrap())
+        }
+    };
+    let (status, answer) = post(b"{\"max_tokens\":".to_vec(), None).await;
+    assert_eq!(status, 400, "{answer}");
+    assert!(answer.contains("invalid_request_error"), "{answer}");
+    let (status, answer) = post(br#"{"model":"m","messages":[]}"#.to_vec(), None).await;
+    assert_eq!(status, 400, "{answer}");
+    assert!(answer.contains("max_tokens"), "{answer}");
+    let mut bomb = vec![b' '; 16 << 20];
+    bomb.extend_from_slice(hog_body().as_bytes());
+    let (status, answer) = post(gzip(&bomb), Some("gzip")).await;
+    assert_eq!(status, 413, "{answer}");
+    assert!(answer.contains("decompresses to more than"), "{answer}");
+    let (status, _) = post(peer_body().into_bytes(), Some("br")).await;
+    assert_eq!(status, 415);
+    assert_eq!(mock.calls(), 0, "none of them went upstream");
+    let (status, answer) = post(gzip(peer_body().as_bytes()), Some("gzip")).await;
+    assert_eq!(status, 200, "{answer}");
+    assert_eq!(mock.calls(), 1);
+}

@@ -224,9 +224,7 @@ async fn token_counts_batched_during_an_outage_reach_redis_after_it(target: Targ
 
 /// A settled call corrects its tenant's count for the day by its use minus its charge
 /// (`Store::correct_tokens`, batched with the additions): down, up, and never below 0.
-async fn a_settlements_correction_moves_the_days_count_both_ways_never_below_zero(
-    target: Target,
-) {
+async fn a_settlements_correction_moves_the_days_count_both_ways_never_below_zero(target: Target) {
     let redis = target.start_own().await;
     let store = worker(&redis).await;
     let name = redis.tenant_by_the_slots("settled");

@@ -610,6 +610,64 @@ mod tests {
         assert_eq!(response.status(), StatusCode::BAD_REQUEST);
     }
 
+    /// A response of `chunks` through [`settling`], for a job of `tenant` charged
+    /// `estimate` (counted in the store as `PriorityClassify` would have).
+    fn answer(
+        layer: &fairgate::FairgateLayer,
+        tenant: &str,
+        estimate: Estimate,
+        chunks: &[&'static str],
+    ) -> Response<Body> {
+        use http_body_util::BodyExt;
+        let job = estimate.apply(Job::new(tenant, fairgate::Origin::UserAction));
+        layer
+            .store()
+            .add_tokens(&fairgate::TenantId::new(tenant), job.charge());
+        let frames: Vec<Result<Frame<Bytes>, BoxError>> = chunks
+            .iter()
+            .map(|c| Ok(Frame::data(Bytes::from_static(c.as_bytes()))))
+            .collect();
+        let body = http_body_util::StreamBody::new(futures_util::stream::iter(frames));
+        let mut response = Response::new(body.boxed_unsync());
+        response.extensions_mut().insert(job);
+        let model = Arc::new(CostModel::default());
+        settling(response, &layer.settler(), &model, estimate)
+    }
+
+    #[tokio::test]
+    async fn the_answer_settles_the_days_count_once_its_usage_is_read() {
+        use http_body_util::BodyExt;
+        let layer = fairgate::FairgateLayer::new(fairgate::Store::memory());
+        let model = CostModel::default();
+        let estimate = model
+            .estimate(&headers(None), json(64_000).as_bytes(), MAX)
+            .unwrap();
+        let today = |tenant: &'static str| {
+            let store = layer.store().clone();
+            async move { store.tokens_today(&fairgate::TenantId::new(tenant)).await }
+        };
+        // A stream split mid-field: 25 input and 40 output tokens, 225 charged.
+        let response = answer(
+            &layer,
+            "read",
+            estimate,
+            &[
+                r#"data: {"usage":{"input_tokens":25,"output_to"#,
+                r#"kens":1}}"#,
+                r#"data: {"usage":{"output_tokens":40}}"#,
+            ],
+        );
+        response.into_body().collect().await.unwrap();
+        assert_eq!(today("read").await, 25 + 5 * 40);
+        // An error answer (no usage) used nothing.
+        let response = answer(&layer, "refused", estimate, &[r#"{"type":"error"}"#]);
+        response.into_body().collect().await.unwrap();
+        assert_eq!(today("refused").await, 0);
+        // Dropped before any usage: the estimate stands.
+        drop(answer(&layer, "cut", estimate, &[]));
+        assert_eq!(today("cut").await, charge(estimate));
+    }
+
     #[test]
     fn a_huge_max_tokens_saturates_and_a_bad_cost_table_is_refused() {
         let model = CostModel::default();
