@@ -126,6 +126,11 @@ impl Job {
     /// tokens it may use (the request's `max_tokens`) times the weight of an output token
     /// against an input token (e.g. 5 where the output-token limit is a fifth of the
     /// input-token one). Default 0: only the input is charged.
+    ///
+    /// The fair queue charges one call at most `quantum × max_charge_quanta` (by default
+    /// 5,000 × 4 = 20,000) before it goes: to charge long answers whole, raise
+    /// [`max_charge_quanta`](crate::drr_fairness::DrrFairnessBuilder::max_charge_quanta)
+    /// to cover the longest calls (the gateway covers 400,000).
     pub fn output_cost(mut self, tokens: u32) -> Self {
         self.output = tokens;
         self

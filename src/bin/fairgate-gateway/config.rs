@@ -1,5 +1,6 @@
 //! The keys file (`--keys`, TOML): the clients' keys, the optional `[limits]`,
-//! `[[tiers]]` and `[cost]` (what a call is charged: the `cost` module), checked in full before the gateway starts or takes a reload.
+//! `[[tiers]]` and `[cost]` (what a call is charged: the `cost` module), checked in full
+//! before the gateway starts or takes a reload.
 //!
 //! Every refusal names the file and, where the file has one, the line; none shows a key
 //! (a parse error's snippet of the file could, so only its message and line are kept, and
@@ -14,9 +15,9 @@ use std::time::Duration;
 use fairgate::extract::KeyTable;
 use fairgate::{DemotionPolicy, SlotPolicy, SlotPolicyBuilder, Tier};
 use serde::{Deserialize, Deserializer};
+use toml::Spanned;
 
 use super::cost::{CostModel, CostTable};
-use toml::Spanned;
 
 /// The longest `retry_after_ms` and `max_wait_ms` taken: an hour. A client told to wait
 /// longer has been told something wrong.
