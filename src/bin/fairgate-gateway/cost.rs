@@ -219,7 +219,9 @@ pub(crate) struct Estimate {
 
 impl Estimate {
     /// `job` charged this estimate: its input tokens, and the rest of the charge as its
-    /// output cost (the model's weight scales the whole charge).
+    /// output cost (the model's weight scales the whole charge). The input stays the raw
+    /// estimate, which the rate gate paces the provider's input-token limit on, so a model
+    /// weighing less than 1 is charged at least its input until its usage settles it.
     pub(crate) fn apply(&self, job: Job) -> Job {
         let rest = self.charge.saturating_sub(u64::from(self.input));
         job.cost(self.input)
