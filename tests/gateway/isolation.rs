@@ -174,7 +174,13 @@ async fn a_key_buffers_at_most_its_share_of_the_body_budget_and_a_declared_lengt
     let whole = client()
         .post(format!("{}/v1/messages", gateway.url()))
         .header("x-api-key", PREMIUM_KEY)
-        .body(vec![b' '; 15 * MIB])
+        .body(
+            [
+                vec![b' '; 15 * MIB - 200],
+                messages_body(false).into_bytes(),
+            ]
+            .concat(),
+        )
         .send()
         .await
         .unwrap();

@@ -1,7 +1,8 @@
 //! The gateway program (`fairgate-gateway`) end to end, as a real process on loopback
 //! ports: its calls and clients (`proxy`), the attacks on it (`attacks`), batches kept to
-//! their owner (`batches`), what one key holder cannot take from the others
-//! (`isolation`), its keys, admin token and start without Redis (`keys`), its live page
+//! their owner (`batches`), what a call costs (`cost`), what one key holder cannot take
+//! from the others (`isolation`), its keys, admin token and start without Redis (`keys`),
+//! its live page
 //! (`page`), its rate under a provider's limit (`rate`) and its record of calls
 //! (`record`).
 //!
@@ -16,6 +17,7 @@ mod support;
 
 mod attacks;
 mod batches;
+mod cost;
 mod isolation;
 mod keys;
 mod page;

@@ -19,6 +19,11 @@
 //! request succeeded with [`MESSAGE_JSON`]) and its `results_url` is on the mock's own
 //! address.
 //!
+//! With [`MockAnthropic::set_output_pace`] a message answer is as long as the request's
+//! `max_tokens`: it takes that many output tokens at the pace set, and its `usage` says so
+//! (`input_tokens` a quarter of the body's bytes); the time each call took is summed by
+//! its `x-mock-tag` header ([`MockAnthropic::busy_by_tag`]). Off by default.
+//!
 //! `GET /v1/models` and `POST /v1/messages/count_tokens` answer small fixed JSON. The mock
 //! counts the calls in flight (a call ends when its answer's last byte is sent or the
 //! connection drops it), their maximum, and records every request's method, path, headers
@@ -129,6 +134,12 @@ struct Inner {
     /// The workspace's batches, oldest first.
     batches: Mutex<Vec<MockBatch>>,
     batches_created: AtomicU64,
+    /// Microseconds per output token of a message answer; 0: the fixed answer at once.
+    output_pace_us: AtomicU64,
+    /// Per `x-mock-tag`: microseconds of answers ended, calls ended, calls in flight and
+    /// the sum of their start times (microseconds since `epoch`).
+    busy: Mutex<std::collections::BTreeMap<String, [u64; 4]>>,
+    epoch: std::sync::OnceLock<std::time::Instant>,
 }
 
 /// A batch the mock keeps: its object, and its requests' `custom_id`s.
@@ -206,6 +217,32 @@ impl MockAnthropic {
         self.inner
             .event_gap_ms
             .store(gap.as_millis() as u64, Ordering::Relaxed);
+    }
+
+    /// Makes each message answer (not a stream) as long as its request's `max_tokens`, at
+    /// `per_token` a token: the answer comes after `max_tokens × per_token`, and its usage
+    /// reports `max_tokens` output tokens. `Duration::ZERO` turns it off (the default).
+    pub fn set_output_pace(&self, per_token: Duration) {
+        self.inner
+            .output_pace_us
+            .store(per_token.as_micros() as u64, Ordering::Relaxed);
+    }
+
+    /// Time answers were in flight (arrival to last byte) up to now, those still in flight
+    /// included, and calls ended, summed by the requests' `x-mock-tag` header (untagged
+    /// calls are not counted).
+    pub fn busy_by_tag(&self) -> std::collections::BTreeMap<String, (Duration, u64)> {
+        let now = self.inner.micros();
+        self.inner
+            .busy
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|(tag, [ended, calls, open, starts])| {
+                let busy = ended + (open * now).saturating_sub(*starts);
+                (tag.clone(), (Duration::from_micros(busy), *calls))
+            })
+            .collect()
     }
 
     /// Routes on the path as a lenient server would read it: percent-decoded, `;` params
@@ -294,26 +331,64 @@ impl Drop for MockAnthropic {
     }
 }
 
-/// Counts a call in flight until dropped (with the answer's body, so to its last byte).
-struct InFlight(Arc<Inner>);
+impl Inner {
+    /// Microseconds since the first call to this.
+    fn micros(&self) -> u64 {
+        let epoch = self.epoch.get_or_init(std::time::Instant::now);
+        epoch.elapsed().as_micros() as u64
+    }
+}
+
+/// Counts a call in flight until dropped (with the answer's body, so to its last byte);
+/// a tagged call's time counts toward its tag's (tag, start in `Inner::micros`).
+struct InFlight(Arc<Inner>, Option<(String, u64)>);
 
 impl InFlight {
     fn enter(inner: &Arc<Inner>) -> InFlight {
         let now = inner.in_flight.fetch_add(1, Ordering::SeqCst) + 1;
         inner.max_in_flight.fetch_max(now, Ordering::SeqCst);
-        InFlight(inner.clone())
+        InFlight(inner.clone(), None)
     }
 }
 
 impl Drop for InFlight {
     fn drop(&mut self) {
         self.0.in_flight.fetch_sub(1, Ordering::SeqCst);
+        if let Some((tag, start)) = self.1.take() {
+            let now = self.0.micros();
+            let mut busy = self.0.busy.lock().unwrap();
+            let [ended, calls, open, starts] = busy.entry(tag).or_default();
+            *ended += now.saturating_sub(start);
+            *calls += 1;
+            *open -= 1;
+            *starts -= start;
+        }
     }
+}
+
+/// The request body's `max_tokens`, if it has one.
+fn max_tokens(body: &[u8]) -> Option<u64> {
+    serde_json::from_slice::<serde_json::Value>(body)
+        .ok()?
+        .get("max_tokens")?
+        .as_u64()
 }
 
 async fn handle(State(inner): State<Arc<Inner>>, req: Request) -> Response {
     let n = inner.calls.fetch_add(1, Ordering::SeqCst) + 1;
-    let guard = InFlight::enter(&inner);
+    let mut guard = InFlight::enter(&inner);
+    if let Some(tag) = req
+        .headers()
+        .get("x-mock-tag")
+        .and_then(|v| v.to_str().ok())
+    {
+        let start = inner.micros();
+        let mut busy = inner.busy.lock().unwrap();
+        let [_, _, open, starts] = busy.entry(tag.to_owned()).or_default();
+        *open += 1;
+        *starts += start;
+        guard.1 = Some((tag.to_owned(), start));
+    }
     let (parts, body) = req.into_parts();
     let body = axum::body::to_bytes(body, 64 << 20)
         .await
@@ -337,6 +412,7 @@ async fn handle(State(inner): State<Arc<Inner>>, req: Request) -> Response {
             .and_then(|v| v.to_str().ok())
             .map(str::to_owned)
     };
+    let request_body = body.clone();
     let delay = header("x-mock-delay-ms")
         .and_then(|v| v.parse().ok())
         .unwrap_or_else(|| inner.delay_ms.load(Ordering::Relaxed));
@@ -424,7 +500,18 @@ async fn handle(State(inner): State<Arc<Inner>>, req: Request) -> Response {
         ),
     };
     // The message body, held with the in-flight guard until it is sent.
-    let body = if status == StatusCode::OK && path == "/v1/messages" {
+    let pace = inner.output_pace_us.load(Ordering::Relaxed);
+    let body = if status == StatusCode::OK && path == "/v1/messages" && pace > 0 {
+        // As long as `max_tokens`: that many output tokens, at the pace set.
+        let output = max_tokens(&request_body).unwrap_or(1);
+        tokio::time::sleep(Duration::from_micros(output.saturating_mul(pace))).await;
+        let input = request_body.len() as u64 / 4;
+        let json = MESSAGE_JSON.replace(
+            r#""usage":{"input_tokens":12,"output_tokens":7}"#,
+            &format!(r#""usage":{{"input_tokens":{input},"output_tokens":{output}}}"#),
+        );
+        guarded(vec![Bytes::from(json)], guard, Duration::ZERO)
+    } else if status == StatusCode::OK && path == "/v1/messages" {
         let chunks = match header("x-mock-padding-bytes").and_then(|v| v.parse().ok()) {
             Some(padding) => padded_message(padding),
             None => vec![Bytes::from_static(MESSAGE_JSON.as_bytes())],

@@ -42,6 +42,7 @@ use super::answer::relay;
 use super::auth::{AuthGuard, Verdict};
 use super::batches::{Batches, Owner};
 use super::config::Config;
+use super::cost::{Estimate, settling};
 use super::holders::{Claim, Held, Holders, Spent};
 use super::record::{Probe, Recorder, Recording, Trace};
 use super::routes::{Route, route};
@@ -58,6 +59,8 @@ pub(crate) struct Live {
     pub(crate) store: Store,
     /// The fair queue's handle: calls waiting and in flight, for the admin page.
     pub(crate) fair: fairgate::DrrFairnessLayer,
+    /// Settles each call's charge on its answer's usage (the `cost` module).
+    settler: fairgate::drr_fairness::Settler,
     messages: Messages,
 }
 
@@ -67,23 +70,44 @@ impl Live {
             .slots(config.policy.clone())
             .window(config.window)
             .demotion(config.demotion.clone())
+            // A call up to `[cost] max_charge` pays its whole charge before it goes.
+            .fairness(|fair| {
+                let quantum = fairgate::drr_fairness::SchedulerConfig::default().quantum;
+                fair.max_charge_quanta(config.cost.max_charge_quanta(quantum))
+            })
             .build()
             .map_err(|e| format!("bad limits: {e}"))?;
         let fair = fairgate.fairness().clone();
+        let settler = fairgate.settler();
         let upstream = upstream.clone();
         let send = service_fn(move |req: Request<Full<Bytes>>| {
             let upstream = upstream.clone();
             if let Some(probe) = req.extensions().get::<Probe>() {
                 probe.dispatched();
             }
+            // The job as the call went out (classified): its answer settles it.
+            let job = req.extensions().get::<Job>().cloned();
             async move {
-                upstream
+                let mut response = upstream
                     .send(req.map(|body| body.map_err(|never| match never {}).boxed_unsync()))
-                    .await
+                    .await?;
+                if let Some(job) = job {
+                    response.extensions_mut().insert(job);
+                }
+                Ok::<_, BoxError>(response)
             }
         });
         let stack = ServiceBuilder::new()
             .layer(JobLayer::new(FromHeaders::new().keys(config.keys.clone())))
+            // The job charged what the body says the call costs (`messages` estimated it).
+            .map_request(|mut req: Request<Full<Bytes>>| {
+                if let Some(estimate) = req.extensions().get::<Estimate>().copied()
+                    && let Some(job) = req.extensions_mut().remove::<Job>()
+                {
+                    req.extensions_mut().insert(estimate.apply(job));
+                }
+                req
+            })
             // `--record`: the job as the stack admits it.
             .map_request(|req: Request<Full<Bytes>>| {
                 if let (Some(probe), Some(job)) = (
@@ -103,6 +127,7 @@ impl Live {
             config,
             store,
             fair,
+            settler,
             messages: BoxCloneSyncService::new(stack),
         })
     }
@@ -390,7 +415,16 @@ async fn messages(
         Err(unread) => return unread_response(gw, unread, &parts.headers, body),
     };
     let size = bytes.len();
+    let estimate = match live
+        .config
+        .cost
+        .estimate(&parts.headers, &bytes, gw.bodies.max_body)
+    {
+        Ok(estimate) => estimate,
+        Err(refused) => return refused.response(),
+    };
     let mut req = Request::from_parts(parts, Full::new(bytes));
+    req.extensions_mut().insert(estimate);
     let started = tokio::time::Instant::now();
     let trace = gw.recorder.as_ref().map(|recorder| recorder.begin());
     if let Some(trace) = &trace {
@@ -398,6 +432,7 @@ async fn messages(
     }
     match live.messages.clone().oneshot(req).await {
         Ok(response) => {
+            let response = settling(response, &live.settler, &live.config.cost, estimate);
             let status = response.status().as_u16();
             debug!(
                 status = response.status().as_u16(),

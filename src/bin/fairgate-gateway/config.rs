@@ -1,5 +1,6 @@
-//! The keys file (`--keys`, TOML): the clients' keys, the optional `[limits]` and
-//! `[[tiers]]`, checked in full before the gateway starts or takes a reload.
+//! The keys file (`--keys`, TOML): the clients' keys, the optional `[limits]`,
+//! `[[tiers]]` and `[cost]` (what a call is charged: the `cost` module), checked in full
+//! before the gateway starts or takes a reload.
 //!
 //! ```toml
 //! expect_keys = 2          # optional, before any table: refuse a file with another count
@@ -34,6 +35,8 @@ use fairgate::{DemotionPolicy, SlotPolicy, SlotPolicyBuilder, Tier};
 use serde::{Deserialize, Deserializer};
 use toml::Spanned;
 
+use super::cost::{CostModel, CostTable};
+
 /// The longest `retry_after_ms` and `max_wait_ms` taken: an hour. A client told to wait
 /// longer has been told something wrong.
 const MAX_WAIT_MS: u64 = 3_600_000;
@@ -49,6 +52,8 @@ struct KeysFile {
     limits: Limits,
     #[serde(default)]
     tiers: Vec<Spanned<TierEntry>>,
+    #[serde(default)]
+    cost: CostTable,
 }
 
 #[derive(Deserialize)]
@@ -155,6 +160,8 @@ pub(crate) struct Config {
     /// Each tenant's tier (of its first key): its weight on the live page.
     pub(crate) tenant_tiers: BTreeMap<String, String>,
     pub(crate) demotion: DemotionPolicy,
+    /// What a call is charged (`[cost]`).
+    pub(crate) cost: std::sync::Arc<CostModel>,
 }
 
 /// Reads and checks the keys file at `path`.
@@ -247,6 +254,7 @@ pub(crate) fn parse(text: &str) -> Result<Config, Refusal> {
         None => policy.global_max() as usize,
     };
     let demotion = demotion(text, limits)?;
+    let cost = CostModel::from_table(&file.cost).map_err(|e| refuse(text, None, e))?;
     Ok(Config {
         keys: clients.keys,
         policy,
@@ -254,6 +262,7 @@ pub(crate) fn parse(text: &str) -> Result<Config, Refusal> {
         tenants: clients.tenants,
         tenant_tiers: clients.tenant_tiers,
         demotion,
+        cost: std::sync::Arc::new(cost),
     })
 }
 

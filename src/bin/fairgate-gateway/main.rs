@@ -31,6 +31,7 @@ mod api;
 mod auth;
 mod batches;
 mod config;
+mod cost;
 mod dashboard;
 mod holders;
 mod record;
