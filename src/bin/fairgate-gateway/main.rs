@@ -4,7 +4,7 @@
 //! and calls the API with the team's one upstream key.
 //!
 //! ```sh
-//! cargo install --path . --features gateway
+//! cargo install --locked --path . --features gateway
 //! ANTHROPIC_API_KEY=sk-ant-... fairgate-gateway --listen 127.0.0.1:8080 \
 //!     --upstream https://api.anthropic.com --keys keys.toml [--redis redis://127.0.0.1:6379/]
 //! ```
