@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 
 use crate::support::anthropic::MockAnthropic;
 use crate::support::example_binary;
+use crate::support::gateway::*;
 
 /// Runs `cmd` to its end, killing it past `within`: its status and stdout.
 fn run_bounded(cmd: &mut Command, within: Duration) -> (std::process::ExitStatus, String) {
@@ -71,4 +72,42 @@ fn the_readme_quickstart_is_a_whole_program_that_calls_the_messages_api_with_its
     assert_eq!(request.path, "/v1/messages");
     assert_eq!(request.headers["x-api-key"], "sk-ant-readme");
     assert_eq!(request.headers["anthropic-version"], "2023-06-01");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_log_file_has_no_colour_codes_when_stderr_is_not_a_terminal() {
+    let _turn = crate::support::file_turn(module_path!());
+    let mock = MockAnthropic::start();
+    let gateway = Gateway::start(&mock.url(), &keys_toml(8, 100, ""), None);
+    let answer = post_messages(&gateway, PREMIUM_KEY, false).await.unwrap();
+    assert_eq!(answer.status(), 200);
+    let log = std::fs::read_to_string(&gateway.log).unwrap();
+    assert!(log.contains("gateway listening"), "{log}");
+    assert!(
+        !log.contains('\x1b'),
+        "escape codes in the log file:\n{log:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn log_format_json_writes_one_json_object_a_line() {
+    let _turn = crate::support::file_turn(module_path!());
+    let mock = MockAnthropic::start();
+    let gateway = Gateway::start_with(
+        &mock.url(),
+        &keys_toml(8, 100, ""),
+        None,
+        &["--log-format", "json"],
+    );
+    let answer = post_messages(&gateway, PREMIUM_KEY, false).await.unwrap();
+    assert_eq!(answer.status(), 200);
+    let log = std::fs::read_to_string(&gateway.log).unwrap();
+    let mut listening = false;
+    for line in log.lines() {
+        let event: serde_json::Value = serde_json::from_str(line)
+            .unwrap_or_else(|e| panic!("not a JSON line ({e}): {line:?}"));
+        assert!(event["level"].is_string(), "{line}");
+        listening |= event["fields"]["message"] == "gateway listening";
+    }
+    assert!(listening, "no `gateway listening` event:\n{log}");
 }

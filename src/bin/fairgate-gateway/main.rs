@@ -36,6 +36,7 @@ mod routes;
 mod server;
 mod upstream;
 
+use std::io::IsTerminal;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -66,7 +67,7 @@ pub(crate) type Body = http_body_util::combinators::UnsyncBoxBody<Bytes, BoxErro
 /// Clients use their own key from the keys file (`x-api-key` or `Authorization: Bearer`);
 /// the upstream is called with ANTHROPIC_API_KEY (required, from the environment only).
 /// SIGHUP reloads the keys file; SIGTERM or Ctrl-C drains and stops. Logs: RUST_LOG
-/// (default info), on stderr.
+/// (default info), on stderr, in --log-format.
 #[derive(Debug, Parser)]
 #[command(name = "fairgate-gateway", version, about, long_about)]
 pub(crate) struct Args {
@@ -207,6 +208,21 @@ pub(crate) struct Args {
     /// truncated), one JSON line each when it ends: for the simulator's --replay.
     #[arg(long, env = "FAIRGATE_RECORD", value_name = "FILE")]
     record: Option<PathBuf>,
+
+    /// Log lines on stderr: `text` (coloured only when stderr is a terminal) or `json` (one
+    /// object a line, for a log collector).
+    #[arg(long, env = "FAIRGATE_LOG_FORMAT", value_name = "FORMAT", value_enum,
+          default_value_t = LogFormat::Text)]
+    log_format: LogFormat,
+}
+
+/// The shape of the log lines (`--log-format`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub(crate) enum LogFormat {
+    /// Human-readable lines.
+    Text,
+    /// One JSON object a line.
+    Json,
 }
 
 fn upstream_url(value: &str) -> Result<Uri, String> {
@@ -625,12 +641,16 @@ async fn until_shutdown(
 /// until SIGTERM or Ctrl-C.
 pub(crate) fn main() {
     let args = Args::parse();
-    tracing_subscriber::fmt()
+    let logs = tracing_subscriber::fmt()
         .with_env_filter(
             EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info")),
         )
-        .with_writer(std::io::stderr)
-        .init();
+        .with_writer(std::io::stderr);
+    match args.log_format {
+        // Colour codes only for a person at a terminal: a log file or a collector gets text.
+        LogFormat::Text => logs.with_ansi(std::io::stderr().is_terminal()).init(),
+        LogFormat::Json => logs.json().init(),
+    }
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
