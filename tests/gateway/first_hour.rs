@@ -111,3 +111,172 @@ async fn log_format_json_writes_one_json_object_a_line() {
     }
     assert!(listening, "no `gateway listening` event:\n{log}");
 }
+
+/// The histograms the crate publishes: each must be a Prometheus histogram with buckets.
+const HISTOGRAMS: [&str; 4] = fairgate::metrics::HISTOGRAMS;
+
+/// The metric names the README writes (`claude_*`, `gateway_*` in backticks).
+fn readme_metric_names() -> Vec<String> {
+    let readme = include_str!("../../README.md");
+    let mut names: Vec<String> = readme
+        .split('`')
+        .skip(1)
+        .step_by(2)
+        .filter_map(|code| {
+            let name = code.split(['{', ' ', '(']).next()?;
+            // `gateway_bench` is an example's name, not a metric.
+            let known = (name.starts_with("claude_") || name.starts_with("gateway_"))
+                && name != "gateway_bench";
+            let metric = name.len() > "claude_".len()
+                && name.bytes().all(|b| b.is_ascii_lowercase() || b == b'_');
+            (known && metric).then(|| name.to_owned())
+        })
+        .collect();
+    names.sort();
+    names.dedup();
+    names
+}
+
+/// Every family of a Prometheus text: name -> (TYPE, has HELP).
+fn families(text: &str) -> std::collections::BTreeMap<String, (String, bool)> {
+    let mut families = std::collections::BTreeMap::<String, (String, bool)>::new();
+    for line in text.lines() {
+        if let Some(rest) = line.strip_prefix("# TYPE ") {
+            let (name, kind) = rest.split_once(' ').unwrap();
+            families.entry(name.to_owned()).or_default().0 = kind.to_owned();
+        } else if let Some(rest) = line.strip_prefix("# HELP ") {
+            let (name, help) = rest.split_once(' ').unwrap_or((rest, ""));
+            families.entry(name.to_owned()).or_default().1 = !help.trim().is_empty();
+        }
+    }
+    families
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_right_after_start_are_described_typed_histograms_and_every_one_the_readme_lists() {
+    let _turn = crate::support::file_turn(module_path!());
+    let mock = MockAnthropic::start();
+    let gateway = Gateway::start(&mock.url(), &keys_toml(8, 100, ""), None);
+    let text = gateway.metrics().await;
+    let families = families(&text);
+
+    for line in text
+        .lines()
+        .filter(|l| !l.is_empty() && !l.starts_with('#'))
+    {
+        let series = line.split(['{', ' ']).next().unwrap();
+        let family = ["_bucket", "_sum", "_count"]
+            .iter()
+            .find_map(|suffix| {
+                let base = series.strip_suffix(suffix)?;
+                families.contains_key(base).then_some(base)
+            })
+            .unwrap_or(series);
+        assert!(families.contains_key(family), "{series}: no # TYPE\n{text}");
+    }
+    for (name, (kind, help)) in &families {
+        assert!(*help, "{name}: no # HELP\n{text}");
+        assert!(!kind.is_empty(), "{name}: no # TYPE\n{text}");
+    }
+    for name in HISTOGRAMS {
+        assert_eq!(
+            families.get(name).map(|(kind, _)| kind.as_str()),
+            Some("histogram"),
+            "{name}\n{text}"
+        );
+        // Buckets for LLM calls: 10 ms to 10 minutes.
+        for le in ["0.01", "600"] {
+            let bucket = format!("le=\"{le}\"");
+            assert!(
+                text.lines()
+                    .any(|l| l.starts_with(&format!("{name}_bucket")) && l.contains(&bucket)),
+                "{name}: no bucket {le}\n{text}"
+            );
+        }
+    }
+    for outcome in ["answered", "refused", "failed"] {
+        assert!(
+            text.contains(&format!("outcome=\"{outcome}\"")),
+            "no latency series for outcome {outcome}\n{text}"
+        );
+    }
+    let readme = readme_metric_names();
+    assert!(readme.len() >= 25, "{readme:?}");
+    for name in readme {
+        // A learned limit has no value before it is learned (0 would read as a limit of 0).
+        if name == fairgate::metrics::LEARNED_LIMIT {
+            continue;
+        }
+        assert!(
+            families.contains_key(&name),
+            "{name} absent at start\n{text}"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn promtool_check_metrics_passes_on_a_scrape_after_start_and_after_calls() {
+    let _turn = crate::support::file_turn(module_path!());
+    let promtool = std::path::Path::new("/usr/bin/promtool");
+    if !promtool.exists() {
+        eprintln!(
+            "SKIPPED: promtool is absent (Debian's `prometheus` package; scripts/test installs it)"
+        );
+        return;
+    }
+    let mock = MockAnthropic::start();
+    let gateway = Gateway::start(&mock.url(), &keys_toml(8, 100, ""), None);
+    let mut scrapes = vec![gateway.metrics().await];
+    // After an answer, a refusal (unknown key) and a refused tier, with samples in the
+    // histograms.
+    assert_eq!(
+        post_messages(&gateway, PREMIUM_KEY, false)
+            .await
+            .unwrap()
+            .status(),
+        200
+    );
+    assert_eq!(
+        post_messages(&gateway, "sk-unknown", false)
+            .await
+            .unwrap()
+            .status(),
+        401
+    );
+    scrapes.push(gateway.metrics().await);
+    for text in scrapes {
+        let mut check = Command::new(promtool)
+            .args(["check", "metrics"])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("run promtool");
+        use std::io::Write;
+        check
+            .stdin
+            .take()
+            .unwrap()
+            .write_all(text.as_bytes())
+            .unwrap();
+        let out = check.wait_with_output().unwrap();
+        let said = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        // Exit 3 is lint problems only (1: the text does not parse). One lint is known and
+        // kept: `claude_throttle_count` is the reference's name (DESIGN.md §6), a gauge
+        // whose `_count` promtool reads as a histogram's.
+        let problems: Vec<&str> = said
+            .lines()
+            .filter(|line| !line.trim().is_empty())
+            .filter(|line| !line.starts_with("claude_throttle_count non-histogram"))
+            .collect();
+        assert!(
+            matches!(out.status.code(), Some(0 | 3)) && problems.is_empty(),
+            "promtool check metrics: {}\n{said}\n{text}",
+            out.status
+        );
+    }
+}

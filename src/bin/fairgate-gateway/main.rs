@@ -47,7 +47,7 @@ use bytes::Bytes;
 use clap::Parser;
 use fairgate::{BoxError, Store};
 use http::Uri;
-use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 use tokio::signal::unix::{SignalKind, signal};
 use tokio::task::JoinHandle;
 use tracing::{info, warn};
@@ -356,9 +356,7 @@ async fn run(mut args: Args) -> Result<(), String> {
     let config = config::load(&args.keys)?;
     let api_key = check_args(&mut args)?;
     let upstream = Upstream::new(&args.upstream, api_key.trim())?;
-    let metrics = PrometheusBuilder::new()
-        .install_recorder()
-        .map_err(|e| format!("cannot install the metrics recorder: {e}"))?;
+    let metrics = install_metrics(&config)?;
     let store = open_store(&args).await?;
     let tenants = config.tenants.len();
     let (global_max, window) = (config.policy.global_max(), config.window);
@@ -402,6 +400,128 @@ async fn run(mut args: Args) -> Result<(), String> {
     tokio::time::sleep(Duration::from_millis(50)).await;
     info!("gateway stopped");
     Ok(())
+}
+
+/// The gateway's own metrics: name, kind and `# HELP`.
+const GATEWAY_METRICS: [(&str, MetricKind, &str); 11] = [
+    (
+        "gateway_connections_open",
+        MetricKind::Gauge,
+        "Connections open, by listener (api, admin).",
+    ),
+    (
+        "gateway_connections_timed_out_total",
+        MetricKind::Counter,
+        "Connections closed for a late request head or idle keep-alive, by listener.",
+    ),
+    (
+        "gateway_connections_evicted_total",
+        MetricKind::Counter,
+        "Idle connections closed to make room at the connection cap, by listener.",
+    ),
+    (
+        "gateway_connections_refused_total",
+        MetricKind::Counter,
+        "Connections refused at the connection cap with none idle, by listener.",
+    ),
+    (
+        "gateway_auth_failures_total",
+        MetricKind::Counter,
+        "Requests refused for their key, by answer (401 unknown key, 429 slowed).",
+    ),
+    (
+        "gateway_key_refusals_total",
+        MetricKind::Counter,
+        "Requests refused for what their key holder holds, by reason (requests, body_bytes).",
+    ),
+    (
+        "gateway_body_budget_used_bytes",
+        MetricKind::Gauge,
+        "Bytes of /v1/messages bodies being buffered, against --body-budget.",
+    ),
+    (
+        "gateway_body_budget_refusals_total",
+        MetricKind::Counter,
+        "Requests answered 529 because --body-budget was spent.",
+    ),
+    (
+        "gateway_answer_buffer_used_bytes",
+        MetricKind::Gauge,
+        "Bytes of answers waiting for their clients, against --answer-buffer.",
+    ),
+    (
+        "gateway_answers_cut_total",
+        MetricKind::Counter,
+        "Answers cut because their client read nothing within --write-timeout.",
+    ),
+    (
+        "gateway_record_dropped_total",
+        MetricKind::Counter,
+        "--record lines dropped because the writer's channel was full.",
+    ),
+];
+
+#[derive(Clone, Copy)]
+enum MetricKind {
+    Counter,
+    Gauge,
+}
+
+/// Installs the Prometheus recorder: histograms with buckets for LLM calls, every family
+/// described (`# HELP`), and every metric published from start (0 until its first event,
+/// so a dashboard reads 0 rather than no data). Once at start: nothing per request.
+fn install_metrics(config: &config::Config) -> Result<PrometheusHandle, String> {
+    let handle = PrometheusBuilder::new()
+        .set_buckets_for_metric(
+            Matcher::Suffix("_seconds".into()),
+            &fairgate::metrics::LATENCY_BUCKETS,
+        )
+        .and_then(|builder| builder.install_recorder())
+        .map_err(|e| format!("cannot install the metrics recorder: {e}"))?;
+    fairgate::metrics::describe();
+    let tiers: Vec<_> = config
+        .policy
+        .tiers()
+        .into_iter()
+        .map(|(tier, _)| tier)
+        .collect();
+    fairgate::metrics::publish_zeros(&tiers);
+    for (name, kind, help) in GATEWAY_METRICS {
+        match kind {
+            MetricKind::Counter => metrics::describe_counter!(name, help),
+            MetricKind::Gauge => metrics::describe_gauge!(name, help),
+        }
+    }
+    for listener in ["api", "admin"] {
+        metrics::gauge!("gateway_connections_open", "listener" => listener).increment(0.0);
+        for name in [
+            "gateway_connections_timed_out_total",
+            "gateway_connections_evicted_total",
+            "gateway_connections_refused_total",
+        ] {
+            metrics::counter!(name, "listener" => listener).increment(0);
+        }
+    }
+    for answer in ["401", "429"] {
+        metrics::counter!("gateway_auth_failures_total", "answer" => answer).increment(0);
+    }
+    for reason in ["requests", "body_bytes"] {
+        metrics::counter!("gateway_key_refusals_total", "reason" => reason).increment(0);
+    }
+    for name in [
+        "gateway_body_budget_refusals_total",
+        "gateway_answers_cut_total",
+        "gateway_record_dropped_total",
+    ] {
+        metrics::counter!(name).increment(0);
+    }
+    for name in [
+        "gateway_body_budget_used_bytes",
+        "gateway_answer_buffer_used_bytes",
+    ] {
+        metrics::gauge!(name).increment(0.0);
+    }
+    Ok(handle)
 }
 
 /// The gateway's shared state for `live`, with `--record`'s recorder started, and the body
