@@ -280,3 +280,107 @@ async fn promtool_check_metrics_passes_on_a_scrape_after_start_and_after_calls()
         );
     }
 }
+
+/// `POST /v1/messages` over a fresh connection with `key`: the raw answer's head and body.
+fn raw_post_messages(port: u16, key: &str) -> String {
+    use std::io::{Read, Write};
+    let body = messages_body(false);
+    let mut stream = std::net::TcpStream::connect(("127.0.0.1", port)).expect("connect");
+    stream
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    write!(
+        stream,
+        "POST /v1/messages HTTP/1.1\r\nhost: x\r\nx-api-key: {key}\r\n\
+         anthropic-version: 2023-06-01\r\ncontent-type: application/json\r\n\
+         content-length: {}\r\nconnection: close\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut answer = String::new();
+    let _ = stream.read_to_string(&mut answer);
+    answer
+}
+
+fn request_id(head: &str) -> Option<&str> {
+    head.lines()
+        .find_map(|line| line.strip_prefix("request-id: "))
+        .map(str::trim)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_gateways_own_answers_carry_a_request_id_and_529_its_reason_phrase() {
+    let _turn = crate::support::file_turn(module_path!());
+    let mock = MockAnthropic::start();
+    // One guest slot, 100 ms of wait: a second guest call while the first is out is 529.
+    let gateway = Gateway::start(&mock.url(), &keys_toml(8, 100, ""), None);
+    let port = gateway.port;
+
+    let unknown = tokio::task::spawn_blocking(move || {
+        [
+            raw_post_messages(port, "sk-unknown"),
+            raw_post_messages(port, "sk-unknown-too"),
+            raw_get(port, "/v1/nothing-here"),
+        ]
+    })
+    .await
+    .unwrap();
+    assert!(
+        unknown[0].starts_with("HTTP/1.1 401 Unauthorized\r\n"),
+        "{}",
+        unknown[0]
+    );
+    assert!(
+        unknown[2].starts_with("HTTP/1.1 404 Not Found\r\n"),
+        "{}",
+        unknown[2]
+    );
+    let ids: Vec<&str> = unknown
+        .iter()
+        .map(|answer| request_id(answer).unwrap_or_else(|| panic!("no request-id:\n{answer}")))
+        .collect();
+    for id in &ids {
+        assert!(
+            id.starts_with("req_fairgate_") && id.len() > "req_fairgate_".len() + 8,
+            "{id}"
+        );
+    }
+    assert!(ids[0] != ids[1] && ids[1] != ids[2], "ids repeat: {ids:?}");
+
+    mock.set_delay(Duration::from_secs(3));
+    let first = tokio::spawn({
+        let url = gateway.url();
+        async move {
+            client()
+                .post(format!("{url}/v1/messages"))
+                .header("x-api-key", GUEST_KEY)
+                .header("anthropic-version", "2023-06-01")
+                .header("content-type", "application/json")
+                .body(messages_body(false))
+                .send()
+                .await
+                .map(|r| r.status())
+        }
+    });
+    let mock_in_flight = {
+        let mock = &mock;
+        std::thread::scope(|s| {
+            s.spawn(|| mock.wait_in_flight(1, Duration::from_secs(10)))
+                .join()
+                .unwrap()
+        })
+    };
+    assert!(
+        mock_in_flight,
+        "the first guest call never reached the upstream"
+    );
+    let busy = tokio::task::spawn_blocking(move || raw_post_messages(port, GUEST_KEY))
+        .await
+        .unwrap();
+    assert!(busy.starts_with("HTTP/1.1 529 Overloaded\r\n"), "{busy}");
+    assert!(busy.contains("overloaded_error"), "{busy}");
+    let id = request_id(&busy).unwrap_or_else(|| panic!("no request-id:\n{busy}"));
+    assert!(id.starts_with("req_fairgate_"), "{id}");
+    mock.set_delay(Duration::ZERO);
+    assert_eq!(first.await.unwrap().unwrap(), 200);
+}
