@@ -3,7 +3,8 @@
 //! headers; the gateway's log file carries no terminal escape codes, and `--log-format json`
 //! writes one JSON object a line; `/metrics` right after start has every family described
 //! and typed, latencies as histograms, and every metric the README lists; the gateway's own
-//! answers carry a `request-id` and `529 Overloaded`.
+//! answers carry a `request-id` and `529 Overloaded`; the live page reads class latency
+//! from the histograms.
 //!
 //! Processes are stopped by their pid when their guards drop; every wait is bounded.
 
@@ -387,4 +388,32 @@ async fn the_gateways_own_answers_carry_a_request_id_and_529_its_reason_phrase()
     assert!(id.starts_with("req_fairgate_"), "{id}");
     mock.set_delay(Duration::ZERO);
     assert_eq!(first.await.unwrap().unwrap(), 200);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_live_page_reads_the_latency_of_answered_calls_from_the_histograms() {
+    let _turn = crate::support::file_turn(module_path!());
+    let mock = MockAnthropic::start();
+    let gateway = Gateway::start(&mock.url(), &keys_toml(8, 100, ""), None);
+    let live: serde_json::Value = serde_json::from_str(&gateway.admin("/live").await).unwrap();
+    let critical = |live: &serde_json::Value| {
+        live["classes"]
+            .as_array()
+            .and_then(|classes| classes.iter().find(|c| c["class"] == "critical").cloned())
+            .unwrap_or_else(|| panic!("no critical class: {live}"))
+    };
+    assert!(
+        critical(&live)["p50_ms"].is_null(),
+        "nothing answered yet: {live}"
+    );
+    assert_eq!(
+        post_messages(&gateway, PREMIUM_KEY, false)
+            .await
+            .unwrap()
+            .status(),
+        200
+    );
+    let live: serde_json::Value = serde_json::from_str(&gateway.admin("/live").await).unwrap();
+    let p50 = critical(&live)["p50_ms"].as_f64();
+    assert!(p50.is_some_and(|ms| ms > 0.0 && ms < 60_000.0), "{live}");
 }
