@@ -42,8 +42,9 @@ async fn main() -> Result<(), BoxError> {
     let body = format!(
         r#"{{"model":"claude-haiku-4-5","max_tokens":64,"messages":[{{"role":"user","content":"{prompt}"}}]}}"#
     );
+    let key = std::env::var("ANTHROPIC_API_KEY").map_err(|_| "set ANTHROPIC_API_KEY")?;
     let mut req = http::Request::post(format!("{base}/v1/messages"))
-        .header("x-api-key", std::env::var("ANTHROPIC_API_KEY")?)
+        .header("x-api-key", key)
         .header("anthropic-version", "2023-06-01")
         .header("content-type", "application/json")
         .body(Full::new(Bytes::from(body)))?;
