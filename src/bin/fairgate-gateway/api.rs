@@ -187,28 +187,7 @@ pub(crate) fn error_response(status: StatusCode, kind: &str, message: &str) -> R
         header::CONTENT_TYPE,
         HeaderValue::from_static("application/json"),
     );
-    own_answer(response)
-}
-
-/// Marks an answer of the gateway's own as Anthropic's are: a `request-id` to quote in a
-/// report, and a reason phrase on `529` (hyper knows none for it: the line would end bare).
-fn own_answer(mut response: Response<Body>) -> Response<Body> {
-    static PROCESS: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
-    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-    // A random prefix per process (std's hasher keys), so ids differ across a fleet and restarts.
-    let process = *PROCESS.get_or_init(|| {
-        use std::hash::{BuildHasher, Hasher};
-        std::hash::RandomState::new().build_hasher().finish()
-    });
-    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    if let Ok(id) = HeaderValue::from_str(&format!("req_fairgate_{process:016x}{n:08x}")) {
-        response.headers_mut().insert("request-id", id);
-    }
-    if response.status().as_u16() == 529 {
-        let reason = hyper::ext::ReasonPhrase::from_static(b"Overloaded");
-        response.extensions_mut().insert(reason);
-    }
-    response
+    super::own_answer::mark(response)
 }
 
 fn with_retry_after(mut response: Response<Body>, wait: Duration) -> Response<Body> {
@@ -227,7 +206,7 @@ fn closing(mut response: Response<Body>) -> Response<Body> {
 }
 
 fn rendered(error: &BoxError) -> Response<Body> {
-    own_answer(render(error, Style::Anthropic).map(full))
+    super::own_answer::mark(render(error, Style::Anthropic).map(full))
 }
 
 /// Answers one request of the API port.

@@ -17,6 +17,7 @@
 //!   distinct keys;
 //! - `api`: the API port (authenticate from the headers, then buffer within a budget);
 //! - `holders`: what each key holder may hold at once (requests, body and answer bytes);
+//! - `own_answer`: the gateway's own answers marked (`request-id`, `529 Overloaded`);
 //! - `answer`: answers relayed through a bounded buffer, the slot free at the upstream's end;
 //! - `server`: connections (cap, header / body / keep-alive timeouts, drain);
 //! - `admin`: `/metrics`, `/healthz`, `/readyz`, `/status` on the admin listener (its token);
@@ -31,6 +32,7 @@ mod auth;
 mod config;
 mod dashboard;
 mod holders;
+mod own_answer;
 mod record;
 mod routes;
 mod server;
