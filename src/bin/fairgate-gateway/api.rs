@@ -220,7 +220,7 @@ pub(crate) fn error_response(status: StatusCode, kind: &str, message: &str) -> R
         header::CONTENT_TYPE,
         HeaderValue::from_static("application/json"),
     );
-    response
+    super::own_answer::mark(response)
 }
 
 fn with_retry_after(mut response: Response<Body>, wait: Duration) -> Response<Body> {
@@ -239,7 +239,7 @@ fn closing(mut response: Response<Body>) -> Response<Body> {
 }
 
 fn rendered(error: &BoxError) -> Response<Body> {
-    render(error, Style::Anthropic).map(full)
+    super::own_answer::mark(render(error, Style::Anthropic).map(full))
 }
 
 /// Answers one request of the API port.

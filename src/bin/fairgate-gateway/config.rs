@@ -597,3 +597,50 @@ mod tests {
         assert!(refused("expect_keys = 1\n").message.contains("holds 0"));
     }
 }
+
+#[cfg(test)]
+mod readme {
+    use super::parse;
+
+    /// The keys files the README shows: its ```toml blocks and the heredoc of its install
+    /// block (`cat > keys.toml <<'EOF'`), each with its first line in the README.
+    fn readme_keys_files() -> Vec<(usize, String)> {
+        let readme = include_str!("../../../README.md");
+        let mut files = Vec::new();
+        let mut current: Option<(usize, String, &str)> = None;
+        for (n, line) in readme.lines().enumerate() {
+            match &mut current {
+                None if line == "```toml" => current = Some((n + 2, String::new(), "```")),
+                None if line.starts_with("cat > ") && line.ends_with("<<'EOF'") => {
+                    current = Some((n + 2, String::new(), "EOF"));
+                }
+                None => {}
+                Some((first, text, end)) if line == *end => {
+                    files.push((*first, std::mem::take(text)));
+                    current = None;
+                }
+                Some((_, text, _)) => {
+                    text.push_str(line);
+                    text.push('\n');
+                }
+            }
+        }
+        files
+    }
+
+    #[test]
+    fn every_keys_file_in_the_readme_passes_the_gateways_check() {
+        let files = readme_keys_files();
+        assert!(!files.is_empty(), "no keys file found in the README");
+        // A ```toml block without `[[keys]]` is a simulator policy (`tests/memory/replay.rs`
+        // checks those): the gateway refuses its `[drr]`.
+        for (line, text) in files
+            .into_iter()
+            .filter(|(_, text)| text.contains("[[keys]]"))
+        {
+            if let Err(refusal) = parse(&text) {
+                panic!("README.md line {line}: the keys file is refused: {refusal:?}\n{text}");
+            }
+        }
+    }
+}
