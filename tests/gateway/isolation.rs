@@ -455,24 +455,52 @@ fn allow_open_files(files: u64) {
     }
 }
 
-/// `n` streaming calls of `key`, each read as its events come; the statuses (0: no
-/// answer).
-fn streams(gateway: &Gateway, key: &str, n: usize) -> Vec<tokio::task::JoinHandle<u16>> {
+/// `n` streaming calls of `key`, each read as its events come, begun 500 at a time (the
+/// next 500 once `begun()` counts the ones before: a burst of thousands of connects
+/// overflows the listen backlogs, and a dropped connect is retried by the kernel seconds
+/// later); the statuses (0: no answer).
+async fn streams(
+    gateway: &Gateway,
+    key: &str,
+    n: usize,
+    mut begun: impl AsyncFnMut() -> usize,
+) -> Vec<tokio::task::JoinHandle<u16>> {
+    let mut calls = Vec::with_capacity(n);
+    while calls.len() < n {
+        let batch = 500.min(n - calls.len());
+        calls.extend(streams_now(gateway, key, batch));
+        let wanted = calls.len();
+        if !eventually(Duration::from_secs(60), async || begun().await >= wanted).await {
+            let mut ended = std::collections::BTreeMap::new();
+            for call in calls.iter().filter(|call| call.is_finished()) {
+                let _ = call;
+                *ended.entry("ended").or_insert(0) += 1;
+            }
+            panic!("{} of {wanted} calls begun; {ended:?}", begun().await);
+        }
+    }
+    calls
+}
+
+fn streams_now(gateway: &Gateway, key: &str, n: usize) -> Vec<tokio::task::JoinHandle<u16>> {
     (0..n)
         .map(|_| {
             let (port, key) = (gateway.port, key.to_owned());
             tokio::spawn(async move {
                 let Ok(mut stream) = TcpStream::connect(("127.0.0.1", port)).await else {
-                    return 0;
+                    return 1;
                 };
                 let body = messages_body(true);
                 let head = post_head(&key, body.len(), "connection: close\r\n");
                 if stream.write_all(head.as_bytes()).await.is_err()
                     || stream.write_all(body.as_bytes()).await.is_err()
                 {
-                    return 0;
+                    return 2;
                 }
-                let (status, _) = answer_of(&mut stream, Duration::from_secs(120)).await;
+                let (status, text) = answer_of(&mut stream, Duration::from_secs(120)).await;
+                if status != 200 {
+                    eprintln!("{status}: {text}");
+                }
                 let mut rest = Vec::new();
                 let _ =
                     tokio::time::timeout(Duration::from_secs(120), stream.read_to_end(&mut rest))
@@ -506,9 +534,11 @@ async fn streams_held_at_once_cost_little_memory_each_and_past_the_files_are_ref
         .and_then(|v| v.parse().ok())
         .unwrap_or(9_000);
     let mock = MockAnthropic::start();
-    // About 11 events 3 s apart: every stream is still open when the last one begins.
-    mock.set_event_gap(Duration::from_secs(3));
-    let keys = keys_toml(40_000, 200, "");
+    // About 11 events 8 s apart: every stream is still open when the last one begins.
+    mock.set_event_gap(Duration::from_secs(8));
+    // A budget no stream here comes near: the measure is of streams, not of demotion.
+    let keys = keys_toml(40_000, 200, "")
+        .replace("[limits]", "[limits]\ndaily_token_budget = 1000000000000");
     let gateway = Gateway::start_limited(
         &mock.url(),
         &keys.replace("max_wait_ms = 30000", "max_wait_ms = 120000"),
@@ -519,12 +549,26 @@ async fn streams_held_at_once_cost_little_memory_each_and_past_the_files_are_ref
     let warm = post_messages(&gateway, PREMIUM_KEY, true).await.unwrap();
     let _ = warm.bytes().await;
     let idle = gateway.rss();
-    let calls = streams(&gateway, PREMIUM_KEY, n);
-    assert!(
-        eventually(Duration::from_secs(120), async || mock.in_flight() >= n).await,
-        "{} of {n} streams open",
-        mock.in_flight()
-    );
+    let calls = streams(&gateway, PREMIUM_KEY, n, async || mock.calls() as usize - 1).await;
+    let all_open = eventually(Duration::from_secs(30), async || mock.in_flight() >= n).await;
+    if !all_open {
+        let metrics = gateway.metrics().await;
+        let waiting: Vec<&str> = metrics
+            .lines()
+            .filter(|l| {
+                l.starts_with("claude_queue_depth")
+                    || l.starts_with("claude_slots_in_use")
+                    || l.starts_with("gateway_connections")
+            })
+            .collect();
+        panic!(
+            "{} of {n} streams open ({} at most, {} calls); {}; {waiting:?}",
+            mock.in_flight(),
+            mock.max_in_flight(),
+            mock.calls(),
+            gateway.admin("/status").await
+        );
+    }
     let held = gateway.rss();
     let per_stream = (held.saturating_sub(idle)) as f64 / n as f64 / 1024.0;
     let mut answered = 0;
@@ -561,7 +605,13 @@ async fn streams_held_at_once_cost_little_memory_each_and_past_the_files_are_ref
         &["--key-max-requests", "40000", "--max-connections", "40000"],
         Some(10_000),
     );
-    let calls = streams(&gateway, PREMIUM_KEY, 7_500);
+    let before = mock.calls() as usize;
+    let calls = streams(&gateway, PREMIUM_KEY, 7_500, async || {
+        let status = status(&gateway).await;
+        let refused = status["connections"]["refused"].as_u64().unwrap_or(0) as usize;
+        mock.calls() as usize - before + refused
+    })
+    .await;
     let mut counts = std::collections::BTreeMap::new();
     for call in calls {
         *counts.entry(call.await.unwrap()).or_insert(0) += 1;
