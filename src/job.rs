@@ -37,6 +37,26 @@ pub enum Origin {
 /// assert_eq!(job.priority(), None);      // not classified yet
 /// ```
 ///
+/// # What a job is charged
+/// The fair queue's deficit and the tenant's daily budget are charged the job's
+/// [`charge`](Job::charge): its estimated input tokens plus its
+/// [`output_cost`](Job::output_cost), the output it may produce counted in input tokens.
+/// Providers limit output tokens more tightly than input (Anthropic's output-token limit is
+/// commonly a fifth of the input-token one), and an answer holds its slot while it is
+/// written, so a call asking for a long answer costs more than its prompt says:
+///
+/// ```
+/// use fairgate::{Job, Origin};
+///
+/// // A short prompt asking for up to 4,096 tokens, each weighing 5 input tokens.
+/// let job = Job::new("tenant-42", Origin::UserAction).cost(300).output_cost(4_096 * 5);
+/// assert_eq!(job.estimated_tokens(), 300);
+/// assert_eq!(job.charge(), 20_780);
+/// ```
+///
+/// The charge is an estimate; the answer's real usage settles it (see
+/// [`Settler`](crate::drr_fairness::Settler)).
+///
 /// There is no way to set the priority from outside the crate:
 ///
 /// ```compile_fail
@@ -53,6 +73,8 @@ pub struct Job {
     /// The group its tenant is fair-queued in inside its tier (a service and its users).
     group: Option<TenantId>,
     cost: u32,
+    /// The output the call may produce, in input-token units (0: not counted).
+    output: u32,
     priority: Option<Priority>,
     /// When the request entered the first fairgate layer: every wait counts from here.
     arrived: Option<Instant>,
@@ -75,6 +97,7 @@ impl Job {
             tier: None,
             group: None,
             cost: 1,
+            output: 0,
             priority: None,
             arrived: None,
             slot_held: None,
@@ -128,6 +151,20 @@ impl Job {
         self
     }
 
+    /// Sets the output the call may produce, counted in input tokens: the most output
+    /// tokens it may use (the request's `max_tokens`) times the weight of an output token
+    /// against an input token (e.g. 5 where the output-token limit is a fifth of the
+    /// input-token one). Default 0: only the input is charged.
+    ///
+    /// The fair queue charges one call at most `quantum × max_charge_quanta` (by default
+    /// 5,000 × 4 = 20,000) before it goes: to charge long answers whole, raise
+    /// [`max_charge_quanta`](crate::drr_fairness::DrrFairnessBuilder::max_charge_quanta)
+    /// to cover the longest calls (the gateway covers 400,000).
+    pub fn output_cost(mut self, tokens: u32) -> Self {
+        self.output = tokens;
+        self
+    }
+
     /// Estimates the input tokens from the prompt text: ceil(chars / 3.5), at least 1.
     pub fn input_text(mut self, text: &str) -> Self {
         let chars = text.chars().count() as u64;
@@ -159,6 +196,17 @@ impl Job {
     /// Estimated input tokens (at least 1).
     pub fn estimated_tokens(&self) -> u32 {
         self.cost
+    }
+
+    /// The output the call may produce, in input tokens (see [`output_cost`](Job::output_cost)).
+    pub fn output_estimate(&self) -> u32 {
+        self.output
+    }
+
+    /// What the fair queue and the daily budget charge for the job until its usage is
+    /// known: the estimated input tokens plus the output cost.
+    pub fn charge(&self) -> u64 {
+        u64::from(self.cost) + u64::from(self.output)
     }
 
     /// The class decided by `PriorityClassify`; `None` before it ran.

@@ -135,3 +135,9 @@ pub use crate::store::{
 pub use crate::tier_slot_limit::{
     Busy, SlotPermit, SlotPolicy, SlotPolicyBuilder, TierLimit, TierSlotLimit, TierSlotLimitLayer,
 };
+
+/// The README's Rust blocks, compiled (and the runnable ones run) as doc-tests: each is a
+/// whole program, as a reader copies it. They use every optional feature.
+#[cfg(all(doctest, feature = "full"))]
+#[doc = include_str!("../README.md")]
+pub struct ReadmeDoctests;

@@ -141,7 +141,10 @@ pub fn set_metric_prefix(prefix: &str) -> Result<(), ConfigError> {
     })
 }
 
-/// Histogram, seconds from the outermost layer's `call` to the response, label `priority`.
+/// Histogram, seconds from the outermost layer's `call` to its outcome, labels `priority` and
+/// `outcome`: `answered` (a response came back, whatever its status), `refused` (fairgate
+/// refused it: `Busy`, `QueueFull`, ...) or `failed` (any other error). An SLO on latency
+/// reads `outcome="answered"`: a refusal at a tier's max wait is not a slow answer.
 pub const REQUEST_LATENCY: &str = "claude_request_latency_seconds";
 /// Gauge, tenants currently demoted to batch as this worker knows them.
 pub const DEMOTED_TENANTS: &str = "claude_demoted_tenants";
@@ -149,6 +152,24 @@ pub const DEMOTED_TENANTS: &str = "claude_demoted_tenants";
 pub const INPUT_TOKENS: &str = "claude_input_tokens_total";
 /// Gauge, 1 while the store serves from in-process state because Redis is unreachable.
 pub const STORE_DEGRADED: &str = "claude_store_degraded";
+
+/// Histogram buckets for LLM calls, in seconds: 10 ms to 10 minutes, with the dashboard's
+/// SLO lines (2 s, 6 s, 120 s) on bucket bounds. Give them to every histogram fairgate
+/// publishes ([`HISTOGRAMS`]); an exporter's default buckets (Prometheus' end at 10 s) or
+/// summaries (which cannot be added up across a fleet) do not fit calls of minutes.
+pub const LATENCY_BUCKETS: [f64; 17] = [
+    0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 6.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0,
+    600.0,
+];
+
+/// The histograms fairgate publishes, under the default prefix; all in seconds, all ending
+/// in `_seconds`.
+pub const HISTOGRAMS: [&str; 4] = [
+    REQUEST_LATENCY,
+    SLOT_WAIT,
+    COOLDOWN_WAIT_SECONDS,
+    PACING_WAIT_SECONDS,
+];
 
 /// The `tenant_id` label of tenants past the cap.
 pub const OTHER_TENANTS: &str = "_other";
@@ -248,12 +269,58 @@ fn histogram(key: &Key) -> metrics::Histogram {
     metrics::with_recorder(|recorder| recorder.register_histogram(key, &METADATA))
 }
 
-pub(crate) fn request_latency(priority: Priority, elapsed: Duration) {
-    static KEYS: OnceLock<[Key; 3]> = OnceLock::new();
-    let keys = KEYS.get_or_init(|| {
-        Priority::ALL.map(|p| labelled_key(Metric::RequestLatency, "priority", p.as_str().into()))
-    });
-    histogram(&keys[priority as usize]).record(elapsed.as_secs_f64());
+/// How a call through the stack ended: the `outcome` label of [`REQUEST_LATENCY`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Outcome {
+    /// A response came back (whatever its status).
+    Answered,
+    /// Fairgate refused it ([`Rejection`](crate::Rejection): `Busy`, `QueueFull`, ...).
+    Refused,
+    /// Any other error (the inner service's, a transport's).
+    Failed,
+}
+
+impl Outcome {
+    const ALL: [Outcome; 3] = [Outcome::Answered, Outcome::Refused, Outcome::Failed];
+
+    fn as_str(self) -> &'static str {
+        match self {
+            Outcome::Answered => "answered",
+            Outcome::Refused => "refused",
+            Outcome::Failed => "failed",
+        }
+    }
+
+    /// The outcome of `result`; an error's chain is read only on the error path.
+    pub(crate) fn of<T>(result: &Result<T, crate::BoxError>) -> Outcome {
+        match result {
+            Ok(_) => Outcome::Answered,
+            Err(error) if crate::Rejection::from_error(&**error).is_some() => Outcome::Refused,
+            Err(_) => Outcome::Failed,
+        }
+    }
+}
+
+/// The keys of [`REQUEST_LATENCY`], by priority and outcome, built once.
+fn latency_keys() -> &'static [[Key; 3]; 3] {
+    static KEYS: OnceLock<[[Key; 3]; 3]> = OnceLock::new();
+    KEYS.get_or_init(|| {
+        Priority::ALL.map(|p| {
+            Outcome::ALL.map(|o| {
+                Key::from_parts(
+                    Metric::RequestLatency.name(),
+                    vec![
+                        Label::new("priority", p.as_str()),
+                        Label::new("outcome", o.as_str()),
+                    ],
+                )
+            })
+        })
+    })
+}
+
+pub(crate) fn request_latency(priority: Priority, outcome: Outcome, elapsed: Duration) {
+    histogram(&latency_keys()[priority as usize][outcome as usize]).record(elapsed.as_secs_f64());
 }
 
 pub(crate) fn input_tokens(tenant: &TenantId, tokens: u64) {
@@ -286,6 +353,16 @@ pub const RETRIES: &str = "claude_retries_total";
 /// (`max_retries`, `budget`, `over_max_delay`, `spend_limit`, `not_clonable`,
 /// `peek_timeout`, `peek_frame_limit`).
 pub const GAVE_UP: &str = "claude_retries_given_up_total";
+/// The `reason` labels of [`GAVE_UP`].
+const GAVE_UP_REASONS: [&str; 7] = [
+    "max_retries",
+    "budget",
+    "over_max_delay",
+    "spend_limit",
+    "not_clonable",
+    "peek_timeout",
+    "peek_frame_limit",
+];
 /// Counter, calls held behind a closed cooldown gate (each hold counts).
 pub const COOLDOWN_WAITS: &str = "claude_cooldown_waits_total";
 /// Histogram, seconds a call was held behind a closed cooldown gate (each hold).
@@ -408,6 +485,149 @@ pub(crate) fn slot_wait(tier: &crate::Tier, waited: Duration) {
 pub(crate) fn server_busy(tier: &crate::Tier, reason: crate::admission::WaitReason) {
     metrics::counter!(Metric::ServerBusy.name(), "tier" => tier_label(tier), "reason" => reason.as_str())
         .increment(1);
+}
+
+impl Metric {
+    /// What the metric is: its kind and `# HELP` text.
+    fn description(self) -> (Kind, &'static str) {
+        match self {
+            Metric::RequestLatency => (
+                Kind::Histogram,
+                "Seconds from a call's arrival at the stack to its outcome, by priority and outcome (answered, refused, failed).",
+            ),
+            Metric::DemotedTenants => (
+                Kind::Gauge,
+                "Tenants currently demoted to batch, as this worker knows them.",
+            ),
+            Metric::InputTokens => (
+                Kind::Counter,
+                "Estimated input tokens of the calls classified, by tenant (capped; the rest under _other).",
+            ),
+            Metric::StoreDegraded => (
+                Kind::Gauge,
+                "1 while the store serves from in-process state because Redis is unreachable.",
+            ),
+            Metric::SlotsInUse => (Kind::Gauge, "Slots this worker holds now, by tier."),
+            Metric::SlotWait => (
+                Kind::Histogram,
+                "Seconds a request waited for its slot, by tier.",
+            ),
+            Metric::ServerBusy => (
+                Kind::Counter,
+                "Requests refused with Busy (SERVER_BUSY), by tier and what they waited for (slot, rate, cooldown, store).",
+            ),
+            Metric::SlotsFallback => (
+                Kind::Counter,
+                "Slots taken from the in-process fallback while Redis was away, by tier.",
+            ),
+            Metric::QueueDepth => (
+                Kind::Gauge,
+                "Requests waiting in the fair queue, by priority.",
+            ),
+            Metric::FairnessIndex => (
+                Kind::Gauge,
+                "Jain's index over the weight-normalised served cost of the backlogged tenants (1 = fair).",
+            ),
+            Metric::ThrottleCount => (
+                Kind::Gauge,
+                "429s of a tenant inside the store's throttle window, as of its latest throttle.",
+            ),
+            Metric::Retries => (Kind::Counter, "Retries sent, by the status retried."),
+            Metric::GaveUp => (
+                Kind::Counter,
+                "Retryable answers returned to the caller instead of retried, by reason.",
+            ),
+            Metric::CooldownWaits => (
+                Kind::Counter,
+                "Calls held behind a closed cooldown gate (each hold).",
+            ),
+            Metric::CooldownWaitSeconds => (
+                Kind::Histogram,
+                "Seconds a call was held behind a closed cooldown gate (each hold).",
+            ),
+            Metric::LearnedLimit => (
+                Kind::Gauge,
+                "Per-minute limits learned from the provider's rate-limit headers, by upstream key (hashed) and dimension.",
+            ),
+            Metric::PacingWaitSeconds => (
+                Kind::Histogram,
+                "Seconds a call waited for learned pacing (each paced attempt).",
+            ),
+            Metric::Probes => (
+                Kind::Counter,
+                "Probes sent (one call going first for its fleet), by reason (cold_start, recovery).",
+            ),
+        }
+    }
+}
+
+#[derive(Clone, Copy)]
+enum Kind {
+    Counter,
+    Gauge,
+    Histogram,
+}
+
+/// Describes every metric fairgate publishes to the installed recorder: the `# HELP` and
+/// unit of each family. Call it once at start-up, after installing the recorder and after
+/// [`set_metric_prefix`] (it fixes the names as the first metric would).
+pub fn describe() {
+    for metric in Metric::ALL {
+        let name = metric.name();
+        let (kind, help) = metric.description();
+        match kind {
+            Kind::Counter => metrics::describe_counter!(name, help),
+            Kind::Gauge => metrics::describe_gauge!(name, help),
+            Kind::Histogram => metrics::describe_histogram!(name, metrics::Unit::Seconds, help),
+        }
+    }
+}
+
+/// Publishes every metric fairgate publishes at its starting value, for the label values
+/// known at start (each priority and outcome, each of `tiers` and every `Busy` reason, the
+/// retried statuses 429 and 529, every give-up and probe reason, tenants under
+/// [`OTHER_TENANTS`]), so a dashboard reads 0 before the first event instead of no data.
+/// Call it once at start-up, before traffic (it adds 0 to counters and gauges, and
+/// registers histograms without a sample). `claude_learned_rate_limit` stays absent until
+/// a limit is learned: its labels name the upstream key.
+pub fn publish_zeros<'a>(tiers: impl IntoIterator<Item = &'a crate::Tier>) {
+    for keys in latency_keys() {
+        for key in keys {
+            let _ = histogram(key);
+        }
+    }
+    metrics::gauge!(Metric::DemotedTenants.name()).increment(0.0);
+    metrics::counter!(Metric::InputTokens.name(), "tenant_id" => OTHER_TENANTS).increment(0);
+    metrics::gauge!(Metric::StoreDegraded.name()).increment(0.0);
+    for tier in tiers {
+        with_tier_keys(tier, |keys| {
+            gauge(&keys.in_use).increment(0.0);
+            counter(&keys.fallback).increment(0);
+            let _ = histogram(&keys.wait);
+        });
+        for reason in crate::admission::WaitReason::ALL {
+            metrics::counter!(Metric::ServerBusy.name(), "tier" => tier_label(tier), "reason" => reason.as_str())
+                .increment(0);
+        }
+    }
+    for priority in Priority::ALL {
+        metrics::gauge!(Metric::QueueDepth.name(), "priority" => priority.as_str()).increment(0.0);
+    }
+    // No backlogged tenant: as fair as it gets (what the queue publishes then too).
+    metrics::gauge!(Metric::FairnessIndex.name()).set(1.0);
+    metrics::gauge!(Metric::ThrottleCount.name(), "tenant_id" => OTHER_TENANTS).increment(0.0);
+    for status in ["429", "529"] {
+        metrics::counter!(Metric::Retries.name(), "status" => status).increment(0);
+    }
+    for reason in GAVE_UP_REASONS {
+        metrics::counter!(Metric::GaveUp.name(), "reason" => reason).increment(0);
+    }
+    metrics::counter!(Metric::CooldownWaits.name()).increment(0);
+    let _ = metrics::histogram!(Metric::CooldownWaitSeconds.name());
+    let _ = metrics::histogram!(Metric::PacingWaitSeconds.name());
+    for reason in ["cold_start", "recovery"] {
+        metrics::counter!(Metric::Probes.name(), "reason" => reason).increment(0);
+    }
 }
 
 #[cfg(test)]

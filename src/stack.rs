@@ -287,3 +287,80 @@ impl FairgateBuilder {
         })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{Job, Origin, TenantId};
+    use tower::{ServiceExt, service_fn};
+
+    /// The stack around a service that answers at once; the job each call went out with
+    /// (classified) comes back in the response's extensions, as a gateway would keep it.
+    fn stack(
+        layer: &FairgateLayer,
+    ) -> Fairgate<
+        impl tower::Service<
+            http::Request<String>,
+            Response = http::Response<String>,
+            Error = std::convert::Infallible,
+            Future = impl Send,
+        > + Clone,
+    > {
+        layer.layer(service_fn(|req: http::Request<String>| async move {
+            let mut response = http::Response::new(String::new());
+            if let Some(job) = req.extensions().get::<Job>() {
+                response.extensions_mut().insert(job.clone());
+            }
+            Ok::<_, std::convert::Infallible>(response)
+        }))
+    }
+
+    async fn call(layer: &FairgateLayer, job: Job) -> Job {
+        let mut req = http::Request::new(String::new());
+        req.extensions_mut().insert(job);
+        let response = stack(layer).oneshot(req).await.unwrap();
+        response.extensions().get::<Job>().cloned().unwrap()
+    }
+
+    async fn tokens_today(layer: &FairgateLayer, tenant: &str) -> u64 {
+        layer.store().tokens_today(&TenantId::new(tenant)).await
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_daily_count_takes_the_charge_and_the_settlement_brings_it_to_the_use() {
+        let layer = FairgateLayer::new(Store::memory());
+        let settler = layer.settler();
+        // 200 input tokens, up to 4,000 output tokens at 5 each: 20,200 counted at once.
+        let job = Job::new("acme", Origin::UserAction)
+            .tier("pro")
+            .cost(200)
+            .output_cost(20_000);
+        let sent = call(&layer, job).await;
+        assert_eq!(tokens_today(&layer, "acme").await, 20_200);
+        // The answer used 180 input and 100 output tokens: 680.
+        settler.settle(&sent, 680);
+        assert_eq!(tokens_today(&layer, "acme").await, 680);
+        // A call that used more than its charge is counted up as well.
+        let sent = call(&layer, Job::new("acme", Origin::UserAction).cost(10)).await;
+        settler.settle(&sent, 5_010);
+        assert_eq!(tokens_today(&layer, "acme").await, 680 + 5_010);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_tenant_whose_answers_outgrow_its_estimate_is_demoted_by_the_settlement() {
+        let layer = FairgateLayer::new(Store::memory());
+        let settler = layer.settler();
+        let job = || Job::new("hog", Origin::UserAction).tier("pro").cost(10);
+        // Tiny prompts, long answers: 320,000 each (64,000 output tokens at weight 5), past
+        // 1.5x the default daily budget of 100,000 after the first settlement.
+        let sent = call(&layer, job()).await;
+        assert_eq!(sent.priority(), Some(crate::Priority::Critical));
+        settler.settle(&sent, 320_010);
+        let next = call(&layer, job()).await;
+        assert_eq!(next.priority(), Some(crate::Priority::Batch), "demoted");
+        // A tenant whose estimate was too high is refunded, never below 0.
+        let light = call(&layer, Job::new("light", Origin::UserAction).cost(50_000)).await;
+        settler.settle(&light, 0);
+        assert_eq!(tokens_today(&layer, "light").await, 0);
+    }
+}

@@ -129,6 +129,14 @@ pub enum WaitReason {
 }
 
 impl WaitReason {
+    /// Every reason, for metrics published at zero from start.
+    pub(crate) const ALL: [WaitReason; 4] = [
+        WaitReason::Slot,
+        WaitReason::Rate,
+        WaitReason::Cooldown,
+        WaitReason::Store,
+    ];
+
     /// The reason as a metric label and in messages: `slot`, `rate`, `cooldown`, `store`.
     pub fn as_str(self) -> &'static str {
         match self {

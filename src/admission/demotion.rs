@@ -5,8 +5,10 @@ use crate::error::ConfigError;
 /// When a runaway tenant is demoted to batch, and for how long.
 ///
 /// Demotion is congestion control, not punishment: a tenant with at least `throttle_limit`
-/// throttles (429s attributed to it) inside the store's throttle window, or whose input
-/// tokens today exceed `budget_ratio` x its daily budget, is served as batch for
+/// throttles (429s attributed to it) inside the store's throttle window, or whose tokens
+/// charged today (each job's [`charge`](crate::Job::charge): input plus output cost,
+/// corrected to the real usage by a [`Settler`](crate::drr_fairness::Settler)) exceed
+/// `budget_ratio` x its daily budget, is served as batch for
 /// `demote_for`, then the demotion expires by itself. A tenant still over its budget is
 /// demoted again the next time it is checked after that: the budget resets with the UTC day.
 ///
@@ -72,7 +74,7 @@ impl DemotionPolicy {
         self.budget_permille
     }
 
-    /// Daily input-token budget of a tenant with none set in the store.
+    /// Daily token budget (of charged tokens) of a tenant with none set in the store.
     pub fn default_daily_budget(&self) -> u64 {
         self.default_daily_budget
     }
@@ -111,7 +113,8 @@ impl DemotionPolicyBuilder {
         self
     }
 
-    /// Daily input-token budget of tenants with none set in the store (at least 1).
+    /// Daily token budget (of charged tokens) of tenants with none set in the store (at
+    /// least 1).
     pub fn default_daily_budget(mut self, tokens: u64) -> Self {
         self.policy.default_daily_budget = tokens;
         self

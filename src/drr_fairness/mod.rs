@@ -84,25 +84,34 @@ pub use crate::metrics::{FAIRNESS_INDEX, QUEUE_DEPTH};
 use self::state::FairQueue;
 use crate::Job;
 
-/// Settles requests' real usage against their tenants' deficits.
+/// Settles requests' real usage against their tenants' deficits and daily budgets.
 ///
-/// Get one from [`DrrFairnessLayer::settler`] or [`DrrFairness::settler`]; it is cheap to
-/// clone and shares the layer's state. Call [`settle`](Settler::settle) with the request's
-/// job and the tokens it really used (e.g. `usage.input_tokens` of the response, or a
-/// count the app made): the difference to the job's estimate is charged to the tenant's
-/// deficit (it used more) or refunded (less), if the tenant still has requests waiting or
-/// in flight in that class. Refunds never bank more than one quantum x weight; charges never go below
-/// minus one maximum charge. Only the scheduling order changes: the served cost already
-/// recorded stays the estimate.
+/// Get one from [`DrrFairnessLayer::settler`], [`DrrFairness::settler`] or
+/// [`FairgateLayer::settler`](crate::FairgateLayer::settler); it is cheap to clone and
+/// shares the layer's state. Call [`settle`](Settler::settle) with the request's job (as it
+/// was sent, classified) and what the call really cost, in the units of the job's
+/// [`charge`](Job::charge) (e.g. the response's `usage.input_tokens` plus its
+/// `output_tokens` times the weight the job's output cost used). The difference to the
+/// charge
+///
+/// - is charged to the tenant's deficit (it used more) or refunded (less), if the tenant
+///   still has requests waiting or in flight in that class. Refunds never bank more than
+///   one quantum x weight; charges never go below minus one maximum charge;
+/// - corrects the tenant's token count for the day in the [`Store`](crate::Store), which
+///   [`PriorityClassify`](crate::PriorityClassify) counted at the charge and checks
+///   against the daily budget (never below 0; batched off the request path on Redis).
+///
+/// The served cost already recorded (for the fairness index) stays the estimate.
 ///
 /// ```
 /// use fairgate::{DrrFairnessLayer, Job, Origin, Store};
 ///
 /// let layer = DrrFairnessLayer::new(Store::memory(), 8);
 /// let settler = layer.settler();
-/// let job = Job::new("acme", Origin::Scheduled).cost(1_000);
-/// // ... later, the response said it used 4,000 input tokens:
-/// settler.settle(&job, 4_000);
+/// // A short prompt that may write 4,000 output tokens, each weighing 5 input tokens.
+/// let job = Job::new("acme", Origin::Scheduled).cost(1_000).output_cost(4_000 * 5);
+/// // ... later, the response said 900 input tokens and 120 output tokens:
+/// settler.settle(&job, 900 + 120 * 5);
 /// ```
 #[derive(Clone)]
 pub struct Settler {
@@ -110,10 +119,10 @@ pub struct Settler {
 }
 
 impl Settler {
-    /// Settles `job` (as it was sent: same tenant, priority and estimate) at `actual`
-    /// tokens.
-    pub fn settle(&self, job: &Job, actual_tokens: u64) {
-        self.shared.settle(job, actual_tokens);
+    /// Settles `job` (as it was sent: same tenant, priority and charge) at `actual`, in the
+    /// units of [`Job::charge`].
+    pub fn settle(&self, job: &Job, actual: u64) {
+        self.shared.settle(job, actual);
     }
 }
 

@@ -708,7 +708,7 @@ impl FairQueue {
         (
             job.priority().unwrap_or(Priority::Standard),
             self.weights.of(job.tier_name()),
-            u64::from(job.estimated_tokens()),
+            job.charge(),
         )
     }
 
@@ -1901,6 +1901,13 @@ impl FairQueue {
         state.groups[group]
             .scheduler
             .settle(class, job.tenant(), estimated, actual);
+        drop(state);
+        // The daily count took the charge when the job was classified: bring it to the use.
+        let diff = i128::from(actual) - i128::from(estimated);
+        let diff = i64::try_from(diff).unwrap_or(if diff < 0 { i64::MIN } else { i64::MAX });
+        if diff != 0 {
+            self.store.correct_tokens(job.tenant(), diff);
+        }
     }
 }
 

@@ -122,11 +122,12 @@ where
                     }
                 }
                 StateProj::Calling { fut } => {
-                    let output = ready!(fut.poll(cx));
+                    let output = ready!(fut.poll(cx)).map_err(Into::into);
                     if let Some(priority) = *this.priority {
-                        crate::metrics::request_latency(priority, this.started.elapsed());
+                        let outcome = crate::metrics::Outcome::of(&output);
+                        crate::metrics::request_latency(priority, outcome, this.started.elapsed());
                     }
-                    output.map_err(Into::into)
+                    output
                 }
                 StateProj::MissingJob => Err(MissingJob.into()),
                 StateProj::Done => Err(PolledAfterCompletion.into()),

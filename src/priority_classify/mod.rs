@@ -11,7 +11,10 @@
 //!   for. The check and the demotion are one atomic step in the [`Store`](crate::Store), so
 //!   every worker agrees; each worker reuses an answer for a short while (the store's cache
 //!   TTL), so a busy tenant costs no Redis round trip per request;
-//! - each admitted job's estimated tokens are added to its tenant's total for the UTC day.
+//! - each admitted job's [`charge`](crate::Job::charge) (its estimated input tokens plus
+//!   the output it may produce, in input tokens) is added to its tenant's total for the
+//!   UTC day; a [`Settler`](crate::drr_fairness::Settler) later corrects the total to the
+//!   answer's real usage.
 //!
 //! It is meant to be the outermost layer: it records `claude_request_latency_seconds` per
 //! priority from its `call` to the response. A request with no `Job` fails with

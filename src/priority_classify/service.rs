@@ -80,12 +80,15 @@ where
         let by_rule = shared.rule.classify(job);
         // Checked before this job's tokens count, the same on every store: the job that
         // crosses the budget goes out as classified, the next one is demoted.
-        let tokens = u64::from(job.estimated_tokens());
-        let check =
-            shared
-                .store
-                .check_demotion_then_add_tokens(job.tenant(), &shared.policy, tokens, now);
-        crate::metrics::input_tokens(job.tenant(), tokens);
+        // The budget counts the whole charge (input and expected output); the metric, the
+        // input tokens.
+        let check = shared.store.check_demotion_then_add_tokens(
+            job.tenant(),
+            &shared.policy,
+            job.charge(),
+            now,
+        );
+        crate::metrics::input_tokens(job.tenant(), u64::from(job.estimated_tokens()));
 
         match check.into_ready() {
             Ok(demotion) => {

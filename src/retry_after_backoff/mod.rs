@@ -105,3 +105,4 @@ pub use self::pacing::Pacing;
 pub use self::policy::{BackoffPolicy, BackoffPolicyBuilder};
 pub use self::request::{ByClone, CloneRequest, SendOnce};
 pub use self::service::RetryAfterBackoff;
+pub use self::usage::UsageScanner;

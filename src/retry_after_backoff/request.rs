@@ -24,6 +24,41 @@ use std::fmt;
 ///     });
 /// # let _ = layer;
 /// ```
+///
+/// A stack over a request that cannot be copied does not compile, and says why
+/// (``error[E0277]: `ByClone` cannot copy a `http::Request<Body>` for a retry``, with notes
+/// naming the three ways out):
+///
+/// ```compile_fail
+/// use fairgate::{BoxError, FairgateLayer, Store};
+/// use tower::{Layer, ServiceExt, service_fn};
+///
+/// # async fn run() {
+/// let handler = service_fn(|_req: http::Request<axum::body::Body>| async {
+///     Ok::<_, BoxError>(http::Response::new(String::new()))
+/// });
+/// let stack = FairgateLayer::new(Store::memory()).layer(handler);
+/// let _ = ServiceExt::oneshot(stack, http::Request::new(axum::body::Body::empty())).await;
+/// # }
+/// ```
+///
+/// The same with [`SendOnce`] compiles:
+///
+/// ```
+/// use fairgate::retry_after_backoff::SendOnce;
+/// use fairgate::{BoxError, FairgateLayer, Store};
+/// use tower::{Layer, ServiceExt, service_fn};
+///
+/// # async fn run() {
+/// let handler = service_fn(|_req: http::Request<axum::body::Body>| async {
+///     Ok::<_, BoxError>(http::Response::new(String::new()))
+/// });
+/// let stack = FairgateLayer::new(Store::memory())
+///     .clone_requests_with(SendOnce)
+///     .layer(handler);
+/// let _ = ServiceExt::oneshot(stack, http::Request::new(axum::body::Body::empty())).await;
+/// # }
+/// ```
 #[diagnostic::on_unimplemented(
     message = "`{Self}` cannot copy a `{Req}` for a retry",
     label = "no way to copy this request for a retry",

@@ -8,7 +8,10 @@
 //! `message_delta` events (the output count so far, cumulative). [`UsageScanner`] finds them
 //! in the bytes as they pass — no buffering, no parsing of the JSON, no allocation: a few
 //! bytes of state carry a match over from one frame to the next, wherever a frame splits
-//! it. The largest value of each field wins (a stream's counts only grow).
+//! it. The largest value of each field wins (a stream's counts only grow). The prompt
+//! cache's counts (`cache_creation_input_tokens`, `cache_read_input_tokens`, reported
+//! beside `input_tokens`, not in it) are read the same way, for callers that charge them
+//! (public as [`UsageScanner`](crate::retry_after_backoff::UsageScanner)).
 //!
 //! A value is taken only as JSON writes a number: digits after `"input_tokens"` or
 //! `"output_tokens"`, a colon and optional whitespace, ended by whitespace, `,`, `}` or
@@ -29,7 +32,13 @@ use crate::store::DIMS;
 /// itself is capped again at one minute of the learned limit (see `Core::correct_usage`).
 pub(crate) const MAX_TOKENS: u32 = 10_000_000;
 
-const NEEDLES: [&[u8]; 2] = [b"\"input_tokens\"", b"\"output_tokens\""];
+/// The fields read, in the order of [`UsageScanner`]'s `seen`.
+const NEEDLES: [&[u8]; 4] = [
+    b"\"input_tokens\"",
+    b"\"output_tokens\"",
+    b"\"cache_creation_input_tokens\"",
+    b"\"cache_read_input_tokens\"",
+];
 
 /// Where the scanner is in a `"…_tokens": N` pattern.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -45,41 +54,81 @@ enum Step {
     Digits,
 }
 
-/// Finds the largest `"input_tokens": N` and `"output_tokens": M` in a byte stream fed in
-/// pieces of any size. Fixed size; never allocates.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub(crate) struct UsageScanner {
+/// Finds the largest `"input_tokens": N`, `"output_tokens": M` and the prompt cache's
+/// `"cache_creation_input_tokens"` and `"cache_read_input_tokens"` in an answer's bytes (a
+/// JSON message, or an SSE stream's events) fed in pieces of any size, wherever they split.
+/// Fixed size; never allocates; never panics on any bytes. A value counts only as JSON
+/// writes a whole number (capped at 10,000,000); a model's text cannot forge one.
+///
+/// `FIELDS` says how many of the four it reads, in that order: the default reads all four;
+/// the library's own correction reads `UsageScanner<2>` (input and output), half the size.
+///
+/// ```
+/// use fairgate::retry_after_backoff::UsageScanner;
+///
+/// let mut usage: UsageScanner = UsageScanner::default();
+/// usage.feed(br#"{"usage":{"input_tokens":20,"cache_read_input_tok"#);
+/// usage.feed(br#"ens":900,"output_tokens":512}}"#);
+/// assert_eq!(usage.input_tokens(), Some(20));
+/// assert_eq!(usage.cache_read_input_tokens(), Some(900));
+/// assert_eq!(usage.output_tokens(), Some(512));
+/// assert_eq!(usage.cache_creation_input_tokens(), None);
+/// ```
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct UsageScanner<const FIELDS: usize = 4> {
     /// Bytes of each needle matched so far.
-    matched: [u8; 2],
+    matched: [u8; FIELDS],
     step: Step,
     /// The needle whose value is being read.
     field: u8,
     /// The digits so far (saturated past [`MAX_TOKENS`]).
     value: u32,
-    /// The largest value seen per field.
-    seen: [Option<u32>; 2],
+    /// The largest value seen per field, [`UNSEEN`] for none (never a value: they are
+    /// capped at [`MAX_TOKENS`]); plain `u32`s keep the scanner, which rides in every
+    /// scanned response body, small.
+    seen: [u32; FIELDS],
 }
 
-impl UsageScanner {
+/// A field not seen yet.
+const UNSEEN: u32 = u32::MAX;
+
+impl<const FIELDS: usize> Default for UsageScanner<FIELDS> {
+    fn default() -> Self {
+        const { assert!(FIELDS >= 2 && FIELDS <= NEEDLES.len()) };
+        UsageScanner {
+            matched: [0; FIELDS],
+            step: Step::Seek,
+            field: 0,
+            value: 0,
+            seen: [UNSEEN; FIELDS],
+        }
+    }
+}
+
+impl<const FIELDS: usize> UsageScanner<FIELDS> {
     /// The largest `input_tokens` seen so far.
-    pub(crate) fn input_tokens(&self) -> Option<u32> {
-        self.seen[0]
+    pub fn input_tokens(&self) -> Option<u32> {
+        self.get(0)
+    }
+
+    fn get(&self, field: usize) -> Option<u32> {
+        Some(self.seen[field]).filter(|v| *v != UNSEEN)
     }
 
     /// The largest `output_tokens` seen so far.
-    pub(crate) fn output_tokens(&self) -> Option<u32> {
-        self.seen[1]
+    pub fn output_tokens(&self) -> Option<u32> {
+        self.get(1)
     }
 
-    /// Whether any usage was seen.
-    pub(crate) fn saw_usage(&self) -> bool {
-        self.seen.iter().any(Option::is_some)
+    /// Whether an input or output count was seen.
+    pub fn saw_usage(&self) -> bool {
+        self.seen[..2].iter().any(|v| *v != UNSEEN)
     }
 
     /// Reads the next bytes of the body.
-    pub(crate) fn feed(&mut self, mut bytes: &[u8]) {
+    pub fn feed(&mut self, mut bytes: &[u8]) {
         while !bytes.is_empty() {
-            if self.step == Step::Seek && self.matched == [0, 0] {
+            if self.step == Step::Seek && self.matched == [0; FIELDS] {
                 // The common case, outside any pattern: skip to the next quote.
                 match bytes.iter().position(|b| *b == b'"') {
                     Some(at) => bytes = &bytes[at..],
@@ -117,7 +166,10 @@ impl UsageScanner {
                 }
                 b' ' | b'\t' | b'\r' | b'\n' | b',' | b'}' | b']' => {
                     let seen = &mut self.seen[usize::from(self.field)];
-                    *seen = Some(seen.map_or(self.value, |v| v.max(self.value)));
+                    *seen = match *seen {
+                        UNSEEN => self.value,
+                        v => v.max(self.value),
+                    };
                     self.step = Step::Seek;
                 }
                 // A fraction, an exponent, a quote: not a token count.
@@ -133,11 +185,11 @@ impl UsageScanner {
     }
 
     fn seek(&mut self, b: u8) {
-        for (i, needle) in NEEDLES.iter().enumerate() {
+        for (i, needle) in NEEDLES[..FIELDS].iter().enumerate() {
             let at = usize::from(self.matched[i]);
             if needle[at] == b {
                 if at + 1 == needle.len() {
-                    self.matched = [0, 0];
+                    self.matched = [0; FIELDS];
                     self.field = i as u8;
                     self.step = Step::Colon;
                     return;
@@ -152,10 +204,22 @@ impl UsageScanner {
     }
 }
 
+impl UsageScanner<4> {
+    /// The largest `cache_creation_input_tokens` seen so far (prompt cache writes).
+    pub fn cache_creation_input_tokens(&self) -> Option<u32> {
+        self.get(2)
+    }
+
+    /// The largest `cache_read_input_tokens` seen so far (prompt cache reads).
+    pub fn cache_read_input_tokens(&self) -> Option<u32> {
+        self.get(3)
+    }
+}
+
 /// A success's body being scanned for its usage, and the correction to report once it is
 /// known: when the body ends, or when it is dropped after a usage was seen.
 pub(super) struct Usage {
-    scanner: UsageScanner,
+    scanner: UsageScanner<2>,
     /// `None` once reported (or given up).
     report: Option<Report>,
 }
@@ -282,7 +346,7 @@ mod tests {
     use std::time::Duration;
 
     fn scan(pieces: &[&[u8]]) -> (Option<u32>, Option<u32>) {
-        let mut s = UsageScanner::default();
+        let mut s = UsageScanner::<2>::default();
         for piece in pieces {
             s.feed(piece);
         }
@@ -450,6 +514,30 @@ mod tests {
     }
 
     #[test]
+    fn cache_counts_are_read_apart_from_the_input_wherever_the_frames_split() {
+        let body = br#"{"usage":{"input_tokens":12,"cache_creation_input_tokens":900,"cache_read_input_tokens":800,"output_tokens":7}}"#;
+        for at in 0..=body.len() {
+            let mut s: UsageScanner = UsageScanner::default();
+            s.feed(&body[..at]);
+            s.feed(&body[at..]);
+            assert_eq!(
+                (
+                    s.input_tokens(),
+                    s.cache_creation_input_tokens(),
+                    s.cache_read_input_tokens(),
+                    s.output_tokens()
+                ),
+                (Some(12), Some(900), Some(800), Some(7)),
+                "split at {at}"
+            );
+        }
+        // A cache count alone is no usage: the correction needs input or output.
+        let mut s: UsageScanner = UsageScanner::default();
+        s.feed(br#"{"cache_read_input_tokens":800}"#);
+        assert!(!s.saw_usage());
+    }
+
+    #[test]
     fn garbage_values_are_not_usage() {
         for body in [
             r#"{"input_tokens":"12","output_tokens":-3}"#,
@@ -484,7 +572,7 @@ mod tests {
             bytes in proptest::collection::vec(any::<u8>(), 0..512),
             cuts in proptest::collection::vec(any::<usize>(), 0..8),
         ) {
-            let mut s = UsageScanner::default();
+            let mut s: UsageScanner = UsageScanner::default();
             let mut rest = &bytes[..];
             for cut in cuts {
                 let (piece, tail) = rest.split_at(cut % (rest.len() + 1));

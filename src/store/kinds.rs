@@ -28,6 +28,9 @@ pub(crate) trait Tenants: Send + Sync {
     fn record_throttle(&self, tenant: &TenantId) -> StoreFuture<u32>;
     fn throttle_count(&self, tenant: &TenantId) -> StoreFuture<u32>;
     fn add_tokens(&self, tenant: &TenantId, tokens: u64);
+    /// Corrects today's count by `diff` (a settled call's usage against its charge); the
+    /// count never goes below 0.
+    fn correct_tokens(&self, tenant: &TenantId, diff: i64);
     fn tokens_today(&self, tenant: &TenantId) -> StoreFuture<u64>;
     fn set_daily_budget(
         &self,

@@ -284,6 +284,14 @@ impl MemoryState {
         })
     }
 
+    pub(crate) fn correct_tokens(&self, tenant: &TenantId, diff: i64) {
+        self.with_tenant(tenant, |state, at| {
+            // A correction counts toward the current day, as an addition would.
+            Self::count_tokens(state, at.today, 0);
+            state.tokens = state.tokens.saturating_add_signed(diff);
+        })
+    }
+
     fn count_tokens(state: &mut TenantState, today: u64, tokens: u64) -> u64 {
         // Only forward: a call that read the clock just before midnight but locked after
         // one that rolled the day over counts in the new day instead of zeroing it.
@@ -366,6 +374,10 @@ impl kinds::Tenants for MemoryState {
 
     fn add_tokens(&self, tenant: &TenantId, tokens: u64) {
         MemoryState::add_tokens(self, tenant, tokens);
+    }
+
+    fn correct_tokens(&self, tenant: &TenantId, diff: i64) {
+        MemoryState::correct_tokens(self, tenant, diff);
     }
 
     fn tokens_today(&self, tenant: &TenantId) -> StoreFuture<u64> {

@@ -372,6 +372,13 @@ impl Store {
         self.kinds().add_tokens(tenant, tokens);
     }
 
+    /// Corrects `tenant`'s tokens for the current UTC day by `diff`: a settled call's real
+    /// usage against what was counted for it when it was admitted (negative: it used less).
+    /// The count never goes below 0. Batched off the request path as `add_tokens` is.
+    pub fn correct_tokens(&self, tenant: &TenantId, diff: i64) {
+        self.kinds().correct_tokens(tenant, diff);
+    }
+
     /// `tenant`'s input tokens for the current UTC day, as far as they were flushed.
     pub fn tokens_today(&self, tenant: &TenantId) -> StoreFuture<u64> {
         self.kinds().tokens_today(tenant)

@@ -165,15 +165,20 @@ pub(crate) struct RedisStore {
 
 /// Per-tenant counts batched off the request path until the background flush sends them.
 #[derive(Default)]
-pub(super) struct Batch(Mutex<HashMap<TenantId, u64>>);
+pub(super) struct Batch(Mutex<HashMap<TenantId, i64>>);
 
-/// Adds `n` to the tenant's pending count.
-fn put(pending: &mut HashMap<TenantId, u64>, tenant: TenantId, n: u64) {
+/// Adds `n` to the tenant's pending count (negative: a correction down).
+fn put(pending: &mut HashMap<TenantId, i64>, tenant: TenantId, n: i64) {
     let total = pending.entry(tenant).or_insert(0);
     *total = total.saturating_add(n);
 }
 
 pub(super) use crate::sync::lock;
+
+/// A count as the signed batches hold it.
+pub(super) fn clamp(n: u64) -> i64 {
+    i64::try_from(n).unwrap_or(i64::MAX)
+}
 
 /// An error that means "Redis is not there" rather than "Redis refused this call". On a
 /// cluster that includes a shard that is away or moving: `CLUSTERDOWN`, `TRYAGAIN`,
@@ -668,11 +673,20 @@ impl RedisStore {
         if self.is_degraded() {
             self.fallback.add_tokens(tenant, tokens);
         }
-        self.batch_add(&self.pending_tokens, tenant, tokens);
+        self.batch_add(&self.pending_tokens, tenant, clamp(tokens));
+    }
+
+    /// Corrects `tenant`'s tokens today by `diff` (never below 0), batched as
+    /// [`add_tokens`](Self::add_tokens) is.
+    pub(crate) fn correct_tokens(&self, tenant: &TenantId, diff: i64) {
+        if self.is_degraded() {
+            self.fallback.correct_tokens(tenant, diff);
+        }
+        self.batch_add(&self.pending_tokens, tenant, diff);
     }
 
     /// Adds to a batch of per-tenant counts, waking the flush early when many tenants wait.
-    pub(super) fn batch_add(&self, batch: &Batch, tenant: &TenantId, n: u64) {
+    pub(super) fn batch_add(&self, batch: &Batch, tenant: &TenantId, n: i64) {
         let mut pending = lock(&batch.0);
         put(&mut pending, tenant.clone(), n);
         if pending.len() >= FLUSH_AT_TENANTS {
@@ -711,7 +725,7 @@ impl RedisStore {
             let mut conn = self.conn.clone();
             let mut call = script.prepare_invoke();
             call.key(self.keys.tenant(tenant, part)).arg(n).arg(args);
-            async move { call.invoke_async::<u64>(&mut conn).await.err() }
+            async move { call.invoke_async::<i64>(&mut conn).await.err() }
         });
         // Background work gets more time than a request's call, and a slow flush does not
         // by itself mean Redis is gone (connection errors below do).

@@ -283,7 +283,13 @@ async fn bodies_past_the_gateways_buffer_budget_are_refused_at_once() {
     let response = client()
         .post(format!("{}/v1/messages", gateway.url()))
         .header("x-api-key", "sk-gw-third")
-        .body(vec![b' '; 15 * MIB])
+        .body(
+            [
+                vec![b' '; 15 * MIB - 200],
+                messages_body(false).into_bytes(),
+            ]
+            .concat(),
+        )
         .send()
         .await
         .unwrap();

@@ -174,7 +174,13 @@ async fn a_key_buffers_at_most_its_share_of_the_body_budget_and_a_declared_lengt
     let whole = client()
         .post(format!("{}/v1/messages", gateway.url()))
         .header("x-api-key", PREMIUM_KEY)
-        .body(vec![b' '; 15 * MIB])
+        .body(
+            [
+                vec![b' '; 15 * MIB - 200],
+                messages_body(false).into_bytes(),
+            ]
+            .concat(),
+        )
         .send()
         .await
         .unwrap();
@@ -258,6 +264,13 @@ async fn an_answer_nobody_reads_frees_its_slot_at_the_upstreams_last_byte_and_is
         .await,
         "slots in use: {}",
         gateway.slots_in_use().await
+    );
+    assert!(
+        eventually(Duration::from_secs(5), async || {
+            gateway.slots_in_use().await == 0.0
+        })
+        .await,
+        "the unread answers hold slots"
     );
     assert_kept_up(
         "the other guest",
@@ -429,5 +442,188 @@ async fn past_what_its_open_files_allow_every_call_is_answered_or_refused_with_a
         "{counts:?}"
     );
     assert!(counts.get(&200) >= Some(&256), "{counts:?}");
+    assert!(!gateway.log_text().contains("too many open files"));
+}
+
+/// Raises this process's open-files limit to `files` (root may raise the hard limit too).
+fn allow_open_files(files: u64) {
+    use rustix::process::{Resource, Rlimit, getrlimit, setrlimit};
+    let wanted = Rlimit {
+        current: Some(files),
+        maximum: Some(files),
+    };
+    if setrlimit(Resource::Nofile, wanted).is_err() {
+        let mut limit = getrlimit(Resource::Nofile);
+        limit.current = limit.maximum;
+        let _ = setrlimit(Resource::Nofile, limit);
+    }
+}
+
+/// `n` streaming calls of `key`, each read as its events come, begun 500 at a time (the
+/// next 500 once `begun()` counts the ones before: a burst of thousands of connects
+/// overflows the listen backlogs, and a dropped connect is retried by the kernel seconds
+/// later); the statuses (0: no answer).
+async fn streams(
+    gateway: &Gateway,
+    key: &str,
+    n: usize,
+    mut begun: impl AsyncFnMut() -> usize,
+) -> Vec<tokio::task::JoinHandle<u16>> {
+    let mut calls = Vec::with_capacity(n);
+    while calls.len() < n {
+        let batch = 500.min(n - calls.len());
+        calls.extend(streams_now(gateway, key, batch));
+        let wanted = calls.len();
+        if !eventually(Duration::from_secs(60), async || begun().await >= wanted).await {
+            let mut ended = std::collections::BTreeMap::new();
+            for call in calls.iter().filter(|call| call.is_finished()) {
+                let _ = call;
+                *ended.entry("ended").or_insert(0) += 1;
+            }
+            panic!("{} of {wanted} calls begun; {ended:?}", begun().await);
+        }
+    }
+    calls
+}
+
+fn streams_now(gateway: &Gateway, key: &str, n: usize) -> Vec<tokio::task::JoinHandle<u16>> {
+    (0..n)
+        .map(|_| {
+            let (port, key) = (gateway.port, key.to_owned());
+            tokio::spawn(async move {
+                let Ok(mut stream) = TcpStream::connect(("127.0.0.1", port)).await else {
+                    return 1;
+                };
+                let body = messages_body(true);
+                let head = post_head(&key, body.len(), "connection: close\r\n");
+                if stream.write_all(head.as_bytes()).await.is_err()
+                    || stream.write_all(body.as_bytes()).await.is_err()
+                {
+                    return 2;
+                }
+                let (status, text) = answer_of(&mut stream, Duration::from_secs(120)).await;
+                if status != 200 {
+                    eprintln!("{status}: {text}");
+                }
+                let mut rest = Vec::new();
+                let _ =
+                    tokio::time::timeout(Duration::from_secs(120), stream.read_to_end(&mut rest))
+                        .await;
+                status
+            })
+        })
+        .collect()
+}
+
+/// Opt-in (`FAIRGATE_MEASURE_STREAMS=1`, a release build): 9,000 streams held at once
+/// (`FAIRGATE_STREAMS`; the most this machine's 20,000 open files allow, two a stream),
+/// the gateway's memory per stream and after them; then 7,500 clients against a gateway
+/// whose 10,000 open files hold 4,744 calls, each answered or refused with `529`.
+///
+/// ```sh
+/// FAIRGATE_MEASURE_STREAMS=1 cargo test --release --all-features --test gateway \
+///     isolation::streams_held -- --nocapture
+/// ```
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streams_held_at_once_cost_little_memory_each_and_past_the_files_are_refused_cleanly() {
+    if std::env::var_os("FAIRGATE_MEASURE_STREAMS").is_none() {
+        eprintln!("opt-in: FAIRGATE_MEASURE_STREAMS=1 (a release build) runs it");
+        return;
+    }
+    let _turn = crate::support::file_turn(module_path!());
+    let _serial = SERIAL.lock().await;
+    allow_open_files(20_000);
+    let n: usize = std::env::var("FAIRGATE_STREAMS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(9_000);
+    let mock = MockAnthropic::start();
+    // About 11 events 8 s apart: every stream is still open when the last one begins.
+    mock.set_event_gap(Duration::from_secs(8));
+    // A budget no stream here comes near: the measure is of streams, not of demotion.
+    let keys = keys_toml(40_000, 200, "")
+        .replace("[limits]", "[limits]\ndaily_token_budget = 1000000000000");
+    let gateway = Gateway::start_limited(
+        &mock.url(),
+        &keys.replace("max_wait_ms = 30000", "max_wait_ms = 120000"),
+        None,
+        &["--max-connections", "40000", "--key-max-requests", "40000"],
+        Some(20_000),
+    );
+    let warm = post_messages(&gateway, PREMIUM_KEY, true).await.unwrap();
+    let _ = warm.bytes().await;
+    let idle = gateway.rss();
+    let calls = streams(&gateway, PREMIUM_KEY, n, async || mock.calls() as usize - 1).await;
+    let all_open = eventually(Duration::from_secs(30), async || mock.in_flight() >= n).await;
+    if !all_open {
+        let metrics = gateway.metrics().await;
+        let waiting: Vec<&str> = metrics
+            .lines()
+            .filter(|l| {
+                l.starts_with("claude_queue_depth")
+                    || l.starts_with("claude_slots_in_use")
+                    || l.starts_with("gateway_connections")
+            })
+            .collect();
+        panic!(
+            "{} of {n} streams open ({} at most, {} calls); {}; {waiting:?}",
+            mock.in_flight(),
+            mock.max_in_flight(),
+            mock.calls(),
+            gateway.admin("/status").await
+        );
+    }
+    let held = gateway.rss();
+    let per_stream = (held.saturating_sub(idle)) as f64 / n as f64 / 1024.0;
+    let mut answered = 0;
+    for call in calls {
+        answered += usize::from(call.await.unwrap() == 200);
+    }
+    assert!(mock.wait_in_flight(0, Duration::from_secs(30)));
+    // What the allocator gives back takes a moment.
+    let mut after = gateway.rss();
+    for _ in 0..50 {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        after = after.min(gateway.rss());
+    }
+    eprintln!(
+        "{n} streams: RSS {:.1} MB idle, {:.1} MB with them held ({per_stream:.1} KiB a stream), \
+         {:.1} MB after; {answered} answered 200",
+        idle as f64 / 1e6,
+        held as f64 / 1e6,
+        after as f64 / 1e6,
+    );
+    assert_eq!(answered, n);
+    assert!(per_stream <= 20.0, "{per_stream:.1} KiB a stream");
+    assert!(
+        after <= idle + (held - idle) / 4,
+        "RSS {after} after, {idle} idle"
+    );
+    drop(gateway);
+
+    // 10,000 files: 4,744 calls at once; 7,500 clients.
+    let gateway = Gateway::start_limited(
+        &mock.url(),
+        &keys.replace("max_wait_ms = 30000", "max_wait_ms = 120000"),
+        None,
+        &["--key-max-requests", "40000", "--max-connections", "40000"],
+        Some(10_000),
+    );
+    let before = mock.calls() as usize;
+    let calls = streams(&gateway, PREMIUM_KEY, 7_500, async || {
+        let status = status(&gateway).await;
+        let refused = status["connections"]["refused"].as_u64().unwrap_or(0) as usize;
+        mock.calls() as usize - before + refused
+    })
+    .await;
+    let mut counts = std::collections::BTreeMap::new();
+    for call in calls {
+        *counts.entry(call.await.unwrap()).or_insert(0) += 1;
+    }
+    eprintln!("7,500 clients, open files for 4,744 calls: {counts:?}");
+    assert!(
+        counts.keys().all(|code| [200, 529].contains(code)),
+        "{counts:?}"
+    );
     assert!(!gateway.log_text().contains("too many open files"));
 }

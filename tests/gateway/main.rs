@@ -1,5 +1,7 @@
 //! The gateway program (`fairgate-gateway`) end to end, as a real process on loopback
-//! ports: its calls and clients (`proxy`), the attacks on it (`attacks`), what one key
+//! ports: its calls and clients (`proxy`), the attacks on it (`attacks`), batches kept to
+//! their owner (`batches`), what a call costs (`cost`), what a newcomer meets first
+//! (`first_hour`: the quickstart, logs, metrics, the gateway's own answers), what one key
 //! holder cannot take from the others (`isolation`), its keys, admin token and start
 //! without Redis (`keys`), its live page (`page`), its rate under a provider's limit
 //! (`rate`) and its record of calls (`record`).
@@ -14,6 +16,9 @@
 mod support;
 
 mod attacks;
+mod batches;
+mod cost;
+mod first_hour;
 mod isolation;
 mod keys;
 mod page;

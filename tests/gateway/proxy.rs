@@ -440,7 +440,13 @@ async fn python_sdk_against_the_gateway() {
     let mock = MockAnthropic::start();
     mock.set_delay(Duration::from_millis(150));
     mock.set_event_gap(Duration::from_millis(10));
-    let gateway = Gateway::start(&mock.url(), &keys_toml(4, 100, ""), None);
+    // Batches' results_url names --public-url, which the SDK fetches itself.
+    let gateway = Gateway::start_with(
+        &mock.url(),
+        &keys_toml(4, 100, ""),
+        None,
+        &["--public-url", "http://127.0.0.1:{port}"],
+    );
     let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/python/sdk_gateway.py");
     let mut child = tokio::process::Command::new(python)
         .arg(&script)
@@ -484,6 +490,15 @@ async fn python_sdk_against_the_gateway() {
     eprintln!("{out}{err}");
     assert!(status.success(), "the SDK script failed:\n{out}\n{err}");
     assert!(out.contains(" passed, 0 failed"), "{out}");
+    // The script sends `workspace_id` with the batch results: never forwarded.
+    for request in mock.requests() {
+        assert!(
+            request.headers.get("anthropic-workspace-id").is_none(),
+            "anthropic-workspace-id reached the upstream on {} {}",
+            request.method,
+            request.path
+        );
+    }
 }
 
 /// A Python with the `anthropic` SDK installed, or `None` (with a message) when it cannot be

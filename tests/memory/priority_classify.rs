@@ -464,3 +464,56 @@ async fn latency_tokens_and_demotions_are_published() {
     );
     assert_eq!(metric(&seen, DEMOTED_TENANTS, None), Some(1.0));
 }
+
+#[tokio::test(start_paused = true)]
+async fn latency_is_labelled_by_outcome_answered_refused_or_failed() {
+    use fairgate::metrics::REQUEST_LATENCY;
+    use fairgate::{BoxError, FairgateLayer, Rejection, SlotPolicy, Store};
+    let recorder = metrics_util::debugging::DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    let _metrics = metrics::set_default_local_recorder(&recorder);
+
+    // One guest slot and no wait: a second guest call while the first is out is refused.
+    let slots = SlotPolicy::builder()
+        .tier("guest", 1, Duration::ZERO)
+        .build()
+        .unwrap();
+    let stack = FairgateLayer::builder(Store::memory())
+        .slots(slots)
+        .build()
+        .unwrap();
+    let service = stack.layer(service_fn(|req: http::Request<&'static str>| async move {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        match *req.body() {
+            "fail" => Err::<http::Response<String>, BoxError>("upstream unreachable".into()),
+            _ => Ok(http::Response::new(String::new())),
+        }
+    }));
+    let guest = |body: &'static str| {
+        let mut req = http::Request::new(body);
+        req.extensions_mut()
+            .insert(Job::new("visitor", Origin::UserAction).tier("guest"));
+        req
+    };
+    let held = tokio::spawn(service.clone().oneshot(guest("ok")));
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    let refused = service.clone().oneshot(guest("ok")).await.unwrap_err();
+    assert!(Rejection::from_error(&*refused).is_some(), "{refused}");
+    drop(held.await.unwrap().unwrap());
+    service.clone().oneshot(guest("fail")).await.unwrap_err();
+
+    let seen = recorded(&snapshotter);
+    for outcome in ["answered", "refused", "failed"] {
+        let count = seen
+            .iter()
+            .find(|(name, labels, _)| {
+                name == REQUEST_LATENCY
+                    && labels.iter().any(|(k, v)| k == "outcome" && v == outcome)
+                    && labels
+                        .iter()
+                        .any(|(k, v)| k == "priority" && v == "critical")
+            })
+            .map(|(_, _, value)| *value);
+        assert_eq!(count, Some(1.0), "outcome {outcome}: {seen:?}");
+    }
+}

@@ -83,3 +83,22 @@ tier_weights = { premium = 4, free = 1 }
     assert_eq!((window, drr.quantum), (12, Some(2000)));
     assert!(replay::policy("[limits]\nglobal_cap = 3\n").is_err());
 }
+
+/// Every policy block of the README (a ```toml block without `[[keys]]`) is one the
+/// simulator's `--policy` reads.
+#[test]
+fn every_policy_file_in_the_readme_is_read_by_the_replay() {
+    let readme = include_str!("../../README.md");
+    let mut checked = 0;
+    for block in readme.split("```toml\n").skip(1) {
+        let text = &block[..block.find("```").expect("a closed block")];
+        if text.contains("[[keys]]") {
+            continue; // a keys file: the gateway's own check reads it (config.rs)
+        }
+        if let Err(error) = replay::policy(text) {
+            panic!("README policy refused: {error}\n{text}");
+        }
+        checked += 1;
+    }
+    assert!(checked > 0, "no policy block found in the README");
+}

@@ -81,6 +81,57 @@ count = client.messages.count_tokens(
 )
 check("messages.count_tokens", count.input_tokens == 12, repr(count))
 
+# Message batches: the SDK fetches `results_url` itself, with the client's key, so it must
+# name the gateway (`--public-url`), which answers only the key that created the batch.
+def batch_request(custom_id):
+    return {
+        "custom_id": custom_id,
+        "params": {
+            "model": "claude-mock-1",
+            "max_tokens": 64,
+            "messages": [{"role": "user", "content": "Hello"}],
+        },
+    }
+
+
+batch = client.messages.batches.create(requests=[batch_request("one"), batch_request("two")])
+check("batches.create", batch.id.startswith("msgbatch_"), repr(batch))
+check(
+    "results_url names the gateway",
+    batch.results_url == f"{URL}/v1/messages/batches/{batch.id}/results",
+    repr(batch.results_url),
+)
+got = client.messages.batches.retrieve(batch.id)
+check("batches.retrieve", got.id == batch.id and got.processing_status == "ended", repr(got))
+# workspace_id: the SDK sends anthropic-workspace-id, which the gateway drops.
+results = list(client.messages.batches.results(batch.id, workspace_id="wrkspc_someone_else"))
+check(
+    "batches.results",
+    sorted(r.custom_id for r in results) == ["one", "two"]
+    and all(r.result.type == "succeeded" for r in results),
+    repr(results),
+)
+check("batches.results messages", results[0].result.message.content[0].text == MESSAGE_TEXT)
+second = client.messages.batches.create(requests=[batch_request("three")])
+listed = [b.id for b in client.messages.batches.list(limit=1)]
+check("batches.list pages (auto-paging, one a page)", listed == [second.id, batch.id], repr(listed))
+
+guest_client = anthropic.Anthropic(base_url=URL, api_key=GUEST, timeout=20.0, max_retries=0)
+for name, attempt in [
+    ("retrieve", lambda: guest_client.messages.batches.retrieve(batch.id)),
+    ("results", lambda: list(guest_client.messages.batches.results(batch.id))),
+    ("cancel", lambda: guest_client.messages.batches.cancel(batch.id)),
+    ("delete", lambda: guest_client.messages.batches.delete(batch.id)),
+]:
+    try:
+        attempt()
+        check(f"another key's batches.{name} refused", False, "no error")
+    except anthropic.NotFoundError as e:
+        check(f"another key's batches.{name} refused", e.status_code == 404, repr(e))
+check("another key lists none", list(guest_client.messages.batches.list()) == [])
+deleted = client.messages.batches.delete(batch.id)
+check("batches.delete", deleted.id == batch.id, repr(deleted))
+
 # A bad key: the SDK's authentication error.
 try:
     anthropic.Anthropic(base_url=URL, api_key="sk-nobody", max_retries=0).messages.create(

@@ -57,6 +57,7 @@ on_node_and_cluster!(
     a_flush_waits_for_the_one_the_background_task_has_under_way,
     a_bad_url_or_prefix_is_refused_with_a_message,
     each_store_listens_on_one_pub_sub_connection_for_both_feeds,
+    a_settlements_correction_moves_the_days_count_both_ways_never_below_zero,
 );
 
 async fn a_demotion_through_one_worker_holds_on_another_within_the_cache_time(target: Target) {
@@ -219,6 +220,26 @@ async fn token_counts_batched_during_an_outage_reach_redis_after_it(target: Targ
         "degraded: {}",
         store.is_degraded()
     );
+}
+
+/// A settled call corrects its tenant's count for the day by its use minus its charge
+/// (`Store::correct_tokens`, batched with the additions): down, up, and never below 0.
+async fn a_settlements_correction_moves_the_days_count_both_ways_never_below_zero(target: Target) {
+    let redis = target.start_own().await;
+    let store = worker(&redis).await;
+    let name = redis.tenant_by_the_slots("settled");
+    let tenant = TenantId::new(name.as_str());
+    // Charged 20,000 when it went, used 500.
+    store.add_tokens(&tenant, 20_000);
+    store.correct_tokens(&tenant, -19_500);
+    store.flush().await;
+    assert_eq!(store.tokens_today(&tenant).await, 500);
+    store.correct_tokens(&tenant, 300_000);
+    store.flush().await;
+    assert_eq!(store.tokens_today(&tenant).await, 300_500);
+    store.correct_tokens(&tenant, -1_000_000);
+    store.flush().await;
+    assert_eq!(store.tokens_today(&tenant).await, 0);
 }
 
 /// `flush` is a barrier: when it is ready, every count added before it is in Redis, even

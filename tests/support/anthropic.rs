@@ -13,6 +13,17 @@
 //! that learned pacing never binds: the tests and the bench measure the gateway); 429s
 //! carry `retry-after` and Anthropic's `rate_limit_error` body, 529s an `overloaded_error`.
 //!
+//! The Message Batches API (`/v1/messages/batches`: create, list with `limit`, `after_id`
+//! and `before_id`, retrieve, results as JSON lines, cancel, delete) over one workspace's
+//! batches: a created batch gets a fresh `msgbatch_mock_<n>` id, has ended at once (each
+//! request succeeded with [`MESSAGE_JSON`]) and its `results_url` is on the mock's own
+//! address.
+//!
+//! With [`MockAnthropic::set_output_pace`] a message answer is as long as the request's
+//! `max_tokens`: it takes that many output tokens at the pace set, and its `usage` says so
+//! (`input_tokens` a quarter of the body's bytes); the time each call took is summed by
+//! its `x-mock-tag` header ([`MockAnthropic::busy_by_tag`]). Off by default.
+//!
 //! `GET /v1/models` and `POST /v1/messages/count_tokens` answer small fixed JSON. The mock
 //! counts the calls in flight (a call ends when its answer's last byte is sent or the
 //! connection drops it), their maximum, and records every request's method, path, headers
@@ -118,6 +129,24 @@ struct Inner {
     normalise_paths: std::sync::atomic::AtomicBool,
     script: Mutex<VecDeque<Reply>>,
     recorded: Mutex<VecDeque<Recorded>>,
+    /// `http://127.0.0.1:PORT`, for the batches' `results_url`.
+    url: std::sync::OnceLock<String>,
+    /// The workspace's batches, oldest first.
+    batches: Mutex<Vec<MockBatch>>,
+    batches_created: AtomicU64,
+    /// Microseconds per output token of a message answer; 0: the fixed answer at once.
+    output_pace_us: AtomicU64,
+    /// Per `x-mock-tag`: microseconds of answers ended, calls ended, calls in flight and
+    /// the sum of their start times (microseconds since `epoch`).
+    busy: Mutex<std::collections::BTreeMap<String, [u64; 4]>>,
+    epoch: std::sync::OnceLock<std::time::Instant>,
+}
+
+/// A batch the mock keeps: its object, and its requests' `custom_id`s.
+#[derive(Clone, Debug)]
+struct MockBatch {
+    object: serde_json::Value,
+    custom_ids: Vec<String>,
 }
 
 /// How many requests are kept for [`MockAnthropic::requests`].
@@ -139,6 +168,7 @@ impl MockAnthropic {
         let addr = listener.local_addr().unwrap();
         let inner = Arc::new(Inner::default());
         inner.event_gap_ms.store(20, Ordering::Relaxed);
+        let _ = inner.url.set(format!("http://{addr}"));
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
         let state = inner.clone();
         let thread = std::thread::Builder::new()
@@ -189,6 +219,32 @@ impl MockAnthropic {
             .store(gap.as_millis() as u64, Ordering::Relaxed);
     }
 
+    /// Makes each message answer (not a stream) as long as its request's `max_tokens`, at
+    /// `per_token` a token: the answer comes after `max_tokens × per_token`, and its usage
+    /// reports `max_tokens` output tokens. `Duration::ZERO` turns it off (the default).
+    pub fn set_output_pace(&self, per_token: Duration) {
+        self.inner
+            .output_pace_us
+            .store(per_token.as_micros() as u64, Ordering::Relaxed);
+    }
+
+    /// Time answers were in flight (arrival to last byte) up to now, those still in flight
+    /// included, and calls ended, summed by the requests' `x-mock-tag` header (untagged
+    /// calls are not counted).
+    pub fn busy_by_tag(&self) -> std::collections::BTreeMap<String, (Duration, u64)> {
+        let now = self.inner.micros();
+        self.inner
+            .busy
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|(tag, [ended, calls, open, starts])| {
+                let busy = ended + (open * now).saturating_sub(*starts);
+                (tag.clone(), (Duration::from_micros(busy), *calls))
+            })
+            .collect()
+    }
+
     /// Routes on the path as a lenient server would read it: percent-decoded, `;` params
     /// cut, empty and `.` segments dropped, `..` resolved, no trailing `/`. (The path is
     /// recorded as received.)
@@ -233,6 +289,17 @@ impl MockAnthropic {
             .collect()
     }
 
+    /// The ids of the batches the mock has (not deleted), oldest first.
+    pub fn batch_ids(&self) -> Vec<String> {
+        self.inner
+            .batches
+            .lock()
+            .unwrap()
+            .iter()
+            .filter_map(|batch| batch.object["id"].as_str().map(str::to_owned))
+            .collect()
+    }
+
     /// The most recent request, if any.
     pub fn last_request(&self) -> Option<Recorded> {
         self.inner.recorded.lock().unwrap().back().cloned()
@@ -264,26 +331,64 @@ impl Drop for MockAnthropic {
     }
 }
 
-/// Counts a call in flight until dropped (with the answer's body, so to its last byte).
-struct InFlight(Arc<Inner>);
+impl Inner {
+    /// Microseconds since the first call to this.
+    fn micros(&self) -> u64 {
+        let epoch = self.epoch.get_or_init(std::time::Instant::now);
+        epoch.elapsed().as_micros() as u64
+    }
+}
+
+/// Counts a call in flight until dropped (with the answer's body, so to its last byte);
+/// a tagged call's time counts toward its tag's (tag, start in `Inner::micros`).
+struct InFlight(Arc<Inner>, Option<(String, u64)>);
 
 impl InFlight {
     fn enter(inner: &Arc<Inner>) -> InFlight {
         let now = inner.in_flight.fetch_add(1, Ordering::SeqCst) + 1;
         inner.max_in_flight.fetch_max(now, Ordering::SeqCst);
-        InFlight(inner.clone())
+        InFlight(inner.clone(), None)
     }
 }
 
 impl Drop for InFlight {
     fn drop(&mut self) {
         self.0.in_flight.fetch_sub(1, Ordering::SeqCst);
+        if let Some((tag, start)) = self.1.take() {
+            let now = self.0.micros();
+            let mut busy = self.0.busy.lock().unwrap();
+            let [ended, calls, open, starts] = busy.entry(tag).or_default();
+            *ended += now.saturating_sub(start);
+            *calls += 1;
+            *open -= 1;
+            *starts -= start;
+        }
     }
+}
+
+/// The request body's `max_tokens`, if it has one.
+fn max_tokens(body: &[u8]) -> Option<u64> {
+    serde_json::from_slice::<serde_json::Value>(body)
+        .ok()?
+        .get("max_tokens")?
+        .as_u64()
 }
 
 async fn handle(State(inner): State<Arc<Inner>>, req: Request) -> Response {
     let n = inner.calls.fetch_add(1, Ordering::SeqCst) + 1;
-    let guard = InFlight::enter(&inner);
+    let mut guard = InFlight::enter(&inner);
+    if let Some(tag) = req
+        .headers()
+        .get("x-mock-tag")
+        .and_then(|v| v.to_str().ok())
+    {
+        let start = inner.micros();
+        let mut busy = inner.busy.lock().unwrap();
+        let [_, _, open, starts] = busy.entry(tag.to_owned()).or_default();
+        *open += 1;
+        *starts += start;
+        guard.1 = Some((tag.to_owned(), start));
+    }
     let (parts, body) = req.into_parts();
     let body = axum::body::to_bytes(body, 64 << 20)
         .await
@@ -307,6 +412,7 @@ async fn handle(State(inner): State<Arc<Inner>>, req: Request) -> Response {
             .and_then(|v| v.to_str().ok())
             .map(str::to_owned)
     };
+    let request_body = body.clone();
     let delay = header("x-mock-delay-ms")
         .and_then(|v| v.parse().ok())
         .unwrap_or_else(|| inner.delay_ms.load(Ordering::Relaxed));
@@ -320,6 +426,22 @@ async fn handle(State(inner): State<Arc<Inner>>, req: Request) -> Response {
     } else {
         parts.uri.path()
     };
+    if path == "/v1/messages/batches" || path.starts_with("/v1/messages/batches/") {
+        drop(guard);
+        let (status, content_type, body) = batches(
+            &inner,
+            &parts.method,
+            path,
+            parts.uri.query().unwrap_or(""),
+            &body,
+        );
+        let mut response = Response::new(Body::from(body));
+        *response.status_mut() = status;
+        let headers = response.headers_mut();
+        headers.insert("content-type", HeaderValue::from_static(content_type));
+        common_headers(headers, n);
+        return response;
+    }
     let (status, content_type, body, retry_after) = match (&parts.method, path) {
         (&Method::POST, "/v1/messages") => {
             let scripted = inner.script.lock().unwrap().pop_front();
@@ -378,7 +500,18 @@ async fn handle(State(inner): State<Arc<Inner>>, req: Request) -> Response {
         ),
     };
     // The message body, held with the in-flight guard until it is sent.
-    let body = if status == StatusCode::OK && path == "/v1/messages" {
+    let pace = inner.output_pace_us.load(Ordering::Relaxed);
+    let body = if status == StatusCode::OK && path == "/v1/messages" && pace > 0 {
+        // As long as `max_tokens`: that many output tokens, at the pace set.
+        let output = max_tokens(&request_body).unwrap_or(1);
+        tokio::time::sleep(Duration::from_micros(output.saturating_mul(pace))).await;
+        let input = request_body.len() as u64 / 4;
+        let json = MESSAGE_JSON.replace(
+            r#""usage":{"input_tokens":12,"output_tokens":7}"#,
+            &format!(r#""usage":{{"input_tokens":{input},"output_tokens":{output}}}"#),
+        );
+        guarded(vec![Bytes::from(json)], guard, Duration::ZERO)
+    } else if status == StatusCode::OK && path == "/v1/messages" {
         let chunks = match header("x-mock-padding-bytes").and_then(|v| v.parse().ok()) {
             Some(padding) => padded_message(padding),
             None => vec![Bytes::from_static(MESSAGE_JSON.as_bytes())],
@@ -498,4 +631,156 @@ pub fn normalise(path: &str) -> String {
         }
     }
     format!("/{}", segments.join("/"))
+}
+
+/// The Message Batches API over the mock's one workspace: `(status, content type, body)`.
+fn batches(
+    inner: &Inner,
+    method: &Method,
+    path: &str,
+    query: &str,
+    body: &[u8],
+) -> (StatusCode, &'static str, String) {
+    let json = "application/json";
+    let not_found = || {
+        (
+            StatusCode::NOT_FOUND,
+            json,
+            error_json("not_found_error", "Not found"),
+        )
+    };
+    let segments: Vec<&str> = path.trim_start_matches('/').split('/').collect();
+    let mut batches = inner.batches.lock().unwrap();
+    let find = |id: &str| {
+        batches
+            .iter()
+            .position(|batch| batch.object["id"].as_str() == Some(id))
+    };
+    match (method, segments.as_slice()) {
+        (&Method::POST, ["v1", "messages", "batches"]) => {
+            let Ok(request) = serde_json::from_slice::<serde_json::Value>(body) else {
+                return (
+                    StatusCode::BAD_REQUEST,
+                    json,
+                    error_json("invalid_request_error", "the body is not JSON"),
+                );
+            };
+            let custom_ids: Vec<String> = request["requests"]
+                .as_array()
+                .map(|requests| {
+                    requests
+                        .iter()
+                        .filter_map(|r| r["custom_id"].as_str().map(str::to_owned))
+                        .collect()
+                })
+                .unwrap_or_default();
+            let n = inner.batches_created.fetch_add(1, Ordering::SeqCst) + 1;
+            let id = format!("msgbatch_mock_{n:04}");
+            let url = inner.url.get().cloned().unwrap_or_default();
+            let object = serde_json::json!({
+                "id": id,
+                "type": "message_batch",
+                "processing_status": "ended",
+                "request_counts": {
+                    "processing": 0,
+                    "succeeded": custom_ids.len(),
+                    "errored": 0,
+                    "canceled": 0,
+                    "expired": 0
+                },
+                "ended_at": "2025-01-01T00:00:01Z",
+                "created_at": "2025-01-01T00:00:00Z",
+                "expires_at": "2025-01-02T00:00:00Z",
+                "archived_at": null,
+                "cancel_initiated_at": null,
+                "results_url": format!("{url}/v1/messages/batches/{id}/results"),
+            });
+            batches.push(MockBatch {
+                object: object.clone(),
+                custom_ids,
+            });
+            (StatusCode::OK, json, object.to_string())
+        }
+        (&Method::GET, ["v1", "messages", "batches"]) => {
+            // Newest first, paged as the API pages.
+            let newest_first: Vec<&MockBatch> = batches.iter().rev().collect();
+            let param = |name: &str| {
+                query
+                    .split('&')
+                    .filter_map(|pair| pair.split_once('='))
+                    .find(|(k, _)| *k == name)
+                    .map(|(_, v)| v.to_owned())
+            };
+            let limit: usize = param("limit").and_then(|l| l.parse().ok()).unwrap_or(20);
+            let rank = |id: &str| {
+                newest_first
+                    .iter()
+                    .position(|batch| batch.object["id"].as_str() == Some(id))
+            };
+            let (start, end, has_more) = if let Some(after) = param("after_id") {
+                let Some(rank) = rank(&after) else {
+                    return not_found();
+                };
+                let start = rank + 1;
+                let end = (start + limit).min(newest_first.len());
+                (start, end, newest_first.len() > end)
+            } else if let Some(before) = param("before_id") {
+                let Some(rank) = rank(&before) else {
+                    return not_found();
+                };
+                (rank.saturating_sub(limit), rank, rank > limit)
+            } else {
+                let end = limit.min(newest_first.len());
+                (0, end, newest_first.len() > end)
+            };
+            let data: Vec<serde_json::Value> = newest_first[start..end]
+                .iter()
+                .map(|batch| batch.object.clone())
+                .collect();
+            let list = serde_json::json!({
+                "data": data,
+                "has_more": has_more,
+                "first_id": data.first().map(|b| b["id"].clone()),
+                "last_id": data.last().map(|b| b["id"].clone()),
+            });
+            (StatusCode::OK, json, list.to_string())
+        }
+        (&Method::GET, ["v1", "messages", "batches", id]) => match find(id) {
+            Some(at) => (StatusCode::OK, json, batches[at].object.to_string()),
+            None => not_found(),
+        },
+        (&Method::GET, ["v1", "messages", "batches", id, "results"]) => match find(id) {
+            Some(at) => {
+                let lines: String = batches[at]
+                    .custom_ids
+                    .iter()
+                    .map(|custom_id| {
+                        format!(
+                            r#"{{"custom_id":{},"result":{{"type":"succeeded","message":{MESSAGE_JSON}}}}}"#,
+                            serde_json::Value::from(custom_id.as_str())
+                        ) + "\n"
+                    })
+                    .collect();
+                (StatusCode::OK, "application/x-jsonl", lines)
+            }
+            None => not_found(),
+        },
+        (&Method::POST, ["v1", "messages", "batches", id, "cancel"]) => match find(id) {
+            Some(at) => {
+                let object = &mut batches[at].object;
+                object["cancel_initiated_at"] = "2025-01-01T00:00:02Z".into();
+                (StatusCode::OK, json, object.to_string())
+            }
+            None => not_found(),
+        },
+        (&Method::DELETE, ["v1", "messages", "batches", id]) => match find(id) {
+            Some(at) => {
+                batches.remove(at);
+                let deleted = serde_json::json!({"id": id, "type": "message_batch_deleted"});
+                (StatusCode::OK, json, deleted.to_string())
+            }
+            None => not_found(),
+        },
+        _ => not_found(),
+    }
 }

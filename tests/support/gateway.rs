@@ -88,7 +88,8 @@ impl Gateway {
         Gateway::start_with(upstream, keys, redis, &[])
     }
 
-    /// Starts the gateway with `extra` flags after the usual ones.
+    /// Starts the gateway with `extra` flags after the usual ones; `{port}` in them stands
+    /// for the API port it is given (`--public-url http://127.0.0.1:{port}`).
     pub fn start_with(upstream: &str, keys: &str, redis: Option<&str>, extra: &[&str]) -> Gateway {
         Gateway::start_limited(upstream, keys, redis, extra, None)
     }
@@ -126,7 +127,11 @@ impl Gateway {
                 .args(["--upstream", upstream])
                 .arg("--keys")
                 .arg(&keys_path)
-                .args(extra)
+                .args(
+                    extra
+                        .iter()
+                        .map(|arg| arg.replace("{port}", &port.to_string())),
+                )
                 .env("ANTHROPIC_API_KEY", UPSTREAM_KEY)
                 .env(
                     "RUST_LOG",

@@ -12,7 +12,8 @@
 //!   `retry-after`. What a body declares is not reserved, what arrives is. A body that
 //!   stalls for `--body-idle-timeout`, or is not whole within `--body-timeout`, gets `408`;
 //!   on shutdown a half-sent body gets `503` at once.
-//! - Forwarded paths stream their body through, under the same idle timeout.
+//! - Forwarded paths stream their body through, under the same idle timeout; the batch
+//!   routes go to the `batches` module with the caller's key as their owner.
 //! - Every answer is relayed through the key holder's answer buffer (the `answer` module):
 //!   the call's slot and body bytes are given back at the upstream's last byte, and a
 //!   client that stops reading is cut after `--write-timeout`.
@@ -39,7 +40,9 @@ use tracing::{debug, info, warn};
 use super::Body;
 use super::answer::relay;
 use super::auth::{AuthGuard, Verdict};
+use super::batches::{Batches, Owner};
 use super::config::Config;
+use super::cost::settling;
 use super::holders::{Claim, Held, Holders, Spent};
 use super::identity::KeyPolicy;
 use super::record::{Probe, Recorder, Recording, Trace};
@@ -57,6 +60,8 @@ pub(crate) struct Live {
     pub(crate) store: Store,
     /// The fair queue's handle: calls waiting and in flight, for the admin page.
     pub(crate) fair: fairgate::DrrFairnessLayer,
+    /// Settles each call's charge on its answer's usage (the `cost` module).
+    settler: fairgate::drr_fairness::Settler,
     messages: Messages,
 }
 
@@ -66,25 +71,36 @@ impl Live {
             .slots(config.policy.clone())
             .window(config.window)
             .demotion(config.demotion.clone())
+            // A call up to `[cost] max_charge` pays its whole charge before it goes.
+            .fairness(|fair| {
+                let quantum = fairgate::drr_fairness::SchedulerConfig::default().quantum;
+                fair.max_charge_quanta(config.cost.max_charge_quanta(quantum))
+            })
             .build()
             .map_err(|e| format!("bad limits: {e}"))?;
         let fair = fairgate.fairness().clone();
+        let settler = fairgate.settler();
         let upstream = upstream.clone();
         let send = service_fn(move |req: Request<Full<Bytes>>| {
             let upstream = upstream.clone();
             if let Some(probe) = req.extensions().get::<Probe>() {
                 probe.dispatched();
             }
-            // What the call was given, read at dispatch: told to the client on the answer.
-            let applied = req.extensions().get::<Job>().map(|job| {
+            // The job as the call went out (classified): its answer settles it, and what
+            // it was given is told to the client.
+            let job = req.extensions().get::<Job>().cloned();
+            let applied = job.as_ref().map(|job| {
                 let applied = Applied::of(job);
                 debug!(tenant = %job.tenant(), class = applied.class, queued_ms = applied.queued_ms, "dispatched");
                 applied
             });
             async move {
-                let response = upstream
+                let mut response = upstream
                     .send(req.map(|body| body.map_err(|never| match never {}).boxed_unsync()))
                     .await?;
+                if let Some(job) = job {
+                    response.extensions_mut().insert(job);
+                }
                 Ok::<_, BoxError>(match applied {
                     Some(applied) => applied.tell(response),
                     None => response,
@@ -113,6 +129,7 @@ impl Live {
             config,
             store,
             fair,
+            settler,
             messages: BoxCloneSyncService::new(stack),
         })
     }
@@ -150,9 +167,13 @@ pub(crate) struct Gateway {
     pub(crate) failed_reloads: AtomicU64,
     /// `--record`: where each admitted call's line goes.
     pub(crate) recorder: Option<Arc<Recorder>>,
+    /// The batch routes' owner book.
+    pub(crate) batches: Batches,
 }
 
 impl Gateway {
+    // Each argument is a part of its own, built from its own flags.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn new(
         live: Live,
         upstream: Upstream,
@@ -161,6 +182,7 @@ impl Gateway {
         bodies: BodyLimits,
         shutdown: watch::Receiver<bool>,
         recorder: Option<Arc<Recorder>>,
+        batches: Batches,
     ) -> Gateway {
         Gateway {
             live: RwLock::new(Arc::new(live)),
@@ -172,6 +194,7 @@ impl Gateway {
             reloads: AtomicU64::new(0),
             failed_reloads: AtomicU64::new(0),
             recorder,
+            batches,
         }
     }
 
@@ -199,7 +222,7 @@ pub(crate) fn error_response(status: StatusCode, kind: &str, message: &str) -> R
         header::CONTENT_TYPE,
         HeaderValue::from_static("application/json"),
     );
-    response
+    super::own_answer::mark(response)
 }
 
 fn with_retry_after(mut response: Response<Body>, wait: Duration) -> Response<Body> {
@@ -218,7 +241,7 @@ fn closing(mut response: Response<Body>) -> Response<Body> {
 }
 
 fn rendered(error: &BoxError) -> Response<Body> {
-    render(error, Style::Anthropic).map(full)
+    super::own_answer::mark(render(error, Style::Anthropic).map(full))
 }
 
 /// Answers one request of the API port.
@@ -240,7 +263,7 @@ pub(crate) async fn handle(
         Route::NotFound => {
             return error_response(StatusCode::NOT_FOUND, "not_found_error", "not found");
         }
-        Route::Messages | Route::Forward => {}
+        Route::Messages | Route::Batch(_) | Route::Forward => {}
     }
     let live = gw.live();
     match gw.auth.check(peer, api_key(&req), live.keys()) {
@@ -273,7 +296,10 @@ pub(crate) async fn handle(
     let sha256 = api_key(&req).map(KeyTable::sha256);
     let found = sha256.as_ref().and_then(|sha256| {
         let (holder, _) = live.keys().get_sha256(sha256)?;
-        Some((holder, live.config.identities.get_sha256(sha256)?.clone()))
+        Some((
+            holder.clone(),
+            live.config.identities.get_sha256(sha256)?.clone(),
+        ))
     });
     let Some((holder, policy)) = found else {
         // Checked just above; a reload in between is the only way here.
@@ -281,7 +307,7 @@ pub(crate) async fn handle(
             "unknown api key",
         ))));
     };
-    let Some(claim) = gw.holders.begin(holder) else {
+    let Some(claim) = gw.holders.begin(&holder) else {
         metrics::counter!("gateway_key_refusals_total", "reason" => "requests").increment(1);
         return closing(with_retry_after(
             error_response(
@@ -293,11 +319,26 @@ pub(crate) async fn handle(
         ));
     };
     let claim = Arc::new(claim);
-    if route == Route::Messages {
-        messages(&gw, live, policy, req, claim).await
-    } else {
-        forward(&gw, req, claim).await
-    }
+    let hangup = req.extensions().get::<Hangup>().cloned();
+    let response = match route {
+        Route::Messages => return messages(&gw, live, policy, req, claim).await,
+        Route::Batch(batch) => {
+            let Some(owner) = api_key(&req).map(|key| Owner::of(key, holder.as_str())) else {
+                return error_response(
+                    StatusCode::UNAUTHORIZED,
+                    "authentication_error",
+                    "no api key",
+                );
+            };
+            let req = req.map(|body| streamed(&gw, body));
+            gw.batches.handle(&gw.upstream, batch, &owner, req).await
+        }
+        _ => forward(&gw, req).await,
+    };
+    response.map(|body| {
+        let body = relay(body, (), claim.clone(), gw.bodies.write, hangup);
+        Holding::new(body, claim).boxed_unsync()
+    })
 }
 
 /// Why a body was not buffered.
@@ -391,8 +432,16 @@ async fn messages(
         Err(unread) => return unread_response(gw, unread, &parts.headers, body),
     };
     let size = bytes.len();
+    let estimate = match live
+        .config
+        .cost
+        .estimate(&parts.headers, &bytes, gw.bodies.max_body)
+    {
+        Ok(estimate) => estimate,
+        Err(refused) => return refused.response(),
+    };
     let job = match policy.identify(&parts.headers, &bytes) {
-        Ok(job) => job.cost(tokens_of(size)),
+        Ok(job) => estimate.apply(job),
         Err(refused) => return refused.response(),
     };
     let tenant = job.tenant().clone();
@@ -405,6 +454,7 @@ async fn messages(
     }
     match live.messages.clone().oneshot(req).await {
         Ok(response) => {
+            let response = settling(response, &live.settler, &live.config.cost, estimate);
             let status = response.status().as_u16();
             debug!(
                 status = response.status().as_u16(),
@@ -431,12 +481,6 @@ async fn messages(
         }
         Err(error) => failed(&error, trace),
     }
-}
-
-/// Estimated input tokens of a body of `bytes`: ceil(bytes / 3.5), at least 1 (as the
-/// library's `FromHeaders` counts).
-fn tokens_of(bytes: usize) -> u32 {
-    u32::try_from((bytes as u64).saturating_mul(2).div_ceil(7).max(1)).unwrap_or(u32::MAX)
 }
 
 /// What a call was given, told to the client on its answer (`x-fairgate-tier`,
@@ -613,14 +657,10 @@ fn streamed(gw: &Gateway, body: Incoming) -> Body {
     StreamBody::new(stream).boxed_unsync()
 }
 
-async fn forward(gw: &Gateway, req: Request<Incoming>, claim: Arc<Claim>) -> Response<Body> {
-    let hangup = req.extensions().get::<Hangup>().cloned();
+async fn forward(gw: &Gateway, req: Request<Incoming>) -> Response<Body> {
     let req = req.map(|body| streamed(gw, body));
     match gw.upstream.send(req).await {
-        Ok(response) => response.map(|body| {
-            let body = relay(body, (), claim.clone(), gw.bodies.write, hangup);
-            Holding::new(body, claim).boxed_unsync()
-        }),
+        Ok(response) => response,
         Err(error) => {
             warn!(error = %error, "upstream call failed");
             rendered(&error)

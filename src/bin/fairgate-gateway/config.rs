@@ -1,5 +1,6 @@
-//! The keys file (`--keys`, TOML): the clients' keys, the optional `[limits]` and
-//! `[[tiers]]`, checked in full before the gateway starts or takes a reload.
+//! The keys file (`--keys`, TOML): the clients' keys, the optional `[limits]`,
+//! `[[tiers]]` and `[cost]` (what a call is charged: the `cost` module), checked in full
+//! before the gateway starts or takes a reload.
 //!
 //! ```toml
 //! expect_keys = 2          # optional, before any table: refuse a file with another count
@@ -34,6 +35,7 @@ use fairgate::{DemotionPolicy, Origin, SlotPolicy, SlotPolicyBuilder, Tier};
 use serde::{Deserialize, Deserializer};
 use toml::Spanned;
 
+use super::cost::{CostModel, CostTable};
 use super::identity::{Claims, Identities, KeyPolicy, origin_name, parse_origin};
 
 /// The longest `retry_after_ms` and `max_wait_ms` taken: an hour. A client told to wait
@@ -54,6 +56,8 @@ struct KeysFile {
     /// The secret the end users' ids are hashed with (see `identity`); when absent, each
     /// service key's own SHA-256.
     user_secret: Option<Spanned<Secret>>,
+    #[serde(default)]
+    cost: CostTable,
 }
 
 #[derive(Deserialize)]
@@ -179,6 +183,8 @@ pub(crate) struct Config {
     pub(crate) demotion: DemotionPolicy,
     /// What each key may claim and whom it acts for, by the key's SHA-256.
     pub(crate) identities: Identities,
+    /// What a call is charged (`[cost]`).
+    pub(crate) cost: std::sync::Arc<CostModel>,
 }
 
 /// Reads and checks the keys file at `path`.
@@ -274,6 +280,7 @@ pub(crate) fn parse(text: &str) -> Result<Config, Refusal> {
         None => policy.global_max() as usize,
     };
     let demotion = demotion(text, limits)?;
+    let cost = CostModel::from_table(&file.cost).map_err(|e| refuse(text, None, e))?;
     Ok(Config {
         keys: clients.keys,
         policy,
@@ -282,6 +289,7 @@ pub(crate) fn parse(text: &str) -> Result<Config, Refusal> {
         tenant_tiers: clients.tenant_tiers,
         demotion,
         identities: clients.identities,
+        cost: std::sync::Arc::new(cost),
     })
 }
 
@@ -843,5 +851,52 @@ origins = [\"user\", \"scheduled\", \"batch\"]
         let zero = refused(&format!("{SERVICE}\n{}", tiers.replace("= 2", "= 0")));
         assert_eq!(zero.line, Some(14));
         assert!(zero.message.contains("tenant_cap = 0"), "{}", zero.message);
+    }
+}
+
+#[cfg(test)]
+mod readme {
+    use super::parse;
+
+    /// The keys files the README shows: its ```toml blocks and the heredoc of its install
+    /// block (`cat > keys.toml <<'EOF'`), each with its first line in the README.
+    fn readme_keys_files() -> Vec<(usize, String)> {
+        let readme = include_str!("../../../README.md");
+        let mut files = Vec::new();
+        let mut current: Option<(usize, String, &str)> = None;
+        for (n, line) in readme.lines().enumerate() {
+            match &mut current {
+                None if line == "```toml" => current = Some((n + 2, String::new(), "```")),
+                None if line.starts_with("cat > ") && line.ends_with("<<'EOF'") => {
+                    current = Some((n + 2, String::new(), "EOF"));
+                }
+                None => {}
+                Some((first, text, end)) if line == *end => {
+                    files.push((*first, std::mem::take(text)));
+                    current = None;
+                }
+                Some((_, text, _)) => {
+                    text.push_str(line);
+                    text.push('\n');
+                }
+            }
+        }
+        files
+    }
+
+    #[test]
+    fn every_keys_file_in_the_readme_passes_the_gateways_check() {
+        let files = readme_keys_files();
+        assert!(!files.is_empty(), "no keys file found in the README");
+        // A ```toml block without `[[keys]]` is a simulator policy (`tests/memory/replay.rs`
+        // checks those): the gateway refuses its `[drr]`.
+        for (line, text) in files
+            .into_iter()
+            .filter(|(_, text)| text.contains("[[keys]]"))
+        {
+            if let Err(refusal) = parse(&text) {
+                panic!("README.md line {line}: the keys file is refused: {refusal:?}\n{text}");
+            }
+        }
     }
 }

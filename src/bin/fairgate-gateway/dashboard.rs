@@ -5,7 +5,8 @@
 //! nothing fetched from elsewhere); it reads `/live` every second. `/live` reads the same
 //! state the metrics do: the store for the slots in use (the whole fleet's on Redis) and the
 //! cooldown gates, the fair queue for the calls waiting here, and the metrics this process
-//! publishes for the rest (latency quantiles, `Busy` by reason, this worker's fairness
+//! publishes for the rest (latency quantiles of the last minute's answered calls, from the
+//! histogram's buckets; `Busy` by reason, this worker's fairness
 //! index, the learned limits, the demoted tenants). The tenants' served tokens come from the
 //! store too (the fleet's on Redis), and Jain's index over them is the fleet's.
 
@@ -148,27 +149,109 @@ async fn tiers(live: &Live, metrics_text: &str) -> Vec<String> {
     tiers
 }
 
-/// Per priority class: its calls queued and its latency's median and 99th percentile.
+/// Per priority class: its calls queued and the median and 99th percentile of its answered
+/// calls' latency over about the last minute.
 fn classes(live: &Live, metrics_text: &str) -> Vec<String> {
-    let latency = samples(metrics_text, metrics::REQUEST_LATENCY);
-    let quantile = |class: &str, q: &str| -> String {
-        latency
-            .iter()
-            .find(|s| label(s, "priority") == class && label(s, "quantile") == q)
-            .map_or("null".to_owned(), |s| num(s.value * 1000.0))
-    };
+    let recent = recent_latency(metrics_text);
     Priority::ALL
         .iter()
-        .map(|&class| {
+        .zip(recent)
+        .map(|(&class, buckets)| {
+            let ms = |q: f64| quantile(&buckets, q).map_or("null".to_owned(), |s| num(s * 1000.0));
             format!(
                 r#"{{"class":{},"queued":{},"p50_ms":{},"p99_ms":{}}}"#,
                 json(class.as_str()),
                 live.fair.queued(Some(class)),
-                quantile(class.as_str(), "0.5"),
-                quantile(class.as_str(), "0.99"),
+                ms(0.5),
+                ms(0.99),
             )
         })
         .collect()
+}
+
+/// Cumulative bucket counts of a histogram: `(le, count)` by increasing `le`.
+type Buckets = Vec<(f64, f64)>;
+
+/// Each class's latency buckets of answered calls, since start (in `Priority::ALL` order).
+fn latency_buckets(metrics_text: &str) -> [Buckets; 3] {
+    let name = format!("{}_bucket", metrics::REQUEST_LATENCY);
+    let samples = samples(metrics_text, &name);
+    Priority::ALL.map(|class| {
+        let mut buckets: Buckets = samples
+            .iter()
+            .filter(|s| label(s, "priority") == class.as_str() && label(s, "outcome") == "answered")
+            .filter_map(|s| Some((label(s, "le").parse::<f64>().ok()?, s.value)))
+            .collect();
+        buckets.sort_by(|a, b| a.0.total_cmp(&b.0));
+        buckets
+    })
+}
+
+/// How far back the page's latency reads: the histograms count since start, so the page
+/// keeps their counts of about a minute ago and reads the difference.
+const LATENCY_WINDOW: std::time::Duration = std::time::Duration::from_secs(60);
+
+/// The buckets of the calls answered in about the last minute (since start, before the
+/// page has a minute of history).
+fn recent_latency(metrics_text: &str) -> [Buckets; 3] {
+    use std::sync::Mutex;
+    use std::time::Instant;
+    // Snapshots at most every 5 s; the oldest kept is the newest one past the window.
+    static HISTORY: Mutex<std::collections::VecDeque<(Instant, [Buckets; 3])>> =
+        Mutex::new(std::collections::VecDeque::new());
+    let now = latency_buckets(metrics_text);
+    let mut history = HISTORY.lock().unwrap_or_else(|e| e.into_inner());
+    let at = Instant::now();
+    if history
+        .back()
+        .is_none_or(|(t, _)| at.saturating_duration_since(*t).as_secs() >= 5)
+    {
+        history.push_back((at, now.clone()));
+    }
+    while history
+        .get(1)
+        .is_some_and(|(t, _)| at.saturating_duration_since(*t) >= LATENCY_WINDOW)
+    {
+        history.pop_front();
+    }
+    let Some((_, base)) = history.front().filter(|(t, _)| *t < at) else {
+        return now;
+    };
+    let mut recent = now;
+    for (buckets, base) in recent.iter_mut().zip(base) {
+        for (le, count) in buckets.iter_mut() {
+            let before = base.iter().find(|(b, _)| b == le).map_or(0.0, |(_, c)| *c);
+            *count = (*count - before).max(0.0);
+        }
+    }
+    recent
+}
+
+/// The `q` quantile of cumulative `buckets`, interpolated inside its bucket as Prometheus'
+/// `histogram_quantile` does; `None` with no calls.
+fn quantile(buckets: &[(f64, f64)], q: f64) -> Option<f64> {
+    let total = buckets.last()?.1;
+    if total <= 0.0 {
+        return None;
+    }
+    let rank = q * total;
+    let (mut lower, mut below) = (0.0, 0.0);
+    for &(le, count) in buckets {
+        if count >= rank {
+            if le.is_infinite() {
+                return Some(lower);
+            }
+            let inside = count - below;
+            let frac = if inside > 0.0 {
+                (rank - below) / inside
+            } else {
+                1.0
+            };
+            return Some(lower + (le - lower) * frac);
+        }
+        (lower, below) = (le, count);
+    }
+    None
 }
 
 /// The tenants' served tokens, as the live page shows them.
@@ -277,5 +360,20 @@ mod tests {
         assert_eq!(label(&busy[0], "reason"), "rate");
         assert_eq!(busy[0].value, 13.0);
         assert_eq!(samples(text, "claude_demoted_tenants")[0].value, 1.0);
+    }
+
+    #[test]
+    fn class_latency_is_read_from_the_answered_calls_buckets_as_histogram_quantile_does() {
+        let text = "claude_request_latency_seconds_bucket{priority=\"critical\",outcome=\"answered\",le=\"0.5\"} 50\n\
+                    claude_request_latency_seconds_bucket{priority=\"critical\",outcome=\"answered\",le=\"1\"} 90\n\
+                    claude_request_latency_seconds_bucket{priority=\"critical\",outcome=\"answered\",le=\"2\"} 100\n\
+                    claude_request_latency_seconds_bucket{priority=\"critical\",outcome=\"answered\",le=\"+Inf\"} 100\n\
+                    claude_request_latency_seconds_bucket{priority=\"critical\",outcome=\"refused\",le=\"+Inf\"} 7\n";
+        let [critical, standard, _] = latency_buckets(text);
+        assert_eq!(critical.len(), 4, "the refused calls are not read");
+        assert_eq!(quantile(&critical, 0.5), Some(0.5));
+        // The 99th of 100 lies 9/10 into the (1, 2] bucket.
+        assert!((quantile(&critical, 0.99).unwrap() - 1.9).abs() < 1e-9);
+        assert_eq!(quantile(&standard, 0.5), None, "no calls, no number");
     }
 }

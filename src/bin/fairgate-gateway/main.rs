@@ -4,7 +4,7 @@
 //! and calls the API with the team's one upstream key.
 //!
 //! ```sh
-//! cargo install --path . --features gateway
+//! cargo install --locked --path . --features gateway
 //! ANTHROPIC_API_KEY=sk-ant-... fairgate-gateway --listen 127.0.0.1:8080 \
 //!     --upstream https://api.anthropic.com --keys keys.toml [--redis redis://127.0.0.1:6379/]
 //! ```
@@ -16,7 +16,9 @@
 //! - `auth`: the key check, failures slowed per (address, key) and per address on
 //!   distinct keys;
 //! - `api`: the API port (authenticate from the headers, then buffer within a budget);
+//! - `batches`: message batches, each answered only to the key that created it;
 //! - `holders`: what each key holder may hold at once (requests, body and answer bytes);
+//! - `own_answer`: the gateway's own answers marked (`request-id`, `529 Overloaded`);
 //! - `answer`: answers relayed through a bounded buffer, the slot free at the upstream's end;
 //! - `server`: connections (cap, header / body / keep-alive timeouts, drain);
 //! - `admin`: `/metrics`, `/healthz`, `/readyz`, `/status` on the admin listener (its token);
@@ -28,15 +30,19 @@ mod admin;
 mod answer;
 mod api;
 mod auth;
+mod batches;
 mod config;
+mod cost;
 mod dashboard;
 mod holders;
 mod identity;
+mod own_answer;
 mod record;
 mod routes;
 mod server;
 mod upstream;
 
+use std::io::IsTerminal;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -47,7 +53,7 @@ use bytes::Bytes;
 use clap::Parser;
 use fairgate::{BoxError, Store};
 use http::Uri;
-use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 use tokio::signal::unix::{SignalKind, signal};
 use tokio::task::JoinHandle;
 use tracing::{info, warn};
@@ -67,7 +73,7 @@ pub(crate) type Body = http_body_util::combinators::UnsyncBoxBody<Bytes, BoxErro
 /// Clients use their own key from the keys file (`x-api-key` or `Authorization: Bearer`);
 /// the upstream is called with ANTHROPIC_API_KEY (required, from the environment only).
 /// SIGHUP reloads the keys file; SIGTERM or Ctrl-C drains and stops. Logs: RUST_LOG
-/// (default info), on stderr.
+/// (default info), on stderr, in --log-format.
 #[derive(Debug, Parser)]
 #[command(name = "fairgate-gateway", version, about, long_about)]
 pub(crate) struct Args {
@@ -204,10 +210,32 @@ pub(crate) struct Args {
           value_parser = duration)]
     drain_timeout: Duration,
 
+    /// The URL clients reach this gateway at, e.g. `https://llm.example.com`: batches'
+    /// `results_url` points there (default: `http://` and the listen address).
+    #[arg(long, env = "FAIRGATE_PUBLIC_URL", value_name = "URL", value_parser = public_url,
+          help = "The URL clients reach this gateway at, e.g. https://llm.example.com: \
+                  batches' results_url points there (default: http:// and the listen address)")]
+    public_url: Option<Uri>,
+
     /// Record each POST /v1/messages call the admission stack saw to FILE (created or
     /// truncated), one JSON line each when it ends: for the simulator's --replay.
     #[arg(long, env = "FAIRGATE_RECORD", value_name = "FILE")]
     record: Option<PathBuf>,
+
+    /// Log lines on stderr: `text` (coloured only when stderr is a terminal) or `json` (one
+    /// object a line, for a log collector).
+    #[arg(long, env = "FAIRGATE_LOG_FORMAT", value_name = "FORMAT", value_enum,
+          default_value_t = LogFormat::Text)]
+    log_format: LogFormat,
+}
+
+/// The shape of the log lines (`--log-format`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub(crate) enum LogFormat {
+    /// Human-readable lines.
+    Text,
+    /// One JSON object a line.
+    Json,
 }
 
 fn upstream_url(value: &str) -> Result<Uri, String> {
@@ -218,6 +246,14 @@ fn upstream_url(value: &str) -> Result<Uri, String> {
     }
     if parsed.query().is_some() {
         return Err("no query string, please".into());
+    }
+    Ok(parsed)
+}
+
+fn public_url(value: &str) -> Result<Uri, String> {
+    let parsed = upstream_url(value)?;
+    if value.contains('#') {
+        return Err("no fragment, please".into());
     }
     Ok(parsed)
 }
@@ -341,19 +377,15 @@ async fn run(mut args: Args) -> Result<(), String> {
     let config = config::load(&args.keys)?;
     let api_key = check_args(&mut args)?;
     let upstream = Upstream::new(&args.upstream, api_key.trim())?;
-    let metrics = PrometheusBuilder::new()
-        .install_recorder()
-        .map_err(|e| format!("cannot install the metrics recorder: {e}"))?;
-    // A service key's end users (`service/<hash>`) are labelled by their service: an
-    // end user never becomes a label.
-    fairgate::metrics::label_tenants_by_namespace(true);
+    let metrics = install_metrics(&config)?;
     let store = open_store(&args).await?;
     let tenants = config.tenants.len();
     let (global_max, window) = (config.policy.global_max(), config.window);
     let live = Live::new(config, store, &upstream)?;
     let (stop, stopped) = tokio::sync::watch::channel(false);
-    let gw = Arc::new(gateway(&args, live, upstream, stopped.clone())?);
     let listeners = Listeners::bind(&args).await?;
+    let batches = batch_book(&args, listeners.api_addr)?;
+    let gw = Arc::new(gateway(&args, live, upstream, stopped.clone(), batches)?);
     info!(
         listen = %listeners.api_addr,
         admin = %listeners.admin_addr,
@@ -392,6 +424,131 @@ async fn run(mut args: Args) -> Result<(), String> {
     Ok(())
 }
 
+/// The gateway's own metrics: name, kind and `# HELP`.
+const GATEWAY_METRICS: [(&str, MetricKind, &str); 11] = [
+    (
+        "gateway_connections_open",
+        MetricKind::Gauge,
+        "Connections open, by listener (api, admin).",
+    ),
+    (
+        "gateway_connections_timed_out_total",
+        MetricKind::Counter,
+        "Connections closed for a late request head or idle keep-alive, by listener.",
+    ),
+    (
+        "gateway_connections_evicted_total",
+        MetricKind::Counter,
+        "Idle connections closed to make room at the connection cap, by listener.",
+    ),
+    (
+        "gateway_connections_refused_total",
+        MetricKind::Counter,
+        "Connections refused at the connection cap with none idle, by listener.",
+    ),
+    (
+        "gateway_auth_failures_total",
+        MetricKind::Counter,
+        "Requests refused for their key, by answer (401 unknown key, 429 slowed).",
+    ),
+    (
+        "gateway_key_refusals_total",
+        MetricKind::Counter,
+        "Requests refused for what their key holder holds, by reason (requests, body_bytes).",
+    ),
+    (
+        "gateway_body_budget_used_bytes",
+        MetricKind::Gauge,
+        "Bytes of /v1/messages bodies being buffered, against --body-budget.",
+    ),
+    (
+        "gateway_body_budget_refusals_total",
+        MetricKind::Counter,
+        "Requests answered 529 because --body-budget was spent.",
+    ),
+    (
+        "gateway_answer_buffer_used_bytes",
+        MetricKind::Gauge,
+        "Bytes of answers waiting for their clients, against --answer-buffer.",
+    ),
+    (
+        "gateway_answers_cut_total",
+        MetricKind::Counter,
+        "Answers cut because their client read nothing within --write-timeout.",
+    ),
+    (
+        "gateway_record_dropped_total",
+        MetricKind::Counter,
+        "--record lines dropped because the writer's channel was full.",
+    ),
+];
+
+#[derive(Clone, Copy)]
+enum MetricKind {
+    Counter,
+    Gauge,
+}
+
+/// Installs the Prometheus recorder: histograms with buckets for LLM calls, every family
+/// described (`# HELP`), and every metric published from start (0 until its first event,
+/// so a dashboard reads 0 rather than no data). Once at start: nothing per request.
+fn install_metrics(config: &config::Config) -> Result<PrometheusHandle, String> {
+    let handle = PrometheusBuilder::new()
+        .set_buckets_for_metric(
+            Matcher::Suffix("_seconds".into()),
+            &fairgate::metrics::LATENCY_BUCKETS,
+        )
+        .and_then(|builder| builder.install_recorder())
+        .map_err(|e| format!("cannot install the metrics recorder: {e}"))?;
+    // A service key's end users (`service/<hash>`) are labelled by their service: an
+    // end user never becomes a label.
+    fairgate::metrics::label_tenants_by_namespace(true);
+    fairgate::metrics::describe();
+    let tiers: Vec<_> = config
+        .policy
+        .tiers()
+        .into_iter()
+        .map(|(tier, _)| tier)
+        .collect();
+    fairgate::metrics::publish_zeros(&tiers);
+    for (name, kind, help) in GATEWAY_METRICS {
+        match kind {
+            MetricKind::Counter => metrics::describe_counter!(name, help),
+            MetricKind::Gauge => metrics::describe_gauge!(name, help),
+        }
+    }
+    for listener in ["api", "admin"] {
+        metrics::gauge!("gateway_connections_open", "listener" => listener).increment(0.0);
+        for name in [
+            "gateway_connections_timed_out_total",
+            "gateway_connections_evicted_total",
+            "gateway_connections_refused_total",
+        ] {
+            metrics::counter!(name, "listener" => listener).increment(0);
+        }
+    }
+    for answer in ["401", "429"] {
+        metrics::counter!("gateway_auth_failures_total", "answer" => answer).increment(0);
+    }
+    for reason in ["requests", "body_bytes"] {
+        metrics::counter!("gateway_key_refusals_total", "reason" => reason).increment(0);
+    }
+    for name in [
+        "gateway_body_budget_refusals_total",
+        "gateway_answers_cut_total",
+        "gateway_record_dropped_total",
+    ] {
+        metrics::counter!(name).increment(0);
+    }
+    for name in [
+        "gateway_body_budget_used_bytes",
+        "gateway_answer_buffer_used_bytes",
+    ] {
+        metrics::gauge!(name).increment(0.0);
+    }
+    Ok(handle)
+}
+
 /// The gateway's shared state for `live`, with `--record`'s recorder started, and the body
 /// and auth limits of `args`.
 fn gateway(
@@ -399,6 +556,7 @@ fn gateway(
     live: Live,
     upstream: Upstream,
     stopped: tokio::sync::watch::Receiver<bool>,
+    batches: batches::Batches,
 ) -> Result<Gateway, String> {
     let recorder = match &args.record {
         Some(path) => Some(record::Recorder::start(path, &args.keys)?),
@@ -417,6 +575,7 @@ fn gateway(
         },
         stopped,
         recorder,
+        batches,
     ))
 }
 
@@ -431,6 +590,28 @@ fn holder_limits(args: &Args) -> HolderLimits {
             .key_body_budget
             .unwrap_or((args.body_budget / 4).max(args.max_body)),
         answer_bytes: args.key_answer_buffer,
+    }
+}
+
+/// The batch routes' owner book (on `--redis` when given) and the URL their `results_url`
+/// names: `--public-url`, else the API listener's address.
+fn batch_book(args: &Args, api_addr: SocketAddr) -> Result<batches::Batches, String> {
+    let public_url = match &args.public_url {
+        Some(url) => url.to_string(),
+        None => {
+            if api_addr.ip().is_unspecified() {
+                warn!(
+                    listen = %api_addr,
+                    "no --public-url: batches' results_url names {api_addr}, which clients \
+                     cannot reach; give the URL they use"
+                );
+            }
+            format!("http://{api_addr}")
+        }
+    };
+    match &args.redis {
+        Some(url) => batches::Batches::on_redis(url, &public_url),
+        None => Ok(batches::Batches::in_memory(&public_url)),
     }
 }
 
@@ -629,12 +810,16 @@ async fn until_shutdown(
 /// until SIGTERM or Ctrl-C.
 pub(crate) fn main() {
     let args = Args::parse();
-    tracing_subscriber::fmt()
+    let logs = tracing_subscriber::fmt()
         .with_env_filter(
             EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info")),
         )
-        .with_writer(std::io::stderr)
-        .init();
+        .with_writer(std::io::stderr);
+    match args.log_format {
+        // Colour codes only for a person at a terminal: a log file or a collector gets text.
+        LogFormat::Text => logs.with_ansi(std::io::stderr().is_terminal()).init(),
+        LogFormat::Json => logs.json().init(),
+    }
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -669,6 +854,21 @@ mod tests {
         assert_eq!(size("1000"), Ok(1000));
         assert!(size("0").is_err());
         assert!(size("3 parsecs").is_err());
+    }
+
+    #[test]
+    fn the_public_url_is_an_http_base_url() {
+        assert!(public_url("https://llm.example.com").is_ok());
+        assert!(public_url("http://10.0.0.5:8080/anthropic/").is_ok());
+        for bad in [
+            "llm.example.com",
+            "ftp://x",
+            "https://x/?a=1",
+            "https://x/#top",
+            "/v1",
+        ] {
+            assert!(public_url(bad).is_err(), "{bad}");
+        }
     }
 
     #[test]

@@ -55,18 +55,18 @@ retry-after: 1\r\nconnection: close\r\ncontent-length: 99\r\n\r\n\
 /// and a pooled connection is reused well within the second.
 const EVICTABLE_AFTER: [Duration; 2] = [Duration::from_millis(250), Duration::from_secs(1)];
 
-/// Connections being refused at once at most (each a file for up to [`REFUSAL_LINGER`]);
-/// past it the listener accepts no more until one is done.
+/// Connections being refused at once at most (each a file for up to [`REFUSAL_HEAD_WAIT`]
+/// and [`REFUSAL_LINGER`]); past it the listener accepts no more until one is done.
 const MAX_REFUSING: usize = 256;
 
 /// How long a refused connection waits for its request's head before its answer (an HTTP
 /// client takes an answer that comes before its request for a broken connection); a
 /// socket that sends nothing in that time is closed unanswered.
-const REFUSAL_HEAD_WAIT: Duration = Duration::from_millis(100);
+const REFUSAL_HEAD_WAIT: Duration = Duration::from_secs(1);
 
-/// How long a refused connection is kept in all: its head, its answer, then reading away
-/// what else its client sent, so that its close is a FIN after the answer and not a reset
-/// that could destroy it.
+/// How long a refused connection is kept after its answer, reading away what else its
+/// client sent, so that its close is a FIN after the answer and not a reset that could
+/// destroy it.
 const REFUSAL_LINGER: Duration = Duration::from_millis(500);
 
 /// How a listener treats its connections.
@@ -439,26 +439,26 @@ where
     cut
 }
 
-/// Answers `tcp` [`AT_CAPACITY`] once its request's head has come, and closes it after
-/// reading away what else the client sent (all within [`REFUSAL_LINGER`]); `_turn` bounds
-/// how many do so at once.
+/// Answers `tcp` [`AT_CAPACITY`] once its request's head has come (within
+/// [`REFUSAL_HEAD_WAIT`]), and closes it after reading away what else the client sent
+/// (within [`REFUSAL_LINGER`]); `_turn` bounds how many do so at once.
 async fn refuse(mut tcp: TcpStream, _turn: tokio::sync::OwnedSemaphorePermit) {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let linger = async {
-        let mut sink = [0u8; 4096];
-        let mut head = Vec::new();
-        let head_came = tokio::time::timeout(REFUSAL_HEAD_WAIT, async {
-            while !head.windows(4).any(|w| w == b"\r\n\r\n") && head.len() < MAX_HEAD {
-                match tcp.read(&mut sink).await? {
-                    0 => return Ok(false),
-                    n => head.extend_from_slice(&sink[..n]),
-                }
+    let mut sink = [0u8; 4096];
+    let mut head = Vec::new();
+    let head_came = tokio::time::timeout(REFUSAL_HEAD_WAIT, async {
+        while !head.windows(4).any(|w| w == b"\r\n\r\n") && head.len() < MAX_HEAD {
+            match tcp.read(&mut sink).await? {
+                0 => return Ok(false),
+                n => head.extend_from_slice(&sink[..n]),
             }
-            Ok::<_, io::Error>(true)
-        });
-        if !matches!(head_came.await, Ok(Ok(true))) {
-            return Ok(());
         }
+        Ok::<_, io::Error>(true)
+    });
+    if !matches!(head_came.await, Ok(Ok(true))) {
+        return;
+    }
+    let linger = async {
         tcp.write_all(AT_CAPACITY).await?;
         tcp.shutdown().await?;
         let mut read = 0;

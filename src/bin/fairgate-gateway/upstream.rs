@@ -41,6 +41,29 @@ const HOP_BY_HOP: [&str; 8] = [
     "upgrade",
 ];
 
+/// Request headers never forwarded upstream, on any route: the one list. The upstream is
+/// called under the team's key, so a header that names another credential, account or
+/// workspace, or another client, would let a caller act as someone it is not:
+/// - the client's own credentials (`x-api-key`, `authorization`), replaced by the team's key;
+/// - `anthropic-workspace-id`, which picks the workspace a multi-workspace credential acts
+///   on, and `anthropic-organization-id` (a response header of Anthropic's; refused in a
+///   request should it ever be read);
+/// - `cookie`, a session credential of its own;
+/// - `forwarded`, `x-forwarded-*`, `x-real-ip`: who the client is, as a proxy would tell
+///   it; the gateway does not vouch for what a client says of itself.
+pub(crate) const NOT_FORWARDED: [&str; 10] = [
+    "x-api-key",
+    "authorization",
+    "anthropic-workspace-id",
+    "anthropic-organization-id",
+    "cookie",
+    "forwarded",
+    "x-forwarded-for",
+    "x-forwarded-host",
+    "x-forwarded-proto",
+    "x-real-ip",
+];
+
 pub(crate) fn strip_hop_by_hop(headers: &mut HeaderMap) {
     // Headers the `Connection` header names are hop-by-hop too.
     let named: Vec<HeaderName> = headers
@@ -89,7 +112,7 @@ impl Upstream {
     }
 
     /// `req` readdressed to the upstream at `path` (canonical, checked by the caller), with
-    /// the upstream key instead of the client's.
+    /// the upstream key instead of the client's and none of [`NOT_FORWARDED`].
     fn prepare<B>(&self, req: http::Request<B>) -> Result<http::Request<B>, BoxError> {
         let (mut parts, body) = req.into_parts();
         let path_and_query = parts
@@ -106,8 +129,10 @@ impl Upstream {
         strip_hop_by_hop(headers);
         headers.remove(header::HOST);
         headers.remove(header::CONTENT_LENGTH);
-        headers.remove(header::AUTHORIZATION);
         headers.remove(header::EXPECT);
+        for name in NOT_FORWARDED {
+            headers.remove(name);
+        }
         headers.insert("x-api-key", self.api_key.clone());
         // The gateway's own claims are for the gateway alone (collects nothing, so
         // allocates nothing, when there are none).
@@ -148,4 +173,37 @@ pub(crate) fn full(bytes: impl Into<Bytes>) -> Body {
     http_body_util::Full::new(bytes.into())
         .map_err(|never| match never {})
         .boxed_unsync()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn no_credential_account_or_client_identity_of_the_caller_goes_upstream() {
+        let upstream = Upstream::new(&"http://127.0.0.1:9/base".parse().unwrap(), "sk-team")
+            .expect("an upstream");
+        let mut req = http::Request::builder()
+            .uri("/v1/messages?beta=true")
+            .header("x-api-key", "sk-client")
+            .header("authorization", "Bearer sk-client")
+            .header("anthropic-version", "2023-06-01")
+            .header("anthropic-beta", "output-128k-2025-02-19");
+        for name in NOT_FORWARDED {
+            req = req.header(name, "someone-else");
+        }
+        let prepared = upstream.prepare(req.body(()).unwrap()).unwrap();
+        let headers = prepared.headers();
+        assert_eq!(headers.get_all("x-api-key").iter().count(), 1);
+        assert_eq!(headers["x-api-key"], "sk-team");
+        for name in NOT_FORWARDED.iter().filter(|n| **n != "x-api-key") {
+            assert!(headers.get(*name).is_none(), "{name} forwarded");
+        }
+        assert_eq!(headers["anthropic-version"], "2023-06-01");
+        assert_eq!(headers["anthropic-beta"], "output-128k-2025-02-19");
+        assert_eq!(
+            prepared.uri().to_string(),
+            "http://127.0.0.1:9/base/v1/messages?beta=true"
+        );
+    }
 }

@@ -28,6 +28,10 @@ impl Tenants for Arc<RedisStore> {
         RedisStore::add_tokens(self, tenant, tokens);
     }
 
+    fn correct_tokens(&self, tenant: &TenantId, diff: i64) {
+        RedisStore::correct_tokens(self, tenant, diff);
+    }
+
     fn tokens_today(&self, tenant: &TenantId) -> StoreFuture<u64> {
         RedisStore::tokens_today(self, tenant)
     }

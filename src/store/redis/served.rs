@@ -82,7 +82,7 @@ impl RedisStore {
         if self.is_degraded() {
             self.fallback.served.add(tenant, cost, at);
         }
-        self.batch_add(&self.served.pending, tenant, cost);
+        self.batch_add(&self.served.pending, tenant, super::clamp(cost));
     }
 
     /// Sends the batched served counts with the window length: when `now`, or when a

@@ -1,0 +1,700 @@
+//! What a `POST /v1/messages` call costs: the charge its tenant's fair share and daily
+//! budget pay, estimated from the body when the call goes and settled on the answer's
+//! `usage`.
+//!
+//! The charge counts what the call takes from the provider, weighted as the provider's
+//! limits weigh it (the Virtual Token Counter of Sheng et al., OSDI 2024, charges input and
+//! output with weights the same way):
+//!
+//! ```text
+//! charge = model_weight × (input + cache_write_weight × cache_creation_input_tokens
+//!                               + cache_read_weight × cache_read_input_tokens
+//!                               + output_weight × output)
+//! ```
+//!
+//! - **At dispatch**, `input` is estimated from the body's text (ceil(bytes / 3.5), a
+//!   `gzip` or `deflate` body decompressed first) and `output` is the body's `max_tokens`,
+//!   the most the answer may use: a call asking for a long answer is charged for it before
+//!   it holds a slot, whatever the size of its prompt.
+//! - **On the answer**, its `usage` (a JSON message's, or a stream's `message_start` and
+//!   `message_delta` events, read as the bytes pass by the library's
+//!   [`UsageScanner`]) replaces the estimate:
+//!   the difference is settled against the tenant's DRR deficit and its token count for the
+//!   day ([`Settler`]). An answer that ends with no usage
+//!   (an error) cost nothing and is settled at 0; one dropped before any usage keeps the
+//!   estimate.
+//!
+//! The keys file's `[cost]` table sets the weights (all optional):
+//!
+//! ```toml
+//! [cost]
+//! output_weight = 5.0       # an output token weighs 5 input tokens (OTPM is commonly ITPM / 5)
+//! cache_write_weight = 1.0  # cache writes count toward the input-token limit
+//! cache_read_weight = 0.0   # cache reads do not (current models)
+//! max_charge = 400000       # the most one call is charged in the fair queue
+//!
+//! [cost.models]             # a weight per model, by the longest prefix of its id
+//! "claude-opus-4" = 5.0
+//! "claude-haiku" = 0.25
+//! ```
+//!
+//! A body the estimate cannot read is refused before it takes a slot, as the API would
+//! refuse it: not JSON, not an object, or no whole `max_tokens` → `400`; a
+//! `content-encoding` other than `gzip`, `deflate` or `identity` → `415`; a compressed body
+//! that does not decompress → `400`, or that grows past `--max-body` or
+//! [`MAX_RATIO`] times its compressed size (above [`RATIO_FLOOR`]) → `413`, read no
+//! further (a zip bomb costs at most that much decompression).
+
+use std::collections::BTreeMap;
+use std::io::Read;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll, ready};
+
+use bytes::Bytes;
+use fairgate::drr_fairness::Settler;
+use fairgate::retry_after_backoff::UsageScanner;
+use fairgate::{BoxError, Job};
+use http::header::{self, HeaderMap};
+use http::{Response, StatusCode};
+use http_body::{Body as HttpBody, Frame, SizeHint};
+use serde::Deserialize;
+
+use super::Body;
+
+/// A compressed body may grow at most this many times its compressed size ...
+pub(crate) const MAX_RATIO: usize = 100;
+/// ... or to this many bytes, whichever is more (and never past `--max-body`).
+pub(crate) const RATIO_FLOOR: usize = 1 << 20;
+
+/// The keys file's `[cost]` table, as written.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct CostTable {
+    output_weight: Option<f64>,
+    cache_write_weight: Option<f64>,
+    cache_read_weight: Option<f64>,
+    max_charge: Option<u64>,
+    #[serde(default)]
+    models: BTreeMap<String, f64>,
+}
+
+/// The weights a call's charge is counted with; see the [module docs](self).
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) struct CostModel {
+    output: f64,
+    cache_write: f64,
+    cache_read: f64,
+    max_charge: u64,
+    /// Model id prefixes and their weights, longest prefix first.
+    models: Vec<(String, f64)>,
+}
+
+impl Default for CostModel {
+    fn default() -> Self {
+        CostModel {
+            output: 5.0,
+            cache_write: 1.0,
+            cache_read: 0.0,
+            // A 64,000-token answer at weight 5, and a prompt beside it.
+            max_charge: 400_000,
+            models: Vec::new(),
+        }
+    }
+}
+
+impl CostModel {
+    /// The model `[cost]` describes, or what is wrong with it.
+    pub(crate) fn from_table(table: &CostTable) -> Result<CostModel, String> {
+        let weight = |name: &str, value: Option<f64>, default: f64| match value {
+            None => Ok(default),
+            Some(w) if w.is_finite() && (0.0..=1_000.0).contains(&w) => Ok(w),
+            Some(w) => Err(format!("[cost] {name} = {w}: give a number from 0 to 1000")),
+        };
+        let defaults = CostModel::default();
+        let max_charge = table.max_charge.unwrap_or(defaults.max_charge);
+        if max_charge == 0 {
+            return Err("[cost] max_charge = 0: give at least 1".into());
+        }
+        let mut models = Vec::with_capacity(table.models.len());
+        for (prefix, &w) in &table.models {
+            if prefix.is_empty() || !w.is_finite() || !(0.001..=1_000.0).contains(&w) {
+                return Err(format!(
+                    "[cost.models] \"{prefix}\" = {w}: give a non-empty model id prefix and a \
+                     weight from 0.001 to 1000"
+                ));
+            }
+            models.push((prefix.clone(), w));
+        }
+        models.sort_by_key(|(prefix, _)| std::cmp::Reverse(prefix.len()));
+        Ok(CostModel {
+            output: weight("output_weight", table.output_weight, defaults.output)?,
+            cache_write: weight(
+                "cache_write_weight",
+                table.cache_write_weight,
+                defaults.cache_write,
+            )?,
+            cache_read: weight(
+                "cache_read_weight",
+                table.cache_read_weight,
+                defaults.cache_read,
+            )?,
+            max_charge,
+            models,
+        })
+    }
+
+    /// The most one call is charged in the fair queue, in quanta of `quantum` tokens
+    /// (rounded up): a call up to it pays its whole charge before it goes.
+    pub(crate) fn max_charge_quanta(&self, quantum: u64) -> u32 {
+        u32::try_from(self.max_charge.div_ceil(quantum.max(1))).unwrap_or(u32::MAX)
+    }
+
+    /// The weight of `model`: that of the longest configured prefix of its id, else 1.
+    fn model_weight(&self, model: Option<&str>) -> f64 {
+        model
+            .and_then(|model| {
+                self.models
+                    .iter()
+                    .find(|(prefix, _)| model.starts_with(prefix.as_str()))
+            })
+            .map_or(1.0, |(_, w)| *w)
+    }
+
+    /// The estimate of a call from its headers and (buffered) body; `max_decoded` is the
+    /// most a compressed body may decompress to (`--max-body`).
+    pub(crate) fn estimate(
+        &self,
+        headers: &HeaderMap,
+        body: &[u8],
+        max_decoded: usize,
+    ) -> Result<Estimate, Refused> {
+        let (head, bytes) = read_head(headers, body, max_decoded)?;
+        let Some(max_tokens) = head.max_tokens else {
+            return Err(Refused::bad("max_tokens: field required"));
+        };
+        let input = (bytes as u64).saturating_mul(2).div_ceil(7).max(1);
+        let weight = self.model_weight(head.model.as_deref());
+        let charge = weight * (input as f64 + self.output * max_tokens as f64);
+        Ok(Estimate {
+            input: u32::try_from(input).unwrap_or(u32::MAX),
+            charge: to_tokens(charge),
+            weight,
+        })
+    }
+
+    /// What a call estimated as `estimate` used, by its answer's usage.
+    fn used(&self, estimate: &Estimate, usage: &UsageScanner) -> u64 {
+        let count = |n: Option<u32>| f64::from(n.unwrap_or(0));
+        let input = usage.input_tokens().unwrap_or(estimate.input);
+        to_tokens(
+            estimate.weight
+                * (f64::from(input)
+                    + self.cache_write * count(usage.cache_creation_input_tokens())
+                    + self.cache_read * count(usage.cache_read_input_tokens())
+                    + self.output * count(usage.output_tokens())),
+        )
+    }
+}
+
+/// A weighted count as whole tokens (rounded up; saturating).
+fn to_tokens(charge: f64) -> u64 {
+    if charge.is_finite() && charge > 0.0 {
+        charge.ceil().min(u64::MAX as f64) as u64
+    } else {
+        0
+    }
+}
+
+/// What a call is estimated to cost when it goes.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) struct Estimate {
+    /// Input tokens estimated from the body's text (what the rate gate paces on).
+    input: u32,
+    /// The whole weighted charge.
+    charge: u64,
+    /// The model's weight.
+    weight: f64,
+}
+
+impl Estimate {
+    /// `job` charged this estimate: its input tokens, and the rest of the charge as its
+    /// output cost (the model's weight scales the whole charge). The input stays the raw
+    /// estimate, which the rate gate paces the provider's input-token limit on, so a model
+    /// weighing less than 1 is charged at least its input until its usage settles it.
+    pub(crate) fn apply(&self, job: Job) -> Job {
+        let rest = self.charge.saturating_sub(u64::from(self.input));
+        job.cost(self.input)
+            .output_cost(u32::try_from(rest).unwrap_or(u32::MAX))
+    }
+}
+
+/// Why a body's cost could not be estimated: the answer to send instead of the call.
+#[derive(Debug, PartialEq)]
+pub(crate) struct Refused {
+    status: StatusCode,
+    kind: &'static str,
+    message: String,
+}
+
+impl Refused {
+    fn bad(message: impl Into<String>) -> Refused {
+        Refused {
+            status: StatusCode::BAD_REQUEST,
+            kind: "invalid_request_error",
+            message: message.into(),
+        }
+    }
+
+    /// The answer in Anthropic's error shape.
+    pub(crate) fn response(&self) -> Response<Body> {
+        // The message may quote the client's JSON: only characters safe inside a string.
+        let message: String = self
+            .message
+            .chars()
+            .filter(|c| !c.is_control() && *c != '"' && *c != '\\')
+            .collect();
+        super::api::error_response(self.status, self.kind, &message)
+    }
+}
+
+/// The fields of a Messages API body the estimate reads; the rest is checked as JSON and
+/// skipped.
+#[derive(Deserialize)]
+struct Head {
+    model: Option<String>,
+    max_tokens: Option<u64>,
+}
+
+/// The body's head and its decoded length.
+fn read_head(
+    headers: &HeaderMap,
+    body: &[u8],
+    max_decoded: usize,
+) -> Result<(Head, usize), Refused> {
+    let coding = headers
+        .get(header::CONTENT_ENCODING)
+        .map(|v| v.to_str().unwrap_or("?").trim().to_ascii_lowercase());
+    let limit = max_decoded.min(body.len().saturating_mul(MAX_RATIO).max(RATIO_FLOOR));
+    match coding.as_deref() {
+        None | Some("") | Some("identity") => serde_json::from_slice(body)
+            .map(|head| (head, body.len()))
+            .map_err(|e| Refused::bad(format!("the body is not valid JSON: {e}"))),
+        Some("gzip" | "x-gzip") => decoded(flate2::read::GzDecoder::new(body), limit),
+        Some("deflate") => decoded(flate2::read::ZlibDecoder::new(body), limit),
+        Some(other) => Err(Refused {
+            status: StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            kind: "invalid_request_error",
+            message: format!(
+                "content-encoding {other} is not supported: send gzip, deflate or identity"
+            ),
+        }),
+    }
+}
+
+/// Reads a decompressing reader's JSON head, refusing it past `limit` decoded bytes.
+fn decoded(reader: impl Read, limit: usize) -> Result<(Head, usize), Refused> {
+    let mut capped = Capped {
+        inner: reader,
+        read: 0,
+        limit,
+        over: false,
+    };
+    let head = serde_json::from_reader(std::io::BufReader::new(&mut capped));
+    match head {
+        Ok(head) => Ok((head, capped.read)),
+        Err(_) if capped.over => Err(Refused {
+            status: StatusCode::PAYLOAD_TOO_LARGE,
+            kind: "request_too_large",
+            message: format!(
+                "the body decompresses to more than {limit} bytes (at most {MAX_RATIO} times \
+                 its compressed size, and the gateway's body limit)"
+            ),
+        }),
+        Err(e) if e.is_io() => Err(Refused::bad(format!(
+            "the body does not decompress as its content-encoding says: {e}"
+        ))),
+        Err(e) => Err(Refused::bad(format!("the body is not valid JSON: {e}"))),
+    }
+}
+
+/// A reader that fails once more than `limit` bytes came out of it.
+struct Capped<R> {
+    inner: R,
+    read: usize,
+    limit: usize,
+    over: bool,
+}
+
+impl<R: Read> Read for Capped<R> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        // Never asked for more than one byte past the limit: the decoder stops there.
+        let room = (self.limit + 1).saturating_sub(self.read).min(buf.len());
+        let n = self.inner.read(&mut buf[..room])?;
+        self.read += n;
+        if self.read > self.limit {
+            self.over = true;
+            return Err(std::io::Error::other("decompressed body too large"));
+        }
+        Ok(n)
+    }
+}
+
+/// The response of a call sent with `estimate`, its body settling the call's charge on its
+/// usage: the classified job the call went out with rides in the response's extensions
+/// (put there by the innermost service); without it, nothing is settled.
+pub(crate) fn settling(
+    mut response: Response<Body>,
+    settler: &Settler,
+    model: &Arc<CostModel>,
+    estimate: Estimate,
+) -> Response<Body> {
+    let Some(job) = response.extensions_mut().remove::<Job>() else {
+        return response;
+    };
+    let settle = Settle {
+        settler: settler.clone(),
+        model: model.clone(),
+        job,
+        estimate,
+    };
+    response.map(|inner| {
+        http_body_util::BodyExt::boxed_unsync(Settling {
+            inner,
+            usage: UsageScanner::default(),
+            settle: Some(settle),
+        })
+    })
+}
+
+/// What settling a call needs.
+struct Settle {
+    settler: Settler,
+    model: Arc<CostModel>,
+    job: Job,
+    estimate: Estimate,
+}
+
+/// A response body read for its usage as it passes, the call settled once: when it ends,
+/// or when it is dropped after a usage was seen.
+struct Settling {
+    inner: Body,
+    usage: UsageScanner,
+    settle: Option<Settle>,
+}
+
+impl Settling {
+    fn finish(&mut self, ended: bool) {
+        if !ended && !self.usage.saw_usage() {
+            // Cut before any usage: what it used is unknown, the estimate stands.
+            return;
+        }
+        if let Some(settle) = self.settle.take() {
+            let used = match self.usage.saw_usage() {
+                true => settle.model.used(&settle.estimate, &self.usage),
+                // Ended with no usage: an error answer, which used nothing.
+                false => 0,
+            };
+            settle.settler.settle(&settle.job, used);
+        }
+    }
+}
+
+impl HttpBody for Settling {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        let frame = ready!(Pin::new(&mut self.inner).poll_frame(cx));
+        match &frame {
+            Some(Ok(frame)) => {
+                if let Some(data) = frame.data_ref() {
+                    self.usage.feed(data);
+                }
+            }
+            Some(Err(_)) => {}
+            None => self.finish(true),
+        }
+        Poll::Ready(frame)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+impl Drop for Settling {
+    fn drop(&mut self) {
+        self.finish(false);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Write;
+
+    const MAX: usize = 32 << 20;
+
+    fn json(max_tokens: u64) -> String {
+        format!(
+            r#"{{"model":"claude-opus-4-1","max_tokens":{max_tokens},"messages":[{{"role":"user","content":"Hello there"}}]}}"#
+        )
+    }
+
+    fn headers(encoding: Option<&str>) -> HeaderMap {
+        let mut headers = HeaderMap::new();
+        if let Some(encoding) = encoding {
+            headers.insert(header::CONTENT_ENCODING, encoding.parse().unwrap());
+        }
+        headers
+    }
+
+    fn gzip(bytes: &[u8]) -> Vec<u8> {
+        let mut encoder = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::best());
+        encoder.write_all(bytes).unwrap();
+        encoder.finish().unwrap()
+    }
+
+    fn charge(estimate: Estimate) -> u64 {
+        estimate
+            .apply(Job::new("t", fairgate::Origin::UserAction))
+            .charge()
+    }
+
+    #[test]
+    fn a_call_is_charged_its_input_and_max_tokens_at_the_output_weight() {
+        let model = CostModel::default();
+        let body = json(64_000);
+        let estimate = model
+            .estimate(&headers(None), body.as_bytes(), MAX)
+            .unwrap();
+        let input = (body.len() as u64 * 2).div_ceil(7);
+        assert_eq!(estimate.input as u64, input);
+        assert_eq!(charge(estimate), input + 5 * 64_000);
+        let job = estimate.apply(Job::new("t", fairgate::Origin::UserAction));
+        assert_eq!(
+            u64::from(job.estimated_tokens()),
+            input,
+            "the input stays raw"
+        );
+    }
+
+    #[test]
+    fn a_models_weight_is_that_of_its_longest_configured_prefix() {
+        let table: CostTable = toml::from_str(
+            "output_weight = 4\n[models]\n\"claude-opus\" = 2.0\n\"claude-opus-4\" = 5.0\n",
+        )
+        .unwrap();
+        let model = CostModel::from_table(&table).unwrap();
+        let body = json(1_000);
+        let estimate = model
+            .estimate(&headers(None), body.as_bytes(), MAX)
+            .unwrap();
+        let input = (body.len() as u64 * 2).div_ceil(7);
+        assert_eq!(charge(estimate), 5 * (input + 4 * 1_000));
+        assert_eq!(model.model_weight(Some("claude-sonnet-4-5")), 1.0);
+        assert_eq!(model.model_weight(Some("claude-opus-3")), 2.0);
+    }
+
+    #[test]
+    fn the_usage_settles_with_cache_reads_free_and_cache_writes_counted() {
+        let model = CostModel::default();
+        let estimate = model
+            .estimate(&headers(None), json(4_096).as_bytes(), MAX)
+            .unwrap();
+        let mut usage = UsageScanner::default();
+        usage.feed(br#"{"usage":{"input_tokens":30,"cache_creation_input_tokens":1000,"cache_read_input_tokens":50000,"output_tokens":200}}"#);
+        assert_eq!(model.used(&estimate, &usage), 30 + 1_000 + 5 * 200);
+    }
+
+    #[test]
+    fn a_gzip_or_deflate_body_is_charged_at_its_decompressed_size() {
+        let model = CostModel::default();
+        let text = format!(
+            r#"{{"model":"m","max_tokens":10,"messages":[{{"role":"user","content":"{}"}}]}}"#,
+            "all work and no play ".repeat(2_000)
+        );
+        let plain = model
+            .estimate(&headers(None), text.as_bytes(), MAX)
+            .unwrap();
+        let gz = gzip(text.as_bytes());
+        assert!(gz.len() * 20 < text.len());
+        let zipped = model.estimate(&headers(Some("gzip")), &gz, MAX).unwrap();
+        assert_eq!(zipped, plain);
+        let mut zlib = flate2::write::ZlibEncoder::new(Vec::new(), flate2::Compression::fast());
+        zlib.write_all(text.as_bytes()).unwrap();
+        let deflated = model
+            .estimate(&headers(Some("deflate")), &zlib.finish().unwrap(), MAX)
+            .unwrap();
+        assert_eq!(deflated, plain);
+    }
+
+    #[test]
+    fn a_zip_bomb_is_refused_with_413_after_reading_at_most_its_allowance() {
+        let model = CostModel::default();
+        // 64 MiB of spaces then a message: ~64 KiB compressed, a ratio of ~1000.
+        let mut bomb = vec![b' '; 64 << 20];
+        bomb.extend_from_slice(json(10).as_bytes());
+        let gz = gzip(&bomb);
+        let refused = model
+            .estimate(&headers(Some("gzip")), &gz, MAX)
+            .unwrap_err();
+        assert_eq!(refused.status, StatusCode::PAYLOAD_TOO_LARGE);
+        assert!(
+            refused.message.contains("decompresses to more than"),
+            "{refused:?}"
+        );
+        // Within the ratio but past the body limit: refused too.
+        let refused = model
+            .estimate(&headers(Some("gzip")), &gzip(&bomb[..(2 << 20)]), 1 << 20)
+            .unwrap_err();
+        assert_eq!(refused.status, StatusCode::PAYLOAD_TOO_LARGE);
+    }
+
+    #[test]
+    fn bodies_the_api_would_refuse_get_400_and_never_a_panic() {
+        let model = CostModel::default();
+        let bad = |body: &[u8], encoding: Option<&str>| {
+            model
+                .estimate(&headers(encoding), body, MAX)
+                .expect_err("refused")
+        };
+        for body in [
+            &b""[..],
+            b"   ",
+            b"{",
+            b"[1,2]",
+            b"null",
+            br#"{"max_tokens":"many"}"#,
+            br#"{"max_tokens":-1}"#,
+            br#"{"max_tokens":1.5}"#,
+            br#"{"max_tokens":10} trailing"#,
+            br#"{"model":7,"max_tokens":10}"#,
+            b"\xff\xfe",
+        ] {
+            let refused = bad(body, None);
+            assert_eq!(refused.status, StatusCode::BAD_REQUEST, "{body:?}");
+            assert_eq!(refused.kind, "invalid_request_error");
+        }
+        let missing = bad(br#"{"model":"m","messages":[]}"#, None);
+        assert_eq!(missing.status, StatusCode::BAD_REQUEST);
+        assert!(missing.message.contains("max_tokens"), "{missing:?}");
+        // Not gzip at all, or cut short.
+        assert_eq!(
+            bad(b"plain text", Some("gzip")).status,
+            StatusCode::BAD_REQUEST
+        );
+        let gz = gzip(json(10).as_bytes());
+        assert_eq!(
+            bad(&gz[..gz.len() / 2], Some("gzip")).status,
+            StatusCode::BAD_REQUEST
+        );
+        // Bad JSON inside good gzip.
+        assert_eq!(
+            bad(&gzip(b"{nope"), Some("gzip")).status,
+            StatusCode::BAD_REQUEST
+        );
+        // An encoding it cannot read.
+        assert_eq!(
+            bad(json(10).as_bytes(), Some("br")).status,
+            StatusCode::UNSUPPORTED_MEDIA_TYPE
+        );
+        // The refusal is valid JSON even when the message quotes the client.
+        let response = bad(br#"{"max_tokens":"\"x\\"}"#, None).response();
+        assert_eq!(response.status(), StatusCode::BAD_REQUEST);
+    }
+
+    /// A response of `chunks` through [`settling`], for a job of `tenant` charged
+    /// `estimate` (counted in the store as `PriorityClassify` would have).
+    fn answer(
+        layer: &fairgate::FairgateLayer,
+        tenant: &str,
+        estimate: Estimate,
+        chunks: &[&'static str],
+    ) -> Response<Body> {
+        use http_body_util::BodyExt;
+        let job = estimate.apply(Job::new(tenant, fairgate::Origin::UserAction));
+        layer
+            .store()
+            .add_tokens(&fairgate::TenantId::new(tenant), job.charge());
+        let frames: Vec<Result<Frame<Bytes>, BoxError>> = chunks
+            .iter()
+            .map(|c| Ok(Frame::data(Bytes::from_static(c.as_bytes()))))
+            .collect();
+        let body = http_body_util::StreamBody::new(futures_util::stream::iter(frames));
+        let mut response = Response::new(body.boxed_unsync());
+        response.extensions_mut().insert(job);
+        let model = Arc::new(CostModel::default());
+        settling(response, &layer.settler(), &model, estimate)
+    }
+
+    #[tokio::test]
+    async fn the_answer_settles_the_days_count_once_its_usage_is_read() {
+        use http_body_util::BodyExt;
+        let layer = fairgate::FairgateLayer::new(fairgate::Store::memory());
+        let model = CostModel::default();
+        let estimate = model
+            .estimate(&headers(None), json(64_000).as_bytes(), MAX)
+            .unwrap();
+        let today = |tenant: &'static str| {
+            let store = layer.store().clone();
+            async move { store.tokens_today(&fairgate::TenantId::new(tenant)).await }
+        };
+        // A stream split mid-field: 25 input and 40 output tokens, 225 charged.
+        let response = answer(
+            &layer,
+            "read",
+            estimate,
+            &[
+                r#"data: {"usage":{"input_tokens":25,"output_to"#,
+                r#"kens":1}}"#,
+                r#"data: {"usage":{"output_tokens":40}}"#,
+            ],
+        );
+        response.into_body().collect().await.unwrap();
+        assert_eq!(today("read").await, 25 + 5 * 40);
+        // An error answer (no usage) used nothing.
+        let response = answer(&layer, "refused", estimate, &[r#"{"type":"error"}"#]);
+        response.into_body().collect().await.unwrap();
+        assert_eq!(today("refused").await, 0);
+        // Dropped before any usage: the estimate stands.
+        drop(answer(&layer, "cut", estimate, &[]));
+        assert_eq!(today("cut").await, charge(estimate));
+    }
+
+    #[test]
+    fn a_huge_max_tokens_saturates_and_a_bad_cost_table_is_refused() {
+        let model = CostModel::default();
+        let body = format!(r#"{{"max_tokens":{}}}"#, u64::MAX);
+        let estimate = model
+            .estimate(&headers(None), body.as_bytes(), MAX)
+            .unwrap();
+        assert_eq!(
+            charge(estimate),
+            u64::from(u32::MAX) + u64::from(estimate.input)
+        );
+        for table in [
+            "output_weight = -1",
+            "cache_read_weight = nan",
+            "max_charge = 0",
+            "[models]\n\"\" = 2.0",
+            "[models]\n\"claude\" = 0.0",
+            "typo_weight = 1",
+        ] {
+            let parsed = toml::from_str::<CostTable>(table);
+            assert!(
+                parsed.is_err() || CostModel::from_table(&parsed.unwrap()).is_err(),
+                "{table}"
+            );
+        }
+        assert_eq!(CostModel::default().max_charge_quanta(5_000), 80);
+    }
+}

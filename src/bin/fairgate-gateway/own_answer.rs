@@ -1,0 +1,80 @@
+//! The gateway's own answers (its `400`, `401`, `404`, `413`, `429`, `529`, ..., not the
+//! upstream's), marked as Anthropic marks its answers.
+
+use http::{HeaderValue, Response};
+
+use super::Body;
+
+/// Marks an answer of the gateway's own as Anthropic's are: a `request-id` to quote in a
+/// report, and a reason phrase on `529` (hyper knows none for it: the line would end bare).
+pub(crate) fn mark(mut response: Response<Body>) -> Response<Body> {
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    if let Ok(id) = HeaderValue::from_str(&format!("req_fairgate_{:016x}", request_id(n))) {
+        response.headers_mut().insert("request-id", id);
+    }
+    if response.status().as_u16() == 529 {
+        let reason = hyper::ext::ReasonPhrase::from_static(b"Overloaded");
+        response.extensions_mut().insert(reason);
+    }
+    response
+}
+
+/// The id of the gateway's `n`th own answer: `n` through a keyed permutation (four Feistel
+/// rounds over SipHash with this process's random keys), so ids never repeat in a process
+/// and two of them say nothing of how many answers other clients got between them.
+fn request_id(n: u64) -> u64 {
+    use std::hash::BuildHasher;
+    static KEYS: std::sync::OnceLock<std::hash::RandomState> = std::sync::OnceLock::new();
+    let keys = KEYS.get_or_init(std::hash::RandomState::new);
+    let (mut left, mut right) = ((n >> 32) as u32, n as u32);
+    for round in 0..4u8 {
+        let mixed = keys.hash_one((round, right)) as u32;
+        (left, right) = (right, left ^ mixed);
+    }
+    (u64::from(left) << 32) | u64::from(right)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn request_ids_never_repeat_and_do_not_count_up() {
+        let ids: Vec<u64> = (0..100_000).map(request_id).collect();
+        let mut unique = ids.clone();
+        unique.sort_unstable();
+        unique.dedup();
+        assert_eq!(unique.len(), ids.len());
+        // Consecutive answers are not neighbours: the ids say nothing of the count between.
+        let close = ids
+            .windows(2)
+            .filter(|w| w[0].abs_diff(w[1]) < 1 << 32)
+            .count();
+        assert!(
+            close < 10,
+            "{close} consecutive ids within 2^32 of each other"
+        );
+    }
+
+    #[test]
+    fn an_own_529_has_a_reason_phrase_and_every_answer_a_request_id() {
+        let answer = |status: u16| {
+            let mut response = Response::new(crate::upstream::full(String::new()));
+            *response.status_mut() = http::StatusCode::from_u16(status).unwrap();
+            mark(response)
+        };
+        let (busy, unknown) = (answer(529), answer(401));
+        let reason = busy.extensions().get::<hyper::ext::ReasonPhrase>();
+        assert_eq!(reason.map(|r| r.as_bytes()), Some(&b"Overloaded"[..]));
+        assert!(
+            unknown
+                .extensions()
+                .get::<hyper::ext::ReasonPhrase>()
+                .is_none()
+        );
+        let id = |r: &Response<Body>| r.headers()["request-id"].to_str().unwrap().to_owned();
+        assert!(id(&busy).starts_with("req_fairgate_"));
+        assert_ne!(id(&busy), id(&unknown));
+    }
+}
