@@ -425,7 +425,7 @@ async fn run(mut args: Args) -> Result<(), String> {
 }
 
 /// The gateway's own metrics: name, kind and `# HELP`.
-const GATEWAY_METRICS: [(&str, MetricKind, &str); 11] = [
+const GATEWAY_METRICS: [(&str, MetricKind, &str); 12] = [
     (
         "gateway_connections_open",
         MetricKind::Gauge,
@@ -480,6 +480,11 @@ const GATEWAY_METRICS: [(&str, MetricKind, &str); 11] = [
         "gateway_record_dropped_total",
         MetricKind::Counter,
         "--record lines dropped because the writer's channel was full.",
+    ),
+    (
+        "gateway_batch_book_failures_total",
+        MetricKind::Counter,
+        "Batch owners the book could not record or read (Redis away): the call answered 503.",
     ),
 ];
 
@@ -537,6 +542,7 @@ fn install_metrics(config: &config::Config) -> Result<PrometheusHandle, String> 
         "gateway_body_budget_refusals_total",
         "gateway_answers_cut_total",
         "gateway_record_dropped_total",
+        "gateway_batch_book_failures_total",
     ] {
         metrics::counter!(name).increment(0);
     }
