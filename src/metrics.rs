@@ -290,15 +290,6 @@ impl Outcome {
             Outcome::Failed => "failed",
         }
     }
-
-    /// The outcome of `result`; an error's chain is read only on the error path.
-    pub(crate) fn of<T>(result: &Result<T, crate::BoxError>) -> Outcome {
-        match result {
-            Ok(_) => Outcome::Answered,
-            Err(error) if crate::Rejection::from_error(&**error).is_some() => Outcome::Refused,
-            Err(_) => Outcome::Failed,
-        }
-    }
 }
 
 /// The keys of [`REQUEST_LATENCY`], by priority and outcome, built once.

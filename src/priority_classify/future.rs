@@ -124,7 +124,7 @@ where
                 StateProj::Calling { fut } => {
                     let output = ready!(fut.poll(cx)).map_err(Into::into);
                     if let Some(priority) = *this.priority {
-                        let outcome = crate::metrics::Outcome::of(&output);
+                        let outcome = outcome_of(&output);
                         crate::metrics::request_latency(priority, outcome, this.started.elapsed());
                     }
                     output
@@ -150,6 +150,18 @@ impl<F, S, Req> fmt::Debug for ResponseFuture<F, S, Req> {
             .field("state", &state)
             .field("priority", &self.priority)
             .finish()
+    }
+}
+
+/// How `result` ended, for the latency's `outcome` label (a refusal is a [`crate::Rejection`]
+/// anywhere in the error's chain, read only on the error path). Here rather than in
+/// `metrics`, which the rejections' modules use.
+fn outcome_of<T>(result: &Result<T, crate::BoxError>) -> crate::metrics::Outcome {
+    use crate::metrics::Outcome;
+    match result {
+        Ok(_) => Outcome::Answered,
+        Err(error) if crate::Rejection::from_error(&**error).is_some() => Outcome::Refused,
+        Err(_) => Outcome::Failed,
     }
 }
 

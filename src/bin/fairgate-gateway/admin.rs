@@ -201,78 +201,86 @@ pub(crate) async fn handle(admin: Arc<Admin>, req: Request<Incoming>) -> Respons
             let body = super::dashboard::live_json(&live, &admin.metrics.render()).await;
             text(StatusCode::OK, "application/json", body)
         }
-        "/readyz" => {
-            let live = gw.live();
-            let store = match (live.store.backend_name(), live.store.is_degraded()) {
-                ("redis", false) => "redis reachable".to_owned(),
-                ("redis", true) => {
-                    // The store's own rule: the last count seen alive, at least the fleet.
-                    let fleet = live.store.alive_workers().max(admin.fleet_size);
-                    format!(
-                        "redis unreachable: degraded, serving 1/{fleet} of the caps from \
-                         in-process state ({fleet} gateways: the last count seen alive, at \
-                         least --fleet-size)"
-                    )
-                }
-                _ => "in-process store".to_owned(),
-            };
-            let keys = live.config.keys.len();
-            if gw.draining() {
-                text(
-                    StatusCode::SERVICE_UNAVAILABLE,
-                    "text/plain",
-                    "draining\n".into(),
-                )
-            } else {
-                text(
-                    StatusCode::OK,
-                    "text/plain",
-                    format!("ready: {keys} keys loaded; {store}\n"),
-                )
-            }
-        }
-        "/status" => {
-            let live = gw.live();
-            let conns = &admin.connections;
-            let limits = conns.limits();
-            let body = format!(
-                concat!(
-                    r#"{{"version":"{version}","uptime_secs":{uptime},"draining":{draining},"#,
-                    r#""store":{{"backend":"{backend}","degraded":{degraded}}},"#,
-                    r#""keys":{{"keys":{keys},"tenants":{tenants},"reloads":{reloads},"failed_reloads":{failed}}},"#,
-                    r#""connections":{{"open":{open},"max":{max},"evicted":{evicted},"timed_out":{timed_out},"refused":{refused}}},"#,
-                    r#""body_budget":{{"used_bytes":{used},"max_bytes":{budget}}},"#,
-                    r#""answer_buffer":{{"used_bytes":{answers}}},"#,
-                    r#""per_key":{{"requests":{key_requests},"body_bytes":{key_body},"answer_bytes":{key_answers}}},"#,
-                    r#""auth":{{"slowed_addresses":{slowed},"slowed_keys":{slowed_keys}}}}}"#
-                ),
-                version = env!("CARGO_PKG_VERSION"),
-                uptime = admin.started.elapsed().as_secs(),
-                draining = gw.draining(),
-                backend = live.store.backend_name(),
-                degraded = live.store.is_degraded(),
-                keys = live.config.keys.len(),
-                tenants = live.config.tenants.len(),
-                reloads = gw.reloads.load(Ordering::Relaxed),
-                failed = gw.failed_reloads.load(Ordering::Relaxed),
-                open = conns.open(),
-                max = limits.max,
-                evicted = conns.evicted.load(Ordering::Relaxed),
-                timed_out = conns.timed_out.load(Ordering::Relaxed),
-                refused = conns.refused.load(Ordering::Relaxed),
-                used = gw.holders.body_used(),
-                budget = gw.holders.body_max(),
-                answers = gw.holders.answers_used(),
-                key_requests = gw.holders.limits().requests,
-                key_body = gw.holders.limits().body_bytes,
-                key_answers = gw.holders.limits().answer_bytes,
-                slowed = gw.auth.slowed_addresses(),
-                slowed_keys = gw.auth.slowed_keys(),
-            );
-            text(StatusCode::OK, "application/json", body)
-        }
+        "/readyz" => readyz(&admin),
+        "/status" => status(&admin),
         _ => error_response(StatusCode::NOT_FOUND, "not_found_error", "not found"),
     }
+}
+
+/// `/readyz`: `200` with the keys loaded and what the store serves from; `503` draining.
+fn readyz(admin: &Admin) -> Response<Body> {
+    let gw = &admin.gateway;
+    let live = gw.live();
+    let store = match (live.store.backend_name(), live.store.is_degraded()) {
+        ("redis", false) => "redis reachable".to_owned(),
+        ("redis", true) => {
+            // The store's own rule: the last count seen alive, at least the fleet.
+            let fleet = live.store.alive_workers().max(admin.fleet_size);
+            format!(
+                "redis unreachable: degraded, serving 1/{fleet} of the caps from \
+                 in-process state ({fleet} gateways: the last count seen alive, at \
+                 least --fleet-size)"
+            )
+        }
+        _ => "in-process store".to_owned(),
+    };
+    let keys = live.config.keys.len();
+    if gw.draining() {
+        text(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "text/plain",
+            "draining\n".into(),
+        )
+    } else {
+        text(
+            StatusCode::OK,
+            "text/plain",
+            format!("ready: {keys} keys loaded; {store}\n"),
+        )
+    }
+}
+
+/// `/status`: the gateway's state as JSON.
+fn status(admin: &Admin) -> Response<Body> {
+    let gw = &admin.gateway;
+    let live = gw.live();
+    let conns = &admin.connections;
+    let limits = conns.limits();
+    let body = format!(
+        concat!(
+            r#"{{"version":"{version}","uptime_secs":{uptime},"draining":{draining},"#,
+            r#""store":{{"backend":"{backend}","degraded":{degraded}}},"#,
+            r#""keys":{{"keys":{keys},"tenants":{tenants},"reloads":{reloads},"failed_reloads":{failed}}},"#,
+            r#""connections":{{"open":{open},"max":{max},"evicted":{evicted},"timed_out":{timed_out},"refused":{refused}}},"#,
+            r#""body_budget":{{"used_bytes":{used},"max_bytes":{budget}}},"#,
+            r#""answer_buffer":{{"used_bytes":{answers}}},"#,
+            r#""per_key":{{"requests":{key_requests},"body_bytes":{key_body},"answer_bytes":{key_answers}}},"#,
+            r#""auth":{{"slowed_addresses":{slowed},"slowed_keys":{slowed_keys}}}}}"#
+        ),
+        version = env!("CARGO_PKG_VERSION"),
+        uptime = admin.started.elapsed().as_secs(),
+        draining = gw.draining(),
+        backend = live.store.backend_name(),
+        degraded = live.store.is_degraded(),
+        keys = live.config.keys.len(),
+        tenants = live.config.tenants.len(),
+        reloads = gw.reloads.load(Ordering::Relaxed),
+        failed = gw.failed_reloads.load(Ordering::Relaxed),
+        open = conns.open(),
+        max = limits.max,
+        evicted = conns.evicted.load(Ordering::Relaxed),
+        timed_out = conns.timed_out.load(Ordering::Relaxed),
+        refused = conns.refused.load(Ordering::Relaxed),
+        used = gw.holders.body_used(),
+        budget = gw.holders.body_max(),
+        answers = gw.holders.answers_used(),
+        key_requests = gw.holders.limits().requests,
+        key_body = gw.holders.limits().body_bytes,
+        key_answers = gw.holders.limits().answer_bytes,
+        slowed = gw.auth.slowed_addresses(),
+        slowed_keys = gw.auth.slowed_keys(),
+    );
+    text(StatusCode::OK, "application/json", body)
 }
 
 #[cfg(test)]

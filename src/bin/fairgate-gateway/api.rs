@@ -266,31 +266,8 @@ pub(crate) async fn handle(
         Route::Messages | Route::Batch(_) | Route::Forward => {}
     }
     let live = gw.live();
-    match gw.auth.check(peer, api_key(&req), live.keys()) {
-        Verdict::Known => {}
-        Verdict::Unknown => {
-            metrics::counter!("gateway_auth_failures_total", "answer" => "401").increment(1);
-            let reason = if api_key(&req).is_some() {
-                "unknown api key"
-            } else {
-                "no api key"
-            };
-            // The body is never read: the connection closes after the answer.
-            return closing(rendered(&BoxError::from(fairgate::Unidentified::new(
-                reason,
-            ))));
-        }
-        Verdict::Slowed(wait) => {
-            metrics::counter!("gateway_auth_failures_total", "answer" => "429").increment(1);
-            return closing(with_retry_after(
-                error_response(
-                    StatusCode::TOO_MANY_REQUESTS,
-                    "rate_limit_error",
-                    "too many failed authentications from this address",
-                ),
-                wait,
-            ));
-        }
+    if let Some(refused) = refused_key(&gw, peer, &req, &live) {
+        return refused;
     }
     // Hashed once for the holder and the key's policy.
     let sha256 = api_key(&req).map(KeyTable::sha256);
@@ -339,6 +316,41 @@ pub(crate) async fn handle(
         let body = relay(body, (), claim.clone(), gw.bodies.write, hangup);
         Holding::new(body, claim).boxed_unsync()
     })
+}
+
+/// The key check: the answer to an unknown key (`401`) or a slowed one (`429`), if any.
+fn refused_key(
+    gw: &Gateway,
+    peer: IpAddr,
+    req: &Request<Incoming>,
+    live: &Live,
+) -> Option<Response<Body>> {
+    match gw.auth.check(peer, api_key(req), live.keys()) {
+        Verdict::Known => None,
+        Verdict::Unknown => {
+            metrics::counter!("gateway_auth_failures_total", "answer" => "401").increment(1);
+            let reason = if api_key(req).is_some() {
+                "unknown api key"
+            } else {
+                "no api key"
+            };
+            // The body is never read: the connection closes after the answer.
+            Some(closing(rendered(&BoxError::from(
+                fairgate::Unidentified::new(reason),
+            ))))
+        }
+        Verdict::Slowed(wait) => {
+            metrics::counter!("gateway_auth_failures_total", "answer" => "429").increment(1);
+            Some(closing(with_retry_after(
+                error_response(
+                    StatusCode::TOO_MANY_REQUESTS,
+                    "rate_limit_error",
+                    "too many failed authentications",
+                ),
+                wait,
+            )))
+        }
+    }
 }
 
 /// Why a body was not buffered.
