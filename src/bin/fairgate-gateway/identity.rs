@@ -352,7 +352,7 @@ impl Refused {
             http::header::CONTENT_TYPE,
             HeaderValue::from_static("application/json"),
         );
-        response
+        super::own_answer::mark(response)
     }
 }
 

@@ -425,7 +425,7 @@ async fn run(mut args: Args) -> Result<(), String> {
 }
 
 /// The gateway's own metrics: name, kind and `# HELP`.
-const GATEWAY_METRICS: [(&str, MetricKind, &str); 12] = [
+const GATEWAY_METRICS: [(&str, MetricKind, &str); 13] = [
     (
         "gateway_connections_open",
         MetricKind::Gauge,
@@ -486,6 +486,11 @@ const GATEWAY_METRICS: [(&str, MetricKind, &str); 12] = [
         MetricKind::Counter,
         "Batch owners the book could not record or read (Redis away): the call answered 503.",
     ),
+    (
+        "gateway_claim_refusals_total",
+        MetricKind::Counter,
+        "Calls refused for what they claimed or named, by what (the header, or metadata.user_id) and status (400, 403).",
+    ),
 ];
 
 #[derive(Clone, Copy)]
@@ -537,6 +542,18 @@ fn install_metrics(config: &config::Config) -> Result<PrometheusHandle, String> 
     }
     for reason in ["requests", "body_bytes"] {
         metrics::counter!("gateway_key_refusals_total", "reason" => reason).increment(0);
+    }
+    for what in [
+        "metadata.user_id",
+        "x-fairgate-user",
+        "x-fairgate-tier",
+        "x-fairgate-origin",
+        "x-fairgate-sla",
+    ] {
+        for status in ["400", "403"] {
+            metrics::counter!("gateway_claim_refusals_total", "what" => what, "status" => status)
+                .increment(0);
+        }
     }
     for name in [
         "gateway_body_budget_refusals_total",
