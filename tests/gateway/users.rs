@@ -460,10 +460,12 @@ async fn demotion_and_caps_are_per_end_user() {
     let _turn = crate::support::file_turn(module_path!());
     let _serial = SERIAL.lock().await;
     let mock = MockAnthropic::start();
-    // A budget of 100 tokens a day: demoted past 150.
+    // A budget of 1,000 tokens a day: demoted past 1,500. A call is charged its input and
+    // 5 x its `max_tokens` (64) when it goes, settled on the mock's usage (12 in, 7 out:
+    // 47) when it ends.
     let gateway = Gateway::start(
         &mock.url(),
-        &keys(4, Some(1), "daily_token_budget = 100\ndemotion_ms = 60000"),
+        &keys(4, Some(1), "daily_token_budget = 1000\ndemotion_ms = 60000"),
         None,
     );
     let post = |user: &'static str, padding: usize| {
@@ -475,7 +477,7 @@ async fn demotion_and_caps_are_per_end_user() {
             .send()
     };
     let mut demoted = false;
-    for _ in 0..20 {
+    for _ in 0..60 {
         let response = post("spender", 400).await.unwrap();
         assert_eq!(response.status(), 200);
         if header(&response, "x-fairgate-class") == "batch" {
@@ -493,11 +495,12 @@ async fn demotion_and_caps_are_per_end_user() {
         "critical",
         "the other user is not"
     );
-    // Its own budget: 100 tokens less this call's estimate (its body's bytes / 3.5).
+    // Its own budget: 1,000 tokens less this call's charge as it went (its body's bytes /
+    // 3.5, and 5 x 64).
     let left: u64 = header(&response, "x-fairgate-budget-remaining")
         .parse()
         .unwrap();
-    assert!((30..100).contains(&left), "thrifty has {left} tokens left");
+    assert!((600..1000).contains(&left), "thrifty has {left} tokens left");
 
     // tenant_cap = 1 on `free`: four calls of one user and one of another, the mock slow.
     mock.set_delay(Duration::from_millis(300));
