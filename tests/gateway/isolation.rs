@@ -491,14 +491,21 @@ fn streams_now(gateway: &Gateway, key: &str, n: usize) -> Vec<tokio::task::JoinH
         .map(|_| {
             let (port, key) = (gateway.port, key.to_owned());
             tokio::spawn(async move {
-                let Ok(mut stream) = TcpStream::connect(("127.0.0.1", port)).await else {
-                    return 1;
+                let mut stream = match TcpStream::connect(("127.0.0.1", port)).await {
+                    Ok(stream) => stream,
+                    Err(e) => {
+                        eprintln!("connect: {e}");
+                        return 1;
+                    }
                 };
                 let body = messages_body(true);
                 let head = post_head(&key, body.len(), "connection: close\r\n");
-                if stream.write_all(head.as_bytes()).await.is_err()
-                    || stream.write_all(body.as_bytes()).await.is_err()
-                {
+                let sent = async {
+                    stream.write_all(head.as_bytes()).await?;
+                    stream.write_all(body.as_bytes()).await
+                };
+                if let Err(e) = sent.await {
+                    eprintln!("send: {e}");
                     return 2;
                 }
                 let (status, text) = answer_of(&mut stream, Duration::from_secs(120)).await;
