@@ -500,7 +500,10 @@ async fn demotion_and_caps_are_per_end_user() {
     let left: u64 = header(&response, "x-fairgate-budget-remaining")
         .parse()
         .unwrap();
-    assert!((600..1000).contains(&left), "thrifty has {left} tokens left");
+    assert!(
+        (600..1000).contains(&left),
+        "thrifty has {left} tokens left"
+    );
 
     // tenant_cap = 1 on `free`: four calls of one user and one of another, the mock slow.
     mock.set_delay(Duration::from_millis(300));

@@ -147,10 +147,13 @@ impl Pump {
     fn cut(self, why: &'static str) {
         debug!(why, "a client stopped reading its answer: connection cut");
         metrics::counter!("gateway_answers_cut_total").increment(1);
+        // The answer ends in an error, never as if whole: a client that reads on sees it cut.
+        let _ = self
+            .queue
+            .send((Err(format!("answer cut: {why}").into()), None));
         if let Some(hangup) = &self.hangup {
             hangup.cut();
         }
-        // Dropping the queue drops what it holds: the client's side ends with what it had.
     }
 }
 
@@ -258,7 +261,11 @@ mod tests {
         assert_eq!(holders.answers_used(), 4_000, "the key's buffer bounds it");
         tokio::time::sleep(Duration::from_secs(2)).await;
         assert!(released.load(Ordering::SeqCst), "cut at the write timeout");
-        drop(body);
+        let read = body.collect().await;
+        assert!(
+            read.is_err(),
+            "a cut answer ends in an error, not as if whole"
+        );
         assert_eq!(holders.answers_used(), 0);
     }
 

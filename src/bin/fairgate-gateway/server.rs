@@ -416,7 +416,8 @@ where
                     None => {
                         // Told, not left to time out: a client (or its SDK) retries after
                         // the `retry-after`. While as many are being told as files allow,
-                        // the next ones wait in the listen backlog (a few ms at most).
+                        // the next ones wait in the listen backlog (a client's head comes
+                        // in ms; a silent socket holds its turn a second at most).
                         if let Ok(turn) = refusing.clone().acquire_owned().await {
                             tokio::spawn(refuse(tcp, turn));
                         }
