@@ -215,8 +215,9 @@ impl Gateway {
 
 /// Anthropic's error shape for the gateway's own refusals.
 pub(crate) fn error_response(status: StatusCode, kind: &str, message: &str) -> Response<Body> {
-    let body = format!(r#"{{"type":"error","error":{{"type":"{kind}","message":"{message}"}}}}"#);
-    let mut response = Response::new(full(body));
+    // Escaped as JSON: a message may quote what the client sent.
+    let body = serde_json::json!({"type": "error", "error": {"type": kind, "message": message}});
+    let mut response = Response::new(full(body.to_string()));
     *response.status_mut() = status;
     response.headers_mut().insert(
         header::CONTENT_TYPE,
@@ -703,5 +704,23 @@ pub(crate) async fn demotion_tick(gw: Arc<Gateway>, every: Duration, per_tick: u
                 .await;
             next += 1;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn an_own_error_is_json_whatever_its_message_holds() {
+        let response = error_response(
+            StatusCode::BAD_REQUEST,
+            "invalid_request_error",
+            "a \"quoted\" \\ message\n",
+        );
+        let body = response.into_body().collect().await.unwrap().to_bytes();
+        let parsed: serde_json::Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(parsed["error"]["message"], "a \"quoted\" \\ message\n");
+        assert_eq!(parsed["error"]["type"], "invalid_request_error");
     }
 }
