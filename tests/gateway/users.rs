@@ -247,9 +247,23 @@ async fn claims_beyond_the_key_are_refused_403_and_the_upstream_sees_no_claim_an
     .await;
     assert_eq!(response.status(), 200);
     assert_eq!(header(&response, "x-fairgate-class"), "batch");
+    // A gzip body names its user too: the user is read from the decoded body.
+    let mut gzip = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
+    std::io::Write::write_all(&mut gzip, body("dave", 0).as_bytes()).unwrap();
+    let response = client()
+        .post(format!("{}/v1/messages", gateway.url()))
+        .header("x-api-key", SERVICE_KEY)
+        .header("anthropic-version", "2023-06-01")
+        .header("content-type", "application/json")
+        .header("content-encoding", "gzip")
+        .body(gzip.finish().unwrap())
+        .send()
+        .await
+        .expect("the gateway answers");
+    assert_eq!(response.status(), 200);
 
     let seen = mock.requests();
-    assert_eq!(seen.len(), 4);
+    assert_eq!(seen.len(), 5);
     for request in &seen {
         for (name, value) in &request.headers {
             assert!(

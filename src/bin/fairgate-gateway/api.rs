@@ -453,7 +453,7 @@ async fn messages(
         Ok(estimate) => estimate,
         Err(refused) => return refused.response(),
     };
-    let job = match policy.identify(&parts.headers, &bytes) {
+    let job = match policy.identify(&parts.headers, estimate.user()) {
         Ok(job) => estimate.apply(job),
         Err(refused) => return refused.response(),
     };

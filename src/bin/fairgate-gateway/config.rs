@@ -777,9 +777,7 @@ origins = [\"user\", \"scheduled\", \"batch\"]
         let policy = config.identities.get_sha256(&sha256).unwrap();
         let mut headers = http::HeaderMap::new();
         headers.insert("x-fairgate-tier", "premium".parse().unwrap());
-        let job = policy
-            .identify(&headers, br#"{"metadata":{"user_id":"u1"}}"#)
-            .unwrap();
+        let job = policy.identify(&headers, Some("u1")).unwrap();
         assert!(job.tenant().as_str().starts_with("companion-app/"));
         assert_eq!(job.tier_name().unwrap().as_str(), "premium");
         // With a `user_secret` the same user is another tenant (and the same on every
@@ -790,7 +788,7 @@ origins = [\"user\", \"scheduled\", \"batch\"]
             .identities
             .get_sha256(&sha256)
             .unwrap()
-            .identify(&headers, br#"{"metadata":{"user_id":"u1"}}"#)
+            .identify(&headers, Some("u1"))
             .unwrap();
         assert_ne!(job.tenant(), job2.tenant());
     }

@@ -180,6 +180,7 @@ impl CostModel {
             input: u32::try_from(input).unwrap_or(u32::MAX),
             charge: to_tokens(charge),
             weight,
+            user: head.user(),
         })
     }
 
@@ -207,7 +208,7 @@ fn to_tokens(charge: f64) -> u64 {
 }
 
 /// What a call is estimated to cost when it goes.
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq)]
 pub(crate) struct Estimate {
     /// Input tokens estimated from the body's text (what the rate gate paces on).
     input: u32,
@@ -215,9 +216,16 @@ pub(crate) struct Estimate {
     charge: u64,
     /// The model's weight.
     weight: f64,
+    /// The body's `metadata.user_id`, when it names one.
+    user: Option<String>,
 }
 
 impl Estimate {
+    /// The end user the body names in `metadata.user_id`.
+    pub(crate) fn user(&self) -> Option<&str> {
+        self.user.as_deref()
+    }
+
     /// `job` charged this estimate: its input tokens, and the rest of the charge as its
     /// output cost (the model's weight scales the whole charge). The input stays the raw
     /// estimate, which the rate gate paces the provider's input-token limit on, so a model
@@ -264,6 +272,19 @@ impl Refused {
 struct Head {
     model: Option<String>,
     max_tokens: Option<u64>,
+    /// Read for its `user_id`: the end user a service key's call names (read here, from
+    /// the decoded body, so a compressed body names its user too).
+    #[serde(default)]
+    metadata: Option<serde_json::Value>,
+}
+
+impl Head {
+    /// `metadata.user_id` when it is a string that is not empty (anything else names no
+    /// user: the upstream judges the field).
+    fn user(&self) -> Option<String> {
+        let user = self.metadata.as_ref()?.get("user_id")?.as_str()?;
+        (!user.is_empty()).then(|| user.to_owned())
+    }
 }
 
 /// The body's head and its decoded length.
@@ -463,7 +484,7 @@ mod tests {
         encoder.finish().unwrap()
     }
 
-    fn charge(estimate: Estimate) -> u64 {
+    fn charge(estimate: &Estimate) -> u64 {
         estimate
             .apply(Job::new("t", fairgate::Origin::UserAction))
             .charge()
@@ -478,7 +499,7 @@ mod tests {
             .unwrap();
         let input = (body.len() as u64 * 2).div_ceil(7);
         assert_eq!(estimate.input as u64, input);
-        assert_eq!(charge(estimate), input + 5 * 64_000);
+        assert_eq!(charge(&estimate), input + 5 * 64_000);
         let job = estimate.apply(Job::new("t", fairgate::Origin::UserAction));
         assert_eq!(
             u64::from(job.estimated_tokens()),
@@ -499,7 +520,7 @@ mod tests {
             .estimate(&headers(None), body.as_bytes(), MAX)
             .unwrap();
         let input = (body.len() as u64 * 2).div_ceil(7);
-        assert_eq!(charge(estimate), 5 * (input + 4 * 1_000));
+        assert_eq!(charge(&estimate), 5 * (input + 4 * 1_000));
         assert_eq!(model.model_weight(Some("claude-sonnet-4-5")), 1.0);
         assert_eq!(model.model_weight(Some("claude-opus-3")), 2.0);
     }
@@ -535,6 +556,29 @@ mod tests {
             .estimate(&headers(Some("deflate")), &zlib.finish().unwrap(), MAX)
             .unwrap();
         assert_eq!(deflated, plain);
+    }
+
+    #[test]
+    fn the_end_user_is_read_from_the_decoded_body() {
+        let model = CostModel::default();
+        let body = br#"{"max_tokens":10,"metadata":{"user_id":"alice"},"messages":[]}"#;
+        let zipped = model
+            .estimate(&headers(Some("gzip")), &gzip(body), MAX)
+            .unwrap();
+        assert_eq!(zipped.user(), Some("alice"));
+        // A user id that is not a string, an empty one, or metadata that is not an
+        // object names no user (the upstream judges the field).
+        for body in [
+            r#"{"max_tokens":1,"metadata":{"user_id":12}}"#,
+            r#"{"max_tokens":1,"metadata":{"user_id":""}}"#,
+            r#"{"max_tokens":1,"metadata":[1]}"#,
+            r#"{"max_tokens":1}"#,
+        ] {
+            let estimate = model
+                .estimate(&headers(None), body.as_bytes(), MAX)
+                .unwrap();
+            assert_eq!(estimate.user(), None, "{body}");
+        }
     }
 
     #[test]
@@ -652,7 +696,7 @@ mod tests {
         let response = answer(
             &layer,
             "read",
-            estimate,
+            estimate.clone(),
             &[
                 r#"data: {"usage":{"input_tokens":25,"output_to"#,
                 r#"kens":1}}"#,
@@ -662,12 +706,17 @@ mod tests {
         response.into_body().collect().await.unwrap();
         assert_eq!(today("read").await, 25 + 5 * 40);
         // An error answer (no usage) used nothing.
-        let response = answer(&layer, "refused", estimate, &[r#"{"type":"error"}"#]);
+        let response = answer(
+            &layer,
+            "refused",
+            estimate.clone(),
+            &[r#"{"type":"error"}"#],
+        );
         response.into_body().collect().await.unwrap();
         assert_eq!(today("refused").await, 0);
         // Dropped before any usage: the estimate stands.
-        drop(answer(&layer, "cut", estimate, &[]));
-        assert_eq!(today("cut").await, charge(estimate));
+        drop(answer(&layer, "cut", estimate.clone(), &[]));
+        assert_eq!(today("cut").await, charge(&estimate));
     }
 
     #[test]
@@ -678,7 +727,7 @@ mod tests {
             .estimate(&headers(None), body.as_bytes(), MAX)
             .unwrap();
         assert_eq!(
-            charge(estimate),
+            charge(&estimate),
             u64::from(u32::MAX) + u64::from(estimate.input)
         );
         for table in [

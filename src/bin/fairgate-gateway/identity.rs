@@ -23,7 +23,6 @@
 //! order goes across keys first, each one share, then across a service's end users, so a
 //! service cannot crowd out the others with many (or invented) users.
 
-use std::borrow::Cow;
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
@@ -31,7 +30,6 @@ use std::time::Duration;
 use fairgate::{Job, Origin, TenantId, Tier};
 use http::header::{HeaderMap, HeaderName, HeaderValue};
 use http::{Response, StatusCode};
-use serde::Deserialize;
 use sha2::{Digest, Sha256};
 
 use super::Body;
@@ -116,11 +114,16 @@ impl KeyPolicy {
         }
     }
 
-    /// The job of a call with these headers and (buffered) body, or why it is refused.
-    pub(crate) fn identify(&self, headers: &HeaderMap, body: &[u8]) -> Result<Job, Refused> {
+    /// The job of a call with these headers, whose body's `metadata.user_id` is
+    /// `body_user` (read from the decoded body with its cost), or why it is refused.
+    pub(crate) fn identify(
+        &self,
+        headers: &HeaderMap,
+        body_user: Option<&str>,
+    ) -> Result<Job, Refused> {
         let tenant = match &self.users {
             Some(hash) => {
-                let user = user_of(headers, body)?;
+                let user = user_of(headers, body_user)?;
                 TenantId::from(hash.tenant(&self.prefix, user.as_bytes()))
             }
             None if headers.contains_key(&USER) => {
@@ -202,29 +205,9 @@ fn header<'a>(
     }
 }
 
-/// The part of a Messages body the gateway reads: `metadata.user_id`, borrowed when it can
-/// be (everything else is skipped, not kept).
-#[derive(Deserialize)]
-struct MessagesHead<'a> {
-    #[serde(borrow, default)]
-    metadata: Option<Metadata<'a>>,
-}
-
-#[derive(Deserialize)]
-struct Metadata<'a> {
-    #[serde(borrow, default)]
-    user_id: Option<Cow<'a, str>>,
-}
-
 /// The end user a call names: the body's `metadata.user_id`, else `x-fairgate-user`.
-fn user_of<'a>(headers: &'a HeaderMap, body: &'a [u8]) -> Result<Cow<'a, str>, Refused> {
-    // A body that is not JSON is the upstream's to refuse; it names no user here.
-    let in_body = serde_json::from_slice::<MessagesHead<'_>>(body)
-        .ok()
-        .and_then(|head| head.metadata)
-        .and_then(|metadata| metadata.user_id)
-        .filter(|user| !user.is_empty());
-    if let Some(user) = in_body {
+fn user_of<'a>(headers: &'a HeaderMap, body_user: Option<&'a str>) -> Result<&'a str, Refused> {
+    if let Some(user) = body_user.filter(|user| !user.is_empty()) {
         if user.len() > MAX_USER {
             return Err(Refused::new(
                 StatusCode::BAD_REQUEST,
@@ -239,7 +222,7 @@ fn user_of<'a>(headers: &'a HeaderMap, body: &'a [u8]) -> Result<Cow<'a, str>, R
         Some(user) if user.len() > MAX_USER => {
             Err(Refused::invalid(&USER, "longer than 256 bytes"))
         }
-        Some(user) => Ok(Cow::Borrowed(user)),
+        Some(user) => Ok(user),
         None => Err(Refused::new(
             StatusCode::BAD_REQUEST,
             "invalid_request_error",
@@ -402,15 +385,14 @@ mod tests {
     #[test]
     fn the_body_names_the_user_before_the_header_and_never_in_clear() {
         let policy = policy(true, &[], &[Origin::UserAction]);
-        let body = br#"{"model":"m","metadata":{"user_id":"alice"},"messages":[]}"#;
-        let from_body = policy.identify(&headers(&[("x-fairgate-user", "bob")]), body);
+        let from_body = policy.identify(&headers(&[("x-fairgate-user", "bob")]), Some("alice"));
         let tenant = from_body.unwrap().tenant().clone();
         assert!(tenant.as_str().starts_with("svc/"), "{tenant}");
         assert_eq!(tenant.as_str().len(), 4 + 32);
         assert!(!tenant.as_str().contains("alice"));
-        let alice = policy.identify(&headers(&[("x-fairgate-user", "alice")]), b"{}");
+        let alice = policy.identify(&headers(&[("x-fairgate-user", "alice")]), None);
         assert_eq!(alice.unwrap().tenant(), &tenant);
-        let bob = policy.identify(&headers(&[("x-fairgate-user", "bob")]), b"not json");
+        let bob = policy.identify(&headers(&[("x-fairgate-user", "bob")]), Some(""));
         assert_ne!(bob.unwrap().tenant(), &tenant);
         // Another service (another key) names the same user as another tenant.
         let other = KeyPolicy::new(
@@ -423,14 +405,14 @@ mod tests {
             },
             Some(b"another-secret-16"),
         );
-        let elsewhere = other.identify(&HeaderMap::new(), body).unwrap();
+        let elsewhere = other.identify(&HeaderMap::new(), Some("alice")).unwrap();
         assert_ne!(&elsewhere.tenant().as_str()[6..], &tenant.as_str()[4..]);
     }
 
     #[test]
     fn a_users_call_naming_no_user_or_a_long_one_is_a_400_naming_the_field() {
         let policy = policy(true, &[], &[]);
-        let none = refused(policy.identify(&HeaderMap::new(), br#"{"metadata":{}}"#));
+        let none = refused(policy.identify(&HeaderMap::new(), None));
         assert_eq!(none.status, StatusCode::BAD_REQUEST);
         assert!(
             none.message.starts_with("metadata.user_id"),
@@ -438,23 +420,17 @@ mod tests {
             none.message
         );
         let long = "u".repeat(257);
-        let body = format!(r#"{{"metadata":{{"user_id":"{long}"}}}}"#);
-        let too_long = refused(policy.identify(&HeaderMap::new(), body.as_bytes()));
+        let too_long = refused(policy.identify(&HeaderMap::new(), Some(&long)));
         assert_eq!(too_long.status, StatusCode::BAD_REQUEST);
         assert!(too_long.message.starts_with("metadata.user_id"));
-        let in_header = refused(policy.identify(&headers(&[("x-fairgate-user", &long)]), b"{}"));
+        let in_header = refused(policy.identify(&headers(&[("x-fairgate-user", &long)]), None));
         assert!(in_header.message.starts_with("x-fairgate-user"));
-        // 256 bytes is taken; a user id that is a number is no user.
+        // 256 bytes is taken.
         let ok = "u".repeat(256);
         assert!(
             policy
-                .identify(&headers(&[("x-fairgate-user", &ok)]), b"{}")
+                .identify(&headers(&[("x-fairgate-user", &ok)]), None)
                 .is_ok()
-        );
-        let number = br#"{"metadata":{"user_id":12}}"#;
-        assert_eq!(
-            refused(policy.identify(&HeaderMap::new(), number)).status,
-            StatusCode::BAD_REQUEST
         );
     }
 
@@ -467,17 +443,17 @@ mod tests {
             (&[("x-fairgate-user", "alice")][..], "x-fairgate-user"),
             (&[("x-fairgate-sla", "30")][..], "x-fairgate-sla"),
         ] {
-            let refusal = refused(free_only.identify(&headers(pairs), b"{}"));
+            let refusal = refused(free_only.identify(&headers(pairs), None));
             assert_eq!(refusal.status, StatusCode::FORBIDDEN, "{pairs:?}");
             assert_eq!(refusal.kind, "permission_error");
             assert!(refusal.message.starts_with(header), "{}", refusal.message);
         }
         // A key with no `tiers` may claim none, not even its own.
         let bare = policy(false, &[], &[]);
-        let own = refused(bare.identify(&headers(&[("x-fairgate-tier", "free")]), b"{}"));
+        let own = refused(bare.identify(&headers(&[("x-fairgate-tier", "free")]), None));
         assert_eq!(own.status, StatusCode::FORBIDDEN);
         // A malformed claim is a 400.
-        let bad = refused(free_only.identify(&headers(&[("x-fairgate-origin", "now")]), b"{}"));
+        let bad = refused(free_only.identify(&headers(&[("x-fairgate-origin", "now")]), None));
         assert_eq!(bad.status, StatusCode::BAD_REQUEST);
     }
 
@@ -489,7 +465,7 @@ mod tests {
             &[Origin::UserAction, Origin::Scheduled, Origin::BatchJob],
         );
         let user = [("x-fairgate-user", "u1")];
-        let plain = policy.identify(&headers(&user), b"{}").unwrap();
+        let plain = policy.identify(&headers(&user), None).unwrap();
         assert_eq!(plain.tier_name().unwrap().as_str(), "free");
         assert_eq!(plain.origin(), Origin::UserAction);
         let job = policy
@@ -500,7 +476,7 @@ mod tests {
                     ("x-fairgate-origin", "scheduled"),
                     ("x-fairgate-sla", "1.5"),
                 ]),
-                b"{}",
+                None,
             )
             .unwrap();
         assert_eq!(job.tier_name().unwrap().as_str(), "premium");
@@ -513,7 +489,7 @@ mod tests {
             ("x-fairgate-sla", "5"),
         ];
         assert_eq!(
-            refused(policy.identify(&headers(&batch_sla), b"{}")).status,
+            refused(policy.identify(&headers(&batch_sla), None)).status,
             StatusCode::FORBIDDEN
         );
     }
