@@ -7,7 +7,10 @@
 //! run beside each other (most keep apart from each other too, by a lock of the file's
 //! own), those of two files never at once.
 //!
-//! Run one file's tests with `cargo test --all-features --test fleet faults::`.
+//! Run one file's tests with `cargo test --all-features --test fleet faults::`. The default
+//! run keeps one test of each promise on one Redis and four workers; the fault runs, the
+//! cluster and sixteen-worker variants and the other limits are `#[ignore = "long: ..."]`,
+//! run by `bash scripts/test --long` (and CI).
 #![cfg(feature = "redis")]
 
 #[path = "../support/mod.rs"]

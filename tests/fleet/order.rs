@@ -637,6 +637,7 @@ async fn light_against_hog_at_the_learned_rate(redis: Redis<'_>, workers: usize)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "long: bash scripts/test --long"]
 async fn where_the_learned_rate_binds_a_tenant_on_one_of_four_workers_gets_its_half() {
     let _turn = crate::support::file_turn(module_path!());
     let server = RedisServer::start();
@@ -644,6 +645,7 @@ async fn where_the_learned_rate_binds_a_tenant_on_one_of_four_workers_gets_its_h
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "long: bash scripts/test --long"]
 async fn where_the_learned_rate_binds_a_tenant_on_one_of_sixteen_workers_gets_its_half() {
     let _turn = crate::support::file_turn(module_path!());
     let server = RedisServer::start();
@@ -651,6 +653,7 @@ async fn where_the_learned_rate_binds_a_tenant_on_one_of_sixteen_workers_gets_it
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "long: bash scripts/test --long"]
 async fn where_the_learned_rate_binds_the_cluster_keeps_the_fair_half_too() {
     let _turn = crate::support::file_turn(module_path!());
     light_against_hog_at_the_learned_rate(Redis::Cluster(RedisCluster::shared()), 4).await;
@@ -677,6 +680,7 @@ async fn where_the_learned_token_rate_binds_a_tenant_on_one_of_four_workers_gets
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "long: bash scripts/test --long"]
 async fn where_the_learned_token_rate_binds_a_tenant_on_one_of_sixteen_workers_gets_its_half() {
     let _turn = crate::support::file_turn(module_path!());
     let server = RedisServer::start();
@@ -684,6 +688,7 @@ async fn where_the_learned_token_rate_binds_a_tenant_on_one_of_sixteen_workers_g
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "long: bash scripts/test --long"]
 async fn where_the_learned_token_rate_binds_the_cluster_keeps_the_fair_half_too() {
     let _turn = crate::support::file_turn(module_path!());
     light_against_hog_at_the_learned_token_rate(Redis::Cluster(RedisCluster::shared()), 4).await;
@@ -694,6 +699,7 @@ async fn where_the_learned_token_rate_binds_the_cluster_keeps_the_fair_half_too(
 /// again, while the others learn the limit and hand it out as cells. Its calls take the
 /// cells the others name (without that: 112-115% of the rate, 58-62 calls in one second).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "long: bash scripts/test --long"]
 async fn where_one_worker_never_learns_the_limit_its_calls_take_the_cells_the_others_name() {
     let _turn = crate::support::file_turn(module_path!());
     let server = RedisServer::start();
@@ -745,6 +751,7 @@ const INPUT_LIMIT: Said = Said {
 };
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "long: bash scripts/test --long"]
 async fn where_the_learned_output_token_rate_binds_a_tenant_on_one_of_four_workers_gets_its_half() {
     let _turn = crate::support::file_turn(module_path!());
     let server = RedisServer::start();
@@ -752,6 +759,7 @@ async fn where_the_learned_output_token_rate_binds_a_tenant_on_one_of_four_worke
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "long: bash scripts/test --long"]
 async fn where_the_learned_combined_token_rate_binds_a_tenant_on_one_of_four_workers_gets_its_half()
 {
     let _turn = crate::support::file_turn(module_path!());
@@ -760,6 +768,7 @@ async fn where_the_learned_combined_token_rate_binds_a_tenant_on_one_of_four_wor
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "long: bash scripts/test --long"]
 async fn where_the_learned_combined_token_rate_binds_the_cluster_keeps_the_fair_half_too() {
     let _turn = crate::support::file_turn(module_path!());
     let cluster = Redis::Cluster(RedisCluster::shared());
@@ -767,6 +776,7 @@ async fn where_the_learned_combined_token_rate_binds_the_cluster_keeps_the_fair_
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "long: bash scripts/test --long"]
 async fn where_the_learned_combined_token_rate_binds_a_tenant_on_one_of_sixteen_workers_gets_its_half()
  {
     let _turn = crate::support::file_turn(module_path!());
@@ -797,6 +807,7 @@ async fn light_against_hog_where_the_estimates_are_off(
 /// Calls using half their estimate: the fleet sends twice the calls the estimates allow
 /// (95 a second, not 47.5), where the limit lets it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "long: bash scripts/test --long"]
 async fn where_the_estimates_are_twice_the_tokens_used_the_fleets_token_rate_gets_them_back() {
     let _turn = crate::support::file_turn(module_path!());
     let server = RedisServer::start();
@@ -806,6 +817,7 @@ async fn where_the_estimates_are_twice_the_tokens_used_the_fleets_token_rate_get
 /// Calls using twice their estimate: the fleet sends half the calls the estimates allow
 /// (23.75 a second, not 47.5), so the provider's limit holds.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "long: bash scripts/test --long"]
 async fn where_the_estimates_are_half_the_tokens_used_the_fleets_token_rate_charges_the_rest() {
     let _turn = crate::support::file_turn(module_path!());
     let server = RedisServer::start();
@@ -813,6 +825,7 @@ async fn where_the_estimates_are_half_the_tokens_used_the_fleets_token_rate_char
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "long: bash scripts/test --long"]
 async fn where_the_estimates_are_half_the_tokens_used_the_cluster_charges_the_rest_too() {
     let _turn = crate::support::file_turn(module_path!());
     let cluster = Redis::Cluster(RedisCluster::shared());
@@ -824,6 +837,7 @@ async fn where_the_estimates_are_half_the_tokens_used_the_cluster_charges_the_re
 /// output limit, so it stays each worker's (it does not bind here), and the input tokens
 /// still go in the fleet's order.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "long: bash scripts/test --long"]
 async fn without_usage_correction_the_learned_input_token_rate_still_goes_in_the_fleets_order() {
     let _turn = crate::support::file_turn(module_path!());
     let server = RedisServer::start();
@@ -843,6 +857,7 @@ async fn without_usage_correction_the_learned_input_token_rate_still_goes_in_the
 /// The same where the input-token limit binds: the worker whose answers never say the
 /// limits (light's) takes the token rate the others name in the wait book.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "long: bash scripts/test --long"]
 async fn where_one_worker_never_learns_the_token_limit_its_calls_take_the_rate_the_others_name() {
     let _turn = crate::support::file_turn(module_path!());
     let server = RedisServer::start();
@@ -869,6 +884,7 @@ async fn where_the_providers_rate_binds_a_tenant_on_one_of_four_workers_gets_its
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "long: bash scripts/test --long"]
 async fn where_the_providers_rate_binds_in_bursts_of_five_a_tenant_on_one_of_four_gets_its_half() {
     let _turn = crate::support::file_turn(module_path!());
     let server = RedisServer::start();
@@ -876,6 +892,7 @@ async fn where_the_providers_rate_binds_in_bursts_of_five_a_tenant_on_one_of_fou
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "long: bash scripts/test --long"]
 async fn where_the_providers_rate_binds_a_tenant_on_one_of_sixteen_workers_gets_its_half() {
     let _turn = crate::support::file_turn(module_path!());
     let server = RedisServer::start();
@@ -883,6 +900,7 @@ async fn where_the_providers_rate_binds_a_tenant_on_one_of_sixteen_workers_gets_
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "long: bash scripts/test --long"]
 async fn where_the_providers_rate_binds_the_cluster_keeps_the_fair_half_too() {
     let _turn = crate::support::file_turn(module_path!());
     let cluster = RedisCluster::shared();
@@ -892,6 +910,7 @@ async fn where_the_providers_rate_binds_the_cluster_keeps_the_fair_half_too() {
 /// 30,000 input tokens a minute (calls of 10: 50 a second), handed out as a token rate
 /// of a second's burst (45 calls, and 100 ms ahead).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "long: bash scripts/test --long"]
 async fn where_a_configured_input_token_limit_binds_a_tenant_on_one_of_four_workers_gets_its_half()
 {
     let _turn = crate::support::file_turn(module_path!());
@@ -903,6 +922,7 @@ async fn where_a_configured_input_token_limit_binds_a_tenant_on_one_of_four_work
 
 /// 300,000 output tokens a minute at 100 a call expected: 50 calls a second, one at a time.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "long: bash scripts/test --long"]
 async fn where_a_configured_output_token_limit_binds_a_tenant_on_one_of_four_workers_gets_its_half()
 {
     let _turn = crate::support::file_turn(module_path!());
@@ -920,6 +940,7 @@ async fn where_a_configured_output_token_limit_binds_a_tenant_on_one_of_four_wor
 /// keeps to the rate), and once Redis is back the rate's cells go in the fleet's order
 /// again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "long: bash scripts/test --long"]
 async fn the_rate_holds_while_redis_is_away_and_its_order_comes_back() {
     let _turn = crate::support::file_turn(module_path!());
     // Each worker paces a quarter of the rate alone, each starting with its cell free; the
@@ -933,6 +954,7 @@ async fn the_rate_holds_while_redis_is_away_and_its_order_comes_back() {
 /// most (a fresh bucket's whole minute would overrun the provider's, which the fleet was
 /// spending: 145-216 calls in the 1.5 s before that was fixed, 122-147 in one second).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "long: bash scripts/test --long"]
 async fn the_token_rate_holds_while_redis_is_away_and_its_order_comes_back() {
     let _turn = crate::support::file_turn(module_path!());
     let pacing = Pacing::new().input_tokens_per_minute(30_000).shared();
@@ -1003,6 +1025,7 @@ async fn redis_away_under(pacing: Pacing, most_allowed: usize) {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "long: bash scripts/test --long"]
 async fn a_tenant_on_one_of_sixteen_workers_gets_its_fair_half() {
     let _turn = crate::support::file_turn(module_path!());
     let server = RedisServer::start();
@@ -1010,6 +1033,7 @@ async fn a_tenant_on_one_of_sixteen_workers_gets_its_fair_half() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "long: bash scripts/test --long"]
 async fn a_tenant_on_one_of_four_workers_gets_its_fair_half_on_a_cluster() {
     let _turn = crate::support::file_turn(module_path!());
     let cluster = RedisCluster::shared();
@@ -1017,6 +1041,7 @@ async fn a_tenant_on_one_of_four_workers_gets_its_fair_half_on_a_cluster() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "long: bash scripts/test --long"]
 async fn a_tenant_on_one_of_sixteen_workers_gets_its_fair_half_on_a_cluster() {
     let _turn = crate::support::file_turn(module_path!());
     let cluster = RedisCluster::shared();
@@ -1087,6 +1112,7 @@ async fn the_fleets_order_comes_back_with_redis() {
 /// fewer than four ends settling before every worker put its calls back (9 or 10, one run
 /// in five of `the_fleets_order_comes_back_with_redis`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "long: bash scripts/test --long"]
 async fn caps_hold_when_redis_dies_before_the_first_heartbeat() {
     let _turn = crate::support::file_turn(module_path!());
     let _serial = SERIAL.lock().await;
@@ -1134,6 +1160,7 @@ async fn tier_weights_hold_across_the_fleet() {
 /// The same where the learned request limit binds (3,000 a minute) instead of the slots:
 /// the rate's cells go by the tier weights too.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "long: bash scripts/test --long"]
 async fn where_the_learned_rate_binds_tier_weights_hold_across_the_fleet() {
     let _turn = crate::support::file_turn(module_path!());
     let _serial = SERIAL.lock().await;
@@ -1197,6 +1224,7 @@ async fn user_actions_on_one_worker_go_before_batch_on_the_others() {
 /// The same where the provider's rate binds: the first user action goes at the next freed
 /// cell of the rate, and they get the critical share of the cells.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "long: bash scripts/test --long"]
 async fn where_the_rate_binds_user_actions_on_one_worker_go_before_batch_on_the_others() {
     let _turn = crate::support::file_turn(module_path!());
     user_actions_before_batch(Some(rate_of_50_a_second())).await;
@@ -1392,6 +1420,7 @@ async fn after_a_429s_cooldown_the_fleets_order_resumes_at_the_reopening() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "long: bash scripts/test --long"]
 async fn after_a_429s_cooldown_the_fleets_order_resumes_at_the_reopening_on_a_cluster() {
     let _turn = crate::support::file_turn(module_path!());
     reopening_after_a_429(Redis::Cluster(RedisCluster::shared())).await;

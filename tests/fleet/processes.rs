@@ -238,6 +238,7 @@ fn a_tenant_on_one_of_four_processes_gets_its_fair_half() {
 }
 
 #[test]
+#[ignore = "long: bash scripts/test --long"]
 fn a_tenant_on_one_of_four_processes_gets_its_fair_half_on_a_cluster() {
     let _turn = crate::support::file_turn(module_path!());
     light_against_hog(Rig::Cluster(RedisCluster::shared()));
@@ -246,6 +247,7 @@ fn a_tenant_on_one_of_four_processes_gets_its_fair_half_on_a_cluster() {
 /// Batch calls backlogged in processes 0-2, then a process 3 starts with user actions: its
 /// first goes at once, and while they wait they get the critical class's share.
 #[test]
+#[ignore = "long: bash scripts/test --long"]
 fn user_actions_in_one_process_go_before_batch_in_the_others() {
     let _turn = crate::support::file_turn(module_path!());
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
@@ -466,6 +468,7 @@ fn a_killed_process_neither_stalls_the_others_nor_keeps_its_place() {
 /// slots going round between them (94 calls/s against 188 before, no better once the
 /// leases had run out).
 #[test]
+#[ignore = "long: bash scripts/test --long"]
 fn a_killed_process_gives_its_slots_back_once_its_leases_run_out() {
     let _turn = crate::support::file_turn(module_path!());
     let seen = kill_case();
@@ -484,6 +487,7 @@ fn a_killed_process_gives_its_slots_back_once_its_leases_run_out() {
 /// the ticks over, so the others go on at the rate without a stall, and no second in the
 /// run starts more calls than the rate allows.
 #[test]
+#[ignore = "long: bash scripts/test --long"]
 fn where_the_rate_binds_the_fleet_keeps_its_order_and_a_killed_ticker_stalls_nobody() {
     let _turn = crate::support::file_turn(module_path!());
     rate_bound_light_against_hog(&["--rpm=3000"], (50.0, 1), true);
@@ -495,6 +499,7 @@ fn where_the_rate_binds_the_fleet_keeps_its_order_and_a_killed_ticker_stalls_nob
 /// the killed process just before wait out the promise (1 s), as long as the safety-net
 /// poll, so a stall would not tell the takeover from the poll.
 #[test]
+#[ignore = "long: bash scripts/test --long"]
 fn where_the_learned_rate_binds_four_processes_keep_the_fleets_order() {
     let _turn = crate::support::file_turn(module_path!());
     rate_bound_light_against_hog(&["--learned-rpm=3000"], (47.5, 5), false);

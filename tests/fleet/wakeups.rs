@@ -273,6 +273,7 @@ async fn one_wake_up_per_freed_slot_at_four_workers() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "long: bash scripts/test --long"]
 async fn one_wake_up_per_freed_slot_at_sixteen_workers() {
     let _turn = crate::support::file_turn(module_path!());
     check(16).await;
