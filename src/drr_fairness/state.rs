@@ -2083,7 +2083,9 @@ impl Ticket {
             let retry_after = shared
                 .slot_policy()
                 .map_or(Duration::from_secs(5), |p| p.retry_after());
-            let busy = Busy::new(tier, self.arrived.elapsed(), retry_after).because(reason);
+            let waited = self.arrived.elapsed();
+            crate::trace::waited(reason, waited);
+            let busy = Busy::new(tier, waited, retry_after).because(reason);
             return Poll::Ready(Err(busy));
         }
         // Only this ticket removes its own entry, so a missing entry was popped: the

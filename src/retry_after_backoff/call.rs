@@ -126,9 +126,10 @@ impl Patience {
             .timer
             .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(deadline)));
         timer.as_mut().poll(cx).is_ready().then(|| {
-            crate::metrics::server_busy(&self.tier, crate::gate::WaitReason::Rate);
+            crate::metrics::server_busy(&self.tier, WaitReason::Rate);
+            // The holds before it were told as they began: only the call's end is told.
             Busy::new(self.tier.clone(), self.arrived.elapsed(), self.retry_after)
-                .because(crate::gate::WaitReason::Rate)
+                .because(WaitReason::Rate)
         })
     }
 }
@@ -525,7 +526,11 @@ impl<S, Req, C> Call<S, Req, C> {
         let response = match ready!(fut.poll(cx)) {
             Ok(response) => response,
             Err(e) => {
-                crate::trace::with_current(|trace| trace.attempted(&self.upstream, None));
+                let e: BoxError = e.into();
+                // Refused below (Busy, QueueFull): it never went upstream.
+                if crate::trace::calls_traced() && crate::Rejection::from_error(&*e).is_none() {
+                    crate::trace::with_current(|trace| trace.attempted(&self.upstream, None));
+                }
                 self.charge.probe = false;
                 return Poll::Ready(Step::fail(e));
             }

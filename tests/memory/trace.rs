@@ -232,3 +232,43 @@ async fn without_a_subscriber_that_wants_it_no_call_span_is_made() {
     assert!(captured.open.lock().unwrap().is_empty());
     assert!(captured.closed.lock().unwrap().is_empty());
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_call_refused_at_its_max_wait_is_a_refused_span_with_its_wait() {
+    let captured = Captured::default();
+    let _traced = tracing::subscriber::set_default(subscriber(&captured));
+    let policy = SlotPolicy::builder()
+        .global_max(1)
+        .tier("guest", 1, Duration::from_secs(8))
+        .build()
+        .unwrap();
+    let layer = FairgateLayer::builder(Store::memory())
+        .slots(policy)
+        .build()
+        .unwrap();
+    let stack = layer.layer(upstream(Duration::from_secs(20), 0));
+    let warm_up = stack
+        .clone()
+        .oneshot(request(crate::support::user("warm-up", "pro")));
+    let _ = warm_up.await.unwrap().status();
+    // The holder keeps the only slot for 20 s; the guest gives up at its 8 s.
+    let holder = stack
+        .clone()
+        .oneshot(request(crate::support::user("holder", "pro")));
+    let holder = tokio::spawn(async move { holder.await.map(|answer| answer.status()) });
+    tokio::task::yield_now().await;
+    let refused = stack
+        .clone()
+        .oneshot(request(crate::support::user("refused", "guest")))
+        .await;
+    assert!(refused.unwrap_err().is::<fairgate::Busy>());
+    holder.await.unwrap().unwrap();
+
+    let span = captured.closed_for("refused");
+    assert_eq!(span["outcome"], "refused");
+    assert_eq!(span["attempts"], "0");
+    assert_eq!(span["status"], "0");
+    assert_eq!(span["wait_reason"], "slot");
+    let slot = millis(&span, "wait_slot_ms");
+    assert!((7_900.0..=8_100.0).contains(&slot), "waited {slot} ms");
+}
