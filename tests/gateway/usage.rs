@@ -185,3 +185,41 @@ async fn two_gateways_on_one_redis_each_answer_the_fleets_sum() {
         .unwrap();
     assert!((30 * 86_400..=40 * 86_400).contains(&ttl), "TTL {ttl}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn counts_made_while_redis_is_away_are_sent_once_it_answers() {
+    let _turn = crate::support::file_turn(module_path!());
+    let mut redis = RedisServer::not_started();
+    let mock = MockAnthropic::start();
+    let gateway = start(&mock, Some(&redis.url()));
+    call(&gateway, PREMIUM_KEY, false).await;
+    // Not a part of the fleet's numbers: none.
+    assert_eq!(usage(&gateway, "").await.0, 503);
+
+    redis.restart();
+    let sent = eventually(Duration::from_secs(10), async || {
+        let (status, body) = usage(&gateway, "").await;
+        status == 200
+            && counts(
+                &serde_json::from_str::<Value>(&body).unwrap()["usage"]
+                    .as_array()
+                    .unwrap()
+                    .clone(),
+                "team-premium",
+            ) == (MESSAGE.0, MESSAGE.1, 1)
+    })
+    .await;
+    assert!(sent, "{:?}", usage(&gateway, "").await);
+    // In Redis itself, not only in the gateway's memory (sent by the next flush).
+    let today = rows(&gateway, "").await[0]["day"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let port = redis.port().to_string();
+    let key = format!("fairgate:usage:{today}");
+    let in_redis = eventually(Duration::from_secs(5), async || {
+        crate::support::redis_cli(&["-p", &port, "HGET", &key, "calls:team-premium"]) == "1"
+    })
+    .await;
+    assert!(in_redis, "{}", gateway.log_text());
+}

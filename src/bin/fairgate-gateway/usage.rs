@@ -19,6 +19,7 @@
 //! with its users.
 
 use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -197,6 +198,11 @@ pub(crate) struct Usage {
     /// In memory: every count of the days kept; on Redis: the counts not sent yet.
     here: Arc<Mutex<Here>>,
     redis: Option<Arc<RedisLink>>,
+    /// The last flush failed: the next failure is not logged again (one line an outage).
+    failing: Arc<AtomicBool>,
+    /// Held by a flush while its counts are on their way, and by a read of Redis and of
+    /// the counts here: a read sees each count once, in Redis or here.
+    flushing: Arc<tokio::sync::Mutex<()>>,
 }
 
 /// The book's own connection to Redis, made at its first use (a gateway starts while
@@ -235,6 +241,8 @@ impl Usage {
         Usage {
             here: Arc::default(),
             redis: None,
+            failing: Arc::default(),
+            flushing: Arc::default(),
         }
     }
 
@@ -248,6 +256,8 @@ impl Usage {
         Ok(Usage {
             here: Arc::default(),
             redis: Some(Arc::new(link)),
+            failing: Arc::default(),
+            flushing: Arc::default(),
         })
     }
 
@@ -272,6 +282,7 @@ impl Usage {
     /// gateway has not sent yet).
     pub(crate) async fn rows(&self, filter: &Filter) -> Result<Vec<Row>, String> {
         let mut merged: BTreeMap<(Day, String), Counts> = BTreeMap::new();
+        let _no_flush = self.flushing.lock().await;
         if let Some(redis) = &self.redis {
             let connection = redis.connection().await?;
             for day in filter.days() {
@@ -308,6 +319,7 @@ impl Usage {
         let Some(redis) = &self.redis else {
             return;
         };
+        let _flushing = self.flushing.lock().await;
         let pending = std::mem::take(&mut self.here.lock().unwrap_or_else(|e| e.into_inner()).book);
         if pending.is_empty() {
             return;
@@ -316,12 +328,17 @@ impl Usage {
             Ok(connection) => send(connection, &pending).await,
             Err(error) => Err(error),
         };
+        let failed_before = self.failing.swap(sent.is_err(), Ordering::Relaxed);
         if let Err(error) = sent {
-            tracing::warn!(%error, "usage: not sent to Redis; kept for the next flush");
+            if !failed_before {
+                tracing::warn!(%error, "usage: not sent to Redis; kept until it answers");
+            }
             let mut here = self.here.lock().unwrap_or_else(|e| e.into_inner());
             for (key, counts) in pending {
                 here.book.entry(key).or_default().add(&counts);
             }
+        } else if failed_before {
+            tracing::info!("usage: Redis answers again; the counts kept were sent");
         }
     }
 
