@@ -24,8 +24,8 @@
 //!
 //! # Cost when nobody listens
 //! The span is created only when a subscriber enables its callsite (`tracing` caches that
-//! answer per callsite): with none, a call pays one check of that cache and carries nothing
-//! more. BENCHMARKS.md has the count.
+//! answer per callsite): with none, a call pays one check of that cache, and its outermost
+//! future carries an empty 4-byte number. BENCHMARKS.md has the count.
 
 use std::cell::RefCell;
 use std::num::NonZeroU32;
