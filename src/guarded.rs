@@ -14,11 +14,13 @@
 use std::future::Future;
 use std::pin::Pin;
 use std::task::{Context, Poll, ready};
+use std::time::Duration;
 
 use pin_project_lite::pin_project;
 use tower_service::Service;
 
 use crate::JobRequest;
+use crate::admission::WaitReason;
 use crate::body::GuardResponse;
 use crate::error::{BoxError, PolledAfterCompletion};
 
@@ -32,6 +34,11 @@ pub(crate) trait Turn {
 
     /// `req` is about to be sent with `permit` (nothing to do by default).
     fn going<Req: JobRequest>(_permit: &mut Self::Permit, _req: &Req) {}
+
+    /// Once the turn came: what the request waited for, and how long (none by default).
+    fn waited(&self) -> Option<(WaitReason, Duration)> {
+        None
+    }
 }
 
 pin_project! {
@@ -122,6 +129,11 @@ where
             let output = match this.state.as_mut().project() {
                 StateProj::Waiting { turn, call } => match ready!(turn.poll_turn(cx)) {
                     Ok(permit) => {
+                        if crate::trace::calls_traced()
+                            && let Some((reason, waited)) = turn.waited()
+                        {
+                            crate::trace::waited(reason, waited);
+                        }
                         // The turn gave its place up when it became the permit: dropping
                         // it with the state does nothing.
                         let call = call.take();

@@ -114,6 +114,7 @@ mod time;
 #[cfg(feature = "tonic")]
 #[cfg_attr(docsrs, doc(cfg(feature = "tonic")))]
 pub mod tonic;
+pub mod trace;
 
 pub use crate::drr_fairness::error::QueueFull;
 pub use crate::drr_fairness::{DrrFairness, DrrFairnessLayer};

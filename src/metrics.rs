@@ -283,7 +283,7 @@ pub(crate) enum Outcome {
 impl Outcome {
     const ALL: [Outcome; 3] = [Outcome::Answered, Outcome::Refused, Outcome::Failed];
 
-    fn as_str(self) -> &'static str {
+    pub(crate) fn as_str(self) -> &'static str {
         match self {
             Outcome::Answered => "answered",
             Outcome::Refused => "refused",

@@ -38,6 +38,10 @@ impl Turn for Ticket {
     fn going<Req: JobRequest>(permit: &mut Permit, req: &Req) {
         permit.going(|| req.job());
     }
+
+    fn waited(&self) -> Option<(crate::WaitReason, std::time::Duration)> {
+        self.waited()
+    }
 }
 
 impl<F, S, Req> ResponseFuture<F, S, Req> {

@@ -951,6 +951,7 @@ impl FairQueue {
             patience,
             timer: None,
             slow: None,
+            held_for: None,
         }))
     }
 
@@ -2023,9 +2024,18 @@ pub(super) struct Ticket {
     timer: Option<Pin<Box<Sleep>>>,
     /// The `queue.slow_wait` warning of a slot-gated wait, armed on its first poll.
     slow: Option<SlowWait>,
+    /// Once dispatched: what its group was last held for (one byte: the ticket moves with
+    /// every future above it while it waits).
+    held_for: Option<WaitReason>,
 }
 
 impl Ticket {
+    /// Once dispatched: what its group was last held for (a slot or a place in the window,
+    /// the rate, the cooldown gate, the store), and how long it waited since its arrival.
+    pub(super) fn waited(&self) -> Option<(WaitReason, Duration)> {
+        self.held_for.map(|reason| (reason, self.arrived.elapsed()))
+    }
+
     /// `Ready` with the permit once the request's turn came, or with `Busy` once its tier's
     /// max wait has passed; `Pending` with the waker (and the timer) registered otherwise.
     pub(super) fn poll_turn(&mut self, cx: &mut Context<'_>) -> Poll<Result<Permit, Busy>> {
@@ -2073,13 +2083,20 @@ impl Ticket {
             let retry_after = shared
                 .slot_policy()
                 .map_or(Duration::from_secs(5), |p| p.retry_after());
-            let busy = Busy::new(tier, self.arrived.elapsed(), retry_after).because(reason);
+            let waited = self.arrived.elapsed();
+            crate::trace::waited(reason, waited);
+            let busy = Busy::new(tier, waited, retry_after).because(reason);
             return Poll::Ready(Err(busy));
         }
         // Only this ticket removes its own entry, so a missing entry was popped: the
         // releasing side already counted the permit (and took the slot) for us.
-        let handed = shared.lock().handed.remove(&self.id).unwrap_or_default();
+        let (handed, held_for) = {
+            let mut state = shared.lock();
+            let handed = state.handed.remove(&self.id).unwrap_or_default();
+            (handed, state.groups[self.group].held_for)
+        };
         self.shared = None;
+        self.held_for = Some(held_for);
         Poll::Ready(Ok(Permit::new(
             shared,
             self.group,

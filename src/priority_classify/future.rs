@@ -9,8 +9,10 @@ use pin_project_lite::pin_project;
 use tokio::time::Instant;
 use tower_service::Service;
 
+use crate::admission::WaitReason;
 use crate::error::{BoxError, MissingJob, PolledAfterCompletion};
 use crate::store::{Demotion, StoreFuture};
+use crate::trace::CallSpan;
 use crate::{JobRequest, Priority};
 
 pin_project! {
@@ -24,6 +26,8 @@ pin_project! {
         state: State<F, S, Req>,
         started: Instant,
         priority: Option<Priority>,
+        // Four bytes after `priority`: inside the padding the struct had.
+        trace: CallSpan,
     }
 }
 
@@ -47,6 +51,9 @@ struct PendingCall<S, Req> {
     inner: S,
     req: Req,
     by_rule: Priority,
+    /// The demotion check is a round trip to the store (not an answer already there,
+    /// passed through this state so a traced call is made inside its trace).
+    round_trip: bool,
 }
 
 impl<F, S, Req> ResponseFuture<F, S, Req> {
@@ -55,14 +62,16 @@ impl<F, S, Req> ResponseFuture<F, S, Req> {
             state: State::MissingJob,
             started: Instant::now(),
             priority: None,
+            trace: CallSpan::default(),
         }
     }
 
-    pub(super) fn calling(fut: F, priority: Priority, started: Instant) -> Self {
+    pub(super) fn calling(fut: F, priority: Priority, started: Instant, trace: CallSpan) -> Self {
         ResponseFuture {
             state: State::Calling { fut },
             started,
             priority: Some(priority),
+            trace,
         }
     }
 
@@ -70,8 +79,9 @@ impl<F, S, Req> ResponseFuture<F, S, Req> {
         check: StoreFuture<Demotion>,
         inner: S,
         req: Req,
-        by_rule: Priority,
+        (by_rule, round_trip): (Priority, bool),
         started: Instant,
+        trace: CallSpan,
     ) -> Self {
         ResponseFuture {
             state: State::Checking {
@@ -80,10 +90,12 @@ impl<F, S, Req> ResponseFuture<F, S, Req> {
                     inner,
                     req,
                     by_rule,
+                    round_trip,
                 }),
             },
             started,
             priority: None,
+            trace,
         }
     }
 }
@@ -98,6 +110,8 @@ where
     type Output = Result<T, BoxError>;
 
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        // The layers below tell this call's trace what they wait for while it is polled.
+        let _entered = self.trace.enter();
         loop {
             let mut this = self.as_mut().project();
             let output = match this.state.as_mut().project() {
@@ -108,8 +122,13 @@ where
                             mut inner,
                             mut req,
                             by_rule,
+                            round_trip,
                         }) => match req.job_mut() {
                             Some(job) => {
+                                if round_trip {
+                                    // The outermost layer: the call arrived when it asked.
+                                    this.trace.waited(WaitReason::Store, this.started.elapsed());
+                                }
                                 let priority = super::classifier::decide(job, by_rule, demotion);
                                 *this.priority = Some(priority);
                                 let fut = inner.call(req);
@@ -126,6 +145,7 @@ where
                     if let Some(priority) = *this.priority {
                         let outcome = outcome_of(&output);
                         crate::metrics::request_latency(priority, outcome, this.started.elapsed());
+                        this.trace.close(Some(priority), || outcome);
                     }
                     output
                 }

@@ -9,6 +9,8 @@ use super::future::ResponseFuture;
 use super::{ClassifyRule, DefaultRule};
 use crate::JobRequest;
 use crate::error::BoxError;
+use crate::store::StoreFuture;
+use crate::trace::CallSpan;
 
 /// Sets each request's [`Priority`](crate::Priority) centrally, from its job's origin and
 /// SLA, demoting runaway tenants to batch; see the [module docs](crate::priority_classify).
@@ -90,17 +92,35 @@ where
         );
         crate::metrics::input_tokens(job.tenant(), u64::from(job.estimated_tokens()));
 
+        // A traced call takes the path of a round trip whatever the store answered: the
+        // future calls the inner service inside the call's trace. Apart, so the untraced
+        // path moves nothing more.
+        // (Nothing of the trace is made before the inner call: a value to drop held across it
+        // costs every call a move of the inner future.)
+        let traced = CallSpan::wanted();
+        let (check, round_trip) = match traced {
+            false => (check, true),
+            true => {
+                let round_trip = !check.is_ready();
+                (StoreFuture::pending(check), round_trip)
+            }
+        };
         match check.into_ready() {
             Ok(demotion) => {
                 let priority = decide(job, by_rule, demotion);
-                ResponseFuture::calling(self.inner.call(req), priority, started)
+                let fut = self.inner.call(req);
+                ResponseFuture::calling(fut, priority, started, CallSpan::default())
             }
             Err(check) => {
+                let trace = match traced {
+                    true => CallSpan::open(job),
+                    false => CallSpan::default(),
+                };
                 // The answer needs a round trip: take the service that is ready into the
                 // future and keep a fresh clone here (it will be polled ready again).
                 let clone = self.inner.clone();
                 let inner = std::mem::replace(&mut self.inner, clone);
-                ResponseFuture::checking(check, inner, req, by_rule, started)
+                ResponseFuture::checking(check, inner, req, (by_rule, round_trip), started, trace)
             }
         }
     }

@@ -17,6 +17,7 @@ use tower_service::Service;
 use super::call::{Admission, Call, LearnedPass, RateWaiter, Step, Waits};
 use super::core::{HeldCall, Learned, taken};
 use super::telemetry;
+use crate::admission::WaitReason;
 use crate::error::BoxError;
 
 /// What one step of the admission says.
@@ -106,6 +107,7 @@ impl<S, Req, C> Call<S, Req, C> {
         }
         if !wait.is_zero() {
             telemetry::pacing_wait(wait);
+            self.waited(WaitReason::Rate, wait);
             self.admission.paced_under = Some(core.limits_of(&self.upstream));
         }
         Some(wait)
@@ -157,6 +159,7 @@ impl<S, Req, C> Call<S, Req, C> {
             waits.reserve = None;
             self.admission.reserved = true;
             if !wait.is_zero() {
+                self.waited(WaitReason::Rate, wait);
                 waits.sleep(wait);
                 return Poll::Ready(Admit::Again);
             }
@@ -185,6 +188,8 @@ impl<S, Req, C> Call<S, Req, C> {
             // moment later, or when its lease ends.
             self.held.get_or_insert_with(|| HeldCall::new(core));
             let wait = grant.hold.mul_f64(0.5 + 0.5 * core.unit());
+            // Slow start or recovery: held for the rate until the probe answers.
+            self.waited(WaitReason::Rate, wait);
             waits.sleep(wait.max(Duration::from_millis(1)));
             let notify = core.answered.clone();
             waits.answered = Some(Box::pin(async move { notify.notified().await }));
@@ -202,6 +207,9 @@ impl<S, Req, C> Call<S, Req, C> {
         self.charge.charged = taken(self.charge.need, &grant.limits);
         if grant.mode == 2 {
             telemetry::pacing_wait(grant.wait);
+        }
+        if !grant.wait.is_zero() {
+            self.waited(WaitReason::Rate, grant.wait);
         }
         if !grant.wait.is_zero() {
             self.admission.paced_under = Some(grant.limits);
@@ -230,6 +238,7 @@ impl<S, Req, C> Call<S, Req, C> {
             core.release_after(&self.upstream, left)
         };
         telemetry::cooldown_wait(wait);
+        self.waited(WaitReason::Cooldown, wait);
         self.admission.learned = LearnedPass::Unasked;
         waits.sleep(wait.max(Duration::from_millis(1)));
         Poll::Ready(Admit::Again)
@@ -253,6 +262,7 @@ impl<S, Req, C> Call<S, Req, C> {
                         return Poll::Ready(Admit::Pass);
                     }
                     telemetry::pacing_wait(wait);
+                    self.waited(WaitReason::Rate, wait);
                     self.admission.paced_under = Some(core.limits_of(&self.upstream));
                     waits.relimit = Some(core.limits_changed());
                     waits.sleep(wait);
@@ -310,6 +320,7 @@ impl<S, Req, C> Call<S, Req, C> {
         if let Some(pacer) = &core.pacer
             && let Some(wait) = pacer.admit(&mut self.admission.pace_step, self.cost)
         {
+            self.waited(WaitReason::Rate, wait);
             waits.sleep(wait);
             return Poll::Ready(Admit::Again);
         }

@@ -23,7 +23,7 @@ use super::telemetry;
 use super::usage::Usage;
 use crate::admission::Busy;
 use crate::error::BoxError;
-use crate::gate::{AttemptCell, Taken};
+use crate::gate::{AttemptCell, Taken, WaitReason};
 use crate::store::{DIMS, OUTPUT, PaceGrant, StoreFuture, TOTAL};
 use crate::{JobRequest, TenantId};
 
@@ -49,6 +49,14 @@ pub(super) struct Call<S, Req, C> {
     pub(super) held: Option<HeldCall>,
     /// Who waits for the upstream's rate.
     pub(super) rate: RateWaiter,
+}
+
+impl<S, Req, C> Call<S, Req, C> {
+    /// The attempt admitted here waited `wait` for `reason` (told to the call's trace, if
+    /// a subscriber wants its span: see [`crate::trace`]).
+    pub(super) fn waited(&self, reason: WaitReason, wait: Duration) {
+        crate::trace::waited(reason, wait);
+    }
 }
 
 /// What learned pacing charged an attempt: its answer corrects the charges by its usage,
@@ -118,9 +126,10 @@ impl Patience {
             .timer
             .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(deadline)));
         timer.as_mut().poll(cx).is_ready().then(|| {
-            crate::metrics::server_busy(&self.tier, crate::gate::WaitReason::Rate);
+            crate::metrics::server_busy(&self.tier, WaitReason::Rate);
+            // The holds before it were told as they began: only the call's end is told.
             Busy::new(self.tier.clone(), self.arrived.elapsed(), self.retry_after)
-                .because(crate::gate::WaitReason::Rate)
+                .because(WaitReason::Rate)
         })
     }
 }
@@ -512,9 +521,16 @@ impl<S, Req, C> Call<S, Req, C> {
         C: CloneRequest<Req>,
         Req: JobRequest,
     {
+        // The attempt is told to the call's trace when it ends, from inside the call's
+        // poll (it may have been sent from a `call` outside it).
         let response = match ready!(fut.poll(cx)) {
             Ok(response) => response,
             Err(e) => {
+                let e: BoxError = e.into();
+                // Refused below (Busy, QueueFull): it never went upstream.
+                if crate::trace::calls_traced() && crate::Rejection::from_error(&*e).is_none() {
+                    crate::trace::with_current(|trace| trace.attempted(&self.upstream, None));
+                }
                 self.charge.probe = false;
                 return Poll::Ready(Step::fail(e));
             }
@@ -531,7 +547,9 @@ impl<S, Req, C> Call<S, Req, C> {
             self.charge.charged = receipt.charged;
             self.charge.receipt = Some(receipt);
         }
-        let outcome = self.judge(response.status(), response.headers());
+        let status = response.status();
+        crate::trace::with_current(|trace| trace.attempted(&self.upstream, Some(status)));
+        let outcome = self.judge(status, response.headers());
         let (head, body) = response.into_parts();
         if outcome.retry.is_some() && outcome.status == StatusCode::TOO_MANY_REQUESTS {
             // Only a 429 about to be retried is read ahead: it may be the spend limit, which
@@ -663,6 +681,8 @@ impl<S, Req, C> Call<S, Req, C> {
         Req: JobRequest,
     {
         self.retries += 1;
+        // The backoff the upstream asked for (or the SDKs' own when it named none).
+        self.waited(WaitReason::Cooldown, delay);
         self.charge.charged = [0; DIMS];
         self.next = self.spare.take().map(Box::new);
         if let Some(job) = self.next.as_mut().and_then(|r| r.job_mut()) {

@@ -110,13 +110,17 @@ enum FutureState<T> {
 }
 
 impl<T> StoreFuture<T> {
+    /// Whether the answer is there already (no round trip).
+    pub(crate) fn is_ready(&self) -> bool {
+        matches!(self.state, FutureState::Ready(_))
+    }
+
     pub(crate) fn ready(value: T) -> Self {
         StoreFuture {
             state: FutureState::Ready(Some(value)),
         }
     }
 
-    #[cfg_attr(not(feature = "redis"), allow(dead_code))]
     pub(crate) fn pending(fut: impl Future<Output = T> + Send + 'static) -> Self {
         StoreFuture {
             state: FutureState::Pending(Box::pin(fut)),

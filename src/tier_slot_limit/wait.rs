@@ -194,7 +194,9 @@ impl SlotLimiter {
     /// Redis is away ([`SlotRefusal::Store`]), at once rather than at the max wait.
     pub(super) fn busy_because(&self, tier: Tier, started: Instant, reason: WaitReason) -> Busy {
         metrics::server_busy(&tier, reason);
-        Busy::new(tier, started.elapsed(), self.policy.retry_after).because(reason)
+        let waited = started.elapsed();
+        crate::trace::waited(reason, waited);
+        Busy::new(tier, waited, self.policy.retry_after).because(reason)
     }
 
     /// Early rejection: requests of this tier already wait here, and the wait this one can
@@ -524,7 +526,9 @@ impl Waiter {
     /// Takes `lease` as this request's slot, acquired with `queue`.
     fn slot_taken(&self, lease: SlotLease, queue: Option<SlotQueue>) -> SlotPermit {
         self.shared.granted(&self.state, &lease, queue);
-        metrics::slot_wait(&self.tier, self.started.elapsed());
+        let waited = self.started.elapsed();
+        metrics::slot_wait(&self.tier, waited);
+        crate::trace::waited(WaitReason::Slot, waited);
         SlotPermit::new(lease, self.state.clone())
     }
 

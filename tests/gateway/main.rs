@@ -4,7 +4,8 @@
 //! (`first_hour`: the quickstart, logs, metrics, the gateway's own answers), what one key
 //! holder cannot take from the others (`isolation`), its keys, admin token and start
 //! without Redis (`keys`), its live page (`page`), its rate under a provider's limit
-//! (`rate`) and its record of calls (`record`).
+//! (`rate`), its record of calls (`record`), its traces over OTLP (`traces`) and what each
+//! tenant used, for billing (`usage`).
 //!
 //! Every test takes its file's turn first ([`support::file_turn`]): the tests of one file
 //! run beside each other (most keep apart from each other too, by a lock of the file's
@@ -25,4 +26,6 @@ mod page;
 mod proxy;
 mod rate;
 mod record;
+mod traces;
+mod usage;
 mod users;

@@ -30,3 +30,4 @@ mod stack_rate;
 mod tier_slot_limit;
 #[cfg(feature = "tonic")]
 mod tonic;
+mod trace;

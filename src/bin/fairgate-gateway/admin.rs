@@ -7,6 +7,9 @@
 //!   store serves from in-process state (degraded, still serving); `503` while draining.
 //! - `GET /status`: JSON: store, keys, connections, body budget, reloads, slowed
 //!   addresses and (address, key) pairs.
+//! - `GET /usage`: what each tenant used per UTC day (tokens and calls, for billing), as
+//!   JSON or JSON lines (`?format=jsonl`), filtered by `?day=YYYY-MM-DD` and `?tenant=`;
+//!   the fleet's on Redis (see `usage.rs`).
 //! - `GET /`: the live page, and `GET /live`, the JSON it reads every second: calls in
 //!   flight and waiting per tier, `Busy` by reason, latency per class, top tenants, learned
 //!   limits and cooldown gates (see `dashboard.rs`).
@@ -203,7 +206,33 @@ pub(crate) async fn handle(admin: Arc<Admin>, req: Request<Incoming>) -> Respons
         }
         "/readyz" => readyz(&admin),
         "/status" => status(&admin),
+        "/usage" => usage(gw, req.uri().query()).await,
         _ => error_response(StatusCode::NOT_FOUND, "not_found_error", "not found"),
+    }
+}
+
+/// `/usage`: what each tenant used per day, as JSON or JSON lines (see `usage.rs`); `400`
+/// for a query it cannot read, `503` when Redis cannot answer.
+async fn usage(gw: &Gateway, query: Option<&str>) -> Response<Body> {
+    let (filter, lines) = match super::usage::query(query) {
+        Ok(read) => read,
+        Err(why) => {
+            return error_response(StatusCode::BAD_REQUEST, "invalid_request_error", &why);
+        }
+    };
+    match gw.usage.rows(&filter).await {
+        Ok(rows) => {
+            let content_type = match lines {
+                true => "application/x-ndjson",
+                false => "application/json",
+            };
+            text(
+                StatusCode::OK,
+                content_type,
+                super::usage::render(&rows, lines),
+            )
+        }
+        Err(why) => error_response(StatusCode::SERVICE_UNAVAILABLE, "api_error", &why),
     }
 }
 

@@ -49,6 +49,7 @@ use super::record::{Probe, Recorder, Recording, Trace};
 use super::routes::{Route, route};
 use super::server::{Hangup, Holding, stopped};
 use super::upstream::{Upstream, full};
+use super::usage::Usage;
 
 /// `POST /v1/messages` through the stack: the buffered request in, the client's response out.
 type Messages = BoxCloneSyncService<Request<Full<Bytes>>, Response<Body>, BoxError>;
@@ -169,6 +170,8 @@ pub(crate) struct Gateway {
     pub(crate) recorder: Option<Arc<Recorder>>,
     /// The batch routes' owner book.
     pub(crate) batches: Batches,
+    /// What each tenant used, per day, for billing (`GET /usage`).
+    pub(crate) usage: Usage,
 }
 
 impl Gateway {
@@ -182,7 +185,7 @@ impl Gateway {
         bodies: BodyLimits,
         shutdown: watch::Receiver<bool>,
         recorder: Option<Arc<Recorder>>,
-        batches: Batches,
+        (batches, usage): (Batches, Usage),
     ) -> Gateway {
         Gateway {
             live: RwLock::new(Arc::new(live)),
@@ -195,6 +198,7 @@ impl Gateway {
             failed_reloads: AtomicU64::new(0),
             recorder,
             batches,
+            usage,
         }
     }
 
@@ -467,7 +471,12 @@ async fn messages(
     }
     match live.messages.clone().oneshot(req).await {
         Ok(response) => {
-            let response = settling(response, &live.settler, &live.config.cost, estimate);
+            let response = settling(
+                response,
+                (&live.settler, &gw.usage),
+                &live.config.cost,
+                estimate,
+            );
             let status = response.status().as_u16();
             debug!(
                 status = response.status().as_u16(),

@@ -61,6 +61,7 @@ use http_body::{Body as HttpBody, Frame, SizeHint};
 use serde::Deserialize;
 
 use super::Body;
+use super::usage::{Counts, Usage};
 
 /// A compressed body may grow at most this many times its compressed size ...
 pub(crate) const MAX_RATIO: usize = 100;
@@ -366,7 +367,7 @@ impl<R: Read> Read for Capped<R> {
 /// (put there by the innermost service); without it, nothing is settled.
 pub(crate) fn settling(
     mut response: Response<Body>,
-    settler: &Settler,
+    (settler, usage): (&Settler, &Usage),
     model: &Arc<CostModel>,
     estimate: Estimate,
 ) -> Response<Body> {
@@ -375,6 +376,7 @@ pub(crate) fn settling(
     };
     let settle = Settle {
         settler: settler.clone(),
+        usage: usage.clone(),
         model: model.clone(),
         job,
         estimate,
@@ -388,9 +390,23 @@ pub(crate) fn settling(
     })
 }
 
+/// What an answer's usage says it used, as billed (each count as the provider gave it).
+fn billed(usage: &UsageScanner) -> Counts {
+    let count = |n: Option<u32>| u64::from(n.unwrap_or(0));
+    Counts {
+        input_tokens: count(usage.input_tokens()),
+        output_tokens: count(usage.output_tokens()),
+        cache_creation_input_tokens: count(usage.cache_creation_input_tokens()),
+        cache_read_input_tokens: count(usage.cache_read_input_tokens()),
+        calls: 1,
+    }
+}
+
 /// What settling a call needs.
 struct Settle {
     settler: Settler,
+    /// The book of what each tenant used, for billing.
+    usage: Usage,
     model: Arc<CostModel>,
     job: Job,
     estimate: Estimate,
@@ -417,6 +433,11 @@ impl Settling {
                 false => 0,
             };
             settle.settler.settle(&settle.job, used);
+            if self.usage.saw_usage() {
+                settle
+                    .usage
+                    .record(settle.job.tenant().as_str(), billed(&self.usage));
+            }
         }
     }
 }
@@ -659,7 +680,7 @@ mod tests {
     /// A response of `chunks` through [`settling`], for a job of `tenant` charged
     /// `estimate` (counted in the store as `PriorityClassify` would have).
     fn answer(
-        layer: &fairgate::FairgateLayer,
+        (layer, usage): (&fairgate::FairgateLayer, &Usage),
         tenant: &str,
         estimate: Estimate,
         chunks: &[&'static str],
@@ -677,24 +698,26 @@ mod tests {
         let mut response = Response::new(body.boxed_unsync());
         response.extensions_mut().insert(job);
         let model = Arc::new(CostModel::default());
-        settling(response, &layer.settler(), &model, estimate)
+        settling(response, (&layer.settler(), usage), &model, estimate)
     }
 
     #[tokio::test]
     async fn the_answer_settles_the_days_count_once_its_usage_is_read() {
         use http_body_util::BodyExt;
         let layer = fairgate::FairgateLayer::new(fairgate::Store::memory());
+        let usage = Usage::memory();
+        let layer = (&layer, &usage);
         let model = CostModel::default();
         let estimate = model
             .estimate(&headers(None), json(64_000).as_bytes(), MAX)
             .unwrap();
         let today = |tenant: &'static str| {
-            let store = layer.store().clone();
+            let store = layer.0.store().clone();
             async move { store.tokens_today(&fairgate::TenantId::new(tenant)).await }
         };
         // A stream split mid-field: 25 input and 40 output tokens, 225 charged.
         let response = answer(
-            &layer,
+            layer,
             "read",
             estimate.clone(),
             &[
@@ -706,17 +729,21 @@ mod tests {
         response.into_body().collect().await.unwrap();
         assert_eq!(today("read").await, 25 + 5 * 40);
         // An error answer (no usage) used nothing.
-        let response = answer(
-            &layer,
-            "refused",
-            estimate.clone(),
-            &[r#"{"type":"error"}"#],
-        );
+        let response = answer(layer, "refused", estimate.clone(), &[r#"{"type":"error"}"#]);
         response.into_body().collect().await.unwrap();
         assert_eq!(today("refused").await, 0);
         // Dropped before any usage: the estimate stands.
-        drop(answer(&layer, "cut", estimate.clone(), &[]));
+        drop(answer(layer, "cut", estimate.clone(), &[]));
         assert_eq!(today("cut").await, charge(&estimate));
+        // Only the call whose usage was read is billed, as its usage says.
+        let billed = usage.rows(&Default::default()).await.unwrap();
+        assert_eq!(billed.len(), 1, "{billed:?}");
+        assert_eq!(billed[0].tenant, "read");
+        let read = billed[0].counts;
+        assert_eq!(
+            (read.input_tokens, read.output_tokens, read.calls),
+            (25, 40, 1)
+        );
     }
 
     #[test]

@@ -36,11 +36,13 @@ mod cost;
 mod dashboard;
 mod holders;
 mod identity;
+mod otlp;
 mod own_answer;
 mod record;
 mod routes;
 mod server;
 mod upstream;
+mod usage;
 
 use std::io::IsTerminal;
 use std::net::SocketAddr;
@@ -227,6 +229,12 @@ pub(crate) struct Args {
     #[arg(long, env = "FAIRGATE_LOG_FORMAT", value_name = "FORMAT", value_enum,
           default_value_t = LogFormat::Text)]
     log_format: LogFormat,
+
+    /// Export the span of every call through the admission stack (tenant, tier, class,
+    /// waits, attempts, upstream, status) over OTLP/HTTP to URL, e.g.
+    /// http://127.0.0.1:4318 (its /v1/traces); nothing is traced when unset.
+    #[arg(long, env = "FAIRGATE_OTLP", value_name = "URL", value_parser = otlp::endpoint)]
+    otlp: Option<Uri>,
 }
 
 /// The shape of the log lines (`--log-format`).
@@ -419,6 +427,7 @@ async fn run(mut args: Args) -> Result<(), String> {
     // (released leases, batched counts) before the process ends.
     let store = gw.live().store.clone();
     let _ = tokio::time::timeout(Duration::from_secs(2), store.flush()).await;
+    let _ = tokio::time::timeout(Duration::from_secs(2), gw.usage.flush()).await;
     tokio::time::sleep(Duration::from_millis(50)).await;
     info!("gateway stopped");
     Ok(())
@@ -581,6 +590,11 @@ fn gateway(
     stopped: tokio::sync::watch::Receiver<bool>,
     batches: batches::Batches,
 ) -> Result<Gateway, String> {
+    // On Redis the fleet's counts; else this process's.
+    let usage = match &args.redis {
+        Some(url) => usage::Usage::redis(url)?,
+        None => usage::Usage::memory(),
+    };
     let recorder = match &args.record {
         Some(path) => Some(record::Recorder::start(path, &args.keys)?),
         None => None,
@@ -598,7 +612,7 @@ fn gateway(
         },
         stopped,
         recorder,
-        batches,
+        (batches, usage),
     ))
 }
 
@@ -723,8 +737,10 @@ impl Listeners {
 
 /// The tasks that run beside the servers until the gateway stops: the metrics' upkeep,
 /// the demotion gauge's tick and the body budget's gauge.
-fn background(gw: &Arc<Gateway>, metrics: PrometheusHandle) -> [JoinHandle<()>; 3] {
+fn background(gw: &Arc<Gateway>, metrics: PrometheusHandle) -> [JoinHandle<()>; 4] {
     [
+        // On Redis, the usage counts go to the fleet's book.
+        tokio::spawn(gw.usage.clone().flush_forever()),
         // Prometheus histograms need upkeep now and then.
         tokio::spawn(async move {
             let mut every = tokio::time::interval(Duration::from_secs(5));
@@ -833,16 +849,6 @@ async fn until_shutdown(
 /// until SIGTERM or Ctrl-C.
 pub(crate) fn main() {
     let args = Args::parse();
-    let logs = tracing_subscriber::fmt()
-        .with_env_filter(
-            EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info")),
-        )
-        .with_writer(std::io::stderr);
-    match args.log_format {
-        // Colour codes only for a person at a terminal: a log file or a collector gets text.
-        LogFormat::Text => logs.with_ansi(std::io::stderr().is_terminal()).init(),
-        LogFormat::Json => logs.json().init(),
-    }
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -853,9 +859,54 @@ pub(crate) fn main() {
             std::process::exit(1);
         }
     };
-    if let Err(message) = runtime.block_on(run(args)) {
+    let otlp = match install_logs(&args, runtime.handle()) {
+        Ok(otlp) => otlp,
+        Err(message) => {
+            eprintln!("fairgate-gateway: {message}");
+            std::process::exit(1);
+        }
+    };
+    let result = runtime.block_on(async {
+        let result = run(args).await;
+        if let Some(otlp) = otlp {
+            otlp.shutdown().await;
+        }
+        result
+    });
+    if let Err(message) = result {
         eprintln!("fairgate-gateway: {message}");
         std::process::exit(1);
+    }
+}
+
+/// Logs on stderr as `--log-format` says, filtered by RUST_LOG; and with `--otlp`, the
+/// call spans to the collector (whatever RUST_LOG says), the exporter returned to flush.
+fn install_logs(
+    args: &Args,
+    runtime: &tokio::runtime::Handle,
+) -> Result<Option<otlp::Otlp>, String> {
+    use tracing_subscriber::Layer;
+    use tracing_subscriber::layer::SubscriberExt;
+    use tracing_subscriber::util::SubscriberInitExt;
+
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    let lines = tracing_subscriber::fmt::layer().with_writer(std::io::stderr);
+    let lines = match args.log_format {
+        // Colour codes only for a person at a terminal: a log file or a collector gets text.
+        LogFormat::Text => lines.with_ansi(std::io::stderr().is_terminal()).boxed(),
+        LogFormat::Json => lines.json().boxed(),
+    };
+    let logs = tracing_subscriber::registry().with(lines.with_filter(filter));
+    match &args.otlp {
+        None => {
+            logs.init();
+            Ok(None)
+        }
+        Some(endpoint) => {
+            let (otlp, spans) = otlp::start(endpoint, runtime)?;
+            logs.with(spans).init();
+            Ok(Some(otlp))
+        }
     }
 }
 

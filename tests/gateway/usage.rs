@@ -1,0 +1,225 @@
+//! `GET /usage` on the admin listener: what each tenant used per UTC day, as the answers'
+//! `usage` said it — in one process, as the official Python SDK reads it, and for a fleet
+//! of gateways on one Redis.
+
+use std::path::PathBuf;
+use std::process::Stdio;
+use std::time::Duration;
+
+use serde_json::Value;
+
+use crate::support::RedisServer;
+use crate::support::anthropic::MockAnthropic;
+use crate::support::gateway::*;
+
+const TOKEN: &str = "admin-token-for-usage-0123456789";
+
+/// The mock's answers: a message says 12 input and 7 output tokens; a stream 12 and 5.
+const MESSAGE: (u64, u64) = (12, 7);
+const STREAM: (u64, u64) = (12, 5);
+
+async fn usage(gateway: &Gateway, query: &str) -> (u16, String) {
+    let response = client()
+        .get(format!("{}/usage{query}", gateway.admin_url()))
+        .bearer_auth(TOKEN)
+        .send()
+        .await
+        .unwrap();
+    (response.status().as_u16(), response.text().await.unwrap())
+}
+
+/// The rows `/usage` answers for `query`.
+async fn rows(gateway: &Gateway, query: &str) -> Vec<Value> {
+    let (status, body) = usage(gateway, query).await;
+    assert_eq!(status, 200, "{body}");
+    let parsed: Value = serde_json::from_str(&body).unwrap();
+    parsed["usage"].as_array().unwrap().clone()
+}
+
+/// `tenant`'s (input, output, calls) in `rows`, or zeros.
+fn counts(rows: &[Value], tenant: &str) -> (u64, u64, u64) {
+    rows.iter()
+        .filter(|row| row["tenant"] == tenant)
+        .map(|row| {
+            let n = |name: &str| row[name].as_u64().unwrap();
+            (n("input_tokens"), n("output_tokens"), n("calls"))
+        })
+        .fold((0, 0, 0), |a, b| (a.0 + b.0, a.1 + b.1, a.2 + b.2))
+}
+
+async fn call(gateway: &Gateway, key: &str, stream: bool) {
+    let answer = post_messages(gateway, key, stream).await.unwrap();
+    assert_eq!(answer.status(), 200);
+    answer.bytes().await.unwrap();
+}
+
+fn start(mock: &MockAnthropic, redis: Option<&str>) -> Gateway {
+    Gateway::start_with(
+        &mock.url(),
+        &keys_toml(8, 200, ""),
+        redis,
+        &["--admin-token", TOKEN],
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_tenants_tokens_and_calls_of_the_day_as_json_and_json_lines() {
+    let _turn = crate::support::file_turn(module_path!());
+    let mock = MockAnthropic::start();
+    let gateway = start(&mock, None);
+    call(&gateway, PREMIUM_KEY, false).await;
+    call(&gateway, PREMIUM_KEY, false).await;
+    call(&gateway, PREMIUM_KEY, true).await;
+    call(&gateway, GUEST_KEY, false).await;
+
+    let premium = (2 * MESSAGE.0 + STREAM.0, 2 * MESSAGE.1 + STREAM.1, 3);
+    let settled = eventually(Duration::from_secs(5), async || {
+        counts(&rows(&gateway, "").await, "team-premium") == premium
+    })
+    .await;
+    assert!(settled, "{:?}", usage(&gateway, "").await);
+    let all = rows(&gateway, "").await;
+    assert_eq!(counts(&all, "team-guest"), (MESSAGE.0, MESSAGE.1, 1));
+    assert_eq!(all.len(), 2, "{all:?}");
+    let today = all[0]["day"].as_str().unwrap().to_owned();
+    assert_eq!(today.len(), 10, "{today}");
+
+    // Filters: the day, the tenant; an empty day.
+    let guest = rows(&gateway, &format!("?day={today}&tenant=team-guest")).await;
+    assert_eq!(guest.len(), 1);
+    assert_eq!(guest[0]["tenant"], "team-guest");
+    assert!(rows(&gateway, "?day=2001-01-01").await.is_empty());
+    // JSON lines: one tenant-day a line.
+    let (status, lines) = usage(&gateway, "?format=jsonl").await;
+    assert_eq!(status, 200);
+    let lines: Vec<Value> = lines
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines, all);
+    // What it cannot read is refused; without the token, nothing.
+    assert_eq!(usage(&gateway, "?day=yesterday").await.0, 400);
+    assert_eq!(usage(&gateway, "?limit=3").await.0, 400);
+    let anonymous = client()
+        .get(format!("{}/usage", gateway.admin_url()))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(anonymous.status(), 401);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_sdks_usage_is_what_usage_bills() {
+    let _turn = crate::support::file_turn(module_path!());
+    let Some(python) = crate::proxy::sdk_python() else {
+        return;
+    };
+    let mock = MockAnthropic::start();
+    let gateway = start(&mock, None);
+    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/python/sdk_usage.py");
+    let run = tokio::process::Command::new(python)
+        .arg(&script)
+        .env("GATEWAY_URL", gateway.url())
+        .env("API_KEY", PREMIUM_KEY)
+        .env_remove("ANTHROPIC_API_KEY")
+        .env_remove("ANTHROPIC_BASE_URL")
+        .stdin(Stdio::null())
+        .kill_on_drop(true)
+        .output();
+    let out = tokio::time::timeout(Duration::from_secs(60), run)
+        .await
+        .expect("the SDK script ends within 60 s")
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let told: Value = serde_json::from_str(text.trim()).unwrap();
+    let n = |name: &str| told[name].as_u64().unwrap();
+    let sdk = (n("input_tokens"), n("output_tokens"), n("calls"));
+    assert_eq!(sdk.2, 3);
+    let billed = eventually(Duration::from_secs(5), async || {
+        counts(
+            &rows(&gateway, "?tenant=team-premium").await,
+            "team-premium",
+        ) == sdk
+    })
+    .await;
+    assert!(
+        billed,
+        "SDK {sdk:?}, /usage {:?}",
+        usage(&gateway, "").await
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_gateways_on_one_redis_each_answer_the_fleets_sum() {
+    let _turn = crate::support::file_turn(module_path!());
+    let redis = RedisServer::start();
+    let mock = MockAnthropic::start();
+    let a = start(&mock, Some(&redis.url()));
+    let b = start(&mock, Some(&redis.url()));
+    call(&a, PREMIUM_KEY, false).await;
+    call(&a, PREMIUM_KEY, false).await;
+    call(&b, PREMIUM_KEY, false).await;
+    call(&b, GUEST_KEY, false).await;
+
+    let fleet = (3 * MESSAGE.0, 3 * MESSAGE.1, 3);
+    for gateway in [&a, &b] {
+        let summed = eventually(Duration::from_secs(10), async || {
+            let all = rows(gateway, "").await;
+            counts(&all, "team-premium") == fleet
+                && counts(&all, "team-guest") == (MESSAGE.0, MESSAGE.1, 1)
+        })
+        .await;
+        assert!(summed, "{:?}", usage(gateway, "").await);
+    }
+    // Kept in Redis, one hash per day, with an expiry.
+    let today = rows(&a, "").await[0]["day"].as_str().unwrap().to_owned();
+    let key = format!("fairgate:usage:{today}");
+    let port = redis.port().to_string();
+    let ttl: i64 = crate::support::redis_cli(&["-p", &port, "TTL", &key])
+        .parse()
+        .unwrap();
+    assert!((30 * 86_400..=40 * 86_400).contains(&ttl), "TTL {ttl}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn counts_made_while_redis_is_away_are_sent_once_it_answers() {
+    let _turn = crate::support::file_turn(module_path!());
+    let mut redis = RedisServer::not_started();
+    let mock = MockAnthropic::start();
+    let gateway = start(&mock, Some(&redis.url()));
+    call(&gateway, PREMIUM_KEY, false).await;
+    // Not a part of the fleet's numbers: none.
+    assert_eq!(usage(&gateway, "").await.0, 503);
+
+    redis.restart();
+    let sent = eventually(Duration::from_secs(10), async || {
+        let (status, body) = usage(&gateway, "").await;
+        status == 200
+            && counts(
+                &serde_json::from_str::<Value>(&body).unwrap()["usage"]
+                    .as_array()
+                    .unwrap()
+                    .clone(),
+                "team-premium",
+            ) == (MESSAGE.0, MESSAGE.1, 1)
+    })
+    .await;
+    assert!(sent, "{:?}", usage(&gateway, "").await);
+    // In Redis itself, not only in the gateway's memory (sent by the next flush).
+    let today = rows(&gateway, "").await[0]["day"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let port = redis.port().to_string();
+    let key = format!("fairgate:usage:{today}");
+    let in_redis = eventually(Duration::from_secs(5), async || {
+        crate::support::redis_cli(&["-p", &port, "HGET", &key, "calls:team-premium"]) == "1"
+    })
+    .await;
+    assert!(in_redis, "{}", gateway.log_text());
+}
