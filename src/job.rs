@@ -85,6 +85,9 @@ pub struct Job {
     upstream: Option<Arc<str>>,
     /// Where the fair queue below puts what the attempt took from the rate gate.
     attempt: Option<crate::gate::AttemptCell>,
+    /// A fair queue above dispatched it without a slot gate: a slot layer below that waits
+    /// for its slot then loses the fair order (and says so once).
+    fair_queued_ungated: bool,
 }
 
 impl Job {
@@ -103,6 +106,7 @@ impl Job {
             slot_held: None,
             upstream: None,
             attempt: None,
+            fair_queued_ungated: false,
         }
     }
 
@@ -268,6 +272,16 @@ impl Job {
     /// Says that the request holds (or will hold before it goes further) a slot of `gate`.
     pub(crate) fn mark_slot_held_by(&mut self, gate: &crate::SlotGate) {
         self.slot_held = Some(gate.clone());
+    }
+
+    /// Says that a fair queue with no slot gate dispatched the request.
+    pub(crate) fn mark_fair_queued_ungated(&mut self) {
+        self.fair_queued_ungated = true;
+    }
+
+    /// Whether a fair queue with no slot gate dispatched the request.
+    pub(crate) fn fair_queued_ungated(&self) -> bool {
+        self.fair_queued_ungated
     }
 }
 

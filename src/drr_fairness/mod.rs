@@ -61,6 +61,17 @@
 //! # Ok(())
 //! # }
 //! ```
+//!
+//! # Cancel safety
+//! - **Dropping a waiting response future** takes the request out of its queue at once; if
+//!   it had just been dispatched and not yet polled, the window permit (and the slot and
+//!   rate cells the gates gave it) go back to the next in the fair order.
+//! - **Dropping a response** (or reading its body to the end, or an error in it) gives the
+//!   window permit back, and with it the slot a handed slot gate took.
+//! - **Keeping a response without reading or dropping it holds its permit.** A caller that
+//!   collects `max_in_flight` responses before reading any stalls the queue for good: read
+//!   or drop each response in the task that waits for it (the gateway relays each body in
+//!   a task of its own for this reason).
 
 pub mod error;
 mod fairness;

@@ -114,8 +114,10 @@ where
         let held_above = gate.is_some_and(|gate| job.slot_held_by(gate));
         // Dispatched only with its slot when this layer holds a slot gate, so the slot
         // layer below that gave it lets it through without taking a second one.
-        if let Some(gate) = gate.filter(|_| !held_above) {
-            job.mark_slot_held_by(gate);
+        match gate {
+            Some(gate) if !held_above => job.mark_slot_held_by(gate),
+            Some(_) => {}
+            None => job.mark_fair_queued_ungated(),
         }
         let job = &*job;
         // A queued request's future drives its own clone's readiness once dispatched (as

@@ -42,6 +42,13 @@
 //! # Ok(())
 //! # }
 //! ```
+//!
+//! # Cancel safety
+//! - **Dropping the response future**: the job's charge was added to its tenant's day in
+//!   `call` and stays (as for a call whose answer never said its usage); the inner future is
+//!   dropped with it, and each layer below gives back what it held (see theirs).
+//! - **Dropping or keeping a response**: nothing of this layer is held by a response; the
+//!   latency is recorded when the response future completes.
 
 mod classifier;
 pub mod future;

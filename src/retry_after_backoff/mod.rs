@@ -78,6 +78,16 @@
 //! # Ok(())
 //! # }
 //! ```
+//!
+//! # Cancel safety
+//! - **Dropping the response future** while it waits (a cooldown, pacing, a backoff before
+//!   a retry) gives up the call: no retry is sent later, and the rate cells taken for an
+//!   attempt that never went are kept for the next call to the same upstream key or given
+//!   back. The throttles and cooldowns already reported stay reported.
+//! - **Dropping a response** ends the reading of its `usage`: a call whose answer said no
+//!   usage keeps the estimate it was charged.
+//! - **Keeping a response unread** holds nothing of this layer but the read-ahead of a
+//!   retryable 429 (at most 64 KiB).
 
 mod admit;
 mod body;

@@ -55,6 +55,17 @@
 //! # Ok(())
 //! # }
 //! ```
+//!
+//! # Cancel safety
+//! - **Dropping a waiting response future** leaves the tier's wait line (and its tenant's
+//!   line) at once; the next waiter is woken if a slot was meanwhile meant for it. On Redis
+//!   an acquire already under way when the future is dropped is released as soon as it
+//!   answers.
+//! - **Dropping a response** (or reading its body to the end, or an error in it) gives the
+//!   slot back; on Redis the lease is removed and one waiter anywhere in the fleet woken.
+//! - **Keeping a response unread holds its slot** (on Redis its lease is renewed by the
+//!   heartbeat for as long as it lives); a process that dies holding slots gives them back
+//!   within one lease TTL.
 
 pub mod future;
 mod layer;

@@ -86,6 +86,9 @@ where
             let tier = shared.resolve_tier(job.tier_name());
             return ResponseFuture::new(self.inner.send(SlotPermit::held_above(tier), req));
         }
+        if job.fair_queued_ungated() {
+            shared.warn_fair_queue_ungated();
+        }
         job.mark_slot_held_by(&shared.gate);
         let started = job.arrival();
         let (tier, limit, state) = shared.resolve(job.tier_name());

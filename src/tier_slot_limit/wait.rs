@@ -33,6 +33,8 @@ pub(super) struct SlotLimiter {
     default: (TierLimit, Arc<TierState>),
     /// Unknown tier names already logged (bounded: the names come from callers).
     unknown_logged: Mutex<HashSet<Tier>>,
+    /// Whether a fair queue above without this layer's gate was warned of (once).
+    ungated_warned: AtomicBool,
     rng: Mutex<Rng>,
 }
 
@@ -148,7 +150,24 @@ impl SlotLimiter {
             tiers,
             default,
             unknown_logged: Mutex::new(HashSet::default()),
+            ungated_warned: AtomicBool::new(false),
             rng: Mutex::new(rng),
+        }
+    }
+
+    /// A fair queue above dispatched a request without this layer's gate: the request now
+    /// waits here for its slot in arrival order, not in the fair order, so when a cap binds
+    /// a paid tier can wait behind a flood. Said once per layer, naming the fix.
+    pub(super) fn warn_fair_queue_ungated(&self) {
+        if !self.ungated_warned.swap(true, Ordering::Relaxed) {
+            tracing::warn!(
+                name: "slots.fair_queue_ungated",
+                "a DrrFairness above this TierSlotLimit was not handed its gate: when a cap \
+                 binds, requests wait here in arrival order and lose the fair order and the \
+                 tier promise; build the fair queue with \
+                 `.slot_gate(tier_slot_limit_layer.gate())` (and `.rate_gate(..)`), or use \
+                 FairgateLayer, which wires both"
+            );
         }
     }
 

@@ -763,3 +763,40 @@ async fn a_tenant_over_its_cap_is_busy_at_its_tiers_max_wait(rig: Rig) {
     holding.abort();
     other.abort();
 }
+
+/// A fair queue above the slot layer that was not handed its gate loses the fair order
+/// whenever a cap binds (requests wait for slots in arrival order): the slot layer says so
+/// once, naming the fix; wired through the gate, it says nothing.
+#[tokio::test(start_paused = true)]
+async fn a_fair_queue_not_handed_the_slot_gate_is_warned_of_once() {
+    let (events, _guard) = EventCounter::install();
+    for wired in [false, true] {
+        let store = Store::memory();
+        let slots = TierSlotLimitLayer::new(store.clone(), SlotPolicy::default());
+        let fair = match wired {
+            true => fairgate::DrrFairnessLayer::builder(store.clone(), 8)
+                .slot_gate(slots.gate())
+                .build()
+                .unwrap(),
+            false => fairgate::DrrFairnessLayer::new(store.clone(), 8),
+        };
+        let service = tower::ServiceBuilder::new()
+            .layer(fair)
+            .layer(slots)
+            .service(service_fn(|_req: http::Request<()>| async {
+                Ok::<_, Infallible>(http::Response::new(()))
+            }));
+        for _ in 0..3 {
+            let mut req = http::Request::new(());
+            req.extensions_mut()
+                .insert(Job::new("t", Origin::UserAction).tier("free"));
+            drop(service.clone().oneshot(req).await.unwrap());
+        }
+        assert_eq!(
+            events.count("slots.fair_queue_ungated"),
+            1,
+            "after the {} stack",
+            if wired { "wired" } else { "unwired" }
+        );
+    }
+}
