@@ -1052,6 +1052,7 @@ async fn a_tenant_on_one_of_sixteen_workers_gets_its_fair_half_on_a_cluster() {
 /// meanwhile each worker keeps its own order within its share of the caps, and once the
 /// workers have put their calls back the fleet's order holds again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "long: bash scripts/test --long"]
 async fn the_fleets_order_comes_back_with_redis() {
     let _turn = crate::support::file_turn(module_path!());
     let _serial = SERIAL.lock().await;
@@ -1413,6 +1414,7 @@ async fn a_newcomer_on_an_idle_worker_goes_at_the_next_freed_slot() {
 /// window of a fifth of the delay after the reopening: light got 31.2% and 33.3% of the
 /// 2 s after it, two runs; 28.6-48.9% of the first 1.5 s, four runs).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "long: bash scripts/test --long"]
 async fn after_a_429s_cooldown_the_fleets_order_resumes_at_the_reopening() {
     let _turn = crate::support::file_turn(module_path!());
     let server = RedisServer::start();

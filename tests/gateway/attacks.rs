@@ -460,6 +460,7 @@ fn raise_open_files_limit() -> u64 {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "long: bash scripts/test --long"]
 async fn a_client_is_served_within_a_second_while_ten_thousand_idle_sockets_are_open() {
     let _turn = crate::support::file_turn(module_path!());
     let _serial = SERIAL.lock().await;
