@@ -82,6 +82,14 @@ impl DrrFairnessLayer {
         self.shared.queued_in_tier(tier)
     }
 
+    /// How long the request waiting longest in this layer's queue has waited (from its
+    /// arrival at the first fairgate layer), among those of `tier` and of `class` when
+    /// given; `None` when none waits. It looks at every waiting request: for a status page
+    /// read now and then, not for each request.
+    pub fn longest_wait(&self, tier: Option<&Tier>, class: Option<Priority>) -> Option<Duration> {
+        self.shared.longest_wait(tier, class)
+    }
+
     /// Jain's index over the weight-normalised served cost of the tenants that were
     /// backlogged in the fairness window, as published in `claude_drr_fairness_index`;
     /// `None` when no tenant was backlogged.

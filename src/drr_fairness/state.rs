@@ -62,6 +62,9 @@ pub(super) struct Waiter {
     key: Option<Arc<str>>,
     /// Its estimated input tokens, for the rate gate.
     cost: u32,
+    /// Its class and when it arrived, for who asks how long the queue has been waiting.
+    class: Priority,
+    arrived: Instant,
 }
 
 /// The requests of one tier under the store's slot policy (or, group 0, of every request no
@@ -698,6 +701,28 @@ impl FairQueue {
             .sum()
     }
 
+    /// How long the request waiting longest here has waited, among those of `tier` (its
+    /// group under the slot gate) and of `class` when given. Every waiting request is
+    /// looked at: meant for a page read now and then, not for the request path.
+    pub(super) fn longest_wait(
+        &self,
+        tier: Option<&Tier>,
+        class: Option<Priority>,
+    ) -> Option<Duration> {
+        let mut state = self.lock();
+        let now = Instant::now();
+        state
+            .groups
+            .iter_mut()
+            .filter(|g| {
+                tier.is_none_or(|tier| g.slots.as_ref().is_some_and(|slots| &slots.tier == tier))
+            })
+            .flat_map(|g| g.scheduler.items_mut())
+            .filter(|waiter| class.is_none_or(|class| waiter.class == class))
+            .map(|waiter| now.saturating_duration_since(waiter.arrived))
+            .max()
+    }
+
     pub(super) fn fairness_index(&self) -> Option<f64> {
         let local = self.lock().fairness.index(Instant::now());
         self.store.fleet_fairness_index().unwrap_or(local)
@@ -910,6 +935,8 @@ impl FairQueue {
             id,
             key: job.upstream().cloned(),
             cost: job.estimated_tokens(),
+            class,
+            arrived,
         };
         let g = &mut state.groups[group];
         let was_idle = g.scheduler.class_len(class) == 0;

@@ -90,8 +90,31 @@ async fn the_live_page_shows_who_waits_and_what_is_in_flight_as_the_gateway_coun
         mock.wait_in_flight(4, Duration::from_secs(10)),
         "3 premium and 1 guest call at the upstream"
     );
+    // Mid-flood the page tells how long the calls not yet finished have run: the guest in
+    // flight and the two guests waiting behind it, seconds in (the latency histograms
+    // count a call only once it ends, so they say nothing of these yet).
+    let tier_field = |live: &str, tier: &str, field: &str| -> u64 {
+        let live: serde_json::Value = serde_json::from_str(live).unwrap_or_default();
+        live["tiers"]
+            .as_array()
+            .and_then(|tiers| tiers.iter().find(|t| t["tier"] == tier))
+            .and_then(|t| t[field].as_u64())
+            .unwrap_or(0)
+    };
+    let aged = eventually(Duration::from_secs(20), async || {
+        let live = gateway.admin("/live").await;
+        tier_field(&live, "guest", "oldest_in_flight_ms") >= 2_000
+            && tier_field(&live, "guest", "longest_wait_ms") >= 2_000
+    })
+    .await;
     let live = gateway.admin("/live").await;
     println!("/live: {live}");
+    assert!(aged, "the guests' ages never reached 2 s: {live}");
+    let tokens_in_flight: serde_json::Value = serde_json::from_str(&live).unwrap();
+    assert!(
+        tokens_in_flight["window"]["tokens_in_flight"].as_u64() > Some(0),
+        "the tokens of the calls in flight: {live}"
+    );
     for tier in [
         r#"{"tier":"premium","cap":8,"in_flight":3,"waiting":0"#,
         r#"{"tier":"guest","cap":1,"in_flight":1,"waiting":2"#,
@@ -126,6 +149,27 @@ async fn the_live_page_shows_who_waits_and_what_is_in_flight_as_the_gateway_coun
     assert_eq!(shown("premium", "n cap").as_deref(), Some("8"));
     assert_eq!(shown("guest", "n in-flight").as_deref(), Some("1"));
     assert_eq!(shown("guest", "n waiting").as_deref(), Some("2"));
+    let seconds = |text: Option<String>| text.and_then(|t| t.parse::<f64>().ok()).unwrap_or(0.0);
+    for (what, shown) in [
+        ("guest in flight", shown("guest", "n oldest-in-flight")),
+        ("guest waiting", shown("guest", "n longest-wait")),
+        (
+            "critical waiting",
+            cell(&dom, "class", "critical", "n longest-wait"),
+        ),
+    ] {
+        assert!(
+            seconds(shown.clone()) >= 2.0,
+            "{what}: {shown:?} s on the page"
+        );
+    }
+    // Premium went out after the first answer told the limits (slow start): younger.
+    let premium = shown("premium", "n oldest-in-flight");
+    assert!(
+        seconds(premium.clone()) >= 1.0,
+        "premium in flight: {premium:?} s"
+    );
+    assert_eq!(shown("premium", "n longest-wait").as_deref(), Some("–"));
     // The page and the upstream agree: what it shows in flight is what the upstream holds.
     assert_eq!(mock.in_flight(), 4);
     // Tokens served per tenant, as the store counts them for the fair queue.

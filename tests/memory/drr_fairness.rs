@@ -943,3 +943,48 @@ async fn queue_depth_and_fairness_index_are_published() {
     assert_eq!(gauge(&published, FAIRNESS_INDEX, None), Some(1.0));
     assert_eq!(drr.fairness_index(), Some(1.0));
 }
+
+/// The longest wait is the oldest waiting request's, by tier and class, as a status page
+/// reads it while the calls have not finished.
+#[tokio::test(start_paused = true)]
+async fn the_longest_wait_is_the_oldest_waiting_requests_age_by_class() {
+    let layer = fairgate::DrrFairnessLayer::new(fairgate::Store::memory(), 1);
+    let (gate_tx, gate_rx) = tokio::sync::watch::channel(false);
+    let service = tower::ServiceBuilder::new()
+        .layer(layer.clone())
+        .service(tower::service_fn(move |_req: http::Request<()>| {
+            let mut open = gate_rx.clone();
+            async move {
+                let _ = open.wait_for(|open| *open).await;
+                Ok::<_, std::convert::Infallible>(())
+            }
+        }));
+    let call = |origin: fairgate::Origin| {
+        let mut req = http::Request::new(());
+        req.extensions_mut().insert(fairgate::Job::new("t", origin));
+        tokio::spawn(tower::ServiceExt::oneshot(service.clone(), req))
+    };
+    assert_eq!(layer.longest_wait(None, None), None);
+    let _running = call(fairgate::Origin::UserAction);
+    tokio::task::yield_now().await;
+    let _first = call(fairgate::Origin::BatchJob);
+    tokio::task::yield_now().await;
+    tokio::time::advance(std::time::Duration::from_secs(3)).await;
+    let _second = call(fairgate::Origin::BatchJob);
+    tokio::task::yield_now().await;
+    tokio::time::advance(std::time::Duration::from_secs(1)).await;
+    assert_eq!(layer.queued(None), 2);
+    assert_eq!(
+        layer.longest_wait(None, None),
+        Some(std::time::Duration::from_secs(4))
+    );
+    assert_eq!(
+        layer.longest_wait(None, Some(fairgate::Priority::Critical)),
+        None
+    );
+    gate_tx.send(true).unwrap();
+    for _ in 0..10 {
+        tokio::task::yield_now().await;
+    }
+    assert_eq!(layer.longest_wait(None, None), None);
+}

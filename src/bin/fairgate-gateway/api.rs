@@ -43,6 +43,7 @@ use super::auth::{AuthGuard, Verdict};
 use super::batches::{Batches, Owner};
 use super::config::Config;
 use super::cost::settling;
+use super::flights::Flights;
 use super::holders::{Claim, Held, Holders, Spent};
 use super::identity::KeyPolicy;
 use super::record::{Probe, Recorder, Recording, Trace};
@@ -61,6 +62,8 @@ pub(crate) struct Live {
     pub(crate) store: Store,
     /// The fair queue's handle: calls waiting and in flight, for the admin page.
     pub(crate) fair: fairgate::DrrFairnessLayer,
+    /// The calls gone to the upstream whose answer has not ended, for the admin page.
+    pub(crate) flights: Arc<Flights>,
     /// Settles each call's charge on its answer's usage (the `cost` module).
     settler: fairgate::drr_fairness::Settler,
     messages: Messages,
@@ -82,6 +85,8 @@ impl Live {
         let fair = fairgate.fairness().clone();
         let settler = fairgate.settler();
         let upstream = upstream.clone();
+        let flights = Arc::new(Flights::default());
+        let in_flight = flights.clone();
         let send = service_fn(move |req: Request<Full<Bytes>>| {
             let upstream = upstream.clone();
             if let Some(probe) = req.extensions().get::<Probe>() {
@@ -95,6 +100,8 @@ impl Live {
                 debug!(tenant = %job.tenant(), class = applied.class, queued_ms = applied.queued_ms, "dispatched");
                 applied
             });
+            // In flight for the live page until the answer's last byte (or its drop).
+            let flight = job.as_ref().map(|job| in_flight.begin(job));
             async move {
                 let mut response = upstream
                     .send(req.map(|body| body.map_err(|never| match never {}).boxed_unsync()))
@@ -102,6 +109,13 @@ impl Live {
                 if let Some(job) = job {
                     response.extensions_mut().insert(job);
                 }
+                let response = response.map(|body| {
+                    body.map_frame(move |frame| {
+                        let _in_flight = &flight;
+                        frame
+                    })
+                    .boxed_unsync()
+                });
                 Ok::<_, BoxError>(match applied {
                     Some(applied) => applied.tell(response),
                     None => response,
@@ -130,6 +144,7 @@ impl Live {
             config,
             store,
             fair,
+            flights,
             settler,
             messages: BoxCloneSyncService::new(stack),
         })

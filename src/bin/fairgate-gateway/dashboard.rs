@@ -6,15 +6,19 @@
 //! state the metrics do: the store for the slots in use (the whole fleet's on Redis) and the
 //! cooldown gates, the fair queue for the calls waiting here, and the metrics this process
 //! publishes for the rest (latency quantiles of the last minute's answered calls, from the
-//! histogram's buckets; `Busy` by reason, this worker's fairness
-//! index, the learned limits, the demoted tenants). The tenants' served tokens come from the
-//! store too (the fleet's on Redis), and Jain's index over them is the fleet's.
+//! histogram's buckets; `Busy` by reason, the learned limits, the demoted tenants). Calls
+//! not yet finished are shown as they run: how long the oldest waiting and the oldest in
+//! flight have been, per tier and class (the fair queue's waiting requests, the `flights`
+//! book), and the tokens in flight apart from those served. The tenants' served tokens come
+//! from the store (the fleet's on Redis); the fairness index is the fair queue's, one
+//! number (the fleet's on Redis).
 
 use std::collections::BTreeMap;
 
 use fairgate::{Priority, TenantId, metrics};
 
 use super::api::Live;
+use super::flights::Aloft;
 use super::record::json_string as json;
 
 /// The page.
@@ -77,13 +81,10 @@ fn num(x: f64) -> String {
 
 /// The numbers of the live page, as JSON.
 pub(crate) async fn live_json(live: &Live, metrics_text: &str) -> String {
-    let tiers = tiers(live, metrics_text).await;
-    let classes = classes(live, metrics_text);
-    let Served {
-        tenants,
-        total,
-        fleet_jain,
-    } = served(live).await;
+    let aloft = live.flights.aloft();
+    let tiers = tiers(live, metrics_text, &aloft).await;
+    let classes = classes(live, metrics_text, &aloft);
+    let Served { tenants, total } = served(live).await;
     let gauge = |name: &str| -> String {
         samples(metrics_text, name)
             .first()
@@ -100,9 +101,9 @@ pub(crate) async fn live_json(live: &Live, metrics_text: &str) -> String {
     format!(
         concat!(
             r#"{{"store":{{"backend":{},"degraded":{}}},"#,
-            r#""window":{{"in_flight":{},"max":{},"queued":{}}},"#,
+            r#""window":{{"in_flight":{},"max":{},"queued":{},"longest_wait_ms":{},"#,
+            r#""oldest_in_flight_ms":{},"tokens_in_flight":{}}},"#,
             r#""tiers":[{}],"classes":[{}],"tenants":[{}],"fairness_index":{},"#,
-            r#""worker_fairness_index":{},"#,
             r#""upstreams":[{}],"input_tokens_last_minute":{},"#,
             r#""probes":{{"cold_start":{},"recovery":{}}},"demoted_tenants":{}}}"#
         ),
@@ -111,11 +112,15 @@ pub(crate) async fn live_json(live: &Live, metrics_text: &str) -> String {
         live.fair.in_flight(),
         live.fair.max_in_flight(),
         live.fair.queued(None),
+        ms(live.fair.longest_wait(None, None)),
+        ms(aloft.oldest),
+        aloft.tokens,
         tiers.join(","),
         classes.join(","),
         tenants.join(","),
-        fleet_jain.map_or("null".to_owned(), num),
-        gauge(metrics::FAIRNESS_INDEX),
+        // One index: the fair queue's, over the tenants that waited in its window (the
+        // fleet's on Redis, as `claude_drr_fairness_index` publishes it).
+        live.fair.fairness_index().map_or("null".to_owned(), num),
         gates.join(","),
         num(total),
         num(probes_of("cold_start")),
@@ -124,8 +129,14 @@ pub(crate) async fn live_json(live: &Live, metrics_text: &str) -> String {
     )
 }
 
-/// Per tier: its cap, its calls in flight and waiting, and its refusals by reason.
-async fn tiers(live: &Live, metrics_text: &str) -> Vec<String> {
+/// A duration in whole milliseconds as JSON (`null` for none).
+fn ms(duration: Option<std::time::Duration>) -> String {
+    duration.map_or("null".to_owned(), |d| d.as_millis().to_string())
+}
+
+/// Per tier: its cap, its calls in flight and waiting (and for how long the oldest of
+/// each), and its refusals by reason.
+async fn tiers(live: &Live, metrics_text: &str, aloft: &Aloft) -> Vec<String> {
     let busy = samples(metrics_text, metrics::SERVER_BUSY);
     let mut tiers = Vec::new();
     for (tier, limit) in live.config.policy.tiers() {
@@ -137,9 +148,17 @@ async fn tiers(live: &Live, metrics_text: &str) -> Vec<String> {
                 .fold(0.0, |sum, s| sum + s.value)
         };
         tiers.push(format!(
-            r#"{{"tier":{},"cap":{},"in_flight":{in_flight},"waiting":{waiting},"busy":{{"slot":{},"rate":{},"cooldown":{},"store":{}}}}}"#,
+            concat!(
+                r#"{{"tier":{},"cap":{},"in_flight":{},"waiting":{},"#,
+                r#""longest_wait_ms":{},"oldest_in_flight_ms":{},"#,
+                r#""busy":{{"slot":{},"rate":{},"cooldown":{},"store":{}}}}}"#
+            ),
             json(tier.as_str()),
             limit.cap,
+            in_flight,
+            waiting,
+            ms(live.fair.longest_wait(Some(&tier), None)),
+            ms(aloft.oldest_by_tier.get(tier.as_str()).copied()),
             num(by_reason("slot")),
             num(by_reason("rate")),
             num(by_reason("cooldown")),
@@ -149,9 +168,10 @@ async fn tiers(live: &Live, metrics_text: &str) -> Vec<String> {
     tiers
 }
 
-/// Per priority class: its calls queued and the median and 99th percentile of its answered
-/// calls' latency over about the last minute.
-fn classes(live: &Live, metrics_text: &str) -> Vec<String> {
+/// Per priority class: its calls queued, how long the oldest waiting and the oldest in
+/// flight have been (calls not yet finished), and the median and 99th percentile of its
+/// answered calls' latency over about the last minute.
+fn classes(live: &Live, metrics_text: &str, aloft: &Aloft) -> Vec<String> {
     let recent = recent_latency(metrics_text);
     Priority::ALL
         .iter()
@@ -159,9 +179,14 @@ fn classes(live: &Live, metrics_text: &str) -> Vec<String> {
         .map(|(&class, buckets)| {
             let ms = |q: f64| quantile(&buckets, q).map_or("null".to_owned(), |s| num(s * 1000.0));
             format!(
-                r#"{{"class":{},"queued":{},"p50_ms":{},"p99_ms":{}}}"#,
+                concat!(
+                    r#"{{"class":{},"queued":{},"longest_wait_ms":{},"#,
+                    r#""oldest_in_flight_ms":{},"p50_ms":{},"p99_ms":{}}}"#
+                ),
                 json(class.as_str()),
                 live.fair.queued(Some(class)),
+                self::ms(live.fair.longest_wait(None, Some(class))),
+                self::ms(aloft.oldest_by_class.get(class.as_str()).copied()),
                 ms(0.5),
                 ms(0.99),
             )
@@ -260,8 +285,6 @@ struct Served {
     tenants: Vec<String>,
     /// Every tenant's tokens together.
     total: f64,
-    /// Jain's index over the weighed tokens of the tenants served at all.
-    fleet_jain: Option<f64>,
 }
 
 async fn served(live: &Live) -> Served {
@@ -286,12 +309,6 @@ async fn served(live: &Live) -> Served {
         served.push((tenant, tier, weight, tokens as f64));
     }
     let total = served.iter().fold(0.0, |sum, s| sum + s.3);
-    let active: Vec<f64> = served
-        .iter()
-        .filter(|s| s.3 > 0.0)
-        .map(|s| s.3 / s.2)
-        .collect();
-    let fleet_jain = fairgate::drr_fairness::scheduler::jain_index(active.iter().copied());
     served.sort_by(|a, b| b.3.total_cmp(&a.3));
     let tenants: Vec<String> = served
         .iter()
@@ -308,11 +325,7 @@ async fn served(live: &Live) -> Served {
             )
         })
         .collect();
-    Served {
-        tenants,
-        total,
-        fleet_jain,
-    }
+    Served { tenants, total }
 }
 
 /// Per upstream key: its learned limits and how long its cooldown gate stays closed.

@@ -23,6 +23,7 @@
 //! - `server`: connections (cap, header / body / keep-alive timeouts, drain);
 //! - `admin`: `/metrics`, `/healthz`, `/readyz`, `/status` on the admin listener (its token);
 //! - `dashboard`: the admin listener's live page (`/`) and its numbers (`/live`);
+//! - `flights`: the calls gone to the upstream whose answer has not ended, for the page;
 //! - `record`: `--record`, the admitted calls as JSON lines for the simulator's replay;
 //! - `upstream`: the upstream client.
 
@@ -34,6 +35,7 @@ mod batches;
 mod config;
 mod cost;
 mod dashboard;
+mod flights;
 mod holders;
 mod identity;
 mod otlp;
