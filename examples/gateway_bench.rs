@@ -13,6 +13,10 @@
 //! cost of the path, not of waiting). Each scenario runs at concurrency 1 (the added
 //! latency) and at concurrency C (default 32, the throughput), N requests each (default
 //! 2,000 and 10,000), at most 20 s each. A streamed call is timed to its last byte.
+//!
+//! Through the gateway each scenario runs twice: with an ordinary key, and with a service
+//! key (`users = true`) whose calls name one of 100,000 end users in `metadata.user_id`
+//! (each call a tenant of its own, hashed): what acting for end users adds to the path.
 
 #[path = "../tests/support/anthropic.rs"]
 mod anthropic;
@@ -30,6 +34,9 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 
 const KEY: &str = "sk-bench-premium";
+const SERVICE_KEY: &str = "sk-bench-service";
+/// The end users a service key's calls name, one after another.
+const USERS: usize = 100_000;
 const LIMIT: Duration = Duration::from_secs(20);
 
 type HttpClient = Client<HttpConnector, Full<Bytes>>;
@@ -64,6 +71,8 @@ fn start_gateway(upstream: &str, redis: Option<&str>) -> (Gateway, String) {
         &keys,
         format!(
             "[[keys]]\nkey = \"{KEY}\"\ntenant = \"bench\"\ntier = \"premium\"\n\n\
+             [[keys]]\nkey = \"{SERVICE_KEY}\"\ntenant = \"bench-service\"\nusers = true\n\
+             tier = \"premium\"\n\n\
              [limits]\nglobal_max = 512\ndaily_token_budget = 1000000000\n\n\
              [[tiers]]\nname = \"premium\"\ncap = 512\nmax_wait_ms = 60000\n"
         ),
@@ -98,20 +107,29 @@ fn start_gateway(upstream: &str, redis: Option<&str>) -> (Gateway, String) {
     (gateway, url)
 }
 
-fn body(stream: bool) -> Bytes {
+fn body(stream: bool, user: Option<usize>) -> Bytes {
+    let metadata = user.map_or(String::new(), |user| {
+        format!(r#""metadata":{{"user_id":"user-{user}"}},"#)
+    });
     Bytes::from(format!(
-        r#"{{"model":"claude-mock-1","max_tokens":64,"stream":{stream},"messages":[{{"role":"user","content":"Hello, how are you today?"}}]}}"#
+        r#"{{"model":"claude-mock-1","max_tokens":64,"stream":{stream},{metadata}"messages":[{{"role":"user","content":"Hello, how are you today?"}}]}}"#
     ))
 }
 
-/// One call, timed to its last byte.
-async fn call(client: &HttpClient, url: &str, stream: bool, expect: usize) -> Duration {
+/// One call, timed to its last byte: of the service key, naming `user`, when one is given.
+async fn call(
+    client: &HttpClient,
+    url: &str,
+    stream: bool,
+    expect: usize,
+    user: Option<usize>,
+) -> Duration {
     let started = Instant::now();
     let req = http::Request::post(format!("{url}/v1/messages"))
-        .header("x-api-key", KEY)
+        .header("x-api-key", if user.is_some() { SERVICE_KEY } else { KEY })
         .header("anthropic-version", "2023-06-01")
         .header("content-type", "application/json")
-        .body(Full::new(body(stream)))
+        .body(Full::new(body(stream, user)))
         .unwrap();
     let response = client.request(req).await.expect("the call");
     assert_eq!(response.status(), 200);
@@ -127,7 +145,9 @@ struct Run {
     p99: Duration,
 }
 
-async fn run(url: &str, stream: bool, requests: usize, concurrency: usize) -> Run {
+/// `requests` calls, `concurrency` at a time; of the service key, each naming the next of
+/// [`USERS`] end users, when `users`.
+async fn run(url: &str, stream: bool, requests: usize, concurrency: usize, users: bool) -> Run {
     let client: HttpClient = Client::builder(TokioExecutor::new())
         .pool_max_idle_per_host(concurrency)
         .build_http();
@@ -137,8 +157,9 @@ async fn run(url: &str, stream: bool, requests: usize, concurrency: usize) -> Ru
         anthropic::MESSAGE_JSON.len()
     };
     // Warm the connections up.
-    for _ in 0..concurrency.min(8) {
-        call(&client, url, stream, expect).await;
+    let user = |n: usize| users.then_some(n % USERS);
+    for n in 0..concurrency.min(8) {
+        call(&client, url, stream, expect, user(n)).await;
     }
     let next = Arc::new(AtomicUsize::new(0));
     let started = Instant::now();
@@ -147,8 +168,13 @@ async fn run(url: &str, stream: bool, requests: usize, concurrency: usize) -> Ru
             let (client, url, next) = (client.clone(), url.to_owned(), next.clone());
             tokio::spawn(async move {
                 let mut times = Vec::new();
-                while next.fetch_add(1, Ordering::Relaxed) < requests && started.elapsed() < LIMIT {
-                    times.push(call(&client, &url, stream, expect).await);
+                loop {
+                    let n = next.fetch_add(1, Ordering::Relaxed);
+                    if n >= requests || started.elapsed() >= LIMIT {
+                        break;
+                    }
+                    let user = users.then_some(n % USERS);
+                    times.push(call(&client, &url, stream, expect, user).await);
                 }
                 times
             })
@@ -201,12 +227,17 @@ async fn main() {
     for stream in [false, true] {
         for c in [1, concurrency] {
             let n = requests.unwrap_or(if c == 1 { 2_000 } else { 10_000 });
-            let base = run(&direct, stream, n, c).await;
-            let through = run(&gateway, stream, n, c).await;
+            let base = run(&direct, stream, n, c, false).await;
+            let through = run(&gateway, stream, n, c, false).await;
+            let users = run(&gateway, stream, n, c, true).await;
             let kind = if stream { "stream" } else { "message" };
-            for (path, r) in [("direct", &base), ("gateway", &through)] {
+            for (path, r) in [
+                ("direct", &base),
+                ("gateway", &through),
+                ("gateway, end users", &users),
+            ] {
                 let added = |a: Duration, b: Duration| {
-                    if path == "gateway" {
+                    if path != "direct" {
                         format!("{:+.3}", ms(a) - ms(b))
                     } else {
                         "".into()
