@@ -2124,6 +2124,12 @@ impl Ticket {
         };
         self.shared = None;
         self.held_for = Some(held_for);
+        if held_for == WaitReason::Rate {
+            // Held here for the provider's rate: the pacing wait the retry layer records for
+            // the calls it paces itself, recorded for those the fair order paced.
+            metrics::histogram!(Metric::PacingWaitSeconds.name())
+                .record(self.arrived.elapsed().as_secs_f64());
+        }
         Poll::Ready(Ok(Permit::new(
             shared,
             self.group,

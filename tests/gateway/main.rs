@@ -2,7 +2,8 @@
 //! ports: its calls and clients (`proxy`), the attacks on it (`attacks`), batches kept to
 //! their owner (`batches`), what a call costs (`cost`), what a newcomer meets first
 //! (`first_hour`: the quickstart, logs, metrics, the gateway's own answers), what one key
-//! holder cannot take from the others (`isolation`), its keys, admin token and start
+//! holder cannot take from the others (`isolation`), the Grafana dashboard's queries in a
+//! real Prometheus (`dashboard`), its keys, admin token and start
 //! without Redis (`keys`), its live page (`page`), its rate under a provider's limit
 //! (`rate`), its record of calls (`record`), its traces over OTLP (`traces`) and what each
 //! tenant used, for billing (`usage`).
@@ -19,6 +20,7 @@ mod support;
 mod attacks;
 mod batches;
 mod cost;
+mod dashboard;
 mod first_hour;
 mod isolation;
 mod keys;

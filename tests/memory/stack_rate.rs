@@ -585,14 +585,18 @@ async fn after_a_429_the_reopened_gate_serves_waiting_critical_calls_before_a_ba
 
 // 7. `Busy` says what it waited for.
 
-/// `claude_server_busy_total` by its labels, from `recorder`'s snapshot: (labels, value).
-fn busy_counters(
-    snapshotter: &metrics_util::debugging::Snapshotter,
-) -> Vec<(Vec<(String, String)>, u64)> {
-    snapshotter
-        .snapshot()
-        .into_vec()
-        .into_iter()
+/// A recorder's snapshot, as a list (taking one drains the histograms and counters).
+type Snapshot = Vec<(
+    metrics_util::CompositeKey,
+    Option<metrics::Unit>,
+    Option<metrics::SharedString>,
+    DebugValue,
+)>;
+
+/// `claude_server_busy_total` by its labels, from a recorder's snapshot: (labels, value).
+fn busy_counters(snapshot: &Snapshot) -> Vec<(Vec<(String, String)>, u64)> {
+    snapshot
+        .iter()
         .filter(|(key, ..)| key.key().name() == "claude_server_busy_total")
         .map(|(key, _, _, value)| {
             let labels = key
@@ -601,7 +605,7 @@ fn busy_counters(
                 .map(|l| (l.key().to_owned(), l.value().to_owned()))
                 .collect();
             let value = match value {
-                DebugValue::Counter(n) => n,
+                DebugValue::Counter(n) => *n,
                 other => panic!("a counter, not {other:?}"),
             };
             (labels, value)
@@ -633,7 +637,18 @@ async fn busy_behind_the_rate_says_it_waited_for_the_rate() {
         .map(|_| rig.send(ZERO, user("guest-a", "guest").cost(500)))
         .collect();
     let guests = joined(guests).await;
-    let counters = busy_counters(&snapshotter);
+    // The guests the fair order held for the rate and then sent: their wait is the pacing
+    // wait, as the retry layer records it for the calls it paces itself.
+    let snapshot = snapshotter.snapshot().into_vec();
+    let paced: usize = snapshot
+        .iter()
+        .filter(|(key, ..)| key.key().name() == "claude_pacing_wait_seconds")
+        .map(|(.., value)| match value {
+            DebugValue::Histogram(waits) => waits.iter().filter(|w| w.into_inner() >= 1.0).count(),
+            _ => 0,
+        })
+        .sum();
+    let counters = busy_counters(&snapshot);
     let messages: Vec<&str> = guests
         .iter()
         .filter_map(|o| match &o.answer {
@@ -651,6 +666,11 @@ async fn busy_behind_the_rate_says_it_waited_for_the_rate() {
     );
     let busy = count(&guests, |o| o.busy().is_some());
     assert!(busy >= 5, "most guests wait out their 8 s: {busy} busy");
+    let served = count(&guests, Outcome::ok);
+    assert!(
+        paced + 2 >= served && paced > 0,
+        "{paced} pacing waits of 1 s or more recorded for {served} guests served"
+    );
     for o in guests.iter().filter(|o| o.busy().is_some()) {
         assert_eq!(o.busy(), Some(Reason::Rate), "{o:?}");
     }
@@ -675,7 +695,7 @@ async fn busy_behind_a_closed_cooldown_gate_says_it_waited_for_the_cooldown() {
     let trigger = rig.send(ZERO, user("trigger", "premium").cost(500));
     let guest = rig.send(secs(1.0), user("guest-a", "guest").cost(500));
     let guest = guest.await.unwrap();
-    let counters = busy_counters(&snapshotter);
+    let counters = busy_counters(&snapshotter.snapshot().into_vec());
     println!(
         "behind a closed gate: the guest sent at 1 s was answered {:?} after {:?}; \
          claude_server_busy_total: {counters:?}",
@@ -707,7 +727,7 @@ async fn busy_behind_a_full_tier_says_it_waited_for_a_slot() {
         .map(|_| rig.send(ZERO, user("guest-a", "guest").cost(500)))
         .collect();
     let guests = joined(guests).await;
-    let counters = busy_counters(&snapshotter);
+    let counters = busy_counters(&snapshotter.snapshot().into_vec());
     let message = guests.iter().find_map(|o| match &o.answer {
         Answer::Busy(_, text) => Some(text.clone()),
         _ => None,
