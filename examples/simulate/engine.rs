@@ -148,6 +148,8 @@ struct UpState {
     timeline: Vec<(f64, [u32; 4])>,
     /// `(seconds from start, tenant, input tokens)` per success, when it was answered.
     served: Vec<(f64, String, u32)>,
+    /// `(seconds from start, answered 429)` per attempt, when it arrived.
+    attempt_log: Vec<(f64, bool)>,
 }
 
 /// The mock Claude API: RPM / input / output token buckets, the
@@ -182,6 +184,7 @@ impl MockClaude {
                 in_flight: [0; 4],
                 timeline: Vec::new(),
                 served: Vec::new(),
+                attempt_log: Vec::new(),
             })),
             config: Arc::new(config),
         }
@@ -196,9 +199,21 @@ impl MockClaude {
         s.overloaded = 0;
         s.timeline.clear();
         s.served.clear();
+        s.attempt_log.clear();
     }
 
     fn arrive(&self, tier: usize, input: u32, output: u32, forced: Option<u16>) -> Verdict {
+        let verdict = self.judge(tier, input, output, forced);
+        let mut s = self.state.lock().unwrap();
+        let since = Instant::now()
+            .saturating_duration_since(s.start)
+            .as_secs_f64();
+        let throttled = matches!(verdict, Verdict::Throttled { .. });
+        s.attempt_log.push((since, throttled));
+        verdict
+    }
+
+    fn judge(&self, tier: usize, input: u32, output: u32, forced: Option<u16>) -> Verdict {
         let mut s = self.state.lock().unwrap();
         let now = Instant::now();
         let secs = now.saturating_duration_since(s.refilled).as_secs_f64();
@@ -532,6 +547,8 @@ pub struct Run {
     pub overloaded: u64,
     pub timeline: Vec<(f64, [u32; 4])>,
     pub served: Vec<(f64, String, u32)>,
+    /// `(seconds from start, answered 429)` per attempt at the upstream.
+    pub attempt_log: Vec<(f64, bool)>,
     /// Seconds simulated.
     pub simulated: f64,
 }
@@ -618,6 +635,7 @@ pub async fn run(
         overloaded: s.overloaded,
         timeline: s.timeline.clone(),
         served: s.served.clone(),
+        attempt_log: s.attempt_log.clone(),
         simulated,
     }
 }
@@ -1214,4 +1232,32 @@ pub fn latencies_by_tier(run: &Run, calls: &[Call]) -> BTreeMap<&'static str, Ve
         }
     }
     out
+}
+
+/// Served calls' latencies per tenant, as `latencies_by_tier` per tier.
+pub fn latencies_by_tenant(run: &Run, calls: &[Call]) -> BTreeMap<String, Vec<f64>> {
+    let mut out: BTreeMap<String, Vec<f64>> = BTreeMap::new();
+    for d in &run.done {
+        if d.answer == Answer::Served {
+            out.entry(calls[d.call].tenant.clone())
+                .or_default()
+                .push(d.latency);
+        }
+    }
+    out
+}
+
+/// The share of attempts answered 429 per `step` seconds: `(start of the step, share)`,
+/// for the steps with attempts.
+pub fn throttle_share_series(run: &Run, step: f64) -> Vec<(f64, f64)> {
+    let mut by_step: BTreeMap<u64, (u32, u32)> = BTreeMap::new();
+    for &(at, throttled) in &run.attempt_log {
+        let counts = by_step.entry((at / step) as u64).or_default();
+        counts.0 += u32::from(throttled);
+        counts.1 += 1;
+    }
+    by_step
+        .into_iter()
+        .map(|(k, (throttled, all))| (k as f64 * step, f64::from(throttled) / f64::from(all)))
+        .collect()
 }

@@ -178,6 +178,7 @@ async fn replay_file(
                     "At the upstream per tier, replayed under the policy",
                 ),
             ],
+            svg::Claim::None,
         );
         std::fs::write(path, picture).map_err(|e| format!("{path}: {e}"))?;
         eprintln!("wrote {path}");

@@ -1,10 +1,37 @@
-//! The simulator's picture, as hand-written SVG: the latency distribution per tier (CDF
-//! lines, naive dashed, fairgate solid) and the calls in flight per tier over time under
-//! each policy.
+//! The simulator's picture, as hand-written SVG: the scenario's claim where the tiers do
+//! not show it (the latency per tenant when one tenant's dump must not hold another up;
+//! the share of attempts answered 429 over time in a storm), the latency distribution per
+//! tier (CDF lines, naive dashed, fairgate solid) and the calls in flight per tier over
+//! time under each policy. Each claim's line carries an `id` naming its series.
 
 use std::fmt::Write;
 
-use crate::engine::{Outcome, Run, Size, TIERS, in_flight_series, latencies_by_tier};
+use crate::engine::{
+    Outcome, Run, Size, TIERS, in_flight_series, latencies_by_tenant, latencies_by_tier,
+    throttle_share_series,
+};
+
+/// What a picture shows beyond the tiers: its scenario's claim.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Claim {
+    /// Nothing more (the tiers tell it).
+    None,
+    /// Each tenant's latency, naive and fairgate: one tenant's dump must not hold another.
+    TenantLatency,
+    /// The share of attempts answered 429 per second, naive and fairgate.
+    ThrottleShare,
+}
+
+impl Claim {
+    /// The claim scenario `id` makes (see `engine::SCENARIOS`).
+    pub fn of_scenario(id: usize) -> Claim {
+        match id {
+            1 => Claim::TenantLatency,
+            3 => Claim::ThrottleShare,
+            _ => Claim::None,
+        }
+    }
+}
 
 const COLORS: [&str; 4] = ["#7b3294", "#2c7bb6", "#fdae61", "#d7191c"];
 const W: f64 = 900.0;
@@ -63,6 +90,17 @@ fn frame(
 }
 
 fn polyline(out: &mut String, points: &[(f64, f64)], color: &str, dashed: bool) {
+    polyline_named(out, points, color, dashed, None);
+}
+
+/// A polyline, with `id` naming its series when given.
+fn polyline_named(
+    out: &mut String,
+    points: &[(f64, f64)],
+    color: &str,
+    dashed: bool,
+    id: Option<&str>,
+) {
     let pts: Vec<String> = points
         .iter()
         .map(|(x, y)| format!("{x:.1},{y:.1}"))
@@ -72,9 +110,10 @@ fn polyline(out: &mut String, points: &[(f64, f64)], color: &str, dashed: bool) 
     } else {
         ""
     };
+    let id = id.map_or(String::new(), |id| format!(r#" id="{}""#, escape(id)));
     let _ = writeln!(
         out,
-        r#"<polyline fill="none" stroke="{color}" stroke-width="1.6"{dash} points="{}"/>"#,
+        r#"<polyline{id} fill="none" stroke="{color}" stroke-width="1.6"{dash} points="{}"/>"#,
         pts.join(" ")
     );
 }
@@ -158,6 +197,129 @@ fn cdfs(out: &mut String, top: f64, o: &Outcome, labels: [&str; 2]) {
     legend(out, top, &[(labels[0], true), (labels[1], false)]);
 }
 
+/// The points of a CDF of `values` in a panel at `top` whose x axis ends at `x_max`.
+fn cdf_points(values: &[f64], top: f64, x_max: f64) -> Vec<(f64, f64)> {
+    let bottom = top + PANEL_H - 40.0;
+    let mut v = values.to_vec();
+    v.sort_by(f64::total_cmp);
+    let n = v.len() as f64;
+    let step = (v.len() / 200).max(1);
+    let mut points: Vec<(f64, f64)> = v
+        .iter()
+        .enumerate()
+        .step_by(step)
+        .map(|(k, x)| {
+            (
+                LEFT + x / x_max * PLOT_W,
+                bottom - (k as f64 + 1.0) / n * (bottom - top),
+            )
+        })
+        .collect();
+    if let Some(x) = v.last() {
+        points.push((LEFT + x / x_max * PLOT_W, top));
+    }
+    points
+}
+
+/// A legend of named lines (a color each) and the two policies' dash styles.
+fn named_legend(out: &mut String, top: f64, names: &[(&str, &str)], labels: [&str; 2]) {
+    let x = LEFT + PLOT_W + 15.0;
+    for (i, (name, color)) in names.iter().enumerate() {
+        let y = top + 14.0 + 16.0 * i as f64;
+        let _ = writeln!(
+            out,
+            r#"<line x1="{x}" x2="{}" y1="{y}" y2="{y}" stroke="{color}" stroke-width="3"/><text x="{}" y="{}" font-size="11">{}</text>"#,
+            x + 20.0,
+            x + 26.0,
+            y + 4.0,
+            escape(name)
+        );
+    }
+    for (i, (label, dash)) in [(labels[0], r#" stroke-dasharray="6 4""#), (labels[1], "")]
+        .iter()
+        .enumerate()
+    {
+        let y = top + 90.0 + 16.0 * i as f64;
+        let _ = writeln!(
+            out,
+            r#"<line x1="{x}" x2="{}" y1="{y}" y2="{y}" stroke="black"{dash}/><text x="{}" y="{}" font-size="11">{}</text>"#,
+            x + 20.0,
+            x + 26.0,
+            y + 4.0,
+            escape(label)
+        );
+    }
+}
+
+/// Latency CDFs per tenant, both policies: lines `tenant-<name>-naive` and
+/// `tenant-<name>-fairgate`.
+fn tenant_cdfs(out: &mut String, top: f64, o: &Outcome, labels: [&str; 2]) {
+    let naive = latencies_by_tenant(&o.naive_run, &o.workload);
+    let fair = latencies_by_tenant(&o.fairgate_run, &o.workload);
+    let x_max = naive
+        .values()
+        .chain(fair.values())
+        .flatten()
+        .fold(1.0_f64, |m, v| m.max(*v))
+        .ceil();
+    frame(
+        out,
+        top,
+        "Latency of served calls per tenant (CDF): the claim",
+        "seconds from arrival to answer",
+        x_max,
+        "share of calls",
+        1.0,
+    );
+    let tenants: Vec<&String> = naive.keys().chain(fair.keys()).collect();
+    let mut names: Vec<&str> = tenants.iter().map(|t| t.as_str()).collect();
+    names.sort_unstable();
+    names.dedup();
+    let colors: Vec<(&str, &str)> = names
+        .iter()
+        .enumerate()
+        .map(|(i, name)| (*name, COLORS[(i * 3) % COLORS.len()]))
+        .collect();
+    for (by_tenant, policy, dashed) in [(&naive, "naive", true), (&fair, "fairgate", false)] {
+        for (name, color) in &colors {
+            if let Some(values) = by_tenant.get(*name) {
+                let id = format!("tenant-{name}-{policy}");
+                let points = cdf_points(values, top, x_max);
+                polyline_named(out, &points, color, dashed, Some(&id));
+            }
+        }
+    }
+    named_legend(out, top, &colors, labels);
+}
+
+/// The share of attempts answered 429 per second, both policies: lines
+/// `throttle-share-naive` and `throttle-share-fairgate`.
+fn throttle_shares(out: &mut String, top: f64, o: &Outcome, labels: [&str; 2], until: f64) {
+    let bottom = top + PANEL_H - 40.0;
+    frame(
+        out,
+        top,
+        "Share of attempts answered 429, per second: the claim",
+        "seconds",
+        until,
+        "share answered 429",
+        1.0,
+    );
+    for (run, policy, dashed) in [
+        (&o.naive_run, "naive", true),
+        (&o.fairgate_run, "fairgate", false),
+    ] {
+        let points: Vec<(f64, f64)> = throttle_share_series(run, 1.0)
+            .into_iter()
+            .filter(|(t, _)| *t <= until)
+            .map(|(t, share)| (LEFT + t / until * PLOT_W, bottom - share * (bottom - top)))
+            .collect();
+        let id = format!("throttle-share-{policy}");
+        polyline_named(out, &points, COLORS[3], dashed, Some(&id));
+    }
+    named_legend(out, top, &[("429 share", COLORS[3])], labels);
+}
+
 /// Calls in flight per tier over time, one policy.
 fn in_flight(out: &mut String, top: f64, run: &Run, title: &str, until: f64, y_max: f64) {
     let bottom = top + PANEL_H - 40.0;
@@ -193,12 +355,13 @@ pub fn render(o: &Outcome, size: Size) -> String {
             ("naive", "In flight per tier, naive (FIFO semaphore)"),
             ("fairgate", "In flight per tier, fairgate"),
         ],
+        Claim::of_scenario(o.id),
     )
 }
 
 /// The same picture under `heading`, the two runs named by `runs` (a legend label and an
-/// in-flight panel's title each; the first is drawn dashed).
-pub fn render_with(o: &Outcome, heading: &str, runs: [(&str, &str); 2]) -> String {
+/// in-flight panel's title each; the first is drawn dashed), with `claim`'s panel first.
+pub fn render_with(o: &Outcome, heading: &str, runs: [(&str, &str); 2], claim: Claim) -> String {
     let until = o.naive_run.simulated.max(o.fairgate_run.simulated).min(
         o.workload
             .last()
@@ -218,7 +381,9 @@ pub fn render_with(o: &Outcome, heading: &str, runs: [(&str, &str); 2]) -> Strin
     } else {
         y_max
     };
-    let height = 60.0 + 3.0 * (PANEL_H + 30.0);
+    let claimed = claim != Claim::None;
+    let panels = if claimed { 4.0 } else { 3.0 };
+    let height = 60.0 + panels * (PANEL_H + 30.0);
     let mut out = String::new();
     let _ = writeln!(
         out,
@@ -230,10 +395,18 @@ pub fn render_with(o: &Outcome, heading: &str, runs: [(&str, &str); 2]) -> Strin
         r#"<text x="{LEFT}" y="24" font-size="15" font-weight="bold">{}</text>"#,
         escape(heading)
     );
-    cdfs(&mut out, 60.0, o, [runs[0].0, runs[1].0]);
+    let labels = [runs[0].0, runs[1].0];
+    let top = |panel: f64| 60.0 + panel * (PANEL_H + 30.0);
+    match claim {
+        Claim::TenantLatency => tenant_cdfs(&mut out, top(0.0), o, labels),
+        Claim::ThrottleShare => throttle_shares(&mut out, top(0.0), o, labels, until),
+        Claim::None => {}
+    }
+    let first = if claimed { 1.0 } else { 0.0 };
+    cdfs(&mut out, top(first), o, labels);
     in_flight(
         &mut out,
-        60.0 + PANEL_H + 30.0,
+        top(first + 1.0),
         &o.naive_run,
         &escape(runs[0].1),
         until,
@@ -241,7 +414,7 @@ pub fn render_with(o: &Outcome, heading: &str, runs: [(&str, &str); 2]) -> Strin
     );
     in_flight(
         &mut out,
-        60.0 + 2.0 * (PANEL_H + 30.0),
+        top(first + 2.0),
         &o.fairgate_run,
         &escape(runs[1].1),
         until,

@@ -14,6 +14,9 @@ mod support;
 // The simulator's engine, shared by `simulate` and `replay` (the example's own modules).
 #[path = "../../examples/simulate/engine.rs"]
 mod engine;
+// The simulator's picture, checked for the series each scenario claims.
+#[path = "../../examples/simulate/svg.rs"]
+mod svg;
 
 mod adapters;
 mod dashboard;

@@ -115,3 +115,69 @@ async fn the_same_seed_prints_the_same_table_twice() {
     print!("{}", tables[0]);
     assert_eq!(tables[0], tables[1]);
 }
+
+/// The points of the polyline `id` in `svg`: `(x, y)` pairs, empty when there is none.
+fn series(svg: &str, id: &str) -> Vec<(f64, f64)> {
+    let Some(at) = svg.find(&format!(r#"id="{id}""#)) else {
+        return Vec::new();
+    };
+    let line = &svg[at..at + svg[at..].find("/>").unwrap_or(0)];
+    let Some(from) = line.find(r#"points=""#) else {
+        return Vec::new();
+    };
+    line[from + 8..]
+        .trim_end_matches('"')
+        .split_whitespace()
+        .filter_map(|pair| {
+            let (x, y) = pair.split_once(',')?;
+            Some((x.parse().ok()?, y.parse().ok()?))
+        })
+        .collect()
+}
+
+/// The `b-behind-a` picture draws each tenant's latency under both policies, and B's
+/// fairgate line reaches all of B's calls (y at the top) further left than its naive one:
+/// the claim, drawn.
+#[tokio::test(start_paused = true)]
+async fn the_b_behind_a_picture_draws_each_tenants_latency_under_both_policies() {
+    let o = scenario(1, SEED, Size::Small).await;
+    let svg = crate::svg::render(&o, Size::Small);
+    for id in [
+        "tenant-A-naive",
+        "tenant-A-fairgate",
+        "tenant-B-naive",
+        "tenant-B-fairgate",
+    ] {
+        assert!(series(&svg, id).len() >= 2, "{id} drawn in the picture");
+    }
+    let last_x = |id: &str| series(&svg, id).last().map_or(0.0, |p| p.0);
+    assert!(
+        last_x("tenant-B-fairgate") < last_x("tenant-B-naive"),
+        "B's slowest call: fairgate at x {} vs naive at x {}",
+        last_x("tenant-B-fairgate"),
+        last_x("tenant-B-naive")
+    );
+}
+
+/// The `storm` picture draws the share of attempts answered 429 over time under both
+/// policies, fairgate's lower on average: the claim, drawn.
+#[tokio::test(start_paused = true)]
+async fn the_storm_picture_draws_the_share_of_429s_over_time_under_both_policies() {
+    let o = scenario(3, SEED, Size::Small).await;
+    let svg = crate::svg::render(&o, Size::Small);
+    let naive = series(&svg, "throttle-share-naive");
+    let fair = series(&svg, "throttle-share-fairgate");
+    assert!(naive.len() >= 2 && fair.len() >= 2, "both shares drawn");
+    // SVG y grows downwards: a higher share is a smaller y.
+    let mean_y =
+        |points: &[(f64, f64)]| points.iter().map(|p| p.1).sum::<f64>() / points.len() as f64;
+    assert!(
+        mean_y(&fair) > mean_y(&naive),
+        "fairgate's 429 share drawn below naive's (mean y {} vs {})",
+        mean_y(&fair),
+        mean_y(&naive)
+    );
+    // Other scenarios claim nothing more than the tiers show.
+    let hog = scenario(2, SEED, Size::Small).await;
+    assert!(!crate::svg::render(&hog, Size::Small).contains("throttle-share"));
+}
