@@ -8,9 +8,7 @@ use super::Body;
 /// Marks an answer of the gateway's own as Anthropic's are: a `request-id` to quote in a
 /// report, and a reason phrase on `529` (hyper knows none for it: the line would end bare).
 pub(crate) fn mark(mut response: Response<Body>) -> Response<Body> {
-    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    if let Ok(id) = HeaderValue::from_str(&format!("req_fairgate_{:016x}", request_id(n))) {
+    if let Ok(id) = HeaderValue::from_str(&next_request_id()) {
         response.headers_mut().insert("request-id", id);
     }
     if response.status().as_u16() == 529 {
@@ -18,6 +16,13 @@ pub(crate) fn mark(mut response: Response<Body>) -> Response<Body> {
         response.extensions_mut().insert(reason);
     }
     response
+}
+
+/// The `request-id` of the gateway's next own answer (`req_fairgate_` and 16 hex digits).
+pub(crate) fn next_request_id() -> String {
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    format!("req_fairgate_{:016x}", request_id(n))
 }
 
 /// The id of the gateway's `n`th own answer: `n` through a keyed permutation (four Feistel

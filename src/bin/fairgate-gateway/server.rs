@@ -45,10 +45,20 @@ use super::Body;
 /// have small heads, and a trickled head costs at most this much.
 const MAX_HEAD: usize = 32 * 1024;
 
-/// The whole answer to a connection refused at the cap.
-const AT_CAPACITY: &[u8] = b"HTTP/1.1 529 Overloaded\r\ncontent-type: application/json\r\n\
-retry-after: 1\r\nconnection: close\r\ncontent-length: 99\r\n\r\n\
-{\"type\":\"error\",\"error\":{\"type\":\"overloaded_error\",\"message\":\"the gateway has no connection free\"}}";
+/// The body of the answer to a connection refused at the cap.
+const AT_CAPACITY: &str = r#"{"type":"error","error":{"type":"overloaded_error","message":"the gateway has no connection free"}}"#;
+
+/// The whole answer to a connection refused at the cap, marked as the gateway's other own
+/// answers are (a `request-id`).
+fn at_capacity() -> Vec<u8> {
+    format!(
+        "HTTP/1.1 529 Overloaded\r\ncontent-type: application/json\r\nretry-after: 1\r\n\
+         request-id: {}\r\nconnection: close\r\ncontent-length: {}\r\n\r\n{AT_CAPACITY}",
+        super::own_answer::next_request_id(),
+        AT_CAPACITY.len()
+    )
+    .into_bytes()
+}
 
 /// How long a connection never served must have been open, and a served one idle, before
 /// a newcomer at the cap may close it: a client's request is read well within the first,
@@ -440,7 +450,7 @@ where
     cut
 }
 
-/// Answers `tcp` [`AT_CAPACITY`] once its request's head has come (within
+/// Answers `tcp` [`at_capacity`] once its request's head has come (within
 /// [`REFUSAL_HEAD_WAIT`]), and closes it after reading away what else the client sent
 /// (within [`REFUSAL_LINGER`]); `_turn` bounds how many do so at once.
 async fn refuse(mut tcp: TcpStream, _turn: tokio::sync::OwnedSemaphorePermit) {
@@ -460,7 +470,7 @@ async fn refuse(mut tcp: TcpStream, _turn: tokio::sync::OwnedSemaphorePermit) {
         return;
     }
     let linger = async {
-        tcp.write_all(AT_CAPACITY).await?;
+        tcp.write_all(&at_capacity()).await?;
         tcp.shutdown().await?;
         let mut read = 0;
         while read < 64 * 1024 {
@@ -612,8 +622,9 @@ mod tests {
     use super::*;
 
     #[test]
-    fn the_answer_at_capacity_is_a_whole_http_response() {
-        let text = std::str::from_utf8(AT_CAPACITY).unwrap();
+    fn the_answer_at_capacity_is_a_whole_http_response_with_its_own_request_id() {
+        let bytes = at_capacity();
+        let text = std::str::from_utf8(&bytes).unwrap();
         let (head, body) = text.split_once("\r\n\r\n").unwrap();
         assert!(head.starts_with("HTTP/1.1 529 "));
         let length: usize = head
@@ -624,5 +635,14 @@ mod tests {
             .unwrap();
         assert_eq!(length, body.len());
         assert!(head.contains("\r\nretry-after: 1\r\n"));
+        let id = |text: &str| {
+            text.lines()
+                .find_map(|line| line.strip_prefix("request-id: "))
+                .map(str::to_owned)
+        };
+        let first = id(text).expect("a request-id");
+        assert!(first.starts_with("req_fairgate_"), "{first}");
+        let again = at_capacity();
+        assert_ne!(id(std::str::from_utf8(&again).unwrap()), Some(first));
     }
 }
