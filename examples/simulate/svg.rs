@@ -158,7 +158,6 @@ fn cdfs(out: &mut String, top: f64, o: &Outcome, labels: [&str; 2]) {
         .flatten()
         .fold(1.0_f64, |m, v| m.max(*v))
         .ceil();
-    let bottom = top + PANEL_H - 40.0;
     frame(
         out,
         top,
@@ -173,25 +172,7 @@ fn cdfs(out: &mut String, top: f64, o: &Outcome, labels: [&str; 2]) {
             let Some(values) = by_tier.get(tier) else {
                 continue;
             };
-            let mut v = values.clone();
-            v.sort_by(f64::total_cmp);
-            let n = v.len() as f64;
-            let step = (v.len() / 200).max(1);
-            let mut points: Vec<(f64, f64)> = v
-                .iter()
-                .enumerate()
-                .step_by(step)
-                .map(|(k, x)| {
-                    (
-                        LEFT + x / x_max * PLOT_W,
-                        bottom - (k as f64 + 1.0) / n * (bottom - top),
-                    )
-                })
-                .collect();
-            if let Some(x) = v.last() {
-                points.push((LEFT + x / x_max * PLOT_W, top));
-            }
-            polyline(out, &points, COLORS[i], dashed);
+            polyline(out, &cdf_points(values, top, x_max), COLORS[i], dashed);
         }
     }
     legend(out, top, &[(labels[0], true), (labels[1], false)]);
