@@ -148,16 +148,20 @@ fn legend(out: &mut String, top: f64, extra: &[(&str, bool)]) {
     }
 }
 
+/// The slowest latency in either map, in whole seconds (at least 1): a CDF panel's x axis.
+fn slowest<K>(maps: [&std::collections::BTreeMap<K, Vec<f64>>; 2]) -> f64 {
+    maps.iter()
+        .flat_map(|map| map.values())
+        .flatten()
+        .fold(1.0_f64, |m, v| m.max(*v))
+        .ceil()
+}
+
 /// Latency CDFs per tier, both policies.
 fn cdfs(out: &mut String, top: f64, o: &Outcome, labels: [&str; 2]) {
     let naive = latencies_by_tier(&o.naive_run, &o.workload);
     let fair = latencies_by_tier(&o.fairgate_run, &o.workload);
-    let x_max = naive
-        .values()
-        .chain(fair.values())
-        .flatten()
-        .fold(1.0_f64, |m, v| m.max(*v))
-        .ceil();
+    let x_max = slowest([&naive, &fair]);
     frame(
         out,
         top,
@@ -237,12 +241,7 @@ fn named_legend(out: &mut String, top: f64, names: &[(&str, &str)], labels: [&st
 fn tenant_cdfs(out: &mut String, top: f64, o: &Outcome, labels: [&str; 2]) {
     let naive = latencies_by_tenant(&o.naive_run, &o.workload);
     let fair = latencies_by_tenant(&o.fairgate_run, &o.workload);
-    let x_max = naive
-        .values()
-        .chain(fair.values())
-        .flatten()
-        .fold(1.0_f64, |m, v| m.max(*v))
-        .ceil();
+    let x_max = slowest([&naive, &fair]);
     frame(
         out,
         top,
