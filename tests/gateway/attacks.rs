@@ -1199,11 +1199,7 @@ async fn sighup_reloads_the_keys_without_dropping_a_call_and_a_bad_file_keeps_th
         .map(|_| {
             let url = gateway.url();
             tokio::spawn(async move {
-                client()
-                    .post(format!("{url}/v1/messages"))
-                    .header("x-api-key", GUEST_KEY)
-                    .body(messages_body(false))
-                    .send()
+                post_messages_at(&url, GUEST_KEY, &[], false)
                     .await
                     .unwrap()
                     .status()

@@ -115,15 +115,7 @@ fn panel_queries() -> Vec<(String, String)> {
 /// `n` calls of `key` with the headers `claims`, one after another.
 async fn calls(gateway: &Gateway, key: &str, claims: &[(&str, &str)], n: usize) {
     for _ in 0..n {
-        let mut request = client()
-            .post(format!("{}/v1/messages", gateway.url()))
-            .header("x-api-key", key)
-            .header("anthropic-version", "2023-06-01")
-            .header("content-type", "application/json");
-        for (name, value) in claims {
-            request = request.header(*name, *value);
-        }
-        let _ = request.body(messages_body(false)).send().await;
+        let _ = post_messages_at(&gateway.url(), key, claims, false).await;
     }
 }
 
@@ -147,14 +139,9 @@ async fn load(gateway: &Gateway, mock: &MockAnthropic) {
         .map(|_| {
             let url = gateway.url();
             tokio::spawn(async move {
-                client()
-                    .post(format!("{url}/v1/messages"))
-                    .header("x-api-key", GUEST_KEY)
-                    .body(messages_body(false))
-                    .send()
+                post_messages_at(&url, GUEST_KEY, &[], false)
                     .await
-                    .map(|r| r.status().as_u16())
-                    .unwrap_or(0)
+                    .map_or(0, |r| r.status().as_u16())
             })
         })
         .collect();

@@ -337,14 +337,26 @@ pub async fn post_messages(
     key: &str,
     stream: bool,
 ) -> reqwest::Result<reqwest::Response> {
-    client()
-        .post(format!("{}/v1/messages", gateway.url()))
+    post_messages_at(&gateway.url(), key, &[], stream).await
+}
+
+/// `POST /v1/messages` of `key` to the gateway at `url` (owned by a spawned task as easily
+/// as borrowed), with the extra headers `claims` (`x-fairgate-*`).
+pub async fn post_messages_at(
+    url: &str,
+    key: &str,
+    claims: &[(&str, &str)],
+    stream: bool,
+) -> reqwest::Result<reqwest::Response> {
+    let mut request = client()
+        .post(format!("{url}/v1/messages"))
         .header("x-api-key", key)
         .header("anthropic-version", "2023-06-01")
-        .header("content-type", "application/json")
-        .body(messages_body(stream))
-        .send()
-        .await
+        .header("content-type", "application/json");
+    for (name, value) in claims {
+        request = request.header(*name, *value);
+    }
+    request.body(messages_body(stream)).send().await
 }
 
 pub async fn eventually(within: Duration, mut check: impl AsyncFnMut() -> bool) -> bool {
