@@ -123,8 +123,10 @@ impl Job {
     /// group of their tier, as before.
     ///
     /// Name groups by what holds a key (a service, a team), never by end user: each group
-    /// of each tier is kept for the life of the layer. Two levels are kept by an in-process
-    /// store; on Redis the fleet's order is one level, across tenants (groups are ignored).
+    /// of each tier is kept for the life of the layer in an in-process store. On Redis the
+    /// fleet's order keeps the same two levels across every worker (start-time fair
+    /// queuing on the cost at both: groups, then a group's tenants), and there a job with
+    /// no group is a group of its own.
     ///
     /// ```
     /// use fairgate::{Job, Origin};

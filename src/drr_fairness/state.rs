@@ -65,6 +65,9 @@ pub(super) struct Waiter {
     /// Its class and when it arrived, for who asks how long the queue has been waiting.
     class: Priority,
     arrived: Instant,
+    /// The group its tenant is fair-queued in ([`Job::group`]), for the fleet's order on a
+    /// shared store (an in-process store keeps groups apart as `Group`s of their own).
+    group: Option<TenantId>,
 }
 
 /// The requests of one tier under the store's slot policy (or, group 0, of every request no
@@ -752,8 +755,8 @@ impl FairQueue {
             });
         };
         let (tier, limit, _) = policy.limit(job.tier_name());
-        // A job's group is a level of its own in an in-process store; the fleet's order on
-        // a shared store is one level (its wake-ups name a tier and a tenant).
+        // A job's group is a level of its own in an in-process store; on a shared store the
+        // fleet's order keeps the groups (its wake-ups name a tier and a tenant).
         let named = job
             .group_name()
             .filter(|_| !self.slot_store().is_remote())
@@ -937,6 +940,7 @@ impl FairQueue {
             cost: job.estimated_tokens(),
             class,
             arrived,
+            group: job.group_name().filter(|_| self.fleet()).cloned(),
         };
         let g = &mut state.groups[group];
         let was_idle = g.scheduler.class_len(class) == 0;
@@ -1420,16 +1424,16 @@ impl FairQueue {
             Some(tenant) => g.scheduler.tenant_len(class, tenant),
             None => g.scheduler.len(),
         };
-        let cost = flow
-            .and_then(|tenant| g.scheduler.peek_tenant(class, tenant))
-            .map_or(1, |head| {
-                u64::from(head.cost).clamp(1, self.config.max_charge())
-            });
+        let head = flow.and_then(|tenant| g.scheduler.peek_tenant(class, tenant));
+        let cost = head.map_or(1, |head| {
+            u64::from(head.cost).clamp(1, self.config.max_charge())
+        });
         SlotQueue {
             weight: self.weights.of(Some(&slots.tier)),
             class,
             class_weight: self.config.class_weights.get(class),
             tenant: flow.cloned(),
+            group: head.and_then(|head| head.group.clone()),
             cost,
             waiting: u32::try_from(waiting).unwrap_or(u32::MAX),
             cells,

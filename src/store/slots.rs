@@ -91,6 +91,9 @@ pub(crate) struct SlotQueue {
     /// The call's tenant; `None` for a worker that orders its calls of the tier itself
     /// (one flow per tier).
     pub(crate) tenant: Option<TenantId>,
+    /// The group of the tenant ([`crate::Job::group`]), fair-queued first; `None`: the
+    /// tenant is a group of its own.
+    pub(crate) group: Option<TenantId>,
     /// What the call costs in tokens, as the fair queue charges it.
     pub(crate) cost: u64,
     /// How many calls of the flow wait at this worker, this one included: the worker is

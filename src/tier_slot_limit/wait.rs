@@ -253,6 +253,7 @@ impl SlotLimiter {
             class: crate::Priority::Standard,
             class_weight: 1,
             tenant: None,
+            group: None,
             cost: 1,
             waiting: u32::try_from(waiting.max(1)).unwrap_or(u32::MAX),
             cells: None,

@@ -402,9 +402,12 @@ async fn queue_leftovers(server: &RedisServer) -> Vec<String> {
         left = String::from_utf8_lossy(&out.stdout)
             .lines()
             .filter(|key| {
-                [":flows:", ":fw:", ":fin:", ":wants", ":costs", ":waiting"]
-                    .iter()
-                    .any(|part| key.contains(part))
+                [
+                    ":flows:", ":fw:", ":fin:", ":groups:", ":gfin:", ":gv:", ":fg:", ":wants",
+                    ":costs", ":waiting",
+                ]
+                .iter()
+                .any(|part| key.contains(part))
             })
             .map(str::to_owned)
             .collect();

@@ -582,13 +582,54 @@ async fn the_recording_names_no_user_in_clear() {
 async fn two_services_1000_users_and_1_user_each_get_one_share() {
     let _turn = crate::support::file_turn(module_path!());
     let _serial = SERIAL.lock().await;
-    const WINDOW: usize = 4;
     let mock = MockAnthropic::start();
     mock.set_delay(Duration::from_millis(50));
-    let gateway = Gateway::start(&mock.url(), &keys(WINDOW as u32, None, ""), None);
-    let url = gateway.url();
-    let send = |key: &'static str, user: String| {
-        let url = url.clone();
+    let gateway = Gateway::start(&mock.url(), &keys(4, None, ""), None);
+    let solo = two_services_share(&mock, &[gateway]).await;
+    println!(
+        "one gateway: of 200 dispatches with both backlogged: solo-app {solo}, companion-app \
+         (1,000 users) {}",
+        200 - solo
+    );
+    assert!(
+        (85..=115).contains(&solo),
+        "the 1-user service got {solo} of 200"
+    );
+}
+
+/// The same on Redis with three gateways: the fleet's order keeps the two levels (keys,
+/// then a key's end users), whichever gateway holds the calls.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_services_1000_users_and_1_user_each_get_one_share_on_three_gateways() {
+    let _turn = crate::support::file_turn(module_path!());
+    let _serial = SERIAL.lock().await;
+    let redis = crate::support::RedisServer::start();
+    let mock = MockAnthropic::start();
+    mock.set_delay(Duration::from_millis(50));
+    let keys = keys(4, None, "");
+    let gateways: Vec<Gateway> = (0..3)
+        .map(|_| Gateway::start(&mock.url(), &keys, Some(&redis.url())))
+        .collect();
+    let solo = two_services_share(&mock, &gateways).await;
+    println!(
+        "three gateways on Redis: of 200 dispatches with both backlogged: solo-app {solo}, \
+         companion-app (1,000 users) {}; the upstream saw at most {} at once",
+        200 - solo,
+        mock.max_in_flight()
+    );
+    assert!(mock.max_in_flight() <= 4, "the fleet kept the global cap");
+    assert!(
+        (80..=120).contains(&solo),
+        "the 1-user service got {solo} of 200"
+    );
+}
+
+/// One call for each of 1,000 users of the service key and 300 calls of the solo key's one
+/// user, spread over `gateways`; once both are backlogged, how many of the next 200 calls
+/// the upstream sees are the solo user's.
+async fn two_services_share(mock: &MockAnthropic, gateways: &[Gateway]) -> usize {
+    let send = |i: usize, key: &'static str, user: String| {
+        let url = gateways[i % gateways.len()].url();
         tokio::spawn(async move {
             let _ = client()
                 .post(format!("{url}/v1/messages"))
@@ -600,13 +641,17 @@ async fn two_services_1000_users_and_1_user_each_get_one_share() {
         })
     };
     let mut calls: Vec<_> = (0..1000)
-        .map(|u| send(SERVICE_KEY, format!("many-{u}")))
+        .map(|u| send(u, SERVICE_KEY, format!("many-{u}")))
         .collect();
-    calls.extend((0..300).map(|_| send(SOLO_KEY, "solo-user".to_owned())));
-    // Both backlogged: most of the 1,300 calls wait in the fair queue.
+    calls.extend((0..300).map(|i| send(i, SOLO_KEY, "solo-user".to_owned())));
+    // Both backlogged: most of the 1,300 calls wait in the fair queues.
     assert!(
         eventually(Duration::from_secs(60), async || {
-            metric_sum(&gateway.metrics().await, "claude_queue_depth") >= 1000.0
+            let mut queued = 0.0;
+            for gateway in gateways {
+                queued += metric_sum(&gateway.metrics().await, "claude_queue_depth");
+            }
+            queued >= 1000.0
         })
         .await,
         "the calls queue"
@@ -622,19 +667,10 @@ async fn two_services_1000_users_and_1_user_each_get_one_share() {
         call.abort();
     }
     let seen = mock.requests();
-    let window = &seen[from..from + 200];
-    let solo = window
+    seen[from..from + 200]
         .iter()
         .filter(|r| user_of(&r.body) == "solo-user")
-        .count();
-    println!(
-        "of 200 dispatches with both backlogged: solo-app {solo}, companion-app (1,000 users) {}",
-        200 - solo
-    );
-    assert!(
-        (85..=115).contains(&solo),
-        "the 1-user service got {solo} of 200"
-    );
+        .count()
 }
 
 /// The second write-up through the gateway with the official Python SDK: 8 client

@@ -807,9 +807,15 @@ impl RedisStore {
         acquire
             .arg(tokens.map_or(0, |t| t.interval()))
             .arg(tokens.map_or(0, |t| t.capacity()));
-        if let (Some(key), Some(cap)) = (&ask.tenant_key, limits.tenant) {
-            acquire.key(key).arg(cap);
-        }
+        match (&ask.tenant_key, limits.tenant) {
+            (Some(key), Some(cap)) => acquire.key(key).arg(cap),
+            _ => acquire.arg(0),
+        };
+        acquire.arg(
+            queue
+                .and_then(|q| q.group.as_ref())
+                .map_or("", |g| g.as_str()),
+        );
         let answer = self
             .guard(acquire.invoke_async::<Vec<i64>>(&mut conn))
             .await;

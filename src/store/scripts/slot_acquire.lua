@@ -40,7 +40,9 @@
 -- fleet's fair order (slot_release.lua). The book keeps the rate for 10 s after the last
 -- acquire that names it.
 -- With a tenant cap (absent otherwise: then nothing is counted per tenant):
--- KEYS[10] the tenant's lease set in this tier, ARGV[18] the tenant cap
+-- KEYS[10] the tenant's lease set in this tier, ARGV[18] the tenant cap (sent as '0'
+-- otherwise, so that ARGV[19] follows)
+-- ARGV[19] the flow's group ('': the tenant is a group of its own; see slot_queue.lua)
 -- Returns {status, global count, tier count, reason, room, workers, tick, at} (counting the promised
 -- slots): status 1 when the lease was taken, 0 when a cap is reached, -1 when the worker
 -- must resync (nothing follows); reason (with status 0) 1 when the global or tier cap is
@@ -61,7 +63,7 @@ local workers = redis.call('ZCARD', KEYS[3])
 local waiting = tonumber(ARGV[7]) or 0
 local class, tenant = ARGV[10], ARGV[12]
 local function queue(n)
-  join(KEYS[5], KEYS[2], ARGV[5], class, tenant, n, ARGV[13], now)
+  join(KEYS[5], KEYS[2], ARGV[5], class, ARGV[19] or '', tenant, n, ARGV[13], now)
   redis.call('HSET', KEYS[5], 'global', ARGV[1], 'c:' .. KEYS[2], ARGV[2], 'w:' .. KEYS[2], ARGV[8],
     'k:' .. class, ARGV[11])
 end

@@ -1,14 +1,19 @@
 -- The fleet's fair order of the calls waiting for a slot: prepended to the slot scripts.
--- A flow is one tenant's calls of one class (0 critical, 1 standard, 2 batch) in one tier.
--- Each worker holding calls of a flow is queued in it (`<tier>:fw:<class>|<tenant>`, the
--- oldest first), with how many of them wait there (`<tier>:wants`) and what the next one
--- costs in tokens (`<tier>:costs`); `<tier>:waiting` lists every (worker, flow) entry, for
--- the sweep of dead workers. The flows of a class in a tier wait in `<tier>:flows:<class>`
--- scored by their start tag (start-time fair queuing on the cost): a flow that starts
+-- A flow is one tenant's calls of one class (0 critical, 1 standard, 2 batch) in one tier;
+-- a group is the flows of one key (a service and its end users, or a team: the caller names
+-- it, or the tenant is a group of its own). Each worker holding calls of a flow is queued in
+-- it (`<tier>:fw:<class>|<tenant>`, the oldest first), with how many of them wait there
+-- (`<tier>:wants`) and what the next one costs in tokens (`<tier>:costs`); `<tier>:waiting`
+-- lists every (worker, flow) entry, for the sweep of dead workers.
+-- The order is start-time fair queuing on the cost at two levels. The groups of a class in
+-- a tier wait in `<tier>:groups:<class>` scored by their start tag: a group that starts
 -- waiting starts at the tier's virtual time in that class (`t:<class>:<tier>` in the wait
--- book), or at its own last finish if that is later (`<tier>:fin:<class>`, kept while it is
--- ahead of the virtual time), so a newcomer goes next and a tenant that comes and goes
--- banks no credit.
+-- book), or at its own last finish if that is later (`<tier>:gfin:<class>`, kept while it is
+-- ahead of the virtual time), so a newcomer goes next and a group that comes and goes banks
+-- no credit. Inside a group the same between its flows (`<tier>:flows:<class>|<group>`, the
+-- group's virtual time in `<tier>:gv:<class>`, finish tags in `<tier>:fin:<class>|<group>`):
+-- a service with 1,000 users waiting and one with a single user get one share each.
+-- `<tier>:fg:<class>` names each waiting flow's group.
 local function member(worker, class, tenant)
   return worker .. '|' .. class .. '|' .. tenant
 end
@@ -17,15 +22,23 @@ local function flow_workers(key, class, tenant)
   return key .. ':fw:' .. class .. '|' .. tenant
 end
 
+local function group_flows(key, class, group)
+  return key .. ':flows:' .. class .. '|' .. group
+end
+
+local function group_fins(key, class, group)
+  return key .. ':fin:' .. class .. '|' .. group
+end
+
 local function tag(x)
   return string.format('%.17g', x)
 end
 
--- A flow of `class` is about to wait in tier `key`: a tier (or a class) that starts waiting
+-- A group of `class` is about to wait in tier `key`: a tier (or a class) that starts waiting
 -- starts at the current virtual time of its class (of the classes), so it banks no credit
 -- for the time it had nothing waiting, and keeps its tag while it waits.
 local function backlogged(book, key, class)
-  if redis.call('ZCARD', key .. ':flows:' .. class) > 0 then
+  if redis.call('ZCARD', key .. ':groups:' .. class) > 0 then
     return
   end
   local function num(field)
@@ -34,34 +47,73 @@ local function backlogged(book, key, class)
   local tier_tag = 'v:' .. class .. ':' .. key
   redis.call('HSET', book, tier_tag, tag(math.max(num(tier_tag), num('v:' .. class))))
   for _, field in ipairs(redis.call('HKEYS', book)) do
-    if string.sub(field, 1, 2) == 'c:' and redis.call('ZCARD', string.sub(field, 3) .. ':flows:' .. class) > 0 then
+    if string.sub(field, 1, 2) == 'c:' and redis.call('ZCARD', string.sub(field, 3) .. ':groups:' .. class) > 0 then
       return
     end
   end
   redis.call('HSET', book, 'u:' .. class, tag(math.max(num('u:' .. class), num('u'))))
 end
 
--- Queues `worker` for `n` calls of the flow, the next costing `cost`; a worker already
--- queued keeps its place.
-local function join(book, key, worker, class, tenant, n, cost, now)
+-- `name` starts waiting in the zset `queue` at the virtual time `v`, or at its finish tag
+-- in `fins` if that is later.
+local function enter(queue, fins, name, v)
+  local last = tonumber(redis.call('ZSCORE', fins, name) or '0')
+  redis.call('ZREM', fins, name)
+  redis.call('ZADD', queue, tag(math.max(v, last)), name)
+end
+
+-- `name` leaves the zset `queue`, its start tag (its last finish) kept in `fins`.
+local function depart(queue, fins, name)
+  local start = redis.call('ZSCORE', queue, name)
+  if start then
+    redis.call('ZREM', queue, name)
+    redis.call('ZADD', fins, start, name)
+  end
+end
+
+-- Queues `worker` for `n` calls of the flow, of `group` ('': the tenant's own), the next
+-- costing `cost`; a worker already queued keeps its place.
+local function join(book, key, worker, class, group, tenant, n, cost, now)
   local m = member(worker, class, tenant)
   redis.call('ZADD', key .. ':waiting', 'NX', now, m)
   redis.call('HSET', key .. ':wants', m, n)
   redis.call('HSET', key .. ':costs', m, cost)
   redis.call('ZADD', flow_workers(key, class, tenant), 'NX', now, worker)
-  local flows = key .. ':flows:' .. class
+  local fg = key .. ':fg:' .. class
+  group = redis.call('HGET', fg, tenant) or (group ~= '' and group) or tenant
+  local flows = group_flows(key, class, group)
   if not redis.call('ZSCORE', flows, tenant) then
-    backlogged(book, key, class)
-    local v = tonumber(redis.call('HGET', book, 't:' .. class .. ':' .. key) or '0')
-    local fin = key .. ':fin:' .. class
-    local last = tonumber(redis.call('ZSCORE', fin, tenant) or '0')
-    redis.call('ZREM', fin, tenant)
-    redis.call('ZADD', flows, tag(math.max(v, last)), tenant)
+    local groups = key .. ':groups:' .. class
+    if not redis.call('ZSCORE', groups, group) then
+      backlogged(book, key, class)
+      local v = tonumber(redis.call('HGET', book, 't:' .. class .. ':' .. key) or '0')
+      enter(groups, key .. ':gfin:' .. class, group, v)
+    end
+    redis.call('HSET', fg, tenant, group)
+    local v = tonumber(redis.call('ZSCORE', key .. ':gv:' .. class, group) or '0')
+    enter(flows, group_fins(key, class, group), tenant, v)
   end
 end
 
--- Takes `worker` out of the flow; a flow left with no worker leaves its tier's queue,
--- keeping its start tag (its last finish) as a finish tag.
+-- Takes the flow of `tenant` out of its group (`group`, or the one it joined); a group left
+-- with no flow leaves its tier's queue (its last finish kept) and forgets its own order.
+local function flow_leaves(key, class, tenant, group)
+  local fg = key .. ':fg:' .. class
+  group = group or redis.call('HGET', fg, tenant)
+  if not group then
+    return
+  end
+  redis.call('HDEL', fg, tenant)
+  local flows = group_flows(key, class, group)
+  depart(flows, group_fins(key, class, group), tenant)
+  if redis.call('ZCARD', flows) == 0 then
+    depart(key .. ':groups:' .. class, key .. ':gfin:' .. class, group)
+    redis.call('DEL', group_fins(key, class, group))
+    redis.call('ZREM', key .. ':gv:' .. class, group)
+  end
+end
+
+-- Takes `worker` out of the flow; a flow left with no worker leaves its group.
 local function leave(key, worker, class, tenant)
   local m = member(worker, class, tenant)
   redis.call('ZREM', key .. ':waiting', m)
@@ -70,12 +122,7 @@ local function leave(key, worker, class, tenant)
   local workers = flow_workers(key, class, tenant)
   redis.call('ZREM', workers, worker)
   if redis.call('ZCARD', workers) == 0 then
-    local flows = key .. ':flows:' .. class
-    local start = redis.call('ZSCORE', flows, tenant)
-    if start then
-      redis.call('ZREM', flows, tenant)
-      redis.call('ZADD', key .. ':fin:' .. class, start, tenant)
-    end
+    flow_leaves(key, class, tenant)
   end
 end
 
@@ -86,6 +133,17 @@ local function leave_entry(key, entry)
     leave(key, worker, class, tenant)
   else
     redis.call('ZREM', key .. ':waiting', entry)
+  end
+end
+
+-- Forgets the order of a tier nobody waits in any more (and anything a wipe left of it).
+local function forget_tier(key)
+  for class = 0, 2 do
+    for _, group in ipairs(redis.call('ZRANGE', key .. ':groups:' .. class, 0, -1)) do
+      redis.call('DEL', group_flows(key, class, group), group_fins(key, class, group))
+    end
+    redis.call('DEL', key .. ':groups:' .. class, key .. ':gfin:' .. class, key .. ':gv:' .. class,
+      key .. ':fg:' .. class)
   end
 end
 

@@ -4,14 +4,14 @@
 -- by start-time fair queuing on the cost over the tier's weight (whatever its number of
 -- flows waiting, as in one process: a flood of many tenants takes its tier's share, not
 -- more; a class or tier that starts waiting starts at the current virtual time, so a flood
--- queued before it cannot hold it back), then the flow with the smallest start tag, then
--- the worker queued longest for that flow. The flow and its tier are charged what the
--- worker said its next call costs. The worker is told on its own channel and goes to the
--- back of the flow's workers, or leaves the flow when that was the
--- last of its calls there; one no longer listening (gone), or no longer saying it is alive
--- (its record in the worker set missing or not renewed for a while: crashed, or cut off
--- from Redis while its subscription lingers), leaves it and is skipped, so a freed slot is
--- not promised to a worker that cannot take it. The message is the tier key, a token, the
+-- queued before it cannot hold it back), then the group with the smallest start tag, then
+-- its flow with the smallest start tag, then the worker queued longest for that flow. The
+-- flow, its group and its tier are charged what the worker said its next call costs. The
+-- worker is told on its own channel and goes to the back of the flow's workers, or leaves
+-- the flow when that was the last of its calls there; one no longer listening (gone), or
+-- no longer saying it is alive (its record in the worker set missing or not renewed for a
+-- while: crashed, or cut off from Redis while its subscription lingers), leaves it and is
+-- skipped, so a freed slot is not promised to a worker that cannot take it. The message is the tier key, a token, the
 -- class and the tenant, one per line; the slot is promised to the worker (see
 -- slot_acquire.lua) until its acquire names the token, for a second at most. With no lease
 -- id, only wakes: a woken worker whose calls had gone passes the slot on, naming the token
@@ -79,8 +79,8 @@ local function open_tiers()
         redis.call('HDEL', book, field, 'w:' .. key)
         for class = 0, 2 do
           redis.call('HDEL', book, 'v:' .. class .. ':' .. key, 't:' .. class .. ':' .. key)
-          redis.call('DEL', key .. ':fin:' .. class)
         end
+        forget_tier(key)
       else
         redis.call('ZREMRANGEBYSCORE', key, '-inf', now)
         redis.call('ZREMRANGEBYSCORE', key .. ':promised', '-inf', now)
@@ -123,13 +123,14 @@ local function earliest(choices)
   return best
 end
 
--- The class, tier and flow whose turn it is: {class, tier key, tenant, start tag}, with
--- the virtual times to set when it is served.
-local function pick(open)
+-- The class, tier, group and flow whose turn it is: {class, tier key, tenant, start tag},
+-- with the virtual times to set when it is served and {group, its start tag}.
+local pick
+function pick(open)
   local classes = {}
   for class = 0, 2 do
     for _, key in ipairs(open) do
-      if redis.call('ZCARD', key .. ':flows:' .. class) > 0 then
+      if redis.call('ZCARD', key .. ':groups:' .. class) > 0 then
         classes[#classes + 1] = {class, num('u:' .. class, num('u', 0)), weight('k:' .. class)}
         break
       end
@@ -142,14 +143,20 @@ local function pick(open)
   local c = class[1]
   local tiers = {}
   for _, key in ipairs(open) do
-    if redis.call('ZCARD', key .. ':flows:' .. c) > 0 then
+    if redis.call('ZCARD', key .. ':groups:' .. c) > 0 then
       tiers[#tiers + 1] = {key, num('v:' .. c .. ':' .. key, num('v:' .. c, 0)), weight('w:' .. key)}
     end
   end
   local tier_turn = earliest(tiers)
   local key = tier_turn[1]
-  local head = redis.call('ZRANGE', key .. ':flows:' .. c, 0, 0, 'WITHSCORES')
-  return {c, key, head[1], tonumber(head[2]), class, tier_turn}
+  local group = redis.call('ZRANGE', key .. ':groups:' .. c, 0, 0, 'WITHSCORES')
+  local head = redis.call('ZRANGE', group_flows(key, c, group[1]), 0, 0, 'WITHSCORES')
+  if not head[1] then
+    -- A group with no flow (left behind by a wipe of part of the queue): forget it.
+    redis.call('ZREM', key .. ':groups:' .. c, group[1])
+    return pick(open)
+  end
+  return {c, key, head[1], tonumber(head[2]), class, tier_turn, group[1], tonumber(group[2])}
 end
 
 -- Whether the fleet orders the provider's request rate now: how long a cell stays taken
@@ -196,12 +203,13 @@ if (removed == 1 or ARGV[1] == '') and global + redis.call('ZCARD', KEYS[4]) < n
     if not turn then
       break
     end
-    local class, key, tenant, start = turn[1], turn[2], turn[3], turn[4]
+    local class, key, tenant, start, group = turn[1], turn[2], turn[3], turn[4], turn[7]
     local workers = flow_workers(key, class, tenant)
     local worker = redis.call('ZRANGE', workers, 0, 0)[1]
     if not worker then
       -- A flow with no worker (left behind by a wipe of part of the queue): forget it.
-      redis.call('ZREM', key .. ':flows:' .. class, tenant)
+      redis.call('ZREM', group_flows(key, class, group), tenant)
+      flow_leaves(key, class, tenant, group)
     else
       local m = member(worker, class, tenant)
       local cost = math.max(tonumber(redis.call('HGET', key .. ':costs', m) or '1') or 1, 1)
@@ -230,10 +238,13 @@ if (removed == 1 or ARGV[1] == '') and global + redis.call('ZCARD', KEYS[4]) < n
         local class_turn, tier_turn = turn[5], turn[6]
         redis.call('HSET', book, 'u:' .. class, tag(class_turn[3]), 'u', tag(class_turn[2]),
           'v:' .. class .. ':' .. key, tag(tier_turn[2] + cost / tier_turn[3]),
-          'v:' .. class, tag(tier_turn[2]), 't:' .. class .. ':' .. key, tag(start))
-        redis.call('ZADD', key .. ':flows:' .. class, tag(start + cost), tenant)
-        -- Finish tags behind the virtual time give a returning flow nothing: dropped.
-        redis.call('ZREMRANGEBYSCORE', key .. ':fin:' .. class, '-inf', tag(start))
+          'v:' .. class, tag(tier_turn[2]), 't:' .. class .. ':' .. key, tag(turn[8]))
+        redis.call('ZADD', key .. ':groups:' .. class, tag(turn[8] + cost), group)
+        redis.call('ZADD', key .. ':gv:' .. class, tag(start), group)
+        redis.call('ZADD', group_flows(key, class, group), tag(start + cost), tenant)
+        -- Finish tags behind the virtual time give a returning group or flow nothing.
+        redis.call('ZREMRANGEBYSCORE', key .. ':gfin:' .. class, '-inf', tag(turn[8]))
+        redis.call('ZREMRANGEBYSCORE', group_fins(key, class, group), '-inf', tag(start))
         if redis.call('HINCRBY', key .. ':wants', m, -1) > 0 then
           redis.call('ZADD', workers, 'XX', now, worker)
         else
