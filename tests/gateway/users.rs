@@ -839,3 +839,66 @@ async fn three_gateways_on_redis_serve_one_services_users_in_one_order() {
         "B took {took:?} behind A's backlog"
     );
 }
+
+/// 100,000 distinct end users behind one service key, each sending one call, then quiet:
+/// what the gateway keeps of each quiet user is bounded (the day's budget and usage rows,
+/// a few hundred bytes, given back when the UTC day rolls over), nothing waits or flies
+/// for them, and no user id ever becomes a metric label.
+///
+/// Long (about two minutes in a debug build): `bash scripts/test --long`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "long: bash scripts/test --long"]
+async fn a_hundred_thousand_end_users_keep_the_gateway_bounded_once_quiet() {
+    let _turn = crate::support::file_turn(module_path!());
+    let _serial = SERIAL.lock().await;
+    const USERS: usize = 100_000;
+    let mock = MockAnthropic::start();
+    let gateway = Gateway::start(&mock.url(), &keys(64, None, ""), None);
+    // The allocator's and the tables' first growth is not the users' cost.
+    wave(&gateway, "warm", 10_000).await;
+    let before = gateway.rss();
+    wave(&gateway, "user", USERS).await;
+    let after = gateway.rss();
+    let metrics = gateway.metrics().await;
+    let per_user = after.saturating_sub(before) as f64 / USERS as f64;
+    println!(
+        "100,000 end users, one call each: RSS {:.1} MB before, {:.1} MB after ({per_user:.0} B \
+         a quiet user)",
+        before as f64 / 1e6,
+        after as f64 / 1e6,
+    );
+    assert_eq!(metric_sum(&metrics, "claude_queue_depth"), 0.0);
+    assert_eq!(metric_sum(&metrics, "claude_slots_in_use"), 0.0);
+    assert!(!metrics.contains("user-"), "an end user's id is a label");
+    let labels: std::collections::HashSet<&str> = metrics
+        .lines()
+        .filter_map(|line| line.split("tenant_id=\"").nth(1)?.split('"').next())
+        .collect();
+    assert!(labels.len() <= 4, "tenant labels: {labels:?}");
+    assert!(per_user <= 1024.0, "{per_user:.0} B kept a quiet user");
+}
+
+/// One call for each of `users` end users named `<prefix>-<n>`, 64 at a time; every call
+/// answered `200`.
+async fn wave(gateway: &Gateway, prefix: &str, users: usize) {
+    use futures_util::StreamExt;
+    let url = format!("{}/v1/messages", gateway.url());
+    let client = client();
+    let answered = futures_util::stream::iter(0..users)
+        .map(|n| {
+            let request = client
+                .post(&url)
+                .header("x-api-key", SERVICE_KEY)
+                .header("content-type", "application/json")
+                .body(body(&format!("{prefix}-{n}"), 0));
+            async move { request.send().await.map(|r| r.status().as_u16()) }
+        })
+        .buffer_unordered(64)
+        .filter(|status| std::future::ready(matches!(status, Ok(200))))
+        .count()
+        .await;
+    assert_eq!(
+        answered, users,
+        "every call of the {prefix} wave answered 200"
+    );
+}
