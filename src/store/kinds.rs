@@ -40,6 +40,8 @@ pub(crate) trait Tenants: Send + Sync {
     fn daily_budget(&self, tenant: &TenantId) -> StoreFuture<Option<u64>>;
     fn demoted_for(&self, tenant: &TenantId) -> StoreFuture<Option<Duration>>;
     fn check_demotion(&self, tenant: &TenantId, policy: &DemotionPolicy) -> StoreFuture<Demotion>;
+    /// The tokens left of the tenant's daily budget, when known without a round trip.
+    fn budget_left(&self, tenant: &TenantId, policy: &DemotionPolicy) -> Option<u64>;
     /// [`check_demotion`](Self::check_demotion) at `now` (the caller's clock read; Redis
     /// keeps its own time), then [`add_tokens`](Self::add_tokens).
     fn check_demotion_then_add_tokens(

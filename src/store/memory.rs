@@ -323,6 +323,17 @@ impl MemoryState {
         })
     }
 
+    /// The tokens left of `tenant`'s budget today (its own, else the policy's default).
+    pub(crate) fn budget_left(&self, tenant: &TenantId, policy: &DemotionPolicy) -> u64 {
+        self.read_tenant(tenant, |state, at| {
+            let (used, budget) =
+                state.map_or((0, None), |state| (state.tokens_on(at.today), state.budget));
+            budget
+                .unwrap_or(policy.default_daily_budget())
+                .saturating_sub(used)
+        })
+    }
+
     /// The same rule as `scripts/check_demotion.lua`, under one lock.
     pub(crate) fn check_demotion(&self, tenant: &TenantId, policy: &DemotionPolicy) -> Demotion {
         self.with_tenant(tenant, |state, at| self.demotion(state, at, policy))
@@ -403,6 +414,10 @@ impl kinds::Tenants for MemoryState {
 
     fn check_demotion(&self, tenant: &TenantId, policy: &DemotionPolicy) -> StoreFuture<Demotion> {
         StoreFuture::ready(MemoryState::check_demotion(self, tenant, policy))
+    }
+
+    fn budget_left(&self, tenant: &TenantId, policy: &DemotionPolicy) -> Option<u64> {
+        Some(MemoryState::budget_left(self, tenant, policy))
     }
 
     /// In one lock.

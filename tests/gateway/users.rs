@@ -803,3 +803,46 @@ async fn three_gateways_on_redis_serve_one_services_users_in_one_order() {
         "B took {took:?} behind A's backlog"
     );
 }
+
+/// On Redis an answer tells the budget left too, with no round trip of its own (from the
+/// demotion check the call's classification made): it goes down across one user's calls,
+/// and another user of the same service key has their own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_redis_each_users_budget_left_is_told_and_goes_down_with_their_calls() {
+    let _turn = crate::support::file_turn(module_path!());
+    let _serial = SERIAL.lock().await;
+    const BUDGET: u64 = 50_000;
+    let redis = crate::support::RedisServer::start();
+    let mock = MockAnthropic::start();
+    let gateway = Gateway::start(
+        &mock.url(),
+        &keys(4, None, &format!("daily_token_budget = {BUDGET}")),
+        Some(&redis.url()),
+    );
+    let left = |response: &reqwest::Response| -> u64 {
+        let told = header(response, "x-fairgate-budget-remaining");
+        told.parse()
+            .unwrap_or_else(|_| panic!("no budget left told: {:?}", response.headers()))
+    };
+    let mut alice = Vec::new();
+    for _ in 0..3 {
+        let response = call(&gateway, SERVICE_KEY, "user-a", &[]).await;
+        assert_eq!(response.status(), 200);
+        alice.push(left(&response));
+        // Read to the end: the call is settled on its usage.
+        response.bytes().await.unwrap();
+    }
+    let response = call(&gateway, SERVICE_KEY, "user-b", &[]).await;
+    assert_eq!(response.status(), 200);
+    let bob = left(&response);
+    println!("on Redis, budget {BUDGET}: user-a told {alice:?}, then user-b told {bob}");
+    assert!(alice[0] < BUDGET, "the first call counted: {alice:?}");
+    assert!(
+        alice.windows(2).all(|w| w[1] < w[0]),
+        "down with each call: {alice:?}"
+    );
+    assert!(
+        bob < BUDGET && bob > alice[2],
+        "user-b's own budget, not user-a's: {bob} after {alice:?}"
+    );
+}

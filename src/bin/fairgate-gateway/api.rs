@@ -556,17 +556,11 @@ impl Applied {
     }
 }
 
-/// The input tokens left of `tenant`'s daily budget (this call counted), when the store
-/// knows it without a round trip (an in-process store, or Redis while degraded): never a
-/// round trip on the answer's path.
+/// The input tokens left of `tenant`'s daily budget (this call counted), as the store
+/// knows it without a round trip: exact in process; on Redis as of this gateway's last
+/// demotion check of the tenant, with this gateway's own calls since (`Store::budget_left`).
 fn budget_left(live: &Live, tenant: &TenantId) -> Option<u64> {
-    if live.store.is_remote() && !live.store.is_degraded() {
-        return None; // no future built for an answer that would be a round trip
-    }
-    let used = live.store.tokens_today(tenant).into_ready().ok()?;
-    let budget = live.store.daily_budget(tenant).into_ready().ok()?;
-    let budget = budget.unwrap_or(live.config.demotion.default_daily_budget());
-    Some(budget.saturating_sub(used))
+    live.store.budget_left(tenant, &live.config.demotion)
 }
 
 /// The body's length as its `Content-Length` declares it, if it does.

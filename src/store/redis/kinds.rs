@@ -55,6 +55,10 @@ impl Tenants for Arc<RedisStore> {
     fn check_demotion(&self, tenant: &TenantId, policy: &DemotionPolicy) -> StoreFuture<Demotion> {
         RedisStore::check_demotion(self, tenant, policy)
     }
+
+    fn budget_left(&self, tenant: &TenantId, policy: &DemotionPolicy) -> Option<u64> {
+        RedisStore::budget_left(self, tenant, policy)
+    }
 }
 
 impl Cooldowns for Arc<RedisStore> {
