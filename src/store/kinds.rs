@@ -19,7 +19,7 @@ use tokio::time::Instant;
 
 use super::pacing::{LearnedLimits, PaceAsk, PaceGrant, PaceLimit};
 use super::slots::{SlotLease, SlotLimits, SlotQueue, SlotRefusal};
-use super::{Demotion, SlotWakes, StoreFuture, StoreUnavailable};
+use super::{Demotion, SlotWakes, StoreFuture, StoreUnavailable, TopServed};
 use crate::admission::DemotionPolicy;
 use crate::{TenantId, Tier};
 
@@ -122,6 +122,8 @@ pub(crate) trait ServedCosts: Send + Sync {
     /// `cost` served for `tenant` at `at`, the caller's clock read (the store reads none).
     fn add_served_cost(&self, tenant: &TenantId, cost: u64, at: Instant);
     fn served_cost(&self, tenant: &TenantId) -> StoreFuture<u64>;
+    /// The `n` tenants served most in the window, and the total of all.
+    fn top_served(&self, n: usize) -> StoreFuture<TopServed>;
     /// A fair queue's dispatch, for an index shared by the fleet (nothing to keep in one
     /// process: the fair queue's own index is the index).
     fn add_fairness(&self, tenant: &TenantId, weight: u32, cost: u64, queued: bool) {

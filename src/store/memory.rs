@@ -489,6 +489,10 @@ impl kinds::ServedCosts for MemoryState {
     fn served_cost(&self, tenant: &TenantId) -> StoreFuture<u64> {
         StoreFuture::ready(self.served.total(tenant))
     }
+
+    fn top_served(&self, n: usize) -> StoreFuture<super::TopServed> {
+        StoreFuture::ready(self.served.top(n))
+    }
 }
 
 #[cfg(test)]

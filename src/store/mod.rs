@@ -64,7 +64,7 @@ pub(crate) use self::pacing::{
 pub use self::pacing::{LearnedLimits, PaceLimit};
 #[cfg(feature = "redis")]
 pub use self::redis::RedisStoreError;
-pub use self::served::SERVED_WINDOW;
+pub use self::served::{SERVED_WINDOW, TOP_SERVED_MAX, TopServed};
 pub(crate) use self::slots::{FleetCells, SlotQueue, flow_name};
 pub use self::slots::{SlotLease, SlotLimits, SlotRefusal};
 

@@ -735,6 +735,19 @@ impl RedisStore {
         args: &[u64],
     ) {
         let sending = std::mem::take(&mut *lock(&batch.0));
+        self.send_batch(batch, sending, part, script, args).await;
+    }
+
+    /// Sends counts taken from `batch` as [`flush_batch`](Self::flush_batch) does, putting
+    /// back those Redis refused.
+    pub(super) async fn send_batch(
+        &self,
+        batch: &Batch,
+        sending: HashMap<TenantId, i64>,
+        part: &str,
+        script: &Script,
+        args: &[u64],
+    ) {
         if sending.is_empty() {
             return;
         }

@@ -59,6 +59,7 @@ on_node_and_cluster!(
     each_store_listens_on_one_pub_sub_connection_for_both_feeds,
     a_settlements_correction_moves_the_days_count_both_ways_never_below_zero,
     the_budget_left_comes_with_the_demotion_check_and_costs_no_round_trip,
+    the_tenants_served_most_are_the_fleets_in_one_ranking,
 );
 
 async fn a_demotion_through_one_worker_holds_on_another_within_the_cache_time(target: Target) {
@@ -288,6 +289,28 @@ async fn the_budget_left_comes_with_the_demotion_check_and_costs_no_round_trip(t
         "degraded: {}",
         store.is_degraded()
     );
+}
+
+/// The tenants served most are the fleet's: every worker's sends add up in one ranking,
+/// most first, with the total of all, read in one call.
+async fn the_tenants_served_most_are_the_fleets_in_one_ranking(target: Target) {
+    let redis = target.start().await;
+    let (one, two) = (worker(&redis).await, worker(&redis).await);
+    let t = TenantId::new;
+    one.add_served_cost(&t("svc/a"), 100);
+    two.add_served_cost(&t("svc/a"), 50);
+    two.add_served_cost(&t("svc/b"), 120);
+    one.add_served_cost(&t("svc/c"), 10);
+    one.flush().await;
+    two.flush().await;
+    let top = two.top_served(2).await;
+    assert_eq!(
+        top.tenants,
+        [(t("svc/a"), 150), (t("svc/b"), 120)],
+        "degraded: {}",
+        two.is_degraded()
+    );
+    assert_eq!(top.total, 280);
 }
 
 /// `flush` is a barrier: when it is ready, every count added before it is in Redis, even

@@ -11,7 +11,7 @@ use crate::admission::DemotionPolicy;
 use crate::store::kinds::{Cooldowns, RateBuckets, ServedCosts, SlotLeases, Tenants};
 use crate::store::{
     Demotion, LearnedLimits, PaceAsk, PaceGrant, PaceLimit, SlotLease, SlotLimits, SlotQueue,
-    SlotRefusal, SlotWakes, StoreFuture, StoreUnavailable,
+    SlotRefusal, SlotWakes, StoreFuture, StoreUnavailable, TopServed,
 };
 use crate::{TenantId, Tier};
 
@@ -139,6 +139,10 @@ impl ServedCosts for Arc<RedisStore> {
 
     fn served_cost(&self, tenant: &TenantId) -> StoreFuture<u64> {
         RedisStore::served_cost(self, tenant)
+    }
+
+    fn top_served(&self, n: usize) -> StoreFuture<TopServed> {
+        RedisStore::top_served(self, n)
     }
 
     fn add_fairness(&self, tenant: &TenantId, weight: u32, cost: u64, queued: bool) {
