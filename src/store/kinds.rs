@@ -19,7 +19,7 @@ use tokio::time::Instant;
 
 use super::pacing::{LearnedLimits, PaceAsk, PaceGrant, PaceLimit};
 use super::slots::{SlotLease, SlotLimits, SlotQueue, SlotRefusal};
-use super::{Demotion, SlotWakes, StoreFuture, StoreUnavailable};
+use super::{Demotion, SlotWakes, StoreFuture, StoreUnavailable, TopServed};
 use crate::admission::DemotionPolicy;
 use crate::{TenantId, Tier};
 
@@ -40,6 +40,8 @@ pub(crate) trait Tenants: Send + Sync {
     fn daily_budget(&self, tenant: &TenantId) -> StoreFuture<Option<u64>>;
     fn demoted_for(&self, tenant: &TenantId) -> StoreFuture<Option<Duration>>;
     fn check_demotion(&self, tenant: &TenantId, policy: &DemotionPolicy) -> StoreFuture<Demotion>;
+    /// The tokens left of the tenant's daily budget, when known without a round trip.
+    fn budget_left(&self, tenant: &TenantId, policy: &DemotionPolicy) -> Option<u64>;
     /// [`check_demotion`](Self::check_demotion) at `now` (the caller's clock read; Redis
     /// keeps its own time), then [`add_tokens`](Self::add_tokens).
     fn check_demotion_then_add_tokens(
@@ -120,6 +122,8 @@ pub(crate) trait ServedCosts: Send + Sync {
     /// `cost` served for `tenant` at `at`, the caller's clock read (the store reads none).
     fn add_served_cost(&self, tenant: &TenantId, cost: u64, at: Instant);
     fn served_cost(&self, tenant: &TenantId) -> StoreFuture<u64>;
+    /// The `n` tenants served most in the window, and the total of all.
+    fn top_served(&self, n: usize) -> StoreFuture<TopServed>;
     /// A fair queue's dispatch, for an index shared by the fleet (nothing to keep in one
     /// process: the fair queue's own index is the index).
     fn add_fairness(&self, tenant: &TenantId, weight: u32, cost: u64, queued: bool) {

@@ -323,6 +323,17 @@ impl MemoryState {
         })
     }
 
+    /// The tokens left of `tenant`'s budget today (its own, else the policy's default).
+    pub(crate) fn budget_left(&self, tenant: &TenantId, policy: &DemotionPolicy) -> u64 {
+        self.read_tenant(tenant, |state, at| {
+            let (used, budget) =
+                state.map_or((0, None), |state| (state.tokens_on(at.today), state.budget));
+            budget
+                .unwrap_or(policy.default_daily_budget())
+                .saturating_sub(used)
+        })
+    }
+
     /// The same rule as `scripts/check_demotion.lua`, under one lock.
     pub(crate) fn check_demotion(&self, tenant: &TenantId, policy: &DemotionPolicy) -> Demotion {
         self.with_tenant(tenant, |state, at| self.demotion(state, at, policy))
@@ -405,6 +416,10 @@ impl kinds::Tenants for MemoryState {
         StoreFuture::ready(MemoryState::check_demotion(self, tenant, policy))
     }
 
+    fn budget_left(&self, tenant: &TenantId, policy: &DemotionPolicy) -> Option<u64> {
+        Some(MemoryState::budget_left(self, tenant, policy))
+    }
+
     /// In one lock.
     fn check_demotion_then_add_tokens(
         &self,
@@ -473,6 +488,10 @@ impl kinds::ServedCosts for MemoryState {
 
     fn served_cost(&self, tenant: &TenantId) -> StoreFuture<u64> {
         StoreFuture::ready(self.served.total(tenant))
+    }
+
+    fn top_served(&self, n: usize) -> StoreFuture<super::TopServed> {
+        StoreFuture::ready(self.served.top(n))
     }
 }
 

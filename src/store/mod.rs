@@ -64,7 +64,7 @@ pub(crate) use self::pacing::{
 pub use self::pacing::{LearnedLimits, PaceLimit};
 #[cfg(feature = "redis")]
 pub use self::redis::RedisStoreError;
-pub use self::served::SERVED_WINDOW;
+pub use self::served::{SERVED_WINDOW, TOP_SERVED_MAX, TopServed};
 pub(crate) use self::slots::{FleetCells, SlotQueue, flow_name};
 pub use self::slots::{SlotLease, SlotLimits, SlotRefusal};
 
@@ -421,6 +421,30 @@ impl Store {
         policy: &DemotionPolicy,
     ) -> StoreFuture<Demotion> {
         self.kinds().check_demotion(tenant, policy)
+    }
+
+    /// The tokens `tenant` has left of its daily budget (its own, else `policy`'s
+    /// default) when the store can tell without a round trip; never a round trip.
+    ///
+    /// The memory store (and Redis while degraded) knows it exactly. A healthy Redis store
+    /// tells what the last [`check_demotion`](Store::check_demotion) of the tenant by this
+    /// worker read (the check classification makes for every call, answered from Redis
+    /// at most once per cache TTL), less what this worker counted since: its own calls are
+    /// in it, the other workers' only as of that check, so it may be one cache TTL stale.
+    /// `None` when this worker has not checked the tenant in the last 5 minutes (or its
+    /// demotion).
+    ///
+    /// ```
+    /// use fairgate::{DemotionPolicy, Store, TenantId};
+    ///
+    /// let store = Store::memory();
+    /// let tenant = TenantId::new("acme");
+    /// store.add_tokens(&tenant, 1_200);
+    /// let policy = DemotionPolicy::default(); // 100,000 tokens a day
+    /// assert_eq!(store.budget_left(&tenant, &policy), Some(98_800));
+    /// ```
+    pub fn budget_left(&self, tenant: &TenantId, policy: &DemotionPolicy) -> Option<u64> {
+        self.kinds().budget_left(tenant, policy)
     }
 
     /// Closes the cooldown gate of `upstream` (any name: a host, a model) for at least

@@ -37,6 +37,7 @@ use crate::admission::DemotionPolicy;
 use crate::error::ConfigError;
 use crate::hash::HashMap;
 
+mod budgets;
 mod conn;
 mod cooldown;
 mod kinds;
@@ -156,6 +157,9 @@ pub(crate) struct RedisStore {
     /// background task is sending them waits until those counts are in Redis.
     flushing: tokio::sync::Mutex<()>,
     cache: Mutex<DemotionCache>,
+    /// What each tenant has left of its budget, as the last demotion check saw it
+    /// (`redis/budgets.rs`).
+    budgets: budgets::BudgetsSeen,
     /// Makes throttle members unique across workers.
     worker_id: String,
     seq: AtomicU64,
@@ -397,6 +401,7 @@ impl StoreBuilder {
                 map: HashMap::default(),
                 last_sweep: now,
             }),
+            budgets: budgets::BudgetsSeen::new(),
             target,
             worker_id: worker_id(),
             seq: AtomicU64::new(0),
@@ -673,7 +678,7 @@ impl RedisStore {
         if self.is_degraded() {
             self.fallback.add_tokens(tenant, tokens);
         }
-        self.batch_add(&self.pending_tokens, tenant, clamp(tokens));
+        self.count_tokens(tenant, clamp(tokens));
     }
 
     /// Corrects `tenant`'s tokens today by `diff` (never below 0), batched as
@@ -682,7 +687,19 @@ impl RedisStore {
         if self.is_degraded() {
             self.fallback.correct_tokens(tenant, diff);
         }
-        self.batch_add(&self.pending_tokens, tenant, diff);
+        self.count_tokens(tenant, diff);
+    }
+
+    /// Batches a token count, and counts it in the budget seen. Under the batch's lock: a
+    /// demotion check's answer reads the batch and sets the budget seen under it too, so a
+    /// count is in one or the other, never in both.
+    fn count_tokens(&self, tenant: &TenantId, n: i64) {
+        let mut pending = lock(&self.pending_tokens.0);
+        put(&mut pending, tenant.clone(), n);
+        self.budgets.count(tenant, n);
+        if pending.len() >= FLUSH_AT_TENANTS {
+            self.wake.notify_one();
+        }
     }
 
     /// Adds to a batch of per-tenant counts, waking the flush early when many tenants wait.
@@ -718,6 +735,19 @@ impl RedisStore {
         args: &[u64],
     ) {
         let sending = std::mem::take(&mut *lock(&batch.0));
+        self.send_batch(batch, sending, part, script, args).await;
+    }
+
+    /// Sends counts taken from `batch` as [`flush_batch`](Self::flush_batch) does, putting
+    /// back those Redis refused.
+    pub(super) async fn send_batch(
+        &self,
+        batch: &Batch,
+        sending: HashMap<TenantId, i64>,
+        part: &str,
+        script: &Script,
+        args: &[u64],
+    ) {
         if sending.is_empty() {
             return;
         }
@@ -883,13 +913,27 @@ impl RedisStore {
             move |local| local.check_demotion(&fallback_tenant, &fallback_policy),
             move |this| async move {
                 let mut conn = this.conn.clone();
-                let (left_ms, newly): (u64, u8) = this
+                let (left_ms, newly, tokens, budget, day_left): (u64, u8, u64, u64, u64) = this
                     .scripts
                     .check_demotion
                     .key(&keys[..])
                     .arg(&args[..])
                     .invoke_async(&mut conn)
                     .await?;
+                {
+                    // Redis's count lacks what this worker has not sent yet (this call's
+                    // charge, as a rule: it is counted before the check is polled). A
+                    // flush under way is in neither: seen short until the next check.
+                    let pending = lock(&this.pending_tokens.0);
+                    let unsent = pending.get(&tenant).copied().unwrap_or(0);
+                    let read = budgets::BudgetRead {
+                        used: tokens.saturating_add_signed(unsent),
+                        budget,
+                        day_left: Duration::from_secs(day_left),
+                        demoted_for: Duration::from_millis(left_ms),
+                    };
+                    this.budgets.seen(&tenant, read, Instant::now());
+                }
                 let demotion = if left_ms > 0 {
                     Demotion::Demoted {
                         left: Duration::from_millis(left_ms),
@@ -902,6 +946,17 @@ impl RedisStore {
                 Ok(demotion)
             },
         )
+    }
+
+    /// The tokens `tenant` has left of its daily budget, without a round trip: what Redis
+    /// held at this worker's last demotion check of the tenant, less what this worker
+    /// counted since; `None` when it has not checked the tenant lately. The counts of the
+    /// other workers since that check are not in it.
+    pub(crate) fn budget_left(&self, tenant: &TenantId, policy: &DemotionPolicy) -> Option<u64> {
+        if self.is_degraded() {
+            return Some(self.fallback.budget_left(tenant, policy));
+        }
+        self.budgets.left(tenant)
     }
 
     /// Caches a check, and now and then drops stale entries and publishes how many tenants

@@ -6,7 +6,8 @@
 //! over a few buckets of one shard. The Redis part lives
 //! in `redis/served.rs`.
 
-use std::collections::VecDeque;
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, VecDeque};
 use std::sync::Mutex;
 use std::time::Duration;
 
@@ -21,6 +22,40 @@ use crate::TenantId;
 /// The window served cost is summed over: the last 60 seconds (whole seconds, so a read
 /// sees between 59 and 60 s of history).
 pub const SERVED_WINDOW: Duration = Duration::from_secs(60);
+
+/// The most tenants [`Store::top_served`] names.
+pub const TOP_SERVED_MAX: usize = 100;
+
+/// The tenants served most in the last [`SERVED_WINDOW`] ([`Store::top_served`]).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct TopServed {
+    /// The tenants served most, with what each was served, most first (ties by name).
+    pub tenants: Vec<(TenantId, u64)>,
+    /// What every tenant was served, together.
+    pub total: u64,
+}
+
+impl TopServed {
+    /// The `n` largest of `served`, most first, ties by name; `total` is the sum of all.
+    fn of(served: impl Iterator<Item = (TenantId, u64)>, n: usize) -> TopServed {
+        let mut top = BinaryHeap::with_capacity(n + 1);
+        let mut total = 0u64;
+        for (tenant, cost) in served.filter(|&(_, cost)| cost > 0) {
+            total = total.saturating_add(cost);
+            // The heap's least: the smallest cost, of the last name among equals.
+            top.push((Reverse(cost), tenant));
+            if top.len() > n {
+                top.pop();
+            }
+        }
+        let mut tenants: Vec<(TenantId, u64)> = top
+            .into_iter()
+            .map(|(Reverse(cost), tenant)| (tenant, cost))
+            .collect();
+        tenants.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
+        TopServed { tenants, total }
+    }
+}
 
 /// Per tenant, (second since `started`, cost) oldest first, one entry per second.
 type Buckets = VecDeque<(u64, u64)>;
@@ -96,6 +131,24 @@ impl ServedCost {
         })
     }
 
+    /// The `n` tenants served most in the window. Reads every tenant remembered, one shard
+    /// locked at a time: as long as the tenants in the window, kept off the request path.
+    pub(crate) fn top(&self, n: usize) -> TopServed {
+        let oldest = Self::oldest(self.second(Instant::now()));
+        let mut served = Vec::new();
+        for shard in self.shards.iter() {
+            let shard = crate::sync::lock(shard);
+            served.extend(shard.iter().map(|(tenant, buckets)| {
+                let cost = buckets
+                    .iter()
+                    .filter(|&&(s, _)| s >= oldest)
+                    .fold(0u64, |sum, &(_, c)| sum.saturating_add(c));
+                (tenant.clone(), cost)
+            }));
+        }
+        TopServed::of(served.into_iter(), n)
+    }
+
     /// Tenants with served cost remembered (in the window or not yet swept).
     #[cfg(test)]
     fn tenants(&self) -> usize {
@@ -139,6 +192,34 @@ impl Store {
     pub fn served_cost(&self, tenant: &TenantId) -> StoreFuture<u64> {
         self.kinds().served_cost(tenant)
     }
+
+    /// The `n` tenants (at most [`TOP_SERVED_MAX`]) served most in the last
+    /// [`SERVED_WINDOW`], and what every tenant was served together: who is using the
+    /// upstream now, whatever their names (end users of a service included), for a live
+    /// page or a periodic check, not for the request path.
+    ///
+    /// The memory store reads every tenant in the window. Redis keeps a ranking beside the
+    /// per-tenant counts, sent with them (`scripts/served_top_add.lua`): per 10 s of server
+    /// time the 1,000 tenants served most, so a read is bounded however many tenants there
+    /// are, and the window is 50 to 60 s; a tenant out of a bucket's 1,000 loses that
+    /// bucket's cost from its rank (the total keeps it).
+    ///
+    /// ```
+    /// use fairgate::{Store, TenantId};
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() {
+    /// let store = Store::memory();
+    /// store.add_served_cost(&TenantId::new("svc/a"), 300);
+    /// store.add_served_cost(&TenantId::new("svc/b"), 100);
+    /// let top = store.top_served(1).await;
+    /// assert_eq!(top.tenants, [(TenantId::new("svc/a"), 300)]);
+    /// assert_eq!(top.total, 400);
+    /// # }
+    /// ```
+    pub fn top_served(&self, n: usize) -> StoreFuture<TopServed> {
+        self.kinds().top_served(n.min(TOP_SERVED_MAX))
+    }
 }
 
 #[cfg(test)]
@@ -181,6 +262,27 @@ mod tests {
         assert_eq!(served.total(&a), 15);
         tokio::time::advance(Duration::from_secs(1)).await;
         assert_eq!(served.total(&a), 0);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_top_served_are_the_n_served_most_in_the_window_and_the_total_is_all() {
+        let served = ServedCost::new();
+        let t = |i: u64| TenantId::new(format!("svc/{i:03}"));
+        served.add(&t(999), 1_000_000, Instant::now());
+        tokio::time::advance(SERVED_WINDOW).await;
+        for i in 0..500 {
+            served.add(&t(i), i % 250, Instant::now());
+        }
+        let top = served.top(3);
+        // 249 twice (249 and 499), then 248 (248): ties by name; 999 slid out.
+        assert_eq!(top.tenants, [(t(249), 249), (t(499), 249), (t(248), 248)]);
+        assert_eq!(top.total, 2 * (0..250).sum::<u64>());
+        assert_eq!(served.top(0).tenants, []);
+        assert_eq!(
+            served.top(1_000).tenants.len(),
+            498,
+            "none with nothing served"
+        );
     }
 
     #[tokio::test(start_paused = true)]

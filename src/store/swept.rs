@@ -158,6 +158,11 @@ impl<V> SweptTable<V> {
         self.table.capacity()
     }
 
+    /// Every entry, in no order.
+    pub(crate) fn iter(&self) -> impl Iterator<Item = (&TenantId, &V)> {
+        self.table.iter().map(|slot| (&slot.tenant, &slot.value))
+    }
+
     pub(crate) fn get(&self, hash: u64, tenant: &TenantId) -> Option<&V> {
         self.table
             .find(hash, |slot| slot.tenant == *tenant)

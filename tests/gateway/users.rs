@@ -902,3 +902,142 @@ async fn wave(gateway: &Gateway, prefix: &str, users: usize) {
         "every call of the {prefix} wave answered 200"
     );
 }
+
+/// On Redis an answer tells the budget left too, with no round trip of its own (from the
+/// demotion check the call's classification made): it goes down across one user's calls,
+/// and another user of the same service key has their own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_redis_each_users_budget_left_is_told_and_goes_down_with_their_calls() {
+    let _turn = crate::support::file_turn(module_path!());
+    let _serial = SERIAL.lock().await;
+    const BUDGET: u64 = 50_000;
+    let redis = crate::support::RedisServer::start();
+    let mock = MockAnthropic::start();
+    let gateway = Gateway::start(
+        &mock.url(),
+        &keys(4, None, &format!("daily_token_budget = {BUDGET}")),
+        Some(&redis.url()),
+    );
+    let left = |response: &reqwest::Response| -> u64 {
+        let told = header(response, "x-fairgate-budget-remaining");
+        told.parse()
+            .unwrap_or_else(|_| panic!("no budget left told: {:?}", response.headers()))
+    };
+    let mut alice = Vec::new();
+    for _ in 0..3 {
+        let response = call(&gateway, SERVICE_KEY, "user-a", &[]).await;
+        assert_eq!(response.status(), 200);
+        alice.push(left(&response));
+        // Read to the end: the call is settled on its usage.
+        response.bytes().await.unwrap();
+    }
+    let response = call(&gateway, SERVICE_KEY, "user-b", &[]).await;
+    assert_eq!(response.status(), 200);
+    let bob = left(&response);
+    println!("on Redis, budget {BUDGET}: user-a told {alice:?}, then user-b told {bob}");
+    assert!(alice[0] < BUDGET, "the first call counted: {alice:?}");
+    assert!(
+        alice.windows(2).all(|w| w[1] < w[0]),
+        "down with each call: {alice:?}"
+    );
+    assert!(
+        bob < BUDGET && bob > alice[2],
+        "user-b's own budget, not user-a's: {bob} after {alice:?}"
+    );
+}
+
+/// The live page's tenants are the store's served most, not the keys file's: a service's
+/// end users, whom the keys file never names, by their hashed tenant, never their id.
+async fn the_live_page_lists_the_end_users_served_most_hashed(redis: Option<&str>) {
+    let mock = MockAnthropic::start();
+    let gateway = Gateway::start(&mock.url(), &keys(4, None, ""), redis);
+    let users = ["alice-in-clear", "bob-in-clear", "carol-in-clear"];
+    for (i, user) in users.iter().enumerate() {
+        for _ in 0..=i {
+            assert_eq!(call(&gateway, SERVICE_KEY, user, &[]).await.status(), 200);
+        }
+    }
+    let end_users = |live: &str| -> Vec<(String, f64)> {
+        let live: Value = serde_json::from_str(live).unwrap_or_default();
+        live["tenants"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|t| Some((t["tenant"].as_str()?.to_owned(), t["tokens"].as_f64()?)))
+            .filter(|(tenant, _)| tenant.starts_with("companion-app/"))
+            .collect()
+    };
+    // On Redis the served counts reach the ranking with the next send (once a second).
+    let mut live = String::new();
+    let listed = eventually(Duration::from_secs(10), async || {
+        live = gateway.admin("/live").await;
+        end_users(&live).len() == users.len()
+    })
+    .await;
+    println!(
+        "/live tenants: {}",
+        &live[live.find("\"tenants\"").unwrap_or(0)..]
+    );
+    assert!(listed, "the three end users on the live page: {live}");
+    for user in users {
+        assert!(!live.contains(user), "{user} in clear on the live page");
+    }
+    // Carol was served three calls, Bob two, Alice one: most first.
+    let tokens: Vec<f64> = end_users(&live).iter().map(|(_, t)| *t).collect();
+    assert!(
+        tokens[0] > tokens[1] && tokens[1] > tokens[2],
+        "most served first: {tokens:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_live_page_lists_the_end_users_served_most_hashed_in_memory() {
+    let _turn = crate::support::file_turn(module_path!());
+    let _serial = SERIAL.lock().await;
+    the_live_page_lists_the_end_users_served_most_hashed(None).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_live_page_lists_the_end_users_served_most_hashed_on_redis() {
+    let _turn = crate::support::file_turn(module_path!());
+    let _serial = SERIAL.lock().await;
+    let redis = crate::support::RedisServer::start();
+    the_live_page_lists_the_end_users_served_most_hashed(Some(&redis.url())).await;
+}
+
+/// The demoted-tenants gauge's tick walks the fleet's tenants served most: an end user
+/// demoted through one gateway is counted by another that never served it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_end_user_demoted_on_one_gateway_is_counted_by_anothers_gauge() {
+    let _turn = crate::support::file_turn(module_path!());
+    let _serial = SERIAL.lock().await;
+    let redis = crate::support::RedisServer::start();
+    let mock = MockAnthropic::start();
+    let keys = keys(4, None, "daily_token_budget = 1000\ndemotion_ms = 60000");
+    let one = Gateway::start(&mock.url(), &keys, Some(&redis.url()));
+    let other = Gateway::start(&mock.url(), &keys, Some(&redis.url()));
+    let demoted = |text: &str| metric_sum(text, "claude_demoted_tenants");
+    assert_eq!(demoted(&other.metrics().await), 0.0);
+    // Calls until one goes as batch: on Redis the demotion check is answered once a
+    // second per user and gateway, so past the budget for up to a second.
+    let mut batch = false;
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while Instant::now() < deadline {
+        let response = call(&one, SERVICE_KEY, "spender", &[]).await;
+        assert_eq!(response.status(), 200);
+        if header(&response, "x-fairgate-class") == "batch" {
+            batch = true;
+            break;
+        }
+    }
+    assert!(batch, "the spender is demoted once over its budget");
+    let counted = eventually(Duration::from_secs(10), async || {
+        demoted(&other.metrics().await) >= 1.0
+    })
+    .await;
+    assert!(
+        counted,
+        "the other gateway's gauge: {}",
+        demoted(&other.metrics().await)
+    );
+}

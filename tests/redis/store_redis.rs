@@ -8,7 +8,7 @@ use std::convert::Infallible;
 use std::time::Duration;
 
 use crate::support::{EventCounter, Redis, Target, on_node_and_cluster, request, wait_until};
-use fairgate::{Job, Origin, Priority, PriorityClassifyLayer, Store, TenantId};
+use fairgate::{DemotionPolicy, Job, Origin, Priority, PriorityClassifyLayer, Store, TenantId};
 use tokio::time::{Instant, timeout};
 use tower::{Layer, ServiceExt, service_fn};
 
@@ -58,6 +58,8 @@ on_node_and_cluster!(
     a_bad_url_or_prefix_is_refused_with_a_message,
     each_store_listens_on_one_pub_sub_connection_for_both_feeds,
     a_settlements_correction_moves_the_days_count_both_ways_never_below_zero,
+    the_budget_left_comes_with_the_demotion_check_and_costs_no_round_trip,
+    the_tenants_served_most_are_the_fleets_in_one_ranking,
 );
 
 async fn a_demotion_through_one_worker_holds_on_another_within_the_cache_time(target: Target) {
@@ -240,6 +242,75 @@ async fn a_settlements_correction_moves_the_days_count_both_ways_never_below_zer
     store.correct_tokens(&tenant, -1_000_000);
     store.flush().await;
     assert_eq!(store.tokens_today(&tenant).await, 0);
+}
+
+/// What a tenant has left of its budget is read without a round trip: Redis's count as the
+/// last demotion check read it, this worker's counts since, per tenant; the other workers'
+/// counts show from the next check.
+async fn the_budget_left_comes_with_the_demotion_check_and_costs_no_round_trip(target: Target) {
+    let redis = target.start().await;
+    // Sent only when flushed here: what is unsent at a check is known.
+    let store = redis
+        .store(options().flush_interval(Duration::from_secs(600)))
+        .await
+        .unwrap();
+    let other = worker(&redis).await;
+    let policy = DemotionPolicy::default();
+    let (a, b) = (TenantId::new("svc/a"), TenantId::new("svc/b"));
+    assert_eq!(
+        store.budget_left(&a, &policy),
+        None,
+        "never checked: not known"
+    );
+    store.set_daily_budget(&a, Some(10_000)).await.unwrap();
+    store.add_tokens(&a, 1_000);
+    store.flush().await;
+    assert!(!store.check_demotion(&a, &policy).await.is_demoted());
+    assert_eq!(store.budget_left(&a, &policy), Some(9_000));
+    // Counted here, not sent yet: in it at once.
+    store.add_tokens(&a, 500);
+    store.correct_tokens(&a, -100);
+    assert_eq!(store.budget_left(&a, &policy), Some(8_600));
+    store.check_demotion(&b, &policy).await;
+    assert_eq!(
+        store.budget_left(&b, &policy),
+        Some(policy.default_daily_budget()),
+        "each tenant its own"
+    );
+    // Another worker's count: from the next check, with this worker's unsent ones still in.
+    other.add_tokens(&a, 2_000);
+    other.flush().await;
+    assert_eq!(store.budget_left(&a, &policy), Some(8_600));
+    tokio::time::sleep(CACHE_TTL).await;
+    store.check_demotion(&a, &policy).await;
+    assert_eq!(
+        store.budget_left(&a, &policy),
+        Some(10_000 - 1_000 - 400 - 2_000),
+        "degraded: {}",
+        store.is_degraded()
+    );
+}
+
+/// The tenants served most are the fleet's: every worker's sends add up in one ranking,
+/// most first, with the total of all, read in one call.
+async fn the_tenants_served_most_are_the_fleets_in_one_ranking(target: Target) {
+    let redis = target.start().await;
+    let (one, two) = (worker(&redis).await, worker(&redis).await);
+    let t = TenantId::new;
+    one.add_served_cost(&t("svc/a"), 100);
+    two.add_served_cost(&t("svc/a"), 50);
+    two.add_served_cost(&t("svc/b"), 120);
+    one.add_served_cost(&t("svc/c"), 10);
+    one.flush().await;
+    two.flush().await;
+    let top = two.top_served(2).await;
+    assert_eq!(
+        top.tenants,
+        [(t("svc/a"), 150), (t("svc/b"), 120)],
+        "degraded: {}",
+        two.is_degraded()
+    );
+    assert_eq!(top.total, 280);
 }
 
 /// `flush` is a barrier: when it is ready, every count added before it is in Redis, even

@@ -556,17 +556,11 @@ impl Applied {
     }
 }
 
-/// The input tokens left of `tenant`'s daily budget (this call counted), when the store
-/// knows it without a round trip (an in-process store, or Redis while degraded): never a
-/// round trip on the answer's path.
+/// The input tokens left of `tenant`'s daily budget (this call counted), as the store
+/// knows it without a round trip: exact in process; on Redis as of this gateway's last
+/// demotion check of the tenant, with this gateway's own calls since (`Store::budget_left`).
 fn budget_left(live: &Live, tenant: &TenantId) -> Option<u64> {
-    if live.store.is_remote() && !live.store.is_degraded() {
-        return None; // no future built for an answer that would be a round trip
-    }
-    let used = live.store.tokens_today(tenant).into_ready().ok()?;
-    let budget = live.store.daily_budget(tenant).into_ready().ok()?;
-    let budget = budget.unwrap_or(live.config.demotion.default_daily_budget());
-    Some(budget.saturating_sub(used))
+    live.store.budget_left(tenant, &live.config.demotion)
 }
 
 /// The body's length as its `Content-Length` declares it, if it does.
@@ -705,9 +699,11 @@ async fn forward(gw: &Gateway, req: Request<Incoming>) -> Response<Body> {
     }
 }
 
-/// Checks every tenant's demotion now and then, so `claude_demoted_tenants` follows
-/// demotions that begin or run out while a tenant sends nothing (the store publishes the
-/// gauge when it is used). At most `per_tick` tenants a tick, in turn.
+/// Checks the tenants' demotions now and then, so `claude_demoted_tenants` follows
+/// demotions that begin (on another gateway) or run out while a tenant sends nothing (the
+/// store publishes the gauge when it is used). The tenants are the store's served most
+/// (end users of a service included, whom the keys file never names), then the keys file's;
+/// at most `per_tick` a tick, in turn.
 pub(crate) async fn demotion_tick(gw: Arc<Gateway>, every: Duration, per_tick: usize) {
     let mut tick = tokio::time::interval(every);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -715,20 +711,33 @@ pub(crate) async fn demotion_tick(gw: Arc<Gateway>, every: Duration, per_tick: u
     loop {
         tick.tick().await;
         let live = gw.live();
-        let tenants = &live.config.tenants;
+        let top = live.store.top_served(fairgate::store::TOP_SERVED_MAX).await;
+        let tenants = tick_tenants(top.tenants, &live.config.tenants);
         if tenants.is_empty() {
             continue;
         }
         for _ in 0..per_tick.min(tenants.len()) {
             next %= tenants.len();
-            let tenant = TenantId::new(tenants[next].clone());
             let _ = live
                 .store
-                .check_demotion(&tenant, &live.config.demotion)
+                .check_demotion(&tenants[next], &live.config.demotion)
                 .await;
             next += 1;
         }
     }
+}
+
+/// The tenants a demotion tick walks: the served most, then the keys file's, each once.
+fn tick_tenants(served: Vec<(TenantId, u64)>, listed: &[String]) -> Vec<TenantId> {
+    let mut tenants: Vec<TenantId> = served.into_iter().map(|(tenant, _)| tenant).collect();
+    let seen: std::collections::HashSet<TenantId> = tenants.iter().cloned().collect();
+    tenants.extend(
+        listed
+            .iter()
+            .map(TenantId::new)
+            .filter(|tenant| !seen.contains(tenant)),
+    );
+    tenants
 }
 
 #[cfg(test)]
@@ -746,5 +755,16 @@ mod tests {
         let parsed: serde_json::Value = serde_json::from_slice(&body).unwrap();
         assert_eq!(parsed["error"]["message"], "a \"quoted\" \\ message\n");
         assert_eq!(parsed["error"]["type"], "invalid_request_error");
+    }
+
+    #[test]
+    fn the_demotion_tick_walks_the_served_most_then_the_keys_files_tenants_once_each() {
+        let t = TenantId::new;
+        let served = vec![(t("svc/ab12"), 30), (t("team-a"), 20)];
+        let listed = ["svc".to_owned(), "team-a".to_owned(), "team-b".to_owned()];
+        assert_eq!(
+            tick_tenants(served, &listed),
+            [t("svc/ab12"), t("team-a"), t("svc"), t("team-b")]
+        );
     }
 }

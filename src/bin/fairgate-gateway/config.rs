@@ -176,7 +176,8 @@ pub(crate) struct Config {
     pub(crate) keys: KeyTable,
     pub(crate) policy: SlotPolicy,
     pub(crate) window: usize,
-    /// Every tenant the keys name, sorted (the demotion gauge's tick looks at each).
+    /// Every tenant the keys name, sorted (the demotion gauge's tick looks at each, after
+    /// the store's served most).
     pub(crate) tenants: Vec<String>,
     /// Each tenant's tier (of its first key): its weight on the live page.
     pub(crate) tenant_tiers: BTreeMap<String, String>,

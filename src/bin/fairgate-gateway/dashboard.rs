@@ -9,13 +9,14 @@
 //! histogram's buckets; `Busy` by reason, the learned limits, the demoted tenants). Calls
 //! not yet finished are shown as they run: how long the oldest waiting and the oldest in
 //! flight have been, per tier and class (the fair queue's waiting requests, the `flights`
-//! book), and the tokens in flight apart from those served. The tenants' served tokens come
-//! from the store (the fleet's on Redis); the fairness index is the fair queue's, one
+//! book), and the tokens in flight apart from those served. The tenants served most come
+//! from the store (`Store::top_served`: the fleet's on Redis, end users of a service by
+//! their hashed tenant, never their id); the fairness index is the fair queue's, one
 //! number (the fleet's on Redis).
 
 use std::collections::BTreeMap;
 
-use fairgate::{Priority, TenantId, metrics};
+use fairgate::{Priority, metrics};
 
 use super::api::Live;
 use super::flights::Aloft;
@@ -24,8 +25,8 @@ use super::record::json_string as json;
 /// The page.
 pub(crate) const PAGE: &str = include_str!("dashboard.html");
 
-/// The tenants whose served tokens are read for the page (a store read each, every second).
-const MAX_TENANTS: usize = 200;
+/// The tenants the page shows: the store's served most.
+const SHOWN_TENANTS: usize = 10;
 
 /// One sample of the metrics text: the labels and the value.
 struct Sample {
@@ -288,39 +289,35 @@ struct Served {
 }
 
 async fn served(live: &Live) -> Served {
-    // Served tokens per tenant in the store's window (every worker's, on Redis), weighed by
-    // the tenant's tier as the fair queue weighs it (pro and premium 3, others 1).
-    let mut served = Vec::new();
-    for tenant in live.config.tenants.iter().take(MAX_TENANTS) {
-        let tokens = live
-            .store
-            .served_cost(&TenantId::from(tenant.as_str()))
-            .await;
-        let tier = live
-            .config
-            .tenant_tiers
-            .get(tenant)
-            .map_or("", String::as_str);
-        let weight = if matches!(tier, "pro" | "premium") {
-            3.0
-        } else {
-            1.0
-        };
-        served.push((tenant, tier, weight, tokens as f64));
-    }
-    let total = served.iter().fold(0.0, |sum, s| sum + s.3);
-    served.sort_by(|a, b| b.3.total_cmp(&a.3));
-    let tenants: Vec<String> = served
+    // The store's tenants served most in its window (the fleet's on Redis), whatever their
+    // names: a service's end users are tenants the keys file never lists. Weighed by the
+    // tier as the fair queue weighs it (pro and premium 3, others 1): a key's own tier,
+    // for an end user its service key's (the tier a call claims is not kept per user).
+    let top = live.store.top_served(SHOWN_TENANTS).await;
+    let total = top.total as f64;
+    let tenants = top
+        .tenants
         .iter()
-        .take(10)
-        .map(|(tenant, tier, weight, tokens)| {
+        .map(|(tenant, tokens)| {
+            let name = tenant.as_str();
+            let tiers = &live.config.tenant_tiers;
+            let tier = tiers
+                .get(name)
+                .or_else(|| tiers.get(name.split_once('/')?.0))
+                .map_or("", String::as_str);
+            let weight = if matches!(tier, "pro" | "premium") {
+                3.0
+            } else {
+                1.0
+            };
+            let tokens = *tokens as f64;
             let share = if total > 0.0 { tokens / total } else { 0.0 };
             format!(
                 r#"{{"tenant":{},"tier":{},"weight":{},"tokens":{},"share":{}}}"#,
-                json(tenant),
+                json(name),
                 json(tier),
-                num(*weight),
-                num(*tokens),
+                num(weight),
+                num(tokens),
                 num(share)
             )
         })

@@ -11,7 +11,7 @@ use crate::admission::DemotionPolicy;
 use crate::store::kinds::{Cooldowns, RateBuckets, ServedCosts, SlotLeases, Tenants};
 use crate::store::{
     Demotion, LearnedLimits, PaceAsk, PaceGrant, PaceLimit, SlotLease, SlotLimits, SlotQueue,
-    SlotRefusal, SlotWakes, StoreFuture, StoreUnavailable,
+    SlotRefusal, SlotWakes, StoreFuture, StoreUnavailable, TopServed,
 };
 use crate::{TenantId, Tier};
 
@@ -54,6 +54,10 @@ impl Tenants for Arc<RedisStore> {
 
     fn check_demotion(&self, tenant: &TenantId, policy: &DemotionPolicy) -> StoreFuture<Demotion> {
         RedisStore::check_demotion(self, tenant, policy)
+    }
+
+    fn budget_left(&self, tenant: &TenantId, policy: &DemotionPolicy) -> Option<u64> {
+        RedisStore::budget_left(self, tenant, policy)
     }
 }
 
@@ -135,6 +139,10 @@ impl ServedCosts for Arc<RedisStore> {
 
     fn served_cost(&self, tenant: &TenantId) -> StoreFuture<u64> {
         RedisStore::served_cost(self, tenant)
+    }
+
+    fn top_served(&self, n: usize) -> StoreFuture<TopServed> {
+        RedisStore::top_served(self, n)
     }
 
     fn add_fairness(&self, tenant: &TenantId, weight: u32, cost: u64, queued: bool) {
