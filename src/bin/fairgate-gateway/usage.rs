@@ -5,7 +5,9 @@
 //! the usage passed): the same moment its charge is settled (`cost.rs`). An answer with no
 //! usage (an error) counts nothing.
 //!
-//! Without Redis the counts are this process's. With `--redis` they are the fleet's: each
+//! Without Redis the counts are this process's, and an end user's rows are kept for
+//! today and yesterday: older days keep their service's total (memory stays bounded with
+//! 100,000 users a day). With `--redis` they are the fleet's: each
 //! gateway adds its counts to one Redis hash per day (`fairgate:usage:<YYYY-MM-DD>`, field
 //! `<counter>:<tenant>`, kept [`KEPT_DAYS`] days) every [`FLUSH_EVERY`] and when it stops,
 //! and `/usage` reads the hashes, plus what this gateway has not sent yet. While Redis is
@@ -192,6 +194,33 @@ struct Here {
     pruned_on: Option<Day>,
 }
 
+/// Drops the days past those kept. With `fold_users` (a book kept in memory), the end
+/// users' rows of the days before yesterday are added to their service's row (`svc/9f2c`
+/// to `svc`, a tenant whose own calls all name a user): a service with 100,000 users a
+/// day keeps two days of their rows in the process, not [`KEPT_DAYS`]. On Redis every row
+/// is kept, in Redis.
+fn prune(book: &mut Book, today: Day, fold_users: bool) {
+    let oldest = today.days_before(KEPT_DAYS - 1);
+    let users_from = today.days_before(1);
+    let mut folded = Vec::new();
+    book.retain(|(day, tenant), counts| {
+        if *day < oldest {
+            return false;
+        }
+        match tenant.split_once('/') {
+            Some((service, _)) if fold_users && *day < users_from => {
+                folded.push(((*day, service.to_owned()), *counts));
+                false
+            }
+            _ => true,
+        }
+    });
+    for (row, counts) in folded {
+        book.entry(row).or_default().add(&counts);
+    }
+    book.shrink_to_fit();
+}
+
 /// The usage book: counts kept here, and (with Redis) sent to the fleet's.
 #[derive(Clone)]
 pub(crate) struct Usage {
@@ -267,9 +296,8 @@ impl Usage {
         let today = Day::today();
         let mut here = self.here.lock().unwrap_or_else(|e| e.into_inner());
         if here.pruned_on != Some(today) {
-            // Once a day: the days past those kept go.
-            let oldest = today.days_before(KEPT_DAYS - 1);
-            here.book.retain(|(day, _), _| *day >= oldest);
+            // Once a day: the days past those kept go (in memory, their end users too).
+            prune(&mut here.book, today, self.redis.is_none());
             here.pruned_on = Some(today);
         }
         here.book
@@ -536,6 +564,53 @@ mod tests {
         assert!(filter.keeps(today, "svc/9f2c"));
         assert!(!filter.keeps(today, "svc2"));
         assert!(!filter.keeps(today, "other/svc"));
+    }
+
+    #[test]
+    fn in_memory_the_end_users_of_days_before_yesterday_fold_into_their_service() {
+        let today = Day(20_000);
+        let calls = |n| Counts {
+            input_tokens: 10 * n,
+            calls: n,
+            ..Counts::default()
+        };
+        let mut book = Book::new();
+        for day in [today, today.days_before(1), today.days_before(2)] {
+            book.insert((day, "svc/u1".into()), calls(1));
+            book.insert((day, "svc/u2".into()), calls(2));
+            book.insert((day, "team".into()), calls(4));
+        }
+        book.insert((today.days_before(KEPT_DAYS), "team".into()), calls(8));
+        let mut on_redis = book.clone();
+        prune(&mut book, today, true);
+        let mut rows: Vec<_> = book
+            .iter()
+            .map(|((d, t), c)| (today.0 - d.0, t.as_str(), c.calls))
+            .collect();
+        rows.sort();
+        assert_eq!(
+            rows,
+            [
+                (0, "svc/u1", 1),
+                (0, "svc/u2", 2),
+                (0, "team", 4),
+                (1, "svc/u1", 1),
+                (1, "svc/u2", 2),
+                (1, "team", 4),
+                (2, "svc", 3),
+                (2, "team", 4),
+            ]
+        );
+        assert_eq!(
+            book[&(today.days_before(2), "svc".to_owned())].input_tokens,
+            30
+        );
+        prune(&mut on_redis, today, false);
+        assert_eq!(
+            on_redis.len(),
+            9,
+            "on Redis only the days past those kept go"
+        );
     }
 
     #[tokio::test]
