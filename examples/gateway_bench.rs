@@ -12,7 +12,10 @@
 //! (memory store, or `--redis URL`; caps high enough never to refuse: this measures the
 //! cost of the path, not of waiting). Each scenario runs at concurrency 1 (the added
 //! latency) and at concurrency C (default 32, the throughput), N requests each (default
-//! 2,000 and 10,000), at most 20 s each. A streamed call is timed to its last byte.
+//! 2,000 and 10,000), at most 20 s each. A streamed call is timed to its last byte. The
+//! paths of a scenario take turns for R rounds (`--rounds`, default 5) and each figure is
+//! the median of its rounds: on two shared cores one run of a path against one of another
+//! differs by 10-20% at concurrency 32 from the machine alone.
 //!
 //! Through the gateway each scenario runs twice: with an ordinary key, and with a service
 //! key (`users = true`) whose calls name one of 100,000 end users in `metadata.user_id`
@@ -140,9 +143,25 @@ async fn call(
 
 struct Run {
     done: usize,
-    elapsed: Duration,
+    per_second: f64,
     p50: Duration,
     p99: Duration,
+}
+
+/// Each figure's median over the rounds of a path.
+fn median(mut runs: Vec<Run>) -> Run {
+    let mid = runs.len() / 2;
+    runs.sort_by(|a, b| a.per_second.total_cmp(&b.per_second));
+    let per_second = runs[mid].per_second;
+    runs.sort_by_key(|r| r.p99);
+    let p99 = runs[mid].p99;
+    runs.sort_by_key(|r| r.p50);
+    Run {
+        done: runs[mid].done,
+        per_second,
+        p50: runs[mid].p50,
+        p99,
+    }
 }
 
 /// `requests` calls, `concurrency` at a time; of the service key, each naming the next of
@@ -189,7 +208,7 @@ async fn run(url: &str, stream: bool, requests: usize, concurrency: usize, users
     let at = |q: f64| times[((times.len() as f64 * q) as usize).min(times.len() - 1)];
     Run {
         done: times.len(),
-        elapsed,
+        per_second: times.len() as f64 / elapsed.as_secs_f64(),
         p50: at(0.50),
         p99: at(0.99),
     }
@@ -202,13 +221,14 @@ fn ms(d: Duration) -> f64 {
 #[tokio::main(flavor = "multi_thread", worker_threads = 1)]
 async fn main() {
     let mut args = std::env::args().skip(1);
-    let (mut requests, mut concurrency, mut redis) = (None, 32usize, None);
+    let (mut requests, mut concurrency, mut redis, mut rounds) = (None, 32usize, None, 5usize);
     while let Some(arg) = args.next() {
         let value = args.next().unwrap_or_else(|| panic!("{arg} needs a value"));
         match arg.as_str() {
             "--requests" => requests = Some(value.parse::<usize>().expect("--requests N")),
             "--concurrency" => concurrency = value.parse().expect("--concurrency C"),
             "--redis" => redis = Some(value),
+            "--rounds" => rounds = value.parse::<usize>().expect("--rounds R").max(1),
             other => panic!("unknown argument {other}"),
         }
     }
@@ -217,7 +237,7 @@ async fn main() {
     let (_gateway, gateway) = start_gateway(&mock.url(), redis.as_deref());
     let direct = mock.url();
     println!(
-        "gateway overhead ({} store), loopback, release; mock: no delay, SSE back to back",
+        "gateway overhead ({} store), loopback, release; mock: no delay, SSE back to back; median of {rounds} rounds",
         if redis.is_some() { "redis" } else { "memory" }
     );
     println!(
@@ -227,9 +247,13 @@ async fn main() {
     for stream in [false, true] {
         for c in [1, concurrency] {
             let n = requests.unwrap_or(if c == 1 { 2_000 } else { 10_000 });
-            let base = run(&direct, stream, n, c, false).await;
-            let through = run(&gateway, stream, n, c, false).await;
-            let users = run(&gateway, stream, n, c, true).await;
+            let (mut base, mut through, mut users) = (Vec::new(), Vec::new(), Vec::new());
+            for _ in 0..rounds {
+                base.push(run(&direct, stream, n, c, false).await);
+                through.push(run(&gateway, stream, n, c, false).await);
+                users.push(run(&gateway, stream, n, c, true).await);
+            }
+            let (base, through, users) = (median(base), median(through), median(users));
             let kind = if stream { "stream" } else { "message" };
             for (path, r) in [
                 ("direct", &base),
@@ -246,7 +270,7 @@ async fn main() {
                 println!(
                     "| {kind} | {c} | {path} | {} | {:.0} | {:.3} | {:.3} | {} | {} |",
                     r.done,
-                    r.done as f64 / r.elapsed.as_secs_f64(),
+                    r.per_second,
                     ms(r.p50),
                     ms(r.p99),
                     added(r.p50, base.p50),
