@@ -41,6 +41,8 @@ mod budgets;
 mod conn;
 mod cooldown;
 mod kinds;
+#[cfg(test)]
+mod order_model;
 mod pacing;
 #[cfg(test)]
 mod pacing_differential;

@@ -16,7 +16,7 @@ use crate::store::pacing::{DIMS, MAX_LIMIT, PaceAsk, PaceLimit, Pacers};
 
 #[allow(dead_code, unreachable_pub)]
 #[path = "../../../tests/support/redis_server.rs"]
-mod redis_server;
+pub(super) mod redis_server;
 
 /// The scripts' clock read, and what replaces it here.
 const CLOCK: &str =
