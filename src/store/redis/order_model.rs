@@ -712,7 +712,10 @@ fn the_slot_scripts_wake_whom_the_model_of_the_fleets_order_names() {
     let mut conn = client
         .get_connection()
         .expect("connect to the throwaway redis");
-    let queue = include_str!("../scripts/slot_queue.lua");
+    let queue = concat!(
+        include_str!("../scripts/gcra.lua"),
+        include_str!("../scripts/slot_queue.lua")
+    );
     let acquire = on_fixed_clock(&format!(
         "{queue}{}",
         include_str!("../scripts/slot_acquire.lua")

@@ -9,7 +9,10 @@ use super::RedisStore;
 use crate::store::StoreFuture;
 use crate::store::pacing::{DIMS, LearnedLimits, PaceAsk, PaceGrant, PaceLimit};
 
-pub(super) const PACE_SOURCE: &str = include_str!("../scripts/pace.lua");
+pub(super) const PACE_SOURCE: &str = concat!(
+    include_str!("../scripts/gcra.lua"),
+    include_str!("../scripts/pace.lua")
+);
 
 pub(super) static PACE: LazyLock<Script> = LazyLock::new(|| Script::new(PACE_SOURCE));
 
@@ -53,7 +56,10 @@ pub(super) fn pace_args(limits: &[PaceLimit]) -> Vec<i64> {
         .collect()
 }
 
-pub(super) const LEARNED_PACE_SOURCE: &str = include_str!("../scripts/learned_pace.lua");
+pub(super) const LEARNED_PACE_SOURCE: &str = concat!(
+    include_str!("../scripts/gcra.lua"),
+    include_str!("../scripts/learned_pace.lua")
+);
 
 pub(super) static LEARNED_PACE: LazyLock<Script> =
     LazyLock::new(|| Script::new(LEARNED_PACE_SOURCE));

@@ -76,16 +76,19 @@ pub(super) struct SlotScripts {
 impl SlotScripts {
     pub(super) fn new() -> Self {
         SlotScripts {
-            // The fleet's fair order is one prelude of the three that change it.
+            // The fleet's fair order is one prelude of the three that change it (after GCRA's).
             acquire: Script::new(concat!(
+                include_str!("../scripts/gcra.lua"),
                 include_str!("../scripts/slot_queue.lua"),
                 include_str!("../scripts/slot_acquire.lua")
             )),
             release: Script::new(concat!(
+                include_str!("../scripts/gcra.lua"),
                 include_str!("../scripts/slot_queue.lua"),
                 include_str!("../scripts/slot_release.lua")
             )),
             heartbeat: Script::new(concat!(
+                include_str!("../scripts/gcra.lua"),
                 include_str!("../scripts/slot_queue.lua"),
                 include_str!("../scripts/slot_heartbeat.lua")
             )),

@@ -1,6 +1,6 @@
 -- Reserves a call's cells in every pacing dimension at once (GCRA, server clock) and
 -- returns how long the call waits before it goes. The GCRA rules are the crate's core
--- (gcra.rs); the test pace_script_answers_as_the_memory_store checks that this script
+-- (gcra.rs, in the gcra.lua prelude); the test pace_script_answers_as_the_memory_store checks that this script
 -- answers as the memory store does, with the TIME read below replaced by its own clock.
 -- KEYS[1] hash of theoretical arrival times in microseconds, one field per dimension
 -- ARGV triples per dimension: emission interval (us), this call's tolerance (us):
@@ -13,12 +13,12 @@ local send = now
 for i = 1, n do
   local tat = tonumber(redis.call('HGET', KEYS[1], i)) or now
   tats[i] = tat
-  local at = math.max(tat, now) - tonumber(ARGV[3 * i - 1])
+  local at = gcra_at(tat, now, tonumber(ARGV[3 * i - 1]))
   if at > send then send = at end
 end
 local last = now
 for i = 1, n do
-  local tat = math.max(tats[i], send) + tonumber(ARGV[3 * i - 2]) * tonumber(ARGV[3 * i])
+  local tat = gcra_after(tats[i], send, tonumber(ARGV[3 * i]), tonumber(ARGV[3 * i - 2]))
   redis.call('HSET', KEYS[1], i, string.format('%.0f', tat))
   if tat > last then last = tat end
 end
