@@ -288,6 +288,93 @@ struct Function {
     lines: usize,
 }
 
+/// The library's public surface, as a list of its `pub` items, is the one in
+/// `tests/public_api.txt`: an item added, removed or renamed fails here until the list
+/// is written again (`FAIRGATE_BLESS_API=1 cargo test --test house`), so the surface changes
+/// only on purpose and the diff of the list shows how. A `pub` method names its module, not
+/// its type; `pub(crate)` items are not listed.
+#[test]
+fn the_public_api_changes_only_on_purpose() {
+    let listed = public_api(&crate_files());
+    let file = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/public_api.txt");
+    if std::env::var_os("FAIRGATE_BLESS_API").is_some() {
+        fs::write(&file, listed.join("\n") + "\n").expect("write tests/public_api.txt");
+        return;
+    }
+    let kept = fs::read_to_string(&file).unwrap_or_default();
+    let kept: BTreeSet<&str> = kept.lines().collect();
+    let now: BTreeSet<&str> = listed.iter().map(String::as_str).collect();
+    let added: Vec<_> = now.difference(&kept).collect();
+    let removed: Vec<_> = kept.difference(&now).collect();
+    assert!(
+        added.is_empty() && removed.is_empty(),
+        "the public API changed; if on purpose, FAIRGATE_BLESS_API=1 cargo test --test house\n\
+         added:\n  {}\nremoved:\n  {}",
+        added.iter().map(|s| **s).collect::<Vec<_>>().join("\n  "),
+        removed.iter().map(|s| **s).collect::<Vec<_>>().join("\n  "),
+    );
+}
+
+/// `module kind name` for every `pub` item of the library (`pub use` with its path), by the
+/// module that defines it, sorted. The crate warns of an unreachable `pub` (`unreachable_pub`),
+/// so each is reachable from outside: a private module's items through a re-export.
+fn public_api(files: &[SourceFile]) -> Vec<String> {
+    let mut items = Vec::new();
+    for file in files.iter().filter(|f| f.krate == "lib") {
+        let module = match file.module.join("::") {
+            m if m.is_empty() => "fairgate".to_owned(),
+            m => format!("fairgate::{m}"),
+        };
+        for (kind, name) in pub_words(&file.code) {
+            items.push(format!("{module} {kind} {name}"));
+        }
+    }
+    items.sort();
+    items.dedup();
+    items
+}
+
+/// The (kind, name) of each `pub` item in `code`: `fn`, `struct`, ..., `field` for a public
+/// field, `use` with the path it re-exports.
+fn pub_words(code: &str) -> Vec<(String, String)> {
+    let words = words(code);
+    let mut found = Vec::new();
+    for (i, w) in words.iter().enumerate() {
+        // `pub` alone: `pub(crate)` and `pub(super)` are not the crate's surface.
+        if w.text != "pub" || code[w.end..].trim_start().starts_with('(') {
+            continue;
+        }
+        let mut at = i + 1;
+        while words.get(at).is_some_and(|k| {
+            matches!(k.text, "async" | "unsafe" | "const" | "extern")
+                && words
+                    .get(at + 1)
+                    .is_some_and(|n| matches!(n.text, "fn" | "unsafe" | "extern"))
+        }) {
+            at += 1;
+        }
+        let (Some(kind), Some(name)) = (words.get(at), words.get(at + 1)) else {
+            continue;
+        };
+        match kind.text {
+            "use" => {
+                let end = code[kind.end..]
+                    .find(';')
+                    .map_or(code.len(), |e| kind.end + e);
+                let path: String = code[kind.end..end].split_whitespace().collect();
+                found.push(("use".to_owned(), path));
+            }
+            "fn" | "struct" | "enum" | "trait" | "type" | "const" | "static" | "mod" | "union"
+            | "macro" => found.push((kind.text.to_owned(), name.text.to_owned())),
+            _ if code[kind.end..].trim_start().starts_with(':') => {
+                found.push(("field".to_owned(), kind.text.to_owned()));
+            }
+            _ => {}
+        }
+    }
+    found
+}
+
 /// Every non-test source file of the library and the binaries.
 fn crate_files() -> Vec<SourceFile> {
     let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");

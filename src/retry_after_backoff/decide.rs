@@ -73,7 +73,7 @@ const NANOS_PER_SEC: u128 = 1_000_000_000;
 ///   and returns the response at once.
 ///
 /// Only the first value of each header is consulted.
-pub fn retry_after(headers: &HeaderMap, now: SystemTime) -> Option<Duration> {
+pub(crate) fn retry_after(headers: &HeaderMap, now: SystemTime) -> Option<Duration> {
     named_delay(headers, now).filter(|d| !d.is_zero())
 }
 
@@ -192,7 +192,7 @@ fn duration_from_nanos_saturating(n: u128) -> Duration {
 /// counts as 0.5), so the result is always within
 /// `[0.96 × retry_after, 1.44 × retry_after]` (to the nanosecond), and it
 /// saturates at [`Duration::MAX`] instead of overflowing.
-pub fn throttle_delay(retry_after: Duration, unit: f64) -> Duration {
+pub(crate) fn throttle_delay(retry_after: Duration, unit: f64) -> Duration {
     let r = retry_after.as_nanos();
     // Factor in parts per billion: 0.96e9 ..= 1.44e9.
     let factor = 960_000_000 + unit_scaled(unit, 480_000_000);
@@ -253,7 +253,8 @@ impl Backoff {
 }
 
 /// [`Backoff::delay`] with the SDK defaults (0.5 s doubling up to 8 s).
-pub fn backoff_delay(retry: u32, unit: f64) -> Duration {
+#[cfg(test)]
+pub(crate) fn backoff_delay(retry: u32, unit: f64) -> Duration {
     Backoff::default().delay(retry, unit)
 }
 
@@ -335,7 +336,7 @@ impl Default for StatusSet {
 
 /// Outcome of [`should_retry`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Verdict {
+pub(crate) enum Verdict {
     /// Retry the request.
     Retry {
         /// The provider said "slow down" (429 or 529): the shell records it
@@ -362,7 +363,11 @@ pub enum Verdict {
 /// The body is not seen here: on a 429 the shell must also check
 /// [`is_spend_limit_body`] when it has the body, and not retry if it matches
 /// (waiting does not lift a spend limit).
-pub fn should_retry(status: StatusCode, headers: &HeaderMap, retry_on: &StatusSet) -> Verdict {
+pub(crate) fn should_retry(
+    status: StatusCode,
+    headers: &HeaderMap,
+    retry_on: &StatusSet,
+) -> Verdict {
     if status.as_u16() < 400 {
         return Verdict::DontRetry;
     }
@@ -387,7 +392,7 @@ pub fn should_retry(status: StatusCode, headers: &HeaderMap, retry_on: &StatusSe
 /// A byte search, not a JSON parse: it looks for the key token followed by
 /// the value token, so the phrase merely appearing in a message does not
 /// match.
-pub fn is_spend_limit_body(body: &[u8]) -> bool {
+pub(crate) fn is_spend_limit_body(body: &[u8]) -> bool {
     const KEY: &[u8] = b"\"error_code\"";
     const VALUE: &[u8] = b"\"enforced_spend_limit_reached\"";
     let skip_ws = |s: &[u8]| -> usize {
@@ -460,7 +465,8 @@ const RATELIMIT_NAMES: [(HeaderName, HeaderName); 4] = {
 /// is missing or unparsable is skipped (we cannot say when it ends; the
 /// `retry-after` header or backoff covers it); a remaining count that is not
 /// a plain non-negative integer counts as not exhausted.
-pub fn ratelimit_wait(headers: &HeaderMap, now: SystemTime) -> Option<Duration> {
+#[cfg(test)]
+pub(crate) fn ratelimit_wait(headers: &HeaderMap, now: SystemTime) -> Option<Duration> {
     ratelimit_reset(headers).map(|at| at.duration_since(now).unwrap_or(Duration::ZERO))
 }
 
@@ -538,7 +544,7 @@ pub(super) fn ratelimit_reset_unlearned(headers: &HeaderMap, learned: bool) -> O
 ///
 /// Times before 1970 are returned when the platform's `SystemTime` can
 /// represent them.
-pub fn parse_rfc3339(s: &str) -> Option<SystemTime> {
+pub(crate) fn parse_rfc3339(s: &str) -> Option<SystemTime> {
     let b = s.as_bytes();
     let year = fixed_digits(b, 0, 4)?;
     let month = fixed_digits(b, 5, 2)?;

@@ -93,7 +93,7 @@ mod admit;
 mod body;
 mod call;
 mod core;
-pub mod decide;
+pub(crate) mod decide;
 pub mod future;
 mod gate;
 mod key_gate;
