@@ -10,7 +10,7 @@
 //!   does not lift a spend cap). At most 4 retries, within a retry budget (tower's
 //!   `TpsBudget`: 20% of calls plus 10 a second), so retries cannot multiply a storm.
 //! - **How long to wait**: the server's delay (`retry-after-ms`, else `retry-after` in
-//!   seconds or as a date; [`decide::retry_after`]) x 1.2 +/- 20%; with none, the SDKs'
+//!   seconds or as a date; `decide::retry_after`) x 1.2 +/- 20%; with none, the SDKs'
 //!   backoff (0.5 s doubling up to 8 s, minus up to 25%). A delay over the maximum (60 s)
 //!   is not slept: the response goes back at once. Never panics on any header.
 //! - **Who is told**: every 429 counts against the request's tenant
