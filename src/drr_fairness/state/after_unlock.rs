@@ -1,0 +1,190 @@
+//! What a dispatch leaves to do once the fair queue's lock is released: wakers to wake,
+//! served costs to record, acquires to send, wake-ups to pass on, and the watcher that
+//! dispatches again while something holds the order's head back.
+
+use std::sync::Arc;
+use std::task::Waker;
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+use super::{Acquire, FairQueue, Few, Handed, Sent, TierSlots};
+use crate::metrics::Metric;
+use crate::rng::Rng;
+use crate::store::{SlotRefusal, SlotWakes};
+use crate::{Priority, TenantId, Tier};
+
+/// What a dispatch leaves to do once the lock is released.
+#[derive(Default)]
+pub(super) struct AfterUnlock {
+    pub(super) wake: Few<Waker>,
+    /// Dispatches to record in the store: tenant, cost, tier weight, whether it queued.
+    pub(super) served: Few<(TenantId, u64, u32, bool, Instant)>,
+    pub(super) depth: Option<Priority>,
+    pub(super) index: Option<Option<f64>>,
+    /// Slot acquires to send (Redis).
+    pub(super) acquires: Vec<Acquire>,
+    pub(super) watch: bool,
+    /// The rate gate's time changed while a watcher runs.
+    pub(super) rewatch: bool,
+    /// Slots and rate cells to give back, outside the lock.
+    pub(super) drop_handed: Vec<Handed>,
+    /// Wake-ups to pass on.
+    pub(super) declined: Vec<Declined>,
+}
+
+/// Wake-ups of a flow this worker has no call for: passed on to the next in the fleet's
+/// order, the worker leaving the flow with `leave`.
+pub(super) struct Declined {
+    pub(super) tier: Tier,
+    pub(super) flow: String,
+    pub(super) n: usize,
+    pub(super) leave: bool,
+}
+
+impl AfterUnlock {
+    pub(super) fn run(self, shared: &Arc<FairQueue>, depths: Option<(Priority, usize)>) {
+        self.served.for_each(|(tenant, cost, weight, queued, at)| {
+            shared.store.add_served_cost_at(&tenant, cost, at);
+            shared.store.add_fairness(&tenant, weight, cost, queued);
+        });
+        if let Some((priority, depth)) = depths {
+            metrics::gauge!(Metric::QueueDepth.name(), "priority" => priority.as_str())
+                .set(depth as f64);
+        }
+        if let Some(index) = self.index {
+            // The fleet's when the store knows it, so every worker says the same; no
+            // backlogged tenant in the window: nothing was unfair.
+            let index = shared.store.fleet_fairness_index().unwrap_or(index);
+            metrics::gauge!(Metric::FairnessIndex.name()).set(index.unwrap_or(1.0));
+        }
+        drop(self.drop_handed);
+        // Most calls leave these empty: no iterator to build and drop.
+        if !self.declined.is_empty() {
+            for Declined {
+                tier,
+                flow,
+                n,
+                leave,
+            } in self.declined
+            {
+                shared
+                    .slot_store()
+                    .pass_on_slot_wakes(&tier, &flow, n, leave);
+            }
+        }
+        let spawns = !self.acquires.is_empty() || self.watch;
+        let runtime = spawns
+            .then(tokio::runtime::Handle::try_current)
+            .and_then(Result::ok);
+        if spawns {
+            for acquire in self.acquires {
+                let shared = shared.clone();
+                match &runtime {
+                    Some(runtime) => {
+                        runtime.spawn(async move {
+                            let answer = acquire.slot.await;
+                            shared.answered(acquire.sent, answer);
+                        });
+                    }
+                    // Nothing can send it (no runtime): unsent, it holds nothing.
+                    None => {
+                        let sent = Sent {
+                            more: false,
+                            ..acquire.sent
+                        };
+                        shared.answered(sent, Err(SlotRefusal::Full));
+                    }
+                }
+            }
+        }
+        if self.watch
+            && let Some(runtime) = &runtime
+        {
+            runtime.spawn(watch(shared.clone()));
+        }
+        if self.rewatch {
+            shared.rewatch.notify_one();
+        }
+        self.wake.for_each(Waker::wake);
+    }
+}
+
+/// Waits while something holds the fair order's head back — a tier blocked for a slot to
+/// come free anywhere on the store (on Redis, a release that woke this worker for a tier;
+/// in process, any release, with a jittered poll as the safety net), or the rate gate
+/// (until its time, or its notification) — and dispatches again. Ends when nothing waits.
+async fn watch(shared: Arc<FairQueue>) {
+    // The poll's time is kept across wake-ups: a busy worker is woken far more often than
+    // it polls, and the poll must still come (a slot freed by an expired lease wakes
+    // nobody).
+    let mut poll_at: Option<Instant> = None;
+    loop {
+        let released = shared.slot_store().slot_released().notified();
+        tokio::pin!(released);
+        released.as_mut().enable();
+        // `notify_one`: a change made before this listens is kept for it.
+        let changed = shared.rate.as_ref().map(|rate| rate.inner.changed());
+        let rate_changed = async {
+            match &changed {
+                Some(notify) => notify.notified().await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::pin!(rate_changed);
+        let (slots, rate_wait, poll) = {
+            let mut state = shared.lock();
+            let tiers = || state.groups.iter().filter_map(|g| g.slots.as_ref());
+            let slots = tiers().any(TierSlots::waits);
+            let rate_wait = state.rate_wait;
+            if !slots && rate_wait.is_none() {
+                state.watching = false;
+                return;
+            }
+            // Held tenants are not woken one by one: they keep the policy's poll.
+            let held = tiers().any(|tier| !tier.held_tenants.is_empty());
+            let policy = shared.slot_policy();
+            let interval = policy.map_or(Duration::from_millis(100), |p| p.poll_interval);
+            let interval = if held {
+                interval
+            } else {
+                shared.slot_store().slot_poll(interval)
+            };
+            let seed = policy.and_then(|p| p.seed);
+            let rng = state
+                .rng
+                .get_or_insert_with(|| seed.map_or_else(Rng::from_entropy, Rng::seeded));
+            (slots, rate_wait, interval.mul_f64(0.5 + rng.unit()))
+        };
+        // A wake-up that came before this watch listened.
+        if slots && let Some(woken) = shared.slot_store().take_slot_wakes() {
+            shared.slot_freed(woken);
+            continue;
+        }
+        // A gate waiting for a notification is asked again now and then all the same.
+        let rate_at = rate_wait.map(|at| {
+            let safety = Instant::now() + Duration::from_millis(250);
+            at.map_or(safety, |at| at.min(safety))
+        });
+        let far = Instant::now() + Duration::from_secs(3600);
+        tokio::select! {
+            _ = &mut released, if slots => {
+                let woken = match shared.slot_store().take_slot_wakes() {
+                    Some(woken) => woken,
+                    None if shared.slot_store().wakes_per_freed_slot() => SlotWakes::Flows(Vec::new()),
+                    None => SlotWakes::Everyone,
+                };
+                shared.slot_freed(woken);
+            }
+            _ = tokio::time::sleep_until(*poll_at.get_or_insert_with(|| Instant::now() + poll)), if slots => {
+                poll_at = None;
+                shared.slot_poll();
+            }
+            _ = &mut rate_changed, if rate_at.is_some() => shared.rate_opened(),
+            _ = shared.rewatch.notified() => {}
+            _ = tokio::time::sleep_until(rate_at.unwrap_or(far)), if rate_at.is_some() => {
+                shared.rate_opened();
+            }
+        }
+    }
+}
