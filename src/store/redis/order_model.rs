@@ -390,13 +390,20 @@ fn case() -> impl Strategy<Value = Case> {
     )
 }
 
+/// A case's caps and weights: the global cap, each tier's (cap, weight), the classes'.
+struct Setup {
+    global_cap: u32,
+    tiers: Vec<(u32, u32)>,
+    class_weights: [u32; 3],
+}
+
 /// The scripts of one case, its keys under `prefix`.
 struct Fleet<'a> {
+    setup: Setup,
     conn: &'a mut Connection,
     acquire: &'a Script,
     release: &'a Script,
     prefix: String,
-    tokens: u64,
 }
 
 impl Fleet<'_> {
@@ -430,20 +437,19 @@ impl Fleet<'_> {
         pipe.exec(self.conn).expect("set the fleet up");
     }
 
-    /// The acquire script for `flow`; whether the lease `id` was taken.
-    #[allow(clippy::too_many_arguments)]
+    /// The acquire script for `flow` of `group` with `waiting` calls at its worker, the
+    /// next costing `cost`, answering the wake-up of `token` (or ''); whether the lease `id`
+    /// was taken.
     fn acquire(
         &mut self,
-        flow: &Flow,
-        group: &str,
+        (flow, group): (&Flow, &str),
         id: &str,
         waiting: u32,
         token: &str,
         cost: u64,
-        caps: (u32, u32, u32),
-        weights: (u32, u32),
     ) -> bool {
         let tier = self.tier_key(flow.0);
+        let (cap, weight) = self.setup.tiers[flow.0];
         let reply: Vec<i64> = self
             .acquire
             .key(self.key("global"))
@@ -455,17 +461,17 @@ impl Fleet<'_> {
             .key(self.key("promised"))
             .key(format!("{tier}:promised"))
             .key(self.key("cells"))
-            .arg(caps.0)
-            .arg(caps.1)
+            .arg(self.setup.global_cap)
+            .arg(cap)
             .arg(3_600_000)
             .arg(id)
             .arg(Fleet::worker(flow))
             .arg("e1")
             .arg(waiting)
-            .arg(weights.0)
+            .arg(weight)
             .arg(token)
             .arg(flow.1)
-            .arg(weights.1)
+            .arg(self.setup.class_weights[flow.1])
             .arg(&flow.2)
             .arg(cost)
             .arg(0)
@@ -537,7 +543,6 @@ impl Fleet<'_> {
                 ));
             }
         }
-        self.tokens += woken.len() as u64;
         woken
     }
 }
@@ -551,11 +556,15 @@ fn run_case(
     let (global_cap, tiers, class_weights, steps) = case;
     let mut model = Model::new(&tiers);
     let mut fleet = Fleet {
+        setup: Setup {
+            global_cap,
+            tiers,
+            class_weights,
+        },
         conn,
         acquire: scripts.0,
         release: scripts.1,
         prefix: format!("order{n}"),
-        tokens: 0,
     };
     fleet.start();
     let mut leases: Vec<(String, usize)> = Vec::new();
@@ -576,18 +585,8 @@ fn run_case(
                 let (name, group) = TENANTS[tenant];
                 let flow = (tier, class, name.to_owned());
                 let waiting = model.wants.get(&flow).map_or(0, |w| w.0) + calls;
-                let caps = (global_cap, tiers[tier].0, tiers[tier].1);
                 let id = new_id();
-                let taken = fleet.acquire(
-                    &flow,
-                    group,
-                    &id,
-                    waiting,
-                    "",
-                    cost,
-                    caps,
-                    (caps.2, class_weights[class]),
-                );
+                let taken = fleet.acquire((&flow, group), &id, waiting, "", cost);
                 let expected = model.acquire(
                     &flow,
                     group,
@@ -605,16 +604,7 @@ fn run_case(
                 model.leases -= 1;
                 model.tiers[tier].leases -= 1;
                 let woken = fleet.release(Some((&id, tier)), None);
-                follow(
-                    &mut fleet,
-                    &mut model,
-                    woken,
-                    global_cap,
-                    &tiers,
-                    &class_weights,
-                    &mut leases,
-                    &mut new_id,
-                )?;
+                woken_by_both(&mut fleet, &mut model, woken, &mut leases, &mut new_id)?;
             }
             Step::GiveUp(i) if !model.wants.is_empty() => {
                 let mut flows: Vec<&Flow> = model.wants.keys().collect();
@@ -622,16 +612,7 @@ fn run_case(
                 let flow = flows[i % flows.len()].clone();
                 model.leave(&flow);
                 let woken = fleet.release(None, Some(&flow));
-                follow(
-                    &mut fleet,
-                    &mut model,
-                    woken,
-                    global_cap,
-                    &tiers,
-                    &class_weights,
-                    &mut leases,
-                    &mut new_id,
-                )?;
+                woken_by_both(&mut fleet, &mut model, woken, &mut leases, &mut new_id)?;
             }
             _ => {}
         }
@@ -641,14 +622,10 @@ fn run_case(
 
 /// The wake-up the scripts sent (at most one) is the model's; the woken worker's acquire
 /// takes the promised slot.
-#[allow(clippy::too_many_arguments)]
-fn follow(
+fn woken_by_both(
     fleet: &mut Fleet<'_>,
     model: &mut Model,
     woken: Vec<(usize, usize, String, String)>,
-    global_cap: u32,
-    tiers: &[(u32, u32)],
-    class_weights: &[u32; 3],
     leases: &mut Vec<(String, usize)>,
     new_id: &mut impl FnMut() -> String,
 ) -> Result<(), TestCaseError> {
@@ -682,17 +659,7 @@ fn follow(
     let cost = model.wants.get(&flow).map_or(1, |w| w.1);
     let group = TENANTS.iter().find(|t| t.0 == flow.2).map_or("", |t| t.1);
     let id = new_id();
-    let caps = (global_cap, tiers[tier].0, tiers[tier].1);
-    let taken = fleet.acquire(
-        &flow,
-        group,
-        &id,
-        left + 1,
-        &token,
-        cost,
-        caps,
-        (caps.2, class_weights[class]),
-    );
+    let taken = fleet.acquire((&flow, group), &id, left + 1, &token, cost);
     prop_assert!(taken, "a promised slot is taken");
     model.promised -= 1;
     model.tiers[tier].promised -= 1;
