@@ -712,15 +712,8 @@ fn the_slot_scripts_wake_whom_the_model_of_the_fleets_order_names() {
     let mut conn = client
         .get_connection()
         .expect("connect to the throwaway redis");
-    let queue = include_str!("../scripts/slot_queue.lua");
-    let acquire = on_fixed_clock(&format!(
-        "{queue}{}",
-        include_str!("../scripts/slot_acquire.lua")
-    ));
-    let release = on_fixed_clock(&format!(
-        "{queue}{}",
-        include_str!("../scripts/slot_release.lua")
-    ));
+    let acquire = on_fixed_clock(super::slots::ACQUIRE_SOURCE);
+    let release = on_fixed_clock(super::slots::RELEASE_SOURCE);
     let conn = std::cell::RefCell::new(&mut conn);
     let cases = std::cell::Cell::new(0u64);
     let mut runner = TestRunner::new(Config {

@@ -9,7 +9,10 @@ use super::RedisStore;
 use crate::store::StoreFuture;
 use crate::store::pacing::{DIMS, LearnedLimits, PaceAsk, PaceGrant, PaceLimit};
 
-pub(super) const PACE_SOURCE: &str = include_str!("../scripts/pace.lua");
+pub(super) const PACE_SOURCE: &str = concat!(
+    include_str!("../scripts/gcra.lua"),
+    include_str!("../scripts/pace.lua")
+);
 
 pub(super) static PACE: LazyLock<Script> = LazyLock::new(|| Script::new(PACE_SOURCE));
 
@@ -41,19 +44,22 @@ impl RedisStore {
     }
 }
 
-/// The pace script's arguments: per dimension its interval, this call's tolerance and cells
-/// (microseconds and cells).
+/// The pace script's arguments: per dimension its rate (interval in microseconds, capacity)
+/// and this call's cells.
 pub(super) fn pace_args(limits: &[PaceLimit]) -> Vec<i64> {
     limits
         .iter()
         .flat_map(|limit| {
-            let (interval, tolerance) = limit.interval_and_tolerance_us();
-            [interval, tolerance, limit.cells()]
+            let rate = limit.rate();
+            [rate.interval(), rate.capacity(), limit.cells()]
         })
         .collect()
 }
 
-pub(super) const LEARNED_PACE_SOURCE: &str = include_str!("../scripts/learned_pace.lua");
+pub(super) const LEARNED_PACE_SOURCE: &str = concat!(
+    include_str!("../scripts/gcra.lua"),
+    include_str!("../scripts/learned_pace.lua")
+);
 
 pub(super) static LEARNED_PACE: LazyLock<Script> =
     LazyLock::new(|| Script::new(LEARNED_PACE_SOURCE));

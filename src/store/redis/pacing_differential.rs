@@ -295,7 +295,8 @@ fn slot_scripts_token_rate_answers_as_the_gcra_core() {
     use crate::gcra::Gcra;
     let redis = Redis::start();
     let source = format!(
-        "{}{TOKENS_DRIVER}",
+        "{}{}{TOKENS_DRIVER}",
+        include_str!("../scripts/gcra.lua"),
         include_str!("../scripts/slot_queue.lua")
     );
     let script = Script::new(&source);
