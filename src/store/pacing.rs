@@ -34,15 +34,6 @@ impl PaceLimit {
         )
     }
 
-    /// The emission interval and this call's tolerance, in microseconds: a call of `n`
-    /// cells conforms once the theoretical arrival time is at most `(burst - n)` intervals
-    /// ahead.
-    #[cfg_attr(not(feature = "redis"), allow(dead_code))]
-    pub(crate) fn interval_and_tolerance_us(&self) -> (i64, i64) {
-        let rate = self.rate();
-        (rate.interval(), rate.tolerance(self.cells()))
-    }
-
     /// The cells this call takes (at least 1, at most the burst).
     pub(crate) fn cells(&self) -> i64 {
         self.rate().cells(i64::from(self.cells))

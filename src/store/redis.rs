@@ -42,6 +42,8 @@ mod conn;
 mod cooldown;
 mod kinds;
 #[cfg(test)]
+mod order_differential;
+#[cfg(test)]
 mod order_model;
 mod pacing;
 #[cfg(test)]

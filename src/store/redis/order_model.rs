@@ -1,15 +1,13 @@
 //! The fleet's fair order, as a model to read: what the slot scripts (`slot_queue.lua`,
-//! `slot_acquire.lua`, `slot_release.lua`) decide, written once more in plain Rust, and a
-//! differential test that runs seeded random arrivals, releases and departures through the
-//! real scripts on a throwaway `redis-server` and through the model, and asks both who is
-//! woken for each freed slot.
+//! `slot_acquire.lua`, `slot_release.lua`, `slot_heartbeat.lua`) decide, written once more
+//! in plain Rust. `order_differential.rs` runs the scripts against it.
 //!
 //! The order, at four levels, each start-time fair queuing (SFQ) on the cost:
 //! 1. the class (critical, standard, batch) by fair queuing on the class weights, one call
 //!    each: the least finish tag (`u`: start, start + 1 / weight), ties to the first class;
 //! 2. the tier, among those with a call waiting in that class and room under their cap: the
-//!    least start tag (`v`), ties to the heavier, then to any (the scripts list the tiers in
-//!    the order of a Redis hash; the model allows each of the tied ones);
+//!    least start tag (`v`), ties to the heavier (then to the first the wait book's hash
+//!    lists, which is no rule: the test gives each tier weights no other tier has);
 //! 3. the group (a key: a service with its end users, or a team) in that tier and class: the
 //!    least start tag, ties to the smaller name (a sorted set's order);
 //! 4. the flow (a tenant) in that group: the same.
@@ -19,19 +17,30 @@
 //! credit for the time it had nothing waiting. A served flow is charged its call's cost at
 //! the flow and the group level, cost over the tier's weight at the tier level.
 //!
-//! The scripts read their clock once (`TIME`); the test replaces that read by a fixed time,
-//! as `pacing_differential.rs` does, so no lease, promise or worker record expires during a
-//! case: the order is what is compared here; expiries are the fleet tests' (`tests/fleet`).
-//! One worker holds each flow, so the order of workers inside a flow (by when they joined)
-//! plays no part.
+//! Around the order, time (ms on the scripts' clock):
+//! - a lease lasts [`LEASE_TTL`] unless a heartbeat of its worker renews it; once expired it
+//!   counts no more, and giving it back after a script swept it wakes nobody;
+//! - a slot promised to a woken worker counts for [`PROMISE`], until its acquire (or its
+//!   passing on) names the token;
+//! - a worker's record lasts [`WORKER_TTL`] from its last heartbeat. Past it the worker's
+//!   acquires and heartbeats are told to resync, and any heartbeat takes its flows out of
+//!   the order; with less than [`LIVE_FOR`] left a release passes over its flows, taking
+//!   them out, and wakes the next.
+//!
+//! Each tenant has one worker (`w-<tenant>`), so a flow is held by one worker and the order
+//! of workers inside a flow plays no part.
 
 use std::collections::HashMap;
 
-use proptest::prelude::*;
-use proptest::test_runner::{Config, RngSeed, TestRunner};
-use redis::{Connection, Script};
-
-use super::pacing_differential::redis_server;
+/// How long a lease lasts unrenewed (the acquire's and the heartbeat's TTL), ms.
+pub(super) const LEASE_TTL: u64 = 5_000;
+/// How long a worker's record lasts from its heartbeat, ms.
+pub(super) const WORKER_TTL: u64 = 20_000;
+/// How long a release wakes a worker only if its record has left at least, ms (the
+/// release's `ARGV[6]`).
+pub(super) const LIVE_FOR: u64 = 5_000;
+/// How long a promised slot is kept for its worker, ms (fixed in `slot_release.lua`).
+pub(super) const PROMISE: u64 = 1_000;
 
 /// One class of one tier: its waiting groups, and each group's waiting flows.
 #[derive(Debug, Default)]
@@ -50,13 +59,10 @@ struct ClassQueue {
 /// A tier as the wait book knows it.
 #[derive(Debug, Default)]
 struct Tier {
-    cap: u32,
-    weight: u32,
-    leases: u32,
-    promised: u32,
-    /// Whether the book lists the tier (`c:<tier>`): from a queued call until a release
-    /// finds nobody waiting in it.
-    listed: bool,
+    /// Its cap and weight (`c:<tier>`, `w:<tier>`) as the last acquire that queued named
+    /// them, while the book lists it: from a queued call until a release finds nobody
+    /// waiting in it.
+    listed: Option<(u32, u32)>,
     /// Its start tag (`v`) and its groups' virtual time (`t`) per class.
     v: [Option<f64>; 3],
     t: [Option<f64>; 3],
@@ -64,30 +70,64 @@ struct Tier {
 }
 
 /// A flow: its tier, class and tenant.
-type Flow = (usize, usize, String);
+pub(super) type Flow = (usize, usize, String);
 
-/// The fleet's order as the wait book and the lease sets hold it.
+/// The caps and weights an acquire names (its worker's policy).
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Caps {
+    pub(super) global: u32,
+    pub(super) tier: u32,
+    pub(super) weight: u32,
+    pub(super) class_weight: u32,
+}
+
+/// An acquire: the flow, its group (`""`: the tenant's own), the flow's calls at its
+/// worker (this one included), what the next costs, and the caps.
+#[derive(Clone, Debug)]
+pub(super) struct Ask {
+    pub(super) flow: Flow,
+    pub(super) group: &'static str,
+    pub(super) calls: u32,
+    pub(super) cost: u64,
+    pub(super) caps: Caps,
+}
+
+/// What an acquire answers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Acquired {
+    Taken,
+    /// A cap is full; the calls are queued.
+    Refused,
+    /// The worker's record is gone: nothing is taken or queued.
+    Resync,
+}
+
+/// A wake-up: the flow woken and its token.
+pub(super) type Woken = Option<(Flow, u64)>;
+
+/// The fleet's order as the wait book, the lease sets and the worker set hold it.
 #[derive(Debug, Default)]
-struct Model {
+pub(super) struct Model {
+    /// The scripts' clock, ms.
+    pub(super) now: u64,
+    /// Leases (id: tier, expiry), promised slots (token: tier, expiry) and the workers'
+    /// records (tenant: expiry). The scripts drop what expired before they count; so does
+    /// [`Model::sweep`].
+    leases: HashMap<String, (usize, u64)>,
+    promises: HashMap<u64, (usize, u64)>,
+    records: HashMap<String, u64>,
+    /// The last wake-up's token (the book's `token`).
+    token: u64,
+    /// The global cap and the class weights, as the last acquire that queued named them.
     global_cap: Option<u32>,
-    leases: u32,
-    promised: u32,
+    class_weight: [Option<u32>; 3],
     tiers: Vec<Tier>,
     /// Class tags (`u:<class>`, `u`) and the classes' virtual times (`v:<class>`).
     u_class: [Option<f64>; 3],
     u: Option<f64>,
     v_class: [Option<f64>; 3],
-    class_weight: [Option<u32>; 3],
     /// Calls waiting per flow, and what the next one costs.
-    wants: HashMap<Flow, (u32, u64)>,
-}
-
-/// Who a freed slot goes to: its class, and the tiers that were as fair (any may be
-/// picked; the flow is then the head of the one picked).
-#[derive(Debug)]
-struct Wake {
-    class: usize,
-    tiers: Vec<usize>,
+    pub(super) wants: HashMap<Flow, (u32, u64)>,
 }
 
 /// `name` starts waiting in `queue` at `v`, or at its finish in `fins` if later.
@@ -112,25 +152,59 @@ fn head(queue: &HashMap<String, f64>) -> Option<(String, f64)> {
 }
 
 impl Model {
-    /// Tiers of (cap, weight). The global cap and the class weights are learnt from the
-    /// calls that queue, as the wait book learns them.
-    fn new(tiers: &[(u32, u32)]) -> Model {
+    /// `tiers` tiers, and the workers of `tenants` alive for a worker TTL.
+    pub(super) fn new<'a>(tiers: usize, tenants: impl IntoIterator<Item = &'a str>) -> Model {
         Model {
-            tiers: tiers
-                .iter()
-                .map(|&(cap, weight)| Tier {
-                    cap,
-                    weight,
-                    ..Tier::default()
-                })
+            tiers: (0..tiers).map(|_| Tier::default()).collect(),
+            records: tenants
+                .into_iter()
+                .map(|t| (t.to_owned(), WORKER_TTL))
                 .collect(),
             ..Model::default()
         }
     }
 
+    /// Drops the leases and promises that expired.
+    fn sweep(&mut self) {
+        let now = self.now;
+        self.leases.retain(|_, (_, expiry)| *expiry > now);
+        self.promises.retain(|_, (_, expiry)| *expiry > now);
+    }
+
+    /// Whether the worker of `tenant` has a record alive for `more` ms yet.
+    fn alive(&self, tenant: &str, more: u64) -> bool {
+        self.records
+            .get(tenant)
+            .is_some_and(|expiry| *expiry > self.now + more)
+    }
+
+    /// Slots held in `tier`: its leases and promises.
+    fn held(&self, tier: usize) -> usize {
+        let leases = self.leases.values().filter(|l| l.0 == tier).count();
+        leases + self.promises.values().filter(|p| p.0 == tier).count()
+    }
+
     fn waiting(&self, tier: usize) -> bool {
         self.wants.keys().any(|(t, _, _)| *t == tier)
     }
+
+    fn class_start(&self, class: usize) -> f64 {
+        self.u_class[class].unwrap_or(self.u.unwrap_or(0.0))
+    }
+
+    fn class_weight(&self, class: usize) -> u32 {
+        self.class_weight[class].filter(|w| *w > 0).unwrap_or(1)
+    }
+
+    fn tier_start(&self, tier: usize, class: usize) -> f64 {
+        self.tiers[tier].v[class].unwrap_or(self.v_class[class].unwrap_or(0.0))
+    }
+
+    fn tier_weight(&self, tier: usize) -> u32 {
+        self.tiers[tier].listed.map_or(1, |(_, w)| w.max(1))
+    }
+
+    // -- The order: joining and leaving -------------------------------------------------
 
     /// A tier (and maybe its class) starts waiting in `class`: at the virtual times.
     fn backlogged(&mut self, tier: usize, class: usize) {
@@ -143,7 +217,7 @@ impl Model {
         let others = self
             .tiers
             .iter()
-            .any(|t| t.listed && !t.classes[class].groups.is_empty());
+            .any(|t| t.listed.is_some() && !t.classes[class].groups.is_empty());
         if !others {
             let u = self.u.unwrap_or(0.0);
             self.u_class[class] = Some(self.u_class[class].unwrap_or(0.0).max(u));
@@ -196,519 +270,196 @@ impl Model {
         }
     }
 
-    /// An acquire of `flow` with `n` of its calls at its worker (this one included):
-    /// taken when the caps have room, the rest queued; else all queued.
-    fn acquire(&mut self, flow: &Flow, group: &str, n: u32, cost: u64, caps: (u32, u32)) -> bool {
-        let (global_cap, class_weight) = caps;
-        let tier = flow.0;
-        let t = &self.tiers[tier];
-        let room = self.leases + self.promised < global_cap && t.leases + t.promised < t.cap;
-        let queued = if room { n - 1 } else { n };
-        if queued > 0 {
-            self.join(flow, group, queued, cost);
-            self.global_cap = Some(global_cap);
-            self.tiers[tier].listed = true;
-            self.class_weight[flow.1] = Some(class_weight);
-        } else {
-            self.leave(flow);
-        }
-        if room {
-            self.leases += 1;
-            self.tiers[tier].leases += 1;
-        }
-        room
-    }
+    // -- The order: whose turn ----------------------------------------------------------
 
-    /// The tiers with a flow queued and room; the others listed but with nobody waiting
-    /// forget their order.
+    /// The tiers with a flow queued and room under their cap; the others listed but with
+    /// nobody waiting forget their order.
     fn open_tiers(&mut self) -> Vec<usize> {
         let mut open = Vec::new();
         for tier in 0..self.tiers.len() {
-            if !self.tiers[tier].listed {
+            let Some((cap, _)) = self.tiers[tier].listed else {
                 continue;
-            }
+            };
             if !self.waiting(tier) {
-                let t = &mut self.tiers[tier];
-                t.listed = false;
-                t.v = [None; 3];
-                t.t = [None; 3];
-                t.classes = Default::default();
-            } else if self.tiers[tier].leases + self.tiers[tier].promised < self.tiers[tier].cap {
+                self.tiers[tier] = Tier::default();
+            } else if self.held(tier) < cap as usize {
                 open.push(tier);
             }
         }
         open
     }
 
-    /// A slot (or a wake-up) is free: who gets it, charged and promised. `None` when no
-    /// flow waits in a tier with room, or the global cap is full with promises.
-    fn hand_out(&mut self) -> Option<Wake> {
-        if self.leases + self.promised >= self.global_cap.unwrap_or(0) {
-            return None;
-        }
-        let open = self.open_tiers();
-        let has =
-            |m: &Model, tier: usize, class: usize| !m.tiers[tier].classes[class].groups.is_empty();
+    /// The class and tier whose turn it is among the `open` tiers.
+    fn pick(&self, open: &[usize]) -> Option<(usize, usize)> {
+        let has = |tier: usize, class: usize| !self.tiers[tier].classes[class].groups.is_empty();
         // 1. The class: the least finish, the first on a tie.
         let mut best: Option<(usize, f64)> = None;
         for class in 0..3 {
-            if open.iter().any(|&t| has(self, t, class)) {
-                let start = self.u_class[class].unwrap_or(self.u.unwrap_or(0.0));
-                let finish = start + 1.0 / f64::from(self.class_weight(class));
+            if open.iter().any(|&t| has(t, class)) {
+                let finish = self.class_start(class) + 1.0 / f64::from(self.class_weight(class));
                 if best.is_none_or(|b| finish < b.1) {
                     best = Some((class, finish));
                 }
             }
         }
         let (class, _) = best?;
-        // 2. The tier: the least start, the heaviest on a tie; tied ones all allowed.
-        let tag =
-            |m: &Model, t: usize| m.tiers[t].v[class].unwrap_or(m.v_class[class].unwrap_or(0.0));
-        let waiting: Vec<usize> = open.into_iter().filter(|&t| has(self, t, class)).collect();
-        let least = waiting
+        // 2. The tier: the least start, the heavier on a tie.
+        let tier = open
             .iter()
-            .map(|&t| (tag(self, t), self.tier_weight(t)))
-            .min_by(|a, b| a.0.total_cmp(&b.0).then(b.1.cmp(&a.1)))?;
-        let tiers: Vec<usize> = waiting
-            .into_iter()
-            .filter(|&t| (tag(self, t), self.tier_weight(t)) == least)
-            .collect();
-        Some(Wake { class, tiers })
+            .copied()
+            .filter(|&t| has(t, class))
+            .min_by(|&a, &b| {
+                let (sa, sb) = (self.tier_start(a, class), self.tier_start(b, class));
+                sa.total_cmp(&sb)
+                    .then(self.tier_weight(b).cmp(&self.tier_weight(a)))
+            })?;
+        Some((tier, class))
     }
 
-    fn class_weight(&self, class: usize) -> u32 {
-        self.class_weight[class].filter(|w| *w > 0).unwrap_or(1)
+    /// 3. and 4.: the head group of `tier` in `class`, and its head flow.
+    fn head_flow(&self, tier: usize, class: usize) -> Option<Flow> {
+        let q = &self.tiers[tier].classes[class];
+        let (group, _) = head(&q.groups)?;
+        let (tenant, _) = head(q.flows.get(&group)?)?;
+        Some((tier, class, tenant))
     }
 
-    fn tier_weight(&self, tier: usize) -> u32 {
-        self.tiers[tier].weight.max(1)
-    }
-
-    /// The slot goes to the head flow of `tier` in `class` (one of the wake's tiers):
-    /// promised, and every level charged.
-    fn serve(&mut self, tier: usize, class: usize) -> Flow {
-        let start = self.u_class[class].unwrap_or(self.u.unwrap_or(0.0));
+    /// The head flow of `tier` in `class` is served: every level charged, one call less.
+    fn serve(&mut self, flow: &Flow) {
+        let (tier, class, tenant) = flow;
+        let (tier, class) = (*tier, *class);
+        let start = self.class_start(class);
         self.u_class[class] = Some(start + 1.0 / f64::from(self.class_weight(class)));
         self.u = Some(start);
-        let tier_start = self.tiers[tier].v[class].unwrap_or(self.v_class[class].unwrap_or(0.0));
+        let tier_start = self.tier_start(tier, class);
         let weight = f64::from(self.tier_weight(tier));
-        let q = &self.tiers[tier].classes[class];
-        let (group, group_start) = head(&q.groups).expect("a waiting group");
-        let (tenant, flow_start) = head(&q.flows[&group]).expect("a waiting flow");
-        let flow = (tier, class, tenant.clone());
-        let (n, cost) = self.wants[&flow];
+        let (n, cost) = self.wants.get(flow).copied().unwrap_or((1, 1));
         let cost = cost.max(1) as f64;
         let t = &mut self.tiers[tier];
-        t.v[class] = Some(tier_start + cost / weight);
-        t.t[class] = Some(group_start);
-        self.v_class[class] = Some(tier_start);
         let q = &mut t.classes[class];
+        let group = q.group_of.get(tenant).cloned().unwrap_or_default();
+        let group_start = q.groups.get(&group).copied().unwrap_or(0.0);
+        let flows = q.flows.entry(group.clone()).or_default();
+        let flow_start = flows.get(tenant).copied().unwrap_or(0.0);
+        flows.insert(tenant.clone(), flow_start + cost);
         q.groups.insert(group.clone(), group_start + cost);
         q.gv.insert(group.clone(), flow_start);
-        q.flows
-            .get_mut(&group)
-            .expect("its flows")
-            .insert(tenant, flow_start + cost);
+        // Finish tags behind the virtual time give a returning group or flow nothing.
         q.gfin.retain(|_, fin| *fin > group_start);
         if let Some(fins) = q.fins.get_mut(&group) {
             fins.retain(|_, fin| *fin > flow_start);
         }
-        t.promised += 1;
-        self.promised += 1;
-        if n > 1 {
-            self.wants.get_mut(&flow).expect("its calls").0 = n - 1;
+        t.v[class] = Some(tier_start + cost / weight);
+        t.t[class] = Some(group_start);
+        self.v_class[class] = Some(tier_start);
+        match self.wants.get_mut(flow) {
+            Some(w) if n > 1 => w.0 = n - 1,
+            _ => self.leave(flow),
+        }
+    }
+
+    // -- The scripts --------------------------------------------------------------------
+
+    /// `slot_acquire.lua` for `ask`, the lease `id`, answering the wake-up `token`: taken
+    /// when the caps have room (the rest of the calls queued), else all queued.
+    pub(super) fn acquire(&mut self, ask: &Ask, id: &str, token: Option<u64>) -> Acquired {
+        let (tier, class, tenant) = &ask.flow;
+        if !self.alive(tenant, 0) {
+            return Acquired::Resync;
+        }
+        if let Some(token) = token {
+            self.promises.remove(&token);
+        }
+        self.sweep();
+        let global = self.leases.len() + self.promises.len();
+        let full = global >= ask.caps.global as usize || self.held(*tier) >= ask.caps.tier as usize;
+        let queued = if full {
+            ask.calls
         } else {
+            ask.calls.saturating_sub(1)
+        };
+        if queued > 0 {
+            self.join(&ask.flow, ask.group, queued, ask.cost);
+            self.global_cap = Some(ask.caps.global);
+            self.tiers[*tier].listed = Some((ask.caps.tier, ask.caps.weight));
+            self.class_weight[*class] = Some(ask.caps.class_weight);
+        } else if !full && ask.calls == 1 {
+            self.leave(&ask.flow);
+        }
+        if full {
+            return Acquired::Refused;
+        }
+        self.leases
+            .insert(id.to_owned(), (*tier, self.now + LEASE_TTL));
+        Acquired::Taken
+    }
+
+    /// `slot_release.lua`: gives back `lease` (or only wakes), takes back the promise
+    /// `token` passed on and the flow `entry` leaving, and wakes the flow whose turn it is,
+    /// passing over those whose worker is not alive for `LIVE_FOR` more. Returns whether
+    /// the lease was still there, and who was woken.
+    pub(super) fn release(
+        &mut self,
+        lease: Option<&str>,
+        token: Option<u64>,
+        entry: Option<&Flow>,
+    ) -> (bool, Woken) {
+        let removed = lease.is_some_and(|id| self.leases.remove(id).is_some());
+        if let Some(token) = token {
+            self.promises.remove(&token);
+        }
+        if let Some(flow) = entry {
+            self.leave(flow);
+        }
+        self.sweep();
+        let room = self.leases.len() + self.promises.len() < self.global_cap.unwrap_or(0) as usize;
+        // A lease a script already dropped as expired frees nothing now: its slot has been
+        // counted free since.
+        if !(removed || lease.is_none()) || !room {
+            return (removed, None);
+        }
+        for _ in 0..64 {
+            let open = self.open_tiers();
+            let Some(flow) = self.pick(&open).and_then(|(t, c)| self.head_flow(t, c)) else {
+                break;
+            };
+            if !self.alive(&flow.2, LIVE_FOR) {
+                self.leave(&flow);
+                continue;
+            }
+            self.serve(&flow);
+            self.token += 1;
+            self.promises
+                .insert(self.token, (flow.0, self.now + PROMISE));
+            return (removed, Some((flow, self.token)));
+        }
+        (removed, None)
+    }
+
+    /// `slot_heartbeat.lua` of the worker of `tenant`, holding the leases `held`: its record
+    /// and those leases renewed, the flows of workers whose record expired taken out.
+    /// Returns the leases gone, or `None` when the worker must resync.
+    pub(super) fn heartbeat(&mut self, tenant: &str, held: &[String]) -> Option<Vec<String>> {
+        if !self.alive(tenant, 0) {
+            return None;
+        }
+        self.records
+            .insert(tenant.to_owned(), self.now + WORKER_TTL);
+        self.sweep();
+        let dead: Vec<Flow> = (self.wants.keys())
+            .filter(|f| !self.alive(&f.2, 0))
+            .cloned()
+            .collect();
+        for flow in dead {
             self.leave(&flow);
         }
-        flow
-    }
-}
-
-// ---------------------------------------------------------------------------------------
-// The differential test
-// ---------------------------------------------------------------------------------------
-
-const CLOCK: &str = "local t = redis.call('TIME')\n";
-const FIXED_CLOCK: &str = "local t = {'1764547200', '0'}\n";
-
-fn on_fixed_clock(source: &str) -> Script {
-    assert_eq!(
-        source.matches(CLOCK).count(),
-        1,
-        "one clock read to replace"
-    );
-    Script::new(&source.replacen(CLOCK, FIXED_CLOCK, 1))
-}
-
-/// One step of a case.
-#[derive(Clone, Debug)]
-enum Step {
-    /// `calls` more calls of tenant `tenant` (of `TENANTS`) in a tier and class.
-    Arrive {
-        tier: usize,
-        class: usize,
-        tenant: usize,
-        calls: u32,
-        cost: u64,
-    },
-    /// One of the leases held (by its index, modulo) is given back.
-    Release(usize),
-    /// One waiting flow (by its index, modulo) has no calls any more.
-    GiveUp(usize),
-}
-
-/// Tenants and their groups: three of one service, two of another, two of their own.
-const TENANTS: [(&str, &str); 7] = [
-    ("svc-a/u1", "svc-a"),
-    ("svc-a/u2", "svc-a"),
-    ("svc-a/u3", "svc-a"),
-    ("svc-b/u1", "svc-b"),
-    ("svc-b/u2", "svc-b"),
-    ("team-c", ""),
-    ("team-d", ""),
-];
-
-fn step() -> impl Strategy<Value = Step> {
-    prop_oneof![
-        4 => (0usize..3, 0usize..3, 0..TENANTS.len(), 1u32..4, 1u64..60).prop_map(
-            |(tier, class, tenant, calls, cost)| Step::Arrive { tier, class, tenant, calls, cost }
-        ),
-        4 => any::<usize>().prop_map(Step::Release),
-        1 => any::<usize>().prop_map(Step::GiveUp),
-    ]
-}
-
-/// The global cap, the tiers' (cap, weight), the class weights, the steps.
-type Case = (u32, Vec<(u32, u32)>, [u32; 3], Vec<Step>);
-
-fn case() -> impl Strategy<Value = Case> {
-    (
-        1u32..6,
-        prop::collection::vec((1u32..4, 1u32..5), 3),
-        [1u32..6, 1u32..6, 1u32..6],
-        prop::collection::vec(step(), 1..80),
-    )
-}
-
-/// A case's caps and weights: the global cap, each tier's (cap, weight), the classes'.
-struct Setup {
-    global_cap: u32,
-    tiers: Vec<(u32, u32)>,
-    class_weights: [u32; 3],
-}
-
-/// The scripts of one case, its keys under `prefix`.
-struct Fleet<'a> {
-    setup: Setup,
-    conn: &'a mut Connection,
-    acquire: &'a Script,
-    release: &'a Script,
-    prefix: String,
-}
-
-impl Fleet<'_> {
-    fn key(&self, name: &str) -> String {
-        format!("{}:{name}", self.prefix)
-    }
-
-    fn tier_key(&self, tier: usize) -> String {
-        self.key(&format!("tier:{tier}"))
-    }
-
-    fn worker(flow: &Flow) -> String {
-        format!("w-{}-{}-{}", flow.0, flow.1, flow.2)
-    }
-
-    /// Registers every flow's worker as alive for good, in one epoch.
-    fn start(&mut self) {
-        let mut pipe = redis::pipe();
-        pipe.cmd("SET").arg(self.key("epoch")).arg("e1");
-        for tier in 0..3 {
-            for class in 0..3 {
-                for (tenant, _) in TENANTS {
-                    let flow = (tier, class, tenant.to_owned());
-                    pipe.cmd("ZADD")
-                        .arg(self.key("workers"))
-                        .arg(1_764_547_200_000u64 * 2)
-                        .arg(Fleet::worker(&flow));
-                }
+        let mut missing = Vec::new();
+        for id in held {
+            match self.leases.get_mut(id) {
+                Some(lease) => lease.1 = self.now + LEASE_TTL,
+                None => missing.push(id.clone()),
             }
         }
-        pipe.exec(self.conn).expect("set the fleet up");
-    }
-
-    /// The acquire script for `flow` of `group` with `waiting` calls at its worker, the
-    /// next costing `cost`, answering the wake-up of `token` (or ''); whether the lease `id`
-    /// was taken.
-    fn acquire(
-        &mut self,
-        (flow, group): (&Flow, &str),
-        id: &str,
-        waiting: u32,
-        token: &str,
-        cost: u64,
-    ) -> bool {
-        let tier = self.tier_key(flow.0);
-        let (cap, weight) = self.setup.tiers[flow.0];
-        let reply: Vec<i64> = self
-            .acquire
-            .key(self.key("global"))
-            .key(&tier)
-            .key(self.key("workers"))
-            .key(self.key("epoch"))
-            .key(self.key("waits"))
-            .key(format!("{tier}:waiting"))
-            .key(self.key("promised"))
-            .key(format!("{tier}:promised"))
-            .key(self.key("cells"))
-            .arg(self.setup.global_cap)
-            .arg(cap)
-            .arg(3_600_000)
-            .arg(id)
-            .arg(Fleet::worker(flow))
-            .arg("e1")
-            .arg(waiting)
-            .arg(weight)
-            .arg(token)
-            .arg(flow.1)
-            .arg(self.setup.class_weights[flow.1])
-            .arg(&flow.2)
-            .arg(cost)
-            .arg(0)
-            .arg(0)
-            .arg(0)
-            .arg(0)
-            .arg(0)
-            .arg(group)
-            .invoke(self.conn)
-            .expect("run the acquire script");
-        assert_ne!(reply[0], -1, "the worker is told to resync");
-        reply[0] == 1
-    }
-
-    /// The release script, giving back `lease` (or only waking, with `entry` leaving its
-    /// flow); the flows it woke: (tier, class, tenant, token).
-    fn release(
-        &mut self,
-        lease: Option<(&str, usize)>,
-        entry: Option<&Flow>,
-    ) -> Vec<(usize, usize, String, String)> {
-        let tier = self.tier_key(lease.map_or(entry.map_or(0, |f| f.0), |l| l.1));
-        self.release
-            .key(self.key("global"))
-            .key(&tier)
-            .key(self.key("waits"))
-            .key(self.key("promised"))
-            .key(self.key("workers"))
-            .key(self.key("cells"))
-            .arg(lease.map_or("", |l| l.0))
-            .arg(self.key("wake:"))
-            .arg("RPUSH")
-            .arg("")
-            .arg(entry.map_or(String::new(), |f| {
-                format!("{}|{}|{}", Fleet::worker(f), f.1, f.2)
-            }))
-            .arg(0)
-            .arg("")
-            .arg("")
-            .arg("")
-            .invoke::<Vec<i64>>(self.conn)
-            .expect("run the release script");
-        self.woken()
-    }
-
-    /// The wake-ups sent since the last look (each worker's list), emptied.
-    fn woken(&mut self) -> Vec<(usize, usize, String, String)> {
-        let lists: Vec<String> = redis::cmd("KEYS")
-            .arg(format!("{}*", self.key("wake:")))
-            .query(self.conn)
-            .expect("list the wake-ups");
-        let mut woken = Vec::new();
-        for list in lists {
-            let messages: Vec<String> = redis::cmd("LRANGE")
-                .arg(&list)
-                .arg(0)
-                .arg(-1)
-                .query(self.conn)
-                .expect("read a wake-up");
-            redis::cmd("DEL").arg(&list).exec(self.conn).expect("clear");
-            for message in messages {
-                let parts: Vec<&str> = message.split('\n').collect();
-                let tier = parts[0].rsplit(':').next().and_then(|t| t.parse().ok());
-                woken.push((
-                    tier.expect("a tier key"),
-                    parts[2].parse().expect("a class"),
-                    parts[3].to_owned(),
-                    parts[1].to_owned(),
-                ));
-            }
-        }
-        woken
-    }
-}
-
-fn run_case(
-    conn: &mut Connection,
-    scripts: (&Script, &Script),
-    n: u64,
-    case: Case,
-) -> Result<(), TestCaseError> {
-    let (global_cap, tiers, class_weights, steps) = case;
-    let mut model = Model::new(&tiers);
-    let mut fleet = Fleet {
-        setup: Setup {
-            global_cap,
-            tiers,
-            class_weights,
-        },
-        conn,
-        acquire: scripts.0,
-        release: scripts.1,
-        prefix: format!("order{n}"),
-    };
-    fleet.start();
-    let mut leases: Vec<(String, usize)> = Vec::new();
-    let mut next_id = 0u64;
-    let mut new_id = || {
-        next_id += 1;
-        format!("lease{next_id}")
-    };
-    for step in steps {
-        match step {
-            Step::Arrive {
-                tier,
-                class,
-                tenant,
-                calls,
-                cost,
-            } => {
-                let (name, group) = TENANTS[tenant];
-                let flow = (tier, class, name.to_owned());
-                let waiting = model.wants.get(&flow).map_or(0, |w| w.0) + calls;
-                let id = new_id();
-                let taken = fleet.acquire((&flow, group), &id, waiting, "", cost);
-                let expected = model.acquire(
-                    &flow,
-                    group,
-                    waiting,
-                    cost,
-                    (global_cap, class_weights[class]),
-                );
-                prop_assert_eq!(taken, expected, "an arrival of {:?}", flow);
-                if taken {
-                    leases.push((id, tier));
-                }
-            }
-            Step::Release(i) if !leases.is_empty() => {
-                let (id, tier) = leases.remove(i % leases.len());
-                model.leases -= 1;
-                model.tiers[tier].leases -= 1;
-                let woken = fleet.release(Some((&id, tier)), None);
-                woken_by_both(&mut fleet, &mut model, woken, &mut leases, &mut new_id)?;
-            }
-            Step::GiveUp(i) if !model.wants.is_empty() => {
-                let mut flows: Vec<&Flow> = model.wants.keys().collect();
-                flows.sort();
-                let flow = flows[i % flows.len()].clone();
-                model.leave(&flow);
-                let woken = fleet.release(None, Some(&flow));
-                woken_by_both(&mut fleet, &mut model, woken, &mut leases, &mut new_id)?;
-            }
-            _ => {}
-        }
-    }
-    Ok(())
-}
-
-/// The wake-up the scripts sent (at most one) is the model's; the woken worker's acquire
-/// takes the promised slot.
-fn woken_by_both(
-    fleet: &mut Fleet<'_>,
-    model: &mut Model,
-    woken: Vec<(usize, usize, String, String)>,
-    leases: &mut Vec<(String, usize)>,
-    new_id: &mut impl FnMut() -> String,
-) -> Result<(), TestCaseError> {
-    prop_assert!(woken.len() <= 1, "one wake-up per freed slot: {:?}", woken);
-    let (wake, (tier, class, tenant, token)) = match (model.hand_out(), woken.into_iter().next()) {
-        (None, None) => return Ok(()),
-        (Some(wake), Some(woken)) => (wake, woken),
-        (expected, woken) => {
-            return Err(TestCaseError::fail(format!(
-                "the model wakes {expected:?}, the scripts {woken:?}"
-            )));
-        }
-    };
-    prop_assert_eq!(class, wake.class, "the class woken");
-    prop_assert!(
-        wake.tiers.contains(&tier),
-        "tier {} woken, the model allows {:?}",
-        tier,
-        wake.tiers
-    );
-    let flow = model.serve(tier, class);
-    prop_assert_eq!(
-        &tenant,
-        &flow.2,
-        "the flow woken in tier {} class {}",
-        tier,
-        class
-    );
-    // The woken worker takes its slot with the calls it had, the woken one included.
-    let left = model.wants.get(&flow).map_or(0, |w| w.0);
-    let cost = model.wants.get(&flow).map_or(1, |w| w.1);
-    let group = TENANTS.iter().find(|t| t.0 == flow.2).map_or("", |t| t.1);
-    let id = new_id();
-    let taken = fleet.acquire((&flow, group), &id, left + 1, &token, cost);
-    prop_assert!(taken, "a promised slot is taken");
-    model.promised -= 1;
-    model.tiers[tier].promised -= 1;
-    model.leases += 1;
-    model.tiers[tier].leases += 1;
-    if left > 0 {
-        model.join(&flow, group, left, cost);
-    }
-    leases.push((id, tier));
-    Ok(())
-}
-
-#[test]
-fn the_slot_scripts_wake_whom_the_model_of_the_fleets_order_names() {
-    let server = redis_server::RedisServer::start();
-    let client = redis::Client::open(server.url()).expect("client");
-    let mut conn = client
-        .get_connection()
-        .expect("connect to the throwaway redis");
-    let queue = concat!(
-        include_str!("../scripts/gcra.lua"),
-        include_str!("../scripts/slot_queue.lua")
-    );
-    let acquire = on_fixed_clock(&format!(
-        "{queue}{}",
-        include_str!("../scripts/slot_acquire.lua")
-    ));
-    let release = on_fixed_clock(&format!(
-        "{queue}{}",
-        include_str!("../scripts/slot_release.lua")
-    ));
-    let conn = std::cell::RefCell::new(&mut conn);
-    let cases = std::cell::Cell::new(0u64);
-    let mut runner = TestRunner::new(Config {
-        cases: 200,
-        rng_seed: RngSeed::Fixed(0x6f72_6465),
-        failure_persistence: None,
-        ..Config::default()
-    });
-    let result = runner.run(&case(), |case| {
-        cases.set(cases.get() + 1);
-        run_case(
-            &mut conn.borrow_mut(),
-            (&acquire, &release),
-            cases.get(),
-            case,
-        )
-    });
-    if let Err(failure) = result {
-        panic!("{failure}");
+        Some(missing)
     }
 }

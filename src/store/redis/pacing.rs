@@ -44,14 +44,14 @@ impl RedisStore {
     }
 }
 
-/// The pace script's arguments: per dimension its interval, this call's tolerance and cells
-/// (microseconds and cells).
+/// The pace script's arguments: per dimension its rate (interval in microseconds, capacity)
+/// and this call's cells.
 pub(super) fn pace_args(limits: &[PaceLimit]) -> Vec<i64> {
     limits
         .iter()
         .flat_map(|limit| {
-            let (interval, tolerance) = limit.interval_and_tolerance_us();
-            [interval, tolerance, limit.cells()]
+            let rate = limit.rate();
+            [rate.interval(), rate.capacity(), limit.cells()]
         })
         .collect()
 }

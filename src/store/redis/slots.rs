@@ -73,25 +73,30 @@ pub(super) struct SlotScripts {
     in_use: Script,
 }
 
+// The fleet's fair order is one prelude of the three scripts that change it, after the GCRA
+// one (its token rate).
+pub(super) const ACQUIRE_SOURCE: &str = concat!(
+    include_str!("../scripts/gcra.lua"),
+    include_str!("../scripts/slot_queue.lua"),
+    include_str!("../scripts/slot_acquire.lua")
+);
+pub(super) const RELEASE_SOURCE: &str = concat!(
+    include_str!("../scripts/gcra.lua"),
+    include_str!("../scripts/slot_queue.lua"),
+    include_str!("../scripts/slot_release.lua")
+);
+pub(super) const HEARTBEAT_SOURCE: &str = concat!(
+    include_str!("../scripts/gcra.lua"),
+    include_str!("../scripts/slot_queue.lua"),
+    include_str!("../scripts/slot_heartbeat.lua")
+);
+
 impl SlotScripts {
     pub(super) fn new() -> Self {
         SlotScripts {
-            // The fleet's fair order is one prelude of the three that change it (after GCRA's).
-            acquire: Script::new(concat!(
-                include_str!("../scripts/gcra.lua"),
-                include_str!("../scripts/slot_queue.lua"),
-                include_str!("../scripts/slot_acquire.lua")
-            )),
-            release: Script::new(concat!(
-                include_str!("../scripts/gcra.lua"),
-                include_str!("../scripts/slot_queue.lua"),
-                include_str!("../scripts/slot_release.lua")
-            )),
-            heartbeat: Script::new(concat!(
-                include_str!("../scripts/gcra.lua"),
-                include_str!("../scripts/slot_queue.lua"),
-                include_str!("../scripts/slot_heartbeat.lua")
-            )),
+            acquire: Script::new(ACQUIRE_SOURCE),
+            release: Script::new(RELEASE_SOURCE),
+            heartbeat: Script::new(HEARTBEAT_SOURCE),
             resync: Script::new(include_str!("../scripts/slot_resync.lua")),
             in_use: Script::new(include_str!("../scripts/slots_in_use.lua")),
         }

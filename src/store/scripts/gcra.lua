@@ -1,28 +1,48 @@
--- GCRA, the arithmetic of src/gcra.rs written once for the scripts (a prelude of pace.lua,
--- learned_pace.lua and the slot scripts; store::redis::pacing_differential checks each
--- against the Rust core). Times in microseconds; a limit keeps its TAT (theoretical
--- arrival time): the time its cells are taken until.
+-- GCRA, the crate's core (src/gcra.rs) in Lua: prepended to every script that paces
+-- (pace.lua, learned_pace.lua, the slot scripts), so the arithmetic is written once here.
+-- Each function is its namesake on `Gcra`, a rate being `iv` (us a cell) and `cap` (cells at
+-- once), times in us; store::redis::pacing_differential checks the scripts against gcra.rs.
 
--- When a call may go under a TAT `tat` at `now`, with `tolerance` us of burst left for it
--- ((burst - its cells) emission intervals): at or before `now` when it conforms already.
-local function gcra_at(tat, now, tolerance)
-  return math.max(tat, now) - tolerance
+-- The cells a call asking for `asked` takes: at least 1, at most the capacity.
+local function gcra_cells(cap, asked)
+  return math.max(1, math.min(asked, cap))
 end
 
--- The TAT once a call of `cells` cells, `iv` us each, goes at `at`.
-local function gcra_after(tat, at, cells, iv)
-  return math.max(tat, at) + cells * iv
-end
-
--- When a call of `cells` conforms under `iv` us a cell and `cap` cells at once (`Gcra::
--- conforms_at`): a call larger than the bucket waits for a full one.
+-- The earliest moment, `now` or later, at which `cells` conform under `tat`.
 local function gcra_conforms_at(iv, cap, tat, now, cells)
-  local n = math.max(1, math.min(cells, cap))
-  return math.max(now, gcra_at(tat, now, (cap - n) * iv))
+  return math.max(now, tat - (cap - gcra_cells(cap, cells)) * iv)
 end
 
--- The TAT once a call of `cells` goes at `at`, charged its whole cost (`Gcra::charge`);
--- negative cells give back, never below `at` (a full bucket holds no more).
-local function gcra_charge(iv, tat, at, cells)
-  return math.max(gcra_after(tat, at, cells, iv), at)
+-- The TAT once `cells` go at `at`.
+local function gcra_take(iv, cap, tat, at, cells)
+  return math.max(tat, at) + gcra_cells(cap, cells) * iv
+end
+
+-- The TAT of a bucket with room for `room` cells at `now`.
+local function gcra_with_room(iv, cap, now, room)
+  return now + (cap - math.max(0, math.min(room, cap))) * iv
+end
+
+-- The TAT once `cells` are charged after the fact (negative: given back), never before now.
+local function gcra_charge(iv, tat, now, cells)
+  return math.max(math.max(tat, now) + cells * iv, now)
+end
+
+-- Reserves a call's cells in buckets 1..n at once (`reserve`): `asks[i]` is {iv, cap, cells}
+-- or nil to leave bucket i out; `tats` is updated. Returns when the call goes.
+local function gcra_reserve(now, tats, asks, n)
+  local send = now
+  for i = 1, n do
+    local a = asks[i]
+    if a then
+      send = math.max(send, gcra_conforms_at(a[1], a[2], tats[i], now, a[3]))
+    end
+  end
+  for i = 1, n do
+    local a = asks[i]
+    if a then
+      tats[i] = gcra_take(a[1], a[2], tats[i], send, a[3])
+    end
+  end
+  return send
 end

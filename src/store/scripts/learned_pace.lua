@@ -1,10 +1,9 @@
 -- Learned pacing for one upstream key, in one step (server clock): learn the provider's
 -- limits and resynchronise from -remaining, charge corrections, take the cells of the calls
 -- about to go, or hold them behind a probe (cold start, recovery after a throttle).
--- The rules are LearnedBucket::apply's, over the crate's GCRA core (gcra.rs, in the
--- gcra.lua prelude); the test learned_pace_script_answers_as_the_memory_store checks that
--- this script answers as the memory store does, with the TIME read below replaced by its
--- own clock.
+-- The rules are LearnedBucket::apply's, over the crate's GCRA core (gcra.lua, prepended);
+-- the test learned_pace_script_answers_as_the_memory_store checks that this script answers
+-- as the memory store does, with the TIME read below replaced by its own clock.
 -- KEYS[1] hash: l1..l4 limits, t1..t4 theoretical arrival times (us), m mode,
 --         pu probe lease end (us), ru recovery end (us)
 -- ARGV[1] headroom (thousandths), ARGV[2] answered (0 none, 1 ok, 2 throttle),
@@ -50,8 +49,7 @@ for d = 1, 4 do
   if l > 0 and l <= MAX_LIMIT and not stale then
     learned = true
     local interval, capacity = shape(d, l)
-    local room = math.min(math.min(r, l), capacity)
-    local floor = now + (capacity - room) * interval
+    local floor = gcra_with_room(interval, capacity, now, math.min(r, l))
     if limit[d] ~= l then
       limit[d] = l
       tat[d] = floor
@@ -94,25 +92,15 @@ if any then
     end
   end
   if hold == 0 then
-    local send = now
+    local asks = {}
     for d = 1, 4 do
       local take = tonumber(ARGV[9 + 4 * (d - 1)])
       if limit[d] > 0 and take > 0 then
         local interval, capacity = shape(d, limit[d])
-        local cells = math.min(math.max(take, 1), capacity)
-        local at = gcra_at(tat[d], now, (capacity - cells) * interval)
-        if at > send then send = at end
+        asks[d] = {interval, capacity, take}
       end
     end
-    for d = 1, 4 do
-      local take = tonumber(ARGV[9 + 4 * (d - 1)])
-      if limit[d] > 0 and take > 0 then
-        local interval, capacity = shape(d, limit[d])
-        local cells = math.min(math.max(take, 1), capacity)
-        tat[d] = gcra_after(tat[d], send, cells, interval)
-      end
-    end
-    wait = send - now
+    wait = gcra_reserve(now, tat, asks, 4) - now
   end
 end
 

@@ -192,11 +192,11 @@ local function cell_tick(book, cells_key, now_us, lead, mine, worker)
   return tick_at(book, tonumber(first[2]), now_us, lead, mine, worker)
 end
 
--- The provider's input-token rate while the fleet orders it too: a GCRA (gcra.lua, a
--- prelude before this one) of `iv` us a token and `cap` tokens at once, its TAT (us) in the
--- book's `tokens_tat`. A call of `cost` tokens conforms at `tokens_conform`'s time; going
--- at `at`, it is charged its whole cost (a call larger than the bucket waits for a full
--- one, and the next waits for what it took beyond).
+-- The provider's input-token rate while the fleet orders it too: a GCRA (gcra.lua, prepended
+-- before this file) of `iv` us a token and `cap` tokens at once, its TAT (us) in the book's
+-- `tokens_tat`. A call of `cost` tokens conforms at `tokens_conform`'s time; going at `at`,
+-- it is charged its whole cost (`gcra_charge`: a call larger than the bucket waits for a
+-- full one, and the next waits for what it took beyond).
 
 -- The fleet's token rate {iv, cap} while an acquire named it in the last 10 s, else nil.
 local function token_rate(book, now)
