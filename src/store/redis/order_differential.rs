@@ -16,7 +16,7 @@ use proptest::test_runner::{Config, RngSeed, TestRunner};
 use redis::{Connection, Script};
 
 use super::order_model::{Acquired, Ask, Caps, Flow, LEASE_TTL, LIVE_FOR, Model, WORKER_TTL};
-use super::pacing_differential::redis_server;
+use super::pacing_differential::{redis_server, with_clock};
 
 const CLOCK: &str = "local t = redis.call('TIME')\n";
 /// The test's clock: `s` and `us` of the hash next to the global lease set (`KEYS[1]` of
@@ -26,12 +26,7 @@ const TEST_CLOCK: &str = "local t = redis.call('HMGET', KEYS[1] .. ':clock', 's'
 const EPOCH_MS: u64 = 1_764_547_200_000;
 
 fn on_test_clock(source: &str) -> Script {
-    assert_eq!(
-        source.matches(CLOCK).count(),
-        1,
-        "one clock read to replace"
-    );
-    Script::new(&source.replacen(CLOCK, TEST_CLOCK, 1))
+    with_clock(source, CLOCK, TEST_CLOCK)
 }
 
 /// Tenants and their groups: three of one service, two of another, two of their own.

@@ -28,12 +28,14 @@ const TEST_CLOCK: &str = "local now = tonumber(redis.call('GET', KEYS[2]))\n";
 const EPOCH: i64 = 1_764_547_200_000_000;
 
 fn on_test_clock(source: &str) -> Script {
-    assert_eq!(
-        source.matches(CLOCK).count(),
-        1,
-        "one clock read to replace"
-    );
-    Script::new(&source.replacen(CLOCK, TEST_CLOCK, 1))
+    with_clock(source, CLOCK, TEST_CLOCK)
+}
+
+/// `source` as shipped but for its one clock read `read`, replaced by `test_clock` (the
+/// differential tests' way to run a script at a time of their choosing).
+pub(super) fn with_clock(source: &str, read: &str, test_clock: &str) -> Script {
+    assert_eq!(source.matches(read).count(), 1, "one clock read to replace");
+    Script::new(&source.replacen(read, test_clock, 1))
 }
 
 /// A throwaway server, a connection to it, and a fresh key prefix per case.
