@@ -27,8 +27,12 @@ use std::sync::Arc;
 use tokio::time::Instant;
 
 pub use crate::admission::WaitReason;
-use crate::store::{DIMS, FleetCells};
-use crate::{SlotPolicy, Store};
+use crate::store::{
+    DIMS, FleetCells, SlotLease, SlotLeases, SlotLimits, SlotQueue, SlotRefusal, SlotWakes,
+    StoreFuture,
+};
+use crate::{SlotPolicy, Store, TenantId, Tier};
+use std::time::Duration;
 
 /// What a rate gate says about the next call of an upstream key.
 pub(crate) enum Verdict {
@@ -193,6 +197,82 @@ impl SlotGate {
     /// Whether `other` is this gate (or a clone of it).
     pub(crate) fn same(&self, other: &SlotGate) -> bool {
         Arc::ptr_eq(&self.inner, &other.inner)
+    }
+}
+
+/// The slot capability as the layers use it: take a slot, and hear when one may be free
+/// (and, in the fleet's order, for which flow). Nothing here says how the store keeps them.
+impl SlotGate {
+    fn leases(&self) -> &dyn SlotLeases {
+        self.inner.store.slot_leases()
+    }
+
+    /// Takes a slot of `tier` (for `tenant`, in a tier that caps tenants) under `limits`;
+    /// refused, `queue` places the call's flow in the fleet's order (Redis) for a wake-up.
+    pub(crate) fn acquire(
+        &self,
+        tier: &Tier,
+        tenant: Option<&TenantId>,
+        limits: SlotLimits,
+        queue: Option<SlotQueue>,
+    ) -> StoreFuture<Result<SlotLease, SlotRefusal>> {
+        self.leases().acquire_slot(tier, tenant, limits, queue)
+    }
+
+    /// Whether the store orders waiting calls across the fleet itself (Redis): a job's
+    /// group is then a level of the store's order, not a queue of the fair queue.
+    pub(crate) fn orders_the_fleet(&self) -> bool {
+        self.inner.store.is_remote()
+    }
+
+    /// Whether a freed slot wakes the one worker whose flow's turn it is (the fleet's
+    /// order, while Redis answers) rather than every waiter here: a slot given back here
+    /// then wakes nobody here directly.
+    pub(crate) fn wakes_one_per_slot(&self) -> bool {
+        self.leases().wakes_per_freed_slot()
+    }
+
+    /// Whether freed slots go in the fleet's order now.
+    pub(crate) fn in_fleet_order(&self) -> bool {
+        self.orders_the_fleet() && self.wakes_one_per_slot()
+    }
+
+    /// Whether the store is away and the outage policy serves meanwhile.
+    pub(crate) fn is_degraded(&self) -> bool {
+        self.inner.store.is_degraded()
+    }
+
+    /// The wake-ups that came for this worker since last asked: a slot free for a flow,
+    /// or for anyone of a tier.
+    pub(crate) fn take_wakes(&self) -> Option<SlotWakes> {
+        self.leases().take_wakes()
+    }
+
+    /// Passes on `n` wake-ups of `flow` in `tier` that no call here can answer, so the
+    /// slots go to the next flow now; with `leave`, no call of the flow waits here.
+    pub(crate) fn pass_on(&self, tier: &Tier, flow: &str, n: usize, leave: bool) {
+        self.leases().pass_on_wakes(tier, flow, n, leave);
+    }
+
+    /// What a waiter of `tier` waits on when freed slots wake one worker each.
+    pub(crate) fn wake_for(&self, tier: &Tier) -> Option<Arc<tokio::sync::Notify>> {
+        self.leases().wake_for(tier)
+    }
+
+    /// Notified whenever a slot may have come free (on Redis, anywhere in the fleet).
+    pub(crate) fn released(&self) -> &tokio::sync::Notify {
+        self.leases().released()
+    }
+
+    /// How often a waiter polls, for the policy's `poll_interval`: ten times less often
+    /// while freed slots wake waiters one by one, where the poll is only the safety net
+    /// for a lost wake-up or an expired lease.
+    pub(crate) fn poll_every(&self, interval: Duration) -> Duration {
+        if self.wakes_one_per_slot() {
+            interval.saturating_mul(10)
+        } else {
+            interval
+        }
     }
 }
 

@@ -58,6 +58,7 @@ use crate::{Priority, TenantId, Tier};
 
 use memory::MemoryState;
 
+pub(crate) use self::kinds::SlotLeases;
 pub(crate) use self::pacing::{
     DIMS, INPUT, MAX_LIMIT, OUTPUT, PaceAsk, PaceGrant, REQUESTS, TOTAL, learned_rate,
 };
@@ -307,6 +308,11 @@ impl StoreBuilder {
 
 impl Store {
     /// The backend's implementation of every kind of shared state (`kinds.rs`).
+    /// The slots, as the slot capability ([`SlotGate`](crate::SlotGate)) takes them.
+    pub(crate) fn slot_leases(&self) -> &dyn SlotLeases {
+        self.kinds()
+    }
+
     fn kinds(&self) -> &dyn kinds::AllKinds {
         match &*self.backend {
             Backend::Memory(memory) => memory,
@@ -565,20 +571,7 @@ impl Store {
         tenant: Option<&TenantId>,
         limits: SlotLimits,
     ) -> StoreFuture<Result<SlotLease, SlotRefusal>> {
-        self.acquire_slot(tier, tenant, limits, None)
-    }
-
-    /// As [`try_acquire_slot_for`](Self::try_acquire_slot_for), for a call that waits if
-    /// refused: on Redis, `queue` queues this worker for a wake-up when a slot of the tier
-    /// frees (see [`take_slot_wakes`](Self::take_slot_wakes)).
-    pub(crate) fn acquire_slot(
-        &self,
-        tier: &Tier,
-        tenant: Option<&TenantId>,
-        limits: SlotLimits,
-        queue: Option<SlotQueue>,
-    ) -> StoreFuture<Result<SlotLease, SlotRefusal>> {
-        self.kinds().acquire_slot(tier, tenant, limits, queue)
+        self.kinds().acquire_slot(tier, tenant, limits, None)
     }
 
     /// Slots held now: all tiers (`None`) or one. On Redis, across every worker.
@@ -592,23 +585,6 @@ impl Store {
         self.kinds().alive_workers()
     }
 
-    /// What woke this worker's slot waiters since the last call (Redis): the tiers releases
-    /// woke it for, one entry per freed slot, or everyone (a slot freed here while this
-    /// worker keeps to its own share, Redis back from an outage, a wake-up that may have
-    /// been lost). `None`: nothing did, or the memory store, whose releases only notify
-    /// [`slot_released`](Self::slot_released).
-    pub(crate) fn take_slot_wakes(&self) -> Option<SlotWakes> {
-        self.kinds().take_wakes()
-    }
-
-    /// Passes on at once `n` wake-ups of `flow` in `tier` no call here can answer (the
-    /// fair queue has fewer requests of the flow than wake-ups), so the slots go to the
-    /// next flow in the fleet's order now rather than after the unanswered wake-ups'
-    /// delay; with `leave`, no call of the flow waits here and the worker leaves it.
-    pub(crate) fn pass_on_slot_wakes(&self, tier: &Tier, flow: &str, n: usize, leave: bool) {
-        self.kinds().pass_on_wakes(tier, flow, n, leave);
-    }
-
     /// Corrects the fleet's input-token rate by what an answered call used beyond (or short
     /// of) the estimate it took (see `SlotLeases::correct_fleet_tokens`).
     pub(crate) fn correct_fleet_tokens(&self, diff: i64) {
@@ -616,38 +592,9 @@ impl Store {
             self.kinds().correct_fleet_tokens(diff);
         }
     }
-
-    /// What a waiter of `tier` waits on when freed slots wake one worker each (Redis, up);
-    /// `None`: wait on [`slot_released`](Self::slot_released).
-    pub(crate) fn slot_wake_for(&self, tier: &Tier) -> Option<Arc<tokio::sync::Notify>> {
-        self.kinds().wake_for(tier)
-    }
-
-    /// Whether a freed slot wakes one queued worker (Redis, up, with this worker's calls all
-    /// counted there) rather than every local waiter (the memory store, or a Redis store
-    /// keeping to its own share): then a slot given back here wakes nobody here directly.
-    pub(crate) fn wakes_per_freed_slot(&self) -> bool {
-        self.kinds().wakes_per_freed_slot()
-    }
-
-    /// How often a slot waiter polls, for a policy's `poll_interval`: ten times less often
-    /// while freed slots wake waiters one by one, where the poll is only the safety net for
-    /// a lost wake-up or an expired lease.
-    pub(crate) fn slot_poll(&self, interval: Duration) -> Duration {
-        if self.wakes_per_freed_slot() {
-            interval.saturating_mul(10)
-        } else {
-            interval
-        }
-    }
-
-    /// Notified whenever a slot may have come free in this process or, on Redis, anywhere.
-    pub(crate) fn slot_released(&self) -> &tokio::sync::Notify {
-        self.kinds().released()
-    }
 }
 
-/// What woke a worker's slot waiters ([`Store::take_slot_wakes`]).
+/// What woke a worker's slot waiters (`SlotGate::take_wakes`).
 #[derive(Debug)]
 pub(crate) enum SlotWakes {
     /// Every waiter tries again.

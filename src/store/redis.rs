@@ -50,11 +50,13 @@ mod pacing;
 mod pacing_differential;
 mod pubsub;
 mod served;
+mod slot_state;
 mod slots;
 mod wakes;
 
 use self::conn::{Conn, Refusal, Target};
-use self::slots::{SlotScripts, SlotState};
+use self::slot_state::SlotState;
+use self::slots::SlotScripts;
 
 /// Pending token counts past which a flush starts before its interval.
 const FLUSH_AT_TENANTS: usize = 1024;

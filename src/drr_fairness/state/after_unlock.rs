@@ -9,6 +9,7 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use super::{Acquire, FairQueue, Few, Handed, Sent, TierSlots};
+use crate::gate::SlotGate;
 use crate::metrics::Metric;
 use crate::rng::Rng;
 use crate::store::{SlotRefusal, SlotWakes};
@@ -68,9 +69,9 @@ impl AfterUnlock {
                 leave,
             } in self.declined
             {
-                shared
-                    .slot_store()
-                    .pass_on_slot_wakes(&tier, &flow, n, leave);
+                if let Some(gate) = shared.slot_gate() {
+                    gate.pass_on(&tier, &flow, n, leave);
+                }
             }
         }
         let spawns = !self.acquires.is_empty() || self.watch;
@@ -119,8 +120,11 @@ async fn watch(shared: Arc<FairQueue>) {
     // it polls, and the poll must still come (a slot freed by an expired lease wakes
     // nobody).
     let mut poll_at: Option<Instant> = None;
+    // Without a slot gate only the rate holds the head back.
+    let gate = shared.slot_gate().cloned();
+    let idle = tokio::sync::Notify::new();
     loop {
-        let released = shared.slot_store().slot_released().notified();
+        let released = gate.as_ref().map_or(&idle, SlotGate::released).notified();
         tokio::pin!(released);
         released.as_mut().enable();
         // `notify_one`: a change made before this listens is kept for it.
@@ -143,12 +147,11 @@ async fn watch(shared: Arc<FairQueue>) {
             }
             // Held tenants are not woken one by one: they keep the policy's poll.
             let held = tiers().any(|tier| !tier.held_tenants.is_empty());
-            let policy = shared.slot_policy();
+            let policy = gate.as_ref().map(SlotGate::policy);
             let interval = policy.map_or(Duration::from_millis(100), |p| p.poll_interval);
-            let interval = if held {
-                interval
-            } else {
-                shared.slot_store().slot_poll(interval)
+            let interval = match &gate {
+                Some(gate) if !held => gate.poll_every(interval),
+                _ => interval,
             };
             let seed = policy.and_then(|p| p.seed);
             let rng = state
@@ -157,7 +160,7 @@ async fn watch(shared: Arc<FairQueue>) {
             (slots, rate_wait, interval.mul_f64(0.5 + rng.unit()))
         };
         // A wake-up that came before this watch listened.
-        if slots && let Some(woken) = shared.slot_store().take_slot_wakes() {
+        if slots && let Some(woken) = gate.as_ref().and_then(SlotGate::take_wakes) {
             shared.slot_freed(woken);
             continue;
         }
@@ -169,9 +172,9 @@ async fn watch(shared: Arc<FairQueue>) {
         let far = Instant::now() + Duration::from_secs(3600);
         tokio::select! {
             _ = &mut released, if slots => {
-                let woken = match shared.slot_store().take_slot_wakes() {
+                let woken = match gate.as_ref().and_then(SlotGate::take_wakes) {
                     Some(woken) => woken,
-                    None if shared.slot_store().wakes_per_freed_slot() => SlotWakes::Flows(Vec::new()),
+                    None if gate.as_ref().is_some_and(SlotGate::wakes_one_per_slot) => SlotWakes::Flows(Vec::new()),
                     None => SlotWakes::Everyone,
                 };
                 shared.slot_freed(woken);

@@ -1,311 +1,34 @@
 //! The state one layer shares between all its services and futures: a scheduler per tier
 //! group, the in-flight count and the waiters' wakers, behind one mutex.
 
-use std::collections::VecDeque;
 use std::fmt;
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::task::Waker;
 use std::time::Duration;
 
 use tokio::time::Instant;
 
 use super::error::QueueFull;
 use super::fairness::FairnessWindow;
-use super::scheduler::{ClassPicker, Pick, Rejected, Scheduler, SchedulerConfig};
+use super::scheduler::SchedulerConfig;
 use crate::admission::TierLimit;
 use crate::error::ConfigError;
 use crate::gate::{RateGate, SlotGate, Taken, Verdict, WaitReason};
-use crate::hash::{HashMap, HashSet};
-use crate::rng::Rng;
-use crate::store::{
-    FleetCells, SlotLease, SlotLimits, SlotRefusal, SlotWake, StoreFuture, flow_name,
-};
+use crate::store::{FleetCells, SlotLease, SlotLimits, SlotRefusal, StoreFuture};
 use crate::{Job, Priority, Store, TenantId, Tier};
 
 mod after_unlock;
 mod permit;
+mod queues;
+#[cfg(test)]
+mod queues_tests;
 mod slots;
 
 use self::after_unlock::{AfterUnlock, Declined};
+pub(super) use self::queues::TierWeights;
+use self::queues::{Arrival, Group, Handed, Handout, Queues, TierSlots, Waiter};
 
 pub use self::permit::Permit;
 pub(super) use self::permit::Ticket;
-
-/// Tier name -> DRR weight.
-#[derive(Clone, Debug)]
-pub(super) struct TierWeights {
-    pub(super) by_tier: HashMap<Tier, u32>,
-    pub(super) default: u32,
-}
-
-impl Default for TierWeights {
-    fn default() -> Self {
-        TierWeights {
-            by_tier: [(Tier::new(Tier::PRO), 3), (Tier::new(Tier::PREMIUM), 3)]
-                .into_iter()
-                .collect(),
-            default: 1,
-        }
-    }
-}
-
-impl TierWeights {
-    fn of(&self, tier: Option<&Tier>) -> u32 {
-        tier.and_then(|t| self.by_tier.get(t).copied())
-            .unwrap_or(self.default)
-    }
-}
-
-/// A waiting request as the scheduler holds it.
-#[derive(Debug)]
-pub(super) struct Waiter {
-    waker: Option<Waker>,
-    weight: u32,
-    /// Names the request in `Queues::handed` once it is dispatched with a slot.
-    id: u64,
-    /// The upstream key its attempt goes to (the rate gate's), if the retry layer named it.
-    key: Option<Arc<str>>,
-    /// Its estimated input tokens, for the rate gate.
-    cost: u32,
-    /// Its class and when it arrived, for who asks how long the queue has been waiting.
-    class: Priority,
-    arrived: Instant,
-    /// The group its tenant is fair-queued in ([`Job::group`]), for the fleet's order on a
-    /// shared store (an in-process store keeps groups apart as `Group`s of their own).
-    group: Option<TenantId>,
-}
-
-/// The requests of one tier under the store's slot policy (or, group 0, of every request no
-/// slot gates), with their own DRR scheduler: a full tier blocks its group only.
-struct Group {
-    scheduler: Scheduler<Waiter>,
-    /// `None` for group 0: no slot to take.
-    slots: Option<TierSlots>,
-    /// Start-time fair queuing between the groups of a class: the cost served per unit of
-    /// the tier's weight. The group with the least goes next.
-    vtime: [f64; 3],
-    /// The last step of `vtime` per class: charged ahead for an acquire under way, so the
-    /// next pick sees the group as served and other tiers get their turn meanwhile.
-    last_step: [f64; 3],
-    /// What the group's requests waited for last: the reason of a `Busy`.
-    held_for: WaitReason,
-}
-
-/// How a tier's group takes its slots from the slot gate: whether the tier is full, the
-/// acquires under way, and (Redis) its place in the fleet's order.
-struct TierSlots {
-    tier: Tier,
-    limit: TierLimit,
-    /// The last acquire found the tier (or the global cap) full: wait for a release.
-    blocked: bool,
-    /// Acquires under way (Redis), each holding a window place for the request it is for.
-    acquiring: usize,
-    /// How many acquires may be under way at once (Redis), as TCP's slow start: one after
-    /// a refusal (a freed slot is one slot, not a window's worth), doubling with each slot
-    /// granted.
-    at_once: usize,
-    /// A tier that caps tenants: tenants whose last acquire was refused for their own cap,
-    /// passed over in DRR order (the rest of the group goes on) until a slot may have come
-    /// free. Always empty otherwise.
-    held_tenants: HashSet<TenantId>,
-    /// A tier that caps tenants, any tier under a rate gate, or the fleet's order: tenants
-    /// an acquire is under way for (Redis), passed over meanwhile so the acquires sent
-    /// together are for different tenants, in DRR order.
-    acquiring_for: HashMap<TenantId, usize>,
-    /// The fleet's order (Redis): wake-ups for a tenant's next call of a class, each to be
-    /// answered by an acquire for that call, oldest first.
-    owed: VecDeque<(Priority, TenantId)>,
-    /// The fleet's order: the flows (class, tenant) this worker is queued in, as far as it
-    /// knows, and those still to be queued while the tier is full (an acquire refused
-    /// queues its flow).
-    queued: HashSet<(Priority, TenantId)>,
-    to_queue: VecDeque<(Priority, TenantId)>,
-}
-
-impl TierSlots {
-    /// Whether something here waits for a slot to come free (or, queued in the fleet's
-    /// order, for the wake-up that says whose it is).
-    fn waits(&self) -> bool {
-        self.blocked
-            || !self.held_tenants.is_empty()
-            || !self.queued.is_empty()
-            || !self.owed.is_empty()
-    }
-}
-
-impl Group {
-    fn new(config: &SchedulerConfig, slots: Option<TierSlots>) -> Result<Self, ConfigError> {
-        Ok(Group {
-            // The class limit is checked across groups by the layer.
-            scheduler: Scheduler::new(config.clone().with_max_per_class(None))?,
-            slots,
-            vtime: [0.0; 3],
-            last_step: [0.0; 3],
-            held_for: WaitReason::Slot,
-        })
-    }
-
-    /// Whether a request of this group may be dispatched now, as far as its slot goes.
-    fn may_go(&self) -> bool {
-        self.slots.as_ref().is_none_or(|slots| {
-            !slots.blocked && slots.acquiring < slots.at_once.min(self.scheduler.len())
-        })
-    }
-}
-
-/// The fair queue under its lock: the groups' schedulers, the window's count, the slots and
-/// rate cells handed to dispatched requests, and the fairness window.
-struct Queues {
-    groups: Vec<Group>,
-    /// Gated groups by tier (the tier a request counts under in the slot policy), for
-    /// requests of no group ([`Job::group`]).
-    by_tier: HashMap<Tier, usize>,
-    /// Gated groups by tier and group (in-process stores only).
-    by_group: HashMap<(Tier, TenantId), usize>,
-    picker: ClassPicker,
-    in_flight: usize,
-    /// A task waits for a slot to come free elsewhere (another worker, another layer).
-    watching: bool,
-    /// Dispatched requests whose ticket has not claimed its permit yet: their slots and
-    /// rate receipts.
-    handed: HashMap<u64, Handed>,
-    /// The rate gate held the fair order's head back: dispatch again then (`Some(None)`:
-    /// when the gate notifies).
-    rate_wait: Option<Option<Instant>>,
-    next_id: u64,
-    fairness: FairnessWindow,
-    /// The watcher's poll jitter, seeded from the slot policy (`SlotPolicyBuilder::seed`)
-    /// when the first watch starts: the policy is registered after this layer is built.
-    rng: Option<Rng>,
-}
-
-/// What a dispatched request takes with it.
-#[derive(Default)]
-struct Handed {
-    lease: Option<SlotLease>,
-    receipt: Taken,
-}
-
-impl Queues {
-    /// The rate gate holds the head back until `at` (`None`: until it notifies).
-    fn hold_for_rate(&mut self, at: Option<Instant>, after: &mut AfterUnlock) {
-        self.rate_wait = Some(match (self.rate_wait, at) {
-            (Some(Some(known)), Some(at)) => Some(known.min(at)),
-            (Some(Some(known)), None) => Some(known),
-            (_, at) => at,
-        });
-        if !self.watching {
-            self.watching = true;
-            after.watch = true;
-        } else {
-            // The watcher may sleep on an older time (or none): it looks again.
-            after.rewatch = true;
-        }
-    }
-
-    fn class_len(&self, class: Priority) -> usize {
-        self.groups
-            .iter()
-            .map(|g| g.scheduler.class_len(class))
-            .sum()
-    }
-
-    fn len(&self) -> usize {
-        self.groups.iter().map(|g| g.scheduler.len()).sum()
-    }
-
-    /// No request waits and no group owes the fleet's order a wake-up or a flow to queue:
-    /// a dispatch would find nothing to do (the common case of a release).
-    fn nothing_to_dispatch(&self) -> bool {
-        self.groups.iter().all(|g| {
-            g.scheduler.is_empty()
-                && g.slots
-                    .as_ref()
-                    .is_none_or(|s| s.owed.is_empty() && s.to_queue.is_empty())
-        })
-    }
-
-    /// A slot may have come free: every blocked tier may try again. With `lost`, the
-    /// shared store may have lost its wait queue (Redis back, or a missed message): every
-    /// flow queues again.
-    fn unblock_all(&mut self, lost: bool) {
-        for slots in self.groups.iter_mut().filter_map(|g| g.slots.as_mut()) {
-            slots.blocked = false;
-            slots.held_tenants.clear();
-            if lost {
-                slots.queued.clear();
-            }
-        }
-    }
-
-    /// Releases woke this worker (an entry per freed slot): a wake for a flow is owed an
-    /// acquire for that tenant's next call, or declined (passed on, leaving the flow) when
-    /// none waits here; a wake for the tier lets its group send one acquire, for requests
-    /// no acquire is on its way for, and the wake-ups beyond those are declined.
-    fn woken(&mut self, wakes: Vec<SlotWake>, declined: &mut Vec<Declined>) {
-        let mut tiers: HashMap<usize, usize> = HashMap::default();
-        for SlotWake { tier, flow } in wakes {
-            let Some(&group) = self.by_tier.get(&tier) else {
-                continue;
-            };
-            let g = &mut self.groups[group];
-            let Some(slots) = g.slots.as_mut() else {
-                continue;
-            };
-            match flow {
-                Some((class, tenant)) => {
-                    let waits = Priority::ALL
-                        .into_iter()
-                        .any(|c| g.scheduler.tenant_len(c, &tenant) > 0);
-                    if waits {
-                        slots.owed.push_back((class, tenant));
-                    } else {
-                        slots.queued.remove(&(class, tenant.clone()));
-                        declined.push(Declined {
-                            tier,
-                            flow: flow_name(class, Some(&tenant)),
-                            n: 1,
-                            leave: true,
-                        });
-                    }
-                }
-                None => *tiers.entry(group).or_default() += 1,
-            }
-        }
-        for (group, n) in tiers {
-            let g = &mut self.groups[group];
-            let waiting = g.scheduler.len();
-            let Some(slots) = g.slots.as_mut() else {
-                continue;
-            };
-            let usable = n.min(waiting.saturating_sub(slots.acquiring));
-            if usable < n {
-                declined.push(Declined {
-                    tier: slots.tier.clone(),
-                    flow: flow_name(Priority::Standard, None),
-                    n: n - usable,
-                    leave: waiting == 0,
-                });
-            }
-            if usable > 0 {
-                slots.at_once = if slots.blocked {
-                    usable
-                } else {
-                    slots.at_once.max(usable)
-                };
-                slots.blocked = false;
-            }
-        }
-    }
-
-    /// A request of `class` left the queue: a class with nothing left waiting banks no
-    /// round-robin credit (as inside one scheduler).
-    fn left(&mut self, class: Priority) {
-        if self.class_len(class) == 0 {
-            self.picker.forget(class);
-        }
-    }
-}
 
 /// The fair queue one layer and its clones share: its configuration, the slot and rate
 /// gates it consults, and its `Queues` behind one lock.
@@ -400,15 +123,6 @@ enum FlowStep {
     PolicyGone,
 }
 
-/// A slot, or rate cells, on their way to the next request of a group (see `hand_next`).
-struct Handout {
-    lease: Option<SlotLease>,
-    /// The rate cells taken for the request whose turn it was, and its tenant.
-    rate: Option<(TenantId, Taken)>,
-    /// The tenant the slot was taken for (a tier that caps tenants, the fleet's order).
-    target: Option<TenantId>,
-}
-
 /// How a request got in.
 pub(super) enum Admission {
     /// There was room (and its slot): dispatched at once.
@@ -432,6 +146,18 @@ struct Entry<'a> {
     cost: u64,
     arrived: Instant,
     group: usize,
+}
+
+impl Entry<'_> {
+    fn arrival(&self) -> Arrival {
+        Arrival {
+            group: self.group,
+            class: self.class,
+            tenant: self.job.tenant().clone(),
+            weight: self.weight,
+            cost: self.cost,
+        }
+    }
 }
 
 impl FairQueue {
@@ -461,19 +187,7 @@ impl FairQueue {
             slots,
             rate,
             rewatch: tokio::sync::Notify::new(),
-            state: Mutex::new(Queues {
-                groups: vec![Group::new(&config, None)?],
-                by_tier: HashMap::default(),
-                by_group: HashMap::default(),
-                picker: ClassPicker::new(&config),
-                in_flight: 0,
-                watching: false,
-                handed: HashMap::default(),
-                rate_wait: None,
-                next_id: 0,
-                fairness: FairnessWindow::new(fairness_window),
-                rng: None,
-            }),
+            state: Mutex::new(Queues::new(&config, FairnessWindow::new(fairness_window))?),
             config,
         })
     }
@@ -506,9 +220,10 @@ impl FairQueue {
         self.slots.as_ref().map(SlotGate::policy)
     }
 
-    /// The store the slot gate counts in (this layer's own without one).
-    fn slot_store(&self) -> &Store {
-        self.slots.as_ref().map_or(&self.store, SlotGate::store)
+    /// Whether the slot gate's store orders the fleet's waiting calls itself (Redis): a
+    /// job's group is then a level of that order, not a group here.
+    fn fleet_keeps_groups(&self) -> bool {
+        self.slots.as_ref().is_some_and(SlotGate::orders_the_fleet)
     }
 
     pub(super) fn in_flight(&self) -> usize {
@@ -589,36 +304,9 @@ impl FairQueue {
         // fleet's order keeps the groups (its wake-ups name a tier and a tenant).
         let named = job
             .group_name()
-            .filter(|_| !self.slot_store().is_remote())
+            .filter(|_| !self.fleet_keeps_groups())
             .map(|name| (tier.clone(), name.clone()));
-        let known = match &named {
-            Some(key) => state.by_group.get(key),
-            None => state.by_tier.get(&tier),
-        };
-        let group = match known {
-            Some(&group) => group,
-            None => {
-                let slots = TierSlots {
-                    tier: tier.clone(),
-                    limit,
-                    blocked: false,
-                    acquiring: 0,
-                    at_once: 1,
-                    held_tenants: HashSet::default(),
-                    acquiring_for: HashMap::default(),
-                    owed: VecDeque::new(),
-                    queued: HashSet::default(),
-                    to_queue: VecDeque::new(),
-                };
-                state.groups.push(Group::new(&self.config, Some(slots))?);
-                let group = state.groups.len() - 1;
-                match named {
-                    Some(key) => state.by_group.insert(key, group),
-                    None => state.by_tier.insert(tier.clone(), group),
-                };
-                group
-            }
-        };
+        let group = state.group_for(&tier, limit, named, &self.config)?;
         Ok(Placement {
             group,
             patience: Some((tier, limit)),
@@ -702,32 +390,15 @@ impl FairQueue {
         handed: Handed,
         after: &mut AfterUnlock,
     ) -> Admission {
-        let Entry {
-            class,
-            weight,
-            cost,
-            group,
-            ..
-        } = *entry;
-        let tenant = entry.job.tenant();
-        state.in_flight += 1;
-        let charged =
-            state.groups[group]
-                .scheduler
-                .dispatch_direct(class, tenant.clone(), weight, cost);
-        // `None`: the class is at its tenant capacity (billions); served, not charged.
-        let cost = charged.unwrap_or_else(|| self.config.max_charge().min(cost.max(1)));
         // One clock read for the fairness window and the slot's wait.
         let now = Instant::now();
-        after.index = state.fairness.record(tenant, weight, cost, false, now);
-        after
-            .served
-            .push((tenant.clone(), cost, weight, false, now));
+        let arrival = entry.arrival();
+        let charged = state.dispatch_now(&arrival, self.config.max_charge(), now, after);
         Admission::Now(Permit::new(
             self.clone(),
-            group,
-            class,
-            charged.map(|_| tenant.clone()),
+            arrival.group,
+            arrival.class,
+            charged.map(|_| arrival.tenant),
             handed,
             now.saturating_duration_since(entry.arrived),
         ))
@@ -748,54 +419,25 @@ impl FairQueue {
             job,
             class,
             weight,
-            cost,
             arrived,
             group,
+            ..
         } = entry;
         let tenant = job.tenant();
         // Not dispatched: what the rate gate gave goes back to it.
         drop(receipt);
-        if let Some(limit) = self.config.max_per_class
-            && state.class_len(class) >= limit
-        {
-            return Err(QueueFull::new(class, tenant.clone(), false));
-        }
-        state.next_id += 1;
-        let id = state.next_id;
         let waiter = Waiter {
             waker: None,
             weight,
-            id,
+            id: 0,
             key: job.upstream().cloned(),
             cost: job.estimated_tokens(),
             class,
             arrived,
             group: job.group_name().filter(|_| self.fleet()).cloned(),
         };
-        let g = &mut state.groups[group];
-        let was_idle = g.scheduler.class_len(class) == 0;
-        let key = match g
-            .scheduler
-            .push(class, tenant.clone(), weight, cost, waiter)
-        {
-            Ok(key) => key,
-            Err(rejected) => {
-                let tenant_limit = matches!(rejected, Rejected::TenantFull(_));
-                return Err(QueueFull::new(class, tenant.clone(), tenant_limit));
-            }
-        };
-        if was_idle {
-            Self::catch_up(&mut state, group, class);
-        }
-        // A newcomer flow of a full tier queues in the fleet's order now, so it may take the
-        // next slot freed anywhere.
-        if self.fleet()
-            && let Some(slots) = state.groups[group].slots.as_mut()
-            && slots.blocked
-            && !slots.queued.contains(&(class, tenant.clone()))
-        {
-            slots.to_queue.push_back((class, tenant.clone()));
-        }
+        let fleet = self.fleet();
+        let (key, id) = state.push(entry.arrival(), waiter, self.config.max_per_class, fleet)?;
         self.dispatch(&mut state, &mut after);
         after.depth = Some(class);
         let depth = state.class_len(class);
@@ -816,23 +458,6 @@ impl FairQueue {
         }))
     }
 
-    /// A group that had nothing waiting in `class` starts no earlier than the groups that
-    /// did: idle time banks no credit.
-    fn catch_up(state: &mut Queues, group: usize, class: Priority) {
-        let ci = class as usize;
-        let floor = state
-            .groups
-            .iter()
-            .enumerate()
-            .filter(|(g, other)| *g != group && other.scheduler.class_len(class) > 0)
-            .map(|(_, other)| other.vtime[ci])
-            .fold(f64::INFINITY, f64::min);
-        if floor.is_finite() {
-            let own = &mut state.groups[group].vtime[ci];
-            *own = own.max(floor);
-        }
-    }
-
     /// The rate gate's word on a request that could go at once: `None` without a rate gate,
     /// `Some(Some(go))` when it may go (with what it took, and the cells its acquire takes),
     /// `Some(None)` when the gate holds it (it queues, and the queue waits for the gate).
@@ -849,7 +474,8 @@ impl FairQueue {
         // With its slot from the fleet, the call takes its cell of the request rate in the
         // fleet's order too; the gate paces the rest. While Redis is away nobody hands out
         // cells: the gate paces it all, against this worker's share of each limit.
-        let from_the_fleet = self.fleet() && !self.slot_store().is_degraded();
+        let from_the_fleet =
+            self.fleet() && !self.slots.as_ref().is_some_and(SlotGate::is_degraded);
         let cells = match from_the_fleet && state.groups[group].slots.is_some() {
             true => rate.inner.fleet_cells(key),
             false => None,
@@ -897,7 +523,7 @@ impl FairQueue {
         if self.rate.is_none() {
             return Ok(None);
         }
-        let tenant = Self::next_tenant(&mut state.groups[group], class).ok_or(())?;
+        let tenant = state.groups[group].next_tenant(class).ok_or(())?;
         let head = state.groups[group].scheduler.peek_tenant(class, &tenant);
         let key = head.ok_or(())?.key.clone();
         // What the gate reserved for the fair order's head (cells due a moment later) is
@@ -947,24 +573,20 @@ impl FairQueue {
         tenant: &TenantId,
         after: &mut AfterUnlock,
     ) -> Option<Option<SlotLease>> {
-        let policy = self.slot_policy()?;
+        let gate = self.slots.as_ref()?;
         let slots = state.groups[group].slots.as_ref()?;
         let capped = slots.limit.tenant_cap.is_some();
         if slots.blocked || (capped && slots.held_tenants.contains(tenant)) {
             return None;
         }
-        match self
-            .store
-            .try_acquire_slot_for(
-                &slots.tier,
-                Some(tenant),
-                SlotLimits::of(policy, slots.limit),
-            )
+        let limits = SlotLimits::of(gate.policy(), slots.limit);
+        match gate
+            .acquire(&slots.tier, Some(tenant), limits, None)
             .into_ready()
         {
             Ok(Ok(lease)) => Some(Some(lease)),
             Ok(Err(SlotRefusal::TenantCap)) => {
-                self.hold_tenant(state, group, tenant.clone(), after);
+                state.hold_tenant(group, tenant.clone(), after);
                 None
             }
             Ok(Err(SlotRefusal::Full)) => {
@@ -1003,25 +625,10 @@ impl FairQueue {
             return;
         }
         while state.in_flight < self.max_in_flight {
-            let candidates = Priority::ALL.map(|class| {
-                state.groups.iter().enumerate().any(|(i, g)| {
-                    g.may_go() && g.scheduler.class_len(class) > 0 && !stuck.contains(&(i, class))
-                })
-            });
             // A pick the rate gate holds back is not a turn taken: the class keeps its
             // round-robin credit.
             let picker = state.picker.clone();
-            let Some(class) = state.picker.pick(candidates) else {
-                return;
-            };
-            let ci = class as usize;
-            let Some(group) = (0..state.groups.len())
-                .filter(|&i| {
-                    let g = &state.groups[i];
-                    g.may_go() && g.scheduler.class_len(class) > 0 && !stuck.contains(&(i, class))
-                })
-                .min_by(|&a, &b| state.groups[a].vtime[ci].total_cmp(&state.groups[b].vtime[ci]))
-            else {
+            let Some((class, group)) = state.pick(&stuck) else {
                 return;
             };
             let rate = match self.rate_turn(state, group, class, &mut held, after) {
@@ -1039,7 +646,7 @@ impl FairQueue {
                     rate: rate.map(|(tenant, go)| (tenant, go.taken)),
                     target: None,
                 };
-                self.hand_next(state, group, class, handout, after);
+                state.hand_next(group, class, handout, Instant::now(), after);
                 continue;
             };
             // The slot is taken for the request whose turn it is: a tier that caps tenants
@@ -1047,7 +654,7 @@ impl FairQueue {
             let target = match &rate {
                 Some((tenant, _)) => Some(tenant.clone()),
                 None if slots.limit.tenant_cap.is_some() || self.fleet() => {
-                    match Self::next_tenant(&mut state.groups[group], class) {
+                    match state.groups[group].next_tenant(class) {
                         Some(tenant) => Some(tenant),
                         None => {
                             stuck.push((group, class));
@@ -1063,34 +670,9 @@ impl FairQueue {
         }
     }
 
-    /// The group's tier (or the global cap) is full: its calls wait for a wake-up. In the
-    /// fleet's order, every flow of the group not yet queued in Redis is to be queued.
+    /// The group's tier (or the global cap) is full: its calls wait for a wake-up.
     fn block(&self, state: &mut Queues, group: usize, after: &mut AfterUnlock) {
-        let fleet = self.fleet();
-        let Group {
-            scheduler,
-            slots,
-            held_for,
-            ..
-        } = &mut state.groups[group];
-        *held_for = WaitReason::Slot;
-        if let Some(slots) = slots.as_mut() {
-            if fleet && !slots.blocked {
-                for class in Priority::ALL {
-                    for tenant in scheduler.waiting_tenants(class) {
-                        if !slots.queued.contains(&(class, tenant.clone())) {
-                            slots.to_queue.push_back((class, tenant.clone()));
-                        }
-                    }
-                }
-            }
-            slots.blocked = true;
-            slots.at_once = 1;
-        }
-        if !state.watching {
-            state.watching = true;
-            after.watch = true;
-        }
+        state.block(group, self.fleet(), after);
     }
 
     /// The fleet's cells of the provider's request rate are all taken: the group's calls
@@ -1112,153 +694,6 @@ impl FairQueue {
             if let Some(waker) = waiter.waker.take() {
                 after.wake.push(waker);
             }
-        }
-    }
-
-    /// Pops the next request of `group` in `class` (or, if none is left there, of its
-    /// highest class with one) and hands it the window place, `lease` and the rate cells.
-    /// A slot taken for a tenant's request (`target`: a tier that caps tenants, the fleet's
-    /// order), or together with rate cells for the request whose turn it was, goes to that
-    /// tenant's request, or back if it has none left.
-    fn hand_next(
-        &self,
-        state: &mut Queues,
-        group: usize,
-        class: Priority,
-        handout: Handout,
-        after: &mut AfterUnlock,
-    ) {
-        let Handout {
-            lease,
-            rate,
-            target,
-        } = handout;
-        let (for_tenant, receipt) = match rate {
-            Some((tenant, receipt)) => (Some(tenant), receipt),
-            None => (target, None),
-        };
-        let handed = Handed { lease, receipt };
-        let g = &mut state.groups[group];
-        let next = match &for_tenant {
-            Some(tenant) => std::iter::once(class)
-                .chain(Priority::ALL)
-                .find_map(|c| g.scheduler.pop_tenant(c, tenant)),
-            None => {
-                // The class the slot was taken for, or (its requests went away meanwhile)
-                // the group's highest class with one.
-                std::iter::once(class)
-                    .chain(Priority::ALL)
-                    .find(|&c| g.scheduler.class_len(c) > 0)
-                    .and_then(|c| g.scheduler.pop_class(c))
-            }
-        };
-        match next {
-            Some(next) => self.handed(state, group, next, handed, after),
-            // Nothing of it waits any more: the slot and the cells go back.
-            None => after.drop_handed.push(handed),
-        }
-    }
-
-    /// Hands `next` (popped from `group`) the window place and `lease`.
-    fn handed(
-        &self,
-        state: &mut Queues,
-        group: usize,
-        next: super::scheduler::Dispatched<Waiter>,
-        handed: Handed,
-        after: &mut AfterUnlock,
-    ) {
-        let class = next.class;
-        let ci = class as usize;
-        // The tier's weight, whatever its number of tenants waiting: a flood of many
-        // tenants of one tier takes that tier's share, not more.
-        let weight = f64::from(next.item.weight.max(1));
-        // The tier's share is split among its groups with work in the class: each steps
-        // as many times as far, so the tier as a whole advances as one group would, and
-        // inside it the groups (services) go in turn whatever their number of tenants.
-        let groups = Self::groups_sharing(state, group, class);
-        let g = &mut state.groups[group];
-        g.last_step[ci] = next.cost as f64 * groups as f64 / weight;
-        g.vtime[ci] += g.last_step[ci];
-        state.left(class);
-        state.in_flight += 1;
-        let now = Instant::now();
-        after.index = state
-            .fairness
-            .record(&next.tenant, next.item.weight, next.cost, true, now);
-        after.depth = Some(next.class);
-        if handed.lease.is_some() || handed.receipt.is_some() {
-            state.handed.insert(next.item.id, handed);
-        }
-        after
-            .served
-            .push((next.tenant, next.cost, next.item.weight, true, now));
-        if let Some(waker) = next.item.waker {
-            after.wake.push(waker);
-        }
-    }
-
-    /// How many groups of `group`'s tier (itself included) have requests of `class`
-    /// waiting: 1 unless jobs name groups ([`Job::group`]).
-    fn groups_sharing(state: &Queues, group: usize, class: Priority) -> usize {
-        let Some(tier) = state.groups[group].slots.as_ref().map(|slots| &slots.tier) else {
-            return 1;
-        };
-        if state.by_group.is_empty() {
-            return 1;
-        }
-        let others = state
-            .groups
-            .iter()
-            .enumerate()
-            .filter(|(i, g)| {
-                *i != group
-                    && g.scheduler.class_len(class) > 0
-                    && g.slots.as_ref().is_some_and(|slots| &slots.tier == tier)
-            })
-            .count();
-        1 + others
-    }
-
-    /// The tenant whose DRR turn it is in `class` of `group`, passing over (to the back of
-    /// the round) tenants held at their cap or with an acquire under way; `None` if every
-    /// waiting tenant is one of those.
-    fn next_tenant(group: &mut Group, class: Priority) -> Option<TenantId> {
-        let Group {
-            scheduler, slots, ..
-        } = group;
-        let slots = slots.as_ref();
-        let mut next = None;
-        // Never `Take`: nothing is popped here.
-        let _ = scheduler.pop_class_where(class, |tenant| {
-            if slots.is_some_and(|slots| {
-                slots.held_tenants.contains(tenant) || slots.acquiring_for.contains_key(tenant)
-            }) {
-                Pick::Skip
-            } else {
-                next = Some(tenant.clone());
-                Pick::Stop
-            }
-        });
-        next
-    }
-
-    /// `tenant` is at its own cap: its requests wait, passed over, until a slot may have
-    /// come free; the rest of the group goes on.
-    fn hold_tenant(
-        &self,
-        state: &mut Queues,
-        group: usize,
-        tenant: TenantId,
-        after: &mut AfterUnlock,
-    ) {
-        state.groups[group].held_for = WaitReason::Slot;
-        if let Some(slots) = state.groups[group].slots.as_mut() {
-            slots.held_tenants.insert(tenant);
-        }
-        if !state.watching {
-            state.watching = true;
-            after.watch = true;
         }
     }
 
@@ -1286,7 +721,11 @@ impl FairQueue {
                 // The slot is given back before the next dispatch tries to take one. On
                 // Redis the release wakes the worker whose turn it is, maybe this one.
                 drop(lease);
-                if !self.slot_store().wakes_per_freed_slot() {
+                if !self
+                    .slots
+                    .as_ref()
+                    .is_some_and(SlotGate::wakes_one_per_slot)
+                {
                     state.unblock_all(false);
                 }
             }
@@ -1296,18 +735,11 @@ impl FairQueue {
     pub(super) fn settle(&self, job: &Job, actual: u64) {
         let (class, _, estimated) = self.classify(job);
         let mut state = self.lock();
-        let group = self
-            .slot_policy()
-            .and_then(|policy| {
-                let tier = policy.limit(job.tier_name()).0;
-                match job.group_name() {
-                    Some(name) if !self.slot_store().is_remote() => {
-                        state.by_group.get(&(tier, name.clone())).copied()
-                    }
-                    _ => state.by_tier.get(&tier).copied(),
-                }
-            })
-            .unwrap_or(0);
+        let group = self.slot_policy().map_or(0, |policy| {
+            let tier = policy.limit(job.tier_name()).0;
+            let named = job.group_name().filter(|_| !self.fleet_keeps_groups());
+            state.group_of(tier, named)
+        });
         state.groups[group]
             .scheduler
             .settle(class, job.tenant(), estimated, actual);

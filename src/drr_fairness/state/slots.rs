@@ -4,22 +4,23 @@
 
 use std::sync::Arc;
 
+use tokio::time::Instant;
+
 use super::{
     Acquire, AfterUnlock, Declined, FairQueue, FlowStep, Group, Handed, Handout, Queues, RateGo,
     Sent, TierSlots,
 };
-use crate::Priority;
-use crate::TenantId;
+use crate::gate::SlotGate;
 use crate::store::{
     FleetCells, SlotLease, SlotLimits, SlotQueue, SlotRefusal, SlotWakes, flow_name,
 };
+use crate::{Priority, TenantId};
 
 impl FairQueue {
     /// Whether freed slots go in the fleet's order: a shared store whose releases wake the
     /// worker of the flow whose turn it is (Redis, while it answers).
     pub(super) fn fleet(&self) -> bool {
-        let store = self.slot_store();
-        store.is_remote() && store.wakes_per_freed_slot()
+        self.slots.as_ref().is_some_and(SlotGate::in_fleet_order)
     }
 
     /// The fleet's order first: an acquire for each wake-up owed to a tenant's call (the
@@ -31,7 +32,7 @@ impl FairQueue {
         let fleet = self.fleet();
         for group in 0..state.groups.len() {
             if fleet {
-                Self::requeue_if_lost(&mut state.groups[group]);
+                state.groups[group].requeue_if_lost();
             }
             while state.in_flight < self.max_in_flight {
                 match self.dispatch_flow(state, group, fleet, after) {
@@ -160,32 +161,6 @@ impl FairQueue {
         FlowStep::Next
     }
 
-    /// A full tier with calls waiting here but nothing that will wake them — no flow
-    /// queued in the fleet's order, none to queue, no acquire or wake-up under way — queues
-    /// every flow again.
-    pub(super) fn requeue_if_lost(group: &mut Group) {
-        let Group {
-            scheduler, slots, ..
-        } = group;
-        let Some(slots) = slots.as_mut() else {
-            return;
-        };
-        if !slots.blocked
-            || scheduler.is_empty()
-            || !slots.queued.is_empty()
-            || !slots.to_queue.is_empty()
-            || !slots.owed.is_empty()
-            || slots.acquiring > 0
-        {
-            return;
-        }
-        for class in Priority::ALL {
-            for tenant in scheduler.waiting_tenants(class) {
-                slots.to_queue.push_back((class, tenant.clone()));
-            }
-        }
-    }
-
     /// How the acquire for `group`'s next call in `class` (`target`'s, if named) queues if
     /// refused: in the fleet's order, the flow of `target` with its calls waiting here;
     /// else the worker, with every call of the group (those with an acquire under way too:
@@ -238,7 +213,7 @@ impl FairQueue {
     ) -> bool {
         let cells = rate.as_ref().and_then(|(_, go)| go.cells);
         let rate = rate.map(|(tenant, go)| (tenant, go.taken));
-        let Some(policy) = self.slot_policy() else {
+        let Some(gate) = self.slots.as_ref() else {
             return false;
         };
         let g = &state.groups[group];
@@ -248,12 +223,8 @@ impl FairQueue {
         let tenant = target.clone().filter(|_| slots.limit.tenant_cap.is_some());
         let queue = self.slot_queue(g, slots, class, target.as_ref(), cells);
         let more = queue.waiting > 1;
-        let acquire = self.slot_store().acquire_slot(
-            &slots.tier,
-            tenant.as_ref(),
-            SlotLimits::of(policy, slots.limit),
-            Some(queue),
-        );
+        let limits = SlotLimits::of(gate.policy(), slots.limit);
+        let acquire = gate.acquire(&slots.tier, tenant.as_ref(), limits, Some(queue));
         match acquire.into_ready() {
             Ok(Ok(lease)) => {
                 let handout = Handout {
@@ -261,11 +232,11 @@ impl FairQueue {
                     rate,
                     target,
                 };
-                self.hand_next(state, group, class, handout, after);
+                state.hand_next(group, class, handout, Instant::now(), after);
             }
             Ok(Err(refusal)) => match (refusal, tenant) {
                 (SlotRefusal::TenantCap, Some(tenant)) => {
-                    self.hold_tenant(state, group, tenant, after);
+                    state.hold_tenant(group, tenant, after);
                 }
                 (SlotRefusal::Store, _) => self.refuse(state, group, after),
                 (SlotRefusal::Rate, _) => self.block_for_rate(state, group, after),
@@ -347,7 +318,7 @@ impl FairQueue {
                         lease: None,
                         receipt: rate.and_then(|(_, receipt)| receipt),
                     });
-                    self.hold_tenant(state, group, tenant, after);
+                    state.hold_tenant(group, tenant, after);
                 });
             }
             (answer, _) => self.answered_slot(sent, answer),
@@ -438,7 +409,7 @@ impl FairQueue {
                         rate,
                         target,
                     };
-                    self.hand_next(state, group, class, handout, after);
+                    state.hand_next(group, class, handout, Instant::now(), after);
                     if more && room == 0 {
                         self.block(state, group, after);
                     } else if room > 0
