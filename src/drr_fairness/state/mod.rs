@@ -1,5 +1,7 @@
-//! The state one layer shares between all its services and futures: a scheduler per tier
-//! group, the in-flight count and the waiters' wakers, behind one mutex.
+//! The state one layer shares between all its services and futures: the fair queue's core
+//! (`queues.rs`: the queues and the order's decisions, without IO) behind one mutex, and
+//! the shell around it that asks the gates — the slot capability ([`SlotGate`]) and the
+//! rate ([`RateGate`]) — and applies the core's decisions.
 
 use std::fmt;
 use std::sync::{Arc, Mutex, MutexGuard};
