@@ -99,6 +99,7 @@ mod hash;
 mod job;
 mod labels;
 pub mod metrics;
+pub mod pool;
 pub mod priority_classify;
 pub mod reject;
 #[cfg(feature = "reqwest")]

@@ -22,6 +22,7 @@ mod adapters;
 mod dashboard;
 mod drr_fairness;
 mod learned_pacing;
+mod pool;
 mod priority_classify;
 mod quickstart;
 mod replay;

@@ -8,40 +8,14 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use super::{Acquire, FairQueue, Few, Handed, Sent, TierSlots};
+use super::effects::{AfterUnlock, Declined};
+use super::queues::TierSlots;
+use super::{FairQueue, Sent};
+use crate::Priority;
 use crate::gate::SlotGate;
 use crate::metrics::Metric;
 use crate::rng::Rng;
 use crate::store::{SlotRefusal, SlotWakes};
-use crate::{Priority, TenantId, Tier};
-
-/// What a dispatch leaves to do once the lock is released.
-#[derive(Default)]
-pub(super) struct AfterUnlock {
-    pub(super) wake: Few<Waker>,
-    /// Dispatches to record in the store: tenant, cost, tier weight, whether it queued.
-    pub(super) served: Few<(TenantId, u64, u32, bool, Instant)>,
-    pub(super) depth: Option<Priority>,
-    pub(super) index: Option<Option<f64>>,
-    /// Slot acquires to send (Redis).
-    pub(super) acquires: Vec<Acquire>,
-    pub(super) watch: bool,
-    /// The rate gate's time changed while a watcher runs.
-    pub(super) rewatch: bool,
-    /// Slots and rate cells to give back, outside the lock.
-    pub(super) drop_handed: Vec<Handed>,
-    /// Wake-ups to pass on.
-    pub(super) declined: Vec<Declined>,
-}
-
-/// Wake-ups of a flow this worker has no call for: passed on to the next in the fleet's
-/// order, the worker leaving the flow with `leave`.
-pub(super) struct Declined {
-    pub(super) tier: Tier,
-    pub(super) flow: String,
-    pub(super) n: usize,
-    pub(super) leave: bool,
-}
 
 impl AfterUnlock {
     pub(super) fn run(self, shared: &Arc<FairQueue>, depths: Option<(Priority, usize)>) {

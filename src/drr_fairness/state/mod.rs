@@ -19,15 +19,16 @@ use crate::store::{FleetCells, SlotLease, SlotLimits, SlotRefusal, StoreFuture};
 use crate::{Job, Priority, Store, TenantId, Tier};
 
 mod after_unlock;
+mod effects;
 mod permit;
 mod queues;
 #[cfg(test)]
 mod queues_tests;
 mod slots;
 
-use self::after_unlock::{AfterUnlock, Declined};
+use self::effects::{AfterUnlock, Declined, Handed};
 pub(super) use self::queues::TierWeights;
-use self::queues::{Arrival, Group, Handed, Handout, Queues, TierSlots, Waiter};
+use self::queues::{Arrival, Group, Handout, Queues, TierSlots, Waiter};
 
 pub use self::permit::Permit;
 pub(super) use self::permit::Ticket;
@@ -46,42 +47,6 @@ pub(super) struct FairQueue {
     state: Mutex<Queues>,
     /// Tells a running watcher to look at the state again (see `Queues::hold_for_rate`).
     rewatch: tokio::sync::Notify,
-}
-
-/// Usually one (a dispatch hands out one place at a time): the first kept inline, so the
-/// common case allocates nothing.
-struct Few<T> {
-    first: Option<T>,
-    rest: Vec<T>,
-}
-
-impl<T> Default for Few<T> {
-    fn default() -> Self {
-        Few {
-            first: None,
-            rest: Vec::new(),
-        }
-    }
-}
-
-impl<T> Few<T> {
-    fn push(&mut self, value: T) {
-        match self.first {
-            None => self.first = Some(value),
-            Some(_) => self.rest.push(value),
-        }
-    }
-
-    /// Runs `f` on each value in order (no iterator built and dropped for the usual one
-    /// value or none).
-    fn for_each(self, mut f: impl FnMut(T)) {
-        if let Some(first) = self.first {
-            f(first);
-        }
-        if !self.rest.is_empty() {
-            self.rest.into_iter().for_each(f);
-        }
-    }
 }
 
 /// An acquire `dispatch` sent for a group's next request in `class` (of `tenant`, in a tier

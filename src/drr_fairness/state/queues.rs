@@ -11,7 +11,7 @@ use std::task::Waker;
 
 use tokio::time::Instant;
 
-use super::after_unlock::{AfterUnlock, Declined};
+use super::effects::{AfterUnlock, Declined, Handed};
 use crate::admission::TierLimit;
 use crate::drr_fairness::error::QueueFull;
 use crate::drr_fairness::fairness::FairnessWindow;
@@ -175,13 +175,6 @@ pub(super) struct Queues {
     /// The watcher's poll jitter, seeded from the slot policy (`SlotPolicyBuilder::seed`)
     /// when the first watch starts: the policy is registered after this layer is built.
     pub(super) rng: Option<Rng>,
-}
-
-/// What a dispatched request takes with it.
-#[derive(Default)]
-pub(super) struct Handed {
-    pub(super) lease: Option<SlotLease>,
-    pub(super) receipt: Taken,
 }
 
 impl Queues {

@@ -6,7 +6,7 @@ use std::time::Duration;
 use proptest::prelude::*;
 use tokio::time::Instant;
 
-use super::after_unlock::AfterUnlock;
+use super::effects::AfterUnlock;
 use super::queues::{Arrival, Handout, Queues, Waiter};
 use crate::admission::TierLimit;
 use crate::drr_fairness::fairness::FairnessWindow;

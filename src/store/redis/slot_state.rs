@@ -9,10 +9,12 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use super::slots::WORKER_TTL;
 use super::{duration_ms, lock};
 use crate::store::OutagePolicy;
 use crate::store::slots::{SlotLimits, SlotRefusal};
+
+/// How long a worker's word that it is alive lasts (it says so once a second).
+pub(super) const WORKER_TTL: Duration = Duration::from_secs(3);
 
 /// Where a call in flight is counted.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -50,16 +50,15 @@ use std::time::Duration;
 use redis::Script;
 use tokio::time::Instant;
 
-use super::slot_state::{CallInFlight, Counted};
+use super::slot_state::{CallInFlight, Counted, WORKER_TTL};
 use super::{RedisStore, duration_ms, duration_us, is_outage, lock};
 use crate::store::StoreFuture;
 use crate::store::keys::Keys;
 use crate::store::slots::{Holder, ReleaseSlot, SlotLease, SlotLimits, SlotQueue, SlotRefusal};
 use crate::{TenantId, Tier};
 
-/// How often a worker says it is alive, and how long that lasts.
+/// How often a worker says it is alive (how long that lasts: `WORKER_TTL`).
 const WORKER_HEARTBEAT: Duration = Duration::from_secs(1);
-pub(super) const WORKER_TTL: Duration = Duration::from_secs(3);
 /// A worker that has not said it is alive for this long is not woken for a freed slot (it
 /// crashed, or is cut off from Redis while its subscription lingers): the slot would be
 /// promised to it for nothing.

@@ -1,0 +1,244 @@
+//! The future of a [`Pool`](super::Pool) call, and what its response body holds.
+
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::task::{Context, Poll, ready};
+
+use tokio::time::Instant;
+
+use pin_project_lite::pin_project;
+use tokio::time::Sleep;
+use tower::util::Oneshot;
+use tower_service::Service;
+
+use super::Members;
+use super::breaker::Outcome;
+use super::error::FirstByteTimeout;
+use crate::TenantId;
+use crate::body::{GuardResponse, GuardedBody};
+use crate::error::{BoxError, PolledAfterCompletion};
+use crate::sync::lock;
+
+/// A call's place in its upstream's count of calls in flight, held by the response body
+/// until it ends, fails or is dropped.
+pub struct InFlight(Arc<AtomicUsize>);
+
+impl InFlight {
+    pub(super) fn new(count: &Arc<AtomicUsize>) -> Self {
+        count.fetch_add(1, Ordering::Relaxed);
+        InFlight(count.clone())
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+impl fmt::Debug for InFlight {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("InFlight")
+    }
+}
+
+/// A call sent to one upstream: its place in the upstream's count, and whether it is the
+/// upstream's probe (dropped unanswered, the next call probes).
+pub(super) struct Dispatch<S> {
+    pub(super) shared: Arc<Members<S>>,
+    pub(super) member: usize,
+    pub(super) probe: bool,
+    pub(super) in_flight: Option<InFlight>,
+}
+
+impl<S> Dispatch<S> {
+    pub(super) fn name(&self) -> &str {
+        &self.shared.members[self.member].upstream.name
+    }
+
+    /// The call's answer said `outcome` of its upstream.
+    pub(super) fn answered(&mut self, outcome: Outcome) {
+        let member = &self.shared.members[self.member];
+        lock(&member.breaker).answered(outcome, self.probe, Instant::now());
+        self.probe = false;
+    }
+
+    /// The call goes elsewhere: it counted as moved away from here.
+    pub(super) fn moved_away(&self) {
+        self.shared.members[self.member]
+            .moved_away
+            .fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+impl<S> Drop for Dispatch<S> {
+    fn drop(&mut self) {
+        if self.probe {
+            lock(&self.shared.members[self.member].breaker).probe_dropped(Instant::now());
+        }
+    }
+}
+
+pin_project! {
+    /// Response future of a [`Pool`](super::Pool): sends the call to the upstream chosen,
+    /// and to another where the first provably did not run it.
+    pub struct ResponseFuture<S, B>
+    where
+        S: Service<http::Request<B>>,
+    {
+        shared: Arc<Members<S>>,
+        #[pin]
+        call: Option<Oneshot<S, http::Request<B>>>,
+        #[pin]
+        deadline: Option<Sleep>,
+        // The request, kept to send again (`None` once answered).
+        spare: Option<http::Request<B>>,
+        at: Option<Dispatch<S>>,
+        // A bit per upstream this call went to.
+        tried: u64,
+        tenant: Option<TenantId>,
+        model: Option<String>,
+    }
+}
+
+impl<S, B> ResponseFuture<S, B>
+where
+    S: Service<http::Request<B>>,
+{
+    pub(super) fn new(
+        shared: Arc<Members<S>>,
+        request: http::Request<B>,
+        tenant: Option<TenantId>,
+        model: Option<String>,
+    ) -> Self {
+        ResponseFuture {
+            shared,
+            call: None,
+            deadline: None,
+            spare: Some(request),
+            at: None,
+            tried: 0,
+            tenant,
+            model,
+        }
+    }
+}
+
+/// A copy of `request` to send again: its head and extensions, and its body cloned.
+fn copy<B: Clone>(request: &http::Request<B>) -> http::Request<B> {
+    let mut copy = http::Request::new(request.body().clone());
+    *copy.method_mut() = request.method().clone();
+    *copy.uri_mut() = request.uri().clone();
+    *copy.version_mut() = request.version();
+    *copy.headers_mut() = request.headers().clone();
+    *copy.extensions_mut() = request.extensions().clone();
+    copy
+}
+
+/// Whether the upstream provably did not run the call: its connection was refused.
+fn refused(error: &(dyn std::error::Error + 'static)) -> bool {
+    let mut source = Some(error);
+    while let Some(error) = source {
+        if let Some(io) = error.downcast_ref::<std::io::Error>()
+            && io.kind() == std::io::ErrorKind::ConnectionRefused
+        {
+            return true;
+        }
+        source = error.source();
+    }
+    false
+}
+
+impl<S, B, R> Future for ResponseFuture<S, B>
+where
+    S: Service<http::Request<B>, Response = http::Response<R>> + Clone,
+    S::Error: Into<BoxError>,
+    B: Clone,
+{
+    type Output = Result<http::Response<GuardedBody<R, InFlight>>, BoxError>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let mut this = self.project();
+        loop {
+            if this.call.is_none() {
+                let Some(request) = this.spare.take() else {
+                    return Poll::Ready(Err(PolledAfterCompletion.into()));
+                };
+                let at =
+                    this.shared
+                        .pick(*this.tried, this.tenant.as_ref(), this.model.as_deref())?;
+                *this.tried |= 1 << at.member;
+                let service = this.shared.members[at.member].upstream.service.clone();
+                *this.spare = Some(copy(&request));
+                this.call.set(Some(Oneshot::new(service, request)));
+                this.deadline
+                    .set(this.shared.first_byte_timeout.map(tokio::time::sleep));
+                *this.at = Some(at);
+            }
+            if let Some(deadline) = this.deadline.as_mut().as_pin_mut()
+                && deadline.poll(cx).is_ready()
+            {
+                this.call.set(None);
+                *this.spare = None;
+                let mut at = this.at.take().expect("a call under way has its dispatch");
+                at.answered(Outcome::Unreachable);
+                let upstream = at.name().to_owned();
+                return Poll::Ready(Err(FirstByteTimeout { upstream }.into()));
+            }
+            let call = this
+                .call
+                .as_mut()
+                .as_pin_mut()
+                .expect("a call is under way");
+            let answer = ready!(call.poll(cx));
+            this.call.set(None);
+            this.deadline.set(None);
+            let mut at = this.at.take().expect("a call under way has its dispatch");
+            match answer {
+                Ok(response) => {
+                    let status = response.status().as_u16();
+                    let outcome = match status {
+                        500 | 503 | 529 => Outcome::Failing,
+                        _ => Outcome::Answered,
+                    };
+                    at.answered(outcome);
+                    // Overloaded, the call not run: elsewhere if another has room.
+                    if matches!(status, 503 | 529)
+                        && this.shared.has_another(*this.tried, this.model.as_deref())
+                    {
+                        at.moved_away();
+                        continue;
+                    }
+                    *this.spare = None;
+                    let in_flight = at.in_flight.take().expect("held until answered");
+                    return Poll::Ready(Ok(response.guard(in_flight)));
+                }
+                Err(error) => {
+                    let error: BoxError = error.into();
+                    if refused(&*error) {
+                        at.answered(Outcome::Unreachable);
+                        if this.shared.has_another(*this.tried, this.model.as_deref()) {
+                            at.moved_away();
+                            continue;
+                        }
+                    } else {
+                        at.answered(Outcome::Failing);
+                    }
+                    *this.spare = None;
+                    return Poll::Ready(Err(error));
+                }
+            }
+        }
+    }
+}
+
+impl<S: Service<http::Request<B>>, B> fmt::Debug for ResponseFuture<S, B> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ResponseFuture")
+            .field("tried", &self.tried)
+            .finish_non_exhaustive()
+    }
+}

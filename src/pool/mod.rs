@@ -1,0 +1,328 @@
+//! A pool of upstreams: more capacity than one key, and calls that go elsewhere while an
+//! upstream fails.
+//!
+//! [`Pool`] is a tower service over several upstream services of one type (the Anthropic
+//! API under different keys or workspaces, Claude on Bedrock — box them in tower's
+//! `BoxCloneSyncService` to mix kinds). Each
+//! call goes to one upstream, chosen when it is sent:
+//!
+//! - **Choosing**: among the upstreams that take calls, serve the call's [`Model`] and have
+//!   room (below their `max_in_flight`), one set aside whose probe is due; else the one its
+//!   tenant's last call went to while that one has room (its prompt cache is there); else,
+//!   in the first `priority` with room, the one with the fewest calls in flight for its
+//!   `weight`.
+//! - **Setting aside** (a breaker per upstream): an upstream that cannot be reached
+//!   (connection refused, no answer's head within `first_byte_timeout`) is set aside at
+//!   once; one that answers `529`, `503` or `500` `trip_after` times in a row (default 3)
+//!   too. Set aside, it takes no call until `probe_every` (default 1 s) has passed; then one
+//!   call probes it, and an answer brings it back. A `429` is the upstream's rate, not a
+//!   failure: it goes back to the caller (and to the retry layer above, which keeps that
+//!   upstream's cooldown).
+//! - **Sending again**: a call goes to another upstream only where the first provably did
+//!   not run it — the connection was refused, or it answered `529`/`503` (overloaded, the
+//!   call not run) before anything of the answer went back — since a call run twice may be
+//!   billed twice. Each upstream is tried at most once per call; a call is answered once.
+//!   When no upstream has room, the call fails with [`NoUpstream`](error::NoUpstream),
+//!   saying when the first set aside may be probed.
+//!
+//! A call counts as in flight at its upstream until its response body ends (the count moves
+//! into the body, as the limiting layers' permits do).
+//!
+//! ```
+//! use fairgate::pool::{Pool, Upstream};
+//! use std::time::Duration;
+//! use tower::{ServiceExt, service_fn};
+//!
+//! # #[tokio::main(flavor = "current_thread", start_paused = true)]
+//! # async fn main() -> Result<(), fairgate::BoxError> {
+//! // The first upstream refuses its connections; the call goes to the second.
+//! let upstream = |answers: bool| {
+//!     service_fn(move |_req: http::Request<String>| async move {
+//!         if answers {
+//!             Ok(http::Response::new("hello".to_owned()))
+//!         } else {
+//!             Err(std::io::Error::from(std::io::ErrorKind::ConnectionRefused))
+//!         }
+//!     })
+//! };
+//! let pool = Pool::builder()
+//!     .upstream(Upstream::new("primary", upstream(false)))
+//!     .upstream(Upstream::new("second", upstream(true)))
+//!     .probe_every(Duration::from_secs(1))
+//!     .build()?;
+//! let response = pool.clone().oneshot(http::Request::new("{}".to_owned())).await?;
+//! assert_eq!(response.into_body().inner(), "hello");
+//! assert!(pool.upstreams()[0].set_aside);
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! # Cancel safety
+//! Dropping the response future drops the call under way (its upstream's count goes back);
+//! a dropped probe lets the next call probe. Dropping the response, or its body ending,
+//! gives the upstream's in-flight count back; a response kept unread keeps it.
+
+mod breaker;
+mod choose;
+pub mod error;
+pub mod future;
+mod service;
+
+use std::fmt;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use self::breaker::Breaker;
+use crate::error::ConfigError;
+use crate::hash::HashMap;
+use crate::{TenantId, sync::lock};
+
+/// The model a call asks for, as an extension of its request: an upstream given
+/// [`models`](Upstream::models) takes only calls of those models (a call that names none
+/// goes to any).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Model(pub String);
+
+/// One upstream of a [`Pool`]: its name, its service and how calls are shared out to it.
+#[derive(Clone, Debug)]
+pub struct Upstream<S> {
+    name: Arc<str>,
+    service: S,
+    weight: u32,
+    priority: u32,
+    models: Option<Vec<String>>,
+    max_in_flight: Option<usize>,
+}
+
+impl<S> Upstream<S> {
+    /// An upstream named `name` (in metrics and on the live page), called through
+    /// `service`; weight 1, priority 0, every model, no cap of its own.
+    pub fn new(name: impl Into<Arc<str>>, service: S) -> Self {
+        Upstream {
+            name: name.into(),
+            service,
+            weight: 1,
+            priority: 0,
+            models: None,
+            max_in_flight: None,
+        }
+    }
+
+    /// Its share of the calls among the upstreams of its priority (at least 1).
+    pub fn weight(mut self, weight: u32) -> Self {
+        self.weight = weight;
+        self
+    }
+
+    /// Lower goes first: an upstream of a later priority takes calls only while none of
+    /// an earlier one has room (prefer the primary, spill to the second).
+    pub fn priority(mut self, priority: u32) -> Self {
+        self.priority = priority;
+        self
+    }
+
+    /// The models it serves (a call's [`Model`]); every model if never called.
+    pub fn models<I: IntoIterator<Item = impl Into<String>>>(mut self, models: I) -> Self {
+        self.models = Some(models.into_iter().map(Into::into).collect());
+        self
+    }
+
+    /// Most calls in flight at once here (its key's concurrency, say).
+    pub fn max_in_flight(mut self, max: usize) -> Self {
+        self.max_in_flight = Some(max);
+        self
+    }
+}
+
+/// Builds a [`Pool`].
+#[derive(Debug)]
+pub struct PoolBuilder<S> {
+    upstreams: Vec<Upstream<S>>,
+    trip_after: u32,
+    probe_every: Duration,
+    first_byte_timeout: Option<Duration>,
+}
+
+impl<S> PoolBuilder<S> {
+    /// Adds an upstream.
+    pub fn upstream(mut self, upstream: Upstream<S>) -> Self {
+        self.upstreams.push(upstream);
+        self
+    }
+
+    /// Failing answers (`529`, `503`, `500`) in a row that set an upstream aside (default 3).
+    pub fn trip_after(mut self, n: u32) -> Self {
+        self.trip_after = n;
+        self
+    }
+
+    /// How long an upstream set aside waits for its probe (default 1 s).
+    pub fn probe_every(mut self, every: Duration) -> Self {
+        self.probe_every = every;
+        self
+    }
+
+    /// How long a call waits for its answer's head before its upstream counts as
+    /// unreachable (default: no limit). The call is not sent again (it may have run).
+    pub fn first_byte_timeout(mut self, timeout: Duration) -> Self {
+        self.first_byte_timeout = Some(timeout);
+        self
+    }
+
+    /// The pool; refused with no upstream, two of one name, a weight or `trip_after` of 0,
+    /// a `max_in_flight` of 0, or a `probe_every` of zero.
+    pub fn build(self) -> Result<Pool<S>, ConfigError> {
+        if self.upstreams.is_empty() {
+            return Err(ConfigError::new("a pool needs at least one upstream"));
+        }
+        if self.upstreams.len() > 64 {
+            return Err(ConfigError::new("a pool holds at most 64 upstreams"));
+        }
+        let mut names: Vec<&str> = self.upstreams.iter().map(|u| &*u.name).collect();
+        names.sort_unstable();
+        if names.windows(2).any(|w| w[0] == w[1]) {
+            return Err(ConfigError::new("two upstreams of a pool have one name"));
+        }
+        if self.upstreams.iter().any(|u| u.weight == 0) {
+            return Err(ConfigError::new("an upstream's weight must be at least 1"));
+        }
+        if self.upstreams.iter().any(|u| u.max_in_flight == Some(0)) {
+            return Err(ConfigError::new(
+                "an upstream's max_in_flight must be at least 1",
+            ));
+        }
+        if self.trip_after == 0 || self.probe_every.is_zero() {
+            return Err(ConfigError::new(
+                "trip_after and probe_every must be more than zero",
+            ));
+        }
+        let members = self
+            .upstreams
+            .into_iter()
+            .map(|upstream| Member {
+                breaker: Mutex::new(Breaker::new(self.trip_after, self.probe_every)),
+                in_flight: Arc::new(AtomicUsize::new(0)),
+                moved_away: AtomicU64::new(0),
+                upstream,
+            })
+            .collect();
+        Ok(Pool {
+            shared: Arc::new(Members {
+                members,
+                affinity: Mutex::new(HashMap::default()),
+                first_byte_timeout: self.first_byte_timeout,
+            }),
+        })
+    }
+}
+
+/// A pool of upstreams as one tower service (see the [module docs](self)).
+///
+/// # Clone
+/// Cheap; clones share the upstreams' counts, breakers and the tenants' last upstreams.
+pub struct Pool<S> {
+    shared: Arc<Members<S>>,
+}
+
+impl<S> Clone for Pool<S> {
+    fn clone(&self) -> Self {
+        Pool {
+            shared: self.shared.clone(),
+        }
+    }
+}
+
+impl<S> fmt::Debug for Pool<S> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Pool")
+            .field("upstreams", &self.upstreams())
+            .finish()
+    }
+}
+
+/// An upstream of a pool as it stands now.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct UpstreamState {
+    /// Its name.
+    pub name: Arc<str>,
+    /// Calls in flight there (until their bodies end).
+    pub in_flight: usize,
+    /// Set aside by its breaker (a probe may be out).
+    pub set_aside: bool,
+    /// Calls sent elsewhere after it refused or was overloaded.
+    pub moved_away: u64,
+}
+
+impl<S> Pool<S> {
+    /// Builds a pool.
+    pub fn builder() -> PoolBuilder<S> {
+        PoolBuilder {
+            upstreams: Vec::new(),
+            trip_after: 3,
+            probe_every: Duration::from_secs(1),
+            first_byte_timeout: None,
+        }
+    }
+
+    /// Each upstream now, in the order they were added.
+    pub fn upstreams(&self) -> Vec<UpstreamState> {
+        self.shared
+            .members
+            .iter()
+            .map(|m| UpstreamState {
+                name: m.upstream.name.clone(),
+                in_flight: m.in_flight(),
+                set_aside: lock(&m.breaker).is_open(),
+                moved_away: m.moved_away.load(Ordering::Relaxed),
+            })
+            .collect()
+    }
+}
+
+/// What the clones of a pool share.
+struct Members<S> {
+    members: Vec<Member<S>>,
+    /// The upstream each tenant's last call went to: its prompt cache is there.
+    affinity: Mutex<HashMap<TenantId, usize>>,
+    first_byte_timeout: Option<Duration>,
+}
+
+/// Most tenants whose last upstream is kept; past it the book starts again.
+const AFFINITY_MAX: usize = 100_000;
+
+struct Member<S> {
+    upstream: Upstream<S>,
+    breaker: Mutex<Breaker>,
+    in_flight: Arc<AtomicUsize>,
+    moved_away: AtomicU64,
+}
+
+impl<S> Member<S> {
+    /// Whether it serves calls of `model` (a call that names none: yes).
+    fn serves(&self, model: Option<&str>) -> bool {
+        model.is_none_or(|model| {
+            self.upstream
+                .models
+                .as_ref()
+                .is_none_or(|models| models.iter().any(|m| m == model))
+        })
+    }
+
+    fn in_flight(&self) -> usize {
+        self.in_flight.load(Ordering::Relaxed)
+    }
+}
+
+impl<S> Members<S> {
+    fn remember(&self, tenant: &TenantId, member: usize) {
+        let mut book = lock(&self.affinity);
+        if book.get(tenant) != Some(&member) {
+            if book.len() >= AFFINITY_MAX {
+                book.clear();
+            }
+            book.insert(tenant.clone(), member);
+        }
+    }
+}
