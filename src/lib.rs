@@ -72,7 +72,7 @@
 //!
 //! let prompt = "Summarise this thread.";
 //! let mut req = http::Request::post("https://api.anthropic.com/v1/messages").body(prompt.to_owned())?;
-//! req.extensions_mut().insert(Job::new("tenant-42", Origin::UserAction).tier("pro").input_text(prompt));
+//! req.extensions_mut().insert(Job::new("tenant-42", Origin::UserAction).with_tier("pro").with_input_text(prompt));
 //! let response = claude.oneshot(req).await?;
 //! assert_eq!(response.status(), 200);
 //! # Ok(())

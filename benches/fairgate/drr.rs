@@ -21,7 +21,7 @@ fn runtime() -> tokio::runtime::Runtime {
 /// 100 tenants in rotation, as a busy worker sees them.
 fn jobs() -> Vec<Job> {
     (0..100)
-        .map(|i| Job::new(format!("tenant-{i}"), Origin::UserAction).cost(800))
+        .map(|i| Job::new(format!("tenant-{i}"), Origin::UserAction).with_cost(800))
         .collect()
 }
 

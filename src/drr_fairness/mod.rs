@@ -52,7 +52,7 @@
 //!     }));
 //!
 //! let mut req = http::Request::post("https://api.anthropic.com/v1/messages").body("{}".to_owned())?;
-//! req.extensions_mut().insert(Job::new("tenant-42", Origin::UserAction).tier("pro").cost(1_200));
+//! req.extensions_mut().insert(Job::new("tenant-42", Origin::UserAction).with_tier("pro").with_cost(1_200));
 //! let response = claude.oneshot(req).await?;
 //! // The permit lives in the body until it is read to the end or dropped.
 //! assert_eq!(fair.in_flight(), 1);
@@ -120,7 +120,7 @@ use crate::Job;
 /// let layer = DrrFairnessLayer::new(Store::memory(), 8);
 /// let settler = layer.settler();
 /// // A short prompt that may write 4,000 output tokens, each weighing 5 input tokens.
-/// let job = Job::new("acme", Origin::Scheduled).cost(1_000).output_cost(4_000 * 5);
+/// let job = Job::new("acme", Origin::Scheduled).with_cost(1_000).with_output_cost(4_000 * 5);
 /// // ... later, the response said 900 input tokens and 120 output tokens:
 /// settler.settle(&job, 900 + 120 * 5);
 /// ```

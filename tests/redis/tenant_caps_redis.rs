@@ -114,7 +114,7 @@ async fn workers(url: &str, fair: bool, seen: &SeenRef) -> Vec<Worker> {
 fn send(worker: &Worker, tenant: &str) -> tokio::task::JoinHandle<Result<(), BoxError>> {
     let mut req = http::Request::new(Instant::now());
     req.extensions_mut()
-        .insert(Job::new(tenant, Origin::UserAction).tier("pro"));
+        .insert(Job::new(tenant, Origin::UserAction).with_tier("pro"));
     tokio::spawn(worker.clone().oneshot(req))
 }
 

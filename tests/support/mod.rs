@@ -143,7 +143,7 @@ impl InFlight {
 
 /// A user's call (`Origin::UserAction`) of `tenant` in `tier`.
 pub fn user(tenant: &str, tier: &str) -> Job {
-    Job::new(tenant, fairgate::Origin::UserAction).tier(tier)
+    Job::new(tenant, fairgate::Origin::UserAction).with_tier(tier)
 }
 
 /// Caps of `slots` for the global count and the tier, with a lease that outlives any test.

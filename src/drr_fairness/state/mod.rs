@@ -70,7 +70,7 @@ pub(super) struct Waiter {
     /// Its class and when it arrived, for who asks how long the queue has been waiting.
     class: Priority,
     arrived: Instant,
-    /// The group its tenant is fair-queued in ([`Job::group`]), for the fleet's order on a
+    /// The group its tenant is fair-queued in ([`Job::with_group`]), for the fleet's order on a
     /// shared store (an in-process store keeps groups apart as `Group`s of their own).
     group: Option<TenantId>,
 }
@@ -158,7 +158,7 @@ impl Group {
 struct Queues {
     groups: Vec<Group>,
     /// Gated groups by tier (the tier a request counts under in the slot policy), for
-    /// requests of no group ([`Job::group`]).
+    /// requests of no group ([`Job::with_group`]).
     by_tier: HashMap<Tier, usize>,
     /// Gated groups by tier and group (in-process stores only).
     by_group: HashMap<(Tier, TenantId), usize>,
@@ -565,7 +565,7 @@ impl FairQueue {
     pub(super) fn classify(&self, job: &Job) -> (Priority, u32, u64) {
         (
             job.priority().unwrap_or(Priority::Standard),
-            self.weights.of(job.tier_name()),
+            self.weights.of(job.tier()),
             job.charge(),
         )
     }
@@ -584,11 +584,11 @@ impl FairQueue {
                 patience: None,
             });
         };
-        let (tier, limit, _) = policy.limit(job.tier_name());
+        let (tier, limit, _) = policy.limit(job.tier());
         // A job's group is a level of its own in an in-process store; on a shared store the
         // fleet's order keeps the groups (its wake-ups name a tier and a tenant).
         let named = job
-            .group_name()
+            .group()
             .filter(|_| !self.slot_store().is_remote())
             .map(|name| (tier.clone(), name.clone()));
         let known = match &named {
@@ -655,13 +655,7 @@ impl FairQueue {
             let room = state.len() == 0 && state.in_flight < self.max_in_flight;
             let key = job.upstream();
             let receipt = match room {
-                true => self.rate_now(
-                    &mut state,
-                    place.group,
-                    key,
-                    job.estimated_tokens(),
-                    &mut after,
-                ),
+                true => self.rate_now(&mut state, place.group, key, job.cost(), &mut after),
                 false => None,
             };
             let room = room && receipt.as_ref().is_none_or(Option::is_some);
@@ -767,10 +761,10 @@ impl FairQueue {
             weight,
             id,
             key: job.upstream().cloned(),
-            cost: job.estimated_tokens(),
+            cost: job.cost(),
             class,
             arrived,
-            group: job.group_name().filter(|_| self.fleet()).cloned(),
+            group: job.group().filter(|_| self.fleet()).cloned(),
         };
         let g = &mut state.groups[group];
         let was_idle = g.scheduler.class_len(class) == 0;
@@ -1199,7 +1193,7 @@ impl FairQueue {
     }
 
     /// How many groups of `group`'s tier (itself included) have requests of `class`
-    /// waiting: 1 unless jobs name groups ([`Job::group`]).
+    /// waiting: 1 unless jobs name groups ([`Job::with_group`]).
     fn groups_sharing(state: &Queues, group: usize, class: Priority) -> usize {
         let Some(tier) = state.groups[group].slots.as_ref().map(|slots| &slots.tier) else {
             return 1;
@@ -1299,8 +1293,8 @@ impl FairQueue {
         let group = self
             .slot_policy()
             .and_then(|policy| {
-                let tier = policy.limit(job.tier_name()).0;
-                match job.group_name() {
+                let tier = policy.limit(job.tier()).0;
+                match job.group() {
                     Some(name) if !self.slot_store().is_remote() => {
                         state.by_group.get(&(tier, name.clone())).copied()
                     }
