@@ -6,7 +6,7 @@ use std::convert::Infallible;
 use std::hint::black_box;
 
 use criterion::{BenchmarkId, Criterion, Throughput};
-use fairgate::drr_fairness::scheduler::{Scheduler, SchedulerConfig};
+use fairgate::drr_fairness::{Scheduler, SchedulerConfig};
 use fairgate::{DrrFairnessLayer, Job, Origin, Priority, Store, TenantId};
 use tower::limit::ConcurrencyLimitLayer;
 use tower::{Layer, Service, ServiceExt, service_fn};

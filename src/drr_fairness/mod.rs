@@ -24,7 +24,7 @@
 //! at its tier's max wait; the window is then this worker's own ceiling on calls in flight:
 //! set it at least to the share of the global cap this worker should be able to use. Real
 //! usage, once known, is settled through a [`Settler`]. The scheduler is a sans-IO core,
-//! public as [`scheduler`]. `ARCHITECTURE.md` follows a request through this layer.
+//! public as [`Scheduler`]. `ARCHITECTURE.md` follows a request through this layer.
 //!
 //! Metrics: [`QUEUE_DEPTH`] (`claude_queue_depth{priority}`) and [`FAIRNESS_INDEX`]
 //! (`claude_drr_fairness_index`: Jain's index over the weight-normalised cost served to the
@@ -79,7 +79,7 @@ pub mod future;
 #[cfg(test)]
 mod gate_tests;
 mod layer;
-pub mod scheduler;
+mod scheduler;
 mod service;
 mod state;
 
@@ -87,7 +87,9 @@ use std::fmt;
 use std::sync::Arc;
 
 pub use self::layer::{DrrFairnessBuilder, DrrFairnessLayer};
-pub use self::scheduler::{ClassSelection, ClassWeights, SchedulerConfig};
+pub use self::scheduler::{
+    ClassSelection, ClassWeights, Dispatched, Key, Rejected, Scheduler, SchedulerConfig, jain_index,
+};
 pub use self::service::DrrFairness;
 pub use self::state::Permit;
 pub use crate::metrics::{FAIRNESS_INDEX, QUEUE_DEPTH};

@@ -14,7 +14,7 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use crate::support::request;
-use fairgate::drr_fairness::scheduler::jain_index;
+use fairgate::drr_fairness::jain_index;
 use fairgate::{
     BoxError, DemotionPolicy, DrrFairnessLayer, Job, MissingJob, Origin, Priority,
     PriorityClassifyLayer, QueueFull, Store, TenantId,

@@ -8,7 +8,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use fairgate::drr_fairness::scheduler::jain_index;
+use fairgate::drr_fairness::jain_index;
 use fairgate::{
     BackoffPolicy, BoxError, Busy, DemotionPolicy, DrrFairnessLayer, Job, Origin,
     PriorityClassifyLayer, RetryAfterBackoffLayer, SlotPolicy, Store, TierSlotLimitLayer,
