@@ -116,15 +116,18 @@ mod time;
 pub mod tonic;
 pub mod trace;
 
+pub use crate::admission::busy::{Busy, WaitReason};
+pub use crate::admission::demotion::{DemotionPolicy, DemotionPolicyBuilder};
+pub use crate::admission::policy::{SlotPolicy, SlotPolicyBuilder, TierLimit};
 pub use crate::drr_fairness::error::QueueFull;
 pub use crate::drr_fairness::{DrrFairness, DrrFairnessLayer};
 pub use crate::error::{BoxError, ConfigError, MissingJob};
 pub use crate::extract::{JobLayer, Unidentified};
-pub use crate::gate::{RateGate, SlotGate, WaitReason};
+pub use crate::gate::{RateGate, SlotGate};
 pub use crate::job::{Job, JobRequest, Origin};
 pub use crate::labels::{Priority, TenantId, Tier};
 pub use crate::priority_classify::{
-    ClassifyRule, DefaultRule, DemotionPolicy, PriorityClassify, PriorityClassifyLayer,
+    ClassifyRule, DefaultRule, PriorityClassify, PriorityClassifyLayer,
 };
 pub use crate::reject::Rejection;
 pub use crate::retry_after_backoff::{BackoffPolicy, RetryAfterBackoff, RetryAfterBackoffLayer};
@@ -133,9 +136,7 @@ pub use crate::store::{
     Demotion, OutagePolicy, SlotLease, SlotLimits, SlotRefusal, Store, StoreBuilder, StoreFuture,
     StoreUnavailable,
 };
-pub use crate::tier_slot_limit::{
-    Busy, SlotPermit, SlotPolicy, SlotPolicyBuilder, TierLimit, TierSlotLimit, TierSlotLimitLayer,
-};
+pub use crate::tier_slot_limit::{TierSlotLimit, TierSlotLimitLayer};
 
 /// The README's Rust blocks, compiled (and the runnable ones run) as doc-tests: each is a
 /// whole program, as a reader copies it. They use every optional feature.

@@ -26,7 +26,8 @@
 //! usage, once known, is settled through a [`Settler`]. The scheduler is a sans-IO core,
 //! public as [`Scheduler`]. `ARCHITECTURE.md` follows a request through this layer.
 //!
-//! Metrics: [`QUEUE_DEPTH`] (`claude_queue_depth{priority}`) and [`FAIRNESS_INDEX`]
+//! Metrics: [`QUEUE_DEPTH`](crate::metrics::QUEUE_DEPTH) (`claude_queue_depth{priority}`)
+//! and [`FAIRNESS_INDEX`](crate::metrics::FAIRNESS_INDEX)
 //! (`claude_drr_fairness_index`: Jain's index over the weight-normalised cost served to the
 //! tenants backlogged in the last 60 s). Every dispatch adds its cost to the tenant's served
 //! cost in the [`Store`](crate::Store), so the index spans every worker.
@@ -92,7 +93,6 @@ pub use self::scheduler::{
 };
 pub use self::service::DrrFairness;
 pub use self::state::Permit;
-pub use crate::metrics::{FAIRNESS_INDEX, QUEUE_DEPTH};
 
 use self::state::FairQueue;
 use crate::Job;

@@ -59,4 +59,4 @@ mod service;
 pub use self::layer::PriorityClassifyLayer;
 pub use self::rule::{ClassifyRule, DefaultRule};
 pub use self::service::PriorityClassify;
-pub use crate::admission::{DemotionPolicy, DemotionPolicyBuilder};
+use crate::admission::DemotionPolicy;

@@ -75,4 +75,4 @@ mod wait;
 pub use self::layer::TierSlotLimitLayer;
 pub use self::service::TierSlotLimit;
 pub use self::wait::SlotPermit;
-pub use crate::admission::{Busy, SlotPolicy, SlotPolicyBuilder, TierLimit};
+use crate::admission::{Busy, SlotPolicy, TierLimit};

@@ -912,7 +912,7 @@ fn gauges(snapshotter: &metrics_util::debugging::Snapshotter) -> Vec<Gauge> {
 
 #[tokio::test(start_paused = true)]
 async fn queue_depth_and_fairness_index_are_published() {
-    use fairgate::drr_fairness::{FAIRNESS_INDEX, QUEUE_DEPTH};
+    use fairgate::metrics::{FAIRNESS_INDEX, QUEUE_DEPTH};
     let recorder = metrics_util::debugging::DebuggingRecorder::new();
     let snapshotter = recorder.snapshotter();
     let _guard = metrics::set_default_local_recorder(&recorder);

@@ -294,7 +294,9 @@ async fn fill_all_slots(
     service: &(
          impl Service<
         http::Request<()>,
-        Response = http::Response<fairgate::body::GuardedBody<(), fairgate::SlotPermit>>,
+        Response = http::Response<
+            fairgate::body::GuardedBody<(), fairgate::tier_slot_limit::SlotPermit>,
+        >,
         Error = BoxError,
         Future: Send + 'static,
     > + Clone
