@@ -133,8 +133,7 @@ pub use crate::reject::Rejection;
 pub use crate::retry_after_backoff::{BackoffPolicy, RetryAfterBackoff, RetryAfterBackoffLayer};
 pub use crate::stack::{Fairgate, FairgateBody, FairgateBuilder, FairgateLayer};
 pub use crate::store::{
-    Demotion, OutagePolicy, SlotLease, SlotLimits, SlotRefusal, Store, StoreBuilder, StoreFuture,
-    StoreUnavailable,
+    Demotion, OutagePolicy, Store, StoreBuilder, StoreFuture, StoreUnavailable,
 };
 pub use crate::tier_slot_limit::{TierSlotLimit, TierSlotLimitLayer};
 

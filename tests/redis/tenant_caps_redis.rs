@@ -11,9 +11,9 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use crate::support::RedisServer;
+use fairgate::store::SlotRefusal;
 use fairgate::{
-    BoxError, DrrFairnessLayer, Job, Origin, SlotPolicy, SlotRefusal, Store, TenantId, Tier,
-    TierSlotLimitLayer,
+    BoxError, DrrFairnessLayer, Job, Origin, SlotPolicy, Store, TenantId, Tier, TierSlotLimitLayer,
 };
 use tokio::time::Instant;
 use tower::{Service, ServiceBuilder, ServiceExt, service_fn};
@@ -204,7 +204,7 @@ async fn a_sigkilled_workers_tenant_leases_come_back_within_the_lease_ttl() {
     let store = Store::redis(&server.url()).await.unwrap();
     let pro = Tier::new("pro");
     let (capped, other) = (TenantId::new("capped"), TenantId::new("other"));
-    let limits = fairgate::SlotLimits {
+    let limits = fairgate::store::SlotLimits {
         global: 12,
         tier: 6,
         tenant: Some(3),

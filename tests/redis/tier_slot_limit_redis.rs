@@ -13,9 +13,9 @@ use std::time::Duration;
 use crate::support::{
     Redis, RedisServer, SlotWorker, Target, on_node_and_cluster, request, slot_limits, wait_until,
 };
+use fairgate::store::{SlotLimits, SlotRefusal};
 use fairgate::{
-    FairgateLayer, Job, Origin, OutagePolicy, SlotLimits, SlotPolicy, SlotRefusal, Store, Tier,
-    TierSlotLimitLayer,
+    FairgateLayer, Job, Origin, OutagePolicy, SlotPolicy, Store, Tier, TierSlotLimitLayer,
 };
 use tokio::time::Instant;
 use tower::{Layer, ServiceExt, service_fn};
@@ -751,7 +751,11 @@ async fn a_tier_that_starts_waiting_is_not_held_behind_a_flood_queued_before_it(
 }
 
 /// Takes slots of `tier` until the store says no; returns them.
-async fn take_all(store: &Store, tier: &str, limits: SlotLimits) -> Vec<fairgate::SlotLease> {
+async fn take_all(
+    store: &Store,
+    tier: &str,
+    limits: SlotLimits,
+) -> Vec<fairgate::store::SlotLease> {
     let mut leases = Vec::new();
     while let Some(lease) = store.try_acquire_slot(&Tier::new(tier), limits).await {
         leases.push(lease);

@@ -147,8 +147,8 @@ pub fn user(tenant: &str, tier: &str) -> Job {
 }
 
 /// Caps of `slots` for the global count and the tier, with a lease that outlives any test.
-pub fn slot_limits(slots: u32) -> fairgate::SlotLimits {
-    fairgate::SlotLimits {
+pub fn slot_limits(slots: u32) -> fairgate::store::SlotLimits {
+    fairgate::store::SlotLimits {
         global: slots,
         tier: slots,
         tenant: None,
