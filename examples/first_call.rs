@@ -50,8 +50,8 @@ async fn main() -> Result<(), BoxError> {
         .body(Full::new(Bytes::from(body)))?;
     req.extensions_mut().insert(
         Job::new("tenant-42", Origin::UserAction)
-            .tier("pro")
-            .input_text(prompt),
+            .with_tier("pro")
+            .with_input_text(prompt),
     );
     let resp = claude.oneshot(req).await?;
     let status = resp.status();

@@ -61,7 +61,7 @@ async fn main() -> Result<(), BoxError> {
     let claude: Claude = fairgate.layer(client);
 
     println!("== a message");
-    let job = Job::new("acme", Origin::UserAction).tier("pro");
+    let job = Job::new("acme", Origin::UserAction).with_tier("pro");
     let response = claude
         .clone()
         .oneshot(request(&url, ask(false), job)?)
@@ -72,7 +72,7 @@ async fn main() -> Result<(), BoxError> {
 
     println!("== a call the stand-in throttles once: retried after its retry-after");
     let started = Instant::now();
-    let job = Job::new("acme", Origin::UserAction).tier("pro");
+    let job = Job::new("acme", Origin::UserAction).with_tier("pro");
     let mut req = request(&url, ask(false), job)?;
     req.headers_mut()
         .insert("x-stand-in-throttle", "once".parse()?);
@@ -81,7 +81,7 @@ async fn main() -> Result<(), BoxError> {
     drop(response);
 
     println!("== a streamed answer: the slot is held until the last event");
-    let job = Job::new("acme", Origin::UserAction).tier("pro");
+    let job = Job::new("acme", Origin::UserAction).with_tier("pro");
     let mut body = claude
         .clone()
         .oneshot(request(&url, ask(true), job)?)
@@ -99,7 +99,7 @@ async fn main() -> Result<(), BoxError> {
     println!("== three guest calls at once: the guest tier has one slot and never waits");
     let mut burst = Vec::new();
     for i in 0..3 {
-        let job = Job::new(format!("visitor-{i}"), Origin::UserAction).tier("guest");
+        let job = Job::new(format!("visitor-{i}"), Origin::UserAction).with_tier("guest");
         burst.push(claude.clone().oneshot(request(&url, ask(false), job)?));
     }
     for outcome in futures_util::future::join_all(burst).await {
@@ -116,7 +116,7 @@ async fn main() -> Result<(), BoxError> {
 
 /// A Messages API request carrying `job`, with the API key from the environment.
 fn request(url: &str, body: String, job: Job) -> Result<http::Request<Full<Bytes>>, BoxError> {
-    let job = job.input_text(&body);
+    let job = job.with_input_text(&body);
     let mut req = http::Request::post(url)
         .header("anthropic-version", "2023-06-01")
         .header("content-type", "application/json");

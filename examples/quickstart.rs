@@ -76,21 +76,23 @@ async fn main() -> Result<(), BoxError> {
     let requests = [
         (
             "chat message",
-            Job::new("acme", Origin::UserAction).tier("pro"),
+            Job::new("acme", Origin::UserAction).with_tier("pro"),
         ),
         (
             "review reply, due in 1 h",
-            Job::new("acme", Origin::Scheduled).tier("pro").sla(hour),
+            Job::new("acme", Origin::Scheduled)
+                .with_tier("pro")
+                .with_sla(hour),
         ),
         (
             "weekly digest, due in 48 h",
             Job::new("globex", Origin::Scheduled)
-                .tier("pro")
-                .sla(48 * hour),
+                .with_tier("pro")
+                .with_sla(48 * hour),
         ),
         (
             "bulk re-tagging, no SLA",
-            Job::new("globex", Origin::BatchJob).tier("pro"),
+            Job::new("globex", Origin::BatchJob).with_tier("pro"),
         ),
     ];
     for (what, job) in requests {
@@ -101,7 +103,7 @@ async fn main() -> Result<(), BoxError> {
     println!("\n2. A free-tier flood fills only the free slots; paying users still get through:");
     let mut held = Vec::new();
     for i in 0..3 {
-        let job = Job::new(format!("free-user-{i}"), Origin::UserAction).tier("free");
+        let job = Job::new(format!("free-user-{i}"), Origin::UserAction).with_tier("free");
         match send(&claude, "chat message (held open)", job).await {
             Ok(response) => held.push(response),
             Err(e) => match e.downcast_ref::<Busy>() {
@@ -119,7 +121,7 @@ async fn main() -> Result<(), BoxError> {
     let response = send(
         &claude,
         "chat message",
-        Job::new("acme", Origin::UserAction).tier("pro"),
+        Job::new("acme", Origin::UserAction).with_tier("pro"),
     )
     .await?;
     drop((response, held));
@@ -129,7 +131,7 @@ async fn main() -> Result<(), BoxError> {
     for _ in 0..5 {
         store.record_throttle(&initech).await; // RetryAfterBackoff records these
     }
-    let job = Job::new("initech", Origin::UserAction).tier("pro");
+    let job = Job::new("initech", Origin::UserAction).with_tier("pro");
     drop(send(&claude, "chat message", job).await?);
     if let Some(left) = store.demoted_for(&initech).await {
         println!("initech is demoted to batch for {} s more", left.as_secs());
@@ -141,7 +143,7 @@ async fn main() -> Result<(), BoxError> {
         send(
             &claude,
             "chat message",
-            Job::new("umbrella", Origin::UserAction).tier("pro"),
+            Job::new("umbrella", Origin::UserAction).with_tier("pro"),
         )
         .await?,
     );
@@ -184,7 +186,7 @@ async fn tenant_b_waits(service: BoxCloneService<http::Request<()>, (), BoxError
     let call = |tenant: &str| {
         let mut req = http::Request::new(());
         req.extensions_mut()
-            .insert(Job::new(tenant, Origin::UserAction).cost(5_000));
+            .insert(Job::new(tenant, Origin::UserAction).with_cost(5_000));
         let service = service.clone();
         tokio::spawn(async move { service.oneshot(req).await })
     };
@@ -210,7 +212,7 @@ where
         + Clone,
 {
     let prompt = format!("{what}: please answer briefly.");
-    let job = job.input_text(&prompt);
+    let job = job.with_input_text(&prompt);
     let mut req = http::Request::post("https://api.anthropic.com/v1/messages").body(prompt)?;
     req.extensions_mut().insert(job);
     let response = claude.clone().oneshot(req).await?;
@@ -222,9 +224,9 @@ where
         "{:<12} {:<28} {:>4} tokens  {:<8} tier {}",
         seen.tenant().as_str(),
         what,
-        seen.estimated_tokens(),
+        seen.cost(),
         seen.priority().map_or("unset", |p| p.as_str()),
-        seen.tier_name().map_or("-", |t| t.as_str()),
+        seen.tier().map_or("-", |t| t.as_str()),
     );
     Ok(response)
 }

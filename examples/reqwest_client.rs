@@ -53,16 +53,16 @@ async fn main() -> Result<(), BoxError> {
 
     println!("== a message");
     let job = Job::new("acme", Origin::UserAction)
-        .tier("pro")
-        .input_text(ASK);
+        .with_tier("pro")
+        .with_input_text(ASK);
     let response = call(ASK).with_extension(job).send().await?;
     println!("{} {}", response.status(), response.text().await?);
 
     println!("== a call the upstream throttles once: retried after its retry-after");
     let started = Instant::now();
     let job = Job::new("acme", Origin::UserAction)
-        .tier("pro")
-        .input_text(ASK);
+        .with_tier("pro")
+        .with_input_text(ASK);
     let response = call(ASK)
         .header("x-stand-in-throttle", "once")
         .with_extension(job)
@@ -73,8 +73,8 @@ async fn main() -> Result<(), BoxError> {
 
     println!("== a streamed answer: the slot is held until the last event");
     let job = Job::new("acme", Origin::UserAction)
-        .tier("pro")
-        .input_text(ASK_STREAM);
+        .with_tier("pro")
+        .with_input_text(ASK_STREAM);
     let mut response = call(ASK_STREAM).with_extension(job).send().await?;
     while let Some(chunk) = response.chunk().await? {
         let slots = store.slots_in_use(None).await;
@@ -85,8 +85,8 @@ async fn main() -> Result<(), BoxError> {
     println!("== three guest calls at once: the guest tier has one slot and never waits");
     let burst = (0..3).map(|i| {
         let job = Job::new(format!("visitor-{i}"), Origin::UserAction)
-            .tier("guest")
-            .input_text(ASK);
+            .with_tier("guest")
+            .with_input_text(ASK);
         call(ASK).with_extension(job).send()
     });
     for outcome in futures_util::future::join_all(burst).await {

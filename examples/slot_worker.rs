@@ -212,7 +212,7 @@ async fn load(store: Store, probe: &str, callers: usize, calls: usize) -> Result
     let enter = redis::Script::new(ENTER);
     let upstream = service_fn(move |req: http::Request<()>| {
         let (mut probe, enter) = (probe.clone(), enter.clone());
-        let tier = req.extensions().get::<Job>().and_then(Job::tier_name);
+        let tier = req.extensions().get::<Job>().and_then(Job::tier);
         let tier = tier.map_or("guest", |t| t.as_str()).to_owned();
         async move {
             let (now, tier_now) = ("probe:now".to_owned(), format!("probe:now:{tier}"));
@@ -244,8 +244,9 @@ async fn load(store: Store, probe: &str, callers: usize, calls: usize) -> Result
             for call in 0..calls {
                 let tier = TIERS[(caller + call) % TIERS.len()];
                 let mut req = http::Request::new(());
-                req.extensions_mut()
-                    .insert(Job::new(format!("tenant-{caller}"), Origin::UserAction).tier(tier));
+                req.extensions_mut().insert(
+                    Job::new(format!("tenant-{caller}"), Origin::UserAction).with_tier(tier),
+                );
                 match service.clone().oneshot(req).await {
                     Ok(response) => {
                         drop(response);
@@ -279,7 +280,7 @@ async fn hold(store: Store, slots: usize) -> Result<(), BoxError> {
         let mut req = http::Request::new(());
         let tier = TIERS[i % 2]; // premium and pro: 10 fit under their caps
         req.extensions_mut()
-            .insert(Job::new("holder", Origin::UserAction).tier(tier));
+            .insert(Job::new("holder", Origin::UserAction).with_tier(tier));
         held.push(service.clone().oneshot(req).await?);
     }
     println!("HOLDING");
@@ -307,7 +308,7 @@ async fn hold_tenant(store: Store, slots: usize) -> Result<(), BoxError> {
     for _ in 0..slots {
         let mut req = http::Request::new(());
         req.extensions_mut()
-            .insert(Job::new("capped", Origin::UserAction).tier("pro"));
+            .insert(Job::new("capped", Origin::UserAction).with_tier("pro"));
         held.push(service.clone().oneshot(req).await?);
     }
     println!("HOLDING");
@@ -384,7 +385,7 @@ async fn faults(
         .collect();
     let upstream = service_fn(move |req: http::Request<()>| {
         let (mut probe, observe) = (probe.clone(), observe.clone());
-        let tier = req.extensions().get::<Job>().and_then(Job::tier_name);
+        let tier = req.extensions().get::<Job>().and_then(Job::tier);
         let tier = tier.map_or("guest", |t| t.as_str()).to_owned();
         let cap = tier_caps.get(tier.as_str()).copied().unwrap_or(0);
         let hold = req
@@ -447,8 +448,9 @@ async fn faults(
                     Duration::from_millis(5 + ((caller * 7 + call * 13) % 45) as u64)
                 };
                 let mut req = http::Request::new(());
-                req.extensions_mut()
-                    .insert(Job::new(format!("tenant-{caller}"), Origin::UserAction).tier(tier));
+                req.extensions_mut().insert(
+                    Job::new(format!("tenant-{caller}"), Origin::UserAction).with_tier(tier),
+                );
                 req.extensions_mut().insert(hold);
                 // The response (and the slot it holds) is dropped when the call returns.
                 match service.clone().oneshot(req).await {
@@ -552,7 +554,7 @@ async fn outage(
         .collect();
     let upstream = service_fn(move |req: http::Request<()>| {
         let (mut probe, observe) = (probe.clone(), observe.clone());
-        let tier = req.extensions().get::<Job>().and_then(Job::tier_name);
+        let tier = req.extensions().get::<Job>().and_then(Job::tier);
         let tier = tier.map_or("guest", |t| t.as_str()).to_owned();
         let cap = tier_caps.get(tier.as_str()).copied().unwrap_or(0);
         let hold = req
@@ -594,7 +596,7 @@ async fn outage(
     let request = |tenant: String, tier: &str, hold: Duration| {
         let mut req = http::Request::new(());
         req.extensions_mut()
-            .insert(Job::new(tenant, Origin::UserAction).tier(tier));
+            .insert(Job::new(tenant, Origin::UserAction).with_tier(tier));
         req.extensions_mut().insert(hold);
         req
     };
@@ -820,8 +822,8 @@ async fn fleet(
                 let (mut ok, mut busy, mut failed) = (0, 0, 0);
                 while tokio::time::Instant::now() < until {
                     let mut req = http::Request::new(());
-                    let job = Job::new(tenant.as_str(), origin).tier(tier.as_str());
-                    req.extensions_mut().insert(job.cost(100));
+                    let job = Job::new(tenant.as_str(), origin).with_tier(tier.as_str());
+                    req.extensions_mut().insert(job.with_cost(100));
                     match service.clone().oneshot(req).await {
                         Ok(()) => ok += 1,
                         Err(e) if e.is::<Busy>() => busy += 1,

@@ -52,8 +52,11 @@ where
     for i in 0..n {
         let tenant = if i % 2 == 0 { "a" } else { "b" };
         let mut req = Request::new(String::new());
-        req.extensions_mut()
-            .insert(Job::new(tenant, Origin::UserAction).tier("pro").cost(100));
+        req.extensions_mut().insert(
+            Job::new(tenant, Origin::UserAction)
+                .with_tier("pro")
+                .with_cost(100),
+        );
         let ready = service.ready().await.expect("always ready");
         drop(ready.call(req).await.expect("served"));
     }

@@ -92,7 +92,7 @@ async fn main() -> Result<(), BoxError> {
         if let Ok(value) = key.parse() {
             request.metadata_mut().insert("x-api-key", value);
         }
-        let job = Job::new(format!("team-{tier}"), Origin::UserAction).tier(tier);
+        let job = Job::new(format!("team-{tier}"), Origin::UserAction).with_tier(tier);
         request.extensions_mut().insert(job);
         request
     };

@@ -543,7 +543,7 @@ impl<B: Body> ExtractJob<B> for FromHeaders {
             TierFrom::Fixed(tier) => Some(tier.clone()),
         });
         if let Some(tier) = tier {
-            job = job.tier(tier);
+            job = job.with_tier(tier);
         }
         if let Some(sla) = self
             .sla_header
@@ -552,7 +552,7 @@ impl<B: Body> ExtractJob<B> for FromHeaders {
             .and_then(|v| v.parse::<f64>().ok())
             .and_then(|secs| Duration::try_from_secs_f64(secs).ok())
         {
-            job = job.sla(sla);
+            job = job.with_sla(sla);
         }
         let bytes = req
             .body()
@@ -560,7 +560,7 @@ impl<B: Body> ExtractJob<B> for FromHeaders {
             .exact()
             .or_else(|| header_str(req, &CONTENT_LENGTH).and_then(|v| v.parse::<u64>().ok()));
         if let Some(bytes) = bytes {
-            job = job.cost(tokens_of(bytes));
+            job = job.with_cost(tokens_of(bytes));
         }
         Ok(job)
     }
@@ -614,7 +614,7 @@ mod tests {
         );
         let job = from.extract(&req(&[("x-api-key", "k1")], "")).unwrap();
         assert_eq!(job.tenant().as_str(), "acme");
-        assert_eq!(job.tier_name().unwrap().as_str(), "pro");
+        assert_eq!(job.tier().unwrap().as_str(), "pro");
     }
 
     #[test]
@@ -637,14 +637,14 @@ mod tests {
             ))
             .unwrap();
         assert_eq!(job.tenant().as_str(), "acme");
-        assert_eq!(job.tier_name().unwrap().as_str(), "free");
+        assert_eq!(job.tier().unwrap().as_str(), "free");
         assert_eq!(job.origin(), Origin::BatchJob);
-        assert_eq!(job.sla_window(), Some(Duration::from_millis(90_500)));
-        assert_eq!(job.estimated_tokens(), 10);
+        assert_eq!(job.sla(), Some(Duration::from_millis(90_500)));
+        assert_eq!(job.cost(), 10);
         let garbage = from
             .extract(&req(&[("x-tenant-id", "acme"), ("x-sla", "-1e400")], ""))
             .unwrap();
-        assert_eq!(garbage.sla_window(), None);
+        assert_eq!(garbage.sla(), None);
     }
 
     #[test]

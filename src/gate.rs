@@ -26,7 +26,7 @@ use std::sync::Arc;
 
 use tokio::time::Instant;
 
-pub use crate::admission::WaitReason;
+pub(crate) use crate::admission::WaitReason;
 use crate::store::{
     DIMS, FleetCells, SlotLease, SlotLeases, SlotLimits, SlotQueue, SlotRefusal, SlotWakes,
     StoreFuture,

@@ -21,20 +21,22 @@ pub enum Origin {
 /// The metadata every request carries through the layers.
 ///
 /// Built by the caller (server-side code, never the end user), put into the request's
-/// extensions. The priority is read-only: only [`PriorityClassify`](crate::PriorityClassify)
-/// sets it, so a caller cannot label its own work critical.
+/// extensions. Each `with_*` method sets one field and the method of the same word reads it
+/// back (`with_tier` / `tier`, `with_cost` / `cost`). The priority is read-only: only
+/// [`PriorityClassify`](crate::PriorityClassify) sets it, so a caller cannot label its own
+/// work critical.
 ///
 /// ```
 /// use fairgate::{Job, Origin};
 /// use std::time::Duration;
 ///
 /// let job = Job::new("tenant-42", Origin::Scheduled)
-///     .tier("pro")
-///     .sla(Duration::from_secs(600))
-///     .input_text("Summarise this week's reviews.");
+///     .with_tier("pro")
+///     .with_sla(Duration::from_secs(600))
+///     .with_input_text("Summarise this week's reviews.");
 /// assert_eq!(job.tenant().as_str(), "tenant-42");
-/// assert_eq!(job.estimated_tokens(), 9); // ceil(30 chars / 3.5)
-/// assert_eq!(job.priority(), None);      // not classified yet
+/// assert_eq!(job.cost(), 9);         // ceil(30 chars / 3.5)
+/// assert_eq!(job.priority(), None); // not classified yet
 /// ```
 ///
 /// # What a job is charged
@@ -49,8 +51,8 @@ pub enum Origin {
 /// use fairgate::{Job, Origin};
 ///
 /// // A short prompt asking for up to 4,096 tokens, each weighing 5 input tokens.
-/// let job = Job::new("tenant-42", Origin::UserAction).cost(300).output_cost(4_096 * 5);
-/// assert_eq!(job.estimated_tokens(), 300);
+/// let job = Job::new("tenant-42", Origin::UserAction).with_cost(300).with_output_cost(4_096 * 5);
+/// assert_eq!(job.cost(), 300);
 /// assert_eq!(job.charge(), 20_780);
 /// ```
 ///
@@ -78,16 +80,8 @@ pub struct Job {
     priority: Option<Priority>,
     /// When the request entered the first fairgate layer: every wait counts from here.
     arrived: Option<Instant>,
-    /// The slot gate an outer layer already took (or will take) this request's slot from.
-    slot_held: Option<crate::SlotGate>,
-    /// The upstream key of the next attempt, as the retry layer chose it: the rate gate
-    /// the fair queue consults for it.
-    upstream: Option<Arc<str>>,
-    /// Where the fair queue below puts what the attempt took from the rate gate.
-    attempt: Option<crate::gate::AttemptCell>,
-    /// A fair queue above dispatched it without a slot gate: a slot layer below that waits
-    /// for its slot then loses the fair order (and says so once).
-    fair_queued_ungated: bool,
+    /// What the layers hand one another about this request.
+    handoff: Handoff,
 }
 
 impl Job {
@@ -103,15 +97,12 @@ impl Job {
             output: 0,
             priority: None,
             arrived: None,
-            slot_held: None,
-            upstream: None,
-            attempt: None,
-            fair_queued_ungated: false,
+            handoff: Handoff::default(),
         }
     }
 
     /// Sets the plan the tenant is on (`premium`, `pro`, `free`, `guest`, ...).
-    pub fn tier(mut self, tier: impl Into<Tier>) -> Self {
+    pub fn with_tier(mut self, tier: impl Into<Tier>) -> Self {
         self.tier = Some(tier.into());
         self
     }
@@ -131,28 +122,28 @@ impl Job {
     /// ```
     /// use fairgate::{Job, Origin};
     ///
-    /// let job = Job::new("companion-app/4f2a", Origin::UserAction).group("companion-app");
-    /// assert_eq!(job.group_name().unwrap().as_str(), "companion-app");
+    /// let job = Job::new("companion-app/4f2a", Origin::UserAction).with_group("companion-app");
+    /// assert_eq!(job.group().unwrap().as_str(), "companion-app");
     /// ```
-    pub fn group(mut self, group: impl Into<TenantId>) -> Self {
+    pub fn with_group(mut self, group: impl Into<TenantId>) -> Self {
         self.group = Some(group.into());
         self
     }
 
-    /// The group the job's tenant is fair-queued in, if set ([`Job::group`]).
-    pub fn group_name(&self) -> Option<&TenantId> {
+    /// The group the job's tenant is fair-queued in, if set ([`Job::with_group`]).
+    pub fn group(&self) -> Option<&TenantId> {
         self.group.as_ref()
     }
 
     /// Sets how soon an answer is needed.
-    pub fn sla(mut self, within: Duration) -> Self {
+    pub fn with_sla(mut self, within: Duration) -> Self {
         self.sla = Some(within);
         self
     }
 
     /// Sets the estimated input tokens exactly (e.g. from a token-counting call). A cost of 0
     /// counts as 1: every call costs something.
-    pub fn cost(mut self, tokens: u32) -> Self {
+    pub fn with_cost(mut self, tokens: u32) -> Self {
         self.cost = tokens.max(1);
         self
     }
@@ -166,13 +157,13 @@ impl Job {
     /// 5,000 × 4 = 20,000) before it goes: to charge long answers whole, raise
     /// [`max_charge_quanta`](crate::drr_fairness::DrrFairnessBuilder::max_charge_quanta)
     /// to cover the longest calls (the gateway covers 400,000).
-    pub fn output_cost(mut self, tokens: u32) -> Self {
+    pub fn with_output_cost(mut self, tokens: u32) -> Self {
         self.output = tokens;
         self
     }
 
     /// Estimates the input tokens from the prompt text: ceil(chars / 3.5), at least 1.
-    pub fn input_text(mut self, text: &str) -> Self {
+    pub fn with_input_text(mut self, text: &str) -> Self {
         let chars = text.chars().count() as u64;
         let tokens = (chars * 2).div_ceil(7).max(1);
         self.cost = u32::try_from(tokens).unwrap_or(u32::MAX);
@@ -190,22 +181,22 @@ impl Job {
     }
 
     /// How soon an answer is needed; `None` means whenever.
-    pub fn sla_window(&self) -> Option<Duration> {
+    pub fn sla(&self) -> Option<Duration> {
         self.sla
     }
 
     /// The tenant's plan, if the caller set one.
-    pub fn tier_name(&self) -> Option<&Tier> {
+    pub fn tier(&self) -> Option<&Tier> {
         self.tier.as_ref()
     }
 
     /// Estimated input tokens (at least 1).
-    pub fn estimated_tokens(&self) -> u32 {
+    pub fn cost(&self) -> u32 {
         self.cost
     }
 
-    /// The output the call may produce, in input tokens (see [`output_cost`](Job::output_cost)).
-    pub fn output_estimate(&self) -> u32 {
+    /// The output the call may produce, in input tokens (see [`with_output_cost`](Job::with_output_cost)).
+    pub fn output_cost(&self) -> u32 {
         self.output
     }
 
@@ -245,46 +236,67 @@ impl Job {
     /// Starts the clock again: a retry is a new attempt, its waits count from now.
     pub(crate) fn restamp(&mut self) {
         self.arrived = Some(Instant::now());
-        self.slot_held = None;
+        self.handoff.slot_held = None;
     }
 
     /// The upstream key and receipt cell of the next attempt (the retry layer, when the
     /// fair queue below holds its rate gate).
     pub(crate) fn set_attempt(&mut self, upstream: Arc<str>, cell: crate::gate::AttemptCell) {
-        self.upstream = Some(upstream);
-        self.attempt = Some(cell);
+        self.handoff.upstream = Some(upstream);
+        self.handoff.attempt = Some(cell);
     }
 
     /// The upstream key the retry layer chose for this attempt, if it did.
     pub(crate) fn upstream(&self) -> Option<&Arc<str>> {
-        self.upstream.as_ref()
+        self.handoff.upstream.as_ref()
     }
 
     /// Where the fair queue puts what the attempt took from the rate gate.
     pub(crate) fn attempt_cell(&self) -> Option<&crate::gate::AttemptCell> {
-        self.attempt.as_ref()
+        self.handoff.attempt.as_ref()
     }
 
     /// Whether a layer outside the one asking already holds a slot of `gate` for this
     /// request (a slot of another gate counts against other caps).
     pub(crate) fn slot_held_by(&self, gate: &crate::SlotGate) -> bool {
-        self.slot_held.as_ref().is_some_and(|held| held.same(gate))
+        self.handoff
+            .slot_held
+            .as_ref()
+            .is_some_and(|held| held.same(gate))
     }
 
     /// Says that the request holds (or will hold before it goes further) a slot of `gate`.
     pub(crate) fn mark_slot_held_by(&mut self, gate: &crate::SlotGate) {
-        self.slot_held = Some(gate.clone());
+        self.handoff.slot_held = Some(gate.clone());
     }
 
     /// Says that a fair queue with no slot gate dispatched the request.
     pub(crate) fn mark_fair_queued_ungated(&mut self) {
-        self.fair_queued_ungated = true;
+        self.handoff.fair_queued_ungated = true;
     }
 
     /// Whether a fair queue with no slot gate dispatched the request.
     pub(crate) fn fair_queued_ungated(&self) -> bool {
-        self.fair_queued_ungated
+        self.handoff.fair_queued_ungated
     }
+}
+
+/// What one layer hands the next about a request, beside what the caller said: written by
+/// an outer layer, read by an inner one, never seen outside the crate. Cloning a [`Job`]
+/// clones it too (a retried request carries what its first attempt was handed, until
+/// [`Job::restamp`] and [`Job::set_attempt`] renew it).
+#[derive(Clone, Debug, Default)]
+pub(crate) struct Handoff {
+    /// The slot gate an outer layer already took (or will take) this request's slot from.
+    slot_held: Option<crate::SlotGate>,
+    /// The upstream key of the next attempt, as the retry layer chose it: the rate gate
+    /// the fair queue consults for it.
+    upstream: Option<Arc<str>>,
+    /// Where the fair queue below puts what the attempt took from the rate gate.
+    attempt: Option<crate::gate::AttemptCell>,
+    /// A fair queue above dispatched it without a slot gate: a slot layer below that waits
+    /// for its slot then loses the fair order (and says so once).
+    fair_queued_ungated: bool,
 }
 
 /// A request type that can carry a [`Job`].

@@ -72,7 +72,7 @@
 //!
 //! let prompt = "Summarise this thread.";
 //! let mut req = http::Request::post("https://api.anthropic.com/v1/messages").body(prompt.to_owned())?;
-//! req.extensions_mut().insert(Job::new("tenant-42", Origin::UserAction).tier("pro").input_text(prompt));
+//! req.extensions_mut().insert(Job::new("tenant-42", Origin::UserAction).with_tier("pro").with_input_text(prompt));
 //! let response = claude.oneshot(req).await?;
 //! assert_eq!(response.status(), 200);
 //! # Ok(())
@@ -117,26 +117,26 @@ mod time;
 pub mod tonic;
 pub mod trace;
 
+pub use crate::admission::busy::{Busy, WaitReason};
+pub use crate::admission::demotion::{DemotionPolicy, DemotionPolicyBuilder};
+pub use crate::admission::policy::{SlotPolicy, SlotPolicyBuilder, TierLimit};
 pub use crate::drr_fairness::error::QueueFull;
 pub use crate::drr_fairness::{DrrFairness, DrrFairnessLayer};
 pub use crate::error::{BoxError, ConfigError, MissingJob};
 pub use crate::extract::{JobLayer, Unidentified};
-pub use crate::gate::{RateGate, SlotGate, WaitReason};
+pub use crate::gate::{RateGate, SlotGate};
 pub use crate::job::{Job, JobRequest, Origin};
 pub use crate::labels::{Priority, TenantId, Tier};
 pub use crate::priority_classify::{
-    ClassifyRule, DefaultRule, DemotionPolicy, PriorityClassify, PriorityClassifyLayer,
+    ClassifyRule, DefaultRule, PriorityClassify, PriorityClassifyLayer,
 };
 pub use crate::reject::Rejection;
 pub use crate::retry_after_backoff::{BackoffPolicy, RetryAfterBackoff, RetryAfterBackoffLayer};
 pub use crate::stack::{Fairgate, FairgateBody, FairgateBuilder, FairgateLayer};
 pub use crate::store::{
-    Demotion, OutagePolicy, SlotLease, SlotLimits, SlotRefusal, Store, StoreBuilder, StoreFuture,
-    StoreUnavailable,
+    Demotion, OutagePolicy, Store, StoreBuilder, StoreFuture, StoreUnavailable,
 };
-pub use crate::tier_slot_limit::{
-    Busy, SlotPermit, SlotPolicy, SlotPolicyBuilder, TierLimit, TierSlotLimit, TierSlotLimitLayer,
-};
+pub use crate::tier_slot_limit::{TierSlotLimit, TierSlotLimitLayer};
 
 /// The README's Rust blocks, compiled (and the runnable ones run) as doc-tests: each is a
 /// whole program, as a reader copies it. They use every optional feature.

@@ -35,7 +35,7 @@
 //!     .build();
 //!
 //! let prompt = r#"{"model":"claude-sonnet-4-5","max_tokens":64,"messages":[]}"#;
-//! let job = Job::new("tenant-42", Origin::UserAction).tier("pro").input_text(prompt);
+//! let job = Job::new("tenant-42", Origin::UserAction).with_tier("pro").with_input_text(prompt);
 //! let response = claude
 //!     .post("http://127.0.0.1:1/v1/messages")
 //!     .body(prompt)

@@ -19,7 +19,7 @@
 //! }));
 //!
 //! let mut req = http::Request::new("{}".to_owned());
-//! req.extensions_mut().insert(Job::new("tenant-42", Origin::UserAction).tier("pro"));
+//! req.extensions_mut().insert(Job::new("tenant-42", Origin::UserAction).with_tier("pro"));
 //! let response = claude.oneshot(req).await?;
 //! assert_eq!(response.status(), 200);
 //! assert_eq!(fairgate.fairness().in_flight(), 1); // held until the body is done
@@ -54,7 +54,7 @@
 //! let mut req = http::Request::post("http://127.0.0.1:8080/v1/messages")
 //!     .header("content-type", "application/json")
 //!     .body(Full::new(Bytes::from_static(br#"{"model":"claude-haiku-4-5","max_tokens":64,"messages":[]}"#)))?;
-//! req.extensions_mut().insert(Job::new("tenant-42", Origin::UserAction).tier("pro"));
+//! req.extensions_mut().insert(Job::new("tenant-42", Origin::UserAction).with_tier("pro"));
 //! let response = claude.oneshot(req).await?;
 //! let answer = response.into_body().collect().await?.to_bytes(); // the slot is given back here
 //! # let _ = answer;
@@ -332,16 +332,16 @@ mod tests {
         let settler = layer.settler();
         // 200 input tokens, up to 4,000 output tokens at 5 each: 20,200 counted at once.
         let job = Job::new("acme", Origin::UserAction)
-            .tier("pro")
-            .cost(200)
-            .output_cost(20_000);
+            .with_tier("pro")
+            .with_cost(200)
+            .with_output_cost(20_000);
         let sent = call(&layer, job).await;
         assert_eq!(tokens_today(&layer, "acme").await, 20_200);
         // The answer used 180 input and 100 output tokens: 680.
         settler.settle(&sent, 680);
         assert_eq!(tokens_today(&layer, "acme").await, 680);
         // A call that used more than its charge is counted up as well.
-        let sent = call(&layer, Job::new("acme", Origin::UserAction).cost(10)).await;
+        let sent = call(&layer, Job::new("acme", Origin::UserAction).with_cost(10)).await;
         settler.settle(&sent, 5_010);
         assert_eq!(tokens_today(&layer, "acme").await, 680 + 5_010);
     }
@@ -350,7 +350,11 @@ mod tests {
     async fn a_tenant_whose_answers_outgrow_its_estimate_is_demoted_by_the_settlement() {
         let layer = FairgateLayer::new(Store::memory());
         let settler = layer.settler();
-        let job = || Job::new("hog", Origin::UserAction).tier("pro").cost(10);
+        let job = || {
+            Job::new("hog", Origin::UserAction)
+                .with_tier("pro")
+                .with_cost(10)
+        };
         // Tiny prompts, long answers: 320,000 each (64,000 output tokens at weight 5), past
         // 1.5x the default daily budget of 100,000 after the first settlement.
         let sent = call(&layer, job()).await;
@@ -359,7 +363,11 @@ mod tests {
         let next = call(&layer, job()).await;
         assert_eq!(next.priority(), Some(crate::Priority::Batch), "demoted");
         // A tenant whose estimate was too high is refunded, never below 0.
-        let light = call(&layer, Job::new("light", Origin::UserAction).cost(50_000)).await;
+        let light = call(
+            &layer,
+            Job::new("light", Origin::UserAction).with_cost(50_000),
+        )
+        .await;
         settler.settle(&light, 0);
         assert_eq!(tokens_today(&layer, "light").await, 0);
     }

@@ -91,7 +91,7 @@
 //! let mut client = HealthClient::new(admitted);
 //!
 //! let mut request = tonic::Request::new(HealthCheckRequest { service: String::new() });
-//! request.extensions_mut().insert(Job::new("tenant-42", Origin::UserAction).tier("pro"));
+//! request.extensions_mut().insert(Job::new("tenant-42", Origin::UserAction).with_tier("pro"));
 //! match client.check(request).await {
 //!     Ok(response) => println!("{:?}", response.into_inner().status()),
 //!     Err(status) if status.code() == tonic::Code::Unavailable => {

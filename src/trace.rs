@@ -255,7 +255,7 @@ impl CallSpan {
     /// Opens the span of a call for `job` (when [`CallSpan::wanted`]).
     #[cold]
     pub(crate) fn open(job: &crate::Job) -> CallSpan {
-        let tier = job.tier_name().map_or("", |tier| tier.as_str());
+        let tier = job.tier().map_or("", |tier| tier.as_str());
         let span = tracing::debug_span!(
             target: CALL_TARGET,
             "fairgate.call",

@@ -56,8 +56,8 @@ async fn every_metric_is_published_under_the_chosen_prefix_and_it_is_set_once() 
     // permit in its body) is dropped as soon as its status is read.
     let calls = (0..3).map(|i| {
         let job = Job::new(format!("tenant-{i}"), Origin::UserAction)
-            .tier("pro")
-            .cost(100);
+            .with_tier("pro")
+            .with_cost(100);
         let mut req = http::Request::new(String::from("{}"));
         req.extensions_mut().insert(job);
         let claude = claude.clone();

@@ -139,8 +139,8 @@ fn job(tenant: &str) -> http::Request<()> {
     let mut req = http::Request::new(());
     req.extensions_mut().insert(
         Job::new(tenant, Origin::Scheduled)
-            .sla(Duration::from_secs(60))
-            .cost(10),
+            .with_sla(Duration::from_secs(60))
+            .with_cost(10),
     );
     req
 }

@@ -15,7 +15,8 @@ use crate::support::{
     TlsRedis,
 };
 use fairgate::store::RedisStoreError;
-use fairgate::{SlotLimits, Store, TenantId, Tier};
+use fairgate::store::SlotLimits;
+use fairgate::{Store, TenantId, Tier};
 use tokio::time::Instant;
 
 async fn tls_store(server: &TlsRedis, url: &str, ca: &[u8]) -> Result<Store, RedisStoreError> {

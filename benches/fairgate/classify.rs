@@ -17,7 +17,7 @@ pub(crate) fn runtime() -> tokio::runtime::Runtime {
 fn request(i: u64) -> http::Request<()> {
     let mut req = http::Request::new(());
     // 100 tenants in rotation, as a busy worker sees them.
-    let job = Job::new(format!("tenant-{}", i % 100), Origin::UserAction).cost(800);
+    let job = Job::new(format!("tenant-{}", i % 100), Origin::UserAction).with_cost(800);
     req.extensions_mut().insert(job);
     req
 }

@@ -15,7 +15,7 @@ use crate::classify::{redis_store, runtime};
 fn request() -> http::Request<()> {
     let mut req = http::Request::new(());
     req.extensions_mut()
-        .insert(fairgate::Job::new("tenant", fairgate::Origin::UserAction).tier("pro"));
+        .insert(fairgate::Job::new("tenant", fairgate::Origin::UserAction).with_tier("pro"));
     req
 }
 

@@ -6,7 +6,7 @@ use std::convert::Infallible;
 use std::hint::black_box;
 
 use criterion::{BenchmarkId, Criterion, Throughput};
-use fairgate::drr_fairness::scheduler::{Scheduler, SchedulerConfig};
+use fairgate::drr_fairness::{Scheduler, SchedulerConfig};
 use fairgate::{DrrFairnessLayer, Job, Origin, Priority, Store, TenantId};
 use tower::limit::ConcurrencyLimitLayer;
 use tower::{Layer, Service, ServiceExt, service_fn};
@@ -21,7 +21,7 @@ fn runtime() -> tokio::runtime::Runtime {
 /// 100 tenants in rotation, as a busy worker sees them.
 fn jobs() -> Vec<Job> {
     (0..100)
-        .map(|i| Job::new(format!("tenant-{i}"), Origin::UserAction).cost(800))
+        .map(|i| Job::new(format!("tenant-{i}"), Origin::UserAction).with_cost(800))
         .collect()
 }
 

@@ -25,7 +25,7 @@ fn runtime() -> tokio::runtime::Runtime {
 
 pub(crate) fn request(i: u64) -> http::Request<String> {
     let mut req = http::Request::new(String::new());
-    let job = Job::new(format!("tenant-{}", i % 100), Origin::UserAction).cost(800);
+    let job = Job::new(format!("tenant-{}", i % 100), Origin::UserAction).with_cost(800);
     req.extensions_mut().insert(job);
     req
 }

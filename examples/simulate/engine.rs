@@ -396,10 +396,10 @@ impl Call {
                 .insert(STATUS, http::HeaderValue::from(status));
         }
         let mut job = Job::new(self.tenant.as_str(), self.origin)
-            .tier(self.tier)
-            .cost(self.input);
+            .with_tier(self.tier)
+            .with_cost(self.input);
         if let Some(sla) = self.sla {
-            job = job.sla(sla);
+            job = job.with_sla(sla);
         }
         req.extensions_mut().insert(job);
         req

@@ -123,7 +123,7 @@ pub enum WaitReason {
     /// The upstream's cooldown gate, closed after a 429 or a `-remaining: 0`.
     Cooldown,
     /// The shared store: Redis is away and this worker cannot admit the call soundly (see
-    /// [`SlotRefusal::Store`](crate::SlotRefusal::Store)); answered at once, not at the
+    /// [`SlotRefusal::Store`](crate::store::SlotRefusal::Store)); answered at once, not at the
     /// max wait.
     Store,
 }

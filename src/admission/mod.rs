@@ -16,18 +16,19 @@
 //! - **Waiting holds nothing.** A request holds upstream capacity (a window permit, a slot,
 //!   rate cells) only while it can go upstream or is talking to it.
 //!
-//! What the layers and the store both read lives here, so neither imports the other: the
-//! slot caps ([`SlotPolicy`]), the answer of a request that could not go in time ([`Busy`],
-//! with what it waited for), and the thresholds of demotion ([`DemotionPolicy`], read by
-//! the store's atomic check-and-demote).
+//! What the layers and the store both read is defined here, so neither imports the other:
+//! the slot caps ([`SlotPolicy`]), the answer of a request that could not go in time
+//! ([`Busy`], with what it waited for), and the thresholds of demotion ([`DemotionPolicy`],
+//! read by the store's atomic check-and-demote). Each is used from the crate root
+//! (`fairgate::Busy`), its one public path.
 
-mod busy;
-mod demotion;
-mod policy;
+pub(crate) mod busy;
+pub(crate) mod demotion;
+pub(crate) mod policy;
 
-pub use self::busy::{Busy, WaitReason};
-pub use self::demotion::{DemotionPolicy, DemotionPolicyBuilder};
-pub use self::policy::{SlotPolicy, SlotPolicyBuilder, TierLimit};
+pub(crate) use self::busy::{Busy, WaitReason};
+pub(crate) use self::demotion::DemotionPolicy;
+pub(crate) use self::policy::{SlotPolicy, TierLimit};
 
 use tokio::time::Instant;
 

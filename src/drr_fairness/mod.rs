@@ -24,9 +24,10 @@
 //! at its tier's max wait; the window is then this worker's own ceiling on calls in flight:
 //! set it at least to the share of the global cap this worker should be able to use. Real
 //! usage, once known, is settled through a [`Settler`]. The scheduler is a sans-IO core,
-//! public as [`scheduler`]. `ARCHITECTURE.md` follows a request through this layer.
+//! public as [`Scheduler`]. `ARCHITECTURE.md` follows a request through this layer.
 //!
-//! Metrics: [`QUEUE_DEPTH`] (`claude_queue_depth{priority}`) and [`FAIRNESS_INDEX`]
+//! Metrics: [`QUEUE_DEPTH`](crate::metrics::QUEUE_DEPTH) (`claude_queue_depth{priority}`)
+//! and [`FAIRNESS_INDEX`](crate::metrics::FAIRNESS_INDEX)
 //! (`claude_drr_fairness_index`: Jain's index over the weight-normalised cost served to the
 //! tenants backlogged in the last 60 s). Every dispatch adds its cost to the tenant's served
 //! cost in the [`Store`](crate::Store), so the index spans every worker.
@@ -52,7 +53,7 @@
 //!     }));
 //!
 //! let mut req = http::Request::post("https://api.anthropic.com/v1/messages").body("{}".to_owned())?;
-//! req.extensions_mut().insert(Job::new("tenant-42", Origin::UserAction).tier("pro").cost(1_200));
+//! req.extensions_mut().insert(Job::new("tenant-42", Origin::UserAction).with_tier("pro").with_cost(1_200));
 //! let response = claude.oneshot(req).await?;
 //! // The permit lives in the body until it is read to the end or dropped.
 //! assert_eq!(fair.in_flight(), 1);
@@ -79,7 +80,7 @@ pub mod future;
 #[cfg(test)]
 mod gate_tests;
 mod layer;
-pub mod scheduler;
+mod scheduler;
 mod service;
 mod state;
 
@@ -87,10 +88,11 @@ use std::fmt;
 use std::sync::Arc;
 
 pub use self::layer::{DrrFairnessBuilder, DrrFairnessLayer};
-pub use self::scheduler::{ClassSelection, ClassWeights, SchedulerConfig};
+pub use self::scheduler::{
+    ClassSelection, ClassWeights, Dispatched, Key, Rejected, Scheduler, SchedulerConfig, jain_index,
+};
 pub use self::service::DrrFairness;
 pub use self::state::Permit;
-pub use crate::metrics::{FAIRNESS_INDEX, QUEUE_DEPTH};
 
 use self::state::FairQueue;
 use crate::Job;
@@ -120,7 +122,7 @@ use crate::Job;
 /// let layer = DrrFairnessLayer::new(Store::memory(), 8);
 /// let settler = layer.settler();
 /// // A short prompt that may write 4,000 output tokens, each weighing 5 input tokens.
-/// let job = Job::new("acme", Origin::Scheduled).cost(1_000).output_cost(4_000 * 5);
+/// let job = Job::new("acme", Origin::Scheduled).with_cost(1_000).with_output_cost(4_000 * 5);
 /// // ... later, the response said 900 input tokens and 120 output tokens:
 /// settler.settle(&job, 900 + 120 * 5);
 /// ```

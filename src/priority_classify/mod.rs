@@ -37,7 +37,7 @@
 //!     }));
 //!
 //! let mut req = http::Request::new(());
-//! req.extensions_mut().insert(Job::new("acme", Origin::Scheduled).sla(Duration::from_secs(60)));
+//! req.extensions_mut().insert(Job::new("acme", Origin::Scheduled).with_sla(Duration::from_secs(60)));
 //! assert_eq!(service.oneshot(req).await?, Some(Priority::Standard));
 //! # Ok(())
 //! # }
@@ -59,4 +59,4 @@ mod service;
 pub use self::layer::PriorityClassifyLayer;
 pub use self::rule::{ClassifyRule, DefaultRule};
 pub use self::service::PriorityClassify;
-pub use crate::admission::{DemotionPolicy, DemotionPolicyBuilder};
+use crate::admission::DemotionPolicy;

@@ -12,7 +12,7 @@ use crate::{Job, Origin, Priority};
 /// use fairgate::{Job, Origin, Priority, PriorityClassifyLayer, Store};
 ///
 /// let layer = PriorityClassifyLayer::new(Store::memory()).rule(|job: &Job| {
-///     match (job.origin(), job.tier_name().map(|t| t.as_str())) {
+///     match (job.origin(), job.tier().map(|t| t.as_str())) {
 ///         (Origin::UserAction, _) => Priority::Critical,
 ///         (_, Some("premium")) => Priority::Standard,
 ///         _ => Priority::Batch,
@@ -72,7 +72,7 @@ impl fmt::Debug for DefaultRule {
 
 impl ClassifyRule for DefaultRule {
     fn classify(&self, job: &Job) -> Priority {
-        match (job.origin(), job.sla_window()) {
+        match (job.origin(), job.sla()) {
             (Origin::UserAction, _) => Priority::Critical,
             (_, None) => Priority::Batch,
             (_, Some(sla)) if sla >= self.batch_from => Priority::Batch,

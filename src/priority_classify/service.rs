@@ -90,7 +90,7 @@ where
             job.charge(),
             now,
         );
-        crate::metrics::input_tokens(job.tenant(), u64::from(job.estimated_tokens()));
+        crate::metrics::input_tokens(job.tenant(), u64::from(job.cost()));
 
         // A traced call takes the path of a round trip whatever the store answered: the
         // future calls the inner service inside the call's trace. Apart, so the untraced

@@ -109,7 +109,7 @@ pub(super) struct Patience {
 
 impl Patience {
     pub(super) fn new(policy: &crate::SlotPolicy, job: &crate::Job, arrived: Instant) -> Self {
-        let (tier, limit, _) = policy.limit(job.tier_name());
+        let (tier, limit, _) = policy.limit(job.tier());
         Patience {
             deadline: crate::time::after(arrived, limit.max_wait),
             arrived,

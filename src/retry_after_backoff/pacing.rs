@@ -68,7 +68,7 @@ impl Pacing {
         self
     }
 
-    /// At most `n` estimated input tokens ([`Job::estimated_tokens`](crate::Job::estimated_tokens))
+    /// At most `n` estimated input tokens ([`Job::cost`](crate::Job::cost))
     /// per minute (at least 1). Where the fleet's order hands the limit out
     /// ([`shared`](Pacing::shared)), the answers' usage corrects each call's estimate (see
     /// [`usage_correction`](crate::retry_after_backoff::BackoffPolicyBuilder::usage_correction)).

@@ -96,7 +96,7 @@ where
             .filter(|_| !gated)
             .map(|policy| Patience::new(policy, job, arrived));
         let tenant = job.tenant().clone();
-        let cost = job.estimated_tokens();
+        let cost = job.cost();
         let shared = self.shared.clone();
         let core = &shared.core;
         if let Some(budget) = &core.budget {

@@ -276,7 +276,7 @@ impl StoreBuilder {
     /// order. That is sound whether Redis died or only this worker is cut off from it: all
     /// the fleet's calls were within the caps at the fault, and Redis counts every lease
     /// until it expires. A call it cannot admit soundly (a tier it held nothing of, a worker
-    /// that was idle) is refused at once with [`SlotRefusal::Store`](crate::SlotRefusal::Store), which the layers answer
+    /// that was idle) is refused at once with [`SlotRefusal::Store`](crate::store::SlotRefusal::Store), which the layers answer
     /// with [`Busy`](crate::Busy) whose reason is
     /// [`WaitReason::Store`](crate::WaitReason::Store).
     ///

@@ -91,7 +91,7 @@ pub(crate) struct SlotQueue {
     /// The call's tenant; `None` for a worker that orders its calls of the tier itself
     /// (one flow per tier).
     pub(crate) tenant: Option<TenantId>,
-    /// The group of the tenant ([`crate::Job::group`]), fair-queued first; `None`: the
+    /// The group of the tenant ([`crate::Job::with_group`]), fair-queued first; `None`: the
     /// tenant is a group of its own.
     pub(crate) group: Option<TenantId>,
     /// What the call costs in tokens, as the fair queue charges it.

@@ -49,7 +49,7 @@
 //!     }));
 //!
 //! let mut req = http::Request::new(());
-//! req.extensions_mut().insert(Job::new("acme", Origin::UserAction).tier("free"));
+//! req.extensions_mut().insert(Job::new("acme", Origin::UserAction).with_tier("free"));
 //! let response = claude.oneshot(req).await?; // the slot is held until its body is done
 //! drop(response);
 //! # Ok(())
@@ -75,4 +75,4 @@ mod wait;
 pub use self::layer::TierSlotLimitLayer;
 pub use self::service::TierSlotLimit;
 pub use self::wait::SlotPermit;
-pub use crate::admission::{Busy, SlotPolicy, SlotPolicyBuilder, TierLimit};
+use crate::admission::{Busy, SlotPolicy, TierLimit};

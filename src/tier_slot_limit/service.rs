@@ -83,7 +83,7 @@ where
         let shared = &self.shared;
         if job.slot_held_by(&shared.gate) {
             // An outer layer (a fair queue handed this layer's gate) took its slot.
-            let tier = shared.resolve_tier(job.tier_name());
+            let tier = shared.resolve_tier(job.tier());
             return ResponseFuture::new(self.inner.send(SlotPermit::held_above(tier), req));
         }
         if job.fair_queued_ungated() {
@@ -91,7 +91,7 @@ where
         }
         job.mark_slot_held_by(&shared.gate);
         let started = job.arrival();
-        let (tier, limit, state) = shared.resolve(job.tier_name());
+        let (tier, limit, state) = shared.resolve(job.tier());
 
         // A tier that caps tenants: the request first takes its place in its tenant's line.
         let tenant = limit.tenant_cap.map(|_| job.tenant().clone());

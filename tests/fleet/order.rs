@@ -152,8 +152,8 @@ impl Redis<'_> {
 /// One call of `tenant` in `tier`, costing [`COST`].
 fn call_of(tenant: &str, tier: &str, origin: Origin) -> http::Request<()> {
     let mut req = http::Request::new(());
-    let job = Job::new(tenant, origin).tier(tier);
-    req.extensions_mut().insert(job.cost(COST));
+    let job = Job::new(tenant, origin).with_tier(tier);
+    req.extensions_mut().insert(job.with_cost(COST));
     req
 }
 

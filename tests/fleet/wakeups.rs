@@ -148,7 +148,7 @@ async fn run(workers: usize) -> Run {
                 let seen = seen.clone();
                 async move {
                     let job = req.extensions().get::<Job>().expect("a job");
-                    let tier = job.tier_name().expect("a tier").as_str().to_owned();
+                    let tier = job.tier().expect("a tier").as_str().to_owned();
                     seen.lock().unwrap().enter(&tier);
                     tokio::time::sleep(CALL).await;
                     seen.lock().unwrap().leave(&tier);
@@ -171,7 +171,7 @@ async fn run(workers: usize) -> Run {
                     let (tier, _) = TIER_CAPS[(c + call) % TIER_CAPS.len()];
                     let mut req = http::Request::new(());
                     req.extensions_mut().insert(
-                        Job::new(format!("tenant-{}", c % 8), Origin::UserAction).tier(tier),
+                        Job::new(format!("tenant-{}", c % 8), Origin::UserAction).with_tier(tier),
                     );
                     if service.clone().oneshot(req).await.is_ok() {
                         ok += 1;

@@ -139,8 +139,8 @@ fn stack() -> FairgateLayer {
 
 fn job(tier: &str) -> Job {
     Job::new("tenant-a", Origin::UserAction)
-        .tier(tier)
-        .input_text(ASK)
+        .with_tier(tier)
+        .with_input_text(ASK)
 }
 
 /// Waits (a little, in real time) until `store` counts `n` slots in use.

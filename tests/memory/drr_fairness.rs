@@ -14,7 +14,7 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use crate::support::request;
-use fairgate::drr_fairness::scheduler::jain_index;
+use fairgate::drr_fairness::jain_index;
 use fairgate::{
     BoxError, DemotionPolicy, DrrFairnessLayer, Job, MissingJob, Origin, Priority,
     PriorityClassifyLayer, QueueFull, Store, TenantId,
@@ -44,17 +44,17 @@ fn classify(store: &Store) -> PriorityClassifyLayer {
 }
 
 fn critical(tenant: &str) -> Job {
-    Job::new(tenant, Origin::UserAction).cost(TYPICAL)
+    Job::new(tenant, Origin::UserAction).with_cost(TYPICAL)
 }
 
 fn standard(tenant: &str) -> Job {
     Job::new(tenant, Origin::Scheduled)
-        .sla(Duration::from_secs(3600))
-        .cost(TYPICAL)
+        .with_sla(Duration::from_secs(3600))
+        .with_cost(TYPICAL)
 }
 
 fn batch(tenant: &str) -> Job {
-    Job::new(tenant, Origin::BatchJob).cost(TYPICAL)
+    Job::new(tenant, Origin::BatchJob).with_cost(TYPICAL)
 }
 
 /// One call as the upstream saw it.
@@ -246,8 +246,8 @@ async fn paid_tier_tenant_is_served_three_to_one_against_free() {
     let service = stack(&store, &Limiter::Drr(drr), &upstream);
     let mut jobs = Vec::new();
     for _ in 0..100 {
-        jobs.push(send(&service, standard("paid").tier("pro")));
-        jobs.push(send(&service, standard("free").tier("free")));
+        jobs.push(send(&service, standard("paid").with_tier("pro")));
+        jobs.push(send(&service, standard("free").with_tier("free")));
     }
     tokio::time::sleep(Duration::from_millis(85_500)).await;
     let calls = upstream.calls();
@@ -477,7 +477,7 @@ async fn settled_overuse_moves_the_tenant_back_in_line() {
     // three times its estimate, so B goes first twice.
     async fn order(settle: bool) -> Vec<String> {
         let (drr, service, mut handle) = window(1);
-        let job = |tenant: &str| Job::new(tenant, Origin::Scheduled).cost(TYPICAL);
+        let job = |tenant: &str| Job::new(tenant, Origin::Scheduled).with_cost(TYPICAL);
         let mut futures = vec![tokio::spawn(service.clone().oneshot(request(job("x"))))];
         tokio::task::yield_now().await;
         for tenant in ["a", "b", "a", "b"] {
@@ -506,7 +506,7 @@ async fn a_tenant_that_filled_the_window_with_room_queues_behind_a_newcomer() {
     let (drr, service, mut handle) = window(2);
     let mut futures = Vec::new();
     for tenant in ["a", "a", "a", "b"] {
-        let job = Job::new(tenant, Origin::Scheduled).cost(1_000);
+        let job = Job::new(tenant, Origin::Scheduled).with_cost(1_000);
         futures.push(tokio::spawn(service.clone().oneshot(request(job))));
         tokio::task::yield_now().await;
     }
@@ -529,7 +529,7 @@ async fn every_dispatch_adds_its_cost_to_the_tenants_served_cost_in_the_store() 
         .map(|i| {
             send(
                 &service,
-                critical(if i % 2 == 0 { "a" } else { "b" }).cost(100 + i),
+                critical(if i % 2 == 0 { "a" } else { "b" }).with_cost(100 + i),
             )
         })
         .collect();
@@ -912,7 +912,7 @@ fn gauges(snapshotter: &metrics_util::debugging::Snapshotter) -> Vec<Gauge> {
 
 #[tokio::test(start_paused = true)]
 async fn queue_depth_and_fairness_index_are_published() {
-    use fairgate::drr_fairness::{FAIRNESS_INDEX, QUEUE_DEPTH};
+    use fairgate::metrics::{FAIRNESS_INDEX, QUEUE_DEPTH};
     let recorder = metrics_util::debugging::DebuggingRecorder::new();
     let snapshotter = recorder.snapshotter();
     let _guard = metrics::set_default_local_recorder(&recorder);

@@ -36,8 +36,8 @@ fn request(tenant: &str, cost: u32) -> http::Request<String> {
     let mut req = http::Request::new("{}".to_owned());
     req.extensions_mut().insert(
         Job::new(tenant, Origin::Scheduled)
-            .sla(Duration::from_secs(3600))
-            .cost(cost),
+            .with_sla(Duration::from_secs(3600))
+            .with_cost(cost),
     );
     req
 }
@@ -417,7 +417,7 @@ async fn through_the_stack(share: f64) -> Duration {
                     .get::<Job>()
                     .unwrap()
                     .clone()
-                    .tier("premium");
+                    .with_tier("premium");
                 req.extensions_mut().insert(job);
                 let response = service.oneshot(req).await;
                 response.unwrap().status()

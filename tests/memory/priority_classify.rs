@@ -109,7 +109,7 @@ async fn classify_with<R: fairgate::ClassifyRule>(
 }
 
 fn scheduled(tenant: &str) -> Job {
-    Job::new(tenant, Origin::Scheduled).sla(HOUR)
+    Job::new(tenant, Origin::Scheduled).with_sla(HOUR)
 }
 
 crate::support::on_both_stores!(
@@ -148,7 +148,7 @@ async fn classification_follows_origin_and_sla(rig: Rig) {
             };
             let mut job = Job::new("t", origin);
             if let Some(sla) = sla {
-                job = job.sla(sla);
+                job = job.with_sla(sla);
             }
             assert_eq!(
                 rig.classify(job).await,
@@ -158,9 +158,12 @@ async fn classification_follows_origin_and_sla(rig: Rig) {
         }
     }
     // The edge, spelled out: exactly 24 h is batch, a millisecond less is standard.
-    assert_eq!(rig.classify(Job::new("t", Scheduled).sla(day)).await, Batch);
     assert_eq!(
-        rig.classify(Job::new("t", Scheduled).sla(day - Duration::from_millis(1)))
+        rig.classify(Job::new("t", Scheduled).with_sla(day)).await,
+        Batch
+    );
+    assert_eq!(
+        rig.classify(Job::new("t", Scheduled).with_sla(day - Duration::from_millis(1)))
             .await,
         Standard
     );
@@ -222,7 +225,7 @@ async fn a_throttle_that_slid_out_of_the_window_does_not_count(rig: Rig) {
 
 async fn tokens_over_one_and_a_half_budgets_demote(rig: Rig) {
     // Counted by the layer itself: a 150,001-token day against the default 100,000 budget.
-    let big = scheduled("hungry").cost(150_001);
+    let big = scheduled("hungry").with_cost(150_001);
     assert_eq!(
         rig.classify(big).await,
         Priority::Standard,
@@ -241,7 +244,7 @@ async fn tokens_at_exactly_one_and_a_half_budgets_do_not_demote(rig: Rig) {
     rig.store.add_tokens(&tenant, 150_000);
     rig.settle().await;
     assert_eq!(
-        rig.classify(scheduled("edge").cost(1)).await,
+        rig.classify(scheduled("edge").with_cost(1)).await,
         Priority::Standard
     );
     rig.settle().await;
@@ -415,12 +418,14 @@ async fn latency_tokens_and_demotions_are_published() {
     let service = rig.layer().layer(slow);
     service
         .clone()
-        .oneshot(request(Job::new("acme", Origin::UserAction).cost(1_200)))
+        .oneshot(request(
+            Job::new("acme", Origin::UserAction).with_cost(1_200),
+        ))
         .await
         .unwrap();
     service
         .clone()
-        .oneshot(request(scheduled("acme").cost(300)))
+        .oneshot(request(scheduled("acme").with_cost(300)))
         .await
         .unwrap();
 
@@ -492,7 +497,7 @@ async fn latency_is_labelled_by_outcome_answered_refused_or_failed() {
     let guest = |body: &'static str| {
         let mut req = http::Request::new(body);
         req.extensions_mut()
-            .insert(Job::new("visitor", Origin::UserAction).tier("guest"));
+            .insert(Job::new("visitor", Origin::UserAction).with_tier("guest"));
         req
     };
     let held = tokio::spawn(service.clone().oneshot(guest("ok")));

@@ -94,7 +94,7 @@ fn request(job: Job) -> http::Request<String> {
 }
 
 fn job(tenant: &str) -> Job {
-    Job::new(tenant, Origin::Scheduled).sla(Duration::from_secs(3600))
+    Job::new(tenant, Origin::Scheduled).with_sla(Duration::from_secs(3600))
 }
 
 fn policy() -> fairgate::retry_after_backoff::BackoffPolicyBuilder {

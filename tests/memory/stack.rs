@@ -8,7 +8,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use fairgate::drr_fairness::scheduler::jain_index;
+use fairgate::drr_fairness::jain_index;
 use fairgate::{
     BackoffPolicy, BoxError, Busy, DemotionPolicy, DrrFairnessLayer, Job, Origin,
     PriorityClassifyLayer, RetryAfterBackoffLayer, SlotPolicy, Store, TierSlotLimitLayer,
@@ -74,7 +74,7 @@ impl Upstream {
         let this = self.clone();
         service_fn(move |req: http::Request<String>| {
             let job = req.extensions().get::<Job>().expect("a job").clone();
-            let tier = job.tier_name().map_or("", |t| t.as_str()).to_owned();
+            let tier = job.tier().map_or("", |t| t.as_str()).to_owned();
             let throttled = {
                 let mut seen = this.seen.lock().unwrap();
                 let n = seen.calls.len();
@@ -221,12 +221,12 @@ impl Outcome {
 }
 
 fn user(tenant: &str, tier: &str) -> Job {
-    crate::support::user(tenant, tier).cost(1_000)
+    crate::support::user(tenant, tier).with_cost(1_000)
 }
 
 fn send(stack: &Stack, job: Job) -> JoinHandle<Outcome> {
     let stack = stack.clone();
-    let tier = job.tier_name().map_or("", |t| t.as_str()).to_owned();
+    let tier = job.tier().map_or("", |t| t.as_str()).to_owned();
     let mut req = http::Request::new(String::new());
     req.extensions_mut().insert(job);
     tokio::spawn(async move {
@@ -543,11 +543,15 @@ async fn pro_and_free_tenants_share_the_global_cap_three_to_one() {
     for _ in 0..600 {
         handles.push(send(
             &stack,
-            Job::new("p", Origin::UserAction).tier("pro").cost(1_000),
+            Job::new("p", Origin::UserAction)
+                .with_tier("pro")
+                .with_cost(1_000),
         ));
         handles.push(send(
             &stack,
-            Job::new("f", Origin::UserAction).tier("free").cost(1_000),
+            Job::new("f", Origin::UserAction)
+                .with_tier("free")
+                .with_cost(1_000),
         ));
     }
     tokio::time::sleep(Duration::from_millis(10_500)).await;
@@ -585,7 +589,9 @@ async fn a_tiers_share_is_its_weights_whatever_its_number_of_tenants() {
     let mut handles = Vec::new();
     for _ in 0..300 {
         for (tenant, tier) in tenants {
-            let job = Job::new(tenant, Origin::UserAction).tier(tier).cost(1_000);
+            let job = Job::new(tenant, Origin::UserAction)
+                .with_tier(tier)
+                .with_cost(1_000);
             handles.push(send(&stack, job));
         }
     }

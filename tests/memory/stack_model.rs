@@ -93,12 +93,12 @@ impl Arrival {
     }
 
     fn job(&self) -> Job {
-        let mut job = Job::new(format!("t{}", self.tenant), self.origin).cost(self.cost);
+        let mut job = Job::new(format!("t{}", self.tenant), self.origin).with_cost(self.cost);
         if let Some(tier) = SENT_TIERS[self.tier] {
-            job = job.tier(tier);
+            job = job.with_tier(tier);
         }
         if let Some(sla) = self.sla {
-            job = job.sla(sla);
+            job = job.with_sla(sla);
         }
         job
     }
@@ -425,7 +425,7 @@ async fn run(limits: Limits, arrivals: Vec<Arrival>) -> Vec<String> {
         // at cold start by design, tested in tests/memory/stack_rate.rs).
         let mut req = http::Request::new("warm-up".to_owned());
         req.extensions_mut()
-            .insert(Job::new("warm-up", Origin::UserAction).tier("premium"));
+            .insert(Job::new("warm-up", Origin::UserAction).with_tier("premium"));
         if let Err(e) = stack.clone().oneshot(req).await {
             return vec![format!("the warm-up call failed: {e}")];
         }
@@ -675,7 +675,7 @@ async fn most_in_flight_through(fair_gate: Option<SlotGate>, slot_store: Store) 
         .map(|i| {
             let mut req = http::Request::new(String::new());
             req.extensions_mut()
-                .insert(Job::new(format!("t{i}"), Origin::UserAction).tier("pro"));
+                .insert(Job::new(format!("t{i}"), Origin::UserAction).with_tier("pro"));
             tokio::spawn(stack.clone().oneshot(req))
         })
         .collect();

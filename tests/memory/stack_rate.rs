@@ -110,7 +110,7 @@ impl Rig {
         let mut rig = Rig::cold_with(upstream, backoff);
         let warm = rig.send(
             ZERO,
-            Job::new("warm-up", Origin::UserAction).tier("premium"),
+            Job::new("warm-up", Origin::UserAction).with_tier("premium"),
         );
         let warm = warm.await.unwrap();
         assert!(warm.ok(), "the warm-up call: {warm:?}");
@@ -152,7 +152,7 @@ impl Rig {
 }
 
 fn batch(tenant: &str, tier: &str) -> Job {
-    Job::new(tenant, Origin::BatchJob).tier(tier)
+    Job::new(tenant, Origin::BatchJob).with_tier(tier)
 }
 
 // 1. A guest flood at the provider's rate.
@@ -160,10 +160,10 @@ fn batch(tenant: &str, tier: &str) -> Job {
 async fn guest_flood_at_the_providers_rate_premium_gets_its_weighted_share_of_paced_dispatches() {
     let rig = Rig::warm(RateLimited::new(60, ms(200))).await;
     let guests: Vec<_> = (0..200)
-        .map(|_| rig.send(ZERO, user("guest-flood", "guest").cost(500)))
+        .map(|_| rig.send(ZERO, user("guest-flood", "guest").with_cost(500)))
         .collect();
     let premium: Vec<_> = (0..20)
-        .map(|_| rig.send(ms(500), user("premium-a", "premium").cost(500)))
+        .map(|_| rig.send(ms(500), user("premium-a", "premium").with_cost(500)))
         .collect();
     let premium = joined(premium).await;
     let guests = joined(guests).await;
@@ -219,9 +219,9 @@ async fn light_tenant_behind_a_hog_is_served_within_two_paced_intervals_plus_its
     let call = ms(300);
     let rig = Rig::warm(RateLimited::new(50, call)).await;
     let hog: Vec<_> = (0..40)
-        .map(|_| rig.send(ZERO, user("tenant-a", "pro").cost(1_000)))
+        .map(|_| rig.send(ZERO, user("tenant-a", "pro").with_cost(1_000)))
         .collect();
-    let light = rig.send(secs(2.0), user("tenant-b", "pro").cost(1_000));
+    let light = rig.send(secs(2.0), user("tenant-b", "pro").with_cost(1_000));
     let light = light.await.unwrap();
     let hog = joined(hog).await;
 
@@ -256,10 +256,10 @@ async fn light_tenant_behind_a_hog_is_served_within_two_paced_intervals_plus_its
 async fn critical_calls_behind_a_batch_backlog_are_answered_within_10_s() {
     let rig = Rig::warm(RateLimited::new(50, ms(300))).await;
     let backlog: Vec<_> = (0..40)
-        .map(|_| rig.send(ZERO, batch("batch-a", "pro").cost(1_000)))
+        .map(|_| rig.send(ZERO, batch("batch-a", "pro").with_cost(1_000)))
         .collect();
     let users: Vec<_> = (0..5)
-        .map(|_| rig.send(secs(1.0), user("user-b", "pro").cost(1_000)))
+        .map(|_| rig.send(secs(1.0), user("user-b", "pro").with_cost(1_000)))
         .collect();
     let users = joined(users).await;
     let backlog = joined(backlog).await;
@@ -300,11 +300,11 @@ async fn calls_that_left_leave_no_gap_pro_calls_after_a_guest_timeout_are_served
     let rpm = 50.0;
     let rig = Rig::warm(RateLimited::new(50, ms(300))).await;
     let guests: Vec<_> = (0..60)
-        .map(|_| rig.send(ZERO, user("guest-flood", "guest").cost(500)))
+        .map(|_| rig.send(ZERO, user("guest-flood", "guest").with_cost(500)))
         .collect();
     // After the guests' 8 s max wait: whatever they left behind is nobody's.
     let pros: Vec<_> = (0..10)
-        .map(|_| rig.send(secs(8.5), user("pro-a", "pro").cost(500)))
+        .map(|_| rig.send(secs(8.5), user("pro-a", "pro").with_cost(500)))
         .collect();
     let pros = joined(pros).await;
     let guests = joined(guests).await;
@@ -349,10 +349,10 @@ async fn calls_that_left_leave_no_gap_pro_calls_after_a_guest_timeout_are_served
 /// 200 guest calls at 0, 20 premium at 0.5 s, on `rig`: (premium, guests).
 async fn cold_start_flood(rig: &Rig) -> (Vec<Outcome>, Vec<Outcome>) {
     let guests: Vec<_> = (0..200)
-        .map(|_| rig.send(ZERO, user("guest-flood", "guest").cost(500)))
+        .map(|_| rig.send(ZERO, user("guest-flood", "guest").with_cost(500)))
         .collect();
     let premium: Vec<_> = (0..20)
-        .map(|_| rig.send(ms(500), user("premium-a", "premium").cost(500)))
+        .map(|_| rig.send(ms(500), user("premium-a", "premium").with_cost(500)))
         .collect();
     let premium = joined(premium).await;
     let guests = joined(guests).await;
@@ -431,11 +431,11 @@ async fn a_429_retry_re_enters_the_fair_queue_behind_the_critical_calls_queued_b
         (job.tenant().as_str() == "batch-a" && first.swap(false, Ordering::Relaxed)).then_some(1)
     });
     let rig = Rig::warm(upstream).await;
-    let retried = rig.send(ZERO, batch("batch-a", "pro").cost(1_000));
+    let retried = rig.send(ZERO, batch("batch-a", "pro").with_cost(1_000));
     // Queued while the 429's gate is closed, before the retry (after 1 s x 1.2 +/- 20%
     // from the 429 at 0.3 s: at 1.26 s at the earliest) comes back.
     let critical: Vec<_> = (0..10)
-        .map(|_| rig.send(ms(500), user("user-b", "pro").cost(1_000)))
+        .map(|_| rig.send(ms(500), user("user-b", "pro").with_cost(1_000)))
         .collect();
     let retried = retried.await.unwrap();
     let critical = joined(critical).await;
@@ -489,9 +489,9 @@ async fn light_tenant_behind_a_hog_under(pacing: Pacing) {
         .unwrap();
     let rig = Rig::warm_with(RateLimited::new(4_000, call), backoff).await;
     let hog: Vec<_> = (0..40)
-        .map(|_| rig.send(ZERO, user("tenant-a", "pro").cost(1_000)))
+        .map(|_| rig.send(ZERO, user("tenant-a", "pro").with_cost(1_000)))
         .collect();
-    let light = rig.send(secs(2.0), user("tenant-b", "pro").cost(1_000));
+    let light = rig.send(secs(2.0), user("tenant-b", "pro").with_cost(1_000));
     let light = light.await.unwrap();
     let hog = joined(hog).await;
 
@@ -538,12 +538,12 @@ async fn after_a_429_the_reopened_gate_serves_waiting_critical_calls_before_a_ba
         (job.tenant().as_str() == "batch-a" && first.swap(false, Ordering::Relaxed)).then_some(2)
     });
     let rig = Rig::warm(upstream).await;
-    let trigger = rig.send(ZERO, batch("batch-a", "pro").cost(1_000));
+    let trigger = rig.send(ZERO, batch("batch-a", "pro").with_cost(1_000));
     let backlog: Vec<_> = (0..30)
-        .map(|_| rig.send(ms(500), batch("batch-b", "pro").cost(1_000)))
+        .map(|_| rig.send(ms(500), batch("batch-b", "pro").with_cost(1_000)))
         .collect();
     let critical: Vec<_> = (0..3)
-        .map(|_| rig.send(secs(1.0), user("user-c", "pro").cost(1_000)))
+        .map(|_| rig.send(secs(1.0), user("user-c", "pro").with_cost(1_000)))
         .collect();
     let critical = joined(critical).await;
     let backlog = joined(backlog).await;
@@ -634,7 +634,7 @@ async fn busy_behind_the_rate_says_it_waited_for_the_rate() {
     // 20 at 50 RPM: about 7 go in the guest's 8 s, the rest wait for the rate, not a slot
     // (one call of 300 ms at a time, the guest cap is 5).
     let guests: Vec<_> = (0..20)
-        .map(|_| rig.send(ZERO, user("guest-a", "guest").cost(500)))
+        .map(|_| rig.send(ZERO, user("guest-a", "guest").with_cost(500)))
         .collect();
     let guests = joined(guests).await;
     // The guests the fair order held for the rate and then sent: their wait is the pacing
@@ -692,8 +692,8 @@ async fn busy_behind_a_closed_cooldown_gate_says_it_waited_for_the_cooldown() {
     });
     let rig = Rig::warm(upstream).await;
     // A 429 with `retry-after: 30` closes the gate at 0.3 s for 30 s.
-    let trigger = rig.send(ZERO, user("trigger", "premium").cost(500));
-    let guest = rig.send(secs(1.0), user("guest-a", "guest").cost(500));
+    let trigger = rig.send(ZERO, user("trigger", "premium").with_cost(500));
+    let guest = rig.send(secs(1.0), user("guest-a", "guest").with_cost(500));
     let guest = guest.await.unwrap();
     let counters = busy_counters(&snapshotter.snapshot().into_vec());
     println!(
@@ -724,7 +724,7 @@ async fn busy_behind_a_full_tier_says_it_waited_for_a_slot() {
     // Calls of 20 s at a generous rate: the guest cap (5) is what binds.
     let rig = Rig::warm(RateLimited::new(4_000, secs(20.0))).await;
     let guests: Vec<_> = (0..6)
-        .map(|_| rig.send(ZERO, user("guest-a", "guest").cost(500)))
+        .map(|_| rig.send(ZERO, user("guest-a", "guest").with_cost(500)))
         .collect();
     let guests = joined(guests).await;
     let counters = busy_counters(&snapshotter.snapshot().into_vec());
@@ -794,7 +794,7 @@ async fn critical_of_many_tenants_goes_before_a_batch_backlog_at_1000_rpm() {
         if warm {
             let warm = rig.send(
                 ZERO,
-                Job::new("warm-up", Origin::UserAction).tier("premium"),
+                Job::new("warm-up", Origin::UserAction).with_tier("premium"),
             );
             assert!(warm.await.unwrap().ok());
             rig.upstream.forget();
@@ -804,12 +804,17 @@ async fn critical_of_many_tenants_goes_before_a_batch_backlog_at_1000_rpm() {
             .map(|i| {
                 rig.send(
                     ms(i * 3),
-                    batch(&format!("batch-{}", i % 10), "free").cost(45),
+                    batch(&format!("batch-{}", i % 10), "free").with_cost(45),
                 )
             })
             .collect();
         let users: Vec<_> = (0..20)
-            .map(|i| rig.send(ms(700 + i * 2), user(&format!("chat-{i}"), "free").cost(45)))
+            .map(|i| {
+                rig.send(
+                    ms(700 + i * 2),
+                    user(&format!("chat-{i}"), "free").with_cost(45),
+                )
+            })
             .collect();
         let users = joined(users).await;
         let _ = joined(backlog).await;
@@ -880,7 +885,11 @@ async fn a_service_with_1000_users_and_one_with_1_user_get_one_share_each_in_the
         let rig = window_rig(4, 4);
         let job = |service: &str, n: usize| {
             let job = user(&format!("{service}/u{n}"), "free");
-            if grouped { job.group(service) } else { job }
+            if grouped {
+                job.with_group(service)
+            } else {
+                job
+            }
         };
         let mut calls: Vec<_> = (0..1000).map(|u| rig.send(ZERO, job("many", u))).collect();
         calls.extend((0..300).map(|_| rig.send(ms(1), job("one", 0))));
@@ -923,7 +932,7 @@ async fn groups_split_their_tiers_share_and_tiers_keep_their_weights() {
     ] {
         for n in 0..600 {
             let name = format!("{service}/u{}", n % users);
-            calls.push(rig.send(ZERO, user(&name, tier).group(service)));
+            calls.push(rig.send(ZERO, user(&name, tier).with_group(service)));
         }
     }
     let deadline = rig.at(secs(60.0));
@@ -956,7 +965,7 @@ mod two_levels {
         for (g, &(premium, users)) in groups.iter().enumerate() {
             let tier = if premium { "premium" } else { "free" };
             for k in 0..n {
-                let job = user(&format!("g{g}/u{}", k % users), tier).group(format!("g{g}"));
+                let job = user(&format!("g{g}/u{}", k % users), tier).with_group(format!("g{g}"));
                 calls.push(rig.send(ZERO, job));
             }
         }

@@ -28,7 +28,7 @@ type SeenRef = Arc<Mutex<Seen>>;
 
 fn tier_of(req: &http::Request<()>) -> String {
     let job = req.extensions().get::<Job>().expect("a job");
-    job.tier_name().map_or("guest", Tier::as_str).to_owned()
+    job.tier().map_or("guest", Tier::as_str).to_owned()
 }
 
 /// An upstream that takes `hold` per call and records concurrency.
@@ -71,7 +71,7 @@ fn upstream(
 }
 
 fn job(tier: &str) -> Job {
-    Job::new(format!("tenant-{tier}"), Origin::UserAction).tier(tier)
+    Job::new(format!("tenant-{tier}"), Origin::UserAction).with_tier(tier)
 }
 
 /// One store plus the time scale its scenario runs at.
@@ -294,7 +294,9 @@ async fn fill_all_slots(
     service: &(
          impl Service<
         http::Request<()>,
-        Response = http::Response<fairgate::body::GuardedBody<(), fairgate::SlotPermit>>,
+        Response = http::Response<
+            fairgate::body::GuardedBody<(), fairgate::tier_slot_limit::SlotPermit>,
+        >,
         Error = BoxError,
         Future: Send + 'static,
     > + Clone
@@ -407,7 +409,7 @@ async fn waiters_of_a_tier_get_slots_in_arrival_order() {
     let service = TierSlotLimitLayer::new(Store::memory(), policy).layer(inner);
     let mut calls = Vec::new();
     for i in 0..5 {
-        let job = Job::new(format!("t{i}"), Origin::UserAction).tier("premium");
+        let job = Job::new(format!("t{i}"), Origin::UserAction).with_tier("premium");
         calls.push(tokio::spawn(service.clone().oneshot(request(job))));
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
@@ -422,7 +424,7 @@ async fn a_new_arrival_never_barges_past_a_waiter_of_its_tier() {
     let policy = SlotPolicy::builder().global_max(1).build().unwrap();
     let (order, inner) = logging_upstream(Duration::ZERO);
     let mut service = TierSlotLimitLayer::new(Store::memory(), policy).layer(inner);
-    let premium = |tenant: &str| Job::new(tenant, Origin::UserAction).tier("premium");
+    let premium = |tenant: &str| Job::new(tenant, Origin::UserAction).with_tier("premium");
     let held = service
         .clone()
         .oneshot(request(premium("a")))
@@ -458,7 +460,7 @@ async fn the_slow_wait_warning_never_costs_a_waiter_its_place() {
         .unwrap();
     let (order, inner) = logging_upstream(Duration::from_secs(1));
     let service = TierSlotLimitLayer::new(Store::memory(), policy).layer(inner);
-    let free = |tenant: String| Job::new(tenant, Origin::UserAction).tier("free");
+    let free = |tenant: String| Job::new(tenant, Origin::UserAction).with_tier("free");
     let mut calls = Vec::new();
     for i in 0..10 {
         let call = service.clone().oneshot(request(free(format!("A{i}"))));
@@ -693,7 +695,7 @@ fn tenant_upstream(
 }
 
 fn tenant_job(tenant: &str) -> Job {
-    Job::new(tenant, Origin::UserAction).tier("free")
+    Job::new(tenant, Origin::UserAction).with_tier("free")
 }
 
 async fn a_tenant_at_its_cap_waits_apart_and_another_of_its_tier_goes_at_once(rig: Rig) {
@@ -789,7 +791,7 @@ async fn a_fair_queue_not_handed_the_slot_gate_is_warned_of_once() {
         for _ in 0..3 {
             let mut req = http::Request::new(());
             req.extensions_mut()
-                .insert(Job::new("t", Origin::UserAction).tier("free"));
+                .insert(Job::new("t", Origin::UserAction).with_tier("free"));
             drop(service.clone().oneshot(req).await.unwrap());
         }
         assert_eq!(

@@ -116,7 +116,7 @@ fn check(key: Option<&str>, job: Option<Job>) -> tonic::Request<HealthCheckReque
 }
 
 fn free_job() -> Job {
-    Job::new("team-free", Origin::UserAction).tier("free")
+    Job::new("team-free", Origin::UserAction).with_tier("free")
 }
 
 /// Waits (up to 2 s) until `store` holds `n` slots.

@@ -98,7 +98,7 @@ impl Fleet {
         // One call through each worker, one after the other: slow start is over and the
         // limits are learned; then the record and the clock start afresh.
         for worker in 0..2 {
-            let warm = Job::new("warm-up", Origin::UserAction).tier("premium");
+            let warm = Job::new("warm-up", Origin::UserAction).with_tier("premium");
             let warm = fleet.send(worker, Duration::ZERO, warm).await.unwrap();
             assert!(warm.ok(), "the warm-up call: {warm:?}");
         }
@@ -151,12 +151,12 @@ async fn two_workers_guest_flood_at_the_providers_rate_premium_gets_its_weighted
             fleet.send(
                 i % 2,
                 Duration::ZERO,
-                user("guest-flood", "guest").cost(500),
+                user("guest-flood", "guest").with_cost(500),
             )
         })
         .collect();
     let premium: Vec<_> = (0..20)
-        .map(|i| fleet.send(i % 2, ms(50), user("premium-a", "premium").cost(500)))
+        .map(|i| fleet.send(i % 2, ms(50), user("premium-a", "premium").with_cost(500)))
         .collect();
     let premium = joined(premium).await;
     let guests = joined(guests).await;
@@ -218,10 +218,16 @@ async fn two_workers_light_tenant_behind_a_hog_is_served_within_two_paced_interv
     let _serial = SERIAL.lock().await;
     let fleet = Fleet::start(RateLimited::new(RPM, CALL)).await;
     let hog: Vec<_> = (0..40)
-        .map(|i| fleet.send(i % 2, Duration::ZERO, user("tenant-a", "pro").cost(1_000)))
+        .map(|i| {
+            fleet.send(
+                i % 2,
+                Duration::ZERO,
+                user("tenant-a", "pro").with_cost(1_000),
+            )
+        })
         .collect();
     // B arrives where half of A's calls wait.
-    let light = fleet.send(1, ms(200), user("tenant-b", "pro").cost(1_000));
+    let light = fleet.send(1, ms(200), user("tenant-b", "pro").with_cost(1_000));
     let light = light.await.unwrap();
     let hog = joined(hog).await;
 
@@ -265,13 +271,13 @@ async fn two_workers_calls_that_left_leave_no_gap_pro_calls_after_a_guest_timeou
             fleet.send(
                 i % 2,
                 Duration::ZERO,
-                user("guest-flood", "guest").cost(500),
+                user("guest-flood", "guest").with_cost(500),
             )
         })
         .collect();
     // After the guests' 0.8 s max wait: whatever they left behind is nobody's.
     let pros: Vec<_> = (0..10)
-        .map(|i| fleet.send(i % 2, ms(850), user("pro-a", "pro").cost(500)))
+        .map(|i| fleet.send(i % 2, ms(850), user("pro-a", "pro").with_cost(500)))
         .collect();
     let pros = joined(pros).await;
     let guests = joined(guests).await;

@@ -53,7 +53,7 @@ impl Upstream {
         let seen = self.seen.clone();
         service_fn(move |req: http::Request<String>| {
             let job = req.extensions().get::<Job>().expect("a job");
-            let tier = job.tier_name().map_or("", |t| t.as_str()).to_owned();
+            let tier = job.tier().map_or("", |t| t.as_str()).to_owned();
             let guard = {
                 seen.lock().unwrap().enter(&tier);
                 Counted {
@@ -161,7 +161,7 @@ impl Fleet {
     /// Sends `job` through worker `w`.
     fn send(&self, w: usize, job: Job) -> JoinHandle<Outcome> {
         let stack = self.workers[w].stack.clone();
-        let tier = job.tier_name().map_or("", |t| t.as_str()).to_owned();
+        let tier = job.tier().map_or("", |t| t.as_str()).to_owned();
         let mut req = http::Request::new(String::new());
         req.extensions_mut().insert(job);
         tokio::spawn(async move {
@@ -210,7 +210,7 @@ struct Outcome {
 use crate::support::{joined as outcomes, percentile};
 
 fn user(tenant: &str, tier: &str) -> Job {
-    crate::support::user(tenant, tier).cost(1_000)
+    crate::support::user(tenant, tier).with_cost(1_000)
 }
 
 #[tokio::test]

@@ -11,9 +11,9 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use crate::support::RedisServer;
+use fairgate::store::SlotRefusal;
 use fairgate::{
-    BoxError, DrrFairnessLayer, Job, Origin, SlotPolicy, SlotRefusal, Store, TenantId, Tier,
-    TierSlotLimitLayer,
+    BoxError, DrrFairnessLayer, Job, Origin, SlotPolicy, Store, TenantId, Tier, TierSlotLimitLayer,
 };
 use tokio::time::Instant;
 use tower::{Service, ServiceBuilder, ServiceExt, service_fn};
@@ -114,7 +114,7 @@ async fn workers(url: &str, fair: bool, seen: &SeenRef) -> Vec<Worker> {
 fn send(worker: &Worker, tenant: &str) -> tokio::task::JoinHandle<Result<(), BoxError>> {
     let mut req = http::Request::new(Instant::now());
     req.extensions_mut()
-        .insert(Job::new(tenant, Origin::UserAction).tier("pro"));
+        .insert(Job::new(tenant, Origin::UserAction).with_tier("pro"));
     tokio::spawn(worker.clone().oneshot(req))
 }
 
@@ -204,7 +204,7 @@ async fn a_sigkilled_workers_tenant_leases_come_back_within_the_lease_ttl() {
     let store = Store::redis(&server.url()).await.unwrap();
     let pro = Tier::new("pro");
     let (capped, other) = (TenantId::new("capped"), TenantId::new("other"));
-    let limits = fairgate::SlotLimits {
+    let limits = fairgate::store::SlotLimits {
         global: 12,
         tier: 6,
         tenant: Some(3),

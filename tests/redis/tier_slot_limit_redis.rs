@@ -13,9 +13,9 @@ use std::time::Duration;
 use crate::support::{
     Redis, RedisServer, SlotWorker, Target, on_node_and_cluster, request, slot_limits, wait_until,
 };
+use fairgate::store::{SlotLimits, SlotRefusal};
 use fairgate::{
-    FairgateLayer, Job, Origin, OutagePolicy, SlotLimits, SlotPolicy, SlotRefusal, Store, Tier,
-    TierSlotLimitLayer,
+    FairgateLayer, Job, Origin, OutagePolicy, SlotPolicy, Store, Tier, TierSlotLimitLayer,
 };
 use tokio::time::Instant;
 use tower::{Layer, ServiceExt, service_fn};
@@ -255,7 +255,7 @@ async fn run_load(
         tokio::spawn(async move {
             let mut failed = 0;
             for _ in 0..calls {
-                let job = Job::new(format!("t{c}"), Origin::UserAction).tier("premium");
+                let job = Job::new(format!("t{c}"), Origin::UserAction).with_tier("premium");
                 match service.clone().oneshot(request(job)).await {
                     Ok(_) => {}
                     // Redis away, and nothing this worker can admit soundly: said so.
@@ -421,7 +421,7 @@ async fn a_stream_longer_than_the_lease_ttl_keeps_its_slot_until_it_ends(target:
         }
     });
     let service = TierSlotLimitLayer::new(store.clone(), policy).layer(upstream);
-    let job = || Job::new("acme", Origin::UserAction).tier("pro");
+    let job = || Job::new("acme", Origin::UserAction).with_tier("pro");
     let response = service.clone().oneshot(request(job())).await.unwrap();
 
     // Three TTLs of streaming: the heartbeat keeps the lease, nobody else gets the slot.
@@ -527,7 +527,7 @@ async fn a_request_dropped_during_its_acquire_does_not_leave_its_lease_taken(tar
     let upstream =
         service_fn(|_: http::Request<()>| async { Ok::<_, Infallible>(http::Response::new(())) });
     let service = TierSlotLimitLayer::new(store.clone(), SlotPolicy::default()).layer(upstream);
-    let job = Job::new("acme", Origin::UserAction).tier("pro");
+    let job = Job::new("acme", Origin::UserAction).with_tier("pro");
     redis.stall(0.4);
     // The acquire made in `call` is sent and waits behind the stall; the caller gives up
     // before the store's own timeout...
@@ -586,7 +586,7 @@ fn answering_at_once(
 }
 
 fn pro_job() -> Job {
-    Job::new("acme", Origin::UserAction).tier("pro")
+    Job::new("acme", Origin::UserAction).with_tier("pro")
 }
 
 async fn a_release_in_one_worker_wakes_a_waiter_in_another_at_once(target: Target) {
@@ -692,7 +692,7 @@ async fn a_tier_that_starts_waiting_is_not_held_behind_a_flood_queued_before_it(
             let done = done.clone();
             async move {
                 let job = req.extensions().get::<Job>().expect("a job");
-                let tier = job.tier_name().expect("a tier").as_str().to_owned();
+                let tier = job.tier().expect("a tier").as_str().to_owned();
                 tokio::time::sleep(Duration::from_millis(10)).await;
                 done.lock().unwrap().push(tier);
                 Ok::<_, Infallible>(http::Response::new(String::new()))
@@ -709,7 +709,7 @@ async fn a_tier_that_starts_waiting_is_not_held_behind_a_flood_queued_before_it(
     let (flood, paying) = (stack(worker(&redis).await), stack(worker(&redis).await));
     let call = |service: &tower::util::BoxCloneService<_, (), _>, tier: &str, i: usize| {
         let service = service.clone();
-        let job = Job::new(format!("{tier}-{i}"), Origin::UserAction).tier(tier);
+        let job = Job::new(format!("{tier}-{i}"), Origin::UserAction).with_tier(tier);
         tokio::spawn(async move { service.oneshot(request(job)).await })
     };
     // Each worker past its slow start first (one call until an answer came): this is about
@@ -751,7 +751,11 @@ async fn a_tier_that_starts_waiting_is_not_held_behind_a_flood_queued_before_it(
 }
 
 /// Takes slots of `tier` until the store says no; returns them.
-async fn take_all(store: &Store, tier: &str, limits: SlotLimits) -> Vec<fairgate::SlotLease> {
+async fn take_all(
+    store: &Store,
+    tier: &str,
+    limits: SlotLimits,
+) -> Vec<fairgate::store::SlotLease> {
     let mut leases = Vec::new();
     while let Some(lease) = store.try_acquire_slot(&Tier::new(tier), limits).await {
         leases.push(lease);

@@ -143,12 +143,12 @@ impl InFlight {
 
 /// A user's call (`Origin::UserAction`) of `tenant` in `tier`.
 pub fn user(tenant: &str, tier: &str) -> Job {
-    Job::new(tenant, fairgate::Origin::UserAction).tier(tier)
+    Job::new(tenant, fairgate::Origin::UserAction).with_tier(tier)
 }
 
 /// Caps of `slots` for the global count and the tier, with a lease that outlives any test.
-pub fn slot_limits(slots: u32) -> fairgate::SlotLimits {
-    fairgate::SlotLimits {
+pub fn slot_limits(slots: u32) -> fairgate::store::SlotLimits {
+    fairgate::store::SlotLimits {
         global: slots,
         tier: slots,
         tenant: None,

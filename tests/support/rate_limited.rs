@@ -311,7 +311,7 @@ impl RateLimited {
         s.calls.push(Started {
             id,
             tenant: job.tenant().to_string(),
-            tier: job.tier_name().map_or("", |t| t.as_str()).to_owned(),
+            tier: job.tier().map_or("", |t| t.as_str()).to_owned(),
             priority: job.priority(),
             arrived: job.arrived_at(),
             at: now,
@@ -366,7 +366,7 @@ impl RateLimited {
                 .and_then(|v| v.parse().ok());
             let job = req.extensions().get::<Job>().expect("a job").clone();
             let usage = req.extensions().get::<TrueUsage>().copied();
-            let input = usage.map_or(f64::from(job.estimated_tokens()), |u| f64::from(u.input));
+            let input = usage.map_or(f64::from(job.cost()), |u| f64::from(u.input));
             let admission = this.arrive(&job, id, input);
             async move {
                 tokio::time::sleep(this.latency).await;
@@ -404,7 +404,7 @@ impl RateLimited {
                 .and_then(|v| v.to_str().ok())
                 .and_then(|v| v.parse().ok());
             let job = req.extensions().get::<Job>().expect("a job").clone();
-            let admission = this.arrive(&job, id, f64::from(job.estimated_tokens()));
+            let admission = this.arrive(&job, id, f64::from(job.cost()));
             let rest = this.latency.saturating_sub(head);
             async move {
                 tokio::time::sleep(head).await;

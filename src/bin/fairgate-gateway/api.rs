@@ -534,7 +534,7 @@ impl Applied {
         Applied {
             // Tier names are checked header-safe by the keys file; one that is not is left out.
             tier: job
-                .tier_name()
+                .tier()
                 .and_then(|tier| HeaderValue::from_str(tier.as_str()).ok()),
             class: job.priority().map(fairgate::Priority::as_str),
             queued_ms: job

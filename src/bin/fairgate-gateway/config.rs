@@ -780,7 +780,7 @@ origins = [\"user\", \"scheduled\", \"batch\"]
         headers.insert("x-fairgate-tier", "premium".parse().unwrap());
         let job = policy.identify(&headers, Some("u1")).unwrap();
         assert!(job.tenant().as_str().starts_with("companion-app/"));
-        assert_eq!(job.tier_name().unwrap().as_str(), "premium");
+        assert_eq!(job.tier().unwrap().as_str(), "premium");
         // With a `user_secret` the same user is another tenant (and the same on every
         // gateway with that file).
         let secret = format!("user_secret = \"{}\"\n{SERVICE}", "s".repeat(16));

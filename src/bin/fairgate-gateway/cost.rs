@@ -233,8 +233,8 @@ impl Estimate {
     /// weighing less than 1 is charged at least its input until its usage settles it.
     pub(crate) fn apply(&self, job: Job) -> Job {
         let rest = self.charge.saturating_sub(u64::from(self.input));
-        job.cost(self.input)
-            .output_cost(u32::try_from(rest).unwrap_or(u32::MAX))
+        job.with_cost(self.input)
+            .with_output_cost(u32::try_from(rest).unwrap_or(u32::MAX))
     }
 }
 
@@ -522,11 +522,7 @@ mod tests {
         assert_eq!(estimate.input as u64, input);
         assert_eq!(charge(&estimate), input + 5 * 64_000);
         let job = estimate.apply(Job::new("t", fairgate::Origin::UserAction));
-        assert_eq!(
-            u64::from(job.estimated_tokens()),
-            input,
-            "the input stays raw"
-        );
+        assert_eq!(u64::from(job.cost()), input, "the input stays raw");
     }
 
     #[test]

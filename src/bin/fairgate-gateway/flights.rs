@@ -63,7 +63,7 @@ impl Flights {
         let id = self.next.fetch_add(1, Ordering::Relaxed);
         let flying = Flying {
             since: Instant::now(),
-            tier: job.tier_name().cloned(),
+            tier: job.tier().cloned(),
             class: job.priority(),
             tokens: job.charge(),
         };
@@ -107,10 +107,22 @@ mod tests {
     async fn the_oldest_call_in_flight_is_shown_per_tier_and_class_until_its_answer_ends() {
         let flights = Arc::new(Flights::default());
         assert_eq!(flights.aloft(), Aloft::default());
-        let old = flights.begin(&Job::new("a", Origin::UserAction).tier("pro").cost(100));
+        let old = flights.begin(
+            &Job::new("a", Origin::UserAction)
+                .with_tier("pro")
+                .with_cost(100),
+        );
         tokio::time::advance(Duration::from_secs(8)).await;
-        let new = flights.begin(&Job::new("b", Origin::UserAction).tier("pro").cost(50));
-        let free = flights.begin(&Job::new("c", Origin::BatchJob).tier("free").cost(7));
+        let new = flights.begin(
+            &Job::new("b", Origin::UserAction)
+                .with_tier("pro")
+                .with_cost(50),
+        );
+        let free = flights.begin(
+            &Job::new("c", Origin::BatchJob)
+                .with_tier("free")
+                .with_cost(7),
+        );
         tokio::time::advance(Duration::from_secs(1)).await;
         let aloft = flights.aloft();
         assert_eq!(aloft.oldest, Some(Duration::from_secs(9)));

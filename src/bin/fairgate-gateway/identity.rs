@@ -19,7 +19,7 @@
 //! the header, never silently lowered: a client that could name any tier could name itself
 //! premium. The priority stays the classifier's alone.
 //!
-//! Each key's calls are one group of the fair queue ([`Job::group`]): inside a tier the
+//! Each key's calls are one group of the fair queue ([`Job::with_group`]): inside a tier the
 //! order goes across keys first, each one share, then across a service's end users, so a
 //! service cannot crowd out the others with many (or invented) users.
 
@@ -166,8 +166,8 @@ impl KeyPolicy {
         // Every key is a group of its own inside its tier: the fair order goes across keys
         // first (each one share of its tier), then across a service's end users.
         let mut job = Job::new(tenant, origin)
-            .tier(tier)
-            .group(self.tenant.clone());
+            .with_tier(tier)
+            .with_group(self.tenant.clone());
         if let Some(secs) = header(headers, &SLA)? {
             let sla = secs
                 .parse::<f64>()
@@ -185,7 +185,7 @@ impl KeyPolicy {
                 // A batch call stays batch: an SLA would make it standard.
                 return Err(Refused::forbidden(&SLA, "a batch call has no SLA"));
             }
-            job = job.sla(sla);
+            job = job.with_sla(sla);
         }
         Ok(job)
     }
@@ -466,7 +466,7 @@ mod tests {
         );
         let user = [("x-fairgate-user", "u1")];
         let plain = policy.identify(&headers(&user), None).unwrap();
-        assert_eq!(plain.tier_name().unwrap().as_str(), "free");
+        assert_eq!(plain.tier().unwrap().as_str(), "free");
         assert_eq!(plain.origin(), Origin::UserAction);
         let job = policy
             .identify(
@@ -479,9 +479,9 @@ mod tests {
                 None,
             )
             .unwrap();
-        assert_eq!(job.tier_name().unwrap().as_str(), "premium");
+        assert_eq!(job.tier().unwrap().as_str(), "premium");
         assert_eq!(job.origin(), Origin::Scheduled);
-        assert_eq!(job.sla_window(), Some(Duration::from_millis(1500)));
+        assert_eq!(job.sla(), Some(Duration::from_millis(1500)));
         // A batch call stays batch.
         let batch_sla = [
             ("x-fairgate-user", "u1"),

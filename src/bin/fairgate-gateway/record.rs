@@ -244,11 +244,11 @@ impl Trace {
                 .saturating_duration_since(self.recorder.epoch)
                 .as_millis(),
             tenant_hash(job.tenant().as_str()),
-            job.tier_name()
+            job.tier()
                 .map_or_else(|| "null".to_owned(), |t| json_string(t.as_str())),
             origin_name(job.origin()),
-            or_null(job.sla_window().map(|d| d.as_millis() as u64)),
-            job.estimated_tokens(),
+            or_null(job.sla().map(|d| d.as_millis() as u64)),
+            job.cost(),
             or_null(usage.input),
             or_null(usage.output),
             or_null(seen.dispatched.map(ms)),
@@ -552,9 +552,11 @@ mod tests {
             epoch: Instant::now(),
         });
         let trace = recorder.begin();
-        trace
-            .probe()
-            .job(&Job::new("team-a", Origin::Scheduled).tier("pro").cost(40));
+        trace.probe().job(
+            &Job::new("team-a", Origin::Scheduled)
+                .with_tier("pro")
+                .with_cost(40),
+        );
         drop(trace);
         let line = queued.try_recv().unwrap();
         let expected = format!(
@@ -578,7 +580,7 @@ mod tests {
         let trace = recorder.begin();
         trace
             .probe()
-            .job(&Job::new("t", Origin::UserAction).tier("pro"));
+            .job(&Job::new("t", Origin::UserAction).with_tier("pro"));
         trace.finish(200, &UsageScan::default());
         let line = queued.try_recv().unwrap();
         assert!(is_recording_line(&line), "{line}");

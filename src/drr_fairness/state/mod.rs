@@ -247,7 +247,7 @@ impl FairQueue {
     pub(super) fn classify(&self, job: &Job) -> (Priority, u32, u64) {
         (
             job.priority().unwrap_or(Priority::Standard),
-            self.weights.of(job.tier_name()),
+            self.weights.of(job.tier()),
             job.charge(),
         )
     }
@@ -266,11 +266,11 @@ impl FairQueue {
                 patience: None,
             });
         };
-        let (tier, limit, _) = policy.limit(job.tier_name());
+        let (tier, limit, _) = policy.limit(job.tier());
         // A job's group is a level of its own in an in-process store; on a shared store the
         // fleet's order keeps the groups (its wake-ups name a tier and a tenant).
         let named = job
-            .group_name()
+            .group()
             .filter(|_| !self.fleet_keeps_groups())
             .map(|name| (tier.clone(), name.clone()));
         let group = state.group_for(&tier, limit, named, &self.config)?;
@@ -314,7 +314,7 @@ impl FairQueue {
                     &mut state,
                     place.group,
                     key,
-                    job.estimated_tokens(),
+                    job.cost(),
                     &mut after,
                 ),
                 false => None,
@@ -398,10 +398,10 @@ impl FairQueue {
             weight,
             id: 0,
             key: job.upstream().cloned(),
-            cost: job.estimated_tokens(),
+            cost: job.cost(),
             class,
             arrived,
-            group: job.group_name().filter(|_| self.fleet()).cloned(),
+            group: job.group().filter(|_| self.fleet()).cloned(),
         };
         let fleet = self.fleet();
         let (key, id) = state.push(entry.arrival(), waiter, self.config.max_per_class, fleet)?;
@@ -703,8 +703,8 @@ impl FairQueue {
         let (class, _, estimated) = self.classify(job);
         let mut state = self.lock();
         let group = self.slot_policy().map_or(0, |policy| {
-            let tier = policy.limit(job.tier_name()).0;
-            let named = job.group_name().filter(|_| !self.fleet_keeps_groups());
+            let tier = policy.limit(job.tier()).0;
+            let named = job.group().filter(|_| !self.fleet_keeps_groups());
             state.group_of(tier, named)
         });
         state.groups[group]

@@ -65,7 +65,7 @@ pub(super) struct Waiter {
     /// Its class and when it arrived, for who asks how long the queue has been waiting.
     pub(super) class: Priority,
     pub(super) arrived: Instant,
-    /// The group its tenant is fair-queued in ([`Job::group`]), for the fleet's order on a
+    /// The group its tenant is fair-queued in ([`Job::with_group`]), for the fleet's order on a
     /// shared store (an in-process store keeps groups apart as `Group`s of their own).
     pub(super) group: Option<TenantId>,
 }
@@ -156,7 +156,7 @@ impl Group {
 pub(super) struct Queues {
     pub(super) groups: Vec<Group>,
     /// Gated groups by tier (the tier a request counts under in the slot policy), for
-    /// requests of no group ([`Job::group`]).
+    /// requests of no group ([`Job::with_group`]).
     pub(super) by_tier: HashMap<Tier, usize>,
     /// Gated groups by tier and group (in-process stores only).
     pub(super) by_group: HashMap<(Tier, TenantId), usize>,
@@ -507,7 +507,7 @@ impl Queues {
     }
 
     /// How many groups of `group`'s tier (itself included) have requests of `class`
-    /// waiting: 1 unless jobs name groups ([`Job::group`](crate::Job::group)).
+    /// waiting: 1 unless jobs name groups ([`Job::with_group`](crate::Job::with_group)).
     pub(super) fn groups_sharing(&self, group: usize, class: Priority) -> usize {
         let Some(tier) = self.groups[group].slots.as_ref().map(|slots| &slots.tier) else {
             return 1;
