@@ -100,6 +100,7 @@ mod job;
 mod labels;
 pub mod metrics;
 pub mod priority_classify;
+pub mod rate;
 pub mod reject;
 #[cfg(feature = "reqwest")]
 #[cfg_attr(docsrs, doc(cfg(feature = "reqwest")))]

@@ -9,12 +9,10 @@ use tokio::time::Instant;
 use tower::retry::budget::TpsBudget;
 
 use super::BackoffPolicy;
-use super::key_gate::KeyGates;
-use super::learned::{self, View, Views};
-use super::pacing::Pacer;
 use super::telemetry;
 use crate::Store;
 use crate::hash::HashMap;
+use crate::rate::{self as learned, KeyGates, Pacer, View, Views};
 use crate::rng::Rng;
 use crate::store::{
     DIMS, FleetCells, INPUT, OUTPUT, PaceAsk, PaceGrant, REQUESTS, TOTAL, learned_rate,
@@ -290,7 +288,7 @@ impl Core {
     }
 
     /// The pacing that goes through the store, if any.
-    pub(super) fn shared_pacing(&self) -> Option<&super::Pacing> {
+    pub(super) fn shared_pacing(&self) -> Option<&crate::rate::Pacing> {
         self.policy
             .pacing
             .as_ref()
@@ -527,7 +525,7 @@ impl Core {
         if !throttled
             && !probe
             && self.loud.load(std::sync::atomic::Ordering::Acquire) == 0
-            && !super::decide::has_ratelimit_headers(headers)
+            && !learned::has_ratelimit_headers(headers)
         {
             // Every view is quiet and this answer says nothing new: what the locked path
             // below would conclude, without the lock.

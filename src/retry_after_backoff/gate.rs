@@ -1,7 +1,7 @@
 //! The retry layer's rate gate, as a fair queue below consults it (see [`crate::gate`]).
 //!
 //! The same limits the layer waits for when it works alone — the cooldown gate, the
-//! recovery probe, slow start, learned pacing and a configured [`Pacing`](super::Pacing) —
+//! recovery probe, slow start, learned pacing and a configured [`Pacing`](crate::rate::Pacing) —
 //! answered for the one call the fair queue is about to dispatch. Cells are taken for that
 //! call only, when it may go: at most one call's cells per key are reserved ahead (on Redis
 //! a quarter second of the rate, as the layer alone does), and cells a call did not use go
@@ -14,9 +14,8 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use super::core::{Core, Learned, taken};
-use super::key_gate::{KeyGate, Ready};
-use super::pacing::Pacing;
 use crate::gate::{RateLimit, Receipt, Verdict, WaitReason};
+use crate::rate::{KeyGate, Pacing, Ready};
 use crate::store::{DIMS, FleetCells, PaceGrant};
 
 impl Core {
@@ -634,7 +633,7 @@ mod tests {
 
     /// A gate of a shared pacing: 60 requests a minute, 100 input tokens a minute.
     fn paced_gate(store: &Store) -> (Arc<dyn RateLimit>, Arc<str>) {
-        let pacing = crate::retry_after_backoff::Pacing::new()
+        let pacing = crate::rate::Pacing::new()
             .requests_per_minute(60)
             .input_tokens_per_minute(100)
             .shared();
@@ -723,7 +722,7 @@ mod wiring_tests {
     use tokio::time::Instant;
     use tower::{Layer, ServiceExt, service_fn};
 
-    use crate::retry_after_backoff::Pacing;
+    use crate::rate::Pacing;
     use crate::{BackoffPolicy, Job, Origin, RetryAfterBackoffLayer, Store};
 
     #[tokio::test(start_paused = true)]

@@ -2,8 +2,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::decide::{Backoff, StatusSet};
-use super::pacing::Pacing;
 use crate::error::ConfigError;
+use crate::rate::Pacing;
 
 /// What [`RetryAfterBackoff`](super::RetryAfterBackoff) retries, how long it waits, and what
 /// it shares.
@@ -19,7 +19,8 @@ use crate::error::ConfigError;
 /// 64 KiB, 1,024 frames and 5 s; the probe mode over after 30 s without an answer.
 ///
 /// ```
-/// use fairgate::retry_after_backoff::{BackoffPolicy, Pacing, StatusSet};
+/// use fairgate::rate::Pacing;
+/// use fairgate::retry_after_backoff::{BackoffPolicy, StatusSet};
 /// use http::StatusCode;
 /// use std::time::Duration;
 ///

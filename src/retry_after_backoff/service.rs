@@ -10,10 +10,10 @@ use super::body::ResponseBody;
 use super::call::{Admission, Call, Charge, Patience, RateWaiter};
 use super::core::CoreAndCloner;
 use super::future::ResponseFuture;
-use super::learned::{OneUpstream, UpstreamKey};
 use super::request::{ByClone, CloneRequest, TypeName};
 use crate::JobRequest;
 use crate::error::BoxError;
+use crate::rate::{OneUpstream, UpstreamKey};
 
 /// Retries "try later" answers by the server's word, records throttles, and holds calls
 /// behind the upstream's shared cooldown gate; see the

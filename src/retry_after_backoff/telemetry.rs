@@ -40,7 +40,7 @@ pub(super) fn learned_limits(upstream: &str, limits: &[u32; crate::store::DIMS])
             metrics::gauge!(
                 Metric::LearnedLimit.name(),
                 "upstream" => upstream.to_owned(),
-                "dimension" => super::learned::dim_name(d)
+                "dimension" => crate::rate::dim_name(d)
             )
             .set(f64::from(*limit));
         }

@@ -34,8 +34,16 @@ static HEADERS: std::sync::LazyLock<[(http::HeaderName, http::HeaderName); DIMS]
     });
 
 /// The dimension's name, for metrics.
-pub(super) fn dim_name(d: usize) -> &'static str {
+pub(crate) fn dim_name(d: usize) -> &'static str {
     NAMES.get(d).copied().unwrap_or("unknown")
+}
+
+/// Whether an answer carries any `anthropic-ratelimit-*` header: one pass over its few
+/// header names, so an answer without them (most upstreams, most tests) costs no lookups.
+pub(crate) fn has_ratelimit_headers(headers: &HeaderMap) -> bool {
+    headers
+        .keys()
+        .any(|name| name.as_str().starts_with("anthropic-ratelimit-"))
 }
 
 static LOGGED_GARBAGE: AtomicBool = AtomicBool::new(false);
@@ -43,9 +51,9 @@ static LOGGED_GARBAGE: AtomicBool = AtomicBool::new(false);
 /// What an answer's headers say per dimension: `(limit, remaining)`, limit 0 when the
 /// dimension is absent or its values are unusable (zero, absurd, not a number), which is
 /// logged once per process (`upstream.ratelimit_ignored`).
-pub(super) fn read_limits(headers: &HeaderMap) -> [(u32, u32); DIMS] {
+pub(crate) fn read_limits(headers: &HeaderMap) -> [(u32, u32); DIMS] {
     let mut out = [(0, 0); DIMS];
-    if !super::decide::has_ratelimit_headers(headers) {
+    if !has_ratelimit_headers(headers) {
         return out;
     }
     for (d, (limit, remaining)) in HEADERS.iter().enumerate() {
@@ -90,13 +98,14 @@ pub(super) fn read_limits(headers: &HeaderMap) -> [(u32, u32); DIMS] {
 /// Chooses the upstream key of a request: the scope of its cooldown gate and learned limits.
 ///
 /// One throttled key or model then does not hold the others. The key is appended to the
-/// policy's [`upstream`](super::BackoffPolicyBuilder::upstream) name (`"default/key-…"`);
+/// policy's [`upstream`](crate::retry_after_backoff::BackoffPolicyBuilder::upstream) name (`"default/key-…"`);
 /// `None` means the policy's name alone. Ready-made: [`OneUpstream`] (the default),
 /// [`ByApiKey`], [`ByModel`], [`ByApiKeyAndModel`]; or a closure `Fn(&Req) -> Option<String>`.
 ///
 /// ```
 /// use fairgate::{RetryAfterBackoffLayer, Store};
-/// use fairgate::retry_after_backoff::{BackoffPolicy, ByApiKeyAndModel};
+/// use fairgate::rate::ByApiKeyAndModel;
+/// use fairgate::retry_after_backoff::BackoffPolicy;
 ///
 /// let layer = RetryAfterBackoffLayer::new(Store::memory(), BackoffPolicy::default())
 ///     .upstream_key_with(ByApiKeyAndModel);
@@ -170,7 +179,7 @@ where
 
 /// The value of the first top-level-looking `"model": "<name>"` in a JSON body: a name of
 /// at most 128 characters among letters, digits and `-._:@`; anything else is `None`.
-pub(super) fn model_of(body: &[u8]) -> Option<&str> {
+pub(crate) fn model_of(body: &[u8]) -> Option<&str> {
     const NEEDLE: &[u8] = b"\"model\"";
     let at = body.windows(NEEDLE.len()).position(|w| w == NEEDLE)?;
     let rest = &body[at + NEEDLE.len()..];
@@ -191,28 +200,28 @@ pub(super) fn model_of(body: &[u8]) -> Option<&str> {
 
 /// What a worker knows of one key's learned bucket.
 #[derive(Debug)]
-pub(super) struct View {
+pub(crate) struct View {
     /// 0: cold (no answer yet), 1: answers carry no limits, 2: limits learned.
-    pub(super) mode: u8,
-    pub(super) limits: [u32; DIMS],
+    pub(crate) mode: u8,
+    pub(crate) limits: [u32; DIMS],
     /// Recovering from a throttle (one probe first) until then, as far as this worker knows.
-    pub(super) recover_until: Option<Instant>,
+    pub(crate) recover_until: Option<Instant>,
     /// Cells reserved ahead (Redis), usable from `credit_at`.
-    pub(super) credit: [u32; DIMS],
-    pub(super) credit_at: Instant,
+    pub(crate) credit: [u32; DIMS],
+    pub(crate) credit_at: Instant,
     /// Reports not sent yet (Redis, steady state): they go with the next reservation.
-    pub(super) pending: Option<PaceAsk>,
+    pub(crate) pending: Option<PaceAsk>,
     /// A reservation of a block of calls is on its way to the store (see
     /// [`View::block`]).
-    pub(super) block_asked: bool,
+    pub(crate) block_asked: bool,
     /// Input and output tokens per call, on average over the recent answers' usage (0:
     /// none seen).
-    pub(super) input_avg: u32,
-    pub(super) output_avg: u32,
+    pub(crate) input_avg: u32,
+    pub(crate) output_avg: u32,
 }
 
 impl View {
-    pub(super) fn new(learning: bool) -> Self {
+    pub(crate) fn new(learning: bool) -> Self {
         View {
             // Without learning there is no cold start: calls go without waiting for an answer.
             mode: if learning { 0 } else { 1 },
@@ -234,7 +243,7 @@ impl View {
     /// changed, or at the end of the cold start — would each take a block, reserve several
     /// times what they need and pool the spare cells behind the latest block's time, seconds
     /// ahead under a limit that went up. They take their own cells instead.
-    pub(super) fn block(&mut self, remote: bool, recovering: bool, per_sec: f64) -> u32 {
+    pub(crate) fn block(&mut self, remote: bool, recovering: bool, per_sec: f64) -> u32 {
         if !remote || self.mode != 2 || recovering || self.block_asked {
             return 1;
         }
@@ -243,7 +252,7 @@ impl View {
         block
     }
 
-    pub(super) fn recovering(&mut self, now: Instant) -> bool {
+    pub(crate) fn recovering(&mut self, now: Instant) -> bool {
         match self.recover_until {
             Some(at) if now < at => true,
             Some(_) => {
@@ -255,7 +264,7 @@ impl View {
     }
 
     /// Applies what the store said.
-    pub(super) fn update(&mut self, grant: &PaceGrant, recover: Duration) {
+    pub(crate) fn update(&mut self, grant: &PaceGrant, recover: Duration) {
         self.mode = self.mode.max(grant.mode);
         if grant.limits != self.limits {
             self.limits = grant.limits;
@@ -268,7 +277,7 @@ impl View {
 /// The views of one layer, per key. Bounded: past 4,096 keys the idle ones are forgotten
 /// (and learned again from the store).
 #[derive(Debug, Default)]
-pub(super) struct Views {
+pub(crate) struct Views {
     map: HashMap<Arc<str>, View>,
 }
 
@@ -283,7 +292,7 @@ impl View {
 impl Views {
     /// The view of `key` (created cold), through a guard that keeps `loud` — the number
     /// of views that are not quiet — true when it is dropped.
-    pub(super) fn get<'a>(
+    pub(crate) fn get<'a>(
         &'a mut self,
         key: &Arc<str>,
         learning: bool,
@@ -317,13 +326,13 @@ impl Views {
     }
 
     /// The view of `key`, if there is one (none is created).
-    pub(super) fn peek(&self, key: &str) -> Option<&View> {
+    pub(crate) fn peek(&self, key: &str) -> Option<&View> {
         self.map.get(key)
     }
 
     /// The block reservation of `key` asked for by [`View::block`] is answered (or given
     /// up): the next call short of cells may ask for a block again.
-    pub(super) fn block_done(&mut self, key: &str) {
+    pub(crate) fn block_done(&mut self, key: &str) {
         if let Some(view) = self.map.get_mut(key) {
             view.block_asked = false;
         }
@@ -331,7 +340,7 @@ impl Views {
 }
 
 /// A view borrowed from [`Views`]; counts it in or out of the loud views when dropped.
-pub(super) struct ViewGuard<'a> {
+pub(crate) struct ViewGuard<'a> {
     view: &'a mut View,
     quiet_before: bool,
     loud: &'a AtomicUsize,
@@ -366,7 +375,7 @@ impl Drop for ViewGuard<'_> {
 }
 
 /// Merges a report into pending ones: the latest headers, charges summed.
-pub(super) fn merge(pending: &mut Option<PaceAsk>, report: &PaceAsk) {
+pub(crate) fn merge(pending: &mut Option<PaceAsk>, report: &PaceAsk) {
     match pending {
         None => *pending = Some(*report),
         Some(p) => {

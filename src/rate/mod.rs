@@ -1,0 +1,18 @@
+//! The rate of each upstream key: what the provider's answers taught of its limits
+//! (learned pacing), a configured [`Pacing`], the cooldown gate after a 429, slow start and
+//! the recovery probe.
+//!
+//! The retry layer ([`RetryAfterBackoff`](crate::RetryAfterBackoff)) feeds it what each
+//! answer said (its `anthropic-ratelimit-*` limits, its `usage`, a throttle and its delay);
+//! the fair queue consults it through the layer's rate gate before it dispatches a call.
+//! The requests are keyed per upstream by an [`UpstreamKey`].
+
+mod key_gate;
+mod learned;
+mod pacing;
+
+pub(crate) use self::key_gate::{KeyGate, KeyGates, Ready};
+pub use self::learned::{ByApiKey, ByApiKeyAndModel, ByModel, OneUpstream, UpstreamKey};
+pub(crate) use self::learned::{View, Views, dim_name, has_ratelimit_headers, merge, read_limits};
+pub(crate) use self::pacing::Pacer;
+pub use self::pacing::Pacing;
