@@ -34,8 +34,22 @@ static HEADERS: std::sync::LazyLock<[(http::HeaderName, http::HeaderName); DIMS]
     });
 
 /// The dimension's name, for metrics.
-pub(crate) fn dim_name(d: usize) -> &'static str {
+fn dim_name(d: usize) -> &'static str {
     NAMES.get(d).copied().unwrap_or("unknown")
+}
+
+/// Sets the learned-limit gauge of each dimension `upstream` has a limit in.
+pub(super) fn learned_limits(upstream: &str, limits: &[u32; DIMS]) {
+    for (d, limit) in limits.iter().enumerate() {
+        if *limit > 0 {
+            metrics::gauge!(
+                crate::metrics::Metric::LearnedLimit.name(),
+                "upstream" => upstream.to_owned(),
+                "dimension" => dim_name(d)
+            )
+            .set(f64::from(*limit));
+        }
+    }
 }
 
 /// Whether an answer carries any `anthropic-ratelimit-*` header: one pass over its few
@@ -51,7 +65,7 @@ static LOGGED_GARBAGE: AtomicBool = AtomicBool::new(false);
 /// What an answer's headers say per dimension: `(limit, remaining)`, limit 0 when the
 /// dimension is absent or its values are unusable (zero, absurd, not a number), which is
 /// logged once per process (`upstream.ratelimit_ignored`).
-pub(crate) fn read_limits(headers: &HeaderMap) -> [(u32, u32); DIMS] {
+pub(super) fn read_limits(headers: &HeaderMap) -> [(u32, u32); DIMS] {
     let mut out = [(0, 0); DIMS];
     if !has_ratelimit_headers(headers) {
         return out;
@@ -179,7 +193,7 @@ where
 
 /// The value of the first top-level-looking `"model": "<name>"` in a JSON body: a name of
 /// at most 128 characters among letters, digits and `-._:@`; anything else is `None`.
-pub(crate) fn model_of(body: &[u8]) -> Option<&str> {
+pub(super) fn model_of(body: &[u8]) -> Option<&str> {
     const NEEDLE: &[u8] = b"\"model\"";
     let at = body.windows(NEEDLE.len()).position(|w| w == NEEDLE)?;
     let rest = &body[at + NEEDLE.len()..];
@@ -200,28 +214,28 @@ pub(crate) fn model_of(body: &[u8]) -> Option<&str> {
 
 /// What a worker knows of one key's learned bucket.
 #[derive(Debug)]
-pub(crate) struct View {
+pub(super) struct View {
     /// 0: cold (no answer yet), 1: answers carry no limits, 2: limits learned.
-    pub(crate) mode: u8,
-    pub(crate) limits: [u32; DIMS],
+    pub(super) mode: u8,
+    pub(super) limits: [u32; DIMS],
     /// Recovering from a throttle (one probe first) until then, as far as this worker knows.
-    pub(crate) recover_until: Option<Instant>,
+    pub(super) recover_until: Option<Instant>,
     /// Cells reserved ahead (Redis), usable from `credit_at`.
-    pub(crate) credit: [u32; DIMS],
-    pub(crate) credit_at: Instant,
+    pub(super) credit: [u32; DIMS],
+    pub(super) credit_at: Instant,
     /// Reports not sent yet (Redis, steady state): they go with the next reservation.
-    pub(crate) pending: Option<PaceAsk>,
+    pub(super) pending: Option<PaceAsk>,
     /// A reservation of a block of calls is on its way to the store (see
     /// [`View::block`]).
-    pub(crate) block_asked: bool,
+    pub(super) block_asked: bool,
     /// Input and output tokens per call, on average over the recent answers' usage (0:
     /// none seen).
-    pub(crate) input_avg: u32,
-    pub(crate) output_avg: u32,
+    pub(super) input_avg: u32,
+    pub(super) output_avg: u32,
 }
 
 impl View {
-    pub(crate) fn new(learning: bool) -> Self {
+    pub(super) fn new(learning: bool) -> Self {
         View {
             // Without learning there is no cold start: calls go without waiting for an answer.
             mode: if learning { 0 } else { 1 },
@@ -243,7 +257,7 @@ impl View {
     /// changed, or at the end of the cold start — would each take a block, reserve several
     /// times what they need and pool the spare cells behind the latest block's time, seconds
     /// ahead under a limit that went up. They take their own cells instead.
-    pub(crate) fn block(&mut self, remote: bool, recovering: bool, per_sec: f64) -> u32 {
+    pub(super) fn block(&mut self, remote: bool, recovering: bool, per_sec: f64) -> u32 {
         if !remote || self.mode != 2 || recovering || self.block_asked {
             return 1;
         }
@@ -252,7 +266,7 @@ impl View {
         block
     }
 
-    pub(crate) fn recovering(&mut self, now: Instant) -> bool {
+    pub(super) fn recovering(&mut self, now: Instant) -> bool {
         match self.recover_until {
             Some(at) if now < at => true,
             Some(_) => {
@@ -264,7 +278,7 @@ impl View {
     }
 
     /// Applies what the store said.
-    pub(crate) fn update(&mut self, grant: &PaceGrant, recover: Duration) {
+    pub(super) fn update(&mut self, grant: &PaceGrant, recover: Duration) {
         self.mode = self.mode.max(grant.mode);
         if grant.limits != self.limits {
             self.limits = grant.limits;
@@ -277,7 +291,7 @@ impl View {
 /// The views of one layer, per key. Bounded: past 4,096 keys the idle ones are forgotten
 /// (and learned again from the store).
 #[derive(Debug, Default)]
-pub(crate) struct Views {
+pub(super) struct Views {
     map: HashMap<Arc<str>, View>,
 }
 
@@ -292,7 +306,7 @@ impl View {
 impl Views {
     /// The view of `key` (created cold), through a guard that keeps `loud` — the number
     /// of views that are not quiet — true when it is dropped.
-    pub(crate) fn get<'a>(
+    pub(super) fn get<'a>(
         &'a mut self,
         key: &Arc<str>,
         learning: bool,
@@ -326,13 +340,13 @@ impl Views {
     }
 
     /// The view of `key`, if there is one (none is created).
-    pub(crate) fn peek(&self, key: &str) -> Option<&View> {
+    pub(super) fn peek(&self, key: &str) -> Option<&View> {
         self.map.get(key)
     }
 
     /// The block reservation of `key` asked for by [`View::block`] is answered (or given
     /// up): the next call short of cells may ask for a block again.
-    pub(crate) fn block_done(&mut self, key: &str) {
+    pub(super) fn block_done(&mut self, key: &str) {
         if let Some(view) = self.map.get_mut(key) {
             view.block_asked = false;
         }
@@ -340,7 +354,7 @@ impl Views {
 }
 
 /// A view borrowed from [`Views`]; counts it in or out of the loud views when dropped.
-pub(crate) struct ViewGuard<'a> {
+pub(super) struct ViewGuard<'a> {
     view: &'a mut View,
     quiet_before: bool,
     loud: &'a AtomicUsize,
@@ -375,7 +389,7 @@ impl Drop for ViewGuard<'_> {
 }
 
 /// Merges a report into pending ones: the latest headers, charges summed.
-pub(crate) fn merge(pending: &mut Option<PaceAsk>, report: &PaceAsk) {
+pub(super) fn merge(pending: &mut Option<PaceAsk>, report: &PaceAsk) {
     match pending {
         None => *pending = Some(*report),
         Some(p) => {

@@ -7,12 +7,16 @@
 //! the fair queue consults it through the layer's rate gate before it dispatches a call.
 //! The requests are keyed per upstream by an [`UpstreamKey`].
 
+mod core;
+mod gate;
 mod key_gate;
 mod learned;
 mod pacing;
+mod usage;
 
-pub(crate) use self::key_gate::{KeyGate, KeyGates, Ready};
+pub(crate) use self::core::{Ask, Learned, RateConfig, Rates, taken};
+pub(crate) use self::learned::has_ratelimit_headers;
 pub use self::learned::{ByApiKey, ByApiKeyAndModel, ByModel, OneUpstream, UpstreamKey};
-pub(crate) use self::learned::{View, Views, dim_name, has_ratelimit_headers, merge, read_limits};
-pub(crate) use self::pacing::Pacer;
 pub use self::pacing::Pacing;
+pub(crate) use self::usage::Usage;
+pub use self::usage::UsageScanner;

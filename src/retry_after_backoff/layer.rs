@@ -3,8 +3,8 @@ use std::sync::Arc;
 
 use tower_layer::Layer;
 
-use super::core::{Core, CoreAndCloner};
 use super::request::{ByClone, TypeName};
+use super::state::{Core, CoreAndCloner};
 use super::{BackoffPolicy, RetryAfterBackoff};
 use crate::Store;
 use crate::rate::OneUpstream;
@@ -111,7 +111,7 @@ impl<C, K> RetryAfterBackoffLayer<C, K> {
     /// ```
     pub fn with_gate_below(mut self) -> (Self, crate::RateGate) {
         self.gated = true;
-        let inner: Arc<dyn crate::gate::RateLimit> = self.shared.core.clone();
+        let inner: Arc<dyn crate::gate::RateLimit> = self.shared.core.rate.clone();
         (self, crate::RateGate::new(inner))
     }
 

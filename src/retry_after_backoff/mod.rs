@@ -94,17 +94,15 @@
 mod admit;
 mod body;
 mod call;
-mod core;
 pub(crate) mod decide;
 pub mod future;
-mod gate;
 mod layer;
 pub mod metrics;
 mod policy;
 mod request;
 mod service;
+mod state;
 mod telemetry;
-mod usage;
 
 pub use self::body::ResponseBody;
 pub use self::decide::{Backoff, StatusSet};
@@ -112,4 +110,3 @@ pub use self::layer::RetryAfterBackoffLayer;
 pub use self::policy::{BackoffPolicy, BackoffPolicyBuilder};
 pub use self::request::{ByClone, CloneRequest, SendOnce};
 pub use self::service::RetryAfterBackoff;
-pub use self::usage::UsageScanner;
