@@ -45,7 +45,7 @@ pub(crate) struct RateConfig {
 impl RateConfig {
     /// The release window after a reopening `left` away: a fifth of it (at least 1 ms), so
     /// the spread scales with the server's delay.
-    pub(crate) fn spread_for(&self, left: Duration) -> Duration {
+    pub(super) fn spread_for(&self, left: Duration) -> Duration {
         (left / 5).max(Duration::from_millis(1))
     }
 
@@ -57,11 +57,12 @@ impl RateConfig {
 }
 
 /// The rate of one layer's upstream keys: the store, pacing, and this worker's view of
-/// each key. The retry layer feeds it what the answers said and waits for it when it works
-/// alone; a fair queue below consults it as a [`RateGate`](crate::RateGate).
+/// each key. The retry layer feeds it what the answers said (`feed.rs`, `usage.rs`) and
+/// waits for it when it works alone; a fair queue below consults it as a
+/// [`RateGate`](crate::RateGate) (`gate.rs`).
 pub(crate) struct Rates {
-    pub(crate) store: Store,
-    pub(crate) config: RateConfig,
+    pub(super) store: Store,
+    pub(super) config: RateConfig,
     pub(crate) pacer: Option<Pacer>,
     rng: Mutex<Rng>,
     /// This worker's view of each upstream key's learned bucket.
@@ -80,14 +81,14 @@ pub(crate) struct Rates {
     created: Instant,
     /// Notified when an answer was reported to the store: calls held behind a probe in
     /// this worker ask again at once, in the order they wait.
-    pub(crate) answered: Arc<tokio::sync::Notify>,
+    pub(super) answered: Arc<tokio::sync::Notify>,
     /// Notified when this worker learns that a key's limits changed: calls waiting for
     /// cells reserved under the old ones ask again.
     limits_changed: Arc<tokio::sync::Notify>,
     /// The rate gate's state per key, when a fair queue below consults it.
     pub(super) gates: Mutex<KeyGates>,
     /// Notified when a rate gate may have opened (one fair queue listens).
-    pub(crate) gate_changed: Arc<tokio::sync::Notify>,
+    pub(super) gate_changed: Arc<tokio::sync::Notify>,
 }
 
 /// A reservation of a block of calls this worker is asking the store for: while it lives,
@@ -126,7 +127,7 @@ pub(crate) enum Learned {
 /// tokens, the output tokens expected (`output`: the key's recent average from the
 /// answers' usage, at least 1; the count is only known after, see `usage.rs`), and both
 /// again in the combined `tokens` dimension.
-pub(crate) fn needs(cost: u32, output: u32) -> [u32; DIMS] {
+pub(super) fn needs(cost: u32, output: u32) -> [u32; DIMS] {
     [
         1,
         cost.max(1),
@@ -244,7 +245,7 @@ impl Rates {
     /// Notes that `key`'s gate reopens in `left` and returns when this worker's first call
     /// may go after it: the reopening plus the worker's own random offset into the release
     /// window (one draw per reopening, so the workers' first calls are spread out).
-    pub(crate) fn note_reopen(&self, key: &Arc<str>, left: Duration) -> Instant {
+    pub(super) fn note_reopen(&self, key: &Arc<str>, left: Duration) -> Instant {
         let now = Instant::now();
         let reopen = now + left;
         let mut release = crate::sync::lock(&self.release);
@@ -326,14 +327,14 @@ impl Rates {
     }
 
     /// Whether `key` has had no answer yet (slow start), as far as this worker knows.
-    pub(crate) fn is_cold(&self, key: &Arc<str>) -> bool {
+    pub(super) fn is_cold(&self, key: &Arc<str>) -> bool {
         let mut views = crate::sync::lock(&self.views);
         views.get(key, self.config.learned_pacing, &self.loud).mode == 0
     }
 
     /// Whether calls to `key` go one probe at a time: no answer yet (slow start), or
     /// recovering from a throttle, as far as this worker knows.
-    pub(crate) fn probes(&self, key: &Arc<str>) -> bool {
+    pub(super) fn probes(&self, key: &Arc<str>) -> bool {
         let mut views = crate::sync::lock(&self.views);
         let mut view = views.get(key, self.config.learned_pacing, &self.loud);
         view.mode == 0 || view.recovering(Instant::now())
@@ -357,7 +358,7 @@ impl Rates {
 
     /// The layer's own key, known, and every view quiet (nothing learned, cold or
     /// recovering): learned pacing has nothing to say, checked without a lock.
-    pub(crate) fn all_quiet(&self, key: &Arc<str>) -> bool {
+    pub(super) fn all_quiet(&self, key: &Arc<str>) -> bool {
         Arc::ptr_eq(key, &self.config.upstream)
             && self.default_known.load(Ordering::Acquire)
             && self.loud.load(Ordering::Acquire) == 0
@@ -372,7 +373,7 @@ impl Rates {
     /// learned yet, or its last answer said none), the cells another worker names
     /// ([`FleetCells::FROM_THE_FLEET`]): a worker pacing in the shared bucket while others
     /// hand out cells would take the whole rate a second time.
-    pub(crate) fn learned_cells(&self, key: &Arc<str>) -> Option<FleetCells> {
+    pub(super) fn learned_cells(&self, key: &Arc<str>) -> Option<FleetCells> {
         if !self.config.learned_pacing {
             return None;
         }
@@ -518,7 +519,7 @@ impl Rates {
     /// reservation, and the key's learned limits as this worker knew them when the call
     /// went, when its token charges are to be corrected from the answer's usage (else
     /// zeros).
-    pub(crate) fn report(
+    pub(super) fn report(
         &self,
         key: &Arc<str>,
         headers: &http::HeaderMap,

@@ -193,8 +193,7 @@ impl<S, Req, C> Call<S, Req, C> {
             // Slow start or recovery: held for the rate until the probe answers.
             self.waited(WaitReason::Rate, wait);
             waits.sleep(wait.max(Duration::from_millis(1)));
-            let notify = core.rate.answered.clone();
-            waits.answered = Some(Box::pin(async move { notify.notified().await }));
+            waits.answered = Some(core.rate.next_answer());
             return Poll::Ready(Admit::Again);
         }
         if grant.probe {

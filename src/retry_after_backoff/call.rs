@@ -23,7 +23,7 @@ use super::telemetry;
 use crate::admission::Busy;
 use crate::error::BoxError;
 use crate::gate::{AttemptCell, Taken, WaitReason};
-use crate::rate::{Ask, Usage};
+use crate::rate::{Answer, Ask, Usage};
 use crate::store::{DIMS, OUTPUT, PaceGrant, StoreFuture, TOTAL};
 use crate::{JobRequest, TenantId};
 
@@ -366,15 +366,13 @@ impl<S, Req, C> Call<S, Req, C> {
         // At its limit until an answer says otherwise, or the probe timeout runs out: after
         // the gate, one probe for the whole fleet through the store.
         let at_limit = !spend_limit && (outcome.slow_down || outcome.gate.is_some());
-        if let Some(delay) = outcome.gate {
-            core.rate.note_reopen(key, delay);
-        }
-        if at_limit {
-            core.rate.note_at_limit(key);
-        }
-        let (report, limits) =
-            core.rate
-                .report(key, response.headers(), at_limit, self.charge.probe);
+        let answer = Answer {
+            headers: response.headers(),
+            at_limit,
+            closes_for: outcome.gate,
+            probe: self.charge.probe,
+        };
+        let (report, limits) = core.rate.answered(key, &answer);
         let report = report.map(|ask| core.store.pace_learned(key, &ask));
         let throttle = (outcome.status == StatusCode::TOO_MANY_REQUESTS)
             .then(|| core.store.record_throttle(&self.tenant));
@@ -644,13 +642,9 @@ impl<S, Req, C> Call<S, Req, C> {
         if let Some(told) = report.as_mut()
             && let Poll::Ready(grant) = Pin::new(told).poll(cx)
         {
-            let core = &self.shared.core;
-            core.rate
-                .granted(&self.upstream, &grant, self.charge.need, 1);
-            *report = None;
             // Calls held behind this probe ask again now.
-            core.rate.answered.notify_waiters();
-            core.rate.gate_changed.notify_one();
+            (self.shared.core.rate).reported(&self.upstream, &grant, self.charge.need);
+            *report = None;
         }
         if throttle.is_some() || gate.is_some() || report.is_some() {
             return Poll::Pending;

@@ -111,8 +111,8 @@ impl<C, K> RetryAfterBackoffLayer<C, K> {
     /// ```
     pub fn with_gate_below(mut self) -> (Self, crate::RateGate) {
         self.gated = true;
-        let inner: Arc<dyn crate::gate::RateLimit> = self.shared.core.rate.clone();
-        (self, crate::RateGate::new(inner))
+        let gate = self.shared.core.rate.gate();
+        (self, gate)
     }
 
     /// The policy.
