@@ -297,7 +297,7 @@ pub(super) struct Views {
 
 impl View {
     /// Nothing to learn, recover from or report: answers without rate-limit headers
-    /// change nothing (see `Core::report`'s lock-free path).
+    /// change nothing (see `Rates::report`'s lock-free path).
     fn is_quiet(&self) -> bool {
         self.mode == 1 && self.recover_until.is_none() && self.pending.is_none()
     }
