@@ -68,7 +68,7 @@
 use std::convert::Infallible;
 use std::time::Duration;
 
-use fairgate::retry_after_backoff::Pacing;
+use fairgate::rate::Pacing;
 use fairgate::{
     BackoffPolicy, BoxError, Busy, FairgateLayer, Job, Origin, OutagePolicy, SlotPolicy, Store,
     TierSlotLimitLayer, WaitReason,

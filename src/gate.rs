@@ -14,8 +14,8 @@
 //!   [`TierSlotLimitLayer::gate`](crate::TierSlotLimitLayer::gate), passed to
 //!   [`DrrFairnessBuilder::slot_gate`](crate::drr_fairness::DrrFairnessBuilder::slot_gate);
 //! - the rate of an upstream key, a [`RateGate`]: the learned limits (requests, input and
-//!   output tokens), a configured [`Pacing`](crate::retry_after_backoff::Pacing), the
-//!   cooldown gate after a 429, slow start and the recovery probe. It is made by
+//!   output tokens), a configured [`Pacing`](crate::rate::Pacing), the cooldown gate
+//!   after a 429, slow start and the recovery probe ([`crate::rate`]). It is made by
 //!   [`RetryAfterBackoffLayer::with_gate_below`](crate::RetryAfterBackoffLayer::with_gate_below)
 //!   and passed to [`DrrFairnessLayer::builder`](crate::DrrFairnessLayer::builder)'s
 //!   [`rate_gate`](crate::drr_fairness::DrrFairnessBuilder::rate_gate);
@@ -98,8 +98,8 @@ impl fmt::Debug for Receipt {
     }
 }
 
-/// The rate of upstream keys, as the fair queue consults it. Implemented by the retry
-/// layer's core (the learned limits, pacing, cooldown gate and probe live there).
+/// The rate of upstream keys, as the fair queue consults it. Implemented by the rate of a
+/// retry layer's keys (`crate::rate`: the learned limits, pacing, cooldown gate and probe).
 pub(crate) trait RateLimit: Send + Sync + 'static {
     /// The key of a request that names none.
     fn default_key(&self) -> Arc<str>;
@@ -108,7 +108,7 @@ pub(crate) trait RateLimit: Send + Sync + 'static {
     /// with its slot, in the fleet's order (see [`fleet_cells`](RateLimit::fleet_cells)).
     fn check(self: Arc<Self>, key: &Arc<str>, cost: u32, fleet_cells: bool) -> Verdict;
     /// The request rate of `key` as cells the fleet's order can hand out with the slots:
-    /// a configured shared [`Pacing`](crate::retry_after_backoff::Pacing)'s request limit
+    /// a configured shared [`Pacing`](crate::rate::Pacing)'s request limit
     /// or the learned one (the slower of the two), for the gate's own upstream key (`None`
     /// otherwise: the gate paces it). Learning, with no limit in this worker's view now:
     /// [`FleetCells::FROM_THE_FLEET`], the cells another worker names.

@@ -101,6 +101,7 @@ mod labels;
 pub mod metrics;
 pub mod pool;
 pub mod priority_classify;
+pub mod rate;
 pub mod reject;
 #[cfg(feature = "reqwest")]
 #[cfg_attr(docsrs, doc(cfg(feature = "reqwest")))]

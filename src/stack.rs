@@ -74,7 +74,8 @@ use crate::body::GuardedBody;
 use crate::drr_fairness::{DrrFairnessBuilder, Permit, Settler};
 use crate::error::ConfigError;
 use crate::priority_classify::PriorityClassify;
-use crate::retry_after_backoff::{ByClone, OneUpstream, ResponseBody, RetryAfterBackoff};
+use crate::rate::OneUpstream;
+use crate::retry_after_backoff::{ByClone, ResponseBody, RetryAfterBackoff};
 use crate::tier_slot_limit::{SlotPermit, TierSlotLimit};
 use crate::{
     BackoffPolicy, ClassifyRule, DefaultRule, DemotionPolicy, DrrFairness, DrrFairnessLayer,
@@ -157,7 +158,7 @@ impl<C, R, K> FairgateLayer<C, R, K> {
 
     /// Scopes the cooldown gate, the recovery probe and the learned limits per request
     /// (per API key, per model, both, or a closure) instead of one per layer; see
-    /// [`UpstreamKey`](crate::retry_after_backoff::UpstreamKey).
+    /// [`UpstreamKey`](crate::rate::UpstreamKey).
     pub fn upstream_key_with<K2>(self, key: K2) -> FairgateLayer<C, R, K2> {
         FairgateLayer {
             classify: self.classify,

@@ -15,10 +15,11 @@ use http_body::Body;
 use tower_service::Service;
 
 use super::call::{Admission, Call, LearnedPass, RateWaiter, Step, Waits};
-use super::core::{HeldCall, Learned, taken};
+use super::state::HeldCall;
 use super::telemetry;
 use crate::admission::WaitReason;
 use crate::error::BoxError;
+use crate::rate::{Learned, taken};
 
 /// What one step of the admission says.
 enum Admit {
@@ -81,7 +82,7 @@ impl<S, Req, C> Call<S, Req, C> {
         let core = &self.shared.core;
         let mut wait = Duration::ZERO;
         if core.store.cooldown(&self.upstream).is_none() {
-            match core.admit_learned(&self.upstream, self.cost, false) {
+            match core.rate.admit_learned(&self.upstream, self.cost, false) {
                 Learned::Go(first, need, charged) => {
                     (self.charge.need, self.charge.charged) = (need, charged);
                     self.admission.learned = LearnedPass::Let;
@@ -95,8 +96,8 @@ impl<S, Req, C> Call<S, Req, C> {
         }
         let go_now = matches!(self.admission.learned, LearnedPass::Let)
             && wait.is_zero()
-            && core.shared_pacing().is_none()
-            && core.pacer.as_ref().is_none_or(|pacer| {
+            && core.rate.shared_pacing().is_none()
+            && core.rate.pacer.as_ref().is_none_or(|pacer| {
                 pacer
                     .admit(&mut self.admission.pace_step, self.cost)
                     .is_none()
@@ -108,7 +109,7 @@ impl<S, Req, C> Call<S, Req, C> {
         if !wait.is_zero() {
             telemetry::pacing_wait(wait);
             self.waited(WaitReason::Rate, wait);
-            self.admission.paced_under = Some(core.limits_of(&self.upstream));
+            self.admission.paced_under = Some(core.rate.limits_of(&self.upstream));
         }
         Some(wait)
     }
@@ -127,14 +128,14 @@ impl<S, Req, C> Call<S, Req, C> {
         {
             waits.relimit = None;
             if let Some(limits) = self.admission.paced_under
-                && self.shared.core.limits_of(&self.upstream) != limits
+                && self.shared.core.rate.limits_of(&self.upstream) != limits
             {
                 // The reservation is void: ask again now.
                 self.admission.paced_under = None;
                 self.admission.learned = LearnedPass::Unasked;
                 waits.sleep = None;
             } else if waits.sleep.is_some() {
-                waits.relimit = Some(self.shared.core.limits_changed());
+                waits.relimit = Some(self.shared.core.rate.limits_changed());
                 return Poll::Ready(Admit::Again);
             }
         }
@@ -180,19 +181,19 @@ impl<S, Req, C> Call<S, Req, C> {
             LearnedPass::Asking(asked) => asked.block,
             _ => 1,
         };
-        core.granted(&self.upstream, &grant, self.charge.need, block);
+        core.rate
+            .granted(&self.upstream, &grant, self.charge.need, block);
         // Another block may be asked for once this one's cells are credited.
         drop(asked);
         if !grant.hold.is_zero() {
             // Another call is probing this key (cold start or recovery): ask again a random
             // moment later, or when its lease ends.
             self.held.get_or_insert_with(|| HeldCall::new(core));
-            let wait = grant.hold.mul_f64(0.5 + 0.5 * core.unit());
+            let wait = grant.hold.mul_f64(0.5 + 0.5 * core.rate.unit());
             // Slow start or recovery: held for the rate until the probe answers.
             self.waited(WaitReason::Rate, wait);
             waits.sleep(wait.max(Duration::from_millis(1)));
-            let notify = core.answered.clone();
-            waits.answered = Some(Box::pin(async move { notify.notified().await }));
+            waits.answered = Some(core.rate.next_answer());
             return Poll::Ready(Admit::Again);
         }
         if grant.probe {
@@ -213,7 +214,7 @@ impl<S, Req, C> Call<S, Req, C> {
         }
         if !grant.wait.is_zero() {
             self.admission.paced_under = Some(grant.limits);
-            waits.relimit = Some(core.limits_changed());
+            waits.relimit = Some(core.rate.limits_changed());
             waits.sleep(grant.wait);
             return Poll::Ready(Admit::Again);
         }
@@ -231,11 +232,11 @@ impl<S, Req, C> Call<S, Req, C> {
         // from its own offset into it), after one probe for the whole fleet.
         let lone = self.retries > 0 && !core.others_held(self.held.is_some());
         self.held.get_or_insert_with(|| HeldCall::new(core));
-        core.note_at_limit(&self.upstream);
+        core.rate.note_at_limit(&self.upstream);
         let wait = if lone {
             left
         } else {
-            core.release_after(&self.upstream, left)
+            core.rate.release_after(&self.upstream, left)
         };
         telemetry::cooldown_wait(wait);
         self.waited(WaitReason::Cooldown, wait);
@@ -253,7 +254,8 @@ impl<S, Req, C> Call<S, Req, C> {
                 return Poll::Ready(Admit::Pass);
             }
             LearnedPass::Asking(asked) => asked,
-            LearnedPass::Unasked => match core.admit_learned(&self.upstream, self.cost, false) {
+            LearnedPass::Unasked => match core.rate.admit_learned(&self.upstream, self.cost, false)
+            {
                 Learned::Go(wait, need, charged) => {
                     self.admission.learned = LearnedPass::Let;
                     self.charge.need = need;
@@ -263,8 +265,8 @@ impl<S, Req, C> Call<S, Req, C> {
                     }
                     telemetry::pacing_wait(wait);
                     self.waited(WaitReason::Rate, wait);
-                    self.admission.paced_under = Some(core.limits_of(&self.upstream));
-                    waits.relimit = Some(core.limits_changed());
+                    self.admission.paced_under = Some(core.rate.limits_of(&self.upstream));
+                    waits.relimit = Some(core.rate.limits_changed());
                     waits.sleep(wait);
                     return Poll::Ready(Admit::Again);
                 }
@@ -277,7 +279,7 @@ impl<S, Req, C> Call<S, Req, C> {
         // Not before this worker's release after the key's last reopening, unless nothing
         // else is held.
         if core.others_held(self.held.is_some())
-            && let Some(wait) = core.release_in(&self.upstream)
+            && let Some(wait) = core.rate.release_in(&self.upstream)
         {
             waits.sleep(wait.max(Duration::from_millis(1)));
             return Poll::Ready(Admit::Again);
@@ -290,7 +292,7 @@ impl<S, Req, C> Call<S, Req, C> {
     /// The learned limits did not change while the attempt waited for its cells.
     fn limits_unchanged(&mut self, _: &mut Context<'_>, _: &mut Waits) -> Poll<Admit> {
         if let Some(limits) = self.admission.paced_under.take()
-            && self.shared.core.limits_of(&self.upstream) != limits
+            && self.shared.core.rate.limits_of(&self.upstream) != limits
         {
             // The limits changed while this call waited: ask again.
             self.admission.learned = LearnedPass::Unasked;
@@ -304,7 +306,7 @@ impl<S, Req, C> Call<S, Req, C> {
     /// Asks the store's shared pacing for a reservation, once per attempt.
     fn shared_pacing_asked(&mut self, _: &mut Context<'_>, waits: &mut Waits) -> Poll<Admit> {
         let core = &self.shared.core;
-        if let Some(pacing) = core.shared_pacing()
+        if let Some(pacing) = core.rate.shared_pacing()
             && !self.admission.reserved
         {
             let (limits, n) = pacing.limits(self.cost);
@@ -317,7 +319,7 @@ impl<S, Req, C> Call<S, Req, C> {
     /// The layer's own configured pacing.
     fn configured_pacing(&mut self, _: &mut Context<'_>, waits: &mut Waits) -> Poll<Admit> {
         let core = &self.shared.core;
-        if let Some(pacer) = &core.pacer
+        if let Some(pacer) = &core.rate.pacer
             && let Some(wait) = pacer.admit(&mut self.admission.pace_step, self.cost)
         {
             self.waited(WaitReason::Rate, wait);

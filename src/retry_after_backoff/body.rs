@@ -9,7 +9,7 @@ use bytes::Buf;
 use http_body::{Body, Frame, SizeHint};
 use pin_project_lite::pin_project;
 
-use super::usage::Usage;
+use crate::rate::Usage;
 
 pin_project! {
     /// The body of a response from [`RetryAfterBackoff`](super::RetryAfterBackoff): the

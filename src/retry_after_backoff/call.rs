@@ -16,14 +16,14 @@ use tower::retry::budget::Budget;
 use tower_service::Service;
 
 use super::body::{Filled, Peeked, ResponseBody};
-use super::core::{Ask, CoreAndCloner, HeldCall};
 use super::decide::{self, Verdict};
 use super::request::CloneRequest;
+use super::state::{CoreAndCloner, HeldCall};
 use super::telemetry;
-use super::usage::Usage;
 use crate::admission::Busy;
 use crate::error::BoxError;
 use crate::gate::{AttemptCell, Taken, WaitReason};
+use crate::rate::{Answer, Ask, Usage};
 use crate::store::{DIMS, OUTPUT, PaceGrant, StoreFuture, TOTAL};
 use crate::{JobRequest, TenantId};
 
@@ -223,7 +223,7 @@ impl Waits {
             .admission
             .paced_under
             .is_some()
-            .then(|| call.shared.core.limits_changed());
+            .then(|| call.shared.core.rate.limits_changed());
         Waits {
             sleep: sleep_for(wait),
             relimit,
@@ -324,7 +324,7 @@ impl<S, Req, C> Call<S, Req, C> {
             telemetry::gave_up("not_clonable");
             return None;
         }
-        let unit = core.unit();
+        let unit = core.rate.unit();
         let delay = match told {
             Some(told) => decide::throttle_delay(told, unit),
             None => policy.backoff.delay(self.retries, unit),
@@ -366,13 +366,13 @@ impl<S, Req, C> Call<S, Req, C> {
         // At its limit until an answer says otherwise, or the probe timeout runs out: after
         // the gate, one probe for the whole fleet through the store.
         let at_limit = !spend_limit && (outcome.slow_down || outcome.gate.is_some());
-        if let Some(delay) = outcome.gate {
-            core.note_reopen(key, delay);
-        }
-        if at_limit {
-            core.note_at_limit(key);
-        }
-        let (report, limits) = core.report(key, response.headers(), at_limit, self.charge.probe);
+        let answer = Answer {
+            headers: response.headers(),
+            at_limit,
+            closes_for: outcome.gate,
+            probe: self.charge.probe,
+        };
+        let (report, limits) = core.rate.answered(key, &answer);
         let report = report.map(|ask| core.store.pace_learned(key, &ask));
         let throttle = (outcome.status == StatusCode::TOO_MANY_REQUESTS)
             .then(|| core.store.record_throttle(&self.tenant));
@@ -444,7 +444,7 @@ impl<S, Req, C> Call<S, Req, C> {
                             || limits[OUTPUT] > 0
                             || limits[TOTAL] > 0)) =>
             {
-                let core = self.shared.core.clone();
+                let core = self.shared.core.rate.clone();
                 let charge = (need, charged, fleet_tokens);
                 let usage = Usage::new(core, self.upstream.clone(), charge, limits);
                 Then::Return(response.map(|body| body.scanned(usage)))
@@ -642,12 +642,9 @@ impl<S, Req, C> Call<S, Req, C> {
         if let Some(told) = report.as_mut()
             && let Poll::Ready(grant) = Pin::new(told).poll(cx)
         {
-            let core = &self.shared.core;
-            core.granted(&self.upstream, &grant, self.charge.need, 1);
-            *report = None;
             // Calls held behind this probe ask again now.
-            core.answered.notify_waiters();
-            core.gate_changed.notify_one();
+            (self.shared.core.rate).reported(&self.upstream, &grant, self.charge.need);
+            *report = None;
         }
         if throttle.is_some() || gate.is_some() || report.is_some() {
             return Poll::Pending;
@@ -689,7 +686,7 @@ impl<S, Req, C> Call<S, Req, C> {
             // A fresh cell: the retry is a new attempt (after a throttle its key is
             // recovering, so one is needed).
             if let RateWaiter::Below { attempt } = &mut self.rate {
-                *attempt = self.shared.core.attempt_cell(&self.upstream);
+                *attempt = self.shared.core.rate.attempt_cell(&self.upstream);
                 if let Some(cell) = attempt {
                     job.set_attempt(self.upstream.clone(), cell.clone());
                 }

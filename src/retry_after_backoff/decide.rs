@@ -24,6 +24,8 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use http::header::{AsHeaderName, HeaderName};
 use http::{HeaderMap, StatusCode, header};
 
+use crate::rate::has_ratelimit_headers;
+
 const RETRY_AFTER_MS: HeaderName = HeaderName::from_static("retry-after-ms");
 const X_SHOULD_RETRY: HeaderName = HeaderName::from_static("x-should-retry");
 
@@ -472,14 +474,6 @@ pub(crate) fn ratelimit_wait(headers: &HeaderMap, now: SystemTime) -> Option<Dur
 
 /// The latest reset among exhausted dimensions, as [`ratelimit_wait`] finds it, without a
 /// clock: the shell reads the clock only when a limit is exhausted.
-/// Whether an answer carries any `anthropic-ratelimit-*` header: one pass over its few
-/// header names, so an answer without them (most upstreams, most tests) costs no lookups.
-pub(super) fn has_ratelimit_headers(headers: &HeaderMap) -> bool {
-    headers
-        .keys()
-        .any(|name| name.as_str().starts_with("anthropic-ratelimit-"))
-}
-
 pub(super) fn ratelimit_reset(headers: &HeaderMap) -> Option<SystemTime> {
     if !has_ratelimit_headers(headers) {
         return None;

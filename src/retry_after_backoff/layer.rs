@@ -3,11 +3,11 @@ use std::sync::Arc;
 
 use tower_layer::Layer;
 
-use super::core::{Core, CoreAndCloner};
-use super::learned::OneUpstream;
 use super::request::{ByClone, TypeName};
+use super::state::{Core, CoreAndCloner};
 use super::{BackoffPolicy, RetryAfterBackoff};
 use crate::Store;
+use crate::rate::OneUpstream;
 
 /// Applies [`RetryAfterBackoff`] to a service.
 ///
@@ -58,9 +58,9 @@ impl<C, K> RetryAfterBackoffLayer<C, K> {
         }
     }
 
-    /// Chooses the upstream key of each request (an [`UpstreamKey`](super::UpstreamKey):
-    /// [`ByApiKey`](super::ByApiKey), [`ByModel`](super::ByModel),
-    /// [`ByApiKeyAndModel`](super::ByApiKeyAndModel) or a closure): the scope of its
+    /// Chooses the upstream key of each request (an [`UpstreamKey`](crate::rate::UpstreamKey):
+    /// [`ByApiKey`](crate::rate::ByApiKey), [`ByModel`](crate::rate::ByModel),
+    /// [`ByApiKeyAndModel`](crate::rate::ByApiKeyAndModel) or a closure): the scope of its
     /// cooldown gate, recovery probe and learned limits. Default: one key per layer, the
     /// policy's [`upstream`](super::BackoffPolicyBuilder::upstream). Keeps every other
     /// state.
@@ -91,7 +91,7 @@ impl<C, K> RetryAfterBackoffLayer<C, K> {
     /// The layer returned (and its clones, and the services it makes; not a clone taken
     /// before) then no longer holds calls for
     /// the cooldown gate, slow start, the recovery probe, learned pacing or a configured
-    /// [`Pacing`](super::Pacing): it sends each attempt straight down, naming its upstream
+    /// [`Pacing`](crate::rate::Pacing): it sends each attempt straight down, naming its upstream
     /// key on the request's [`Job`](crate::Job), and the fair queue dispatches its waiting
     /// requests in fair order as the gate lets them go, taking each call's cells when it
     /// dispatches it. What stays here: reading `retry-after` and the rate-limit headers
@@ -111,8 +111,8 @@ impl<C, K> RetryAfterBackoffLayer<C, K> {
     /// ```
     pub fn with_gate_below(mut self) -> (Self, crate::RateGate) {
         self.gated = true;
-        let inner: Arc<dyn crate::gate::RateLimit> = self.shared.core.clone();
-        (self, crate::RateGate::new(inner))
+        let gate = self.shared.core.rate.gate();
+        (self, gate)
     }
 
     /// The policy.

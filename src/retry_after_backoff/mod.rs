@@ -25,11 +25,13 @@
 //!   charged.
 //! - **Slow start**: until an answer has told an upstream key's limits, one call goes first
 //!   and the rest wait for its answer.
-//! - **Gate scope per request** ([`UpstreamKey`]): the gate, the probe and the learned
-//!   limits are kept per layer by default, or per [`ByApiKey`] (hashed), [`ByModel`],
-//!   [`ByApiKeyAndModel`], or a closure.
-//! - **Configured pacing** ([`Pacing`], optional): GCRA limits per minute on requests,
-//!   input and output tokens, per layer or [shared](Pacing::shared) through the store.
+//! - **Gate scope per request** ([`UpstreamKey`](crate::rate::UpstreamKey)): the gate, the
+//!   probe and the learned limits are kept per layer by default, or per
+//!   [`ByApiKey`](crate::rate::ByApiKey) (hashed), [`ByModel`](crate::rate::ByModel),
+//!   [`ByApiKeyAndModel`](crate::rate::ByApiKeyAndModel), or a closure.
+//! - **Configured pacing** ([`Pacing`](crate::rate::Pacing), optional): GCRA limits per
+//!   minute on requests, input and output tokens, per layer or
+//!   [shared](crate::rate::Pacing::shared) through the store.
 //! - **Max wait**: with slot caps in the store, a first attempt held here past its tier's
 //!   max wait fails with [`Busy`](crate::Busy); a retry's wait is the server's.
 //!
@@ -92,27 +94,19 @@
 mod admit;
 mod body;
 mod call;
-mod core;
 pub(crate) mod decide;
 pub mod future;
-mod gate;
-mod key_gate;
 mod layer;
-mod learned;
 pub mod metrics;
-mod pacing;
 mod policy;
 mod request;
 mod service;
+mod state;
 mod telemetry;
-mod usage;
 
 pub use self::body::ResponseBody;
 pub use self::decide::{Backoff, StatusSet};
 pub use self::layer::RetryAfterBackoffLayer;
-pub use self::learned::{ByApiKey, ByApiKeyAndModel, ByModel, OneUpstream, UpstreamKey};
-pub use self::pacing::Pacing;
 pub use self::policy::{BackoffPolicy, BackoffPolicyBuilder};
 pub use self::request::{ByClone, CloneRequest, SendOnce};
 pub use self::service::RetryAfterBackoff;
-pub use self::usage::UsageScanner;

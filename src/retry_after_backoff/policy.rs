@@ -2,8 +2,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::decide::{Backoff, StatusSet};
-use super::pacing::Pacing;
 use crate::error::ConfigError;
+use crate::rate::{Pacing, RateConfig};
 
 /// What [`RetryAfterBackoff`](super::RetryAfterBackoff) retries, how long it waits, and what
 /// it shares.
@@ -19,7 +19,8 @@ use crate::error::ConfigError;
 /// 64 KiB, 1,024 frames and 5 s; the probe mode over after 30 s without an answer.
 ///
 /// ```
-/// use fairgate::retry_after_backoff::{BackoffPolicy, Pacing, StatusSet};
+/// use fairgate::rate::Pacing;
+/// use fairgate::retry_after_backoff::{BackoffPolicy, StatusSet};
 /// use http::StatusCode;
 /// use std::time::Duration;
 ///
@@ -168,16 +169,19 @@ impl BackoffPolicy {
         self.usage_correction
     }
 
-    /// The release window after a reopening `left` away: a fifth of it (at least 1 ms), so
-    /// the spread scales with the server's delay.
-    pub(super) fn spread_for(&self, left: Duration) -> Duration {
-        (left / 5).max(Duration::from_millis(1))
-    }
-
-    /// How often a call held behind another's probe asks again, at most: an eighth of the
-    /// probe lease, between 10 ms and 250 ms.
-    pub(super) fn poll_interval(&self) -> Duration {
-        (self.release_spread / 8).clamp(Duration::from_millis(10), Duration::from_millis(250))
+    /// What the rate of the layer's upstream keys is made of.
+    pub(crate) fn rate_config(&self) -> RateConfig {
+        RateConfig {
+            upstream: self.upstream.clone(),
+            pacing: self.pacing.clone(),
+            seed: self.seed,
+            release_spread: self.release_spread,
+            probe_timeout: self.probe_timeout,
+            learned_pacing: self.learned_pacing,
+            learned_headroom: self.learned_headroom,
+            usage_correction: self.usage_correction,
+            slow_start_max: self.slow_start_max,
+        }
     }
 }
 

@@ -8,12 +8,12 @@ use tower_service::Service;
 
 use super::body::ResponseBody;
 use super::call::{Admission, Call, Charge, Patience, RateWaiter};
-use super::core::CoreAndCloner;
 use super::future::ResponseFuture;
-use super::learned::{OneUpstream, UpstreamKey};
 use super::request::{ByClone, CloneRequest, TypeName};
+use super::state::CoreAndCloner;
 use crate::JobRequest;
 use crate::error::BoxError;
+use crate::rate::{OneUpstream, UpstreamKey};
 
 /// Retries "try later" answers by the server's word, records throttles, and holds calls
 /// behind the upstream's shared cooldown gate; see the
@@ -107,7 +107,7 @@ where
             None => core.policy.upstream.clone(),
         };
         let rate = if gated {
-            let attempt = core.attempt_cell(&upstream);
+            let attempt = core.rate.attempt_cell(&upstream);
             // The job is looked up again only when there is a cell to give it.
             if let Some(cell) = &attempt
                 && let Some(job) = req.job_mut()

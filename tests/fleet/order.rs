@@ -16,8 +16,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use crate::support::{RedisCluster, RedisServer};
+use fairgate::rate::Pacing;
 use fairgate::retry_after_backoff::BackoffPolicyBuilder;
-use fairgate::retry_after_backoff::Pacing;
 use fairgate::{BackoffPolicy, FairgateLayer, Job, Origin, SlotPolicy, Store};
 use http_body_util::BodyExt;
 use tower::util::BoxCloneService;

@@ -8,7 +8,8 @@ use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
-use fairgate::retry_after_backoff::{BackoffPolicy, Pacing, SendOnce};
+use fairgate::rate::Pacing;
+use fairgate::retry_after_backoff::{BackoffPolicy, SendOnce};
 use fairgate::{
     Job, MissingJob, Origin, Priority, PriorityClassifyLayer, RetryAfterBackoffLayer, Store,
     TenantId,

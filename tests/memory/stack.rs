@@ -757,7 +757,7 @@ async fn through_the_one_line_stack_a_throttled_model_does_not_hold_another() {
         .backoff(BackoffPolicy::builder().max_retries(0).build().unwrap())
         .build()
         .unwrap()
-        .upstream_key_with(fairgate::retry_after_backoff::ByModel);
+        .upstream_key_with(fairgate::rate::ByModel);
     let stack = fairgate.layer(upstream);
     let call = |model: &str| {
         let mut req = http::Request::new(format!(r#"{{"model":"model-{model}"}}"#));

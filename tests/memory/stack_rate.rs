@@ -19,7 +19,7 @@ use crate::support::rate_limited::{
     first_start, longest_idle_while_waiting, share_broken, waiting,
 };
 use crate::support::{joined, percentile, user};
-use fairgate::retry_after_backoff::Pacing;
+use fairgate::rate::Pacing;
 use fairgate::{BackoffPolicy, BoxError, FairgateBody, FairgateLayer, Job, Origin, Store};
 use http_body_util::BodyExt;
 use metrics_util::debugging::{DebugValue, DebuggingRecorder};

@@ -53,7 +53,7 @@ use std::task::{Context, Poll, ready};
 
 use bytes::Bytes;
 use fairgate::drr_fairness::Settler;
-use fairgate::retry_after_backoff::UsageScanner;
+use fairgate::rate::UsageScanner;
 use fairgate::{BoxError, Job};
 use http::header::{self, HeaderMap};
 use http::{Response, StatusCode};

@@ -1,18 +1,15 @@
-//! The layer's state, shared by its services, futures and rate gate: the store, the
-//! policy, the retry budget, pacing, and this worker's view of each upstream key.
+//! The rate of one layer's upstream keys, shared by the retry layer's services, futures
+//! and rate gate: the store, pacing, and this worker's view of each upstream key.
 
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tokio::time::Instant;
-use tower::retry::budget::TpsBudget;
 
-use super::BackoffPolicy;
 use super::key_gate::KeyGates;
 use super::learned::{self, View, Views};
-use super::pacing::Pacer;
-use super::telemetry;
+use super::pacing::{Pacer, Pacing};
 use crate::Store;
 use crate::hash::HashMap;
 use crate::rng::Rng;
@@ -20,20 +17,53 @@ use crate::store::{
     DIMS, FleetCells, INPUT, OUTPUT, PaceAsk, PaceGrant, REQUESTS, TOTAL, learned_rate,
 };
 
-/// What every service and future of one layer shares: its `Core` and how it copies a
-/// request for a retry.
-pub(super) struct CoreAndCloner<C> {
-    pub(super) core: Arc<Core>,
-    pub(super) cloner: C,
+/// What the rate of a layer's upstream keys is made of, from the retry layer's
+/// policy (`BackoffPolicy::rate_config`).
+#[derive(Clone, Debug)]
+pub(crate) struct RateConfig {
+    /// The layer's own upstream key: that of a request that names none.
+    pub(crate) upstream: Arc<str>,
+    /// Configured pacing, in process or shared through the store.
+    pub(crate) pacing: Option<Pacing>,
+    /// The seed of the draws (release offsets, and the retry layer's jitter); `None`: from
+    /// entropy.
+    pub(crate) seed: Option<u64>,
+    /// The probe's lease, and what a held call's poll is sized from.
+    pub(crate) release_spread: Duration,
+    /// How long after a throttle calls go one probe at a time.
+    pub(crate) probe_timeout: Duration,
+    /// Whether the answers' rate-limit headers pace the calls.
+    pub(crate) learned_pacing: bool,
+    /// Thousandths of each learned rate aimed at.
+    pub(crate) learned_headroom: u32,
+    /// Whether a success's usage corrects what its call was charged.
+    pub(crate) usage_correction: bool,
+    /// How long slow start holds the calls of a key no answer has told of, at most.
+    pub(crate) slow_start_max: Duration,
 }
 
-/// The layer's state: store, policy, retry budget, pacing, and this worker's view of each
-/// upstream key.
-pub(super) struct Core {
+impl RateConfig {
+    /// The release window after a reopening `left` away: a fifth of it (at least 1 ms), so
+    /// the spread scales with the server's delay.
+    pub(super) fn spread_for(&self, left: Duration) -> Duration {
+        (left / 5).max(Duration::from_millis(1))
+    }
+
+    /// How often a call held behind another's probe asks again, at most: an eighth of the
+    /// probe lease, between 10 ms and 250 ms.
+    fn poll_interval(&self) -> Duration {
+        (self.release_spread / 8).clamp(Duration::from_millis(10), Duration::from_millis(250))
+    }
+}
+
+/// The rate of one layer's upstream keys: the store, pacing, and this worker's view of
+/// each key. The retry layer feeds it what the answers said (`feed.rs`, `usage.rs`) and
+/// waits for it when it works alone; a fair queue below consults it as a
+/// [`RateGate`](crate::RateGate) (`gate.rs`).
+pub(crate) struct Rates {
     pub(super) store: Store,
-    pub(super) policy: BackoffPolicy,
-    pub(super) budget: Option<TpsBudget>,
-    pub(super) pacer: Option<Pacer>,
+    pub(super) config: RateConfig,
+    pub(crate) pacer: Option<Pacer>,
     rng: Mutex<Rng>,
     /// This worker's view of each upstream key's learned bucket.
     views: Mutex<Views>,
@@ -42,8 +72,6 @@ pub(super) struct Core {
     loud: AtomicUsize,
     /// The view of the layer's own upstream key exists (the common, one-key case).
     default_known: std::sync::atomic::AtomicBool,
-    /// Calls of this layer held now (behind a gate or a probe).
-    held: AtomicUsize,
     /// Per upstream key: the gate's last known reopening and this worker's release after it
     /// (see `note_reopen`).
     release: Mutex<HashMap<Arc<str>, (Instant, Instant)>>,
@@ -63,47 +91,31 @@ pub(super) struct Core {
     pub(super) gate_changed: Arc<tokio::sync::Notify>,
 }
 
-/// A call counted as held while this lives.
-pub(super) struct HeldCall(Arc<Core>);
-
-impl HeldCall {
-    pub(super) fn new(core: &Arc<Core>) -> Self {
-        core.held.fetch_add(1, Ordering::AcqRel);
-        HeldCall(core.clone())
-    }
-}
-
-impl Drop for HeldCall {
-    fn drop(&mut self) {
-        self.0.held.fetch_sub(1, Ordering::AcqRel);
-    }
-}
-
 /// A reservation of a block of calls this worker is asking the store for: while it lives,
 /// the worker's other calls to the key ask for their own cells only (see `View::block`).
-pub(super) struct BlockAsked {
-    core: Arc<Core>,
+pub(crate) struct BlockAsked {
+    rates: Arc<Rates>,
     key: Arc<str>,
 }
 
 impl Drop for BlockAsked {
     fn drop(&mut self) {
-        crate::sync::lock(&self.core.views).block_done(&self.key);
+        crate::sync::lock(&self.rates.views).block_done(&self.key);
     }
 }
 
 /// A reservation to ask the store for.
-pub(super) struct Ask {
+pub(crate) struct Ask {
     /// The request, with the reports pending.
-    pub(super) ask: PaceAsk,
+    pub(crate) ask: PaceAsk,
     /// The calls it reserves for, of the same cells each.
-    pub(super) block: u32,
+    pub(crate) block: u32,
     /// Set while `block` is more than one call.
-    pub(super) _asked: Option<BlockAsked>,
+    pub(crate) _asked: Option<BlockAsked>,
 }
 
 /// What learned pacing says about a call about to go.
-pub(super) enum Learned {
+pub(crate) enum Learned {
     /// Go after this wait (no store operation needed): the cells the call needs, and those
     /// taken (0 where no limit is learned).
     Go(Duration, [u32; DIMS], [u32; DIMS]),
@@ -194,7 +206,7 @@ fn moving_average(avg: u32, sample: u32) -> u32 {
 }
 
 /// `cells` in the dimensions with a limit, 0 elsewhere: what the store took.
-pub(super) fn taken(cells: [u32; DIMS], limits: &[u32; DIMS]) -> [u32; DIMS] {
+pub(crate) fn taken(cells: [u32; DIMS], limits: &[u32; DIMS]) -> [u32; DIMS] {
     let mut out = [0; DIMS];
     for d in 0..DIMS {
         if limits[d] > 0 {
@@ -204,27 +216,22 @@ pub(super) fn taken(cells: [u32; DIMS], limits: &[u32; DIMS]) -> [u32; DIMS] {
     out
 }
 
-impl Core {
-    pub(super) fn new(store: Store, policy: BackoffPolicy) -> Core {
-        let budget = policy
-            .budget
-            .map(|b| TpsBudget::new(b.ttl, b.min_per_sec, b.retry_percent));
-        let pacer = policy
+impl Rates {
+    pub(crate) fn new(store: Store, config: RateConfig) -> Rates {
+        let pacer = config
             .pacing
             .as_ref()
             .filter(|pacing| !pacing.is_shared())
             .map(Pacer::new);
-        let rng = policy.seed.map_or_else(Rng::from_entropy, Rng::seeded);
-        Core {
+        let rng = config.seed.map_or_else(Rng::from_entropy, Rng::seeded);
+        Rates {
             store,
-            policy,
-            budget,
+            config,
             pacer,
             rng: Mutex::new(rng),
             views: Mutex::default(),
             loud: AtomicUsize::new(0),
             default_known: std::sync::atomic::AtomicBool::new(false),
-            held: AtomicUsize::new(0),
             release: Mutex::default(),
             release_latest_ms: AtomicU64::new(0),
             created: Instant::now(),
@@ -250,7 +257,7 @@ impl Core {
             // earlier one than already known: the release stands.
             Some(&(known, at)) if reopen <= known + Duration::from_millis(1) => at,
             _ => {
-                let at = reopen + self.policy.spread_for(left).mul_f64(self.unit());
+                let at = reopen + self.config.spread_for(left).mul_f64(self.unit());
                 release.insert(key.clone(), (reopen, at));
                 let ms = at.saturating_duration_since(self.created).as_millis() + 1;
                 self.release_latest_ms
@@ -262,14 +269,14 @@ impl Core {
 
     /// How long a call held by `key`'s gate reopening in `left` waits: until this worker's
     /// release, plus a draw of its own over the window.
-    pub(super) fn release_after(&self, key: &Arc<str>, left: Duration) -> Duration {
+    pub(crate) fn release_after(&self, key: &Arc<str>, left: Duration) -> Duration {
         let at = self.note_reopen(key, left);
-        let window = self.policy.spread_for(left);
+        let window = self.config.spread_for(left);
         at.saturating_duration_since(Instant::now()) + window.mul_f64(self.unit())
     }
 
     /// How long until this worker's release after `key`'s last reopening, if still ahead.
-    pub(super) fn release_in(&self, key: &Arc<str>) -> Option<Duration> {
+    pub(crate) fn release_in(&self, key: &Arc<str>) -> Option<Duration> {
         let latest = self.release_latest_ms.load(Ordering::Acquire);
         if latest == 0
             || Instant::now()
@@ -284,42 +291,37 @@ impl Core {
         Some(at.saturating_duration_since(Instant::now())).filter(|d| !d.is_zero())
     }
 
-    /// Whether calls other than the caller's own are held in this layer now.
-    pub(super) fn others_held(&self, mine: bool) -> bool {
-        self.held.load(Ordering::Acquire) > usize::from(mine)
-    }
-
     /// The pacing that goes through the store, if any.
-    pub(super) fn shared_pacing(&self) -> Option<&super::Pacing> {
-        self.policy
+    pub(crate) fn shared_pacing(&self) -> Option<&Pacing> {
+        self.config
             .pacing
             .as_ref()
             .filter(|pacing| pacing.is_shared())
     }
 
-    /// The part of every store request that comes from the policy.
+    /// The part of every store request that comes from the configuration.
     fn ask(&self) -> PaceAsk {
         let micros = |d: Duration| i64::try_from(d.as_micros()).unwrap_or(i64::MAX / 4);
         PaceAsk {
-            headroom_permille: self.policy.learned_headroom,
-            probe_lease_us: micros(self.policy.release_spread),
-            recover_us: micros(self.policy.probe_timeout),
-            poll_us: micros(self.policy.poll_interval()),
+            headroom_permille: self.config.learned_headroom,
+            probe_lease_us: micros(self.config.release_spread),
+            recover_us: micros(self.config.probe_timeout),
+            poll_us: micros(self.config.poll_interval()),
             ..PaceAsk::default()
         }
     }
 
     /// Notes that `key` is at its limit (a throttle, or a call held by its closed gate):
     /// after the gate, calls go through the store's probe.
-    pub(super) fn note_at_limit(&self, key: &Arc<str>) {
+    pub(crate) fn note_at_limit(&self, key: &Arc<str>) {
         let mut views = crate::sync::lock(&self.views);
-        let mut view = views.get(key, self.policy.learned_pacing, &self.loud);
-        view.recover_until = Some(Instant::now() + self.policy.probe_timeout);
+        let mut view = views.get(key, self.config.learned_pacing, &self.loud);
+        view.recover_until = Some(Instant::now() + self.config.probe_timeout);
         view.credit = [0; DIMS];
     }
 
     /// Resolves when this worker next learns that some key's limits changed.
-    pub(super) fn limits_changed(&self) -> std::pin::Pin<Box<dyn Future<Output = ()> + Send>> {
+    pub(crate) fn limits_changed(&self) -> std::pin::Pin<Box<dyn Future<Output = ()> + Send>> {
         let notify = self.limits_changed.clone();
         Box::pin(async move { notify.notified().await })
     }
@@ -327,37 +329,37 @@ impl Core {
     /// Whether `key` has had no answer yet (slow start), as far as this worker knows.
     pub(super) fn is_cold(&self, key: &Arc<str>) -> bool {
         let mut views = crate::sync::lock(&self.views);
-        views.get(key, self.policy.learned_pacing, &self.loud).mode == 0
+        views.get(key, self.config.learned_pacing, &self.loud).mode == 0
     }
 
     /// Whether calls to `key` go one probe at a time: no answer yet (slow start), or
     /// recovering from a throttle, as far as this worker knows.
     pub(super) fn probes(&self, key: &Arc<str>) -> bool {
         let mut views = crate::sync::lock(&self.views);
-        let mut view = views.get(key, self.policy.learned_pacing, &self.loud);
+        let mut view = views.get(key, self.config.learned_pacing, &self.loud);
         view.mode == 0 || view.recovering(Instant::now())
     }
 
     /// Where a fair queue below puts what an attempt to `key` took from the rate gate;
     /// `None` while the gate has nothing to take for it (no limit learned, cold or
     /// recovering, no pacing: its key is then the layer's own).
-    pub(super) fn attempt_cell(&self, key: &Arc<str>) -> Option<crate::gate::AttemptCell> {
+    pub(crate) fn attempt_cell(&self, key: &Arc<str>) -> Option<crate::gate::AttemptCell> {
         let quiet = self.all_quiet(key) && self.pacer.is_none() && self.shared_pacing().is_none();
         (!quiet).then(crate::gate::AttemptCell::default)
     }
 
     /// The limits this worker knows for `key` (0: not learned).
-    pub(super) fn limits_of(&self, key: &Arc<str>) -> [u32; DIMS] {
+    pub(crate) fn limits_of(&self, key: &Arc<str>) -> [u32; DIMS] {
         let mut views = crate::sync::lock(&self.views);
         views
-            .get(key, self.policy.learned_pacing, &self.loud)
+            .get(key, self.config.learned_pacing, &self.loud)
             .limits
     }
 
     /// The layer's own key, known, and every view quiet (nothing learned, cold or
     /// recovering): learned pacing has nothing to say, checked without a lock.
     pub(super) fn all_quiet(&self, key: &Arc<str>) -> bool {
-        Arc::ptr_eq(key, &self.policy.upstream)
+        Arc::ptr_eq(key, &self.config.upstream)
             && self.default_known.load(Ordering::Acquire)
             && self.loud.load(Ordering::Acquire) == 0
     }
@@ -372,7 +374,7 @@ impl Core {
     /// ([`FleetCells::FROM_THE_FLEET`]): a worker pacing in the shared bucket while others
     /// hand out cells would take the whole rate a second time.
     pub(super) fn learned_cells(&self, key: &Arc<str>) -> Option<FleetCells> {
-        if !self.policy.learned_pacing {
+        if !self.config.learned_pacing {
             return None;
         }
         let (limits, per_call) = match self.all_quiet(key) {
@@ -380,7 +382,7 @@ impl Core {
             false => {
                 let views = crate::sync::lock(&self.views);
                 let kept = |view: &View| {
-                    let kept = kept_by_the_fleet(view, self.policy.usage_correction);
+                    let kept = kept_by_the_fleet(view, self.config.usage_correction);
                     let (mut limits, mut per_call) = (view.limits, per_call(view));
                     for d in (0..DIMS).filter(|d| !kept[*d]) {
                         (limits[d], per_call[d]) = (0, 0);
@@ -394,7 +396,7 @@ impl Core {
             }
         };
         let tokens = (limits[INPUT] > 0)
-            .then(|| FleetCells::token_rate(limits[INPUT], self.policy.learned_headroom));
+            .then(|| FleetCells::token_rate(limits[INPUT], self.config.learned_headroom));
         let limit = calls_a_minute(&limits, &per_call);
         if limit == 0 {
             return Some(FleetCells {
@@ -402,7 +404,7 @@ impl Core {
                 ..FleetCells::FROM_THE_FLEET
             });
         }
-        let rate = learned_rate(REQUESTS, limit, self.policy.learned_headroom);
+        let rate = learned_rate(REQUESTS, limit, self.config.learned_headroom);
         let interval = rate.interval().max(1);
         let count = (100_000 + interval - 1) / interval;
         let count = count.clamp(1, rate.cells(i64::MAX));
@@ -416,7 +418,7 @@ impl Core {
     /// Whether a call to `key` may go now without asking the store, or what to ask it.
     /// With `fleet_cells`, the learned limits the fleet keeps ([`kept_by_the_fleet`]) are
     /// not reserved here.
-    pub(super) fn admit_learned(
+    pub(crate) fn admit_learned(
         self: &Arc<Self>,
         key: &Arc<str>,
         cost: u32,
@@ -428,8 +430,8 @@ impl Core {
             return Learned::Go(Duration::ZERO, [0; DIMS], [0; DIMS]);
         }
         let mut views = crate::sync::lock(&self.views);
-        let mut view = views.get(key, self.policy.learned_pacing, &self.loud);
-        if Arc::ptr_eq(key, &self.policy.upstream) {
+        let mut view = views.get(key, self.config.learned_pacing, &self.loud);
+        if Arc::ptr_eq(key, &self.config.upstream) {
             self.default_known.store(true, Ordering::Release);
         }
         // No headers ever seen, nothing to recover from: as without learned pacing (and no
@@ -447,7 +449,7 @@ impl Core {
             // With nothing to reserve, out of recovery nothing is asked of the store (an ask
             // on its way holds this worker's calls, and the fleet's wake-ups it keeps for
             // them, for a round trip) and the call goes, its need told for its usage.
-            let reserve = reserved_here(&view, need, self.policy.usage_correction);
+            let reserve = reserved_here(&view, need, self.config.usage_correction);
             if view.mode == 2 && !recovering && reserve.iter().all(|n| *n == 0) {
                 return Learned::Go(Duration::ZERO, need, [0; DIMS]);
             }
@@ -465,10 +467,10 @@ impl Core {
         }
         // Reserve ahead on Redis, one block at a time (see `View::block`).
         let per_sec =
-            f64::from(view.limits[0]) * f64::from(self.policy.learned_headroom) / 1000.0 / 60.0;
+            f64::from(view.limits[0]) * f64::from(self.config.learned_headroom) / 1000.0 / 60.0;
         let block = view.block(self.store.is_remote(), recovering, per_sec);
         let asked = (block > 1).then(|| BlockAsked {
-            core: self.clone(),
+            rates: self.clone(),
             key: key.clone(),
         });
         let mut ask = self.ask();
@@ -492,13 +494,13 @@ impl Core {
     }
 
     /// Applies the store's answer to a reservation of `block` calls of `need` cells each.
-    pub(super) fn granted(&self, key: &Arc<str>, grant: &PaceGrant, need: [u32; DIMS], block: u32) {
+    pub(crate) fn granted(&self, key: &Arc<str>, grant: &PaceGrant, need: [u32; DIMS], block: u32) {
         let mut views = crate::sync::lock(&self.views);
-        let mut view = views.get(key, self.policy.learned_pacing, &self.loud);
+        let mut view = views.get(key, self.config.learned_pacing, &self.loud);
         let before = view.limits;
-        view.update(grant, self.policy.probe_timeout);
+        view.update(grant, self.config.probe_timeout);
         if grant.limits != before {
-            telemetry::learned_limits(key, &grant.limits);
+            learned::learned_limits(key, &grant.limits);
             self.limits_changed.notify_waiters();
         }
         if grant.hold.is_zero() && block > 1 {
@@ -527,27 +529,27 @@ impl Core {
         if !throttled
             && !probe
             && self.loud.load(std::sync::atomic::Ordering::Acquire) == 0
-            && !super::decide::has_ratelimit_headers(headers)
+            && !learned::has_ratelimit_headers(headers)
         {
             // Every view is quiet and this answer says nothing new: what the locked path
             // below would conclude, without the lock.
             return (None, [0; DIMS]);
         }
-        let learn = if self.policy.learned_pacing {
+        let learn = if self.config.learned_pacing {
             learned::read_limits(headers)
         } else {
             [(0, 0); DIMS]
         };
         let mut views = crate::sync::lock(&self.views);
-        let mut view = views.get(key, self.policy.learned_pacing, &self.loud);
-        let limits = if self.policy.usage_correction && view.limits[1..].iter().any(|l| *l > 0) {
+        let mut view = views.get(key, self.config.learned_pacing, &self.loud);
+        let limits = if self.config.usage_correction && view.limits[1..].iter().any(|l| *l > 0) {
             view.limits
         } else {
             [0; DIMS]
         };
         let was_recovering = view.recover_until.is_some();
         if throttled {
-            view.recover_until = Some(Instant::now() + self.policy.probe_timeout);
+            view.recover_until = Some(Instant::now() + self.config.probe_timeout);
             view.credit = [0; DIMS];
         } else {
             view.recover_until = None;
@@ -588,7 +590,7 @@ impl Core {
     /// the memory store; on Redis with the next reservation, as the headers' reports go.
     /// `used`, the input and output tokens of a complete answer, moves the key's expected
     /// input and output per call (averages over about the last 8 answers).
-    pub(super) fn correct_usage(
+    pub(crate) fn correct_usage(
         &self,
         key: &Arc<str>,
         charge: [i64; DIMS],
@@ -599,7 +601,7 @@ impl Core {
             ..self.ask()
         };
         let mut views = crate::sync::lock(&self.views);
-        let mut view = views.get(key, self.policy.learned_pacing, &self.loud);
+        let mut view = views.get(key, self.config.learned_pacing, &self.loud);
         if let Some((input, output)) = used {
             // At most one minute of the learned limit (the store takes no more for a call).
             let output = match view.limits[OUTPUT] {
@@ -624,7 +626,7 @@ impl Core {
     }
 
     /// A uniform draw in [0, 1) from the layer's seeded source.
-    pub(super) fn unit(&self) -> f64 {
+    pub(crate) fn unit(&self) -> f64 {
         crate::sync::lock(&self.rng).unit()
     }
 }

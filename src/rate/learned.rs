@@ -34,8 +34,30 @@ static HEADERS: std::sync::LazyLock<[(http::HeaderName, http::HeaderName); DIMS]
     });
 
 /// The dimension's name, for metrics.
-pub(super) fn dim_name(d: usize) -> &'static str {
+fn dim_name(d: usize) -> &'static str {
     NAMES.get(d).copied().unwrap_or("unknown")
+}
+
+/// Sets the learned-limit gauge of each dimension `upstream` has a limit in.
+pub(super) fn learned_limits(upstream: &str, limits: &[u32; DIMS]) {
+    for (d, limit) in limits.iter().enumerate() {
+        if *limit > 0 {
+            metrics::gauge!(
+                crate::metrics::Metric::LearnedLimit.name(),
+                "upstream" => upstream.to_owned(),
+                "dimension" => dim_name(d)
+            )
+            .set(f64::from(*limit));
+        }
+    }
+}
+
+/// Whether an answer carries any `anthropic-ratelimit-*` header: one pass over its few
+/// header names, so an answer without them (most upstreams, most tests) costs no lookups.
+pub(crate) fn has_ratelimit_headers(headers: &HeaderMap) -> bool {
+    headers
+        .keys()
+        .any(|name| name.as_str().starts_with("anthropic-ratelimit-"))
 }
 
 static LOGGED_GARBAGE: AtomicBool = AtomicBool::new(false);
@@ -45,7 +67,7 @@ static LOGGED_GARBAGE: AtomicBool = AtomicBool::new(false);
 /// logged once per process (`upstream.ratelimit_ignored`).
 pub(super) fn read_limits(headers: &HeaderMap) -> [(u32, u32); DIMS] {
     let mut out = [(0, 0); DIMS];
-    if !super::decide::has_ratelimit_headers(headers) {
+    if !has_ratelimit_headers(headers) {
         return out;
     }
     for (d, (limit, remaining)) in HEADERS.iter().enumerate() {
@@ -90,13 +112,14 @@ pub(super) fn read_limits(headers: &HeaderMap) -> [(u32, u32); DIMS] {
 /// Chooses the upstream key of a request: the scope of its cooldown gate and learned limits.
 ///
 /// One throttled key or model then does not hold the others. The key is appended to the
-/// policy's [`upstream`](super::BackoffPolicyBuilder::upstream) name (`"default/key-…"`);
+/// policy's [`upstream`](crate::retry_after_backoff::BackoffPolicyBuilder::upstream) name (`"default/key-…"`);
 /// `None` means the policy's name alone. Ready-made: [`OneUpstream`] (the default),
 /// [`ByApiKey`], [`ByModel`], [`ByApiKeyAndModel`]; or a closure `Fn(&Req) -> Option<String>`.
 ///
 /// ```
 /// use fairgate::{RetryAfterBackoffLayer, Store};
-/// use fairgate::retry_after_backoff::{BackoffPolicy, ByApiKeyAndModel};
+/// use fairgate::rate::ByApiKeyAndModel;
+/// use fairgate::retry_after_backoff::BackoffPolicy;
 ///
 /// let layer = RetryAfterBackoffLayer::new(Store::memory(), BackoffPolicy::default())
 ///     .upstream_key_with(ByApiKeyAndModel);
@@ -274,7 +297,7 @@ pub(super) struct Views {
 
 impl View {
     /// Nothing to learn, recover from or report: answers without rate-limit headers
-    /// change nothing (see `Core::report`'s lock-free path).
+    /// change nothing (see `Rates::report`'s lock-free path).
     fn is_quiet(&self) -> bool {
         self.mode == 1 && self.recover_until.is_none() && self.pending.is_none()
     }

@@ -1,6 +1,6 @@
-//! The retry layer's rate gate, as a fair queue below consults it (see [`crate::gate`]).
+//! The rate gate, as a fair queue below consults it (see [`crate::gate`]).
 //!
-//! The same limits the layer waits for when it works alone — the cooldown gate, the
+//! The same limits the retry layer waits for when it works alone — the cooldown gate, the
 //! recovery probe, slow start, learned pacing and a configured [`Pacing`](super::Pacing) —
 //! answered for the one call the fair queue is about to dispatch. Cells are taken for that
 //! call only, when it may go: at most one call's cells per key are reserved ahead (on Redis
@@ -13,13 +13,13 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use super::core::{Core, Learned, taken};
+use super::core::{Learned, Rates, taken};
 use super::key_gate::{KeyGate, Ready};
 use super::pacing::Pacing;
 use crate::gate::{RateLimit, Receipt, Verdict, WaitReason};
 use crate::store::{DIMS, FleetCells, PaceGrant};
 
-impl Core {
+impl Rates {
     /// Applies the store's answer to a reservation made for the next call of `key`.
     fn apply_grant(
         &self,
@@ -55,7 +55,7 @@ impl Core {
             return false;
         }
         let since = *gate.cold_since.get_or_insert(now);
-        now.saturating_duration_since(since) >= self.policy.slow_start_max
+        now.saturating_duration_since(since) >= self.config.slow_start_max
     }
 
     /// The configured pacing's verdict for the next call of `cost`: `None` when it may go.
@@ -81,7 +81,7 @@ impl Core {
                 None => {
                     match self
                         .store
-                        .pace(&self.policy.upstream, &limits[..n])
+                        .pace(&self.config.upstream, &limits[..n])
                         .into_ready()
                     {
                         Ok(wait) => {
@@ -92,16 +92,16 @@ impl Core {
                         }
                         Err(pending) => {
                             gate.pacing_asking = true;
-                            let core = self.clone();
+                            let rates = self.clone();
                             let key = key.clone();
                             spawn_or_drop(async move {
                                 let wait = pending.await;
-                                let mut gates = crate::sync::lock(&core.gates);
+                                let mut gates = crate::sync::lock(&rates.gates);
                                 let gate = gates.entry(key).or_default();
                                 gate.pacing_asking = false;
                                 gate.paced = Some(Instant::now() + wait);
                                 drop(gates);
-                                core.gate_changed.notify_one();
+                                rates.gate_changed.notify_one();
                             });
                             return Some(Verdict::Notified(WaitReason::Rate));
                         }
@@ -272,17 +272,17 @@ impl Core {
             }
             Err(pending) => {
                 gate.asking = true;
-                let core = self.clone();
+                let rates = self.clone();
                 let key = key.clone();
                 spawn_or_drop(async move {
                     let grant = pending.await;
-                    let mut gates = crate::sync::lock(&core.gates);
+                    let mut gates = crate::sync::lock(&rates.gates);
                     let gate = gates.entry(key.clone()).or_default();
                     gate.asking = false;
-                    core.apply_grant(gate, &key, &grant, need, asked.block, cost);
+                    rates.apply_grant(gate, &key, &grant, need, asked.block, cost);
                     drop(gates);
                     drop(asked);
-                    core.gate_changed.notify_one();
+                    rates.gate_changed.notify_one();
                 });
                 ControlFlow::Break(Verdict::Notified(WaitReason::Rate))
             }
@@ -313,13 +313,13 @@ fn spawn_or_drop(fut: impl Future<Output = ()> + Send + 'static) {
     }
 }
 
-impl RateLimit for Core {
+impl RateLimit for Rates {
     fn default_key(&self) -> Arc<str> {
-        self.policy.upstream.clone()
+        self.config.upstream.clone()
     }
 
     fn fleet_cells(&self, key: &Arc<str>) -> Option<FleetCells> {
-        if **key != *self.policy.upstream {
+        if **key != *self.config.upstream {
             return None;
         }
         let configured = self.shared_pacing().and_then(Pacing::fleet_cells);
@@ -634,7 +634,7 @@ mod tests {
 
     /// A gate of a shared pacing: 60 requests a minute, 100 input tokens a minute.
     fn paced_gate(store: &Store) -> (Arc<dyn RateLimit>, Arc<str>) {
-        let pacing = crate::retry_after_backoff::Pacing::new()
+        let pacing = crate::rate::Pacing::new()
             .requests_per_minute(60)
             .input_tokens_per_minute(100)
             .shared();
@@ -723,7 +723,7 @@ mod wiring_tests {
     use tokio::time::Instant;
     use tower::{Layer, ServiceExt, service_fn};
 
-    use crate::retry_after_backoff::Pacing;
+    use crate::rate::Pacing;
     use crate::{BackoffPolicy, Job, Origin, RetryAfterBackoffLayer, Store};
 
     #[tokio::test(start_paused = true)]

@@ -11,7 +11,7 @@
 //! it. The largest value of each field wins (a stream's counts only grow). The prompt
 //! cache's counts (`cache_creation_input_tokens`, `cache_read_input_tokens`, reported
 //! beside `input_tokens`, not in it) are read the same way, for callers that charge them
-//! (public as [`UsageScanner`](crate::retry_after_backoff::UsageScanner)).
+//! (public as [`UsageScanner`](crate::rate::UsageScanner)).
 //!
 //! A value is taken only as JSON writes a number: digits after `"input_tokens"` or
 //! `"output_tokens"`, a colon and optional whitespace, ended by whitespace, `,`, `}` or
@@ -23,13 +23,13 @@ use std::sync::Arc;
 
 use bytes::Buf;
 
-use super::core::Core;
+use super::core::Rates;
 #[cfg(test)]
 use super::core::needs;
 use crate::store::DIMS;
 
 /// The largest usage believed for one call; a larger value counts as this. The correction
-/// itself is capped again at one minute of the learned limit (see `Core::correct_usage`).
+/// itself is capped again at one minute of the learned limit (see `Rates::correct_usage`).
 pub(crate) const MAX_TOKENS: u32 = 10_000_000;
 
 /// The fields read, in the order of [`UsageScanner`]'s `seen`.
@@ -64,7 +64,7 @@ enum Step {
 /// the library's own correction reads `UsageScanner<2>` (input and output), half the size.
 ///
 /// ```
-/// use fairgate::retry_after_backoff::UsageScanner;
+/// use fairgate::rate::UsageScanner;
 ///
 /// let mut usage: UsageScanner = UsageScanner::default();
 /// usage.feed(br#"{"usage":{"input_tokens":20,"cache_read_input_tok"#);
@@ -218,14 +218,14 @@ impl UsageScanner<4> {
 
 /// A success's body being scanned for its usage, and the correction to report once it is
 /// known: when the body ends, or when it is dropped after a usage was seen.
-pub(super) struct Usage {
+pub(crate) struct Usage {
     scanner: UsageScanner<2>,
     /// `None` once reported (or given up).
     report: Option<Report>,
 }
 
 struct Report {
-    core: Arc<Core>,
+    rates: Arc<Rates>,
     key: Arc<str>,
     /// The cells the call needed per dimension (see `needs`) ...
     need: [u32; DIMS],
@@ -240,8 +240,8 @@ struct Report {
 impl Usage {
     /// The report of a call that needed `need` cells per dimension, of which learned pacing
     /// took `charged` and the fleet's token rate `fleet_tokens` input tokens.
-    pub(super) fn new(
-        core: Arc<Core>,
+    pub(crate) fn new(
+        rates: Arc<Rates>,
         key: Arc<str>,
         (need, charged, fleet_tokens): ([u32; DIMS], [u32; DIMS], u32),
         limits: [u32; DIMS],
@@ -249,7 +249,7 @@ impl Usage {
         Usage {
             scanner: UsageScanner::default(),
             report: Some(Report {
-                core,
+                rates,
                 key,
                 need,
                 charged,
@@ -260,7 +260,7 @@ impl Usage {
     }
 
     /// Reads a data frame's bytes.
-    pub(super) fn feed(&mut self, data: &impl Buf) {
+    pub(crate) fn feed(&mut self, data: &impl Buf) {
         if self.report.is_none() {
             return;
         }
@@ -280,7 +280,7 @@ impl Usage {
 
     /// The body ended (`ended`) or is going away: reports the correction, once, if a usage
     /// was seen. Only a complete answer's output count moves the key's expected output.
-    pub(super) fn finish(&mut self, ended: bool) {
+    pub(crate) fn finish(&mut self, ended: bool) {
         if !self.scanner.saw_usage() {
             return;
         }
@@ -300,10 +300,10 @@ impl Usage {
                     let input = self.scanner.input_tokens().unwrap_or(report.need[1]);
                     (input, output)
                 });
-            report.core.correct_usage(&report.key, charge, used);
+            report.rates.correct_usage(&report.key, charge, used);
             if let (true, Some(input)) = (report.fleet_tokens > 0, self.scanner.input_tokens()) {
                 let beyond = i64::from(input) - i64::from(report.fleet_tokens);
-                report.core.store.correct_fleet_tokens(beyond);
+                report.rates.store.correct_fleet_tokens(beyond);
             }
         }
     }
@@ -415,11 +415,10 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn a_usage_is_charged_once_when_the_body_ends_and_is_dropped() {
         use crate::store::PaceAsk;
-        use crate::{RetryAfterBackoffLayer, Store};
+        use crate::{BackoffPolicy, Store};
         // 60 output tokens a minute, paced at 57: a 57-cell bucket, one cell ~1.05 s.
-        let layer =
-            RetryAfterBackoffLayer::new(Store::memory(), super::super::BackoffPolicy::default());
-        let core = layer.shared.core.clone();
+        let config = BackoffPolicy::default().rate_config();
+        let core = Arc::new(Rates::new(Store::memory(), config));
         let key: Arc<str> = Arc::from("k");
         let ask = |take: u32| PaceAsk {
             headroom_permille: 950,

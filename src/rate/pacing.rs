@@ -25,7 +25,7 @@ use crate::store::{FleetCells, PaceLimit};
 /// provider's limits.
 ///
 /// ```
-/// use fairgate::retry_after_backoff::Pacing;
+/// use fairgate::rate::Pacing;
 ///
 /// // A small Anthropic tier: 50 RPM, 40,000 ITPM, 8,000 OTPM.
 /// let pacing = Pacing::reference();
@@ -300,10 +300,10 @@ mod tests {
         use super::Pacing;
 
         #[derive(Clone, Copy, Debug, Default)]
-        pub(super) struct TokioClock;
+        pub(crate) struct TokioClock;
 
         #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
-        pub(super) struct TokioInstant(tokio::time::Instant);
+        pub(crate) struct TokioInstant(tokio::time::Instant);
 
         impl Add<Nanos> for TokioInstant {
             type Output = TokioInstant;
@@ -343,10 +343,10 @@ mod tests {
                 .unwrap_or(NonZeroU32::MIN)
         }
 
-        pub(super) struct Governed(Pacing, Vec<Limiter>);
+        pub(crate) struct Governed(Pacing, Vec<Limiter>);
 
         impl Governed {
-            pub(super) fn new(pacing: &Pacing) -> Self {
+            pub(crate) fn new(pacing: &Pacing) -> Self {
                 let (limits, n) = pacing.limits(0);
                 let limiters = limits[..n]
                     .iter()
@@ -359,7 +359,7 @@ mod tests {
                 Governed(pacing.clone(), limiters)
             }
 
-            pub(super) fn admit(&self, step: &mut usize, input_tokens: u32) -> Option<Duration> {
+            pub(crate) fn admit(&self, step: &mut usize, input_tokens: u32) -> Option<Duration> {
                 let (limits, n) = self.0.limits(input_tokens);
                 for (limiter, limit) in self.1.iter().zip(&limits[..n]).skip(*step) {
                     if let Ok(Err(not_until)) = limiter.check_n(nonzero(limit.cells())) {
