@@ -115,6 +115,9 @@ mod time;
 #[cfg_attr(docsrs, doc(cfg(feature = "tonic")))]
 pub mod tonic;
 pub mod trace;
+#[cfg(feature = "bedrock")]
+#[cfg_attr(docsrs, doc(cfg(feature = "bedrock")))]
+pub mod upstream;
 
 pub use crate::drr_fairness::error::QueueFull;
 pub use crate::drr_fairness::{DrrFairness, DrrFairnessLayer};
