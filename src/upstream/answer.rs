@@ -401,33 +401,15 @@ fn poll_error<B: Body>(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::upstream::codec::base64_encode;
     use crate::upstream::eventstream::encode;
 
     fn chunk(event: &str) -> Vec<u8> {
-        let b64 = base64(event.as_bytes());
+        let b64 = base64_encode(event.as_bytes());
         encode(
             &[(":event-type", "chunk"), (":message-type", "event")],
             format!("{{\"bytes\":\"{b64}\",\"p\":\"abc\"}}").as_bytes(),
         )
-    }
-
-    /// Standard base64, for building test frames.
-    fn base64(data: &[u8]) -> String {
-        const ABC: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
-        let mut out = String::new();
-        for group in data.chunks(3) {
-            let mut n = [0u8; 3];
-            n[..group.len()].copy_from_slice(group);
-            let v = u32::from_be_bytes([0, n[0], n[1], n[2]]);
-            for i in 0..4 {
-                if i <= group.len() {
-                    out.push(char::from(ABC[(v >> (18 - 6 * i) & 63) as usize]));
-                } else {
-                    out.push('=');
-                }
-            }
-        }
-        out
     }
 
     fn decode(frames: &[u8]) -> Vec<Translated> {

@@ -116,6 +116,26 @@ pub(crate) fn uri_encode(text: &str, keep_slash: bool) -> String {
     out
 }
 
+/// Standard base64 with padding: the test frames' `bytes` fields.
+#[cfg(test)]
+pub(crate) fn base64_encode(data: &[u8]) -> String {
+    const ABC: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    let mut out = String::new();
+    for group in data.chunks(3) {
+        let mut n = [0u8; 3];
+        n[..group.len()].copy_from_slice(group);
+        let v = u32::from_be_bytes([0, n[0], n[1], n[2]]);
+        for i in 0..4 {
+            out.push(if i <= group.len() {
+                char::from(ABC[(v >> (18 - 6 * i) & 63) as usize])
+            } else {
+                '='
+            });
+        }
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -202,6 +222,15 @@ mod tests {
             );
         }
         assert_eq!(base64_decode("+/+/").unwrap(), [0xfb, 0xff, 0xbf]);
+    }
+
+    #[test]
+    fn base64_decodes_what_it_encodes() {
+        for len in 0..70 {
+            let data: Vec<u8> = (0..len).map(|i| (i * 37 + 11) as u8).collect();
+            assert_eq!(base64_decode(&base64_encode(&data)), Some(data));
+        }
+        assert_eq!(base64_encode(b"foob"), "Zm9vYg==");
     }
 
     #[test]

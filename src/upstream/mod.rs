@@ -79,6 +79,8 @@ pub mod future;
 mod models;
 mod request;
 mod sigv4;
+#[cfg(test)]
+mod tests;
 
 pub use self::answer::BedrockBody;
 pub use self::bedrock::{AwsConfigError, Bedrock, BedrockBuilder, BedrockLayer};
