@@ -496,4 +496,37 @@ mod tests {
             assert_eq!((status.as_u16(), got), (to, kind), "{name} {from}");
         }
     }
+
+    proptest::proptest! {
+        /// Whatever a well-framed message says (any message and event type, any payload,
+        /// any base64 inside), it becomes an event, nothing or an error: never a panic,
+        /// and an event is always one `event:` line and one `data:` line.
+        #[test]
+        fn any_message_translates_without_panic(
+            message_type in "(event|exception|error|[a-z]{0,6})",
+            event_type in "(chunk|[a-z:-]{0,8})",
+            inner in ".{0,40}",
+            raw in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..80),
+            use_raw in proptest::prelude::any::<bool>(),
+        ) {
+            let payload = if use_raw {
+                raw
+            } else {
+                let b64 = base64_encode(inner.as_bytes());
+                format!("{{\"bytes\":\"{b64}\"}}").into_bytes()
+            };
+            let frames = encode(
+                &[(":message-type", &message_type), (":event-type", &event_type),
+                  (":exception-type", &event_type)],
+                &payload,
+            );
+            for translated in decode(&frames) {
+                if let Translated::Event(event) = translated {
+                    let text = std::str::from_utf8(&event).unwrap();
+                    proptest::prop_assert_eq!(text.matches('\n').count(), 3, "{}", text);
+                    proptest::prop_assert!(text.starts_with("event: "));
+                }
+            }
+        }
+    }
 }

@@ -405,4 +405,38 @@ mod tests {
             );
         }
     }
+
+    proptest::proptest! {
+        /// Whatever bytes arrive, cut however, the decoder neither panics nor buffers more
+        /// than one message's worth, and translating what it yields never panics either.
+        #[test]
+        fn any_bytes_in_any_pieces_never_panic(
+            bytes in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..600),
+            cuts in proptest::collection::vec(1usize..64, 1..20),
+            splice in proptest::option::of(0usize..400),
+        ) {
+            let mut stream: Vec<u8> = (0..2).flat_map(chunk_event).collect();
+            match splice {
+                Some(at) => stream.splice(at.min(stream.len())..at.min(stream.len()), bytes),
+                None => stream.splice(.., bytes),
+            };
+            let mut decoder = Decoder::default();
+            let mut rest = &stream[..];
+            for cut in cuts.iter().cycle() {
+                if rest.is_empty() {
+                    break;
+                }
+                let (piece, after) = rest.split_at((*cut).min(rest.len()));
+                rest = after;
+                decoder.push(piece);
+                while let Some(message) = decoder.next_message() {
+                    if let Ok(message) = message {
+                        let _ = crate::upstream::answer::translate(&message);
+                    }
+                }
+                proptest::prop_assert!(decoder.buf.len() <= MAX_MESSAGE + 64);
+            }
+            let _ = decoder.finish();
+        }
+    }
 }

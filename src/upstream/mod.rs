@@ -70,6 +70,22 @@
 //!
 //! In front of it, [`FairgateLayer`](crate::FairgateLayer) orders and paces the calls as it
 //! does the Anthropic API's: Bedrock's throttling arrives as the `429` the retry layer knows.
+//!
+//! # Limits
+//!
+//! The request body is read whole before the call (Bedrock's body is a rewrite of it, and
+//! its SHA-256 is signed), up to 32 MiB; a larger one is answered `413 request_too_large`
+//! without a call. An event stream message is at most the format's 16 MiB payload and 128
+//! KiB of headers; the decoder holds at most one. The credentials are fixed when the layer
+//! is built: temporary credentials that expire need a new layer (no refresh from an
+//! instance profile or SSO yet).
+//!
+//! # Cancel safety
+//!
+//! Dropping the response future while it reads the request body sends nothing; dropping it
+//! while Bedrock answers drops the inner service's future, as that service does (hyper's
+//! closes the connection). Dropping the response body mid-stream drops Bedrock's, which
+//! ends the stream upstream; a response kept unread holds the inner service's connection.
 
 mod answer;
 mod bedrock;
