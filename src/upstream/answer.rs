@@ -50,8 +50,8 @@ impl MessagesError {
     }
 
     /// A whole response with this error as its body.
-    pub(crate) fn response<B>(&self) -> http::Response<BedrockBody<B>> {
-        let mut response = http::Response::new(BedrockBody::full(Bytes::from(self.json())));
+    pub(crate) fn response<B>(&self) -> http::Response<UpstreamBody<B>> {
+        let mut response = http::Response::new(UpstreamBody::full(Bytes::from(self.json())));
         *response.status_mut() = self.status;
         response.headers_mut().insert(
             header::CONTENT_TYPE,
@@ -116,7 +116,7 @@ fn error_message(body: &[u8]) -> Option<String> {
 }
 
 /// Bedrock's response head in the Messages API's shape, and how its body is to be read.
-pub(crate) fn answer<B>(response: http::Response<B>) -> http::Response<BedrockBody<B>> {
+pub(crate) fn answer<B>(response: http::Response<B>) -> http::Response<UpstreamBody<B>> {
     let (mut parts, inner) = response.into_parts();
     if let Some(id) = parts.headers.get("x-amzn-requestid").cloned() {
         parts.headers.insert("request-id", id);
@@ -150,7 +150,7 @@ pub(crate) fn answer<B>(response: http::Response<B>) -> http::Response<BedrockBo
     } else {
         Kind::Pass { inner }
     };
-    http::Response::from_parts(parts, BedrockBody { kind })
+    http::Response::from_parts(parts, UpstreamBody { kind })
 }
 
 fn set_content_type(headers: &mut http::HeaderMap, value: &'static str) {
@@ -218,15 +218,16 @@ fn chunk_event(payload: &[u8]) -> Option<Bytes> {
 }
 
 pin_project! {
-    /// The body of an answer from [`Bedrock`](super::Bedrock): Bedrock's own body when it is
-    /// already the Messages API's (a JSON message), server-sent events decoded from its
-    /// event stream as it arrives, or an error in the Messages API's shape.
+    /// The body of an answer from an upstream, in the Messages API's shape whatever its
+    /// kind: the upstream's own body when it already is (the Anthropic API's answers,
+    /// Bedrock's JSON messages), server-sent events decoded from Bedrock's event stream as
+    /// it arrives, or an error in the Messages API's shape.
     ///
     /// An event stream that cannot be decoded (a bad checksum, a cut-off message) or that
     /// carries an exception ends with an `error` event; the body's own errors are the inner
     /// body's.
     #[derive(Debug)]
-    pub struct BedrockBody<B> {
+    pub struct UpstreamBody<B> {
         #[pin]
         kind: Kind<B>,
     }
@@ -243,16 +244,23 @@ pin_project! {
     }
 }
 
-impl<B> BedrockBody<B> {
+impl<B> UpstreamBody<B> {
+    /// The upstream's own body, passed as it is.
+    pub(crate) fn pass(inner: B) -> Self {
+        UpstreamBody {
+            kind: Kind::Pass { inner },
+        }
+    }
+
     /// A body of one chunk.
     pub(crate) fn full(data: Bytes) -> Self {
-        BedrockBody {
+        UpstreamBody {
             kind: Kind::Full { data: Some(data) },
         }
     }
 }
 
-impl<B> Body for BedrockBody<B>
+impl<B> Body for UpstreamBody<B>
 where
     B: Body,
 {

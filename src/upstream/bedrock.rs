@@ -8,7 +8,7 @@ use http::Uri;
 use tower_layer::Layer;
 use tower_service::Service;
 
-use super::answer::BedrockBody;
+use super::answer::UpstreamBody;
 use super::future::ResponseFuture;
 use super::models::ModelMap;
 use super::request::Config;
@@ -210,7 +210,7 @@ where
     B::Error: Into<BoxError>,
     RB: http_body::Body,
 {
-    type Response = http::Response<BedrockBody<RB>>;
+    type Response = http::Response<UpstreamBody<RB>>;
     type Error = BoxError;
     type Future = ResponseFuture<S, B>;
 

@@ -10,7 +10,7 @@ use http_body::Body;
 use pin_project_lite::pin_project;
 use tower_service::Service;
 
-use super::answer::{BedrockBody, answer};
+use super::answer::{MessagesError, UpstreamBody, answer};
 use super::request::{Config, MAX_REQUEST_BODY, prepare, too_large};
 use crate::error::{BoxError, PolledAfterCompletion};
 
@@ -48,7 +48,7 @@ pin_project! {
             config: Arc<Config>,
         },
         Calling { #[pin] call: S::Future },
-        Answered { error: Option<super::answer::MessagesError> },
+        Answered { error: Option<MessagesError> },
     }
 }
 
@@ -93,7 +93,7 @@ where
     B: Body,
     B::Error: Into<BoxError>,
 {
-    type Output = Result<http::Response<BedrockBody<RB>>, BoxError>;
+    type Output = Result<http::Response<UpstreamBody<RB>>, BoxError>;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let mut state = self.project().state;
@@ -166,6 +166,68 @@ where
             }
             Some(Err(e)) => return Poll::Ready(Err(e.into())),
             None => return Poll::Ready(Ok(true)),
+        }
+    }
+}
+
+pin_project! {
+    /// The response future of [`Anthropic`](super::Anthropic): the inner service's, its
+    /// answer's body as an [`UpstreamBody`].
+    ///
+    /// # Cancel safety
+    ///
+    /// Dropping it drops the inner service's future, as that service does.
+    pub struct AnthropicFuture<F> {
+        #[pin]
+        state: Passing<F>,
+    }
+}
+
+pin_project! {
+    #[project = PassingProj]
+    enum Passing<F> {
+        Calling { #[pin] call: F },
+        Answered { error: Option<MessagesError> },
+    }
+}
+
+impl<F> std::fmt::Debug for AnthropicFuture<F> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AnthropicFuture").finish_non_exhaustive()
+    }
+}
+
+impl<F> AnthropicFuture<F> {
+    pub(crate) fn calling(call: F) -> Self {
+        AnthropicFuture {
+            state: Passing::Calling { call },
+        }
+    }
+
+    pub(crate) fn answered(error: MessagesError) -> Self {
+        AnthropicFuture {
+            state: Passing::Answered { error: Some(error) },
+        }
+    }
+}
+
+impl<F, RB, E> Future for AnthropicFuture<F>
+where
+    F: Future<Output = Result<http::Response<RB>, E>>,
+    E: Into<BoxError>,
+{
+    type Output = Result<http::Response<UpstreamBody<RB>>, BoxError>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        match self.project().state.project() {
+            PassingProj::Calling { call } => {
+                let response = ready!(call.poll(cx)).map_err(Into::into)?;
+                Poll::Ready(Ok(response.map(UpstreamBody::pass)))
+            }
+            PassingProj::Answered { error } => Poll::Ready(match error.take() {
+                Some(error) => Ok(error.response()),
+                None => Err(PolledAfterCompletion.into()),
+            }),
         }
     }
 }

@@ -1,7 +1,13 @@
 //! Kinds of upstream: where a Messages API call can be served.
 //!
-//! - **The Anthropic API**, at any base URL with any key: the Messages API itself, so the
-//!   rest of the crate sends to it as it is (the gateway's `--upstream`).
+//! Each kind is a tower layer over an HTTP client that takes calls as a client sends them to
+//! the Anthropic API (its paths, JSON bodies and headers) and answers
+//! `http::Response<`[`UpstreamBody`]`>` in the Messages API's shape, with [`BoxError`](crate::BoxError)
+//! for errors: one interface, whatever sits behind it, for what sits in front.
+//!
+//! - **The Anthropic API** (or a compatible server), at any base URL with any key:
+//!   [`AnthropicLayer`] sends the call on to the base URL with its own `x-api-key` (the
+//!   caller's stays behind) and passes the answer as it is.
 //! - **Claude on Amazon Bedrock**: [`BedrockLayer`] wraps an HTTP client and turns each
 //!   `POST /v1/messages` into Bedrock's `POST /model/{modelId}/invoke`, or
 //!   `/invoke-with-response-stream` when the body says `"stream": true`. The body goes
@@ -88,6 +94,7 @@
 //! ends the stream upstream; a response kept unread holds the inner service's connection.
 
 mod answer;
+mod anthropic;
 mod bedrock;
 mod codec;
 mod eventstream;
@@ -98,7 +105,8 @@ mod sigv4;
 #[cfg(test)]
 mod tests;
 
-pub use self::answer::BedrockBody;
+pub use self::answer::UpstreamBody;
+pub use self::anthropic::{Anthropic, AnthropicLayer};
 pub use self::bedrock::{AwsConfigError, Bedrock, BedrockBuilder, BedrockLayer};
 pub use self::models::ModelMap;
 pub use self::request::BEDROCK_ANTHROPIC_VERSION;
