@@ -301,6 +301,24 @@ mod tests {
         }
     }
 
+    /// `post-sts-header-before`: temporary credentials, their token signed as
+    /// `x-amz-security-token`.
+    #[test]
+    fn a_session_token_is_signed_as_the_test_suite_signs_it() {
+        const TOKEN: &str = "AQoDYXdzEPT//////////wEXAMPLEtc764bNrC9SAPBSM22wDOk4x4HIZ8j4FZTwdQWLWsKWHGB\
+            uFqwAeMicRXmxfpSPfIeoIYRqTflfKD8YUuwthAx7mSEI/qkPpKPi/kMcGdQrmGdeehM4IC1NtBmUpp2wUE8p\
+            hUZampKsburEDy0KPkyQDYwT7WZ0wq5VSXDvp75YU9HFvlRd8Tx6q6fE8YQcHNVXAkiY9q6d+xo0rKwT38xV\
+            qr7ZD0u0iPPkUL64lIZbqBAz+scqKmlzm8FDrypNC9Yjc8fPOLn9FX9KSYvKTr4rvx3iSIlTJabIQwj2ICCR/\
+            oLxBA==";
+        let authorization = suite("POST", "/", "", &[("X-Amz-Security-Token", TOKEN)]);
+        assert_eq!(
+            authorization,
+            "AWS4-HMAC-SHA256 Credential=AKIDEXAMPLE/20150830/us-east-1/service/aws4_request, \
+             SignedHeaders=host;x-amz-date;x-amz-security-token, \
+             Signature=85d96828115b5dc0cfc3bd16ad9e210dd772bbebba041836c64533a82be05ead"
+        );
+    }
+
     #[test]
     fn header_values_are_trimmed_and_their_spaces_collapsed() {
         let req = SignRequest {

@@ -387,7 +387,8 @@ async fn the_anthropic_python_sdk_is_served_by_bedrock() {
     assert!(stdout.contains("3 passed, 0 failed"), "{stdout}");
 }
 
-/// The layer's errors are `BoxError`s: a call the mock never answers is an error, not a panic.
+/// An upstream that refuses the connection is the inner client's error, as a `BoxError`:
+/// no answer is made up.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_upstream_that_refuses_connections_is_an_error() {
     let _turn = crate::support::file_turn(module_path!());
