@@ -93,20 +93,11 @@ impl BedrockBuilder {
         self,
         env: impl Fn(&str) -> Option<String>,
     ) -> Result<BedrockLayer, AwsConfigError> {
-        let env = |name: &str| env(name).filter(|v| !v.is_empty());
         let credentials = match self.credentials {
             Some(credentials) => credentials,
-            None => {
-                let mut credentials = AwsCredentials::new(
-                    env("AWS_ACCESS_KEY_ID").ok_or(AwsConfigError::MissingCredentials)?,
-                    env("AWS_SECRET_ACCESS_KEY").ok_or(AwsConfigError::MissingCredentials)?,
-                );
-                if let Some(token) = env("AWS_SESSION_TOKEN") {
-                    credentials = credentials.session_token(token);
-                }
-                credentials
-            }
+            None => AwsCredentials::from_vars(&env).ok_or(AwsConfigError::MissingCredentials)?,
         };
+        let env = |name: &str| env(name).filter(|v| !v.is_empty());
         let region = self
             .region
             .or_else(|| env("AWS_REGION"))

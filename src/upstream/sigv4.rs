@@ -42,7 +42,12 @@ impl AwsCredentials {
     /// The standard AWS environment: `AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY` and, when
     /// set, `AWS_SESSION_TOKEN`; `None` when either of the first two is missing or empty.
     pub fn from_env() -> Option<Self> {
-        let var = |name: &str| std::env::var(name).ok().filter(|v| !v.is_empty());
+        Self::from_vars(|name| std::env::var(name).ok())
+    }
+
+    /// [`from_env`](Self::from_env) with `env` for the environment.
+    pub(crate) fn from_vars(env: impl Fn(&str) -> Option<String>) -> Option<Self> {
+        let var = |name: &str| env(name).filter(|v| !v.is_empty());
         let mut credentials =
             AwsCredentials::new(var("AWS_ACCESS_KEY_ID")?, var("AWS_SECRET_ACCESS_KEY")?);
         credentials.session_token = var("AWS_SESSION_TOKEN");
