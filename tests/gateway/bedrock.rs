@@ -211,6 +211,19 @@ async fn a_signed_call_is_served_and_answered_as_a_message() {
         body.get("model").is_none() && body.get("stream").is_none(),
         "{body}"
     );
+
+    // An ARN goes whole into the path, its `:` and `/` percent-encoded, and encoded once
+    // more in what is signed: botocore agrees.
+    let arn = "arn:aws:bedrock:us-west-2:123456789012:application-inference-profile/abc123";
+    let mut by_arn = body_saying("Hi", false);
+    by_arn["model"] = arn.into();
+    let (status, _, body) = call(&layer(&mock, SECRET_KEY), &by_arn).await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(
+        mock.requests().await[1]["path"],
+        "/model/arn%3Aaws%3Abedrock%3Aus-west-2%3A123456789012%3A\
+         application-inference-profile%2Fabc123/invoke"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
