@@ -189,3 +189,57 @@ async fn a_body_over_the_limit_is_refused_without_a_call() {
     let body = response.into_body().collect().await.unwrap().to_bytes();
     assert!(body.starts_with(br#"{"error":{"message":"the request body is over"#));
 }
+
+/// Under `FairgateLayer`, Bedrock's throttling is the 429 the retry layer knows: the call is
+/// sent again after its backoff and served, and its `Job` went through to the client below.
+#[tokio::test(start_paused = true)]
+async fn fairgate_retries_bedrocks_throttling_as_a_429() {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use crate::{FairgateLayer, Job, Origin, Store};
+
+    let calls = Arc::new(AtomicUsize::new(0));
+    let inner = {
+        let calls = Arc::clone(&calls);
+        service_fn(move |req: http::Request<String>| {
+            let first = calls.fetch_add(1, Ordering::SeqCst) == 0;
+            assert!(
+                req.extensions().get::<Job>().is_some(),
+                "the job goes along"
+            );
+            async move {
+                let response = if first {
+                    http::Response::builder()
+                        .status(429)
+                        .header("x-amzn-errortype", "ThrottlingException:http://internal/")
+                        .body(r#"{"message":"Too many requests"}"#.to_owned())
+                } else {
+                    http::Response::builder().body(r#"{"type":"message"}"#.to_owned())
+                };
+                Ok::<_, Infallible>(response.unwrap())
+            }
+        })
+    };
+    let bedrock = BedrockLayer::builder()
+        .region("us-east-1")
+        .credentials(AwsCredentials::new("AKID", "secret"))
+        .build()
+        .unwrap();
+    let claude = ServiceBuilder::new()
+        .layer(FairgateLayer::new(Store::memory()))
+        .layer(bedrock)
+        .service(inner);
+    let body = r#"{"model":"claude-haiku-4-5","max_tokens":8,"messages":[]}"#;
+    let mut request = http::Request::post("http://x/v1/messages")
+        .body(body.to_owned())
+        .unwrap();
+    request
+        .extensions_mut()
+        .insert(Job::new("tenant-1", Origin::UserAction).tier("pro"));
+    let response = claude.oneshot(request).await.unwrap();
+    assert_eq!(response.status(), 200);
+    let body = response.into_body().collect().await.unwrap().to_bytes();
+    assert_eq!(body, r#"{"type":"message"}"#);
+    assert_eq!(calls.load(Ordering::SeqCst), 2);
+}
