@@ -18,6 +18,17 @@ use super::eventstream::{Decoder, Message};
 /// The most of an error answer's body read for its message.
 const MAX_ERROR_BODY: usize = 64 * 1024;
 
+/// What a Bedrock call is, for reading its answer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Operation {
+    /// `invoke`: a JSON message.
+    Invoke,
+    /// `invoke-with-response-stream`: an event stream.
+    Stream,
+    /// `count-tokens`: `{"inputTokens": n}`, answered as `{"input_tokens": n}`.
+    CountTokens,
+}
+
 /// An answer in the Messages API's error shape.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct MessagesError {
@@ -116,7 +127,10 @@ fn error_message(body: &[u8]) -> Option<String> {
 }
 
 /// Bedrock's response head in the Messages API's shape, and how its body is to be read.
-pub(crate) fn answer<B>(response: http::Response<B>) -> http::Response<UpstreamBody<B>> {
+pub(crate) fn answer<B>(
+    response: http::Response<B>,
+    operation: Operation,
+) -> http::Response<UpstreamBody<B>> {
     let (mut parts, inner) = response.into_parts();
     if let Some(id) = parts.headers.get("x-amzn-requestid").cloned() {
         parts.headers.insert("request-id", id);
@@ -135,6 +149,13 @@ pub(crate) fn answer<B>(response: http::Response<B>) -> http::Response<UpstreamB
             inner,
             read: Vec::new(),
             error: Some(MessagesError::new(status, kind, exception)),
+        }
+    } else if operation == Operation::CountTokens {
+        parts.headers.remove(header::CONTENT_LENGTH);
+        Kind::Count {
+            inner,
+            read: Vec::new(),
+            done: false,
         }
     } else if is_events {
         set_content_type(&mut parts.headers, "text/event-stream");
@@ -240,6 +261,7 @@ pin_project! {
         Pass { #[pin] inner: B },
         Events { #[pin] inner: B, decoder: Decoder, out: VecDeque<Bytes>, ended: bool },
         Error { #[pin] inner: B, read: Vec<u8>, error: Option<MessagesError> },
+        Count { #[pin] inner: B, read: Vec<u8>, done: bool },
         Full { data: Option<Bytes> },
     }
 }
@@ -285,6 +307,7 @@ where
                 ended,
             } => poll_events(inner, decoder, out, ended, cx),
             KindProj::Error { inner, read, error } => poll_error(inner, read, error, cx),
+            KindProj::Count { inner, read, done } => poll_count(inner, read, done, cx),
             KindProj::Full { data } => Poll::Ready(data.take().map(|d| Ok(Frame::data(d)))),
         }
     }
@@ -295,6 +318,7 @@ where
             Kind::Full { data } => data.is_none(),
             Kind::Events { out, ended, .. } => *ended && out.is_empty(),
             Kind::Error { error, .. } => error.is_none(),
+            Kind::Count { done, .. } => *done,
         }
     }
 
@@ -373,10 +397,32 @@ fn stream_broken(why: &str) -> Bytes {
     broken(why).event()
 }
 
-/// Reads an error answer's body (up to [`MAX_ERROR_BODY`]) for its message, then sends the
-/// error in the Messages API's shape.
-fn poll_error<B: Body>(
+/// Reads `inner` to its end (or its error), keeping its first [`MAX_ERROR_BODY`] bytes.
+fn poll_collect<B: Body>(
     mut inner: Pin<&mut B>,
+    read: &mut Vec<u8>,
+    cx: &mut Context<'_>,
+) -> Poll<()> {
+    loop {
+        match ready!(inner.as_mut().poll_frame(cx)) {
+            Some(Ok(frame)) => {
+                if let Ok(mut data) = frame.into_data() {
+                    let take = data.remaining().min(MAX_ERROR_BODY - read.len());
+                    read.extend_from_slice(&data.copy_to_bytes(take));
+                }
+                if read.len() >= MAX_ERROR_BODY {
+                    return Poll::Ready(());
+                }
+            }
+            Some(Err(_)) | None => return Poll::Ready(()),
+        }
+    }
+}
+
+/// Reads an error answer's body for its message, then sends the error in the Messages API's
+/// shape.
+fn poll_error<B: Body>(
+    inner: Pin<&mut B>,
     read: &mut Vec<u8>,
     error: &mut Option<MessagesError>,
     cx: &mut Context<'_>,
@@ -384,17 +430,7 @@ fn poll_error<B: Body>(
     if error.is_none() {
         return Poll::Ready(None);
     }
-    while read.len() < MAX_ERROR_BODY {
-        match ready!(inner.as_mut().poll_frame(cx)) {
-            Some(Ok(frame)) => {
-                if let Ok(mut data) = frame.into_data() {
-                    let take = data.remaining().min(MAX_ERROR_BODY - read.len());
-                    read.extend_from_slice(&data.copy_to_bytes(take));
-                }
-            }
-            Some(Err(_)) | None => break,
-        }
-    }
+    ready!(poll_collect(inner, read, cx));
     let Some(mut error) = error.take() else {
         return Poll::Ready(None);
     };
@@ -404,6 +440,29 @@ fn poll_error<B: Body>(
         error.message = format!("Bedrock answered {}", error.status);
     }
     Poll::Ready(Some(Ok(Frame::data(Bytes::from(error.json())))))
+}
+
+/// Reads Bedrock's `{"inputTokens": n}` and sends the Messages API's `{"input_tokens": n}`
+/// (or, if it is not that, what Bedrock sent).
+fn poll_count<B: Body>(
+    inner: Pin<&mut B>,
+    read: &mut Vec<u8>,
+    done: &mut bool,
+    cx: &mut Context<'_>,
+) -> Poll<Option<Result<Frame<Bytes>, B::Error>>> {
+    if *done {
+        return Poll::Ready(None);
+    }
+    ready!(poll_collect(inner, read, cx));
+    *done = true;
+    let count = serde_json::from_slice::<Value>(read)
+        .ok()
+        .and_then(|v| v.get("inputTokens")?.as_u64());
+    let body = match count {
+        Some(n) => Bytes::from(serde_json::json!({ "input_tokens": n }).to_string()),
+        None => Bytes::from(std::mem::take(read)),
+    };
+    Poll::Ready(Some(Ok(Frame::data(body))))
 }
 
 #[cfg(test)]

@@ -116,8 +116,7 @@ pub(crate) fn uri_encode(text: &str, keep_slash: bool) -> String {
     out
 }
 
-/// Standard base64 with padding: the test frames' `bytes` fields.
-#[cfg(test)]
+/// Standard base64 with padding (RFC 4648 §4).
 pub(crate) fn base64_encode(data: &[u8]) -> String {
     const ABC: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
     let mut out = String::new();

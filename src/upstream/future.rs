@@ -10,7 +10,7 @@ use http_body::Body;
 use pin_project_lite::pin_project;
 use tower_service::Service;
 
-use super::answer::{MessagesError, UpstreamBody, answer};
+use super::answer::{MessagesError, Operation, UpstreamBody, answer};
 use super::request::{Config, MAX_REQUEST_BODY, prepare, too_large};
 use crate::error::{BoxError, PolledAfterCompletion};
 
@@ -47,7 +47,7 @@ pin_project! {
             inner: Option<S>,
             config: Arc<Config>,
         },
-        Calling { #[pin] call: S::Future },
+        Calling { #[pin] call: S::Future, operation: Operation },
         Answered { error: Option<MessagesError> },
     }
 }
@@ -115,16 +115,17 @@ where
                             return Poll::Ready(Err(PolledAfterCompletion.into()));
                         };
                         match prepare(config, parts, std::mem::take(read).freeze()) {
-                            Ok(request) => State::Calling {
+                            Ok((request, operation)) => State::Calling {
                                 call: inner.call(request),
+                                operation,
                             },
                             Err(error) => State::Answered { error: Some(error) },
                         }
                     }
                 },
-                StateProj::Calling { call } => {
+                StateProj::Calling { call, operation } => {
                     let response = ready!(call.poll(cx)).map_err(Into::into)?;
-                    return Poll::Ready(Ok(answer(response)));
+                    return Poll::Ready(Ok(answer(response, *operation)));
                 }
                 StateProj::Answered { error } => {
                     return Poll::Ready(match error.take() {

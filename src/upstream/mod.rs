@@ -24,8 +24,11 @@
 //!   inside a stream an `error` event), so the crate's other layers, and the Anthropic SDKs,
 //!   read them as they read Anthropic's.
 //!
-//! Bedrock has no Message Batches, Files or Models routes: anything but `POST /v1/messages`
-//! is answered `404 not_found_error` without a call.
+//! `POST /v1/messages/count_tokens` goes to Bedrock's `count-tokens` (the invoke body,
+//! base64 in `{"input":{"invokeModel":{"body":…}}}`, under the model id without an inference
+//! profile's prefix, which counting refuses) and its `{"inputTokens":n}` comes back as
+//! `{"input_tokens":n}`. Bedrock has no Message Batches, Files or Models routes: anything
+//! else is answered `404 not_found_error` without a call.
 //!
 //! **Google Vertex AI** would take the same shape of work: `POST
 //! /v1/projects/{project}/locations/{region}/publishers/anthropic/models/{model}:rawPredict`

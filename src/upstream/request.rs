@@ -4,10 +4,10 @@ use std::time::SystemTime;
 
 use bytes::Bytes;
 use http::{HeaderValue, Method, StatusCode, header};
-use serde_json::Value;
+use serde_json::{Map, Value};
 
-use super::answer::MessagesError;
-use super::codec::{sha256_hex, uri_encode};
+use super::answer::{MessagesError, Operation};
+use super::codec::{base64_encode, sha256_hex, uri_encode};
 use super::models::ModelMap;
 use super::sigv4::{self, AwsCredentials, SignRequest, SignScope};
 
@@ -31,27 +31,90 @@ pub(crate) struct Config {
     pub(crate) models: ModelMap,
 }
 
-/// The Messages API request (head and whole body) as Bedrock's, signed at `now`; or the
-/// answer the Messages API would give to a request that cannot be sent.
+/// The Messages API request (head and whole body) as Bedrock's, signed at `now`, and what
+/// it is; or the answer the Messages API would give to a request that cannot be sent.
 pub(crate) fn to_bedrock(
     config: &Config,
     parts: http::request::Parts,
     body: &[u8],
     now: SystemTime,
-) -> Result<http::Request<String>, MessagesError> {
-    let invalid =
-        |text: &str| MessagesError::new(StatusCode::BAD_REQUEST, "invalid_request_error", text);
-    if parts.method != Method::POST || parts.uri.path() != "/v1/messages" {
+) -> Result<(http::Request<String>, Operation), MessagesError> {
+    let count = match (&parts.method, parts.uri.path()) {
+        (&Method::POST, "/v1/messages") => false,
+        (&Method::POST, "/v1/messages/count_tokens") => true,
+        (method, path) => {
+            return Err(MessagesError::new(
+                StatusCode::NOT_FOUND,
+                "not_found_error",
+                format!(
+                    "{method} {path}: Bedrock serves POST /v1/messages and its count_tokens only"
+                ),
+            ));
+        }
+    };
+    let (model, stream, mut fields) = read_body(body)?;
+    let Some(model_id) = config.models.resolve(&model) else {
         return Err(MessagesError::new(
             StatusCode::NOT_FOUND,
             "not_found_error",
-            format!(
-                "{} {}: Bedrock serves POST /v1/messages only",
-                parts.method,
-                parts.uri.path()
-            ),
+            format!("model: {model}"),
         ));
-    }
+    };
+    fields
+        .entry("anthropic_version")
+        .or_insert_with(|| BEDROCK_ANTHROPIC_VERSION.into());
+    add_betas(&parts.headers, &mut fields);
+    let (operation, action, body, model_id) = if count {
+        // An invoke body counts as it would be sent (it needs a `max_tokens`), and counting
+        // takes a model id, not an inference profile's.
+        fields.entry("max_tokens").or_insert(1.into());
+        let invoke = Value::Object(fields).to_string();
+        let body = serde_json::json!({"input": {"invokeModel": {"body": base64_encode(invoke.as_bytes())}}});
+        let model_id = match model_id.find("anthropic.") {
+            Some(at) if !model_id.starts_with("arn:") => model_id[at..].to_owned(),
+            _ => model_id,
+        };
+        (
+            Operation::CountTokens,
+            "count-tokens",
+            body.to_string(),
+            model_id,
+        )
+    } else if stream {
+        let body = Value::Object(fields).to_string();
+        (
+            Operation::Stream,
+            "invoke-with-response-stream",
+            body,
+            model_id,
+        )
+    } else {
+        (
+            Operation::Invoke,
+            "invoke",
+            Value::Object(fields).to_string(),
+            model_id,
+        )
+    };
+    let path = format!(
+        "{}/model/{}/{action}",
+        config.prefix,
+        uri_encode(&model_id, false)
+    );
+    let request = signed(config, parts, path, body, operation, now).map_err(|e| {
+        MessagesError::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "api_error",
+            e.to_string(),
+        )
+    })?;
+    Ok((request, operation))
+}
+
+/// The body's `model`, its `stream` flag, and the rest of its fields.
+fn read_body(body: &[u8]) -> Result<(String, bool, Map<String, Value>), MessagesError> {
+    let invalid =
+        |text: &str| MessagesError::new(StatusCode::BAD_REQUEST, "invalid_request_error", text);
     let Ok(Value::Object(mut fields)) = serde_json::from_slice::<Value>(body) else {
         return Err(invalid("the body is not a JSON object"));
     };
@@ -63,18 +126,13 @@ pub(crate) fn to_bedrock(
         Some(Value::Bool(stream)) => stream,
         Some(_) => return Err(invalid("stream: Input should be a valid boolean")),
     };
-    let Some(model_id) = config.models.resolve(&model) else {
-        return Err(MessagesError::new(
-            StatusCode::NOT_FOUND,
-            "not_found_error",
-            format!("model: {model}"),
-        ));
-    };
-    fields
-        .entry("anthropic_version")
-        .or_insert_with(|| BEDROCK_ANTHROPIC_VERSION.into());
-    let betas: Vec<Value> = parts
-        .headers
+    Ok((model, stream, fields))
+}
+
+/// The `anthropic-beta` header's values as the body's `anthropic_beta` list, unless the body
+/// has one.
+fn add_betas(headers: &http::HeaderMap, fields: &mut Map<String, Value>) {
+    let betas: Vec<Value> = headers
         .get_all("anthropic-beta")
         .iter()
         .filter_map(|v| v.to_str().ok())
@@ -88,24 +146,6 @@ pub(crate) fn to_bedrock(
             .entry("anthropic_beta")
             .or_insert(Value::Array(betas));
     }
-    let body = Value::Object(fields).to_string();
-    let action = if stream {
-        "invoke-with-response-stream"
-    } else {
-        "invoke"
-    };
-    let path = format!(
-        "{}/model/{}/{action}",
-        config.prefix,
-        uri_encode(&model_id, false)
-    );
-    signed(config, parts, path, body, stream, now).map_err(|e| {
-        MessagesError::new(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            "api_error",
-            e.to_string(),
-        )
-    })
 }
 
 /// The request to `path` with `body`, its headers signed with SigV4 (service `bedrock`).
@@ -116,12 +156,12 @@ fn signed(
     parts: http::request::Parts,
     path: String,
     body: String,
-    stream: bool,
+    operation: Operation,
     now: SystemTime,
 ) -> Result<http::Request<String>, http::Error> {
     let amz_date = sigv4::amz_date(now);
     let payload_sha256 = sha256_hex(body.as_bytes());
-    let accept = if stream {
+    let accept = if operation == Operation::Stream {
         "application/vnd.amazon.eventstream"
     } else {
         "application/json"
@@ -175,7 +215,7 @@ pub(crate) fn prepare(
     config: &Config,
     parts: http::request::Parts,
     body: Bytes,
-) -> Result<http::Request<String>, MessagesError> {
+) -> Result<(http::Request<String>, Operation), MessagesError> {
     to_bedrock(config, parts, &body, SystemTime::now())
 }
 
@@ -197,7 +237,15 @@ mod tests {
     }
 
     fn call(body: &str, headers: &[(&str, &str)]) -> Result<http::Request<String>, MessagesError> {
-        let mut builder = http::Request::post("http://gateway/v1/messages?beta=true");
+        call_to("/v1/messages?beta=true", body, headers).map(|(req, _)| req)
+    }
+
+    fn call_to(
+        path: &str,
+        body: &str,
+        headers: &[(&str, &str)],
+    ) -> Result<(http::Request<String>, Operation), MessagesError> {
+        let mut builder = http::Request::post(format!("http://gateway{path}"));
         for (name, value) in headers {
             builder = builder.header(*name, *value);
         }
@@ -277,6 +325,32 @@ mod tests {
         assert_eq!(
             (error.status.as_u16(), error.kind),
             (404, "not_found_error")
+        );
+    }
+
+    #[test]
+    fn counting_tokens_sends_the_invoke_body_to_count_tokens() {
+        let (req, operation) = call_to(
+            "/v1/messages/count_tokens",
+            r#"{"model":"us.anthropic.claude-haiku-4-5-20251001-v1:0","messages":[]}"#,
+            &[],
+        )
+        .unwrap();
+        assert_eq!(operation, Operation::CountTokens);
+        assert_eq!(
+            req.uri().path(),
+            "/prefix/model/anthropic.claude-haiku-4-5-20251001-v1%3A0/count-tokens"
+        );
+        let body: Value = serde_json::from_str(req.body()).unwrap();
+        let invoke = body["input"]["invokeModel"]["body"].as_str().unwrap();
+        let invoke: Value =
+            serde_json::from_slice(&crate::upstream::codec::base64_decode(invoke).unwrap())
+                .unwrap();
+        assert_eq!(
+            invoke,
+            serde_json::json!({
+                "messages": [], "max_tokens": 1, "anthropic_version": "bedrock-2023-05-31",
+            })
         );
     }
 

@@ -39,6 +39,17 @@ async fn answer(
     chunks: Vec<Vec<u8>>,
     stream: bool,
 ) -> (u16, String, String) {
+    let path = "/v1/messages";
+    answer_to(path, status, headers, chunks, stream).await
+}
+
+async fn answer_to(
+    path: &str,
+    status: u16,
+    headers: &'static [(&'static str, &'static str)],
+    chunks: Vec<Vec<u8>>,
+    stream: bool,
+) -> (u16, String, String) {
     let inner = service_fn(move |_req: http::Request<String>| {
         let chunks = chunks.clone();
         async move {
@@ -57,7 +68,7 @@ async fn answer(
         .unwrap();
     let bedrock = ServiceBuilder::new().layer(layer).service(inner);
     let body = format!(r#"{{"model":"claude-haiku-4-5","stream":{stream},"messages":[]}}"#);
-    let request = http::Request::post("http://x/v1/messages")
+    let request = http::Request::post(format!("http://x{path}"))
         .body(body)
         .unwrap();
     let response = bedrock.oneshot(request).await.unwrap();
@@ -140,6 +151,15 @@ async fn a_message_passes_as_bedrock_sent_it() {
         answer(200, &[("content-type", "application/json")], halves, false).await;
     assert_eq!(status, 200);
     assert_eq!(body.as_bytes(), &message[..]);
+}
+
+#[tokio::test]
+async fn a_token_count_is_answered_as_the_messages_api_counts() {
+    let json = &[("content-type", "application/json")];
+    let count = vec![br#"{"inputTokens":"#.to_vec(), b"42}".to_vec()];
+    let path = "/v1/messages/count_tokens";
+    let (status, _, body) = answer_to(path, 200, json, count, false).await;
+    assert_eq!((status, body.as_str()), (200, r#"{"input_tokens":42}"#));
 }
 
 #[tokio::test]

@@ -314,6 +314,34 @@ async fn a_stream_arrives_as_the_messages_server_sent_events() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_token_count_goes_to_count_tokens_and_comes_back_in_the_messages_shape() {
+    let _turn = crate::support::file_turn(module_path!());
+    let Some(python) = botocore_python() else {
+        return;
+    };
+    let mock = MockBedrock::start(&python);
+    let client = Client::builder(TokioExecutor::new()).build_http::<String>();
+    let bedrock = ServiceBuilder::new()
+        .layer(layer(&mock, SECRET_KEY))
+        .service(client);
+    let mut request = messages_request(&json!({
+        "model": "claude-sonnet-4-5",
+        "messages": [{"role": "user", "content": "Hi"}],
+    }));
+    *request.uri_mut() = "http://gateway.local/v1/messages/count_tokens"
+        .parse()
+        .unwrap();
+    let response = bedrock.oneshot(request).await.unwrap();
+    assert_eq!(response.status(), 200);
+    let body = response.into_body().collect().await.unwrap().to_bytes();
+    assert_eq!(body, r#"{"input_tokens":42}"#);
+    assert_eq!(
+        mock.requests().await[0]["path"],
+        "/model/anthropic.claude-sonnet-4-5-20250929-v1%3A0/count-tokens"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn throttling_arrives_as_429_rate_limit_error_in_a_call_and_in_a_stream() {
     let _turn = crate::support::file_turn(module_path!());
     let Some(python) = botocore_python() else {
@@ -350,7 +378,8 @@ async fn throttling_arrives_as_429_rate_limit_error_in_a_call_and_in_a_stream() 
 }
 
 /// The official Anthropic Python SDK, pointed at a small axum server whose every call goes
-/// through the Bedrock layer to the mock: a message, a stream, and a throttled call.
+/// through the Bedrock layer to the mock: a message, a stream, a token count and a
+/// throttled call.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_anthropic_python_sdk_is_served_by_bedrock() {
     let _turn = crate::support::file_turn(module_path!());
@@ -397,7 +426,7 @@ async fn the_anthropic_python_sdk_is_served_by_bedrock() {
         out.status.success(),
         "the SDK script failed:\n{stdout}\n{stderr}"
     );
-    assert!(stdout.contains("3 passed, 0 failed"), "{stdout}");
+    assert!(stdout.contains("4 passed, 0 failed"), "{stdout}");
 }
 
 /// An upstream that refuses the connection is the inner client's error, as a `BoxError`:

@@ -15,6 +15,8 @@ Routes:
   POST /model/{id}/invoke                       a JSON message
   POST /model/{id}/invoke-with-response-stream  the same message as AWS event stream frames,
                                                 sent in 7-byte pieces so frames split
+  POST /model/{id}/count-tokens                 {"inputTokens": 42} for a well-formed
+                                                {"input":{"invokeModel":{"body":<base64>}}}
   GET  /requests                                 what was received, as JSON (for the test)
 A user message "throttle me" is answered 429 ThrottlingException; "break the stream" gets a
 stream with a throttlingException exception event after the first text delta.
@@ -212,16 +214,25 @@ class Handler(BaseHTTPRequestHandler):
             })
         if problem:
             return self.send_json(403, {"message": problem[1]}, problem[0])
-        route = re.match(r"^/model/([^/]+)/(invoke|invoke-with-response-stream)$", self.path)
+        route = re.match(r"^/model/([^/]+)/(invoke|invoke-with-response-stream|count-tokens)$", self.path)
         if not route:
             return self.send_json(404, {"message": "unknown operation"}, "UnknownOperationException")
         model = unquote(route.group(1))
         request = json.loads(body)
+        if route.group(2) == "count-tokens":
+            try:
+                request = json.loads(base64.b64decode(request["input"]["invokeModel"]["body"], validate=True))
+            except (KeyError, TypeError, ValueError):
+                return self.send_json(400, {"message": "Malformed input request"}, "ValidationException")
         if "model" in request or "stream" in request or request.get("anthropic_version") != "bedrock-2023-05-31":
             return self.send_json(400, {"message": "Malformed input request"}, "ValidationException")
         said = json.dumps(request.get("messages", []))
         if "throttle me" in said:
             return self.send_json(429, {"message": "Too many requests, please wait before trying again."}, "ThrottlingException")
+        if route.group(2) == "count-tokens":
+            if "max_tokens" not in request or model.startswith(("us.", "eu.", "global.")):
+                return self.send_json(400, {"message": "The provided model doesn't support counting tokens"}, "ValidationException")
+            return self.send_json(200, {"inputTokens": 42})
         if route.group(2) == "invoke":
             return self.send_json(200, message(model))
         self.send_stream(b"".join(stream_frames(model, "break the stream" in said)))

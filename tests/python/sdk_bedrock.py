@@ -1,6 +1,8 @@
 """The official Anthropic Python SDK, served by Claude on Amazon Bedrock through fairgate's
 Bedrock layer.
 
+Makes a message, a stream, a token count and a throttled call.
+
 Run by `tests/gateway/bedrock.rs` (`the_anthropic_python_sdk_is_served_by_bedrock`) with:
   GATEWAY_URL   a server that sends every call through the layer to a Bedrock mock
 
@@ -41,6 +43,11 @@ check(
     text == "Hello from Bedrock." and final.stop_reason == "end_turn",
     (text, final),
 )
+
+count = client.messages.count_tokens(
+    model="claude-sonnet-4-5", messages=[{"role": "user", "content": "Hi"}]
+)
+check("counted", count.input_tokens == 42, count)
 
 try:
     client.messages.create(messages=[{"role": "user", "content": "throttle me"}], **request)
