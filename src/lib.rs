@@ -117,6 +117,9 @@ mod time;
 #[cfg_attr(docsrs, doc(cfg(feature = "tonic")))]
 pub mod tonic;
 pub mod trace;
+#[cfg(feature = "bedrock")]
+#[cfg_attr(docsrs, doc(cfg(feature = "bedrock")))]
+pub mod upstream;
 
 pub use crate::admission::busy::{Busy, WaitReason};
 pub use crate::admission::demotion::{DemotionPolicy, DemotionPolicyBuilder};

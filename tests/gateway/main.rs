@@ -19,6 +19,7 @@ mod support;
 
 mod attacks;
 mod batches;
+mod bedrock;
 mod cost;
 mod dashboard;
 mod first_hour;
