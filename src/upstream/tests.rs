@@ -256,7 +256,7 @@ async fn fairgate_retries_bedrocks_throttling_as_a_429() {
         .unwrap();
     request
         .extensions_mut()
-        .insert(Job::new("tenant-1", Origin::UserAction).tier("pro"));
+        .insert(Job::new("tenant-1", Origin::UserAction).with_tier("pro"));
     let response = claude.oneshot(request).await.unwrap();
     assert_eq!(response.status(), 200);
     let body = response.into_body().collect().await.unwrap().to_bytes();

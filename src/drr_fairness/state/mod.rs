@@ -310,13 +310,7 @@ impl FairQueue {
             let room = state.len() == 0 && state.in_flight < self.max_in_flight;
             let key = job.upstream();
             let receipt = match room {
-                true => self.rate_now(
-                    &mut state,
-                    place.group,
-                    key,
-                    job.cost(),
-                    &mut after,
-                ),
+                true => self.rate_now(&mut state, place.group, key, job.cost(), &mut after),
                 false => None,
             };
             let room = room && receipt.as_ref().is_none_or(Option::is_some);
