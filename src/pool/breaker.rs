@@ -2,7 +2,9 @@
 //! given). An upstream that cannot be reached is set aside at once; one that answers
 //! overloaded or failed `trip_after` times in a row is set aside too. Set aside, it takes
 //! no call until `probe_every` has passed; then one call, the probe, goes: answered, the
-//! upstream is back; failed, it is set aside again for another interval.
+//! upstream is back; failed, it is set aside again for another interval. A probe with no
+//! answer for a whole interval (its connection hangs, and nobody gives up on it) counts as
+//! lost: the next call probes.
 
 use std::time::Duration;
 
@@ -26,8 +28,8 @@ pub(crate) enum Admit {
     Call,
     /// The upstream is set aside; this call is its probe.
     Probe,
-    /// Set aside until then (or, a probe out, until it is answered).
-    No(Option<Instant>),
+    /// Set aside: the next probe may go then.
+    No(Instant),
 }
 
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -38,8 +40,10 @@ enum State {
     Open {
         until: Instant,
     },
-    /// Set aside, its probe out.
-    Probing,
+    /// Set aside, its probe out since then.
+    Probing {
+        since: Instant,
+    },
 }
 
 /// One upstream's breaker.
@@ -61,24 +65,29 @@ impl Breaker {
 
     /// Whether a call may go to this upstream at `now`; a probe is taken if one is due.
     pub(crate) fn admit(&mut self, now: Instant) -> Admit {
-        match self.state {
-            State::Closed { .. } => Admit::Call,
-            State::Open { until } if now >= until => {
-                self.state = State::Probing;
+        match self.probe_due() {
+            None => Admit::Call,
+            Some(due) if now >= due => {
+                self.state = State::Probing { since: now };
                 Admit::Probe
             }
-            State::Open { until } => Admit::No(Some(until)),
-            State::Probing => Admit::No(None),
+            Some(due) => Admit::No(due),
+        }
+    }
+
+    /// When the next probe may go: the end of the interval set aside, or, a probe out, one
+    /// interval after it went (then it counts as lost). `None`: it takes calls.
+    fn probe_due(&self) -> Option<Instant> {
+        match self.state {
+            State::Closed { .. } => None,
+            State::Open { until } => Some(until),
+            State::Probing { since } => Some(since + self.probe_every),
         }
     }
 
     /// Whether a call could go now, without taking a probe.
     pub(crate) fn would_admit(&self, now: Instant) -> bool {
-        match self.state {
-            State::Closed { .. } => true,
-            State::Open { until } => now >= until,
-            State::Probing => false,
-        }
+        self.probe_due().is_none_or(|due| now >= due)
     }
 
     /// Whether the upstream is set aside.
@@ -118,7 +127,7 @@ impl Breaker {
 
     /// The probe went away unanswered (its caller dropped it): the next call probes.
     pub(crate) fn probe_dropped(&mut self, now: Instant) {
-        if self.state == State::Probing {
+        if matches!(self.state, State::Probing { .. }) {
             self.state = State::Open { until: now };
         }
     }
@@ -137,12 +146,12 @@ mod tests {
         let mut b = Breaker::new(3, EVERY);
         assert_eq!(b.admit(t0), Admit::Call);
         b.answered(Outcome::Unreachable, false, t0);
-        assert_eq!(b.admit(t0), Admit::No(Some(t0 + EVERY)));
+        assert_eq!(b.admit(t0), Admit::No(t0 + EVERY));
         assert_eq!(b.admit(t0 + EVERY), Admit::Probe);
         // One probe at a time.
-        assert_eq!(b.admit(t0 + EVERY), Admit::No(None));
+        assert_eq!(b.admit(t0 + EVERY), Admit::No(t0 + 2 * EVERY));
         b.answered(Outcome::Unreachable, true, t0 + EVERY);
-        assert_eq!(b.admit(t0 + EVERY), Admit::No(Some(t0 + 2 * EVERY)));
+        assert_eq!(b.admit(t0 + EVERY), Admit::No(t0 + 2 * EVERY));
         assert_eq!(b.admit(t0 + 2 * EVERY), Admit::Probe);
         b.answered(Outcome::Answered, true, t0 + 2 * EVERY);
         assert_eq!(b.admit(t0 + 2 * EVERY), Admit::Call);
@@ -177,6 +186,19 @@ mod tests {
     }
 
     #[test]
+    fn a_probe_with_no_answer_for_an_interval_is_lost_and_the_next_call_probes() {
+        let t0 = Instant::now();
+        let mut b = Breaker::new(1, EVERY);
+        b.answered(Outcome::Unreachable, false, t0);
+        assert_eq!(b.admit(t0 + EVERY), Admit::Probe);
+        assert!(!b.would_admit(t0 + EVERY + EVERY / 2));
+        assert_eq!(b.admit(t0 + 2 * EVERY), Admit::Probe);
+        // The first probe's answer, late: it still tells.
+        b.answered(Outcome::Answered, true, t0 + 2 * EVERY);
+        assert_eq!(b.admit(t0 + 2 * EVERY), Admit::Call);
+    }
+
+    #[test]
     fn a_late_answer_of_a_call_from_before_does_not_bring_it_back() {
         let t0 = Instant::now();
         let mut b = Breaker::new(1, EVERY);
@@ -186,8 +208,8 @@ mod tests {
     }
 
     proptest! {
-        /// Whatever the answers, at most one probe is out at a time, and a set-aside upstream
-        /// takes no call before its interval has passed.
+        /// Whatever the answers, a set-aside upstream takes no call before its interval has
+        /// passed, and a probe goes only when the last is answered, dropped or lost.
         #[test]
         fn one_probe_at_a_time_and_none_early(
             steps in proptest::collection::vec((0u8..4, 0u64..1500), 1..200),
@@ -198,10 +220,7 @@ mod tests {
             let mut probes_out = 0;
             for (what, advance) in steps {
                 now += Duration::from_millis(advance);
-                let open_until = match b.state {
-                    State::Open { until } => Some(until),
-                    _ => None,
-                };
+                let open_until = b.probe_due();
                 match b.admit(now) {
                     Admit::Probe => {
                         prop_assert!(open_until.is_some_and(|until| now >= until));
@@ -223,9 +242,7 @@ mod tests {
                     }
                     Admit::No(until) => {
                         prop_assert!(b.is_open());
-                        if let Some(until) = until {
-                            prop_assert!(now < until);
-                        }
+                        prop_assert!(now < until);
                     }
                 }
             }

@@ -5,7 +5,7 @@ use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::task::{Context, Poll, ready};
+use std::task::{Context, Poll};
 
 use tokio::time::Instant;
 
@@ -27,9 +27,15 @@ use crate::sync::lock;
 pub struct InFlight(Arc<AtomicUsize>);
 
 impl InFlight {
-    pub(super) fn new(count: &Arc<AtomicUsize>) -> Self {
-        count.fetch_add(1, Ordering::Relaxed);
-        InFlight(count.clone())
+    /// A place in `count`, if it is below `max`: checked and taken in one step, so callers
+    /// on several threads never hold more than `max` together.
+    pub(super) fn take(count: &Arc<AtomicUsize>, max: Option<usize>) -> Option<Self> {
+        count
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                max.is_none_or(|max| n < max).then_some(n + 1)
+            })
+            .ok()?;
+        Some(InFlight(count.clone()))
     }
 }
 
@@ -97,6 +103,8 @@ pin_project! {
         // The request, kept to send again (`None` once answered).
         spare: Option<http::Request<B>>,
         at: Option<Dispatch<S>>,
+        // The next upstream's place, taken before an answer was let go.
+        next: Option<Dispatch<S>>,
         // A bit per upstream this call went to.
         tried: u64,
         tenant: Option<TenantId>,
@@ -120,6 +128,7 @@ where
             deadline: None,
             spare: Some(request),
             at: None,
+            next: None,
             tried: 0,
             tenant,
             model,
@@ -138,8 +147,25 @@ fn copy<B: Clone>(request: &http::Request<B>) -> http::Request<B> {
     copy
 }
 
+/// Tells the call's upstream's breaker what its answer said; whether the upstream provably
+/// did not run the call (refused, or overloaded: `529`, `503`).
+fn tell<S, R>(at: &mut Dispatch<S>, answer: &Result<http::Response<R>, BoxError>) -> bool {
+    let (outcome, not_run) = match answer {
+        Ok(response) => match response.status().as_u16() {
+            503 | 529 => (Outcome::Failing, true),
+            500 => (Outcome::Failing, false),
+            _ => (Outcome::Answered, false),
+        },
+        Err(error) if refused(error) => (Outcome::Unreachable, true),
+        Err(_) => (Outcome::Failing, false),
+    };
+    at.answered(outcome);
+    not_run
+}
+
 /// Whether the upstream provably did not run the call: its connection was refused.
-fn refused(error: &(dyn std::error::Error + 'static)) -> bool {
+fn refused(error: &BoxError) -> bool {
+    let error: &(dyn std::error::Error + 'static) = &**error;
     let mut source = Some(error);
     while let Some(error) = source {
         if let Some(io) = error.downcast_ref::<std::io::Error>()
@@ -167,9 +193,14 @@ where
                 let Some(request) = this.spare.take() else {
                     return Poll::Ready(Err(PolledAfterCompletion.into()));
                 };
-                let at =
-                    this.shared
-                        .pick(*this.tried, this.tenant.as_ref(), this.model.as_deref())?;
+                let at = match this.next.take() {
+                    Some(at) => at,
+                    None => this.shared.pick(
+                        *this.tried,
+                        this.tenant.as_ref(),
+                        this.model.as_deref(),
+                    )?,
+                };
                 *this.tried |= 1 << at.member;
                 let service = this.shared.members[at.member].upstream.service.clone();
                 *this.spare = Some(copy(&request));
@@ -178,59 +209,50 @@ where
                     .set(this.shared.first_byte_timeout.map(tokio::time::sleep));
                 *this.at = Some(at);
             }
-            if let Some(deadline) = this.deadline.as_mut().as_pin_mut()
-                && deadline.poll(cx).is_ready()
-            {
-                this.call.set(None);
-                *this.spare = None;
-                let mut at = this.at.take().expect("a call under way has its dispatch");
-                at.answered(Outcome::Unreachable);
-                let upstream = at.name().to_owned();
-                return Poll::Ready(Err(FirstByteTimeout { upstream }.into()));
-            }
             let call = this
                 .call
                 .as_mut()
                 .as_pin_mut()
                 .expect("a call is under way");
-            let answer = ready!(call.poll(cx));
+            // The answer first: one that came in time is never taken for a timeout, however
+            // late this task is polled.
+            let Poll::Ready(answer) = call.poll(cx) else {
+                if let Some(deadline) = this.deadline.as_mut().as_pin_mut()
+                    && deadline.poll(cx).is_ready()
+                {
+                    this.call.set(None);
+                    *this.spare = None;
+                    let mut at = this.at.take().expect("a call under way has its dispatch");
+                    at.answered(Outcome::Unreachable);
+                    let upstream = at.name().to_owned();
+                    return Poll::Ready(Err(FirstByteTimeout { upstream }.into()));
+                }
+                return Poll::Pending;
+            };
+            let answer: Result<_, BoxError> = answer.map_err(Into::into);
             this.call.set(None);
             this.deadline.set(None);
             let mut at = this.at.take().expect("a call under way has its dispatch");
-            match answer {
-                Ok(response) => {
-                    let status = response.status().as_u16();
-                    let outcome = match status {
-                        500 | 503 | 529 => Outcome::Failing,
-                        _ => Outcome::Answered,
-                    };
-                    at.answered(outcome);
-                    // Overloaded, the call not run: elsewhere if another has room.
-                    if matches!(status, 503 | 529)
-                        && this.shared.has_another(*this.tried, this.model.as_deref())
-                    {
-                        at.moved_away();
-                        continue;
-                    }
-                    *this.spare = None;
-                    let in_flight = at.in_flight.take().expect("held until answered");
-                    return Poll::Ready(Ok(response.guard(in_flight)));
-                }
-                Err(error) => {
-                    let error: BoxError = error.into();
-                    if refused(&*error) {
-                        at.answered(Outcome::Unreachable);
-                        if this.shared.has_another(*this.tried, this.model.as_deref()) {
-                            at.moved_away();
-                            continue;
-                        }
-                    } else {
-                        at.answered(Outcome::Failing);
-                    }
-                    *this.spare = None;
-                    return Poll::Ready(Err(error));
-                }
+            let not_run = tell(&mut at, &answer);
+            // Elsewhere only with another upstream's place already taken: otherwise the
+            // caller gets this answer as it is (a 529 and its retry-after, say).
+            if not_run
+                && let Ok(next) =
+                    this.shared
+                        .pick(*this.tried, this.tenant.as_ref(), this.model.as_deref())
+            {
+                at.moved_away();
+                *this.next = Some(next);
+                continue;
             }
+            *this.spare = None;
+            return Poll::Ready(match answer {
+                Ok(response) => {
+                    let in_flight = at.in_flight.take().expect("held until answered");
+                    Ok(response.guard(in_flight))
+                }
+                Err(error) => Err(error),
+            });
         }
     }
 }

@@ -77,9 +77,10 @@ impl<S> Members<S> {
                 })
                 .collect();
             let Some(member) = choose(&candidates, affinity) else {
-                return Err(self.none_has_room(now));
+                return Err(self.none_has_room(now, model));
             };
-            let probe = match lock(&self.members[member].breaker).admit(now) {
+            let chosen = &self.members[member];
+            let probe = match lock(&chosen.breaker).admit(now) {
                 Admit::Call => false,
                 Admit::Probe => true,
                 // Another call took its probe meanwhile: choose again without it.
@@ -88,7 +89,16 @@ impl<S> Members<S> {
                     continue;
                 }
             };
-            let in_flight = InFlight::new(&self.members[member].in_flight);
+            // Its place, checked against its cap and taken in one step: another thread may
+            // have taken the last one since the choice.
+            let Some(in_flight) = InFlight::take(&chosen.in_flight, chosen.upstream.max_in_flight)
+            else {
+                if probe {
+                    lock(&chosen.breaker).probe_dropped(now);
+                }
+                excluded |= 1 << member;
+                continue;
+            };
             if let Some(tenant) = tenant {
                 self.remember(tenant, member);
             }
@@ -101,26 +111,15 @@ impl<S> Members<S> {
         }
     }
 
-    /// Whether another upstream than those `tried` could take the call now.
-    pub(super) fn has_another(&self, tried: u64, model: Option<&str>) -> bool {
-        let now = Instant::now();
-        self.members.iter().enumerate().any(|(i, m)| {
-            tried & (1 << i) == 0
-                && lock(&m.breaker).would_admit(now)
-                && m.upstream
-                    .max_in_flight
-                    .is_none_or(|max| m.in_flight() < max)
-                && m.serves(model)
-        })
-    }
-
-    fn none_has_room(&self, now: Instant) -> NoUpstream {
+    /// When the first upstream set aside that serves `model` may be probed.
+    fn none_has_room(&self, now: Instant, model: Option<&str>) -> NoUpstream {
         let first_probe = self
             .members
             .iter()
+            .filter(|m| m.serves(model))
             .filter_map(|m| match lock(&m.breaker).clone().admit(now) {
-                Admit::No(Some(at)) => Some(at),
-                _ => None,
+                Admit::No(at) => Some(at),
+                Admit::Call | Admit::Probe => None,
             })
             .min();
         NoUpstream {

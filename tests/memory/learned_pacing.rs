@@ -665,6 +665,7 @@ async fn hostile_rate_limit_headers_neither_panic_nor_stop_the_fleet() {
     assert!(took < Duration::from_secs(30 * 60), "{took:?}");
 }
 
+#[cfg(feature = "redis")]
 #[tokio::test]
 async fn while_redis_is_away_each_worker_paces_at_its_share_of_the_learned_rate() {
     let _turn = crate::support::file_turn(module_path!());

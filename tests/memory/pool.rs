@@ -308,3 +308,59 @@ fn a_pool_refuses_what_cannot_work() {
         .build();
     assert!(zero.is_err());
 }
+
+/// The answer came at 1 s, within a 5 s first-byte timeout, but the caller's task is polled
+/// again only at 6 s (a busy executor): it gets the answer, and the upstream is not set
+/// aside.
+#[tokio::test(start_paused = true)]
+async fn an_answer_in_time_is_never_taken_for_a_timeout_however_late_it_is_polled() {
+    use std::future::Future;
+    let a = Mock::new();
+    let mut pool = Pool::builder()
+        .upstream(Upstream::new("a", a.service()))
+        .first_byte_timeout(Duration::from_secs(5))
+        .build()
+        .unwrap();
+    a.delay_ms.store(1_000, Ordering::SeqCst);
+    let mut call_under_way = Box::pin(pool.ready().await.unwrap().call(call("t")));
+    let pending = std::future::poll_fn(|cx| {
+        std::task::Poll::Ready(call_under_way.as_mut().poll(cx).is_pending())
+    })
+    .await;
+    assert!(pending);
+    tokio::time::advance(Duration::from_secs(6)).await;
+    let answer = call_under_way.await;
+    assert!(answer.is_ok(), "{:?}", answer.err());
+    assert!(!pool.upstreams()[0].set_aside);
+}
+
+/// An upstream's cap holds across threads: its place is checked and taken in one step.
+#[test]
+fn max_in_flight_holds_when_calls_choose_at_once_on_two_threads() {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    runtime.block_on(async {
+        for round in 0..300 {
+            let a = Mock::new();
+            a.delay_ms.store(3, Ordering::SeqCst);
+            let pool = Pool::builder()
+                .upstream(Upstream::new("a", a.service()).max_in_flight(1))
+                .build()
+                .unwrap();
+            let calls: Vec<_> = (0..8)
+                .map(|t| tokio::spawn(pool.clone().oneshot(call(&format!("t{t}")))))
+                .collect();
+            for c in calls {
+                let _ = c.await;
+            }
+            let most = a.most.load(Ordering::SeqCst);
+            assert!(
+                most <= 1,
+                "round {round}: {most} calls at once, max_in_flight 1"
+            );
+        }
+    });
+}
