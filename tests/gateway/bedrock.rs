@@ -97,6 +97,9 @@ fn botocore_python() -> Option<PathBuf> {
             .status()
             .is_ok_and(|s| s.success())
     };
+    let _setup = crate::proxy::PYTHON_SETUP
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
     if has(&python) {
         return Some(python);
     }

@@ -503,7 +503,15 @@ async fn python_sdk_against_the_gateway() {
 
 /// A Python with the `anthropic` SDK installed, or `None` (with a message) when it cannot be
 /// had outside CI.
+/// Held while the venv is made or a package installed into it: tests of several modules
+/// ask for it at once, and two `python3 -m venv` on one directory (or a `pip` run while the
+/// other is still making it) fail.
+pub(crate) static PYTHON_SETUP: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 pub(crate) fn sdk_python() -> Option<PathBuf> {
+    let _setup = PYTHON_SETUP
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
     let venv = target_tmp().join("anthropic-sdk-venv");
     let python = venv.join("bin").join("python");
     let has_sdk = |python: &PathBuf| {
