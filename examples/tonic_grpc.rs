@@ -11,10 +11,11 @@
 use std::net::SocketAddr;
 use std::time::Duration;
 
+use fairgate::extract::JobLayer;
 use fairgate::extract::{FromHeaders, KeyTable};
 use fairgate::retry_after_backoff::SendOnce;
 use fairgate::tonic::{GRPC_RETRY_PUSHBACK_MS, GrpcRejectionLayer, RETRY_AFTER_MS};
-use fairgate::{BoxError, FairgateLayer, Job, JobLayer, Origin, SlotPolicy, Store};
+use fairgate::{BoxError, FairgateLayer, Job, Origin, SlotPolicy, Store};
 use tonic::transport::server::TcpIncoming;
 use tonic::transport::{Channel, Server};
 use tonic_health::pb::HealthCheckRequest;

@@ -130,7 +130,7 @@ pub(crate) trait RateLimit: Send + Sync + 'static {
 }
 
 /// The rate gate of a [`RetryAfterBackoffLayer`](crate::RetryAfterBackoffLayer), handed to
-/// the fair queue below it (see the [module docs](self)).
+/// the fair queue below it (ARCHITECTURE.md, "With gates: one order under every limit").
 ///
 /// # Clone
 /// Cheap; clones are the same gate.
@@ -157,7 +157,8 @@ impl fmt::Debug for RateGate {
 }
 
 /// The slot caps of a [`TierSlotLimitLayer`](crate::TierSlotLimitLayer) — its store and its
-/// [`SlotPolicy`] — handed to the fair queue above it (see the [module docs](self)), from
+/// [`SlotPolicy`] — handed to the fair queue above it (ARCHITECTURE.md, "With gates: one order under
+/// every limit"), from
 /// [`TierSlotLimitLayer::gate`](crate::TierSlotLimitLayer::gate).
 ///
 /// A fair queue given it takes each request's slot when it dispatches the request, and

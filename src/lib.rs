@@ -28,14 +28,14 @@
 //! adapter; `tonic` renders rejections as gRPC statuses; `full` is all of them.
 //!
 //! Around the layers: [`FairgateLayer`] applies all four in the recommended order;
-//! [`JobLayer`] derives each request's [`Job`] from the request (API key, headers);
-//! [`Rejection`] and [`reject::render`] turn every refusal into an answer clients
+//! [`JobLayer`](extract::JobLayer) derives each request's [`Job`] from the request (API key, headers);
+//! [`Rejection`](reject::Rejection) and [`reject::render`] turn every refusal into an answer clients
 //! understand (`503 {"code":"SERVER_BUSY","retry_after":5}`, or Anthropic's error shape).
 //!
 //! The order below is the recommended one: classify first (the others read the priority);
 //! retry outside the fair queue, so a call sleeping before a retry holds no window permit
 //! and no slot, and queues fairly again; the fair queue outside the slot layer, handed the
-//! slot layer's caps and the retry layer's rate as [`gate`]s, so who goes next is decided
+//! slot layer's caps and the retry layer's rate as gates ([`SlotGate`], [`RateGate`]), so who goes next is decided
 //! in one place and a waiting request holds nothing. [`FairgateLayer`] does this wiring; by
 //! hand it is two lines, below. Every layer also works alone and in any order, waiting for
 //! its own limit. Every clone of a layer shares its limits: wrap the whole client or
@@ -90,9 +90,9 @@
 pub mod admission;
 pub mod body;
 pub mod drr_fairness;
-pub mod error;
+mod error;
 pub mod extract;
-pub mod gate;
+mod gate;
 mod gcra;
 mod guarded;
 mod hash;
@@ -108,7 +108,7 @@ pub mod reject;
 pub mod reqwest;
 pub mod retry_after_backoff;
 mod rng;
-pub mod stack;
+mod stack;
 pub mod store;
 mod sync;
 pub mod tier_slot_limit;
@@ -124,23 +124,24 @@ pub mod upstream;
 pub use crate::admission::busy::{Busy, WaitReason};
 pub use crate::admission::demotion::{DemotionPolicy, DemotionPolicyBuilder};
 pub use crate::admission::policy::{SlotPolicy, SlotPolicyBuilder, TierLimit};
-pub use crate::drr_fairness::error::QueueFull;
-pub use crate::drr_fairness::{DrrFairness, DrrFairnessLayer};
-pub use crate::error::{BoxError, ConfigError, MissingJob};
-pub use crate::extract::{JobLayer, Unidentified};
+pub use crate::drr_fairness::layer::DrrFairnessLayer;
+pub use crate::drr_fairness::service::DrrFairness;
+pub use crate::error::{BoxError, ConfigError, MissingJob, PolledAfterCompletion};
 pub use crate::gate::{RateGate, SlotGate};
 pub use crate::job::{Job, JobRequest, Origin};
 pub use crate::labels::{Priority, TenantId, Tier};
-pub use crate::priority_classify::{
-    ClassifyRule, DefaultRule, PriorityClassify, PriorityClassifyLayer,
-};
-pub use crate::reject::Rejection;
-pub use crate::retry_after_backoff::{BackoffPolicy, RetryAfterBackoff, RetryAfterBackoffLayer};
+pub use crate::priority_classify::layer::PriorityClassifyLayer;
+pub use crate::priority_classify::rule::{ClassifyRule, DefaultRule};
+pub use crate::priority_classify::service::PriorityClassify;
+pub use crate::retry_after_backoff::layer::RetryAfterBackoffLayer;
+pub use crate::retry_after_backoff::policy::BackoffPolicy;
+pub use crate::retry_after_backoff::service::RetryAfterBackoff;
 pub use crate::stack::{Fairgate, FairgateBody, FairgateBuilder, FairgateLayer};
 pub use crate::store::{
     Demotion, OutagePolicy, Store, StoreBuilder, StoreFuture, StoreUnavailable,
 };
-pub use crate::tier_slot_limit::{TierSlotLimit, TierSlotLimitLayer};
+pub use crate::tier_slot_limit::layer::TierSlotLimitLayer;
+pub use crate::tier_slot_limit::service::TierSlotLimit;
 
 /// The README's Rust blocks, compiled (and the runnable ones run) as doc-tests: each is a
 /// whole program, as a reader copies it. They use every optional feature.

@@ -274,7 +274,7 @@ fn histogram(key: &Key) -> metrics::Histogram {
 pub(crate) enum Outcome {
     /// A response came back (whatever its status).
     Answered,
-    /// Fairgate refused it ([`Rejection`](crate::Rejection): `Busy`, `QueueFull`, ...).
+    /// Fairgate refused it ([`Rejection`](crate::reject::Rejection): `Busy`, `QueueFull`, ...).
     Refused,
     /// Any other error (the inner service's, a transport's).
     Failed,

@@ -36,9 +36,10 @@ use std::time::Duration;
 
 use http::{HeaderValue, StatusCode, header};
 
+use crate::Busy;
+use crate::drr_fairness::error::QueueFull;
 use crate::error::{BoxError, MissingJob};
 use crate::extract::Unidentified;
-use crate::{Busy, QueueFull};
 
 /// What a caller is told to wait after [`QueueFull`]: the queue is full now, not for long.
 pub const QUEUE_FULL_RETRY_AFTER: Duration = Duration::from_secs(1);

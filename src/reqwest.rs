@@ -206,7 +206,7 @@ fn not_admitted(source: BoxError) -> reqwest_middleware::Error {
 
 /// Fairgate did not admit a request sent through [`FairgateMiddleware`]: it is in
 /// `reqwest_middleware::Error::Middleware`, and its source is the rejection ([`Busy`](crate::Busy),
-/// [`QueueFull`](crate::QueueFull), [`MissingJob`]). Nothing was sent.
+/// [`QueueFull`](crate::drr_fairness::error::QueueFull), [`MissingJob`]). Nothing was sent.
 ///
 /// [`Rejection::from_error`] finds the rejection on the `reqwest_middleware::Error` itself.
 #[derive(Debug)]

@@ -1,70 +1,4 @@
-//! The four layers in the recommended order, as one layer.
-//!
-//! [`FairgateLayer`] applies [`PriorityClassify`], [`RetryAfterBackoff`], [`DrrFairness`] and
-//! [`TierSlotLimit`] in that order (see [`crate::admission`] for why this order), with one
-//! store and their policies, so a whole admission stack is one line:
-//!
-//! ```
-//! use fairgate::{FairgateLayer, Job, Origin, SlotPolicy, Store};
-//! use tower::{Layer, ServiceExt, service_fn};
-//!
-//! # #[tokio::main(flavor = "current_thread")]
-//! # async fn main() -> Result<(), fairgate::BoxError> {
-//! let fairgate = FairgateLayer::builder(Store::memory())
-//!     .slots(SlotPolicy::builder().global_max(40).build()?)
-//!     .window(40)
-//!     .build()?;
-//! let claude = fairgate.layer(service_fn(|_req: http::Request<String>| async {
-//!     Ok::<_, std::convert::Infallible>(http::Response::new("{}".to_owned()))
-//! }));
-//!
-//! let mut req = http::Request::new("{}".to_owned());
-//! req.extensions_mut().insert(Job::new("tenant-42", Origin::UserAction).with_tier("pro"));
-//! let response = claude.oneshot(req).await?;
-//! assert_eq!(response.status(), 200);
-//! assert_eq!(fairgate.fairness().in_flight(), 1); // held until the body is done
-//! drop(response);
-//! assert_eq!(fairgate.fairness().in_flight(), 0);
-//! # Ok(())
-//! # }
-//! ```
-//!
-//! # Around hyper-util's client
-//!
-//! A `hyper_util::client::legacy::Client` is a tower service of `http::Request`s: the
-//! stack wraps it as it is, no adapter needed. With a `Full<Bytes>` body the client and
-//! its requests are `Clone`, so a 429 is retried with plain `Clone`; the answer's body
-//! ([`FairgateBody<Incoming>`](FairgateBody)) holds the call's permit and slot until it has
-//! been read (the `hyper_client` example runs this against a stand-in or the real API):
-//!
-//! ```no_run
-//! use bytes::Bytes;
-//! use fairgate::{Fairgate, FairgateLayer, Job, Origin, Store};
-//! use http_body_util::{BodyExt, Full};
-//! use hyper_util::client::legacy::{Client, connect::HttpConnector};
-//! use hyper_util::rt::TokioExecutor;
-//! use tower::{Layer, ServiceExt};
-//!
-//! # #[tokio::main(flavor = "current_thread")]
-//! # async fn main() -> Result<(), fairgate::BoxError> {
-//! let client = Client::builder(TokioExecutor::new()).build_http::<Full<Bytes>>();
-//! let claude: Fairgate<Client<HttpConnector, Full<Bytes>>> =
-//!     FairgateLayer::new(Store::memory()).layer(client);
-//!
-//! let mut req = http::Request::post("http://127.0.0.1:8080/v1/messages")
-//!     .header("content-type", "application/json")
-//!     .body(Full::new(Bytes::from_static(br#"{"model":"claude-haiku-4-5","max_tokens":64,"messages":[]}"#)))?;
-//! req.extensions_mut().insert(Job::new("tenant-42", Origin::UserAction).with_tier("pro"));
-//! let response = claude.oneshot(req).await?;
-//! let answer = response.into_body().collect().await?.to_bytes(); // the slot is given back here
-//! # let _ = answer;
-//! # Ok(())
-//! # }
-//! ```
-//!
-//! The four layers stay usable one by one; this is only their recommended composition, with
-//! names for its types: [`Fairgate<S>`] is the service, [`FairgateBody<B>`] the body of its
-//! responses (`http::Response<FairgateBody<B>>` for an inner `http::Response<B>`).
+//! The four layers in the recommended order, as one layer ([`FairgateLayer`]).
 
 use std::fmt;
 
@@ -90,7 +24,73 @@ pub type Fairgate<S, C = ByClone, R = DefaultRule, K = OneUpstream> =
 /// holding the window permit and the slot until it ends, fails or is dropped.
 pub type FairgateBody<B> = ResponseBody<GuardedBody<GuardedBody<B, SlotPermit>, Permit>>;
 
-/// The recommended stack as one layer; see the [module docs](crate::stack).
+/// The four layers in the recommended order, as one layer.
+///
+/// [`FairgateLayer`] applies [`PriorityClassify`], [`RetryAfterBackoff`], [`DrrFairness`] and
+/// [`TierSlotLimit`] in that order (see [`crate::admission`] for why this order), with one
+/// store and their policies, so a whole admission stack is one line:
+///
+/// ```
+/// use fairgate::{FairgateLayer, Job, Origin, SlotPolicy, Store};
+/// use tower::{Layer, ServiceExt, service_fn};
+///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), fairgate::BoxError> {
+/// let fairgate = FairgateLayer::builder(Store::memory())
+///     .slots(SlotPolicy::builder().global_max(40).build()?)
+///     .window(40)
+///     .build()?;
+/// let claude = fairgate.layer(service_fn(|_req: http::Request<String>| async {
+///     Ok::<_, std::convert::Infallible>(http::Response::new("{}".to_owned()))
+/// }));
+///
+/// let mut req = http::Request::new("{}".to_owned());
+/// req.extensions_mut().insert(Job::new("tenant-42", Origin::UserAction).with_tier("pro"));
+/// let response = claude.oneshot(req).await?;
+/// assert_eq!(response.status(), 200);
+/// assert_eq!(fairgate.fairness().in_flight(), 1); // held until the body is done
+/// drop(response);
+/// assert_eq!(fairgate.fairness().in_flight(), 0);
+/// # Ok(())
+/// # }
+/// ```
+///
+/// # Around hyper-util's client
+///
+/// A `hyper_util::client::legacy::Client` is a tower service of `http::Request`s: the
+/// stack wraps it as it is, no adapter needed. With a `Full<Bytes>` body the client and
+/// its requests are `Clone`, so a 429 is retried with plain `Clone`; the answer's body
+/// ([`FairgateBody<Incoming>`](FairgateBody)) holds the call's permit and slot until it has
+/// been read (the `hyper_client` example runs this against a stand-in or the real API):
+///
+/// ```no_run
+/// use bytes::Bytes;
+/// use fairgate::{Fairgate, FairgateLayer, Job, Origin, Store};
+/// use http_body_util::{BodyExt, Full};
+/// use hyper_util::client::legacy::{Client, connect::HttpConnector};
+/// use hyper_util::rt::TokioExecutor;
+/// use tower::{Layer, ServiceExt};
+///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), fairgate::BoxError> {
+/// let client = Client::builder(TokioExecutor::new()).build_http::<Full<Bytes>>();
+/// let claude: Fairgate<Client<HttpConnector, Full<Bytes>>> =
+///     FairgateLayer::new(Store::memory()).layer(client);
+///
+/// let mut req = http::Request::post("http://127.0.0.1:8080/v1/messages")
+///     .header("content-type", "application/json")
+///     .body(Full::new(Bytes::from_static(br#"{"model":"claude-haiku-4-5","max_tokens":64,"messages":[]}"#)))?;
+/// req.extensions_mut().insert(Job::new("tenant-42", Origin::UserAction).with_tier("pro"));
+/// let response = claude.oneshot(req).await?;
+/// let answer = response.into_body().collect().await?.to_bytes(); // the slot is given back here
+/// # let _ = answer;
+/// # Ok(())
+/// # }
+/// ```
+///
+/// The four layers stay usable one by one; this is only their recommended composition, with
+/// names for its types: [`Fairgate<S>`] is the service, [`FairgateBody<B>`] the body of its
+/// responses (`http::Response<FairgateBody<B>>` for an inner `http::Response<B>`).
 ///
 /// # Clone
 /// Cheap; every clone shares the four layers' state (the window, the queues, the caps, the

@@ -11,8 +11,8 @@
 //!   | rejection | code | metadata |
 //!   |---|---|---|
 //!   | [`Busy`](crate::Busy) | `UNAVAILABLE` | `retry-after-ms`, `grpc-retry-pushback-ms` |
-//!   | [`QueueFull`](crate::QueueFull) | `RESOURCE_EXHAUSTED` | `retry-after-ms`, `grpc-retry-pushback-ms` |
-//!   | [`Unidentified`](crate::Unidentified) | `UNAUTHENTICATED` | `grpc-retry-pushback-ms: -1` |
+//!   | [`QueueFull`](crate::drr_fairness::error::QueueFull) | `RESOURCE_EXHAUSTED` | `retry-after-ms`, `grpc-retry-pushback-ms` |
+//!   | [`Unidentified`](crate::extract::Unidentified) | `UNAUTHENTICATED` | `grpc-retry-pushback-ms: -1` |
 //!   | [`MissingJob`](crate::MissingJob) | `INTERNAL` | `grpc-retry-pushback-ms: -1` |
 //!
 //!   `grpc-retry-pushback-ms` is the server pushback of gRPC's retry design (gRFC A6): a
@@ -32,7 +32,7 @@
 //!   always does.
 //!
 //! - **The job.** gRPC metadata are HTTP/2 headers, so on a server
-//!   [`JobLayer`](crate::JobLayer) with [`FromHeaders`](crate::extract::FromHeaders) reads
+//!   [`JobLayer`](crate::extract::JobLayer) with [`FromHeaders`](crate::extract::FromHeaders) reads
 //!   the tenant from the `x-api-key` / `authorization: Bearer` metadata as is. On a client,
 //!   put the [`Job`](crate::Job) into the `tonic::Request`'s extensions: tonic moves them
 //!   into the `http::Request` the channel sends, where the layers find it.
@@ -51,7 +51,8 @@
 //! use fairgate::extract::{FromHeaders, KeyTable};
 //! use fairgate::retry_after_backoff::SendOnce;
 //! use fairgate::tonic::GrpcRejectionLayer;
-//! use fairgate::{FairgateLayer, JobLayer, Store};
+//! use fairgate::{FairgateLayer, Store};
+//! use fairgate::extract::JobLayer;
 //! use tower::ServiceBuilder;
 //!
 //! # #[tokio::main(flavor = "current_thread")]
@@ -213,7 +214,7 @@ fn trailers_only<B>(status: &Status) -> http::Response<GrpcRejectionBody<B>> {
 
 /// Turns fairgate's rejections into gRPC trailers-only responses carrying their status; see
 /// the [module docs](crate::tonic). Put it outside the stack (and outside a
-/// [`JobLayer`](crate::JobLayer), whose refusals it answers too).
+/// [`JobLayer`](crate::extract::JobLayer), whose refusals it answers too).
 ///
 /// # Clone
 /// Cheap; it holds nothing.
@@ -397,7 +398,9 @@ impl<B> fmt::Debug for GrpcRejectionBody<B> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::{Busy, MissingJob, Priority, QueueFull, TenantId, Tier, Unidentified};
+    use crate::drr_fairness::error::QueueFull;
+    use crate::extract::Unidentified;
+    use crate::{Busy, MissingJob, Priority, TenantId, Tier};
     use tower::{ServiceExt, service_fn};
 
     fn busy() -> Busy {

@@ -17,7 +17,7 @@
 //! | `attempts` | attempts sent upstream (retries included) |
 //! | `upstream` | the upstream key of the last attempt (API keys appear hashed) |
 //! | `status` | the HTTP status of the last answer, 0 when none came |
-//! | `outcome` | `answered`, `refused` (a [`Rejection`](crate::Rejection)) or `failed` |
+//! | `outcome` | `answered`, `refused` (a [`Rejection`](crate::reject::Rejection)) or `failed` |
 //!
 //! Each wait is also an event (target [`WAIT_TARGET`], fields `reason` and `waited_ms`)
 //! inside the span.

@@ -14,7 +14,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use criterion::{BenchmarkId, Criterion, Throughput};
-use fairgate::retry_after_backoff::BackoffPolicy;
+use fairgate::BackoffPolicy;
 use fairgate::{RetryAfterBackoffLayer, Store};
 use http_body_util::BodyExt;
 use tower::{Layer, Service, ServiceExt, service_fn};

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use criterion::{BenchmarkId, Criterion, Throughput};
-use fairgate::retry_after_backoff::BackoffPolicy;
+use fairgate::BackoffPolicy;
 use fairgate::{Job, Origin, RetryAfterBackoffLayer, Store};
 use tower::retry::budget::{Budget, TpsBudget};
 use tower::retry::{Policy, RetryLayer};

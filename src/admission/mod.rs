@@ -10,7 +10,7 @@
 //!   a new attempt: the retry layer starts its clock again when it sends the retry, after
 //!   its backoff.
 //! - **One order.** The fair queue is handed the slot layer's caps and the retry layer's
-//!   rate as gates ([`crate::gate`]) and decides who goes next whatever holds calls back.
+//!   rate as gates ([`SlotGate`](crate::SlotGate), [`RateGate`](crate::RateGate)) and decides who goes next whatever holds calls back.
 //!   Nothing is registered in the store by one layer for another: the wires are passed, and
 //!   [`FairgateLayer`](crate::FairgateLayer) shows every one.
 //! - **Waiting holds nothing.** A request holds upstream capacity (a window permit, a slot,

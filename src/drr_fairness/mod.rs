@@ -33,7 +33,7 @@
 //! cost in the [`Store`](crate::Store), so the index spans every worker.
 //!
 //! # Clone
-//! The window and the queues are created once, in [`DrrFairnessLayer::new`]; every clone of
+//! The window and the queues are created once, in [`DrrFairnessLayer::new`](crate::DrrFairnessLayer::new); every clone of
 //! the layer and every service it builds share them. Put the layer around the whole client
 //! (or router), not around a per-route clone made from a new layer each time.
 //!
@@ -79,19 +79,19 @@ mod fairness;
 pub mod future;
 #[cfg(test)]
 mod gate_tests;
-mod layer;
+pub(crate) mod layer;
 mod scheduler;
-mod service;
+pub(crate) mod service;
 mod state;
 
 use std::fmt;
 use std::sync::Arc;
 
-pub use self::layer::{DrrFairnessBuilder, DrrFairnessLayer};
+pub use self::layer::DrrFairnessBuilder;
 pub use self::scheduler::{
     ClassSelection, ClassWeights, Dispatched, Key, Rejected, Scheduler, SchedulerConfig, jain_index,
 };
-pub use self::service::DrrFairness;
+pub(crate) use self::service::DrrFairness;
 pub use self::state::Permit;
 
 use self::state::FairQueue;
@@ -99,7 +99,7 @@ use crate::Job;
 
 /// Settles requests' real usage against their tenants' deficits and daily budgets.
 ///
-/// Get one from [`DrrFairnessLayer::settler`], [`DrrFairness::settler`] or
+/// Get one from [`DrrFairnessLayer::settler`](crate::DrrFairnessLayer::settler), [`DrrFairness::settler`] or
 /// [`FairgateLayer::settler`](crate::FairgateLayer::settler); it is cheap to clone and
 /// shares the layer's state. Call [`settle`](Settler::settle) with the request's job (as it
 /// was sent, classified) and what the call really cost, in the units of the job's

@@ -173,14 +173,14 @@ impl<F, S, Req> fmt::Debug for ResponseFuture<F, S, Req> {
     }
 }
 
-/// How `result` ended, for the latency's `outcome` label (a refusal is a [`crate::Rejection`]
+/// How `result` ended, for the latency's `outcome` label (a refusal is a [`crate::reject::Rejection`]
 /// anywhere in the error's chain, read only on the error path). Here rather than in
 /// `metrics`, which the rejections' modules use.
 fn outcome_of<T>(result: &Result<T, crate::BoxError>) -> crate::metrics::Outcome {
     use crate::metrics::Outcome;
     match result {
         Ok(_) => Outcome::Answered,
-        Err(error) if crate::Rejection::from_error(&**error).is_some() => Outcome::Refused,
+        Err(error) if crate::reject::Rejection::from_error(&**error).is_some() => Outcome::Refused,
         Err(_) => Outcome::Failed,
     }
 }

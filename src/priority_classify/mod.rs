@@ -52,11 +52,10 @@
 
 mod classifier;
 pub mod future;
-mod layer;
-mod rule;
-mod service;
+pub(crate) mod layer;
+pub(crate) mod rule;
+pub(crate) mod service;
 
-pub use self::layer::PriorityClassifyLayer;
-pub use self::rule::{ClassifyRule, DefaultRule};
-pub use self::service::PriorityClassify;
+pub(crate) use self::rule::{ClassifyRule, DefaultRule};
+pub(crate) use self::service::PriorityClassify;
 use crate::admission::DemotionPolicy;

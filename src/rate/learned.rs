@@ -119,7 +119,7 @@ pub(super) fn read_limits(headers: &HeaderMap) -> [(u32, u32); DIMS] {
 /// ```
 /// use fairgate::{RetryAfterBackoffLayer, Store};
 /// use fairgate::rate::ByApiKeyAndModel;
-/// use fairgate::retry_after_backoff::BackoffPolicy;
+/// use fairgate::BackoffPolicy;
 ///
 /// let layer = RetryAfterBackoffLayer::new(Store::memory(), BackoffPolicy::default())
 ///     .upstream_key_with(ByApiKeyAndModel);

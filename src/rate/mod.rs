@@ -11,7 +11,7 @@
 //! Inside the crate: `Rates` (`core.rs`) is the state of one layer's keys; `feed.rs` what
 //! the retry layer tells it (`Rates::answered`, `Rates::reported`) and the rate gate it
 //! hands down; `gate.rs` answers the fair queue (`RateLimit for Rates`, the protocol of
-//! [`crate::gate`]) over `key_gate.rs`'s state, one entry per upstream key; `learned.rs`
+//! `crate::gate`) over `key_gate.rs`'s state, one entry per upstream key; `learned.rs`
 //! reads the rate-limit headers; `pacing.rs` runs a configured [`Pacing`]; `usage.rs`
 //! reads an answer's usage as its body streams. The GCRA arithmetic is `crate::gcra`,
 //! shared with the store. Nothing here imports the retry layer.

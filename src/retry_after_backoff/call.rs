@@ -528,7 +528,9 @@ impl<S, Req, C> Call<S, Req, C> {
             Err(e) => {
                 let e: BoxError = e.into();
                 // Refused below (Busy, QueueFull): it never went upstream.
-                if crate::trace::calls_traced() && crate::Rejection::from_error(&*e).is_none() {
+                if crate::trace::calls_traced()
+                    && crate::reject::Rejection::from_error(&*e).is_none()
+                {
                     crate::trace::with_current(|trace| trace.attempted(&self.upstream, None));
                 }
                 self.charge.probe = false;

@@ -44,7 +44,7 @@
 //!
 //! ```
 //! use fairgate::{Job, Origin, RetryAfterBackoffLayer, Store};
-//! use fairgate::retry_after_backoff::BackoffPolicy;
+//! use fairgate::BackoffPolicy;
 //! use std::sync::atomic::{AtomicU32, Ordering};
 //! use std::sync::Arc;
 //! use tower::{ServiceBuilder, ServiceExt, service_fn};
@@ -96,17 +96,16 @@ mod body;
 mod call;
 pub(crate) mod decide;
 pub mod future;
-mod layer;
-pub mod metrics;
-mod policy;
+pub(crate) mod layer;
+pub(crate) mod policy;
 mod request;
-mod service;
+pub(crate) mod service;
 mod state;
 mod telemetry;
 
 pub use self::body::ResponseBody;
 pub use self::decide::{Backoff, StatusSet};
-pub use self::layer::RetryAfterBackoffLayer;
-pub use self::policy::{BackoffPolicy, BackoffPolicyBuilder};
+pub(crate) use self::policy::BackoffPolicy;
+pub use self::policy::BackoffPolicyBuilder;
 pub use self::request::{ByClone, CloneRequest, SendOnce};
-pub use self::service::RetryAfterBackoff;
+pub(crate) use self::service::RetryAfterBackoff;

@@ -20,7 +20,8 @@ use crate::rate::{Pacing, RateConfig};
 ///
 /// ```
 /// use fairgate::rate::Pacing;
-/// use fairgate::retry_after_backoff::{BackoffPolicy, StatusSet};
+/// use fairgate::retry_after_backoff::StatusSet;
+/// use fairgate::BackoffPolicy;
 /// use http::StatusCode;
 /// use std::time::Duration;
 ///

@@ -15,7 +15,7 @@ use std::fmt;
 ///
 /// ```
 /// use fairgate::{RetryAfterBackoffLayer, Store};
-/// use fairgate::retry_after_backoff::BackoffPolicy;
+/// use fairgate::BackoffPolicy;
 ///
 /// let layer = RetryAfterBackoffLayer::new(Store::memory(), BackoffPolicy::default())
 ///     .clone_requests_with(|req: &http::Request<Vec<u8>>| {

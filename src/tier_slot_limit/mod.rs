@@ -23,7 +23,7 @@
 //! of the caps (the caps divided by the workers last seen alive) or nothing.
 //!
 //! Below a [`DrrFairness`](crate::DrrFairness) handed this layer's
-//! [`gate`](TierSlotLimitLayer::gate), the fair queue takes each request's slot when it
+//! [`gate`](crate::TierSlotLimitLayer::gate), the fair queue takes each request's slot when it
 //! dispatches it (in fair order, and the wait counts from the request's arrival), and this
 //! layer lets such a request through without taking a second one. Alone, or under a fair
 //! queue that was not handed its gate, it takes and waits for the slots itself.
@@ -68,11 +68,10 @@
 //!   within one lease TTL.
 
 pub mod future;
-mod layer;
-mod service;
+pub(crate) mod layer;
+pub(crate) mod service;
 mod wait;
 
-pub use self::layer::TierSlotLimitLayer;
-pub use self::service::TierSlotLimit;
+pub(crate) use self::service::TierSlotLimit;
 pub use self::wait::SlotPermit;
 use crate::admission::{Busy, SlotPolicy, TierLimit};

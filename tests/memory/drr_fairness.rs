@@ -14,10 +14,11 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use crate::support::request;
+use fairgate::drr_fairness::error::QueueFull;
 use fairgate::drr_fairness::jain_index;
 use fairgate::{
     BoxError, DemotionPolicy, DrrFairnessLayer, Job, MissingJob, Origin, Priority,
-    PriorityClassifyLayer, QueueFull, Store, TenantId,
+    PriorityClassifyLayer, Store, TenantId,
 };
 use futures_util::FutureExt;
 use http_body::{Body, Frame};

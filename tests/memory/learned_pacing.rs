@@ -7,8 +7,8 @@ use std::convert::Infallible;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use fairgate::BackoffPolicy;
 use fairgate::rate::ByApiKey;
-use fairgate::retry_after_backoff::BackoffPolicy;
 use fairgate::{FairgateLayer, Job, Origin, RetryAfterBackoffLayer, Store};
 use http_body_util::BodyExt;
 use tokio::time::Instant;

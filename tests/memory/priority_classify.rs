@@ -473,7 +473,8 @@ async fn latency_tokens_and_demotions_are_published() {
 #[tokio::test(start_paused = true)]
 async fn latency_is_labelled_by_outcome_answered_refused_or_failed() {
     use fairgate::metrics::REQUEST_LATENCY;
-    use fairgate::{BoxError, FairgateLayer, Rejection, SlotPolicy, Store};
+    use fairgate::reject::Rejection;
+    use fairgate::{BoxError, FairgateLayer, SlotPolicy, Store};
     let recorder = metrics_util::debugging::DebuggingRecorder::new();
     let snapshotter = recorder.snapshotter();
     let _metrics = metrics::set_default_local_recorder(&recorder);

@@ -8,8 +8,9 @@ use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
+use fairgate::BackoffPolicy;
 use fairgate::rate::Pacing;
-use fairgate::retry_after_backoff::{BackoffPolicy, SendOnce};
+use fairgate::retry_after_backoff::SendOnce;
 use fairgate::{
     Job, MissingJob, Origin, Priority, PriorityClassifyLayer, RetryAfterBackoffLayer, Store,
     TenantId,
@@ -153,9 +154,7 @@ async fn four_retries_then_the_last_429_is_returned() {
 
 #[test]
 fn throttles_retries_and_cooldown_waits_are_counted() {
-    use fairgate::retry_after_backoff::metrics::{
-        COOLDOWN_WAITS, GAVE_UP, RETRIES, THROTTLE_COUNT,
-    };
+    use fairgate::metrics::{COOLDOWN_WAITS, GAVE_UP, RETRIES, THROTTLE_COUNT};
     use metrics_util::debugging::{DebugValue, DebuggingRecorder};
 
     let recorder = DebuggingRecorder::new();

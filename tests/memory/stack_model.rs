@@ -11,9 +11,10 @@ use std::time::Duration;
 
 use fairgate::{
     BackoffPolicy, BoxError, Busy, DemotionPolicy, DrrFairnessLayer, Job, Origin,
-    PriorityClassifyLayer, QueueFull, RetryAfterBackoffLayer, SlotGate, SlotPolicy, Store,
-    TierSlotLimitLayer,
+    PriorityClassifyLayer, RetryAfterBackoffLayer, SlotGate, SlotPolicy, Store, TierSlotLimitLayer,
 };
+
+use fairgate::drr_fairness::error::QueueFull;
 use proptest::prelude::*;
 use proptest::test_runner::FileFailurePersistence;
 use tokio::time::Instant;

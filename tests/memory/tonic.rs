@@ -6,10 +6,11 @@
 use std::net::SocketAddr;
 use std::time::Duration;
 
+use fairgate::extract::JobLayer;
 use fairgate::extract::{FromHeaders, KeyTable};
 use fairgate::retry_after_backoff::SendOnce;
 use fairgate::tonic::{GRPC_RETRY_PUSHBACK_MS, GrpcRejectionLayer, RETRY_AFTER_MS};
-use fairgate::{FairgateLayer, Job, JobLayer, Origin, SlotPolicy, Store};
+use fairgate::{FairgateLayer, Job, Origin, SlotPolicy, Store};
 use tokio::sync::oneshot;
 use tonic::transport::server::TcpIncoming;
 use tonic::transport::{Channel, Server};

@@ -300,9 +300,9 @@ pub(crate) async fn handle(
     });
     let Some((holder, policy)) = found else {
         // Checked just above; a reload in between is the only way here.
-        return closing(rendered(&BoxError::from(fairgate::Unidentified::new(
-            "unknown api key",
-        ))));
+        return closing(rendered(&BoxError::from(
+            fairgate::extract::Unidentified::new("unknown api key"),
+        )));
     };
     let Some(claim) = gw.holders.begin(&holder) else {
         metrics::counter!("gateway_key_refusals_total", "reason" => "requests").increment(1);
@@ -356,7 +356,7 @@ fn refused_key(
             };
             // The body is never read: the connection closes after the answer.
             Some(closing(rendered(&BoxError::from(
-                fairgate::Unidentified::new(reason),
+                fairgate::extract::Unidentified::new(reason),
             ))))
         }
         Verdict::Slowed(wait) => {
