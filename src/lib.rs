@@ -137,7 +137,7 @@ pub use crate::retry_after_backoff::layer::RetryAfterBackoffLayer;
 pub use crate::retry_after_backoff::policy::BackoffPolicy;
 pub use crate::retry_after_backoff::service::RetryAfterBackoff;
 pub use crate::stack::{Fairgate, FairgateBody, FairgateBuilder, FairgateLayer};
-pub use crate::store::{
+pub use crate::store::handle::{
     Demotion, OutagePolicy, Store, StoreBuilder, StoreFuture, StoreUnavailable,
 };
 pub use crate::tier_slot_limit::layer::TierSlotLimitLayer;
