@@ -23,6 +23,7 @@
 
 use std::fmt;
 use std::sync::Arc;
+use std::time::Duration;
 
 use tokio::time::Instant;
 
@@ -32,7 +33,6 @@ use crate::store::{
     StoreFuture,
 };
 use crate::{SlotPolicy, Store, TenantId, Tier};
-use std::time::Duration;
 
 /// What a rate gate says about the next call of an upstream key.
 pub(crate) enum Verdict {
@@ -157,9 +157,9 @@ impl fmt::Debug for RateGate {
 }
 
 /// The slot caps of a [`TierSlotLimitLayer`](crate::TierSlotLimitLayer) — its store and its
-/// [`SlotPolicy`] — handed to the fair queue above it (ARCHITECTURE.md, "With gates: one order under
-/// every limit"), from
-/// [`TierSlotLimitLayer::gate`](crate::TierSlotLimitLayer::gate).
+/// [`SlotPolicy`] — handed to the fair queue above it, from
+/// [`TierSlotLimitLayer::gate`](crate::TierSlotLimitLayer::gate) (ARCHITECTURE.md, "With
+/// gates: one order under every limit").
 ///
 /// A fair queue given it takes each request's slot when it dispatches the request, and
 /// marks the request's [`Job`](crate::Job) with this gate: the slot layer it came from lets
