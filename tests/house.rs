@@ -1,6 +1,7 @@
-//! House rules on the crate's own source, read as text: no function longer than
-//! [`MAX_FN_LINES`] lines outside tests, no import cycle between the library's top-level
-//! modules, and none between the modules of one folder.
+//! House rules on the crate's own source, read as text: no source file over
+//! [`MAX_FILE_LINES`] lines of code and no function longer than [`MAX_FN_LINES`] lines
+//! outside tests, no import cycle between the library's top-level modules, and none between
+//! the modules of one folder.
 //!
 //! The source is walked from `src/lib.rs` and each `src/bin/*` root along `mod` declarations,
 //! leaving out items under `#[cfg(test)]` and modules named `tests`. Comments, strings and
@@ -15,6 +16,31 @@ use std::path::{Path, PathBuf};
 
 /// The longest function body the house allows, in lines.
 const MAX_FN_LINES: usize = 80;
+
+/// The most lines of code one source file holds: blank lines, comments (doc comments
+/// included) and tests aside.
+const MAX_FILE_LINES: usize = 800;
+
+#[test]
+fn no_source_file_holds_more_than_800_lines_of_code() {
+    let mut long: Vec<(usize, String)> = crate_files()
+        .iter()
+        .map(|f| {
+            let lines = f.code.lines().filter(|l| !l.trim().is_empty()).count();
+            (lines, f.path.clone())
+        })
+        .filter(|(lines, _)| *lines > MAX_FILE_LINES)
+        .collect();
+    long.sort_by_key(|(lines, _)| std::cmp::Reverse(*lines));
+    let report: String = long
+        .iter()
+        .map(|(lines, path)| format!("  {lines:>5} lines  {path}\n"))
+        .collect();
+    assert!(
+        long.is_empty(),
+        "source files over {MAX_FILE_LINES} lines of code:\n{report}"
+    );
+}
 
 #[test]
 fn no_function_is_longer_than_80_lines() {
