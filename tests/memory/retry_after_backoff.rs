@@ -1082,9 +1082,12 @@ async fn shared_pacing_holds_two_workers_on_one_redis_to_one_limit() {
     }
     let times = mock.times();
     assert_eq!(times.len(), 40);
-    // One per 50 ms, whichever worker sent it (a millisecond of slack per sleep).
-    let in_a_second = rolling_max(&times, Duration::from_millis(990));
-    assert!(in_a_second <= 20, "{in_a_second} calls in one second");
+    // One per 50 ms, whichever worker sent it: 20 in any 950 ms. (A window of a whole
+    // second counted 21 whenever one call came 10 ms late on a loaded machine: the window
+    // then starts late and reaches the call due a second after it. Two workers pacing
+    // apart would send about 38.)
+    let in_a_second = rolling_max(&times, Duration::from_millis(950));
+    assert!(in_a_second <= 20, "{in_a_second} calls in 950 ms");
     let span = *times.iter().max().unwrap() - *times.iter().min().unwrap();
     assert!(span >= Duration::from_millis(39 * 50 - 20), "{span:?}");
 }
