@@ -66,6 +66,9 @@ pub(crate) struct Receipt {
     /// estimate; 0: none): its answer's usage corrects them.
     pub(crate) fleet_tokens: u32,
     pub(crate) gate: Option<Arc<dyn RateLimit>>,
+    /// The upstream of a pool the call goes to, with its place there (a rate gate
+    /// [across](RateGate::across) a pool): handed to the pool's service in the job.
+    pub(crate) route: Option<Arc<Route>>,
 }
 
 impl Receipt {
@@ -74,9 +77,10 @@ impl Receipt {
         self.used = true;
     }
 
-    /// Whether the call's answer has anything to settle: cells taken, or a probe.
+    /// Whether the call's answer has anything to settle: cells taken, a probe, or the
+    /// upstream of a pool it went to (its key is the one the answer teaches).
     pub(crate) fn tells_something(&self) -> bool {
-        self.probe || self.gate.is_some()
+        self.probe || self.gate.is_some() || self.route.is_some()
     }
 }
 
@@ -98,15 +102,76 @@ impl fmt::Debug for Receipt {
     }
 }
 
+/// Where a rate gate over a pool routed a call: its place at the upstream chosen (the
+/// pool's own type, opaque here), taken when the fair queue dispatched it, for the pool's
+/// service to use (dropped unused, the place goes back); and which upstream has the call,
+/// whose key its answer teaches.
+pub(crate) struct Route {
+    pool: u64,
+    place: std::sync::Mutex<Option<Box<dyn std::any::Any + Send>>>,
+    /// Each upstream's key for the call's request key, in the pool's order.
+    keys: Arc<[Arc<str>]>,
+    /// The upstream that has the call now (another, after a refusal or a `529`).
+    at: std::sync::atomic::AtomicUsize,
+}
+
+impl Route {
+    pub(crate) fn new(
+        pool: u64,
+        place: Box<dyn std::any::Any + Send>,
+        keys: Arc<[Arc<str>]>,
+        at: usize,
+    ) -> Self {
+        Route {
+            pool,
+            place: std::sync::Mutex::new(Some(place)),
+            keys,
+            at: at.into(),
+        }
+    }
+
+    /// The place, if this route is of the pool `pool` and was not used yet.
+    pub(crate) fn take_place(&self, pool: u64) -> Option<Box<dyn std::any::Any + Send>> {
+        (self.pool == pool)
+            .then(|| crate::sync::lock(&self.place).take())
+            .flatten()
+    }
+
+    /// The call goes to upstream `member` of the pool `pool` (if the route is of it).
+    pub(crate) fn sent_to(&self, pool: u64, member: usize) {
+        if self.pool == pool && member < self.keys.len() {
+            self.at.store(member, std::sync::atomic::Ordering::Relaxed);
+        }
+    }
+
+    /// The key of the upstream the call was last sent to: the one its answer teaches.
+    pub(crate) fn answered_key(&self) -> Arc<str> {
+        self.keys[self.at.load(std::sync::atomic::Ordering::Relaxed)].clone()
+    }
+}
+
+impl fmt::Debug for Route {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Route").field("pool", &self.pool).finish()
+    }
+}
+
 /// The rate of upstream keys, as the fair queue consults it. Implemented by the rate of a
 /// retry layer's keys (`crate::rate`: the learned limits, pacing, cooldown gate and probe).
 pub(crate) trait RateLimit: Send + Sync + 'static {
     /// The key of a request that names none.
     fn default_key(&self) -> Arc<str>;
-    /// Whether a call of `cost` input tokens to `key` may go now; takes its cells if so.
+    /// Whether a call of `tenant` of `cost` input tokens to `key` may go now; takes its
+    /// cells if so.
     /// With `fleet_cells`, the request rate's cell is not the gate's: the call takes it
     /// with its slot, in the fleet's order (see [`fleet_cells`](RateLimit::fleet_cells)).
-    fn check(self: Arc<Self>, key: &Arc<str>, cost: u32, fleet_cells: bool) -> Verdict;
+    fn check(
+        self: Arc<Self>,
+        tenant: &TenantId,
+        key: &Arc<str>,
+        cost: u32,
+        fleet_cells: bool,
+    ) -> Verdict;
     /// The request rate of `key` as cells the fleet's order can hand out with the slots:
     /// a configured shared [`Pacing`](crate::rate::Pacing)'s request limit
     /// or the learned one (the slower of the two), for the gate's own upstream key (`None`
@@ -127,6 +192,11 @@ pub(crate) trait RateLimit: Send + Sync + 'static {
     fn returned(&self, receipt: &Receipt);
     /// Resolves when the gate may have opened (an answer came, a reservation was granted).
     fn changed(&self) -> Arc<tokio::sync::Notify>;
+    /// The upstream behind `key` failed (a pool set it aside): its gate closes for `closed`
+    /// for the fleet, and one probe goes after.
+    fn set_aside(&self, key: &Arc<str>, closed: Duration) {
+        let _ = (key, closed);
+    }
 }
 
 /// The rate gate of a [`RetryAfterBackoffLayer`](crate::RetryAfterBackoffLayer), handed to

@@ -33,7 +33,7 @@ pub(crate) trait Turn {
     fn poll_turn(&mut self, cx: &mut Context<'_>) -> Poll<Result<Self::Permit, BoxError>>;
 
     /// `req` is about to be sent with `permit` (nothing to do by default).
-    fn going<Req: JobRequest>(_permit: &mut Self::Permit, _req: &Req) {}
+    fn going<Req: JobRequest>(_permit: &mut Self::Permit, _req: &mut Req) {}
 
     /// Once the turn came: what the request waited for, and how long (none by default).
     fn waited(&self) -> Option<(WaitReason, Duration)> {
@@ -149,8 +149,8 @@ where
                         // The permit goes back with the state.
                         Err(e) => Err(e.into()),
                         Ok(()) => match (permit.take(), call.take().map(|call| *call)) {
-                            (Some(mut permit), Some((mut inner, req))) => {
-                                W::going(&mut permit, &req);
+                            (Some(mut permit), Some((mut inner, mut req))) => {
+                                W::going(&mut permit, &mut req);
                                 let fut = inner.call(req);
                                 let permit = Some(permit);
                                 this.state.set(State::Calling { fut, permit });
@@ -247,7 +247,7 @@ impl<S> Ahead<S> {
     pub(crate) fn send<W, Req>(
         &mut self,
         mut permit: W::Permit,
-        req: Req,
+        mut req: Req,
     ) -> GuardedCall<W, S::Future, S, Req>
     where
         W: Turn,
@@ -256,7 +256,7 @@ impl<S> Ahead<S> {
     {
         if matches!(self.said, Said::Ready) {
             self.said = Said::Unasked;
-            W::going(&mut permit, &req);
+            W::going(&mut permit, &mut req);
             return GuardedCall::calling(self.service.call(req), permit);
         }
         match self.for_future() {

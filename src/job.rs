@@ -244,6 +244,17 @@ impl Job {
     pub(crate) fn set_attempt(&mut self, upstream: Arc<str>, cell: crate::gate::AttemptCell) {
         self.handoff.upstream = Some(upstream);
         self.handoff.attempt = Some(cell);
+        self.handoff.route = None;
+    }
+
+    /// The upstream of a pool a rate gate over it chose for this attempt, with its place.
+    pub(crate) fn set_route(&mut self, route: Arc<crate::gate::Route>) {
+        self.handoff.route = Some(route);
+    }
+
+    /// Where a rate gate over a pool routed this attempt, if one did.
+    pub(crate) fn route(&self) -> Option<&crate::gate::Route> {
+        self.handoff.route.as_deref()
     }
 
     /// The upstream key the retry layer chose for this attempt, if it did.
@@ -294,6 +305,8 @@ pub(crate) struct Handoff {
     upstream: Option<Arc<str>>,
     /// Where the fair queue below puts what the attempt took from the rate gate.
     attempt: Option<crate::gate::AttemptCell>,
+    /// The upstream of a pool the fair queue's rate gate chose for the attempt.
+    route: Option<Arc<crate::gate::Route>>,
     /// A fair queue above dispatched it without a slot gate: a slot layer below that waits
     /// for its slot then loses the fair order (and says so once).
     fair_queued_ungated: bool,

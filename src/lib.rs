@@ -130,6 +130,7 @@ pub use crate::error::{BoxError, ConfigError, MissingJob, PolledAfterCompletion}
 pub use crate::gate::{RateGate, SlotGate};
 pub use crate::job::{Job, JobRequest, Origin};
 pub use crate::labels::{Priority, TenantId, Tier};
+pub use crate::pool::gate::PoolGate;
 pub use crate::priority_classify::layer::PriorityClassifyLayer;
 pub use crate::priority_classify::rule::{ClassifyRule, DefaultRule};
 pub use crate::priority_classify::service::PriorityClassify;

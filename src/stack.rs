@@ -124,6 +124,7 @@ impl FairgateLayer {
             slots: SlotPolicy::default(),
             backoff: BackoffPolicy::default(),
             demotion: None,
+            pool: None,
         }
     }
 }
@@ -226,6 +227,7 @@ pub struct FairgateBuilder {
     slots: SlotPolicy,
     backoff: BackoffPolicy,
     demotion: Option<DemotionPolicy>,
+    pool: Option<crate::PoolGate>,
 }
 
 impl FairgateBuilder {
@@ -252,6 +254,15 @@ impl FairgateBuilder {
         self
     }
 
+    /// Dispatches across the upstreams of a [`Pool`](crate::pool::Pool) (from
+    /// [`Pool::gate`](crate::pool::Pool::gate)), each with its own rate: the head of the
+    /// fair order goes to an upstream that has room now (see [`RateGate::across`](crate::RateGate::across)). The
+    /// pool must be the service this stack wraps (or below it).
+    pub fn pool(mut self, pool: crate::PoolGate) -> Self {
+        self.pool = Some(pool);
+        self
+    }
+
     /// The 429 hygiene (default [`BackoffPolicy::default`]).
     pub fn backoff(mut self, policy: BackoffPolicy) -> Self {
         self.backoff = policy;
@@ -273,6 +284,10 @@ impl FairgateBuilder {
         // (learned and configured pacing, the cooldown gate, slow start, the probe).
         let (retry, rate) =
             RetryAfterBackoffLayer::new(self.store.clone(), self.backoff).with_gate_below();
+        let rate = match &self.pool {
+            Some(pool) => rate.across(pool),
+            None => rate,
+        };
         let slots = TierSlotLimitLayer::new(self.store.clone(), self.slots);
         let fair = self.fair.slot_gate(slots.gate()).rate_gate(rate).build()?;
         let mut classify = PriorityClassifyLayer::new(self.store.clone());

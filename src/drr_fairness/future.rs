@@ -35,8 +35,8 @@ impl Turn for Ticket {
         Ticket::poll_turn(self, cx).map_err(Into::into)
     }
 
-    fn going<Req: JobRequest>(permit: &mut Permit, req: &Req) {
-        permit.going(|| req.job());
+    fn going<Req: JobRequest>(permit: &mut Permit, req: &mut Req) {
+        permit.going(|| req.job_mut());
     }
 
     fn waited(&self) -> Option<(crate::WaitReason, std::time::Duration)> {

@@ -31,7 +31,13 @@ impl RateLimit for Scripted {
         Arc::from("k")
     }
 
-    fn check(self: Arc<Self>, key: &Arc<str>, _cost: u32, _fleet_cells: bool) -> Verdict {
+    fn check(
+        self: Arc<Self>,
+        _tenant: &crate::TenantId,
+        key: &Arc<str>,
+        _cost: u32,
+        _fleet_cells: bool,
+    ) -> Verdict {
         if let Some(at) = *self.closed_until.lock().unwrap()
             && Instant::now() < at
         {
@@ -52,6 +58,7 @@ impl RateLimit for Scripted {
             due: Instant::now(),
             fleet_tokens: 0,
             gate: Some(gate),
+            route: None,
         })))
     }
 

@@ -95,8 +95,10 @@ impl Breaker {
         !matches!(self.state, State::Closed { .. })
     }
 
-    /// The answer of a call let through (`probe`: the call was the probe).
-    pub(crate) fn answered(&mut self, outcome: Outcome, probe: bool, now: Instant) {
+    /// The answer of a call let through (`probe`: the call was the probe). Whether it set
+    /// the upstream aside (it took calls, or its probe was out).
+    pub(crate) fn answered(&mut self, outcome: Outcome, probe: bool, now: Instant) -> bool {
+        let was_aside = matches!(self.state, State::Open { .. });
         match (outcome, self.state) {
             (Outcome::Answered, _) => {
                 // A call let through before the upstream was set aside says nothing of it
@@ -123,6 +125,12 @@ impl Breaker {
             // A late failure of a call from before: the upstream is set aside already.
             (_, _) => {}
         }
+        !was_aside && matches!(self.state, State::Open { .. })
+    }
+
+    /// How long an upstream set aside waits for its probe.
+    pub(crate) fn probe_every(&self) -> Duration {
+        self.probe_every
     }
 
     /// The probe went away unanswered (its caller dropped it): the next call probes.
@@ -226,12 +234,17 @@ mod tests {
                         prop_assert!(open_until.is_some_and(|until| now >= until));
                         probes_out += 1;
                         prop_assert_eq!(probes_out, 1);
-                        match what {
+                        let set_aside = match what {
                             0 => b.answered(Outcome::Answered, true, now),
                             1 => b.answered(Outcome::Failing, true, now),
                             2 => b.answered(Outcome::Unreachable, true, now),
-                            _ => b.probe_dropped(now),
-                        }
+                            _ => {
+                                b.probe_dropped(now);
+                                false
+                            }
+                        };
+                        // A failed probe sets the upstream aside anew (the fleet is told).
+                        prop_assert_eq!(set_aside, what == 1 || what == 2);
                         probes_out -= 1;
                     }
                     Admit::Call => {

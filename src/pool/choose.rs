@@ -37,23 +37,32 @@ impl Candidate {
 /// The upstream a call goes to (`affinity`: the one its tenant went to last), or `None`
 /// when none has room.
 pub(crate) fn choose(candidates: &[Candidate], affinity: Option<usize>) -> Option<usize> {
-    if let Some(i) = candidates.iter().position(|c| c.probe_due && c.has_room()) {
-        return Some(i);
-    }
-    if let Some(i) = affinity.filter(|&i| candidates.get(i).is_some_and(Candidate::has_room)) {
-        return Some(i);
-    }
-    let first = candidates
-        .iter()
-        .filter(|c| c.has_room())
-        .map(|c| c.priority)
-        .min()?;
-    candidates
-        .iter()
-        .enumerate()
-        .filter(|(_, c)| c.has_room() && c.priority == first)
-        .min_by(|(_, a), (_, b)| a.load().total_cmp(&b.load()))
-        .map(|(i, _)| i)
+    preference(candidates, affinity).first().copied()
+}
+
+/// The upstreams with room, the one a call should go to first: one whose probe is due,
+/// then the tenant's own, then by priority and, within one, from the least loaded for its
+/// weight (the first added first among equals). A rate gate over the pool goes down it to
+/// the first whose rate lets the call go now.
+pub(crate) fn preference(candidates: &[Candidate], affinity: Option<usize>) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..candidates.len())
+        .filter(|&i| candidates[i].has_room())
+        .collect();
+    // Stable: equals keep the order they were added in.
+    order.sort_by(|&a, &b| {
+        let (ca, cb) = (&candidates[a], &candidates[b]);
+        match (ca.probe_due, cb.probe_due) {
+            // Due probes first, in the order the upstreams were added.
+            (true, true) => std::cmp::Ordering::Equal,
+            (true, false) => std::cmp::Ordering::Less,
+            (false, true) => std::cmp::Ordering::Greater,
+            (false, false) => (affinity == Some(b))
+                .cmp(&(affinity == Some(a)))
+                .then_with(|| ca.priority.cmp(&cb.priority))
+                .then_with(|| ca.load().total_cmp(&cb.load())),
+        }
+    });
+    order
 }
 
 #[cfg(test)]
@@ -117,6 +126,35 @@ mod tests {
     }
 
     proptest! {
+        /// The preference holds every upstream with room once and nothing else, and past
+        /// the tenant's own it goes by priority, then by load.
+        #[test]
+        fn the_preference_is_every_upstream_with_room_from_the_choice_on(
+            pool in proptest::collection::vec(
+                (any::<bool>(), 0usize..6, proptest::option::of(1usize..6), 1u32..4, 0u32..3),
+                1..8,
+            ),
+            affinity in proptest::option::of(0usize..8),
+        ) {
+            let pool: Vec<Candidate> = pool
+                .into_iter()
+                .map(|(takes_calls, in_flight, max_in_flight, weight, priority)| Candidate {
+                    takes_calls, probe_due: false, serves: true, in_flight, max_in_flight, weight, priority,
+                })
+                .collect();
+            let order = preference(&pool, affinity);
+            let mut with_room: Vec<usize> = (0..pool.len()).filter(|&i| pool[i].has_room()).collect();
+            let mut sorted = order.clone();
+            sorted.sort_unstable();
+            with_room.sort_unstable();
+            prop_assert_eq!(sorted, with_room);
+            let rest: Vec<usize> = order.iter().copied().filter(|&i| Some(i) != affinity).collect();
+            for pair in rest.windows(2) {
+                let (a, b) = (&pool[pair[0]], &pool[pair[1]]);
+                prop_assert!(a.priority < b.priority || a.priority == b.priority && a.load() <= b.load());
+            }
+        }
+
         /// The choice always has room, serves the call and takes calls; it is `None` only
         /// when no upstream does; it is of the first priority with room, and no upstream of
         /// that priority is less loaded for its weight (the affinity aside).

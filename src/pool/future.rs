@@ -4,7 +4,7 @@ use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::Ordering;
 use std::task::{Context, Poll};
 
 use tokio::time::Instant;
@@ -14,34 +14,37 @@ use tokio::time::Sleep;
 use tower::util::Oneshot;
 use tower_service::Service;
 
-use super::Members;
 use super::breaker::Outcome;
 use super::error::FirstByteTimeout;
-use crate::TenantId;
+use super::{MemberState, Members};
 use crate::body::{GuardResponse, GuardedBody};
 use crate::error::{BoxError, PolledAfterCompletion};
 use crate::sync::lock;
+use crate::{Job, TenantId};
 
 /// A call's place in its upstream's count of calls in flight, held by the response body
 /// until it ends, fails or is dropped.
-pub struct InFlight(Arc<AtomicUsize>);
+pub struct InFlight(Arc<MemberState>);
 
 impl InFlight {
-    /// A place in `count`, if it is below `max`: checked and taken in one step, so callers
-    /// on several threads never hold more than `max` together.
-    pub(super) fn take(count: &Arc<AtomicUsize>, max: Option<usize>) -> Option<Self> {
-        count
+    /// A place in `member`'s count, if it is below its cap: checked and taken in one step,
+    /// so callers on several threads never hold more than the cap together.
+    pub(super) fn take(member: &Arc<MemberState>) -> Option<Self> {
+        let max = member.max_in_flight;
+        member
+            .in_flight
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
                 max.is_none_or(|max| n < max).then_some(n + 1)
             })
             .ok()?;
-        Some(InFlight(count.clone()))
+        Some(InFlight(member.clone()))
     }
 }
 
 impl Drop for InFlight {
     fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::Relaxed);
+        self.0.in_flight.fetch_sub(1, Ordering::Relaxed);
+        self.0.room.freed();
     }
 }
 
@@ -51,39 +54,43 @@ impl fmt::Debug for InFlight {
     }
 }
 
-/// A call sent to one upstream: its place in the upstream's count, and whether it is the
+/// A call's place at one upstream: its place in the upstream's count, and whether it is the
 /// upstream's probe (dropped unanswered, the next call probes).
-pub(super) struct Dispatch<S> {
-    pub(super) shared: Arc<Members<S>>,
+pub(super) struct Dispatch {
+    pub(super) state: Arc<MemberState>,
     pub(super) member: usize,
     pub(super) probe: bool,
     pub(super) in_flight: Option<InFlight>,
 }
 
-impl<S> Dispatch<S> {
+impl Dispatch {
     pub(super) fn name(&self) -> &str {
-        &self.shared.members[self.member].upstream.name
+        &self.state.name
     }
 
-    /// The call's answer said `outcome` of its upstream.
+    /// The call's answer said `outcome` of its upstream; set aside by it, the upstream's
+    /// rate is closed for the fleet too (the gates over the pool).
     pub(super) fn answered(&mut self, outcome: Outcome) {
-        let member = &self.shared.members[self.member];
-        lock(&member.breaker).answered(outcome, self.probe, Instant::now());
+        let mut breaker = lock(&self.state.breaker);
+        let set_aside = breaker.answered(outcome, self.probe, Instant::now());
+        let probe_every = breaker.probe_every();
+        drop(breaker);
         self.probe = false;
+        if set_aside {
+            self.state.room.set_aside(self.member, probe_every);
+        }
     }
 
     /// The call goes elsewhere: it counted as moved away from here.
     pub(super) fn moved_away(&self) {
-        self.shared.members[self.member]
-            .moved_away
-            .fetch_add(1, Ordering::Relaxed);
+        self.state.moved_away.fetch_add(1, Ordering::Relaxed);
     }
 }
 
-impl<S> Drop for Dispatch<S> {
+impl Drop for Dispatch {
     fn drop(&mut self) {
         if self.probe {
-            lock(&self.shared.members[self.member].breaker).probe_dropped(Instant::now());
+            lock(&self.state.breaker).probe_dropped(Instant::now());
         }
     }
 }
@@ -95,16 +102,18 @@ pin_project! {
     where
         S: Service<http::Request<B>>,
     {
-        shared: Arc<Members<S>>,
+        shared: Arc<Members>,
+        services: Arc<[S]>,
         #[pin]
         call: Option<Oneshot<S, http::Request<B>>>,
         #[pin]
         deadline: Option<Sleep>,
         // The request, kept to send again (`None` once answered).
         spare: Option<http::Request<B>>,
-        at: Option<Dispatch<S>>,
-        // The next upstream's place, taken before an answer was let go.
-        next: Option<Dispatch<S>>,
+        at: Option<Dispatch>,
+        // The next upstream's place, taken before an answer was let go (or by a rate gate
+        // over the pool, for the first).
+        next: Option<Dispatch>,
         // A bit per upstream this call went to.
         tried: u64,
         tenant: Option<TenantId>,
@@ -117,13 +126,15 @@ where
     S: Service<http::Request<B>>,
 {
     pub(super) fn new(
-        shared: Arc<Members<S>>,
+        shared: Arc<Members>,
+        services: Arc<[S]>,
         request: http::Request<B>,
         tenant: Option<TenantId>,
         model: Option<String>,
     ) -> Self {
         ResponseFuture {
             shared,
+            services,
             call: None,
             deadline: None,
             spare: Some(request),
@@ -133,6 +144,12 @@ where
             tenant,
             model,
         }
+    }
+
+    /// The call goes first to the place a rate gate over the pool took for it.
+    pub(super) fn routed(mut self, place: Dispatch) -> Self {
+        self.next = Some(place);
+        self
     }
 }
 
@@ -149,7 +166,7 @@ fn copy<B: Clone>(request: &http::Request<B>) -> http::Request<B> {
 
 /// Tells the call's upstream's breaker what its answer said; whether the upstream provably
 /// did not run the call (refused, or overloaded: `529`, `503`).
-fn tell<S, R>(at: &mut Dispatch<S>, answer: &Result<http::Response<R>, BoxError>) -> bool {
+fn tell<R>(at: &mut Dispatch, answer: &Result<http::Response<R>, BoxError>) -> bool {
     let (outcome, not_run) = match answer {
         Ok(response) => match response.status().as_u16() {
             503 | 529 => (Outcome::Failing, true),
@@ -202,7 +219,10 @@ where
                     )?,
                 };
                 *this.tried |= 1 << at.member;
-                let service = this.shared.members[at.member].upstream.service.clone();
+                if let Some(route) = request.extensions().get::<Job>().and_then(Job::route) {
+                    route.sent_to(this.shared.id, at.member);
+                }
+                let service = this.services[at.member].clone();
                 *this.spare = Some(copy(&request));
                 this.call.set(Some(Oneshot::new(service, request)));
                 this.deadline

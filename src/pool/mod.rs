@@ -28,6 +28,13 @@
 //! A call counts as in flight at its upstream until its response body ends (the count moves
 //! into the body, as the limiting layers' permits do).
 //!
+//! **Under the fair queue**, give the stack the pool's [`gate`](Pool::gate)
+//! ([`FairgateBuilder::pool`](crate::FairgateBuilder::pool)): the head of the fair order
+//! then goes to an upstream that has room now — not set aside, below its cap, and its own
+//! rate (learned limits, pacing, cooldown after a `429`, slow start, probe) lets it go —
+//! and the pool sends it there, so the pool's rate is the sum of its upstreams' and the
+//! order across tenants is one across the pool (see [`PoolGate`]).
+//!
 //! ```
 //! use fairgate::pool::{Pool, Upstream};
 //! use std::time::Duration;
@@ -66,7 +73,10 @@ mod breaker;
 mod choose;
 pub mod error;
 pub mod future;
+pub(crate) mod gate;
 mod service;
+
+use crate::PoolGate;
 
 use std::fmt;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -197,21 +207,33 @@ impl<S> PoolBuilder<S> {
                 "trip_after and probe_every must be more than zero",
             ));
         }
-        let members = self
+        let room = Arc::new(Room::default());
+        let (services, members): (Vec<S>, Vec<_>) = self
             .upstreams
             .into_iter()
-            .map(|upstream| Member {
-                breaker: Mutex::new(Breaker::new(self.trip_after, self.probe_every)),
-                in_flight: Arc::new(AtomicUsize::new(0)),
-                moved_away: AtomicU64::new(0),
-                upstream,
+            .map(|upstream| {
+                let member = MemberState {
+                    name: upstream.name,
+                    weight: upstream.weight,
+                    priority: upstream.priority,
+                    models: upstream.models,
+                    max_in_flight: upstream.max_in_flight,
+                    breaker: Mutex::new(Breaker::new(self.trip_after, self.probe_every)),
+                    in_flight: AtomicUsize::new(0),
+                    moved_away: AtomicU64::new(0),
+                    room: room.clone(),
+                };
+                (upstream.service, Arc::new(member))
             })
-            .collect();
+            .unzip();
         Ok(Pool {
+            services: services.into(),
             shared: Arc::new(Members {
+                id: NEXT_POOL.fetch_add(1, Ordering::Relaxed),
                 members,
                 affinity: Mutex::new(HashMap::default()),
                 first_byte_timeout: self.first_byte_timeout,
+                room,
             }),
         })
     }
@@ -222,12 +244,15 @@ impl<S> PoolBuilder<S> {
 /// # Clone
 /// Cheap; clones share the upstreams' counts, breakers and the tenants' last upstreams.
 pub struct Pool<S> {
-    shared: Arc<Members<S>>,
+    /// Each upstream's service, in the order of `shared.members`.
+    services: Arc<[S]>,
+    shared: Arc<Members>,
 }
 
 impl<S> Clone for Pool<S> {
     fn clone(&self) -> Self {
         Pool {
+            services: self.services.clone(),
             shared: self.shared.clone(),
         }
     }
@@ -266,13 +291,22 @@ impl<S> Pool<S> {
         }
     }
 
+    /// The pool as a fair queue's rate gate sees it: each upstream's room and rate, for
+    /// [`FairgateBuilder::pool`](crate::FairgateBuilder::pool) or
+    /// [`RateGate::across`](crate::RateGate::across).
+    pub fn gate(&self) -> PoolGate {
+        PoolGate {
+            shared: self.shared.clone(),
+        }
+    }
+
     /// Each upstream now, in the order they were added.
     pub fn upstreams(&self) -> Vec<UpstreamState> {
         self.shared
             .members
             .iter()
             .map(|m| UpstreamState {
-                name: m.upstream.name.clone(),
+                name: m.name.clone(),
                 in_flight: m.in_flight(),
                 set_aside: lock(&m.breaker).is_open(),
                 moved_away: m.moved_away.load(Ordering::Relaxed),
@@ -281,30 +315,41 @@ impl<S> Pool<S> {
     }
 }
 
-/// What the clones of a pool share.
-struct Members<S> {
-    members: Vec<Member<S>>,
+/// What the clones of a pool (and its [`PoolGate`]) share: everything but the services.
+struct Members {
+    /// Tells a call routed by a gate which pool it was routed in.
+    id: u64,
+    members: Vec<Arc<MemberState>>,
     /// The upstream each tenant's last call went to: its prompt cache is there.
     affinity: Mutex<HashMap<TenantId, usize>>,
     first_byte_timeout: Option<Duration>,
+    room: Arc<Room>,
 }
+
+/// The pools made so far: each has its own id.
+static NEXT_POOL: AtomicU64 = AtomicU64::new(0);
 
 /// Most tenants whose last upstream is kept; past it the book starts again.
 const AFFINITY_MAX: usize = 100_000;
 
-struct Member<S> {
-    upstream: Upstream<S>,
+/// One upstream of a pool, but its service: how calls are shared out to it, and its state.
+struct MemberState {
+    name: Arc<str>,
+    weight: u32,
+    priority: u32,
+    models: Option<Vec<String>>,
+    max_in_flight: Option<usize>,
     breaker: Mutex<Breaker>,
-    in_flight: Arc<AtomicUsize>,
+    in_flight: AtomicUsize,
     moved_away: AtomicU64,
+    room: Arc<Room>,
 }
 
-impl<S> Member<S> {
+impl MemberState {
     /// Whether it serves calls of `model` (a call that names none: yes).
     fn serves(&self, model: Option<&str>) -> bool {
         model.is_none_or(|model| {
-            self.upstream
-                .models
+            self.models
                 .as_ref()
                 .is_none_or(|models| models.iter().any(|m| m == model))
         })
@@ -315,7 +360,53 @@ impl<S> Member<S> {
     }
 }
 
-impl<S> Members<S> {
+/// The rate gates made over the pool: told when an upstream may have room again (a call
+/// ended), and when one is set aside.
+#[derive(Default)]
+struct Room {
+    gates: Mutex<Vec<std::sync::Weak<gate::PoolRate>>>,
+    told: Mutex<Vec<Arc<tokio::sync::Notify>>>,
+    /// Whether anyone is told: a pool used alone takes no lock when a call ends.
+    any: std::sync::atomic::AtomicBool,
+}
+
+impl Room {
+    fn tell(&self, notify: Arc<tokio::sync::Notify>, gate: &Arc<gate::PoolRate>) {
+        let mut told = lock(&self.told);
+        if !told.iter().any(|n| Arc::ptr_eq(n, &notify)) {
+            told.push(notify);
+        }
+        let mut gates = lock(&self.gates);
+        gates.retain(|g| g.strong_count() > 0);
+        gates.push(Arc::downgrade(gate));
+        self.any.store(true, Ordering::Release);
+    }
+
+    /// Upstream `member` was set aside for `probe_every`: each gate's rate closes it for the
+    /// fleet (on Redis, every worker's), and one probe goes after.
+    fn set_aside(&self, member: usize, probe_every: Duration) {
+        if self.any.load(Ordering::Acquire) {
+            let gates: Vec<_> = lock(&self.gates)
+                .iter()
+                .filter_map(|g| g.upgrade())
+                .collect();
+            for gate in gates {
+                gate.set_aside(member, probe_every);
+            }
+        }
+    }
+
+    /// A call ended: whoever waits for room may look again.
+    fn freed(&self) {
+        if self.any.load(Ordering::Acquire) {
+            for notify in lock(&self.told).iter() {
+                notify.notify_one();
+            }
+        }
+    }
+}
+
+impl Members {
     fn remember(&self, tenant: &TenantId, member: usize) {
         let mut book = lock(&self.affinity);
         if book.get(tenant) != Some(&member) {

@@ -337,6 +337,15 @@ impl<S, Req, C> Call<S, Req, C> {
         }
     }
 
+    /// The key the attempt's answer teaches: the upstream of a pool the fair queue's rate
+    /// gate sent it to, or the request's own.
+    fn answered_key(&self) -> Arc<str> {
+        match self.charge.receipt.as_ref().and_then(|r| r.route.as_ref()) {
+            Some(route) => route.answered_key(),
+            None => self.upstream.clone(),
+        }
+    }
+
     /// Settles an outcome: spends the budget, records the throttle and the gate.
     fn settle<B: Body>(
         &mut self,
@@ -362,7 +371,7 @@ impl<S, Req, C> Call<S, Req, C> {
             telemetry::gave_up("budget");
             outcome.retry = None;
         }
-        let key = &self.upstream;
+        let key = &self.answered_key();
         // At its limit until an answer says otherwise, or the probe timeout runs out: after
         // the gate, one probe for the whole fleet through the store.
         let at_limit = !spend_limit && (outcome.slow_down || outcome.gate.is_some());
@@ -446,7 +455,7 @@ impl<S, Req, C> Call<S, Req, C> {
             {
                 let core = self.shared.core.rate.clone();
                 let charge = (need, charged, fleet_tokens);
-                let usage = Usage::new(core, self.upstream.clone(), charge, limits);
+                let usage = Usage::new(core, self.answered_key(), charge, limits);
                 Then::Return(response.map(|body| body.scanned(usage)))
             }
             None => Then::Return(response),
@@ -550,7 +559,7 @@ impl<S, Req, C> Call<S, Req, C> {
             self.charge.receipt = Some(receipt);
         }
         let status = response.status();
-        crate::trace::with_current(|trace| trace.attempted(&self.upstream, Some(status)));
+        crate::trace::with_current(|trace| trace.attempted(&self.answered_key(), Some(status)));
         let outcome = self.judge(status, response.headers());
         let (head, body) = response.into_parts();
         if outcome.retry.is_some() && outcome.status == StatusCode::TOO_MANY_REQUESTS {
@@ -645,7 +654,8 @@ impl<S, Req, C> Call<S, Req, C> {
             && let Poll::Ready(grant) = Pin::new(told).poll(cx)
         {
             // Calls held behind this probe ask again now.
-            (self.shared.core.rate).reported(&self.upstream, &grant, self.charge.need);
+            let key = self.answered_key();
+            (self.shared.core.rate).reported(&key, &grant, self.charge.need);
             *report = None;
         }
         if throttle.is_some() || gate.is_some() || report.is_some() {

@@ -23,6 +23,7 @@ mod dashboard;
 mod drr_fairness;
 mod learned_pacing;
 mod pool;
+mod pool_rate;
 mod priority_classify;
 mod quickstart;
 mod replay;

@@ -13,6 +13,7 @@
 mod support;
 
 mod cluster;
+mod pool_rate_redis;
 mod stack_rate_redis;
 mod stack_redis;
 mod store_redis;

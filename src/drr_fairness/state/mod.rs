@@ -310,7 +310,10 @@ impl FairQueue {
             let room = state.len() == 0 && state.in_flight < self.max_in_flight;
             let key = job.upstream();
             let receipt = match room {
-                true => self.rate_now(&mut state, place.group, key, job.cost(), &mut after),
+                true => {
+                    let group = place.group;
+                    self.rate_now(&mut state, group, tenant, key, job.cost(), &mut after)
+                }
                 false => None,
             };
             let room = room && receipt.as_ref().is_none_or(Option::is_some);
@@ -426,6 +429,7 @@ impl FairQueue {
         &self,
         state: &mut Queues,
         group: usize,
+        tenant: &TenantId,
         key: Option<&Arc<str>>,
         cost: u32,
         after: &mut AfterUnlock,
@@ -443,30 +447,32 @@ impl FairQueue {
         };
         // The gate leaves the request limit to the cells only where this worker names them.
         let fleet_cells = cells.is_some_and(|c| c.names_a_limit());
-        Some(match rate.inner.clone().check(key, cost, fleet_cells) {
-            Verdict::Go(mut taken) => {
-                // The acquire takes the call's cost from the token rate this worker names:
-                // its usage corrects it. (A worker naming none, whose acquire takes the
-                // rate another names, reads no usage for it: its calls go at their
-                // estimates.)
-                if let Some(receipt) = taken.as_mut()
-                    && cells.is_some_and(|c| c.tokens.is_some())
-                {
-                    receipt.fleet_tokens = cost;
+        Some(
+            match rate.inner.clone().check(tenant, key, cost, fleet_cells) {
+                Verdict::Go(mut taken) => {
+                    // The acquire takes the call's cost from the token rate this worker names:
+                    // its usage corrects it. (A worker naming none, whose acquire takes the
+                    // rate another names, reads no usage for it: its calls go at their
+                    // estimates.)
+                    if let Some(receipt) = taken.as_mut()
+                        && cells.is_some_and(|c| c.tokens.is_some())
+                    {
+                        receipt.fleet_tokens = cost;
+                    }
+                    Some(RateGo { taken, cells })
                 }
-                Some(RateGo { taken, cells })
-            }
-            Verdict::Until(at, reason) => {
-                state.groups[group].held_for = reason;
-                state.hold_for_rate(Some(at), after);
-                None
-            }
-            Verdict::Notified(reason) => {
-                state.groups[group].held_for = reason;
-                state.hold_for_rate(None, after);
-                None
-            }
-        })
+                Verdict::Until(at, reason) => {
+                    state.groups[group].held_for = reason;
+                    state.hold_for_rate(Some(at), after);
+                    None
+                }
+                Verdict::Notified(reason) => {
+                    state.groups[group].held_for = reason;
+                    state.hold_for_rate(None, after);
+                    None
+                }
+            },
+        )
     }
 
     /// The rate gate's word on the request whose turn it is in `class` of `group` (its
@@ -515,7 +521,7 @@ impl FairQueue {
         let g = &state.groups[group];
         let head = g.scheduler.peek_tenant(class, tenant).ok_or(())?;
         let (key, cost) = (head.key.clone(), head.cost);
-        match self.rate_now(state, group, key.as_ref(), cost, after) {
+        match self.rate_now(state, group, tenant, key.as_ref(), cost, after) {
             Some(Some(receipt)) => Ok(Some((tenant.clone(), receipt))),
             _ => Err(()),
         }

@@ -71,14 +71,20 @@ impl Permit {
     /// The call goes upstream now: its rate cells are spent, and the receipt goes to the
     /// retry layer above through the job's attempt cell (if it left one). The job is looked
     /// up only when there is a receipt to give it.
-    pub(in crate::drr_fairness) fn going<'a>(&mut self, job: impl FnOnce() -> Option<&'a Job>) {
+    pub(in crate::drr_fairness) fn going<'a>(&mut self, job: impl FnOnce() -> Option<&'a mut Job>) {
         if let Some(mut receipt) = self.receipt.take() {
             receipt.mark_used();
-            // A receipt of nothing (no limit learned, no probe) tells the retry layer nothing.
+            // A receipt of nothing (no limit learned, no probe, no pool) tells the retry
+            // layer nothing.
             if receipt.tells_something()
-                && let Some(cell) = job().and_then(Job::attempt_cell)
+                && let Some(job) = job()
             {
-                cell.put(receipt);
+                if let Some(route) = &receipt.route {
+                    job.set_route(route.clone());
+                }
+                if let Some(cell) = job.attempt_cell() {
+                    cell.put(receipt);
+                }
             }
         }
     }

@@ -1,0 +1,205 @@
+//! The pool as the fair queue's rate gate: one order served by whichever upstream has room.
+//!
+//! Each upstream of the pool keeps its own rate under the retry layer (learned limits,
+//! pacing, cooldown after a 429, slow start and probe), as the key `{key}@{name}`. When the
+//! fair queue is about to dispatch the head of its order, the gate goes down the pool's
+//! [preference](super::choose::preference) (a due probe, the tenant's own upstream, then by
+//! priority and load, among those not set aside and below their cap) and asks each
+//! upstream's rate in turn: the first that lets the call go takes its cells, and the call's
+//! place at that upstream is taken at once and handed to the pool's service with the
+//! request (a [`Route`] in its job). So the pool's rate is the sum of its members', and a
+//! call held by one upstream's rate goes at the next free cell of any.
+
+use std::fmt;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+use super::Members;
+use super::choose::preference;
+use super::future::Dispatch;
+use crate::TenantId;
+use crate::gate::{RateGate, RateLimit, Receipt, Route, Verdict, WaitReason};
+use crate::hash::HashMap;
+use crate::store::{DIMS, FleetCells};
+use crate::sync::lock;
+
+/// A [`Pool`](super::Pool)'s upstreams as a fair queue's rate gate sees them, from
+/// [`Pool::gate`](super::Pool::gate): given to
+/// [`FairgateBuilder::pool`](crate::FairgateBuilder::pool), or to
+/// [`RateGate::across`] in a stack built by hand.
+///
+/// # Clone
+/// Cheap; clones are the same pool.
+#[derive(Clone)]
+pub struct PoolGate {
+    pub(super) shared: Arc<Members>,
+}
+
+impl fmt::Debug for PoolGate {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let names: Vec<&str> = self.shared.members.iter().map(|m| &*m.name).collect();
+        f.debug_struct("PoolGate")
+            .field("upstreams", &names)
+            .finish()
+    }
+}
+
+impl RateGate {
+    /// This rate gate across the upstreams of a pool: a call goes when one of them has
+    /// room — not set aside, below its cap, and its own rate (this gate's, under the key
+    /// `{key}@{upstream name}`) lets it go now — and it goes there. The pool's service
+    /// must be below the fair queue given the result (see the [module docs](crate::pool)).
+    pub fn across(self, pool: &PoolGate) -> RateGate {
+        let changed = self.inner.changed();
+        let gate = Arc::new(PoolRate {
+            rates: self.inner,
+            pool: pool.shared.clone(),
+            keys: Mutex::new(HashMap::default()),
+        });
+        pool.shared.room.tell(changed, &gate);
+        let inner: Arc<dyn RateLimit> = gate;
+        RateGate::new(inner)
+    }
+}
+
+/// Most request keys whose upstreams' keys are kept; past it the book starts again.
+const KEYS_MAX: usize = 1_024;
+
+/// The rate of each upstream of a pool, as one gate.
+pub(super) struct PoolRate {
+    /// The retry layer's rate, keyed per upstream of the pool.
+    rates: Arc<dyn RateLimit>,
+    pool: Arc<Members>,
+    /// Per request key, each upstream's key (`{key}@{name}`): made once.
+    keys: Mutex<HashMap<Arc<str>, UpstreamKeys>>,
+}
+
+/// Each upstream's key for one request key, in the pool's order.
+type UpstreamKeys = Arc<[Arc<str>]>;
+
+/// The place a rate gate over the pool took for a call, if `route` is of the pool `pool`
+/// and its place was not used yet.
+pub(super) fn routed_place(route: &Route, pool: u64) -> Option<Dispatch> {
+    let place = route.take_place(pool)?;
+    place.downcast::<Dispatch>().ok().map(|place| *place)
+}
+
+impl PoolRate {
+    /// Upstream `member` was set aside: its rate's gate closes for `probe_every`, for the
+    /// fleet (the store's cooldown), under each request key seen, and one probe goes after.
+    pub(super) fn set_aside(&self, member: usize, probe_every: Duration) {
+        let keys: Vec<UpstreamKeys> = lock(&self.keys).values().cloned().collect();
+        for keys in keys {
+            self.rates.set_aside(&keys[member], probe_every);
+        }
+    }
+
+    fn keys_of(&self, key: &Arc<str>) -> UpstreamKeys {
+        let mut book = lock(&self.keys);
+        if let Some(keys) = book.get(key) {
+            return keys.clone();
+        }
+        if book.len() >= KEYS_MAX {
+            book.clear();
+        }
+        let keys: UpstreamKeys = (self.pool.members.iter())
+            .map(|m| Arc::from(format!("{key}@{}", m.name)))
+            .collect();
+        book.insert(key.clone(), keys.clone());
+        keys
+    }
+}
+
+impl RateLimit for PoolRate {
+    fn default_key(&self) -> Arc<str> {
+        self.rates.default_key()
+    }
+
+    fn check(
+        self: Arc<Self>,
+        tenant: &TenantId,
+        key: &Arc<str>,
+        cost: u32,
+        _fleet_cells: bool,
+    ) -> Verdict {
+        let now = Instant::now();
+        let pool = &self.pool;
+        let candidates = pool.candidates(now, 0, None);
+        let affinity = lock(&pool.affinity).get(tenant).copied();
+        let keys = self.keys_of(key);
+        let mut held: Option<Verdict> = None;
+        for member in preference(&candidates, affinity) {
+            let member_key = &keys[member];
+            match self.rates.clone().check(tenant, member_key, cost, false) {
+                Verdict::Go(taken) => {
+                    // Its place, taken now: the fair queue may dispatch more in this pass
+                    // than the upstream has room for. Lost meanwhile, the cells go back.
+                    let Some(place) = pool.take(member, now) else {
+                        continue;
+                    };
+                    pool.remember(tenant, member);
+                    let mut receipt = taken.unwrap_or_else(|| Receipt::nothing(member_key, now));
+                    let route = Route::new(pool.id, Box::new(place), keys.clone(), member);
+                    receipt.route = Some(Arc::new(route));
+                    return Verdict::Go(Some(receipt));
+                }
+                Verdict::Until(at, reason) => {
+                    held = Some(match held {
+                        Some(Verdict::Until(known, r)) if known <= at => Verdict::Until(known, r),
+                        _ => Verdict::Until(at, reason),
+                    });
+                }
+                Verdict::Notified(reason) => {
+                    if held.is_none() {
+                        held = Some(Verdict::Notified(reason));
+                    }
+                }
+            }
+        }
+        held.unwrap_or_else(|| match pool.first_probe(now, None) {
+            // Every upstream set aside: not before the first probe.
+            Some(at) if candidates.iter().all(|c| !c.takes_calls) => {
+                Verdict::Until(at, WaitReason::Cooldown)
+            }
+            // Full: until a call ends (the pool tells this gate's `changed`).
+            _ => Verdict::Notified(WaitReason::Slot),
+        })
+    }
+
+    fn fleet_cells(&self, _key: &Arc<str>) -> Option<FleetCells> {
+        // Each upstream's rate is paced by its own gate (through the store on Redis): the
+        // fleet's order hands out no cells for a pool.
+        None
+    }
+
+    fn answering(&self, key: &Arc<str>) -> bool {
+        self.keys_of(key).iter().any(|k| self.rates.answering(k))
+    }
+
+    fn returned(&self, receipt: &Receipt) {
+        self.rates.returned(receipt);
+    }
+
+    fn changed(&self) -> Arc<tokio::sync::Notify> {
+        self.rates.changed()
+    }
+}
+
+impl Receipt {
+    /// A receipt of nothing taken from a rate (no limit applies) for a call to `key`.
+    fn nothing(key: &Arc<str>, now: Instant) -> Box<Receipt> {
+        Box::new(Receipt {
+            key: key.clone(),
+            need: [0; DIMS],
+            charged: [0; DIMS],
+            probe: false,
+            used: false,
+            due: now,
+            fleet_tokens: 0,
+            gate: None,
+            route: None,
+        })
+    }
+}

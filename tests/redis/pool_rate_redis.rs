@@ -1,0 +1,251 @@
+//! A pool as the fair queue's rate gate on Redis: two workers — two `Store::redis` handles
+//! on one throwaway redis-server, each with its own `FairgateLayer` and its own `Pool` of
+//! the same two rate-limited mock upstreams (`support::rate_limited`) — serve the sum of
+//! the upstreams' rates with no 429, each upstream's learned rate shared by the fleet
+//! (the memory version: `tests/memory/pool_rate.rs`). Real time, scaled: each upstream
+//! allows 600 requests a minute, calls take 50 ms.
+//!
+//! `--nocapture` shows the numbers.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use crate::support::RedisServer;
+use crate::support::rate_limited::{CALL_ID, Outcome, RateLimited, answer, busy_reasons, count};
+use crate::support::{joined, user};
+use fairgate::pool::{Pool, Upstream};
+use fairgate::{BackoffPolicy, BoxError, FairgateLayer, Store};
+use tokio::time::Instant;
+use tower::util::BoxCloneSyncService;
+use tower::{Layer, ServiceExt};
+
+type Stack = BoxCloneSyncService<http::Request<String>, u16, BoxError>;
+type Svc = BoxCloneSyncService<http::Request<String>, http::Response<String>, BoxError>;
+
+/// Each upstream's request limit.
+const RPM: u32 = 600;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_workers_over_two_upstreams_serve_at_least_1_8_times_one_with_no_429() {
+    let server = RedisServer::start();
+    let upstreams = [
+        RateLimited::new(RPM, Duration::from_millis(50)),
+        RateLimited::new(RPM, Duration::from_millis(50)),
+    ];
+    let mut stacks: Vec<Stack> = Vec::new();
+    for worker in 0..2u64 {
+        let store = Store::redis(&server.url()).await.expect("a store");
+        let mut pool = Pool::builder();
+        for (i, upstream) in upstreams.iter().enumerate() {
+            let service: Svc = BoxCloneSyncService::new(upstream.service());
+            pool = pool.upstream(Upstream::new(format!("u{i}"), service));
+        }
+        let pool = pool.build().unwrap();
+        let fairgate = FairgateLayer::builder(store)
+            .backoff(BackoffPolicy::builder().seed(40 + worker).build().unwrap())
+            .pool(pool.gate())
+            .build()
+            .unwrap();
+        let service = fairgate
+            .layer(pool)
+            .map_response(|response| response.status().as_u16());
+        stacks.push(BoxCloneSyncService::new(service));
+    }
+    let ids = Arc::new(AtomicU64::new(0));
+    let send = |w: usize, at: Instant, tenant: String| {
+        let stack = stacks[w].clone();
+        let id = ids.fetch_add(1, Ordering::Relaxed);
+        let mut req = http::Request::new("{}".to_owned());
+        req.headers_mut()
+            .insert(CALL_ID, http::HeaderValue::from(id));
+        req.extensions_mut().insert(user(&tenant, "premium"));
+        tokio::spawn(async move {
+            tokio::time::sleep_until(at).await;
+            let sent = Instant::now();
+            let answer = answer(stack.oneshot(req).await);
+            Outcome {
+                id,
+                sent,
+                done: Instant::now(),
+                answer,
+            }
+        })
+    };
+    // Warm-up: calls through both workers until each upstream has answered (slow start over,
+    // its limits learned by the fleet).
+    for _ in 0..20 {
+        if upstreams.iter().all(|u| u.served() > 0) {
+            break;
+        }
+        let now = Instant::now();
+        let warm = vec![
+            send(0, now, "warm-up".into()),
+            send(1, now, "warm-up".into()),
+        ];
+        for warm in joined(warm).await {
+            assert!(warm.ok(), "a warm-up call: {warm:?}");
+        }
+    }
+    assert!(upstreams.iter().all(|u| u.served() > 0), "warmed up");
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    upstreams.iter().for_each(RateLimited::forget);
+    // 25 calls a second for 6 s, over both workers: above the pool's 20 a second.
+    let start = Instant::now();
+    let calls: Vec<_> = (0..150u64)
+        .map(|i| {
+            send(
+                (i % 2) as usize,
+                start + Duration::from_millis(i * 40),
+                format!("t{i}"),
+            )
+        })
+        .collect();
+    let outcomes = joined(calls).await;
+    let (from, to) = (
+        start + Duration::from_secs(1),
+        start + Duration::from_secs(5),
+    );
+    let started: Vec<usize> = upstreams
+        .iter()
+        .map(|u| {
+            u.calls()
+                .iter()
+                .filter(|c| c.at >= from && c.at < to)
+                .count()
+        })
+        .collect();
+    let throttled: usize = upstreams.iter().map(RateLimited::throttled).sum();
+    let total: usize = started.iter().sum();
+    println!(
+        "two workers, two upstreams of {RPM} a minute: {total} calls started in 4 s \
+         ({started:?}; one upstream's rate would be {}); {} of 150 served (busy: {}); \
+         429s {throttled}",
+        RPM / 15,
+        count(&outcomes, Outcome::ok),
+        busy_reasons(&outcomes)
+    );
+    // 1.8 times one upstream's 40 calls in 4 s.
+    assert!(total >= 72, "{total} calls in 4 s");
+    // Each at its rate over the window (40) and at most a second of it more: the cells the
+    // fleet takes ahead on Redis and back to back. The provider's bucket holds a minute.
+    assert!(
+        started.iter().all(|n| *n <= 50),
+        "an upstream over its rate: {started:?}"
+    );
+    assert_eq!(throttled, 0, "429s from the upstreams");
+}
+
+/// An upstream that refuses its connections while `down`, counting the calls that reached
+/// it by the worker that sent them (the tenant's first letters) and those it answered.
+#[derive(Clone, Default)]
+struct Flaky {
+    down: Arc<std::sync::atomic::AtomicBool>,
+    reached: Arc<std::sync::Mutex<Vec<String>>>,
+    answered: Arc<AtomicU64>,
+}
+
+impl Flaky {
+    fn service(&self) -> Svc {
+        let this = self.clone();
+        BoxCloneSyncService::new(tower::service_fn(move |req: http::Request<String>| {
+            let this = this.clone();
+            async move {
+                let job = req.extensions().get::<fairgate::Job>().expect("a job");
+                let worker = job.tenant().as_str()[..2].to_owned();
+                this.reached.lock().unwrap().push(worker);
+                if this.down.load(Ordering::SeqCst) {
+                    let refused = std::io::Error::from(std::io::ErrorKind::ConnectionRefused);
+                    return Err::<http::Response<String>, BoxError>(refused.into());
+                }
+                this.answered.fetch_add(1, Ordering::SeqCst);
+                Ok(http::Response::new(String::new()))
+            }
+        }))
+    }
+
+    fn reached_from(&self, worker: &str) -> usize {
+        let reached = self.reached.lock().unwrap();
+        reached.iter().filter(|w| *w == worker).count()
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upstream_set_aside_by_one_worker_is_set_aside_for_the_fleet_and_comes_back_for_all() {
+    let server = RedisServer::start();
+    let (a, b) = (Flaky::default(), Flaky::default());
+    a.down.store(true, Ordering::SeqCst);
+    let probe_every = Duration::from_millis(1_500);
+    let mut stacks: Vec<Stack> = Vec::new();
+    let mut stores = Vec::new();
+    for worker in 0..2u64 {
+        let store = Store::redis(&server.url()).await.expect("a store");
+        let pool = Pool::builder()
+            .upstream(Upstream::new("a", a.service()))
+            .upstream(Upstream::new("b", b.service()))
+            .probe_every(probe_every)
+            .build()
+            .unwrap();
+        let fairgate = FairgateLayer::builder(store.clone())
+            .backoff(BackoffPolicy::builder().seed(50 + worker).build().unwrap())
+            .pool(pool.gate())
+            .build()
+            .unwrap();
+        let service = fairgate
+            .layer(pool)
+            .map_response(|response| response.status().as_u16());
+        stacks.push(BoxCloneSyncService::new(service));
+        stores.push(store);
+    }
+    let call = |w: usize, i: usize| {
+        let stack = stacks[w].clone();
+        let mut req = http::Request::new("{}".to_owned());
+        req.extensions_mut()
+            .insert(user(&format!("w{w}-{i}"), "premium"));
+        async move { stack.oneshot(req).await.map_err(|e| e.to_string()) }
+    };
+    // Worker 0's first call goes to `a` (first added, both idle), is refused there and
+    // answered by `b`; `a` is set aside, and its gate closes for the fleet.
+    assert_eq!(call(0, 0).await, Ok(200));
+    assert_eq!(a.reached_from("w0"), 1, "the first call tried `a`");
+    let closed = async {
+        while stores[1].cooldown("default@a").is_none() {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(5), closed)
+        .await
+        .expect("worker 1 learns that `a` is set aside");
+    // Worker 1 never saw `a` fail: its calls go to `b` all the same.
+    for i in 0..10 {
+        assert_eq!(call(1, i).await, Ok(200));
+    }
+    let from_1 = a.reached_from("w1");
+    println!(
+        "`a` down: worker 1 sent it {from_1} calls, `b` answered {}",
+        b.answered.load(Ordering::SeqCst)
+    );
+    assert_eq!(from_1, 0, "worker 1 sent calls to the upstream set aside");
+    // `a` returns: after the probe interval, one probe for the fleet, then both workers'
+    // calls reach it again.
+    a.down.store(false, Ordering::SeqCst);
+    let back = Instant::now();
+    let mut i = 100;
+    while a.answered.load(Ordering::SeqCst) == 0
+        || a.reached_from("w1") == 0
+        || a.reached_from("w0") < 2
+    {
+        assert!(
+            back.elapsed() < 4 * probe_every,
+            "`a` back in the pool for both workers"
+        );
+        let (x, y) = tokio::join!(call(0, i), call(1, i));
+        assert_eq!((x, y), (Ok(200), Ok(200)));
+        i += 1;
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    println!(
+        "`a` back: both workers' calls reach it {:?} after it returned",
+        back.elapsed()
+    );
+}
