@@ -89,31 +89,14 @@ impl Drop for MockBedrock {
 /// cannot be had outside CI.
 fn botocore_python() -> Option<PathBuf> {
     let python = crate::proxy::sdk_python()?;
-    let has = |python: &Path| {
-        Command::new(python)
-            .args(["-c", "import botocore"])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .status()
-            .is_ok_and(|s| s.success())
-    };
     let _setup = crate::proxy::PYTHON_SETUP
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner);
+    let has = |python: &Path| crate::proxy::python_has(python, "botocore");
     if has(&python) {
         return Some(python);
     }
-    let pip = Command::new(&python)
-        .args([
-            "-m",
-            "pip",
-            "install",
-            "--quiet",
-            "--disable-pip-version-check",
-        ])
-        .args(["--timeout", "30", "botocore"])
-        .status();
-    if pip.is_ok_and(|s| s.success()) && has(&python) {
+    if crate::proxy::pip_install(&python, "botocore") && has(&python) {
         return Some(python);
     }
     let why = "`pip install botocore` failed: is PyPI reachable?";

@@ -7,7 +7,7 @@
 //! Every process is stopped by its pid when its guard drops, also when a test panics. The
 //! tests run one at a time (two cores; the flood and disconnect checks are timed).
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -508,21 +508,38 @@ async fn python_sdk_against_the_gateway() {
 /// other is still making it) fail.
 pub(crate) static PYTHON_SETUP: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
+/// Whether `python` imports `module`.
+pub(crate) fn python_has(python: &Path, module: &str) -> bool {
+    Command::new(python)
+        .args(["-c", &format!("import {module}")])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success())
+}
+
+/// `pip install package` into `python`'s environment, quietly: whether it went well.
+pub(crate) fn pip_install(python: &Path, package: &str) -> bool {
+    Command::new(python)
+        .args([
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--disable-pip-version-check",
+        ])
+        .args(["--timeout", "30", package])
+        .status()
+        .is_ok_and(|s| s.success())
+}
+
 pub(crate) fn sdk_python() -> Option<PathBuf> {
     let _setup = PYTHON_SETUP
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner);
     let venv = target_tmp().join("anthropic-sdk-venv");
     let python = venv.join("bin").join("python");
-    let has_sdk = |python: &PathBuf| {
-        Command::new(python)
-            .args(["-c", "import anthropic"])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .status()
-            .is_ok_and(|s| s.success())
-    };
-    if python.exists() && has_sdk(&python) {
+    if python.exists() && python_has(&python, "anthropic") {
         return Some(python);
     }
     let in_ci = std::env::var_os("CI").is_some_and(|v| !v.is_empty());
@@ -544,23 +561,10 @@ pub(crate) fn sdk_python() -> Option<PathBuf> {
             Err(e) => return give_up(format!("python3 is not available ({e})")),
         }
     }
-    let pip = Command::new(&python)
-        .args([
-            "-m",
-            "pip",
-            "install",
-            "--quiet",
-            "--disable-pip-version-check",
-        ])
-        .args(["--timeout", "30", "anthropic"])
-        .status();
-    match pip {
-        Ok(status) if status.success() && has_sdk(&python) => Some(python),
-        Ok(status) => give_up(format!(
-            "`pip install anthropic` failed ({status}): is PyPI reachable?"
-        )),
-        Err(e) => give_up(format!("could not run pip ({e})")),
+    if pip_install(&python, "anthropic") && python_has(&python, "anthropic") {
+        return Some(python);
     }
+    give_up("`pip install anthropic` failed: is PyPI reachable?".to_owned())
 }
 
 #[test]
