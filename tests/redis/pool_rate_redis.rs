@@ -249,3 +249,95 @@ async fn an_upstream_set_aside_by_one_worker_is_set_aside_for_the_fleet_and_come
         back.elapsed()
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_redis_killed_and_back_the_pool_serves_before_and_after_and_never_overdrives() {
+    let mut server = RedisServer::start();
+    let upstreams = [
+        RateLimited::new(RPM, Duration::from_millis(50)),
+        RateLimited::new(RPM, Duration::from_millis(50)),
+    ];
+    let mut stacks: Vec<Stack> = Vec::new();
+    for worker in 0..2u64 {
+        let store = Store::redis(&server.url()).await.expect("a store");
+        let mut pool = Pool::builder();
+        for (i, upstream) in upstreams.iter().enumerate() {
+            let service: Svc = BoxCloneSyncService::new(upstream.service());
+            pool = pool.upstream(Upstream::new(format!("u{i}"), service));
+        }
+        let pool = pool.build().unwrap();
+        let fairgate = FairgateLayer::builder(store)
+            .backoff(BackoffPolicy::builder().seed(60 + worker).build().unwrap())
+            .pool(pool.gate())
+            .build()
+            .unwrap();
+        let service = fairgate
+            .layer(pool)
+            .map_response(|response| response.status().as_u16());
+        stacks.push(BoxCloneSyncService::new(service));
+    }
+    let send = |w: usize, at: Instant, tenant: String| {
+        let stack = stacks[w].clone();
+        let mut req = http::Request::new("{}".to_owned());
+        req.extensions_mut().insert(user(&tenant, "premium"));
+        tokio::spawn(async move {
+            tokio::time::sleep_until(at).await;
+            (at, stack.oneshot(req).await.map_err(|e| e.to_string()))
+        })
+    };
+    // 15 calls a second for 8 s, over both workers: below the pool's 19 a second, above
+    // one upstream's. Redis is killed at 2 s and back at 4 s.
+    let start = Instant::now();
+    let calls: Vec<_> = (0..120u64)
+        .map(|i| {
+            let at = start + Duration::from_millis(i * 1_000 / 15);
+            send((i % 2) as usize, at, format!("t{i}"))
+        })
+        .collect();
+    tokio::time::sleep_until(start + Duration::from_secs(2)).await;
+    server.kill();
+    tokio::time::sleep_until(start + Duration::from_secs(4)).await;
+    server.restart();
+    let outcomes = joined(calls).await;
+    let (killed, back) = (
+        start + Duration::from_secs(2),
+        start + Duration::from_secs(5),
+    );
+    let sent_while_up: Vec<&Result<u16, String>> = outcomes
+        .iter()
+        .filter(|(at, _)| *at < killed || *at >= back)
+        .map(|(_, o)| o)
+        .collect();
+    let up_ok = sent_while_up.iter().filter(|o| **o == &Ok(200)).count();
+    let during: Vec<&Result<u16, String>> = outcomes
+        .iter()
+        .filter(|(at, _)| *at >= killed && *at < back)
+        .map(|(_, o)| o)
+        .collect();
+    let during_ok = during.iter().filter(|o| **o == &Ok(200)).count();
+    let throttled: usize = upstreams.iter().map(RateLimited::throttled).sum();
+    let each: Vec<usize> = upstreams.iter().map(|u| u.calls().len()).collect();
+    println!(
+        "Redis killed at 2 s, back at 4 s: sent while it was up (before 2 s, from 5 s) \
+         {up_ok} of {} answered 200; sent from 2 s to 5 s {during_ok} of {} (the others told \
+         busy: the store's outage rule); {each:?} at the upstreams, 429s {throttled}",
+        sent_while_up.len(),
+        during.len()
+    );
+    assert_eq!(throttled, 0, "429s from the upstreams");
+    assert_eq!(
+        up_ok,
+        sent_while_up.len(),
+        "a call sent while Redis was up failed"
+    );
+    for outcome in &during {
+        assert!(
+            outcome == &&Ok(200) || outcome.as_ref().is_err_and(|e| e.contains("busy")),
+            "a call during the outage was neither served nor told busy: {outcome:?}"
+        );
+    }
+    assert!(
+        each.iter().all(|n| *n >= 20),
+        "both upstreams served: {each:?}"
+    );
+}
