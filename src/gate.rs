@@ -192,6 +192,16 @@ pub(crate) trait RateLimit: Send + Sync + 'static {
     fn returned(&self, receipt: &Receipt);
     /// Resolves when the gate may have opened (an answer came, a reservation was granted).
     fn changed(&self) -> Arc<tokio::sync::Notify>;
+    /// The limits learned for `key`, per minute in each dimension (0: not learned).
+    fn limits(&self, key: &Arc<str>) -> [u32; DIMS] {
+        let _ = key;
+        [0; DIMS]
+    }
+    /// How long `key`'s cooldown gate stays closed, if it is.
+    fn cooldown(&self, key: &Arc<str>) -> Option<Duration> {
+        let _ = key;
+        None
+    }
     /// The upstream behind `key` failed (a pool set it aside): its gate closes for `closed`
     /// for the fleet, and one probe goes after.
     fn set_aside(&self, key: &Arc<str>, closed: Duration) {

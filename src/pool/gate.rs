@@ -87,6 +87,13 @@ pub(super) fn routed_place(route: &Route, pool: u64) -> Option<Dispatch> {
 }
 
 impl PoolRate {
+    /// Upstream `member`'s learned limits and cooldown, for requests of the default key.
+    pub(super) fn rate_of(&self, member: usize) -> ([u32; DIMS], Option<Duration>) {
+        let keys = self.keys_of(&self.rates.default_key());
+        let key = &keys[member];
+        (self.rates.limits(key), self.rates.cooldown(key))
+    }
+
     /// Upstream `member` was set aside: its rate's gate closes for `probe_every`, for the
     /// fleet (the store's cooldown), under each request key seen, and one probe goes after.
     pub(super) fn set_aside(&self, member: usize, probe_every: Duration) {

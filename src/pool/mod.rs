@@ -278,6 +278,25 @@ pub struct UpstreamState {
     pub set_aside: bool,
     /// Calls sent elsewhere after it refused or was overloaded.
     pub moved_away: u64,
+    /// Under a fair queue's gate ([`Pool::gate`]): the limits learned from its answers,
+    /// per minute (0: not learned, or no gate).
+    pub limits: RateLimits,
+    /// Under a fair queue's gate: how long its gate stays closed (after a `429`, or set
+    /// aside), if it is.
+    pub cooldown: Option<Duration>,
+}
+
+/// An upstream's limits as learned from its answers' `anthropic-ratelimit-*` headers, per
+/// minute (0: not learned).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct RateLimits {
+    /// Requests a minute.
+    pub requests: u32,
+    /// Input tokens a minute.
+    pub input_tokens: u32,
+    /// Output tokens a minute.
+    pub output_tokens: u32,
 }
 
 impl<S> Pool<S> {
@@ -302,14 +321,25 @@ impl<S> Pool<S> {
 
     /// Each upstream now, in the order they were added.
     pub fn upstreams(&self) -> Vec<UpstreamState> {
+        let gate = self.shared.room.gate();
         self.shared
             .members
             .iter()
-            .map(|m| UpstreamState {
-                name: m.name.clone(),
-                in_flight: m.in_flight(),
-                set_aside: lock(&m.breaker).is_open(),
-                moved_away: m.moved_away.load(Ordering::Relaxed),
+            .enumerate()
+            .map(|(i, m)| {
+                let (limits, cooldown) = gate.as_ref().map_or(([0; 4], None), |g| g.rate_of(i));
+                UpstreamState {
+                    name: m.name.clone(),
+                    in_flight: m.in_flight(),
+                    set_aside: lock(&m.breaker).is_open(),
+                    moved_away: m.moved_away.load(Ordering::Relaxed),
+                    limits: RateLimits {
+                        requests: limits[0],
+                        input_tokens: limits[1],
+                        output_tokens: limits[2],
+                    },
+                    cooldown,
+                }
             })
             .collect()
     }
@@ -380,6 +410,11 @@ impl Room {
         gates.retain(|g| g.strong_count() > 0);
         gates.push(Arc::downgrade(gate));
         self.any.store(true, Ordering::Release);
+    }
+
+    /// The first rate gate made over the pool still in use, if any.
+    fn gate(&self) -> Option<Arc<gate::PoolRate>> {
+        lock(&self.gates).iter().find_map(std::sync::Weak::upgrade)
     }
 
     /// Upstream `member` was set aside for `probe_every`: each gate's rate closes it for the

@@ -406,6 +406,14 @@ impl RateLimit for Rates {
         self.gate_changed.clone()
     }
 
+    fn limits(&self, key: &Arc<str>) -> [u32; DIMS] {
+        self.limits_of(key)
+    }
+
+    fn cooldown(&self, key: &Arc<str>) -> Option<Duration> {
+        self.store.cooldown(key)
+    }
+
     fn set_aside(&self, key: &Arc<str>, closed: Duration) {
         // As after a throttle: at its limit until a probe's answer says otherwise, the
         // gate closed for the fleet (pub/sub on Redis tells every worker).

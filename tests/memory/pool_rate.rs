@@ -176,6 +176,8 @@ async fn two_upstreams_of_60_a_minute_serve_at_least_108_a_minute_with_no_429() 
     assert_eq!(one.throttled(), 0, "a 429 from the upstream");
     let state = two.pool.upstreams();
     assert!(state.iter().all(|u| u.in_flight == 0), "{state:?}");
+    // Each upstream's own limit, learned from its own headers.
+    assert!(state.iter().all(|u| u.limits.requests == 60), "{state:?}");
 }
 
 #[tokio::test(start_paused = true)]
