@@ -165,14 +165,21 @@ impl RateLimit for PoolRate {
                 }
             }
         }
-        held.unwrap_or_else(|| match pool.first_probe(now, None) {
-            // Every upstream set aside: not before the first probe.
-            Some(at) if candidates.iter().all(|c| !c.takes_calls) => {
-                Verdict::Until(at, WaitReason::Cooldown)
+        // An upstream set aside may take a call at its probe, whatever holds the others;
+        // a full one when a call ends (the pool tells this gate's `changed`).
+        let probe = pool.first_probe(now, None);
+        match (held, probe) {
+            (Some(Verdict::Until(at, _)), Some(probe)) if probe < at => {
+                Verdict::Until(probe, WaitReason::Cooldown)
             }
-            // Full: until a call ends (the pool tells this gate's `changed`).
-            _ => Verdict::Notified(WaitReason::Slot),
-        })
+            (Some(Verdict::Notified(reason)), Some(probe)) => Verdict::Until(probe, reason),
+            (Some(held), _) => held,
+            (None, Some(probe)) if candidates.iter().all(|c| !c.takes_calls) => {
+                Verdict::Until(probe, WaitReason::Cooldown)
+            }
+            (None, Some(probe)) => Verdict::Until(probe, WaitReason::Slot),
+            (None, None) => Verdict::Notified(WaitReason::Slot),
+        }
     }
 
     fn fleet_cells(&self, _key: &Arc<str>) -> Option<FleetCells> {
