@@ -217,3 +217,141 @@ impl Receipt {
         })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::pool::{Pool, Upstream};
+
+    /// A rate that answers each key as scripted (`Go` for a key it has no word for).
+    #[derive(Default)]
+    struct Scripted {
+        held: Mutex<HashMap<Arc<str>, Verdict>>,
+        asked: Mutex<Vec<Arc<str>>>,
+        closed: Mutex<Vec<(Arc<str>, Duration)>>,
+        changed: Arc<tokio::sync::Notify>,
+    }
+
+    impl Scripted {
+        fn hold(&self, key: &str, verdict: Verdict) {
+            lock(&self.held).insert(Arc::from(key), verdict);
+        }
+    }
+
+    impl RateLimit for Scripted {
+        fn default_key(&self) -> Arc<str> {
+            Arc::from("k")
+        }
+
+        fn check(self: Arc<Self>, _: &TenantId, key: &Arc<str>, _: u32, _: bool) -> Verdict {
+            lock(&self.asked).push(key.clone());
+            match lock(&self.held).get(key) {
+                Some(Verdict::Until(at, reason)) => Verdict::Until(*at, *reason),
+                Some(Verdict::Notified(reason)) => Verdict::Notified(*reason),
+                _ => Verdict::Go(None),
+            }
+        }
+
+        fn returned(&self, _: &Receipt) {}
+
+        fn changed(&self) -> Arc<tokio::sync::Notify> {
+            self.changed.clone()
+        }
+
+        fn set_aside(&self, key: &Arc<str>, closed: Duration) {
+            lock(&self.closed).push((key.clone(), closed));
+        }
+    }
+
+    /// A pool of `caps` (one upstream each, named `u0`, `u1`, ...) and the gate over it.
+    fn gate(caps: &[usize]) -> (Pool<()>, Arc<Scripted>, Arc<dyn RateLimit>) {
+        let mut builder = Pool::builder();
+        for (i, cap) in caps.iter().enumerate() {
+            builder = builder.upstream(Upstream::new(format!("u{i}"), ()).max_in_flight(*cap));
+        }
+        let pool = builder.build().unwrap();
+        let rates = Arc::new(Scripted::default());
+        let inner: Arc<dyn RateLimit> = rates.clone();
+        let gate = RateGate::new(inner).across(&pool.gate()).inner;
+        (pool, rates, gate)
+    }
+
+    fn check(gate: &Arc<dyn RateLimit>) -> Verdict {
+        gate.clone()
+            .check(&TenantId::from("t"), &Arc::from("k"), 1, false)
+    }
+
+    /// The upstream a `Go` routed to, its place kept in `places`.
+    fn went(verdict: Verdict, places: &mut Vec<Receipt>) -> Arc<str> {
+        let Verdict::Go(Some(receipt)) = verdict else {
+            panic!("not a go with its receipt");
+        };
+        let key = receipt.route.as_ref().expect("routed").answered_key();
+        places.push(*receipt);
+        key
+    }
+
+    #[test]
+    fn a_call_goes_to_the_first_upstream_whose_rate_lets_it_and_takes_its_place_there() {
+        let (pool, rates, gate) = gate(&[1, 1, 1]);
+        let later = Instant::now() + Duration::from_secs(1);
+        rates.hold("k@u0", Verdict::Until(later, WaitReason::Rate));
+        let mut places = Vec::new();
+        assert_eq!(&*went(check(&gate), &mut places), "k@u1");
+        // `u1` is full now (its place taken by the gate): the next goes to `u2`.
+        assert_eq!(&*went(check(&gate), &mut places), "k@u2");
+        let in_flight: Vec<usize> = pool.upstreams().iter().map(|u| u.in_flight).collect();
+        assert_eq!(in_flight, [0, 1, 1]);
+        // Every upstream full or held: until the held one's time.
+        let Verdict::Until(at, WaitReason::Rate) = check(&gate) else {
+            panic!("held until `u0`'s rate opens");
+        };
+        assert_eq!(at, later);
+        // A place dropped unused goes back.
+        places.clear();
+        assert!(pool.upstreams().iter().all(|u| u.in_flight == 0));
+    }
+
+    #[test]
+    fn a_full_pool_waits_for_a_call_to_end_and_is_told_when_one_does() {
+        let (pool, rates, gate) = gate(&[1]);
+        let mut places = Vec::new();
+        went(check(&gate), &mut places);
+        let Verdict::Notified(WaitReason::Slot) = check(&gate) else {
+            panic!("full: until a call ends");
+        };
+        let told = rates.changed.notified();
+        let mut told = std::pin::pin!(told);
+        told.as_mut().enable();
+        places.clear();
+        assert_eq!(pool.upstreams()[0].in_flight, 0);
+        // The call's end wakes the fair queue's watcher.
+        let waker = futures_util::task::noop_waker();
+        let mut cx = std::task::Context::from_waker(&waker);
+        assert!(told.as_mut().poll(&mut cx).is_ready());
+    }
+
+    #[test]
+    fn an_upstream_set_aside_is_closed_for_the_fleet_under_its_key_and_no_longer_asked() {
+        let (pool, rates, gate) = gate(&[1, 1]);
+        let mut places = Vec::new();
+        went(check(&gate), &mut places);
+        // The first upstream fails: set aside, its rate closed under its own key.
+        let member = pool.shared.members[0].clone();
+        let mut place = Dispatch {
+            state: member,
+            member: 0,
+            probe: false,
+            in_flight: None,
+        };
+        place.answered(super::super::breaker::Outcome::Unreachable);
+        assert_eq!(
+            *lock(&rates.closed),
+            [(Arc::from("k@u0"), Duration::from_secs(1))]
+        );
+        // Set aside, it is not asked: the call goes to the other.
+        lock(&rates.asked).clear();
+        assert_eq!(&*went(check(&gate), &mut places), "k@u1");
+        assert_eq!(*lock(&rates.asked), [Arc::<str>::from("k@u1")]);
+    }
+}
