@@ -108,8 +108,7 @@ impl Live {
             });
             // In flight for the live page until the answer's last byte (or its drop).
             let flight = job.as_ref().map(|job| in_flight.begin(job));
-            // Boxed out here: the pool's future inside the block's state trips the
-            // compiler's `Send` check (its boxed members' error type).
+            // Boxed here: inside the block, its type trips the compiler's `Send` check.
             let call = pool.oneshot(req).boxed();
             async move {
                 let mut response = call.await?.map(BodyExt::boxed_unsync);

@@ -170,9 +170,25 @@ pub(crate) fn check(
     Ok(specs)
 }
 
+type Span = std::ops::Range<usize>;
+
+/// Refusals of one entry: its name in each message, on a field's line or else the entry's.
+struct Refuser<'a> {
+    text: &'a str,
+    entry: Span,
+    name: &'a str,
+}
+
+impl Refuser<'_> {
+    fn fail(&self, span: Option<Span>, what: impl Into<String>) -> Refusal {
+        let span = span.unwrap_or_else(|| self.entry.clone());
+        let message = format!("[[upstreams]] `{}`: {}", self.name, what.into());
+        refuse(self.text, Some(span), message)
+    }
+}
+
 fn check_one(text: &str, spanned: &Spanned<UpstreamEntry>) -> Result<UpstreamSpec, Refusal> {
     let entry = spanned.get_ref();
-    let at = |span: Option<std::ops::Range<usize>>| span.unwrap_or_else(|| spanned.span());
     let name = &entry.name;
     let clean = !name.is_empty()
         && name.len() <= 64
@@ -186,12 +202,10 @@ fn check_one(text: &str, spanned: &Spanned<UpstreamEntry>) -> Result<UpstreamSpe
         );
         return Err(refuse(text, Some(spanned.span()), message));
     }
-    let fail = |span: Option<std::ops::Range<usize>>, what: String| {
-        refuse(
-            text,
-            Some(at(span)),
-            format!("[[upstreams]] `{name}`: {what}"),
-        )
+    let refuser = Refuser {
+        text,
+        entry: spanned.span(),
+        name,
     };
     let kind = match entry
         .kind
@@ -202,119 +216,29 @@ fn check_one(text: &str, spanned: &Spanned<UpstreamEntry>) -> Result<UpstreamSpe
         Some(("bedrock", _)) => Kind::Bedrock,
         Some((other, span)) => {
             let what = format!("unknown kind `{other}`; known: anthropic, bedrock");
-            return Err(fail(Some(span), what));
+            return Err(refuser.fail(Some(span), what));
         }
     };
-    let url = match &entry.url {
-        Some(url) if base_url(url.get_ref()).is_none() => {
-            let what = format!(
-                "url `{}` is not an http:// or https:// base URL with a host (no query)",
-                url.get_ref()
-            );
-            return Err(fail(Some(url.span()), what));
-        }
-        Some(url) => Some(url.get_ref().clone()),
-        None => None,
-    };
-    let key_env = entry
-        .key_env
-        .as_ref()
-        .map(|k| (k.get_ref().clone(), k.span()));
-    let region = entry
-        .region
-        .as_ref()
-        .map(|r| (r.get_ref().clone(), r.span()));
-    match kind {
-        Kind::Anthropic => {
-            if url.is_none() {
-                return Err(fail(
-                    None,
-                    "no url: give the API's base URL, e.g. \
-                    https://api.anthropic.com"
-                        .into(),
-                ));
-            }
-            match &key_env {
-                None => {
-                    return Err(fail(
-                        None,
-                        "no key_env: name the environment variable \
-                        holding its key, e.g. ANTHROPIC_API_KEY"
-                            .into(),
-                    ));
-                }
-                Some((var, span)) if !env_name(var) => {
-                    let what = format!("key_env `{var}` is not an environment variable's name");
-                    return Err(fail(Some(span.clone()), what));
-                }
-                Some(_) => {}
-            }
-            if let Some((_, span)) = &region {
-                return Err(fail(
-                    Some(span.clone()),
-                    "region is for kind = \"bedrock\"".into(),
-                ));
-            }
-        }
-        Kind::Bedrock => {
-            if let Some((_, span)) = &key_env {
-                let what = "key_env is for kind = \"anthropic\": Bedrock signs with the AWS \
-                            credentials of the environment (AWS_ACCESS_KEY_ID, ...)";
-                return Err(fail(Some(span.clone()), what.into()));
-            }
-            match &region {
-                None => {
-                    return Err(fail(
-                        None,
-                        "no region: give the AWS region, e.g. \
-                        region = \"us-east-1\""
-                            .into(),
-                    ));
-                }
-                Some((region, span))
-                    if region.is_empty()
-                        || !region
-                            .bytes()
-                            .all(|b| b.is_ascii_alphanumeric() || b == b'-') =>
-                {
-                    return Err(fail(
-                        Some(span.clone()),
-                        format!("region `{region}` is no AWS region"),
-                    ));
-                }
-                Some(_) => {}
-            }
-        }
+    if let Some(url) = &entry.url
+        && base_url(url.get_ref()).is_none()
+    {
+        let what = format!(
+            "url `{}` is not an http:// or https:// base URL with a host (no query)",
+            url.get_ref()
+        );
+        return Err(refuser.fail(Some(url.span()), what));
     }
-    let weight = match &entry.weight {
-        Some(w) if *w.get_ref() == 0 => {
-            return Err(fail(Some(w.span()), "weight = 0: give at least 1".into()));
-        }
-        Some(w) => *w.get_ref(),
-        None => 1,
-    };
-    let max_in_flight = match &entry.max_in_flight {
-        Some(m) if *m.get_ref() == 0 => {
-            let what = "max_in_flight = 0: give at least 1 (or leave it out)";
-            return Err(fail(Some(m.span()), what.into()));
-        }
-        Some(m) => Some(*m.get_ref()),
-        None => None,
-    };
-    let models = match &entry.models {
-        Some(m) if m.get_ref().is_empty() || m.get_ref().iter().any(String::is_empty) => {
-            let what = "models = []: name the models it serves (or leave it out: every model)";
-            return Err(fail(Some(m.span()), what.into()));
-        }
-        Some(m) => Some(m.get_ref().clone()),
-        None => None,
-    };
+    match kind {
+        Kind::Anthropic => check_anthropic(&refuser, entry)?,
+        Kind::Bedrock => check_bedrock(&refuser, entry)?,
+    }
+    let (weight, max_in_flight, models) = check_shares(&refuser, entry)?;
     Ok(UpstreamSpec {
         name: name.clone(),
         kind,
-        url,
-        key_env: key_env.map(|(var, _)| var),
-        region: region.map(|(region, _)| region),
+        url: entry.url.as_ref().map(|url| url.get_ref().clone()),
+        key_env: entry.key_env.as_ref().map(|var| var.get_ref().clone()),
+        region: entry.region.as_ref().map(|region| region.get_ref().clone()),
         weight,
         priority: entry.priority,
         models,
@@ -323,6 +247,84 @@ fn check_one(text: &str, spanned: &Spanned<UpstreamEntry>) -> Result<UpstreamSpe
             .line
             .unwrap_or(0),
     })
+}
+
+/// An Anthropic upstream needs a `url` and a `key_env`, and takes no `region`.
+fn check_anthropic(refuser: &Refuser<'_>, entry: &UpstreamEntry) -> Result<(), Refusal> {
+    if entry.url.is_none() {
+        let what = "no url: give the API's base URL, e.g. https://api.anthropic.com";
+        return Err(refuser.fail(None, what));
+    }
+    match &entry.key_env {
+        None => {
+            let what = "no key_env: name the environment variable holding its key, e.g. \
+                        ANTHROPIC_API_KEY";
+            return Err(refuser.fail(None, what));
+        }
+        Some(var) if !env_name(var.get_ref()) => {
+            let what = format!(
+                "key_env `{}` is not an environment variable's name",
+                var.get_ref()
+            );
+            return Err(refuser.fail(Some(var.span()), what));
+        }
+        Some(_) => {}
+    }
+    if let Some(region) = &entry.region {
+        return Err(refuser.fail(Some(region.span()), "region is for kind = \"bedrock\""));
+    }
+    Ok(())
+}
+
+/// A Bedrock upstream needs a `region`, and takes no `key_env` (it signs with the AWS
+/// environment's credentials).
+fn check_bedrock(refuser: &Refuser<'_>, entry: &UpstreamEntry) -> Result<(), Refusal> {
+    if let Some(var) = &entry.key_env {
+        let what = "key_env is for kind = \"anthropic\": Bedrock signs with the AWS \
+                    credentials of the environment (AWS_ACCESS_KEY_ID, ...)";
+        return Err(refuser.fail(Some(var.span()), what));
+    }
+    let Some(region) = &entry.region else {
+        let what = "no region: give the AWS region, e.g. region = \"us-east-1\"";
+        return Err(refuser.fail(None, what));
+    };
+    let name = region.get_ref();
+    if name.is_empty() || !name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-') {
+        let what = format!("region `{name}` is no AWS region");
+        return Err(refuser.fail(Some(region.span()), what));
+    }
+    Ok(())
+}
+
+/// The entry's `weight` (default 1), `max_in_flight` and `models`: none of them 0 or empty.
+fn check_shares(
+    refuser: &Refuser<'_>,
+    entry: &UpstreamEntry,
+) -> Result<(u32, Option<usize>, Option<Vec<String>>), Refusal> {
+    let weight = match &entry.weight {
+        Some(w) if *w.get_ref() == 0 => {
+            return Err(refuser.fail(Some(w.span()), "weight = 0: give at least 1"));
+        }
+        Some(w) => *w.get_ref(),
+        None => 1,
+    };
+    let max_in_flight = match &entry.max_in_flight {
+        Some(m) if *m.get_ref() == 0 => {
+            let what = "max_in_flight = 0: give at least 1 (or leave it out)";
+            return Err(refuser.fail(Some(m.span()), what));
+        }
+        Some(m) => Some(*m.get_ref()),
+        None => None,
+    };
+    let models = match &entry.models {
+        Some(m) if m.get_ref().is_empty() || m.get_ref().iter().any(String::is_empty) => {
+            let what = "models = []: name the models it serves (or leave it out: every model)";
+            return Err(refuser.fail(Some(m.span()), what));
+        }
+        Some(m) => Some(m.get_ref().clone()),
+        None => None,
+    };
+    Ok((weight, max_in_flight, models))
 }
 
 /// An Anthropic upstream, which also takes batches and the forwarded paths.
