@@ -34,8 +34,8 @@ const TIMEOUT: Duration = Duration::from_millis(1_000);
 
 const PREFIX: &str = "fairgate:gateway:batches:";
 
-/// Drops the owner's ids past the retention (ms, the argument) from the set (KEYS[1]) and
-/// their upstreams (KEYS[2]); the start of the scripts that prune.
+/// Drops the owner's ids past the retention (ms, the argument) from the set (`KEYS[1]`) and
+/// their upstreams (`KEYS[2]`); the start of the scripts that prune.
 const PRUNE: &str = r"
 local function forget(ids)
   for i = 1, #ids, 1000 do
