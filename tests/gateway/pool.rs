@@ -521,3 +521,54 @@ async fn a_reload_that_changes_the_upstreams_is_refused_and_the_pool_kept() {
         Some(2)
     );
 }
+
+/// The official Python SDK, its own retries off, through a pool whose first upstream is
+/// overloaded: every call (a stream among them) is answered by the second.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_python_sdk_sees_no_failover_through_the_pool() {
+    let _turn = crate::support::file_turn(module_path!());
+    let _serial = SERIAL.lock().await;
+    let Some(python) = super::proxy::sdk_python() else {
+        return;
+    };
+    let (first, second) = mocks();
+    first.push_reply(Reply::Overloaded);
+    let gateway = Gateway::start_pool(&pool_keys(&first, &second, ["", ""]), &KEYS_ENV, &[]);
+    let script = r#"
+import os, anthropic
+client = anthropic.Anthropic(base_url=os.environ["GATEWAY_URL"], api_key=os.environ["KEY"], max_retries=0)
+ask = dict(model="claude-x", max_tokens=16, messages=[{"role": "user", "content": "Hi"}])
+for _ in range(3):
+    message = client.messages.create(**ask)
+    assert message.content[0].text == os.environ["MESSAGE_TEXT"], message
+with client.messages.stream(**ask) as stream:
+    text = "".join(stream.text_stream)
+assert text == os.environ["STREAM_TEXT"], text
+print("sdk: 4 answered")
+"#;
+    let out = tokio::process::Command::new(python)
+        .args(["-c", script])
+        .env("GATEWAY_URL", gateway.url())
+        .env("KEY", PREMIUM_KEY)
+        .env("MESSAGE_TEXT", "Hello from the mock upstream.")
+        .env(
+            "STREAM_TEXT",
+            crate::support::anthropic::STREAM_TEXT.concat(),
+        )
+        .env_remove("ANTHROPIC_API_KEY")
+        .env_remove("ANTHROPIC_BASE_URL")
+        .kill_on_drop(true)
+        .output();
+    let out = tokio::time::timeout(Duration::from_secs(120), out)
+        .await
+        .expect("the SDK script within 120 s")
+        .expect("run the SDK script");
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    assert!(stdout.contains("sdk: 4 answered"), "{stdout}");
+    assert_eq!(messages_at(&first).len(), 1, "the overloaded call");
+    assert_eq!(messages_at(&second).len(), 4);
+}
