@@ -232,7 +232,11 @@ fn check_one(text: &str, spanned: &Spanned<UpstreamEntry>) -> Result<UpstreamSpe
         Kind::Anthropic => check_anthropic(&refuser, entry)?,
         Kind::Bedrock => check_bedrock(&refuser, entry)?,
     }
-    let (weight, max_in_flight, models) = check_shares(&refuser, entry)?;
+    let Shares {
+        weight,
+        max_in_flight,
+        models,
+    } = check_shares(&refuser, entry)?;
     Ok(UpstreamSpec {
         name: name.clone(),
         kind,
@@ -296,11 +300,15 @@ fn check_bedrock(refuser: &Refuser<'_>, entry: &UpstreamEntry) -> Result<(), Ref
     Ok(())
 }
 
+/// How an upstream's share of the calls is set.
+struct Shares {
+    weight: u32,
+    max_in_flight: Option<usize>,
+    models: Option<Vec<String>>,
+}
+
 /// The entry's `weight` (default 1), `max_in_flight` and `models`: none of them 0 or empty.
-fn check_shares(
-    refuser: &Refuser<'_>,
-    entry: &UpstreamEntry,
-) -> Result<(u32, Option<usize>, Option<Vec<String>>), Refusal> {
+fn check_shares(refuser: &Refuser<'_>, entry: &UpstreamEntry) -> Result<Shares, Refusal> {
     let weight = match &entry.weight {
         Some(w) if *w.get_ref() == 0 => {
             return Err(refuser.fail(Some(w.span()), "weight = 0: give at least 1"));
@@ -324,7 +332,11 @@ fn check_shares(
         Some(m) => Some(m.get_ref().clone()),
         None => None,
     };
-    Ok((weight, max_in_flight, models))
+    Ok(Shares {
+        weight,
+        max_in_flight,
+        models,
+    })
 }
 
 /// An Anthropic upstream, which also takes batches and the forwarded paths.
