@@ -360,11 +360,9 @@ async fn reload(gw: &Gateway, args: &Args) {
         let keys = config.keys.len();
         let tenants = config.tenants.len();
         if !upstreams::same_pool(gw.upstreams.specs(), &config.upstreams) {
-            return Err(
-                "[[upstreams]] changed: the pool is built at start, so restart the \
-                        gateway to change its upstreams"
-                    .to_owned(),
-            );
+            let why = "[[upstreams]] changed: the pool is built at start, so restart the \
+                       gateway to change its upstreams";
+            return Err(why.to_owned());
         }
         // The same pool: its breakers, counts and tenants' upstreams carry on.
         gw.replace(Live::new(config, store, &current.pool)?);
