@@ -365,6 +365,54 @@ async fn an_overloaded_upstream_is_set_aside_and_the_other_serves_its_calls() {
     let status: Value = serde_json::from_str(&gateway.admin("/status").await).unwrap();
     assert_eq!(status["upstreams"][0]["set_aside"], true, "{status}");
     assert_eq!(status["upstreams"][1]["set_aside"], false, "{status}");
+    // The live page's table of upstreams, as a browser renders it.
+    if let Some(dom) = live_page(&gateway) {
+        let row = |name: &str| {
+            let start = dom
+                .find(&format!(r#"<tr data-upstream="{name}">"#))
+                .unwrap_or_else(|| panic!("no row for {name}: {dom}"));
+            let row = &dom[start..];
+            row[..row.find("</tr>").unwrap()].to_owned()
+        };
+        let (first_row, second_row) = (row("first"), row("second"));
+        assert!(first_row.contains("set aside"), "{first_row}");
+        assert!(
+            first_row.contains(&format!(r#"class="n moved-away">{overloaded}<"#)),
+            "{first_row}"
+        );
+        assert!(second_row.contains("taking calls"), "{second_row}");
+    }
+}
+
+/// The live page as headless Chromium renders it (its script run), when Chromium is
+/// installed (`scripts/test` installs it; the `page` tests say when it is not).
+fn live_page(gateway: &Gateway) -> Option<String> {
+    let browser = ["chromium", "chromium-browser", "google-chrome"]
+        .iter()
+        .map(|name| std::path::Path::new("/usr/bin").join(name))
+        .find(|path| path.exists())?;
+    let profile = target_tmp().join(format!("pool-chromium-{}", free_port()));
+    let output = std::process::Command::new(browser)
+        .args([
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-dev-shm-usage",
+            "--no-first-run",
+            "--virtual-time-budget=4000",
+            "--dump-dom",
+        ])
+        .arg(format!("--user-data-dir={}", profile.display()))
+        .arg(format!("{}/", gateway.admin_url()))
+        .output()
+        .expect("run chromium");
+    let _ = std::fs::remove_dir_all(&profile);
+    let dom = String::from_utf8_lossy(&output.stdout).into_owned();
+    assert!(
+        dom.contains(r#"data-errors="0""#),
+        "JavaScript errors: {dom}"
+    );
+    Some(dom)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
