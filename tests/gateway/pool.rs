@@ -13,6 +13,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
+use crate::support::RedisServer;
 use crate::support::anthropic::{MockAnthropic, Reply};
 use crate::support::gateway::*;
 use serde_json::Value;
@@ -442,18 +443,29 @@ async fn upstream_flag_and_keys_file_upstreams_together_are_refused_at_start() {
     assert!(stderr.contains("no upstream"), "{stderr}");
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_batch_is_read_and_cancelled_through_the_upstream_that_created_it() {
-    let _turn = crate::support::file_turn(module_path!());
-    let _serial = SERIAL.lock().await;
+/// A batch created through the preferred upstream (the second: lower priority first) is
+/// read, listed and cancelled through it, the first never hearing of it. On Redis, created
+/// through one gateway and read through another that prefers the first upstream: the
+/// fleet's book holds the batch's upstream.
+async fn batches_stay_with_their_upstream(redis: Option<&RedisServer>) {
     let (first, second) = mocks();
-    // The second is preferred (lower priority first): batches are created there.
     let keys = pool_keys(&first, &second, ["priority = 1", "priority = 0"]);
-    let gateway = Gateway::start_pool(&keys, &KEYS_ENV, &[]);
-    let url = gateway.url();
+    // The reader prefers the first upstream: only the book can send it to the second.
+    let prefers_first = pool_keys(&first, &second, ["priority = 0", "priority = 1"]);
+    let (creator, reader) = match redis {
+        Some(redis) => (
+            Gateway::start_pool_on(&redis.url(), &keys, &KEYS_ENV),
+            Some(Gateway::start_pool_on(
+                &redis.url(),
+                &prefers_first,
+                &KEYS_ENV,
+            )),
+        ),
+        None => (Gateway::start_pool(&keys, &KEYS_ENV, &[]), None),
+    };
     let body = serde_json::json!({"requests": [{"custom_id": "a", "params": {
         "model": "claude-x", "max_tokens": 8, "messages": [{"role": "user", "content": "Hi"}]}}]});
-    let send = |method: &str, path: String, body: Option<String>| {
+    let send = |url: String, method: &str, path: String, body: Option<String>| {
         let method: reqwest::Method = method.parse().unwrap();
         let mut request = client()
             .request(method, format!("{url}{path}"))
@@ -470,17 +482,14 @@ async fn a_batch_is_read_and_cancelled_through_the_upstream_that_created_it() {
             (status, response.text().await.unwrap())
         }
     };
-    let (status, created) = send(
-        "POST",
-        "/v1/messages/batches".into(),
-        Some(body.to_string()),
-    )
-    .await;
+    let path = "/v1/messages/batches".to_owned();
+    let (status, created) = send(creator.url(), "POST", path, Some(body.to_string())).await;
     assert_eq!(status, 200, "{created}");
     let created: Value = serde_json::from_str(&created).unwrap();
     let id = created["id"].as_str().unwrap().to_owned();
     assert_eq!(second.batch_ids(), std::slice::from_ref(&id));
     assert!(first.batch_ids().is_empty());
+    let url = reader.as_ref().unwrap_or(&creator).url();
     let batch = format!("/v1/messages/batches/{id}");
     for (method, path) in [
         ("GET", batch.clone()),
@@ -488,7 +497,7 @@ async fn a_batch_is_read_and_cancelled_through_the_upstream_that_created_it() {
         ("POST", format!("{batch}/cancel")),
         ("GET", "/v1/messages/batches".to_owned()),
     ] {
-        let (status, answer) = send(method, path.clone(), None).await;
+        let (status, answer) = send(url.clone(), method, path.clone(), None).await;
         assert_eq!(status, 200, "{method} {path}: {answer}");
         if path.ends_with("/batches") {
             let list: Value = serde_json::from_str(&answer).unwrap();
@@ -516,6 +525,21 @@ async fn a_batch_is_read_and_cancelled_through_the_upstream_that_created_it() {
         "the first upstream heard of it"
     );
     assert_eq!(second.refused_keys(), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_is_read_and_cancelled_through_the_upstream_that_created_it() {
+    let _turn = crate::support::file_turn(module_path!());
+    let _serial = SERIAL.lock().await;
+    batches_stay_with_their_upstream(None).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_redis_every_gateway_sends_a_batch_to_the_upstream_that_created_it() {
+    let _turn = crate::support::file_turn(module_path!());
+    let _serial = SERIAL.lock().await;
+    let redis = RedisServer::start();
+    batches_stay_with_their_upstream(Some(&redis)).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -112,6 +112,11 @@ impl Gateway {
         Gateway::launch(None, keys, None, extra, None, env)
     }
 
+    /// [`Gateway::start_pool`] on the Redis at `redis`.
+    pub fn start_pool_on(redis: &str, keys: &str, env: &[(&str, &str)]) -> Gateway {
+        Gateway::launch(None, keys, Some(redis), &[], None, env)
+    }
+
     /// Runs the gateway as [`Gateway::start_pool`] would, with `--upstream` too when given,
     /// expecting it to refuse to start: its exit status and what it wrote on stderr.
     pub fn refused(
