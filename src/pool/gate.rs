@@ -52,13 +52,12 @@ impl RateGate {
     /// `{key}@{upstream name}`) lets it go now — and it goes there. The pool's service
     /// must be below the fair queue given the result (see the [module docs](crate::pool)).
     pub fn across(self, pool: &PoolGate) -> RateGate {
-        let changed = self.inner.changed();
         let gate = Arc::new(PoolRate {
             rates: self.inner,
             pool: pool.shared.clone(),
             keys: Mutex::new(HashMap::default()),
         });
-        pool.shared.room.tell(changed, &gate);
+        pool.shared.room.tell(&gate);
         let inner: Arc<dyn RateLimit> = gate;
         RateGate::new(inner)
     }
@@ -92,6 +91,11 @@ impl PoolRate {
         let keys = self.keys_of(&self.rates.default_key());
         let key = &keys[member];
         (self.rates.limits(key), self.rates.cooldown(key))
+    }
+
+    /// A call at an upstream ended: the fair queue waiting on this gate looks again.
+    pub(super) fn room_freed(&self) {
+        self.rates.changed().notify_one();
     }
 
     /// Upstream `member` was set aside: its rate's gate closes for `probe_every`, for the

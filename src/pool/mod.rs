@@ -394,22 +394,29 @@ impl MemberState {
 /// ended), and when one is set aside.
 #[derive(Default)]
 struct Room {
+    /// Held weakly: a gate dropped (a gateway's stack replaced on reload) is forgotten.
     gates: Mutex<Vec<std::sync::Weak<gate::PoolRate>>>,
-    told: Mutex<Vec<Arc<tokio::sync::Notify>>>,
-    /// Whether anyone is told: a pool used alone takes no lock when a call ends.
+    /// Whether any gate was made: a pool used alone takes no lock when a call ends.
     any: std::sync::atomic::AtomicBool,
 }
 
 impl Room {
-    fn tell(&self, notify: Arc<tokio::sync::Notify>, gate: &Arc<gate::PoolRate>) {
-        let mut told = lock(&self.told);
-        if !told.iter().any(|n| Arc::ptr_eq(n, &notify)) {
-            told.push(notify);
-        }
+    fn tell(&self, gate: &Arc<gate::PoolRate>) {
         let mut gates = lock(&self.gates);
         gates.retain(|g| g.strong_count() > 0);
         gates.push(Arc::downgrade(gate));
         self.any.store(true, Ordering::Release);
+    }
+
+    /// The rate gates over the pool still in use.
+    fn gates(&self) -> Vec<Arc<gate::PoolRate>> {
+        if !self.any.load(Ordering::Acquire) {
+            return Vec::new();
+        }
+        lock(&self.gates)
+            .iter()
+            .filter_map(std::sync::Weak::upgrade)
+            .collect()
     }
 
     /// The first rate gate made over the pool still in use, if any.
@@ -420,23 +427,15 @@ impl Room {
     /// Upstream `member` was set aside for `probe_every`: each gate's rate closes it for the
     /// fleet (on Redis, every worker's), and one probe goes after.
     fn set_aside(&self, member: usize, probe_every: Duration) {
-        if self.any.load(Ordering::Acquire) {
-            let gates: Vec<_> = lock(&self.gates)
-                .iter()
-                .filter_map(|g| g.upgrade())
-                .collect();
-            for gate in gates {
-                gate.set_aside(member, probe_every);
-            }
+        for gate in self.gates() {
+            gate.set_aside(member, probe_every);
         }
     }
 
-    /// A call ended: whoever waits for room may look again.
+    /// A call ended: the fair queues waiting for room look again.
     fn freed(&self) {
-        if self.any.load(Ordering::Acquire) {
-            for notify in lock(&self.told).iter() {
-                notify.notify_one();
-            }
+        for gate in self.gates() {
+            gate.room_freed();
         }
     }
 }

@@ -4,7 +4,7 @@
 //! (`first_hour`: the quickstart, logs, metrics, the gateway's own answers), what one key
 //! holder cannot take from the others (`isolation`), the Grafana dashboard's queries in a
 //! real Prometheus (`dashboard`), its keys, admin token and start
-//! without Redis (`keys`), its live page (`page`), its rate under a provider's limit
+//! without Redis (`keys`), its live page (`page`), its pool of upstreams (`pool`), its rate under a provider's limit
 //! (`rate`), its record of calls (`record`), its traces over OTLP (`traces`) and what each
 //! tenant used, for billing (`usage`).
 //!
@@ -26,6 +26,7 @@ mod first_hour;
 mod isolation;
 mod keys;
 mod page;
+mod pool;
 mod proxy;
 mod rate;
 mod record;

@@ -590,7 +590,7 @@ fn a_bad_command_line_or_keys_file_is_refused_at_start_with_a_clear_message() {
     ];
     let err = run(&["--listen", "127.0.0.1:0"], None);
     assert!(
-        err.contains("required arguments were not provided") && err.contains("--upstream <URL>"),
+        err.contains("required arguments were not provided") && err.contains("--keys <FILE>"),
         "{err}"
     );
     let err = run(&["--listen", "nowhere", "--upstream", "http://x"], None);

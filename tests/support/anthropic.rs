@@ -24,6 +24,11 @@
 //! (`input_tokens` a quarter of the body's bytes); the time each call took is summed by
 //! its `x-mock-tag` header ([`MockAnthropic::busy_by_tag`]). Off by default.
 //!
+//! With [`MockAnthropic::require_key`] every request must carry that `x-api-key` (else
+//! `401 authentication_error`, counted by [`MockAnthropic::refused_keys`]); with
+//! [`MockAnthropic::set_close_connections`] every answer closes its connection (so a
+//! client keeps none idle to it).
+//!
 //! `GET /v1/models` and `POST /v1/messages/count_tokens` answer small fixed JSON. The mock
 //! counts the calls in flight (a call ends when its answer's last byte is sent or the
 //! connection drops it), their maximum, and records every request's method, path, headers
@@ -140,6 +145,12 @@ struct Inner {
     /// the sum of their start times (microseconds since `epoch`).
     busy: Mutex<std::collections::BTreeMap<String, [u64; 4]>>,
     epoch: std::sync::OnceLock<std::time::Instant>,
+    /// The `x-api-key` every request must carry, when set.
+    required_key: Mutex<Option<String>>,
+    /// Answers with `connection: close`.
+    close_connections: std::sync::atomic::AtomicBool,
+    /// Requests refused for their key.
+    refused_keys: AtomicU64,
 }
 
 /// A batch the mock keeps: its object, and its requests' `custom_id`s.
@@ -180,7 +191,7 @@ impl MockAnthropic {
                     .expect("the mock's runtime");
                 runtime.block_on(async move {
                     let listener = tokio::net::TcpListener::from_std(listener).unwrap();
-                    let app = axum::Router::new().fallback(handle).with_state(state);
+                    let app = axum::Router::new().fallback(checked).with_state(state);
                     tokio::select! {
                         _ = axum::serve(listener, app) => {}
                         _ = stopped => {}
@@ -256,6 +267,21 @@ impl MockAnthropic {
     /// out, before any header or body says what to answer).
     pub fn push_reply(&self, reply: Reply) {
         self.inner.script.lock().unwrap().push_back(reply);
+    }
+
+    /// Refuses (`401 authentication_error`) every request whose `x-api-key` is not `key`.
+    pub fn require_key(&self, key: &str) {
+        *self.inner.required_key.lock().unwrap() = Some(key.to_owned());
+    }
+
+    /// Requests refused for their key (see [`require_key`](Self::require_key)).
+    pub fn refused_keys(&self) -> u64 {
+        self.inner.refused_keys.load(Ordering::SeqCst)
+    }
+
+    /// Answers every request with `connection: close` (or stops doing so).
+    pub fn set_close_connections(&self, on: bool) {
+        self.inner.close_connections.store(on, Ordering::SeqCst);
     }
 
     /// Calls received (every path).
@@ -364,6 +390,31 @@ impl Drop for InFlight {
             *starts -= start;
         }
     }
+}
+
+/// [`handle`], after the key check of [`MockAnthropic::require_key`]; its answer closes the
+/// connection when [`MockAnthropic::set_close_connections`] says so.
+async fn checked(State(inner): State<Arc<Inner>>, req: Request) -> Response {
+    let required = inner.required_key.lock().unwrap().clone();
+    let sent = req.headers().get("x-api-key").and_then(|v| v.to_str().ok());
+    let mut response = match required {
+        Some(key) if sent != Some(key.as_str()) => {
+            inner.refused_keys.fetch_add(1, Ordering::SeqCst);
+            let mut response = Response::new(Body::from(error_json(
+                "authentication_error",
+                "invalid x-api-key",
+            )));
+            *response.status_mut() = StatusCode::UNAUTHORIZED;
+            response
+        }
+        _ => handle(State(inner.clone()), req).await,
+    };
+    if inner.close_connections.load(Ordering::SeqCst) {
+        response
+            .headers_mut()
+            .insert("connection", HeaderValue::from_static("close"));
+    }
+    response
 }
 
 /// The request body's `max_tokens`, if it has one.

@@ -103,6 +103,66 @@ impl Gateway {
         extra: &[&str],
         open_files: Option<u64>,
     ) -> Gateway {
+        Gateway::launch(Some(upstream), keys, redis, extra, open_files, &[])
+    }
+
+    /// Starts the gateway without `--upstream` and `ANTHROPIC_API_KEY` (the keys file's
+    /// `[[upstreams]]` name their keys), with `env` set (the upstreams' keys).
+    pub fn start_pool(keys: &str, env: &[(&str, &str)], extra: &[&str]) -> Gateway {
+        Gateway::launch(None, keys, None, extra, None, env)
+    }
+
+    /// [`Gateway::start_pool`] on the Redis at `redis`.
+    pub fn start_pool_on(redis: &str, keys: &str, env: &[(&str, &str)]) -> Gateway {
+        Gateway::launch(None, keys, Some(redis), &[], None, env)
+    }
+
+    /// Runs the gateway as [`Gateway::start_pool`] would, with `--upstream` too when given,
+    /// expecting it to refuse to start: its exit status and what it wrote on stderr.
+    pub fn refused(
+        upstream: Option<&str>,
+        keys: &str,
+        env: &[(&str, &str)],
+    ) -> (std::process::ExitStatus, String) {
+        static N: AtomicUsize = AtomicUsize::new(0);
+        let n = N.fetch_add(1, Ordering::SeqCst);
+        let keys_path = target_tmp().join(format!("refused-{}-{n}-keys.toml", std::process::id()));
+        std::fs::write(&keys_path, keys).unwrap();
+        let mut cmd = Command::new(gateway_binary());
+        cmd.args([
+            "--listen",
+            "127.0.0.1:0",
+            "--admin",
+            "127.0.0.1:0",
+            "--keys",
+        ])
+        .arg(&keys_path)
+        .env_remove("ANTHROPIC_API_KEY")
+        .envs(env.iter().copied())
+        .stdin(Stdio::null());
+        if let Some(url) = upstream {
+            cmd.args(["--upstream", url]);
+        }
+        for (name, _) in std::env::vars_os() {
+            if name.to_string_lossy().starts_with("FAIRGATE_") {
+                cmd.env_remove(name);
+            }
+        }
+        let out = cmd.output().expect("run the gateway");
+        (
+            out.status,
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    }
+
+    fn launch(
+        upstream: Option<&str>,
+        keys: &str,
+        redis: Option<&str>,
+        extra: &[&str],
+        open_files: Option<u64>,
+        env: &[(&str, &str)],
+    ) -> Gateway {
         static N: AtomicUsize = AtomicUsize::new(0);
         let n = N.fetch_add(1, Ordering::SeqCst);
         let id = format!("gateway-{}-{n}", std::process::id());
@@ -124,7 +184,12 @@ impl Gateway {
             };
             cmd.args(["--listen", &format!("127.0.0.1:{port}")])
                 .args(["--admin", &format!("127.0.0.1:{admin_port}")])
-                .args(["--upstream", upstream])
+                .args(
+                    upstream
+                        .map(|url| ["--upstream", url])
+                        .into_iter()
+                        .flatten(),
+                )
                 .arg("--keys")
                 .arg(&keys_path)
                 .args(
@@ -148,6 +213,10 @@ impl Gateway {
             if let Some(url) = redis {
                 cmd.args(["--redis", url]);
             }
+            if upstream.is_none() {
+                cmd.env_remove("ANTHROPIC_API_KEY");
+            }
+            cmd.envs(env.iter().copied());
             let child = cmd.spawn().expect("start the gateway");
             let mut gateway = Gateway {
                 child,

@@ -6,7 +6,8 @@
 //! - `GET /readyz`: `200` once the keys are loaded, saying whether Redis answers or the
 //!   store serves from in-process state (degraded, still serving); `503` while draining.
 //! - `GET /status`: JSON: store, keys, connections, body budget, reloads, slowed
-//!   addresses and (address, key) pairs.
+//!   addresses and (address, key) pairs, and the upstreams of the pool (calls in flight,
+//!   set aside, calls moved away).
 //! - `GET /usage`: what each tenant used per UTC day (tokens and calls, for billing), as
 //!   JSON or JSON lines (`?format=jsonl`), filtered by `?day=YYYY-MM-DD` and `?tenant=`;
 //!   the fleet's on Redis (see `usage.rs`).
@@ -188,11 +189,15 @@ pub(crate) async fn handle(admin: Arc<Admin>, req: Request<Incoming>) -> Respons
     }
     let gw = &admin.gateway;
     match req.uri().path() {
-        "/metrics" => text(
-            StatusCode::OK,
-            "text/plain; version=0.0.4",
-            admin.metrics.render(),
-        ),
+        "/metrics" => {
+            // Each upstream's numbers, read from the pool as the scrape asks for them.
+            gw.upstreams.publish();
+            text(
+                StatusCode::OK,
+                "text/plain; version=0.0.4",
+                admin.metrics.render(),
+            )
+        }
         "/healthz" => text(StatusCode::OK, "text/plain", "ok\n".into()),
         "/" => text(
             StatusCode::OK,
@@ -201,7 +206,8 @@ pub(crate) async fn handle(admin: Arc<Admin>, req: Request<Incoming>) -> Respons
         ),
         "/live" => {
             let live = gw.live();
-            let body = super::dashboard::live_json(&live, &admin.metrics.render()).await;
+            let pool = gw.upstreams.json();
+            let body = super::dashboard::live_json(&live, &admin.metrics.render(), &pool).await;
             text(StatusCode::OK, "application/json", body)
         }
         "/readyz" => readyz(&admin),
@@ -284,7 +290,8 @@ fn status(admin: &Admin) -> Response<Body> {
             r#""body_budget":{{"used_bytes":{used},"max_bytes":{budget}}},"#,
             r#""answer_buffer":{{"used_bytes":{answers}}},"#,
             r#""per_key":{{"requests":{key_requests},"body_bytes":{key_body},"answer_bytes":{key_answers}}},"#,
-            r#""auth":{{"slowed_addresses":{slowed},"slowed_keys":{slowed_keys}}}}}"#
+            r#""auth":{{"slowed_addresses":{slowed},"slowed_keys":{slowed_keys}}},"#,
+            r#""upstreams":{upstreams}}}"#
         ),
         version = env!("CARGO_PKG_VERSION"),
         uptime = admin.started.elapsed().as_secs(),
@@ -308,6 +315,7 @@ fn status(admin: &Admin) -> Response<Body> {
         key_answers = gw.holders.limits().answer_bytes,
         slowed = gw.auth.slowed_addresses(),
         slowed_keys = gw.auth.slowed_keys(),
+        upstreams = gw.upstreams.json(),
     );
     text(StatusCode::OK, "application/json", body)
 }

@@ -25,9 +25,11 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use fairgate::extract::{KeyTable, api_key};
+use fairgate::pool::Pool;
+use fairgate::pool::error::NoUpstream;
 use fairgate::reject::{Style, render};
 use fairgate::{BoxError, FairgateLayer, Job, Store, TenantId};
-use futures_util::StreamExt;
+use futures_util::{FutureExt, StreamExt};
 use http::header::{self, HeaderValue};
 use http::{Request, Response, StatusCode};
 use http_body_util::{BodyExt, BodyStream, Full, StreamBody};
@@ -49,7 +51,8 @@ use super::identity::KeyPolicy;
 use super::record::{Probe, Recorder, Recording, Trace};
 use super::routes::{Route, route};
 use super::server::{Hangup, Holding, stopped};
-use super::upstream::{Upstream, full};
+use super::upstream::full;
+use super::upstreams::{Member, Upstreams};
 use super::usage::Usage;
 
 /// `POST /v1/messages` through the stack: the buffered request in, the client's response out.
@@ -66,11 +69,14 @@ pub(crate) struct Live {
     pub(crate) flights: Arc<Flights>,
     /// Settles each call's charge on its answer's usage (the `cost` module).
     settler: fairgate::drr_fairness::Settler,
+    /// The upstreams' pool, built once at start: every `Live` holds the same one.
+    pub(crate) pool: Pool<Member>,
     messages: Messages,
 }
 
 impl Live {
-    pub(crate) fn new(config: Config, store: Store, upstream: &Upstream) -> Result<Live, String> {
+    /// The stack for `config` over `store`, its calls sent through `pool`.
+    pub(crate) fn new(config: Config, store: Store, pool: &Pool<Member>) -> Result<Live, String> {
         let fairgate = FairgateLayer::builder(store.clone())
             .slots(config.policy.clone())
             .window(config.window)
@@ -84,11 +90,11 @@ impl Live {
             .map_err(|e| format!("bad limits: {e}"))?;
         let fair = fairgate.fairness().clone();
         let settler = fairgate.settler();
-        let upstream = upstream.clone();
+        let upstreams = pool.clone();
         let flights = Arc::new(Flights::default());
         let in_flight = flights.clone();
         let send = service_fn(move |req: Request<Full<Bytes>>| {
-            let upstream = upstream.clone();
+            let pool = upstreams.clone();
             if let Some(probe) = req.extensions().get::<Probe>() {
                 probe.dispatched();
             }
@@ -102,10 +108,10 @@ impl Live {
             });
             // In flight for the live page until the answer's last byte (or its drop).
             let flight = job.as_ref().map(|job| in_flight.begin(job));
+            // Boxed here: inside the block, its type trips the compiler's `Send` check.
+            let call = pool.oneshot(req).boxed();
             async move {
-                let mut response = upstream
-                    .send(req.map(|body| body.map_err(|never| match never {}).boxed_unsync()))
-                    .await?;
+                let mut response = call.await?.map(BodyExt::boxed_unsync);
                 if let Some(job) = job {
                     response.extensions_mut().insert(job);
                 }
@@ -146,6 +152,7 @@ impl Live {
             fair,
             flights,
             settler,
+            pool: pool.clone(),
             messages: BoxCloneSyncService::new(stack),
         })
     }
@@ -173,7 +180,8 @@ const FIRST_RESERVATION: usize = 64 * 1024;
 /// Everything the API port's requests share.
 pub(crate) struct Gateway {
     live: RwLock<Arc<Live>>,
-    pub(crate) upstream: Upstream,
+    /// Where calls go: the pool for the messages, its Anthropic upstreams for the rest.
+    pub(crate) upstreams: Arc<Upstreams>,
     /// What each key holder holds of the shared resources, and the gateway's bounds.
     pub(crate) holders: Holders,
     pub(crate) auth: AuthGuard,
@@ -194,7 +202,7 @@ impl Gateway {
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn new(
         live: Live,
-        upstream: Upstream,
+        upstreams: Arc<Upstreams>,
         holders: Holders,
         auth: AuthGuard,
         bodies: BodyLimits,
@@ -204,7 +212,7 @@ impl Gateway {
     ) -> Gateway {
         Gateway {
             live: RwLock::new(Arc::new(live)),
-            upstream,
+            upstreams,
             holders,
             auth,
             bodies,
@@ -260,8 +268,40 @@ fn closing(mut response: Response<Body>) -> Response<Body> {
     response
 }
 
+/// The answer to an error of the stack: a fairgate rejection as the library renders it, no
+/// upstream with room as `529 overloaded_error` (as `Busy`: the SDKs retry it, after its
+/// `retry-after`), anything else as a failed upstream call (`502`).
 fn rendered(error: &BoxError) -> Response<Body> {
+    if let Some(none) = no_upstream(error) {
+        metrics::counter!("gateway_upstream_none_total").increment(1);
+        let wait = none.retry_after.unwrap_or(Duration::from_secs(1));
+        let mut response = with_retry_after(
+            error_response(
+                StatusCode::from_u16(529).unwrap_or(StatusCode::SERVICE_UNAVAILABLE),
+                "overloaded_error",
+                "no upstream has room for the call",
+            ),
+            wait,
+        );
+        let ms = u64::try_from(wait.as_millis()).unwrap_or(u64::MAX).max(1);
+        response
+            .headers_mut()
+            .insert("retry-after-ms", HeaderValue::from(ms));
+        return response;
+    }
     super::own_answer::mark(render(error, Style::Anthropic).map(full))
+}
+
+/// The pool's `NoUpstream` in `error` or its sources.
+fn no_upstream(error: &BoxError) -> Option<&NoUpstream> {
+    let mut current: Option<&(dyn std::error::Error + 'static)> = Some(&**error);
+    while let Some(error) = current {
+        if let Some(none) = error.downcast_ref::<NoUpstream>() {
+            return Some(none);
+        }
+        current = error.source();
+    }
+    None
 }
 
 /// Answers one request of the API port.
@@ -328,7 +368,7 @@ pub(crate) async fn handle(
                 );
             };
             let req = req.map(|body| streamed(&gw, body));
-            gw.batches.handle(&gw.upstream, batch, &owner, req).await
+            gw.batches.handle(&gw.upstreams, batch, &owner, req).await
         }
         _ => forward(&gw, req).await,
     };
@@ -477,8 +517,12 @@ async fn messages(
         Err(refused) => return refused.response(),
     };
     let tenant = job.tenant().clone();
+    let model = gw.upstreams.model(&bytes);
     let mut req = Request::from_parts(parts, Full::new(bytes));
     req.extensions_mut().insert(job);
+    if let Some(model) = model {
+        req.extensions_mut().insert(model);
+    }
     let started = tokio::time::Instant::now();
     let trace = gw.recorder.as_ref().map(|recorder| recorder.begin());
     if let Some(trace) = &trace {
@@ -690,7 +734,7 @@ fn streamed(gw: &Gateway, body: Incoming) -> Body {
 
 async fn forward(gw: &Gateway, req: Request<Incoming>) -> Response<Body> {
     let req = req.map(|body| streamed(gw, body));
-    match gw.upstream.send(req).await {
+    match gw.upstreams.forward(req).await {
         Ok(response) => response,
         Err(error) => {
             warn!(error = %error, "upstream call failed");

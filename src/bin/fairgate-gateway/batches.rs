@@ -20,6 +20,16 @@
 //!   directly with the client's key, come back through this owner check (the upstream's URL
 //!   would send the client's key to the upstream, which refuses it).
 //!
+//! # Upstreams
+//!
+//! Batches go to Anthropic upstreams only (Bedrock has none; with no Anthropic upstream
+//! the batch routes answer `404 not_found_error`). A create goes to the first of the
+//! lowest `priority` not set aside (the `upstreams` module); the book records the
+//! upstream's name with the owner, and every later call of that batch (retrieve, results,
+//! cancel, delete, and its place in a list page) goes to that upstream. A batch recorded
+//! without an upstream (by a gateway before upstreams were kept) is the first Anthropic
+//! upstream's; one whose upstream is no longer configured answers `404`.
+//!
 //! The owner is the key, not the tenant: a second key of the same tenant, or the tenant's
 //! key after a rotation, does not see the first key's batches (a key holder owns what it
 //! creates, DESIGN §13). A key moved to another tenant in the keys file is a new owner too.
@@ -73,12 +83,13 @@ use serde_json::{Map, Value};
 use tracing::{info, warn};
 
 pub(crate) use self::book::Owner;
-use self::book::{Cursor, MEMORY_CAPACITY, MemoryBook, PageIds};
+use self::book::{Cursor, Holder, MEMORY_CAPACITY, MemoryBook, PageIds};
 use self::shared::RedisBook;
 use super::Body;
 use super::api::error_response;
 use super::routes::BatchRoute;
 use super::upstream::{Upstream, full};
+use super::upstreams::Upstreams;
 
 /// The largest batch object (or error) read from the upstream to rewrite; a batch is well
 /// under 1 KiB.
@@ -123,20 +134,21 @@ impl Book {
         }
     }
 
-    async fn record(&self, owner: &Owner, id: &str) -> Result<(), Unavailable> {
+    async fn record(&self, owner: &Owner, id: &str, upstream: &str) -> Result<(), Unavailable> {
         match self {
             Book::Memory(book) => {
-                book.record(owner, id);
+                book.record(owner, id, Some(upstream));
                 Ok(())
             }
             Book::Redis(book) => book
-                .record(owner, id)
+                .record(owner, id, Some(upstream))
                 .await
                 .map_err(|e| Self::failed("record", &e)),
         }
     }
 
-    async fn owns(&self, owner: &Owner, id: &str) -> Result<bool, Unavailable> {
+    /// The upstream holding `id` when `owner` owns it.
+    async fn owns(&self, owner: &Owner, id: &str) -> Result<Option<Holder>, Unavailable> {
         match self {
             Book::Memory(book) => Ok(book.owns(owner, id)),
             Book::Redis(book) => book
@@ -202,7 +214,7 @@ impl Batches {
     /// Answers a batch route for `owner` (the caller's key, authenticated).
     pub(crate) async fn handle(
         &self,
-        upstream: &Upstream,
+        upstreams: &Upstreams,
         route: BatchRoute,
         owner: &Owner,
         req: Request<Body>,
@@ -210,20 +222,27 @@ impl Batches {
         let (parts, body) = req.into_parts();
         let headers = &parts.headers;
         match route {
-            BatchRoute::Create => return self.create(upstream, owner, headers, body).await,
+            BatchRoute::Create => return self.create(upstreams, owner, headers, body).await,
             BatchRoute::List => {
-                return self.list(upstream, owner, headers, parts.uri.query()).await;
+                return self
+                    .list(upstreams, owner, headers, parts.uri.query())
+                    .await;
             }
             _ => {}
         }
         let Some(id) = parts.uri.path().split('/').nth(4).filter(|id| valid_id(id)) else {
             return not_found();
         };
-        match self.book.owns(owner, id).await {
+        let holder = match self.book.owns(owner, id).await {
             Err(Unavailable) => return unavailable(),
-            Ok(false) => return not_found(),
-            Ok(true) => {}
-        }
+            Ok(None) => return not_found(),
+            Ok(Some(holder)) => holder,
+        };
+        // Its upstream; one no longer configured cannot be asked.
+        let Some(api) = upstreams.api_named(holder.as_deref()) else {
+            return not_found();
+        };
+        let upstream = &api.upstream;
         let (method, path) = match route {
             BatchRoute::Results => (Method::GET, format!("/v1/messages/batches/{id}/results")),
             BatchRoute::Cancel => (Method::POST, format!("/v1/messages/batches/{id}/cancel")),
@@ -264,11 +283,15 @@ impl Batches {
 
     async fn create(
         &self,
-        upstream: &Upstream,
+        upstreams: &Upstreams,
         owner: &Owner,
         headers: &HeaderMap,
         body: Body,
     ) -> Response<Body> {
+        let Some(api) = upstreams.api() else {
+            return no_batches();
+        };
+        let upstream = &api.upstream;
         // Nothing is created upstream unless its owner can be recorded.
         if self.book.ready().await.is_err() {
             return unavailable();
@@ -285,34 +308,35 @@ impl Batches {
             warn!("the upstream answered a batch create with no readable id: nobody owns it");
             return unreadable_batch();
         };
-        if self.record(owner, &id).await.is_err() {
+        if self.record(owner, &id, &api.name).await.is_err() {
             warn!(batch = %id, "no owner recorded for a batch just created: cancelling it");
             tokio::spawn(cancel_orphan(upstream.clone(), headers.clone(), id));
             return unavailable();
         }
-        info!(batch = %id, owner = ?owner, "batch created");
+        info!(batch = %id, owner = ?owner, upstream = %api.name, "batch created");
         match self.rewritten(&answer.body) {
             Some(batch) => answer.into_response(batch),
             None => unreadable_batch(),
         }
     }
 
-    /// Records `id` for `owner`, three tries within about a third of a second.
-    async fn record(&self, owner: &Owner, id: &str) -> Result<(), Unavailable> {
+    /// Records `id` for `owner`, created through `upstream`, three tries within about a
+    /// third of a second.
+    async fn record(&self, owner: &Owner, id: &str, upstream: &str) -> Result<(), Unavailable> {
         let mut wait = Duration::from_millis(100);
         for _ in 0..2 {
-            if self.book.record(owner, id).await.is_ok() {
+            if self.book.record(owner, id, upstream).await.is_ok() {
                 return Ok(());
             }
             tokio::time::sleep(wait).await;
             wait *= 2;
         }
-        self.book.record(owner, id).await
+        self.book.record(owner, id, upstream).await
     }
 
     async fn list(
         &self,
-        upstream: &Upstream,
+        upstreams: &Upstreams,
         owner: &Owner,
         headers: &HeaderMap,
         query: Option<&str>,
@@ -329,7 +353,10 @@ impl Batches {
             Ok(Some(page)) => page,
         };
         let fetched: Vec<Fetched> = futures_util::stream::iter(page.ids.iter().cloned())
-            .map(|id| self.fetch(upstream, headers, id))
+            .map(|(id, holder)| {
+                let upstream = upstreams.api_named(holder.as_deref());
+                self.fetch(upstream.map(|api| &api.upstream), headers, id)
+            })
             .buffered(LIST_CONCURRENCY)
             .collect()
             .await;
@@ -345,10 +372,10 @@ impl Batches {
         // the page's ids, so paging goes on past them.
         let id_of = |batch: Option<&Value>| batch.and_then(|b| b.get("id")).cloned();
         let first_id = id_of(data.first())
-            .or_else(|| page.ids.first().cloned().map(Value::String))
+            .or_else(|| page.ids.first().map(|(id, _)| Value::String(id.clone())))
             .unwrap_or(Value::Null);
         let last_id = id_of(data.last())
-            .or_else(|| page.ids.last().cloned().map(Value::String))
+            .or_else(|| page.ids.last().map(|(id, _)| Value::String(id.clone())))
             .unwrap_or(Value::Null);
         let list = serde_json::json!({
             "data": data,
@@ -359,8 +386,12 @@ impl Batches {
         json_response(StatusCode::OK, HeaderMap::new(), &list)
     }
 
-    /// One listed batch as the upstream has it now, its `results_url` rewritten.
-    async fn fetch(&self, upstream: &Upstream, headers: &HeaderMap, id: String) -> Fetched {
+    /// One listed batch as its upstream has it now, its `results_url` rewritten; left out
+    /// when that upstream is no longer configured.
+    async fn fetch(&self, upstream: Option<&Upstream>, headers: &HeaderMap, id: String) -> Fetched {
+        let Some(upstream) = upstream else {
+            return Ok(None);
+        };
         let path = format!("/v1/messages/batches/{id}");
         let req = upstream_request(headers, Method::GET, &path, full(""));
         let answer = read(upstream, req).await?;
@@ -575,6 +606,15 @@ fn json_response(status: StatusCode, headers: HeaderMap, value: &Value) -> Respo
 }
 
 /// The one answer for another key's batch and for an id nobody owns.
+/// The answer of the batch routes when no upstream has batches (a Bedrock-only pool).
+fn no_batches() -> Response<Body> {
+    error_response(
+        StatusCode::NOT_FOUND,
+        "not_found_error",
+        "this gateway's upstreams have no Message Batches",
+    )
+}
+
 fn not_found() -> Response<Body> {
     error_response(
         StatusCode::NOT_FOUND,

@@ -1,6 +1,6 @@
 //! The keys file (`--keys`, TOML): the clients' keys, the optional `[limits]`,
-//! `[[tiers]]` and `[cost]` (what a call is charged: the `cost` module), checked in full
-//! before the gateway starts or takes a reload.
+//! `[[tiers]]`, `[cost]` (what a call is charged: the `cost` module) and `[[upstreams]]`
+//! (the `upstreams` module), checked in full before the gateway starts or takes a reload.
 //!
 //! ```toml
 //! expect_keys = 2          # optional, before any table: refuse a file with another count
@@ -37,6 +37,7 @@ use toml::Spanned;
 
 use super::cost::{CostModel, CostTable};
 use super::identity::{Claims, Identities, KeyPolicy, origin_name, parse_origin};
+use super::upstreams::{UpstreamEntry, UpstreamSpec};
 
 /// The longest `retry_after_ms` and `max_wait_ms` taken: an hour. A client told to wait
 /// longer has been told something wrong.
@@ -58,6 +59,9 @@ struct KeysFile {
     user_secret: Option<Spanned<Secret>>,
     #[serde(default)]
     cost: CostTable,
+    /// The upstreams (the `upstreams` module); none: `--upstream`.
+    #[serde(default)]
+    upstreams: Vec<Spanned<UpstreamEntry>>,
 }
 
 #[derive(Deserialize)]
@@ -186,6 +190,8 @@ pub(crate) struct Config {
     pub(crate) identities: Identities,
     /// What a call is charged (`[cost]`).
     pub(crate) cost: std::sync::Arc<CostModel>,
+    /// The `[[upstreams]]`, checked (their keys are read at start); empty: `--upstream`.
+    pub(crate) upstreams: Vec<UpstreamSpec>,
 }
 
 /// Reads and checks the keys file at `path`.
@@ -205,7 +211,7 @@ pub(crate) struct Refusal {
     pub(crate) message: String,
 }
 
-fn refuse(text: &str, span: Option<std::ops::Range<usize>>, message: String) -> Refusal {
+pub(crate) fn refuse(text: &str, span: Option<std::ops::Range<usize>>, message: String) -> Refusal {
     let line = span.map(|span| {
         1 + text.as_bytes()[..span.start.min(text.len())]
             .iter()
@@ -282,6 +288,7 @@ pub(crate) fn parse(text: &str) -> Result<Config, Refusal> {
     };
     let demotion = demotion(text, limits)?;
     let cost = CostModel::from_table(&file.cost).map_err(|e| refuse(text, None, e))?;
+    let upstreams = super::upstreams::check(text, &file.upstreams)?;
     Ok(Config {
         keys: clients.keys,
         policy,
@@ -291,6 +298,7 @@ pub(crate) fn parse(text: &str) -> Result<Config, Refusal> {
         demotion,
         identities: clients.identities,
         cost: std::sync::Arc::new(cost),
+        upstreams,
     })
 }
 

@@ -81,7 +81,8 @@ fn num(x: f64) -> String {
 }
 
 /// The numbers of the live page, as JSON.
-pub(crate) async fn live_json(live: &Live, metrics_text: &str) -> String {
+/// `pool` is the upstreams' JSON array (the `upstreams` module).
+pub(crate) async fn live_json(live: &Live, metrics_text: &str, pool: &str) -> String {
     let aloft = live.flights.aloft();
     let tiers = tiers(live, metrics_text, &aloft).await;
     let classes = classes(live, metrics_text, &aloft);
@@ -106,7 +107,7 @@ pub(crate) async fn live_json(live: &Live, metrics_text: &str) -> String {
             r#""oldest_in_flight_ms":{},"tokens_in_flight":{}}},"#,
             r#""tiers":[{}],"classes":[{}],"tenants":[{}],"fairness_index":{},"#,
             r#""upstreams":[{}],"input_tokens_last_minute":{},"#,
-            r#""probes":{{"cold_start":{},"recovery":{}}},"demoted_tenants":{}}}"#
+            r#""probes":{{"cold_start":{},"recovery":{}}},"demoted_tenants":{},"pool":{}}}"#
         ),
         json(live.store.backend_name()),
         live.store.is_degraded(),
@@ -127,6 +128,7 @@ pub(crate) async fn live_json(live: &Live, metrics_text: &str) -> String {
         num(probes_of("cold_start")),
         num(probes_of("recovery")),
         gauge(metrics::DEMOTED_TENANTS),
+        pool,
     )
 }
 

@@ -1,7 +1,8 @@
 //! `fairgate-gateway`: an Anthropic-compatible gateway a team runs in front of the Anthropic
 //! API for its services in any language. Clients point their SDK's base URL at it and use
 //! a key from `keys.toml`; the gateway admits their calls fairly (the four fairgate layers)
-//! and calls the API with the team's one upstream key.
+//! and calls the API with the team's upstream key (`--upstream`), or through a pool of
+//! upstreams listed in the keys file (`[[upstreams]]`: keys, workspaces, Bedrock).
 //!
 //! ```sh
 //! cargo install --locked --path . --features gateway
@@ -25,7 +26,8 @@
 //! - `dashboard`: the admin listener's live page (`/`) and its numbers (`/live`);
 //! - `flights`: the calls gone to the upstream whose answer has not ended, for the page;
 //! - `record`: `--record`, the admitted calls as JSON lines for the simulator's replay;
-//! - `upstream`: the upstream client.
+//! - `upstream`: the upstream client;
+//! - `upstreams`: `--upstream` or the keys file's `[[upstreams]]`, as one pool.
 
 mod admin;
 mod answer;
@@ -44,6 +46,7 @@ mod record;
 mod routes;
 mod server;
 mod upstream;
+mod upstreams;
 mod usage;
 
 use std::io::IsTerminal;
@@ -67,7 +70,7 @@ use self::api::{BodyLimits, Gateway, Live};
 use self::auth::AuthGuard;
 use self::holders::{HolderLimits, Holders};
 use self::server::{ConnLimits, Connections};
-use self::upstream::Upstream;
+use self::upstreams::Upstreams;
 
 /// The body of every response the gateway sends.
 pub(crate) type Body = http_body_util::combinators::UnsyncBoxBody<Bytes, BoxError>;
@@ -75,7 +78,8 @@ pub(crate) type Body = http_body_util::combinators::UnsyncBoxBody<Bytes, BoxErro
 /// An Anthropic-compatible gateway with fair, tier-aware admission control.
 ///
 /// Clients use their own key from the keys file (`x-api-key` or `Authorization: Bearer`);
-/// the upstream is called with ANTHROPIC_API_KEY (required, from the environment only).
+/// the upstream (--upstream) is called with ANTHROPIC_API_KEY (from the environment only),
+/// or the keys file's [[upstreams]] with theirs.
 /// SIGHUP reloads the keys file; SIGTERM or Ctrl-C drains and stops. Logs: RUST_LOG
 /// (default info), on stderr, in --log-format.
 #[derive(Debug, Parser)]
@@ -85,10 +89,12 @@ pub(crate) struct Args {
     #[arg(long, env = "FAIRGATE_LISTEN", value_name = "ADDR")]
     listen: SocketAddr,
 
-    /// The Anthropic API, e.g. `https://api.anthropic.com` (`http://` for a local mock).
+    /// The Anthropic API, e.g. `https://api.anthropic.com` (`http://` for a local mock);
+    /// not with the keys file's `[[upstreams]]`.
     #[arg(long, env = "FAIRGATE_UPSTREAM", value_name = "URL", value_parser = upstream_url,
-          help = "The Anthropic API, e.g. https://api.anthropic.com (http:// for a local mock)")]
-    upstream: Uri,
+          help = "The Anthropic API, e.g. https://api.anthropic.com (http:// for a local mock); \
+                  not with the keys file's [[upstreams]]")]
+    upstream: Option<Uri>,
 
     /// The clients' keys (TOML: `[[keys]]` key, tenant, tier; optional `[limits]`, `[[tiers]]`).
     #[arg(
@@ -354,7 +360,13 @@ async fn reload(gw: &Gateway, args: &Args) {
         let store = current.store.clone();
         let keys = config.keys.len();
         let tenants = config.tenants.len();
-        gw.replace(Live::new(config, store, &gw.upstream)?);
+        if !upstreams::same_pool(gw.upstreams.specs(), &config.upstreams) {
+            let why = "[[upstreams]] changed: the pool is built at start, so restart the \
+                       gateway to change its upstreams";
+            return Err(why.to_owned());
+        }
+        // The same pool: its breakers, counts and tenants' upstreams carry on.
+        gw.replace(Live::new(config, store, &current.pool)?);
         Ok::<_, String>((keys, tenants))
     }
     .await;
@@ -385,21 +397,27 @@ async fn open_store(args: &Args) -> Result<Store, String> {
 
 async fn run(mut args: Args) -> Result<(), String> {
     let config = config::load(&args.keys)?;
-    let api_key = check_args(&mut args)?;
-    let upstream = Upstream::new(&args.upstream, api_key.trim())?;
+    check_args(&mut args)?;
+    let upstreams = Arc::new(open_upstreams(&args, &config)?);
     let metrics = install_metrics(&config)?;
     let store = open_store(&args).await?;
     let tenants = config.tenants.len();
     let (global_max, window) = (config.policy.global_max(), config.window);
-    let live = Live::new(config, store, &upstream)?;
+    let live = Live::new(config, store, upstreams.pool())?;
     let (stop, stopped) = tokio::sync::watch::channel(false);
     let listeners = Listeners::bind(&args).await?;
     let batches = batch_book(&args, listeners.api_addr)?;
-    let gw = Arc::new(gateway(&args, live, upstream, stopped.clone(), batches)?);
+    let upstream_names: Vec<String> = upstreams
+        .states()
+        .iter()
+        .map(|(state, _)| state.name.to_string())
+        .collect();
+    let gw = Arc::new(gateway(&args, live, upstreams, stopped.clone(), batches)?);
     info!(
         listen = %listeners.api_addr,
         admin = %listeners.admin_addr,
-        upstream = %args.upstream,
+        upstream = args.upstream.as_ref().map(ToString::to_string),
+        upstreams = %upstream_names.join(","),
         store = if args.redis.is_some() { "redis" } else { "memory" },
         tenants,
         global_max,
@@ -436,7 +454,7 @@ async fn run(mut args: Args) -> Result<(), String> {
 }
 
 /// The gateway's own metrics: name, kind and `# HELP`.
-const GATEWAY_METRICS: [(&str, MetricKind, &str); 13] = [
+const GATEWAY_METRICS: [(&str, MetricKind, &str); 17] = [
     (
         "gateway_connections_open",
         MetricKind::Gauge,
@@ -501,6 +519,26 @@ const GATEWAY_METRICS: [(&str, MetricKind, &str); 13] = [
         "gateway_claim_refusals_total",
         MetricKind::Counter,
         "Calls refused for what they claimed or named, by what (the header, or metadata.user_id) and status (400, 403).",
+    ),
+    (
+        "gateway_upstream_in_flight",
+        MetricKind::Gauge,
+        "Calls in flight at each upstream of the pool (until their answers end), by upstream.",
+    ),
+    (
+        "gateway_upstream_set_aside",
+        MetricKind::Gauge,
+        "1 while an upstream is set aside by its breaker (no call until its probe), by upstream.",
+    ),
+    (
+        "gateway_upstream_moved_away_total",
+        MetricKind::Counter,
+        "Calls sent to another upstream after this one refused or was overloaded, by upstream.",
+    ),
+    (
+        "gateway_upstream_none_total",
+        MetricKind::Counter,
+        "Calls answered 529 because no upstream of the pool had room.",
     ),
 ];
 
@@ -571,6 +609,7 @@ fn install_metrics(config: &config::Config) -> Result<PrometheusHandle, String> 
         "gateway_answers_cut_total",
         "gateway_record_dropped_total",
         "gateway_batch_book_failures_total",
+        "gateway_upstream_none_total",
     ] {
         metrics::counter!(name).increment(0);
     }
@@ -588,7 +627,7 @@ fn install_metrics(config: &config::Config) -> Result<PrometheusHandle, String> 
 fn gateway(
     args: &Args,
     live: Live,
-    upstream: Upstream,
+    upstreams: Arc<Upstreams>,
     stopped: tokio::sync::watch::Receiver<bool>,
     batches: batches::Batches,
 ) -> Result<Gateway, String> {
@@ -603,7 +642,7 @@ fn gateway(
     };
     Ok(Gateway::new(
         live,
-        upstream,
+        upstreams,
         Holders::new(holder_limits(args), args.body_budget, args.answer_buffer),
         AuthGuard::new(args.auth_failure_burst, args.auth_failure_rate),
         BodyLimits {
@@ -654,15 +693,39 @@ fn batch_book(args: &Args, api_addr: SocketAddr) -> Result<batches::Batches, Str
     }
 }
 
-/// Refuses what the gateway cannot start with (no upstream key; a body budget smaller than
-/// one body; an admin listener beyond loopback without a token; a `--record` file it must
-/// not overwrite), lowers `--max-connections` to fit the open-files limit, and returns the
-/// upstream key.
-fn check_args(args: &mut Args) -> Result<String, String> {
-    let api_key = std::env::var("ANTHROPIC_API_KEY").unwrap_or_default();
-    if api_key.trim().is_empty() {
-        return Err("ANTHROPIC_API_KEY is not set: the gateway calls the upstream with it".into());
+/// The upstreams: `--upstream` with `ANTHROPIC_API_KEY` (a pool of one), or the keys file's
+/// `[[upstreams]]` with the keys their `key_env` name; refused with both, or neither.
+fn open_upstreams(args: &Args, config: &config::Config) -> Result<Upstreams, String> {
+    match (&args.upstream, config.upstreams.is_empty()) {
+        (Some(_), false) => Err(format!(
+            "both --upstream (or FAIRGATE_UPSTREAM) and [[upstreams]] in --keys {}: give the \
+             upstreams in one place (remove --upstream to use the keys file's pool)",
+            args.keys.display()
+        )),
+        (None, true) => Err(format!(
+            "no upstream: give --upstream URL (with ANTHROPIC_API_KEY), or [[upstreams]] in \
+             --keys {}",
+            args.keys.display()
+        )),
+        (Some(url), true) => {
+            let key = std::env::var("ANTHROPIC_API_KEY").unwrap_or_default();
+            if key.trim().is_empty() {
+                return Err(
+                    "ANTHROPIC_API_KEY is not set: the gateway calls --upstream with it".into(),
+                );
+            }
+            Upstreams::single(url, key.trim())
+        }
+        (None, false) => {
+            Upstreams::from_specs(&args.keys, &config.upstreams, |var| std::env::var(var).ok())
+        }
     }
+}
+
+/// Refuses what the gateway cannot start with (a body budget smaller than one body; an
+/// admin listener beyond loopback without a token; a `--record` file it must not
+/// overwrite), and lowers `--max-connections` to fit the open-files limit.
+fn check_args(args: &mut Args) -> Result<(), String> {
     if args.body_budget < args.max_body {
         return Err(format!(
             "--body-budget ({} bytes) must hold at least one --max-body ({} bytes)",
@@ -696,7 +759,7 @@ fn check_args(args: &mut Args) -> Result<String, String> {
             args.max_connections = u32::try_from(fit).unwrap_or(u32::MAX);
         }
     }
-    Ok(api_key)
+    Ok(())
 }
 
 /// The API and admin listeners, bound, with their connection tables.

@@ -1,4 +1,5 @@
-//! The Anthropic API (or a mock): where calls go and with which key.
+//! The Anthropic API (or a mock): where calls go and with which key, over the one hyper
+//! client every upstream of the gateway shares ([`client`]).
 
 use std::time::Duration;
 
@@ -13,7 +14,8 @@ use hyper_util::rt::TokioExecutor;
 
 use super::Body;
 
-type HttpClient = Client<HttpsConnector<HttpConnector>, Body>;
+/// The gateway's HTTP client: one for every upstream (its idle connections kept per host).
+pub(crate) type HttpClient = Client<HttpsConnector<HttpConnector>, Body>;
 
 /// The upstream API: a pooled client, the base URL and the team's key.
 #[derive(Clone)]
@@ -82,25 +84,31 @@ pub(crate) fn strip_hop_by_hop(headers: &mut HeaderMap) {
     headers.remove(header::TRANSFER_ENCODING);
 }
 
+/// The HTTP client the gateway's upstreams share (`http://` and `https://`, HTTP/1.1).
+pub(crate) fn client() -> HttpClient {
+    let mut http = HttpConnector::new();
+    http.enforce_http(false); // https:// goes through rustls
+    http.set_nodelay(true); // a request's head and body go out at once
+    http.set_connect_timeout(Some(Duration::from_secs(10)));
+    let https = hyper_rustls::HttpsConnectorBuilder::new()
+        .with_webpki_roots()
+        .https_or_http()
+        .enable_http1()
+        .wrap_connector(http);
+    Client::builder(TokioExecutor::new())
+        .pool_idle_timeout(Duration::from_secs(60))
+        // After a burst of thousands of calls, a few idle connections are kept, not
+        // the burst's: each is a file and a few KiB.
+        .pool_max_idle_per_host(MAX_IDLE_CONNECTIONS)
+        .build(https)
+}
+
 impl Upstream {
-    pub(crate) fn new(url: &Uri, api_key: &str) -> Result<Upstream, String> {
-        let mut http = HttpConnector::new();
-        http.enforce_http(false); // https:// goes through rustls
-        http.set_nodelay(true); // a request's head and body go out at once
-        http.set_connect_timeout(Some(Duration::from_secs(10)));
-        let https = hyper_rustls::HttpsConnectorBuilder::new()
-            .with_webpki_roots()
-            .https_or_http()
-            .enable_http1()
-            .wrap_connector(http);
-        let client = Client::builder(TokioExecutor::new())
-            .pool_idle_timeout(Duration::from_secs(60))
-            // After a burst of thousands of calls, a few idle connections are kept, not
-            // the burst's: each is a file and a few KiB.
-            .pool_max_idle_per_host(MAX_IDLE_CONNECTIONS)
-            .build(https);
+    /// The API at `url` called with `api_key`, over `client` (shared: clones of one client
+    /// share its connections).
+    pub(crate) fn new(client: HttpClient, url: &Uri, api_key: &str) -> Result<Upstream, String> {
         let mut api_key = HeaderValue::from_str(api_key)
-            .map_err(|_| "ANTHROPIC_API_KEY is not a valid header value".to_owned())?;
+            .map_err(|_| "the upstream key is not a valid header value".to_owned())?;
         api_key.set_sensitive(true);
         Ok(Upstream {
             client,
@@ -156,7 +164,7 @@ impl Upstream {
 }
 
 /// The upstream's answer as the client's: hop-by-hop headers dropped, the body streamed.
-fn downstream<B>(response: Response<B>) -> Response<Body>
+pub(crate) fn downstream<B>(response: Response<B>) -> Response<Body>
 where
     B: http_body::Body<Data = Bytes> + Send + 'static,
     B::Error: Into<BoxError>,
@@ -181,8 +189,8 @@ mod tests {
 
     #[test]
     fn no_credential_account_or_client_identity_of_the_caller_goes_upstream() {
-        let upstream = Upstream::new(&"http://127.0.0.1:9/base".parse().unwrap(), "sk-team")
-            .expect("an upstream");
+        let url = "http://127.0.0.1:9/base".parse().unwrap();
+        let upstream = Upstream::new(client(), &url, "sk-team").expect("an upstream");
         let mut req = http::Request::builder()
             .uri("/v1/messages?beta=true")
             .header("x-api-key", "sk-client")

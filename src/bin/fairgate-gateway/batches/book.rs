@@ -1,6 +1,6 @@
-//! The owner book: which key created which batch, and each owner's batches in the order
-//! they were created. The paging arithmetic ([`window`]) is a plain function, shared by
-//! the in-process book here and mirrored by the Redis book's script.
+//! The owner book: which key created which batch through which upstream, and each owner's
+//! batches in the order they were created. The paging arithmetic ([`window`]) is a plain
+//! function, shared by the in-process book here and mirrored by the Redis book's script.
 
 use std::collections::HashMap;
 use std::ops::Range;
@@ -56,10 +56,14 @@ pub(crate) enum Cursor {
     Before(String),
 }
 
-/// One page of an owner's batch ids, newest first.
+/// The upstream a batch was created through, by name; `None` for a batch recorded before
+/// the book kept upstreams (it is the first Anthropic upstream's).
+pub(crate) type Holder = Option<String>;
+
+/// One page of an owner's batch ids, newest first, each with its holder.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) struct PageIds {
-    pub(crate) ids: Vec<String>,
+    pub(crate) ids: Vec<(String, Holder)>,
     /// Whether there are more in the page's direction.
     pub(crate) has_more: bool,
 }
@@ -100,6 +104,8 @@ pub(crate) const MEMORY_CAPACITY: usize = 100_000;
 struct Shelf {
     /// (sequence number, id, when it was recorded), in sequence order.
     batches: Vec<(u64, Arc<str>, Instant)>,
+    /// Each id's upstream, when recorded with one.
+    holders: HashMap<Arc<str>, Arc<str>>,
     /// Each id's sequence number.
     seq_of: HashMap<Arc<str>, u64>,
 }
@@ -113,6 +119,11 @@ impl Shelf {
     fn remove_at(&mut self, index: usize) {
         let (_, id, _) = self.batches.remove(index);
         self.seq_of.remove(&id);
+        self.holders.remove(&id);
+    }
+
+    fn holder(&self, id: &str) -> Holder {
+        self.holders.get(id).map(|name| name.to_string())
     }
 
     /// Forgets what is past the retention.
@@ -124,6 +135,7 @@ impl Shelf {
             .count();
         for (_, id, _) in self.batches.drain(..expired) {
             self.seq_of.remove(&id);
+            self.holders.remove(&id);
         }
         expired
     }
@@ -157,7 +169,9 @@ impl MemoryBook {
         self.shelves.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    pub(crate) fn record(&self, owner: &Owner, id: &str) {
+    /// Records `id` as `owner`'s, created through `upstream` (`None`: as a book without
+    /// upstreams recorded it).
+    pub(crate) fn record(&self, owner: &Owner, id: &str, upstream: Option<&str>) {
         let now = Instant::now();
         let mut shelves = self.lock();
         let shelves = &mut *shelves;
@@ -169,6 +183,9 @@ impl MemoryBook {
         let seq = shelves.next_seq;
         shelves.next_seq += 1;
         let id: Arc<str> = id.into();
+        if let Some(upstream) = upstream {
+            shelf.holders.insert(id.clone(), upstream.into());
+        }
         shelf.seq_of.insert(id.clone(), seq);
         shelf.batches.push((seq, id, now));
         shelves.total += 1;
@@ -188,14 +205,14 @@ impl MemoryBook {
             .retain(|_, shelf| !shelf.batches.is_empty());
     }
 
-    pub(crate) fn owns(&self, owner: &Owner, id: &str) -> bool {
+    /// The upstream holding `id` when `owner` owns it (within the retention), else `None`.
+    pub(crate) fn owns(&self, owner: &Owner, id: &str) -> Option<Holder> {
         let now = Instant::now();
         let shelves = self.lock();
-        shelves.by_owner.get(owner).is_some_and(|shelf| {
-            shelf.index_of(id).is_some_and(|index| {
-                now.saturating_duration_since(shelf.batches[index].2) < RETENTION
-            })
-        })
+        let shelf = shelves.by_owner.get(owner)?;
+        let index = shelf.index_of(id)?;
+        (now.saturating_duration_since(shelf.batches[index].2) < RETENTION)
+            .then(|| shelf.holder(id))
     }
 
     pub(crate) fn forget(&self, owner: &Owner, id: &str) {
@@ -232,7 +249,10 @@ impl MemoryBook {
         };
         let (ranks, has_more) = window(len, cursor, cursor_rank, limit);
         let ids = ranks
-            .map(|rank| shelf.batches[len - 1 - rank].1.to_string())
+            .map(|rank| {
+                let id = &shelf.batches[len - 1 - rank].1;
+                (id.to_string(), shelf.holder(id))
+            })
             .collect();
         Some(PageIds { ids, has_more })
     }
@@ -244,6 +264,39 @@ mod tests {
 
     fn ids(n: usize) -> Vec<String> {
         (0..n).map(|i| format!("msgbatch_{i:03}")).collect()
+    }
+
+    fn names(page: &PageIds) -> Vec<&str> {
+        page.ids.iter().map(|(id, _)| id.as_str()).collect()
+    }
+
+    fn owns(book: &MemoryBook, owner: &Owner, id: &str) -> bool {
+        book.owns(owner, id).is_some()
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn each_batch_keeps_the_upstream_it_was_created_through() {
+        let book = MemoryBook::new(10);
+        let a = Owner::of("sk-a", "a");
+        book.record(&a, "msgbatch_old", None);
+        book.record(&a, "msgbatch_new", Some("second"));
+        assert_eq!(book.owns(&a, "msgbatch_old"), Some(None));
+        assert_eq!(book.owns(&a, "msgbatch_new"), Some(Some("second".into())));
+        let page = book.page(&a, &Cursor::First, 10).unwrap();
+        assert_eq!(
+            page.ids,
+            [
+                ("msgbatch_new".into(), Some("second".into())),
+                ("msgbatch_old".into(), None)
+            ]
+        );
+        book.forget(&a, "msgbatch_new");
+        book.record(&a, "msgbatch_new", None);
+        assert_eq!(
+            book.owns(&a, "msgbatch_new"),
+            Some(None),
+            "forgotten with its id"
+        );
     }
 
     #[test]
@@ -290,23 +343,20 @@ mod tests {
         let book = MemoryBook::new(1_000);
         let (a, b) = (Owner::of("sk-a", "a"), Owner::of("sk-b", "b"));
         for (i, id) in ids(10).iter().enumerate() {
-            book.record(if i % 2 == 0 { &a } else { &b }, id);
+            book.record(if i % 2 == 0 { &a } else { &b }, id, None);
         }
         let first = book.page(&a, &Cursor::First, 2).unwrap();
-        assert_eq!(first.ids, ["msgbatch_008", "msgbatch_006"]);
+        assert_eq!(names(&first), ["msgbatch_008", "msgbatch_006"]);
         assert!(first.has_more);
         let next = book
             .page(&a, &Cursor::After("msgbatch_006".into()), 2)
             .unwrap();
-        assert_eq!(next.ids, ["msgbatch_004", "msgbatch_002"]);
+        assert_eq!(names(&next), ["msgbatch_004", "msgbatch_002"]);
         assert!(next.has_more);
         let last = book
             .page(&a, &Cursor::After("msgbatch_002".into()), 2)
             .unwrap();
-        assert_eq!(
-            (last.ids.as_slice(), last.has_more),
-            (&["msgbatch_000".to_owned()][..], false)
-        );
+        assert_eq!((names(&last), last.has_more), (vec!["msgbatch_000"], false));
         let back = book
             .page(&a, &Cursor::Before("msgbatch_004".into()), 5)
             .unwrap();
@@ -316,10 +366,10 @@ mod tests {
             book.page(&a, &Cursor::After("msgbatch_001".into()), 2),
             None
         );
-        assert!(book.owns(&a, "msgbatch_000") && !book.owns(&a, "msgbatch_001"));
-        assert!(book.owns(&b, "msgbatch_001") && !book.owns(&b, "msgbatch_000"));
+        assert!(owns(&book, &a, "msgbatch_000") && !owns(&book, &a, "msgbatch_001"));
+        assert!(owns(&book, &b, "msgbatch_001") && !owns(&book, &b, "msgbatch_000"));
         book.forget(&a, "msgbatch_000");
-        assert!(!book.owns(&a, "msgbatch_000"));
+        assert!(!owns(&book, &a, "msgbatch_000"));
         assert_eq!(book.page(&a, &Cursor::First, 100).unwrap().ids.len(), 4);
     }
 
@@ -327,15 +377,18 @@ mod tests {
     async fn owners_are_forgotten_after_the_retention_and_the_fullest_owner_pays_for_the_bound() {
         let book = MemoryBook::new(4);
         let (a, hog) = (Owner::of("sk-a", "a"), Owner::of("sk-hog", "hog"));
-        book.record(&a, "msgbatch_a");
+        book.record(&a, "msgbatch_a", None);
         for id in ids(5) {
-            book.record(&hog, &id);
+            book.record(&hog, &id, None);
         }
-        assert!(book.owns(&a, "msgbatch_a"), "the hog's own oldest go first");
-        assert!(!book.owns(&hog, "msgbatch_000") && !book.owns(&hog, "msgbatch_001"));
-        assert!(book.owns(&hog, "msgbatch_004"));
+        assert!(
+            owns(&book, &a, "msgbatch_a"),
+            "the hog's own oldest go first"
+        );
+        assert!(!owns(&book, &hog, "msgbatch_000") && !owns(&book, &hog, "msgbatch_001"));
+        assert!(owns(&book, &hog, "msgbatch_004"));
         tokio::time::advance(RETENTION).await;
-        assert!(!book.owns(&a, "msgbatch_a"));
+        assert!(!owns(&book, &a, "msgbatch_a"));
         assert_eq!(book.page(&hog, &Cursor::First, 10).unwrap().ids.len(), 0);
     }
 }

@@ -1,5 +1,5 @@
-//! The Redis book against the in-process one: over seeded random records, forgets, owner
-//! checks and pages of three owners, the Redis book (its scripts as shipped, on a throwaway
+//! The Redis book against the in-process one: over seeded random records (with and without
+//! an upstream), forgets, owner checks and pages of three owners, the Redis book (its scripts as shipped, on a throwaway
 //! `redis-server`) answers as the memory book does. Paging arithmetic changed on one side
 //! only (`book::window` or the page script) fails here.
 
@@ -39,8 +39,10 @@ async fn the_redis_book_answers_as_the_memory_book_does() {
         match steps.next(10) {
             0..=3 => {
                 let id = format!("msgbatch_{step:04}");
-                memory.record(owner, &id);
-                redis.record(owner, &id).await.expect("record");
+                // Some with an upstream, some as a book without upstreams recorded them.
+                let upstream = ["first", "second"].get(steps.next(3)).copied();
+                memory.record(owner, &id, upstream);
+                redis.record(owner, &id, upstream).await.expect("record");
                 ids.push(id);
             }
             4 => {
