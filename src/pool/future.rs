@@ -69,7 +69,8 @@ impl Dispatch {
     }
 
     /// The call's answer said `outcome` of its upstream; set aside by it, the upstream's
-    /// rate is closed for the fleet too (the gates over the pool).
+    /// rate is closed for the fleet too (the gates over the pool; a call moved away does
+    /// that already).
     pub(super) fn answered(&mut self, outcome: Outcome) {
         let mut breaker = lock(&self.state.breaker);
         let set_aside = breaker.answered(outcome, self.probe, Instant::now());
@@ -81,9 +82,13 @@ impl Dispatch {
         }
     }
 
-    /// The call goes elsewhere: it counted as moved away from here.
+    /// The call goes elsewhere: it counted as moved away from here. Under a fair queue's
+    /// gate, the upstream's rate closes for a probe interval, for the fleet, as a single
+    /// upstream's does after a `529`: the calls go to the others, then one probe.
     pub(super) fn moved_away(&self) {
         self.state.moved_away.fetch_add(1, Ordering::Relaxed);
+        let probe_every = lock(&self.state.breaker).probe_every();
+        self.state.room.set_aside(self.member, probe_every);
     }
 }
 

@@ -42,6 +42,9 @@ where
             .extensions()
             .get::<super::Model>()
             .map(|m| m.0.clone());
+        // The gate does not know the call's model: a place at an upstream that does not
+        // serve it goes back, and the call is sent as if no gate had chosen.
+        let routed = routed.filter(|place| place.state.serves(model.as_deref()));
         let mut future = ResponseFuture::new(
             self.shared.clone(),
             self.services.clone(),

@@ -81,6 +81,8 @@ impl Live {
             .slots(config.policy.clone())
             .window(config.window)
             .demotion(config.demotion.clone())
+            // One fair order across the upstreams: each call goes to one with room now.
+            .pool(pool.gate())
             // A call up to `[cost] max_charge` pays its whole charge before it goes.
             .fairness(|fair| {
                 let quantum = fairgate::drr_fairness::SchedulerConfig::default().quantum;
