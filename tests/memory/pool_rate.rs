@@ -354,3 +354,103 @@ async fn the_pool_gate_holds_each_upstreams_cap_and_gives_the_place_back() {
     assert_eq!(most, (2, 1), "each upstream's cap held, and both used");
     assert!(pool.upstreams().iter().all(|u| u.in_flight == 0));
 }
+
+#[tokio::test(start_paused = true)]
+async fn an_upstream_killed_mid_load_loses_no_call_the_survivor_runs_at_its_rate_and_it_comes_back()
+{
+    // Two upstreams of 120 a minute; the first refuses its connections from 10 s to 30 s.
+    let (first, second) = (
+        RateLimited::new(120, ms(200)),
+        RateLimited::new(120, ms(200)),
+    );
+    let down = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let killable = {
+        let (down, inner) = (down.clone(), first.service());
+        tower::service_fn(move |req: http::Request<String>| {
+            let (down, inner) = (down.load(Ordering::SeqCst), inner.clone());
+            async move {
+                if down {
+                    let refused = std::io::Error::from(std::io::ErrorKind::ConnectionRefused);
+                    return Err::<http::Response<String>, BoxError>(refused.into());
+                }
+                inner.oneshot(req).await
+            }
+        })
+    };
+    let pool = Pool::builder()
+        .upstream(Upstream::new("first", BoxCloneSyncService::new(killable)))
+        .upstream(Upstream::new(
+            "second",
+            BoxCloneSyncService::new(second.service()),
+        ))
+        .build()
+        .unwrap();
+    let fairgate = FairgateLayer::builder(Store::memory())
+        .backoff(BackoffPolicy::builder().seed(7).build().unwrap())
+        .pool(pool.gate())
+        .build()
+        .unwrap();
+    let stack: Stack = BoxCloneSyncService::new(
+        fairgate
+            .layer(pool.clone())
+            .map_response(|response| response.status().as_u16()),
+    );
+    let rig = Rig {
+        upstreams: vec![first, second],
+        pool,
+        stack,
+        start: Instant::now(),
+        ids: Arc::default(),
+    };
+    // 5 calls a second for 50 s, each its own tenant: above one upstream's 2 a second.
+    let calls: Vec<_> = (0..250u64)
+        .map(|i| rig.send(ms(i * 200), user(&format!("t{i}"), "premium")))
+        .collect();
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    down.store(true, Ordering::SeqCst);
+    tokio::time::sleep(Duration::from_secs(20)).await;
+    down.store(false, Ordering::SeqCst);
+    let outcomes = joined(calls).await;
+    let at = |u: usize, from: u64, to: u64| {
+        let (from, to) = (
+            rig.start + Duration::from_secs(from),
+            rig.start + Duration::from_secs(to),
+        );
+        rig.upstreams[u]
+            .calls()
+            .iter()
+            .filter(|c| c.at >= from && c.at < to && c.status == 200)
+            .count()
+    };
+    let back_at = rig.upstreams[0]
+        .calls()
+        .iter()
+        .map(|c| c.at)
+        .find(|t| *t >= rig.start + Duration::from_secs(30));
+    let back_after = back_at.map(|t| t - (rig.start + Duration::from_secs(30)));
+    println!(
+        "first killed at 10 s, back at 30 s: answered 200 {} of 250; the second's calls from \
+         11 to 29 s {} (its rate: 2 a second, 36), the first's {}; the first back {back_after:?} \
+         after it returned; 429s {}",
+        count(&outcomes, Outcome::ok),
+        at(1, 11, 29),
+        at(0, 11, 29),
+        rig.throttled()
+    );
+    assert_eq!(
+        count(&outcomes, Outcome::ok),
+        250,
+        "{}",
+        busy_reasons(&outcomes)
+    );
+    // From a second after the kill, the survivor runs at its rate (0.95 of 2 a second).
+    assert!(at(1, 11, 29) >= 33, "the survivor served {}", at(1, 11, 29));
+    assert_eq!(at(0, 11, 29), 0, "the killed one answered");
+    // Back within a probe interval (1 s) and a paced interval of its return.
+    let back_after = back_after.expect("the first upstream came back");
+    assert!(
+        back_after <= Duration::from_secs(2),
+        "back after {back_after:?}"
+    );
+    assert_eq!(rig.throttled(), 0, "429s from the upstreams");
+}
