@@ -236,6 +236,13 @@ async fn the_readmes_pool_calls_each_upstream_with_its_own_key_and_spills_past_m
         upstream_metric(&metrics, "gateway_upstream_in_flight", "second-workspace"),
         Some(4.0)
     );
+    // Each upstream's learned limits, under its own key (`default@{name}`).
+    for name in ["primary", "second-workspace"] {
+        let learned = format!(
+            "claude_learned_rate_limit{{upstream=\"default@{name}\",dimension=\"requests\"}} 1000000"
+        );
+        assert!(metrics.contains(&learned), "no `{learned}` in {metrics}");
+    }
     let status: Value = serde_json::from_str(&gateway.admin("/status").await).unwrap();
     let upstreams = status["upstreams"]
         .as_array()
