@@ -29,23 +29,21 @@ const RPM: u32 = 600;
 /// The tests measure real time: one at a time.
 static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn two_workers_over_two_upstreams_serve_at_least_1_8_times_one_with_no_429() {
-    let _serial = SERIAL.lock().await;
-    let server = RedisServer::start();
-    let upstreams = [
-        RateLimited::new(RPM, Duration::from_millis(50)),
-        RateLimited::new(RPM, Duration::from_millis(50)),
-    ];
+/// Two workers on the Redis at `url`, each with its own `FairgateLayer` and its own pool
+/// of `upstreams` (named `u0`, `u1`, ...; each worker's pool made by `pool`).
+async fn workers(
+    url: &str,
+    upstreams: &[Svc],
+    pool: impl Fn(fairgate::pool::PoolBuilder<Svc>) -> fairgate::pool::PoolBuilder<Svc>,
+) -> Vec<Stack> {
     let mut stacks: Vec<Stack> = Vec::new();
     for worker in 0..2u64 {
-        let store = Store::redis(&server.url()).await.expect("a store");
-        let mut pool = Pool::builder();
+        let store = Store::redis(url).await.expect("a store");
+        let mut builder = Pool::builder();
         for (i, upstream) in upstreams.iter().enumerate() {
-            let service: Svc = BoxCloneSyncService::new(upstream.service());
-            pool = pool.upstream(Upstream::new(format!("u{i}"), service));
+            builder = builder.upstream(Upstream::new(format!("u{i}"), upstream.clone()));
         }
-        let pool = pool.build().unwrap();
+        let pool = pool(builder).build().unwrap();
         let fairgate = FairgateLayer::builder(store)
             .backoff(BackoffPolicy::builder().seed(40 + worker).build().unwrap())
             .pool(pool.gate())
@@ -56,6 +54,26 @@ async fn two_workers_over_two_upstreams_serve_at_least_1_8_times_one_with_no_429
             .map_response(|response| response.status().as_u16());
         stacks.push(BoxCloneSyncService::new(service));
     }
+    stacks
+}
+
+/// The services of `upstreams`.
+fn services(upstreams: &[RateLimited]) -> Vec<Svc> {
+    upstreams
+        .iter()
+        .map(|u| BoxCloneSyncService::new(u.service()))
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_workers_over_two_upstreams_serve_at_least_1_8_times_one_with_no_429() {
+    let _serial = SERIAL.lock().await;
+    let server = RedisServer::start();
+    let upstreams = [
+        RateLimited::new(RPM, Duration::from_millis(50)),
+        RateLimited::new(RPM, Duration::from_millis(50)),
+    ];
+    let stacks = workers(&server.url(), &services(&upstreams), |pool| pool).await;
     let ids = Arc::new(AtomicU64::new(0));
     let send = |w: usize, at: Instant, tenant: String| {
         let stack = stacks[w].clone();
@@ -181,27 +199,12 @@ async fn an_upstream_set_aside_by_one_worker_is_set_aside_for_the_fleet_and_come
     let (a, b) = (Flaky::default(), Flaky::default());
     a.down.store(true, Ordering::SeqCst);
     let probe_every = Duration::from_millis(1_500);
-    let mut stacks: Vec<Stack> = Vec::new();
-    let mut stores = Vec::new();
-    for worker in 0..2u64 {
-        let store = Store::redis(&server.url()).await.expect("a store");
-        let pool = Pool::builder()
-            .upstream(Upstream::new("a", a.service()))
-            .upstream(Upstream::new("b", b.service()))
-            .probe_every(probe_every)
-            .build()
-            .unwrap();
-        let fairgate = FairgateLayer::builder(store.clone())
-            .backoff(BackoffPolicy::builder().seed(50 + worker).build().unwrap())
-            .pool(pool.gate())
-            .build()
-            .unwrap();
-        let service = fairgate
-            .layer(pool)
-            .map_response(|response| response.status().as_u16());
-        stacks.push(BoxCloneSyncService::new(service));
-        stores.push(store);
-    }
+    let stacks = workers(&server.url(), &[a.service(), b.service()], |pool| {
+        pool.probe_every(probe_every)
+    })
+    .await;
+    // What a worker's store reads of the fleet's cooldowns, as worker 1 reads them.
+    let observer = Store::redis(&server.url()).await.expect("a store");
     let call = |w: usize, i: usize| {
         let stack = stacks[w].clone();
         let mut req = http::Request::new("{}".to_owned());
@@ -225,13 +228,13 @@ async fn an_upstream_set_aside_by_one_worker_is_set_aside_for_the_fleet_and_come
     }
     assert_eq!(a.reached_from("w0"), 1, "worker 0 tried `a` once");
     let closed = async {
-        while stores[1].cooldown("default@a").is_none() {
+        while observer.cooldown("default@u0").is_none() {
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
     };
     tokio::time::timeout(Duration::from_secs(5), closed)
         .await
-        .expect("worker 1 learns that `a` is set aside");
+        .expect("the fleet learns that `a` is set aside");
     // Worker 1 never saw `a` fail: its calls go to `b` all the same.
     for i in 0..10 {
         assert_eq!(call(1, i).await, Ok(200));
@@ -274,25 +277,7 @@ async fn with_redis_killed_and_back_the_pool_serves_before_and_after_and_never_o
         RateLimited::new(RPM, Duration::from_millis(50)),
         RateLimited::new(RPM, Duration::from_millis(50)),
     ];
-    let mut stacks: Vec<Stack> = Vec::new();
-    for worker in 0..2u64 {
-        let store = Store::redis(&server.url()).await.expect("a store");
-        let mut pool = Pool::builder();
-        for (i, upstream) in upstreams.iter().enumerate() {
-            let service: Svc = BoxCloneSyncService::new(upstream.service());
-            pool = pool.upstream(Upstream::new(format!("u{i}"), service));
-        }
-        let pool = pool.build().unwrap();
-        let fairgate = FairgateLayer::builder(store)
-            .backoff(BackoffPolicy::builder().seed(60 + worker).build().unwrap())
-            .pool(pool.gate())
-            .build()
-            .unwrap();
-        let service = fairgate
-            .layer(pool)
-            .map_response(|response| response.status().as_u16());
-        stacks.push(BoxCloneSyncService::new(service));
-    }
+    let stacks = workers(&server.url(), &services(&upstreams), |pool| pool).await;
     let send = |w: usize, at: Instant, tenant: String| {
         let stack = stacks[w].clone();
         let mut req = http::Request::new("{}".to_owned());
@@ -357,4 +342,53 @@ async fn with_redis_killed_and_back_the_pool_serves_before_and_after_and_never_o
         each.iter().all(|n| *n >= 20),
         "both upstreams served: {each:?}"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_workers_a_light_tenant_behind_a_hog_is_served_at_the_next_free_cell_of_either_upstream()
+ {
+    let _serial = SERIAL.lock().await;
+    let server = RedisServer::start();
+    let call = Duration::from_millis(50);
+    let upstreams = [RateLimited::new(RPM, call), RateLimited::new(RPM, call)];
+    let stacks = workers(&server.url(), &services(&upstreams), |pool| pool).await;
+    let send = |w: usize, tenant: &str| {
+        let stack = stacks[w].clone();
+        let mut req = http::Request::new("{}".to_owned());
+        req.extensions_mut().insert(user(tenant, "pro"));
+        tokio::spawn(async move {
+            let sent = Instant::now();
+            let status = stack.oneshot(req).await.map_err(|e| e.to_string());
+            (status, sent.elapsed())
+        })
+    };
+    // Warm-up: both upstreams answered (their limits learned by the fleet).
+    for _ in 0..50 {
+        if upstreams.iter().all(|u| u.served() > 0) {
+            break;
+        }
+        let warm: Vec<_> = (0..4).map(|i| send(i % 2, &format!("warm-{i}"))).collect();
+        for warm in joined(warm).await {
+            assert_eq!(warm.0, Ok(200));
+        }
+    }
+    assert!(upstreams.iter().all(|u| u.served() > 0), "warmed up");
+    // The hog: 120 calls at once over both workers (6 s of the pool's rate).
+    let hog: Vec<_> = (0..120).map(|i| send(i % 2, "tenant-a")).collect();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let (light, took) = send(1, "tenant-b").await.unwrap();
+    let hog = joined(hog).await;
+    // One paced interval of one upstream (learned pacing aims at 0.95 of the rate), the
+    // call, and what each worker may reserve ahead on Redis (a quarter second).
+    let interval = Duration::from_secs_f64(60.0 / (0.95 * f64::from(RPM)));
+    let bound = 2 * interval + call + Duration::from_millis(250);
+    let throttled: usize = upstreams.iter().map(RateLimited::throttled).sum();
+    println!(
+        "two workers, a hog at 2 x {RPM} a minute: B answered {light:?} in {took:?} (bound \
+         {bound:?}); A {} of 120 answered 200; 429s {throttled}",
+        hog.iter().filter(|(s, _)| *s == Ok(200)).count()
+    );
+    assert_eq!(light, Ok(200));
+    assert!(took <= bound, "B took {took:?}");
+    assert_eq!(throttled, 0, "429s from the upstreams");
 }
