@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use crate::support::rate_limited::{
-    CALL_ID, Outcome, RateLimited, Started, answer, busy_reasons, count, first_start, share_broken,
+    Outcome, RateLimited, Started, busy_reasons, count, first_start, send_at, share_broken,
 };
 use crate::support::{joined, user};
 use fairgate::pool::{Pool, Upstream};
@@ -93,22 +93,8 @@ impl Rig {
     fn send(&self, at: Duration, job: Job) -> JoinHandle<Outcome> {
         let stack = self.stack.clone();
         let id = self.ids.fetch_add(1, Ordering::Relaxed);
-        let mut req = http::Request::new("{}".to_owned());
-        req.headers_mut()
-            .insert(CALL_ID, http::HeaderValue::from(id));
-        req.extensions_mut().insert(job);
         let when = self.start + at;
-        tokio::spawn(async move {
-            tokio::time::sleep_until(when).await;
-            let sent = Instant::now();
-            let answer = answer(stack.oneshot(req).await);
-            Outcome {
-                id,
-                sent,
-                done: Instant::now(),
-                answer,
-            }
-        })
+        send_at(stack, id, when, job)
     }
 
     /// Every call at every upstream, in the order they reached it.

@@ -15,8 +15,8 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 use crate::support::rate_limited::{
-    Answer, CALL_ID, Outcome, RateLimited, Reason, Started, Streaming, answer, busy_reasons, count,
-    first_start, longest_idle_while_waiting, share_broken, waiting,
+    Answer, Outcome, RateLimited, Reason, Started, Streaming, busy_reasons, count, first_start,
+    longest_idle_while_waiting, send_at, share_broken, waiting,
 };
 use crate::support::{joined, percentile, user};
 use fairgate::rate::Pacing;
@@ -127,22 +127,8 @@ impl Rig {
     fn send(&self, at: Duration, job: Job) -> JoinHandle<Outcome> {
         let stack = self.stack.clone();
         let id = self.ids.fetch_add(1, Ordering::Relaxed);
-        let mut req = http::Request::new("{}".to_owned());
-        req.headers_mut()
-            .insert(CALL_ID, http::HeaderValue::from(id));
-        req.extensions_mut().insert(job);
         let when = self.at(at);
-        tokio::spawn(async move {
-            tokio::time::sleep_until(when).await;
-            let sent = Instant::now();
-            let answer = answer(stack.oneshot(req).await);
-            Outcome {
-                id,
-                sent,
-                done: Instant::now(),
-                answer,
-            }
-        })
+        send_at(stack, id, when, job)
     }
 
     /// Seconds past the start.

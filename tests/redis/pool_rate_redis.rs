@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use crate::support::RedisServer;
-use crate::support::rate_limited::{CALL_ID, Outcome, RateLimited, answer, busy_reasons, count};
+use crate::support::rate_limited::{Outcome, RateLimited, busy_reasons, count, send_at};
 use crate::support::{joined, user};
 use fairgate::pool::{Pool, Upstream};
 use fairgate::{BackoffPolicy, BoxError, FairgateLayer, Store};
@@ -78,21 +78,7 @@ async fn two_workers_over_two_upstreams_serve_at_least_1_8_times_one_with_no_429
     let send = |w: usize, at: Instant, tenant: String| {
         let stack = stacks[w].clone();
         let id = ids.fetch_add(1, Ordering::Relaxed);
-        let mut req = http::Request::new("{}".to_owned());
-        req.headers_mut()
-            .insert(CALL_ID, http::HeaderValue::from(id));
-        req.extensions_mut().insert(user(&tenant, "premium"));
-        tokio::spawn(async move {
-            tokio::time::sleep_until(at).await;
-            let sent = Instant::now();
-            let answer = answer(stack.oneshot(req).await);
-            Outcome {
-                id,
-                sent,
-                done: Instant::now(),
-                answer,
-            }
-        })
+        send_at(stack, id, at, user(&tenant, "premium"))
     };
     // Warm-up: calls through both workers until each upstream has answered (slow start over,
     // its limits learned by the fleet).

@@ -16,8 +16,8 @@ use std::time::Duration;
 
 use crate::support::RedisServer;
 use crate::support::rate_limited::{
-    CALL_ID, Outcome, RateLimited, answer, busy_reasons, count, first_start,
-    longest_idle_while_waiting, share_broken, waiting,
+    Outcome, RateLimited, busy_reasons, count, first_start, longest_idle_while_waiting, send_at,
+    share_broken, waiting,
 };
 use crate::support::{joined, percentile, user};
 use fairgate::{BackoffPolicy, BoxError, FairgateLayer, Job, Origin, SlotPolicy, Store};
@@ -121,22 +121,8 @@ impl Fleet {
     fn send(&self, w: usize, at: Duration, job: Job) -> JoinHandle<Outcome> {
         let stack = self.stacks[w].clone();
         let id = self.ids.fetch_add(1, Ordering::Relaxed);
-        let mut req = http::Request::new("{}".to_owned());
-        req.headers_mut()
-            .insert(CALL_ID, http::HeaderValue::from(id));
-        req.extensions_mut().insert(job);
         let when = self.at(at);
-        tokio::spawn(async move {
-            tokio::time::sleep_until(when).await;
-            let sent = Instant::now();
-            let answer = answer(stack.oneshot(req).await);
-            Outcome {
-                id,
-                sent,
-                done: Instant::now(),
-                answer,
-            }
-        })
+        send_at(stack, id, when, job)
     }
 }
 

@@ -670,3 +670,32 @@ pub fn waiting(outcomes: &[Outcome], calls: &[Started]) -> Vec<(Instant, Instant
         .map(|o| (o.sent, first_start(calls, o.id).unwrap_or(o.done)))
         .collect()
 }
+
+/// A stack under test, answering each call's status.
+pub type StatusStack = tower::util::BoxCloneSyncService<http::Request<String>, u16, BoxError>;
+
+/// Sends `job` through `stack` at `at`, as call `id` (its [`CALL_ID`] header): what it was
+/// answered, and when.
+pub fn send_at(
+    stack: StatusStack,
+    id: u64,
+    at: Instant,
+    job: Job,
+) -> tokio::task::JoinHandle<Outcome> {
+    use tower::ServiceExt;
+    let mut req = http::Request::new("{}".to_owned());
+    req.headers_mut()
+        .insert(CALL_ID, http::HeaderValue::from(id));
+    req.extensions_mut().insert(job);
+    tokio::spawn(async move {
+        tokio::time::sleep_until(at).await;
+        let sent = Instant::now();
+        let answer = answer(stack.oneshot(req).await);
+        Outcome {
+            id,
+            sent,
+            done: Instant::now(),
+            answer,
+        }
+    })
+}
