@@ -13,6 +13,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
+use crate::first_hour::promtool_lint;
 use crate::support::RedisServer;
 use crate::support::anthropic::{MockAnthropic, Reply};
 use crate::support::gateway::*;
@@ -106,48 +107,6 @@ fn upstream_metric(text: &str, name: &str, upstream: &str) -> Option<f64> {
     let prefix = format!("{name}{{upstream=\"{upstream}\"}} ");
     text.lines()
         .find_map(|line| line.strip_prefix(&prefix)?.trim().parse().ok())
-}
-
-/// `promtool check metrics` on a scrape, as `first_hour` runs it (skipped without promtool
-/// outside CI; the one known lint, `claude_throttle_count`, kept).
-fn promtool_lint(text: &str) {
-    use std::io::Write;
-    use std::process::{Command, Stdio};
-    let promtool = std::path::Path::new("/usr/bin/promtool");
-    if !promtool.exists() {
-        assert!(std::env::var_os("CI").is_none(), "no promtool");
-        eprintln!("SKIPPED the promtool lint: promtool is absent");
-        return;
-    }
-    let mut check = Command::new(promtool)
-        .args(["check", "metrics"])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("run promtool");
-    check
-        .stdin
-        .take()
-        .unwrap()
-        .write_all(text.as_bytes())
-        .unwrap();
-    let out = check.wait_with_output().unwrap();
-    let said = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let problems: Vec<&str> = said
-        .lines()
-        .filter(|line| !line.trim().is_empty())
-        .filter(|line| !line.starts_with("claude_throttle_count non-histogram"))
-        .collect();
-    assert!(
-        matches!(out.status.code(), Some(0 | 3)) && problems.is_empty(),
-        "promtool check metrics: {}\n{said}",
-        out.status
-    );
 }
 
 /// The README's keys file with a pool (its section "A pool of upstreams"), its two base
