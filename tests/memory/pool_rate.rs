@@ -16,7 +16,7 @@ use crate::support::rate_limited::{
 };
 use crate::support::{joined, user};
 use fairgate::pool::{Pool, Upstream};
-use fairgate::{BackoffPolicy, BoxError, FairgateLayer, Job, Origin, Store};
+use fairgate::{BackoffPolicy, BoxError, FairgateLayer, Job, Store};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 use tower::util::BoxCloneSyncService;
@@ -46,7 +46,12 @@ impl Rig {
             let service: Svc = BoxCloneSyncService::new(upstream.service());
             builder = builder.upstream(Upstream::new(format!("u{i}"), service));
         }
-        let pool = builder.build().unwrap();
+        Rig::over(upstreams, builder.build().unwrap())
+    }
+
+    /// `FairgateLayer` (the jitter seeded) with `pool`'s gate, over `pool`, whose
+    /// upstreams' records are `upstreams`.
+    fn over(upstreams: Vec<RateLimited>, pool: Pool<Svc>) -> Rig {
         let fairgate = FairgateLayer::builder(Store::memory())
             .backoff(BackoffPolicy::builder().seed(18).build().unwrap())
             .pool(pool.gate())
@@ -313,32 +318,17 @@ async fn the_pool_gate_holds_each_upstreams_cap_and_gives_the_place_back() {
         .upstream(Upstream::new("b", services[1].clone()).max_in_flight(1))
         .build()
         .unwrap();
-    let fairgate = FairgateLayer::builder(Store::memory())
-        .backoff(BackoffPolicy::builder().seed(3).build().unwrap())
-        .pool(pool.gate())
-        .build()
-        .unwrap();
-    let stack: Stack = BoxCloneSyncService::new(
-        fairgate
-            .layer(pool.clone())
-            .map_response(|response| response.status().as_u16()),
-    );
+    let rig = Rig::over(slow.to_vec(), pool);
     let calls: Vec<_> = (0..12)
-        .map(|i| {
-            let stack = stack.clone();
-            let mut req = http::Request::new("{}".to_owned());
-            req.extensions_mut()
-                .insert(Job::new(format!("t{i}"), Origin::UserAction).with_tier("pro"));
-            tokio::spawn(async move { stack.oneshot(req).await.map_err(|e| e.to_string()) })
-        })
+        .map(|i| rig.send(Duration::ZERO, user(&format!("t{i}"), "pro")))
         .collect();
     for call in joined(calls).await {
-        assert_eq!(call, Ok(200));
+        assert!(call.ok(), "{call:?}");
     }
     let most = (slow[0].max_in_flight(), slow[1].max_in_flight());
     println!("most in flight at each upstream: {most:?}");
     assert_eq!(most, (2, 1), "each upstream's cap held, and both used");
-    assert!(pool.upstreams().iter().all(|u| u.in_flight == 0));
+    assert!(rig.pool.upstreams().iter().all(|u| u.in_flight == 0));
 }
 
 #[tokio::test(start_paused = true)]
@@ -371,23 +361,7 @@ async fn an_upstream_killed_mid_load_loses_no_call_the_survivor_runs_at_its_rate
         ))
         .build()
         .unwrap();
-    let fairgate = FairgateLayer::builder(Store::memory())
-        .backoff(BackoffPolicy::builder().seed(7).build().unwrap())
-        .pool(pool.gate())
-        .build()
-        .unwrap();
-    let stack: Stack = BoxCloneSyncService::new(
-        fairgate
-            .layer(pool.clone())
-            .map_response(|response| response.status().as_u16()),
-    );
-    let rig = Rig {
-        upstreams: vec![first, second],
-        pool,
-        stack,
-        start: Instant::now(),
-        ids: Arc::default(),
-    };
+    let rig = Rig::over(vec![first, second], pool);
     // 5 calls a second for 50 s, each its own tenant: above one upstream's 2 a second.
     let calls: Vec<_> = (0..250u64)
         .map(|i| rig.send(ms(i * 200), user(&format!("t{i}"), "premium")))
