@@ -123,8 +123,10 @@ async fn one_call_is_one_span_at_the_collector_with_its_attributes() {
     assert_eq!(span["attempts"], "1");
     assert_eq!(span["status"], "200");
     assert_eq!(span["outcome"], "answered");
-    // The gateway's one upstream key (the retry layer's default name).
-    assert_eq!(span["upstream"], "default");
+    // The upstream that answered, by its rate key: the retry layer's key ("default") at the
+    // pool member's name (`--upstream` alone is a pool of one named "default"), the key its
+    // learned limits show under in /metrics.
+    assert_eq!(span["upstream"], "default@default");
     // The first call may wait a moment for the slow start (one call while the upstream's
     // limits are unknown): the rate.
     assert!(
