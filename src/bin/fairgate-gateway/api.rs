@@ -77,19 +77,7 @@ pub(crate) struct Live {
 impl Live {
     /// The stack for `config` over `store`, its calls sent through `pool`.
     pub(crate) fn new(config: Config, store: Store, pool: &Pool<Member>) -> Result<Live, String> {
-        let fairgate = FairgateLayer::builder(store.clone())
-            .slots(config.policy.clone())
-            .window(config.window)
-            .demotion(config.demotion.clone())
-            // One fair order across the upstreams: each call goes to one with room now.
-            .pool(pool.gate())
-            // A call up to `[cost] max_charge` pays its whole charge before it goes.
-            .fairness(|fair| {
-                let quantum = fairgate::drr_fairness::SchedulerConfig::default().quantum;
-                fair.max_charge_quanta(config.cost.max_charge_quanta(quantum))
-            })
-            .build()
-            .map_err(|e| format!("bad limits: {e}"))?;
+        let fairgate = Live::layer(&config, &store, pool)?;
         let fair = fairgate.fairness().clone();
         let settler = fairgate.settler();
         let upstreams = pool.clone();
@@ -157,6 +145,23 @@ impl Live {
             pool: pool.clone(),
             messages: BoxCloneSyncService::new(stack),
         })
+    }
+
+    /// The four layers for `config` over `store`, handed `pool`'s gate.
+    fn layer(config: &Config, store: &Store, pool: &Pool<Member>) -> Result<FairgateLayer, String> {
+        FairgateLayer::builder(store.clone())
+            .slots(config.policy.clone())
+            .window(config.window)
+            .demotion(config.demotion.clone())
+            // One fair order across the upstreams: each call goes to one with room now.
+            .pool(pool.gate())
+            // A call up to `[cost] max_charge` pays its whole charge before it goes.
+            .fairness(|fair| {
+                let quantum = fairgate::drr_fairness::SchedulerConfig::default().quantum;
+                fair.max_charge_quanta(config.cost.max_charge_quanta(quantum))
+            })
+            .build()
+            .map_err(|e| format!("bad limits: {e}"))
     }
 
     pub(crate) fn keys(&self) -> &KeyTable {

@@ -30,6 +30,8 @@
 //! - `upstreams`: `--upstream` or the keys file's `[[upstreams]]`, as one pool.
 
 mod admin;
+#[cfg(not(target_env = "msvc"))]
+mod allocator;
 mod answer;
 mod api;
 mod auth;
@@ -71,30 +73,6 @@ use self::auth::AuthGuard;
 use self::holders::{HolderLimits, Holders};
 use self::server::{ConnLimits, Connections};
 use self::upstreams::Upstreams;
-
-/// jemalloc, with background threads that hand freed pages back to the system: after a
-/// burst of 10,000 streams the system allocator kept its peak (53 MB against 16 MB here),
-/// and its per-thread arenas fragment under many short-lived connections.
-#[cfg(not(target_env = "msvc"))]
-#[global_allocator]
-static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
-
-/// jemalloc's settings, read when it starts (the symbol its prefixed build looks for):
-/// freed pages go back after a second rather than ten, so the memory of a burst is given
-/// back soon after it.
-#[cfg(not(target_env = "msvc"))]
-#[unsafe(export_name = "_rjem_malloc_conf")]
-static ALLOCATOR_CONF: AllocatorConf =
-    AllocatorConf(c"background_thread:true,dirty_decay_ms:1000,muzzy_decay_ms:0".as_ptr());
-
-/// A C string jemalloc reads once; never written.
-#[cfg(not(target_env = "msvc"))]
-#[repr(transparent)]
-struct AllocatorConf(*const std::ffi::c_char);
-
-// SAFETY: it points at a static byte string that nothing writes.
-#[cfg(not(target_env = "msvc"))]
-unsafe impl Sync for AllocatorConf {}
 
 /// The body of every response the gateway sends.
 pub(crate) type Body = http_body_util::combinators::UnsyncBoxBody<Bytes, BoxError>;
@@ -786,24 +764,6 @@ fn check_args(args: &mut Args) -> Result<(), String> {
     Ok(())
 }
 
-/// How many connections may wait to be accepted on the API listener. A burst of thousands of
-/// clients connecting at once overflows tokio's default of 1,024 (about one in ten of 10,000
-/// connects failed): the kernel caps it at `net.core.somaxconn` (4,096 on current Linux).
-const API_BACKLOG: u32 = 4096;
-
-/// A listener on `addr` with room for `backlog` connections waiting to be accepted.
-fn listen(addr: SocketAddr, backlog: u32) -> std::io::Result<tokio::net::TcpListener> {
-    let socket = if addr.is_ipv4() {
-        tokio::net::TcpSocket::new_v4()?
-    } else {
-        tokio::net::TcpSocket::new_v6()?
-    };
-    // As `TcpListener::bind` does: a restarted gateway rebinds while old sockets linger.
-    socket.set_reuseaddr(true)?;
-    socket.bind(addr)?;
-    socket.listen(backlog)
-}
-
 /// The API and admin listeners, bound, with their connection tables.
 struct Listeners {
     api: tokio::net::TcpListener,
@@ -816,7 +776,7 @@ struct Listeners {
 
 impl Listeners {
     async fn bind(args: &Args) -> Result<Listeners, String> {
-        let api = listen(args.listen, API_BACKLOG)
+        let api = server::listen(args.listen, server::API_BACKLOG)
             .map_err(|e| format!("--listen {}: {e}", args.listen))?;
         let api_addr = api.local_addr().map_err(|e| e.to_string())?;
         let admin = tokio::net::TcpListener::bind(args.admin)

@@ -617,6 +617,24 @@ pub(crate) async fn stopped(shutdown: &mut watch::Receiver<bool>) {
     let _ = shutdown.wait_for(|stop| *stop).await;
 }
 
+/// How many connections may wait to be accepted on the API listener. A burst of thousands of
+/// clients connecting at once overflows tokio's default of 1,024 (about one in ten of 10,000
+/// connects failed): the kernel caps it at `net.core.somaxconn` (4,096 on current Linux).
+pub(crate) const API_BACKLOG: u32 = 4096;
+
+/// A listener on `addr` with room for `backlog` connections waiting to be accepted.
+pub(crate) fn listen(addr: SocketAddr, backlog: u32) -> std::io::Result<tokio::net::TcpListener> {
+    let socket = if addr.is_ipv4() {
+        tokio::net::TcpSocket::new_v4()?
+    } else {
+        tokio::net::TcpSocket::new_v6()?
+    };
+    // As `TcpListener::bind` does: a restarted gateway rebinds while old sockets linger.
+    socket.set_reuseaddr(true)?;
+    socket.bind(addr)?;
+    socket.listen(backlog)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
