@@ -617,9 +617,9 @@ pub(crate) async fn stopped(shutdown: &mut watch::Receiver<bool>) {
     let _ = shutdown.wait_for(|stop| *stop).await;
 }
 
-/// How many connections may wait to be accepted on the API listener. A burst of thousands of
-/// clients connecting at once overflows tokio's default of 1,024 (about one in ten of 10,000
-/// connects failed): the kernel caps it at `net.core.somaxconn` (4,096 on current Linux).
+/// How many connections may wait to be accepted on the API listener. A thousand clients
+/// connecting at once overflowed tokio's default of 1,024 (10-15% of the connects failed, one
+/// run in three); the kernel caps it at `net.core.somaxconn` (4,096 on current Linux).
 pub(crate) const API_BACKLOG: u32 = 4096;
 
 /// A listener on `addr` with room for `backlog` connections waiting to be accepted.
