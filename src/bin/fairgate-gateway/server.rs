@@ -545,22 +545,25 @@ async fn connection<H, Fut>(
         conn: conn.clone(),
         table: table.clone(),
     });
-    let service =
-        {
-            let conn = conn.clone();
-            let table = table.clone();
-            service_fn(move |mut req: http::Request<Incoming>| {
-                let busy = Busy::begin(conn.clone(), table.clone());
-                req.extensions_mut().insert(Hangup(conn.clone()));
-                let answer = handler(peer.ip(), req);
-                async move {
+    let service = {
+        let conn = conn.clone();
+        let table = table.clone();
+        service_fn(move |mut req: http::Request<Incoming>| {
+            let busy = Busy::begin(conn.clone(), table.clone());
+            req.extensions_mut().insert(Hangup(conn.clone()));
+            let answer = handler(peer.ip(), req);
+            // Boxed: hyper keeps room for this future for the connection's whole life,
+            // and an answer streams long after it is done (5 KiB a stream saved).
+            let answer: Pin<Box<dyn Future<Output = _> + Send>> =
+                Box::pin(async move {
                     let response = answer.await;
                     Ok::<_, std::convert::Infallible>(response.map(|body| {
                         http_body_util::BodyExt::boxed_unsync(Holding::new(body, busy))
                     }))
-                }
-            })
-        };
+                });
+            answer
+        })
+    };
     let http = hyper::server::conn::http1::Builder::new()
         .max_buf_size(MAX_HEAD)
         .serve_connection(io, service);
