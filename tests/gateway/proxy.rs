@@ -335,6 +335,47 @@ async fn a_client_gone_mid_stream_cancels_the_upstream_call_and_frees_its_slot()
     assert_eq!(gateway.slots_in_use().await, 0.0);
 }
 
+/// `--upstream-http2`: the same answers over HTTP/2 (h2c to the mock), and a client that
+/// leaves mid-stream still cancels its call (its stream reset, the slot given back).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn over_http2_answers_arrive_whole_and_a_client_gone_cancels_its_call() {
+    let _turn = crate::support::file_turn(module_path!());
+    let _serial = SERIAL.lock().await;
+    let mock = MockAnthropic::start();
+    let gateway = Gateway::start_with(
+        &mock.url(),
+        &keys_toml(8, 200, ""),
+        None,
+        &["--upstream-http2"],
+    );
+    let whole = post_messages(&gateway, PREMIUM_KEY, false).await.unwrap();
+    assert_eq!(whole.status(), 200);
+    assert_eq!(whole.text().await.unwrap(), MESSAGE_JSON);
+    let streamed = post_messages(&gateway, PREMIUM_KEY, true).await.unwrap();
+    assert_eq!(streamed.text().await.unwrap(), stream_body());
+    let versions: Vec<_> = mock.requests().iter().map(|r| r.version).collect();
+    assert_eq!(versions, [http::Version::HTTP_2; 2]);
+
+    mock.set_event_gap(Duration::from_millis(250));
+    let mut response = post_messages(&gateway, PREMIUM_KEY, true).await.unwrap();
+    let first = response.chunk().await.unwrap().expect("a first event");
+    assert!(first.starts_with(b"event: message_start"));
+    assert_eq!(mock.in_flight(), 1);
+    drop(response);
+    let gateway_ref = &gateway;
+    assert!(
+        eventually(Duration::from_millis(1_500), async || mock.in_flight() == 0).await,
+        "the upstream call was not cancelled"
+    );
+    assert!(
+        eventually(Duration::from_millis(1_000), async || {
+            gateway_ref.slots_in_use().await == 0.0
+        })
+        .await,
+        "the slot was not given back"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_upstream_429_is_retried_after_its_retry_after() {
     let _turn = crate::support::file_turn(module_path!());

@@ -119,6 +119,8 @@ pub enum Reply {
 #[derive(Clone, Debug)]
 pub struct Recorded {
     pub method: Method,
+    /// HTTP/1.1, or HTTP/2 from an upstream of `http2 = true`.
+    pub version: http::Version,
     pub path: String,
     pub headers: HeaderMap,
     pub body: Bytes,
@@ -451,6 +453,7 @@ async fn handle(State(inner): State<Arc<Inner>>, req: Request) -> Response {
         }
         recorded.push_back(Recorded {
             method: parts.method.clone(),
+            version: parts.version,
             path: parts.uri.path().to_owned(),
             headers: parts.headers.clone(),
             body: body.clone(),

@@ -41,6 +41,7 @@ mod cost;
 mod dashboard;
 mod flights;
 mod holders;
+mod http2;
 mod identity;
 mod otlp;
 mod own_answer;
@@ -98,6 +99,11 @@ pub(crate) struct Args {
                   not with the keys file's [[upstreams]]")]
     upstream: Option<Uri>,
 
+    /// Calls `--upstream` over HTTP/2: many calls a connection (`https://` by ALPN,
+    /// `http://` with prior knowledge); the upstream must speak it.
+    #[arg(long, env = "FAIRGATE_UPSTREAM_HTTP2", requires = "upstream")]
+    upstream_http2: bool,
+
     /// The clients' keys (TOML: `[[keys]]` key, tenant, tier; optional `[limits]`, `[[tiers]]`).
     #[arg(
         long,
@@ -135,7 +141,7 @@ pub(crate) struct Args {
 
     /// Connections open at once on the API port; at the cap a new one closes the oldest idle
     /// one, or is answered 529 when none is idle. Lowered to fit the open-files limit, two
-    /// files a call (its connection and the upstream's).
+    /// files a call (its connection and the upstream's; one when every upstream is HTTP/2).
     #[arg(long, env = "FAIRGATE_MAX_CONNECTIONS", value_name = "N", default_value_t = 4096,
           value_parser = clap::value_parser!(u32).range(1..))]
     max_connections: u32,
@@ -348,8 +354,17 @@ fn raise_open_files_limit() -> Option<u64> {
 /// itself.
 const RESERVED_FILES: u64 = 512;
 
-/// Files each API connection may need at once: its own socket and the upstream's.
-const FILES_PER_CONNECTION: u64 = 2;
+/// Files each API connection may need at once: its own socket and, unless every upstream
+/// is called over HTTP/2 (a few connections for all calls, held in [`RESERVED_FILES`]),
+/// the upstream's.
+fn files_per_connection(args: &Args, config: &config::Config) -> u64 {
+    let all_http2 = if config.upstreams.is_empty() {
+        args.upstream_http2
+    } else {
+        config.upstreams.iter().all(|upstream| upstream.http2)
+    };
+    if all_http2 { 1 } else { 2 }
+}
 
 /// Reads the keys file again: the new keys, tiers and limits apply to calls that begin
 /// from now on; a bad file keeps the old one.
@@ -399,7 +414,8 @@ async fn open_store(args: &Args) -> Result<Store, String> {
 
 async fn run(mut args: Args) -> Result<(), String> {
     let config = config::load(&args.keys)?;
-    check_args(&mut args)?;
+    let files = files_per_connection(&args, &config);
+    check_args(&mut args, files)?;
     let upstreams = Arc::new(open_upstreams(&args, &config)?);
     let metrics = install_metrics(&config)?;
     let store = open_store(&args).await?;
@@ -716,7 +732,7 @@ fn open_upstreams(args: &Args, config: &config::Config) -> Result<Upstreams, Str
                     "ANTHROPIC_API_KEY is not set: the gateway calls --upstream with it".into(),
                 );
             }
-            Upstreams::single(url, key.trim())
+            Upstreams::single(url, key.trim(), args.upstream_http2)
         }
         (None, false) => {
             Upstreams::from_specs(&args.keys, &config.upstreams, |var| std::env::var(var).ok())
@@ -727,7 +743,7 @@ fn open_upstreams(args: &Args, config: &config::Config) -> Result<Upstreams, Str
 /// Refuses what the gateway cannot start with (a body budget smaller than one body; an
 /// admin listener beyond loopback without a token; a `--record` file it must not
 /// overwrite), and lowers `--max-connections` to fit the open-files limit.
-fn check_args(args: &mut Args) -> Result<(), String> {
+fn check_args(args: &mut Args, files_per_connection: u64) -> Result<(), String> {
     if args.body_budget < args.max_body {
         return Err(format!(
             "--body-budget ({} bytes) must hold at least one --max-body ({} bytes)",
@@ -751,7 +767,7 @@ fn check_args(args: &mut Args) -> Result<(), String> {
         record::check_target(path, &args.keys)?;
     }
     if let Some(files) = raise_open_files_limit() {
-        let fit = (files.saturating_sub(RESERVED_FILES) / FILES_PER_CONNECTION).max(1);
+        let fit = (files.saturating_sub(RESERVED_FILES) / files_per_connection).max(1);
         if u64::from(args.max_connections) > fit {
             warn!(
                 max_connections = args.max_connections,

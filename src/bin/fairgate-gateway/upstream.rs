@@ -13,6 +13,7 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 
 use super::Body;
+use super::http2::Http2;
 
 /// The gateway's HTTP client: one for every upstream (its idle connections kept per host).
 pub(crate) type HttpClient = Client<HttpsConnector<HttpConnector>, Body>;
@@ -20,12 +21,21 @@ pub(crate) type HttpClient = Client<HttpsConnector<HttpConnector>, Body>;
 /// The upstream API: a pooled client, the base URL and the team's key.
 #[derive(Clone)]
 pub(crate) struct Upstream {
-    client: HttpClient,
+    transport: Transport,
     scheme: http::uri::Scheme,
     authority: http::uri::Authority,
     /// A path prefix of the upstream URL, without the trailing `/` (usually empty).
     base_path: String,
     api_key: HeaderValue,
+}
+
+/// How calls reach the upstream.
+#[derive(Clone)]
+enum Transport {
+    /// HTTP/1.1, a connection a call (kept idle for reuse after).
+    Http1(Box<HttpClient>),
+    /// HTTP/2, many calls a connection.
+    Http2(Http2),
 }
 
 /// Idle upstream connections kept for reuse at most.
@@ -86,21 +96,26 @@ pub(crate) fn strip_hop_by_hop(headers: &mut HeaderMap) {
 
 /// The HTTP client the gateway's upstreams share (`http://` and `https://`, HTTP/1.1).
 pub(crate) fn client() -> HttpClient {
-    let mut http = HttpConnector::new();
-    http.enforce_http(false); // https:// goes through rustls
-    http.set_nodelay(true); // a request's head and body go out at once
-    http.set_connect_timeout(Some(Duration::from_secs(10)));
     let https = hyper_rustls::HttpsConnectorBuilder::new()
         .with_webpki_roots()
         .https_or_http()
         .enable_http1()
-        .wrap_connector(http);
+        .wrap_connector(tcp());
     Client::builder(TokioExecutor::new())
         .pool_idle_timeout(Duration::from_secs(60))
         // After a burst of thousands of calls, a few idle connections are kept, not
         // the burst's: each is a file and a few KiB.
         .pool_max_idle_per_host(MAX_IDLE_CONNECTIONS)
         .build(https)
+}
+
+/// The TCP side of the gateway's upstream connections.
+fn tcp() -> HttpConnector {
+    let mut http = HttpConnector::new();
+    http.enforce_http(false); // https:// goes through rustls
+    http.set_nodelay(true); // a request's head and body go out at once
+    http.set_connect_timeout(Some(Duration::from_secs(10)));
+    http
 }
 
 impl Upstream {
@@ -111,12 +126,31 @@ impl Upstream {
             .map_err(|_| "the upstream key is not a valid header value".to_owned())?;
         api_key.set_sensitive(true);
         Ok(Upstream {
-            client,
+            transport: Transport::Http1(Box::new(client)),
             scheme: url.scheme().cloned().unwrap_or(http::uri::Scheme::HTTPS),
             authority: url.authority().cloned().ok_or("no host")?,
             base_path: url.path().trim_end_matches('/').to_owned(),
             api_key,
         })
+    }
+
+    /// The same upstream called over HTTP/2 (connections of its own).
+    pub(crate) fn http2(self) -> Upstream {
+        let https = hyper_rustls::HttpsConnectorBuilder::new()
+            .with_webpki_roots()
+            .https_or_http()
+            .enable_http2()
+            .wrap_connector(tcp());
+        let target = Uri::builder()
+            .scheme(self.scheme.clone())
+            .authority(self.authority.clone())
+            .path_and_query("/")
+            .build()
+            .expect("a scheme and an authority make a URI");
+        Upstream {
+            transport: Transport::Http2(Http2::new(https, target)),
+            ..self
+        }
     }
 
     /// `req` readdressed to the upstream at `path` (canonical, checked by the caller), with
@@ -152,14 +186,19 @@ impl Upstream {
         for name in ours {
             headers.remove(name);
         }
-        parts.version = http::Version::HTTP_11;
+        parts.version = match self.transport {
+            Transport::Http1(_) => http::Version::HTTP_11,
+            Transport::Http2(_) => http::Version::HTTP_2,
+        };
         Ok(http::Request::from_parts(parts, body))
     }
 
     pub(crate) async fn send(&self, req: http::Request<Body>) -> Result<Response<Body>, BoxError> {
         let req = self.prepare(req)?;
-        let response = self.client.request(req).await?;
-        Ok(downstream(response))
+        match &self.transport {
+            Transport::Http1(client) => Ok(downstream(client.request(req).await?)),
+            Transport::Http2(connections) => connections.send(req).await,
+        }
     }
 }
 

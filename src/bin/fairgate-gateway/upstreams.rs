@@ -15,6 +15,7 @@
 //! priority = 1                      # optional: lower first (default 0)
 //! models = ["claude-sonnet-4-5"]    # optional: the models it serves (default every one)
 //! max_in_flight = 64                # optional: most calls at once there
+//! http2 = true                      # optional, anthropic: many calls a connection
 //! ```
 //!
 //! - `POST /v1/messages` goes through the pool: the body's `model` is the call's
@@ -77,6 +78,7 @@ pub(crate) struct UpstreamEntry {
     priority: u32,
     models: Option<Spanned<Vec<String>>>,
     max_in_flight: Option<Spanned<usize>>,
+    http2: Option<Spanned<bool>>,
 }
 
 /// Kinds of upstream.
@@ -109,6 +111,8 @@ pub(crate) struct UpstreamSpec {
     pub(crate) priority: u32,
     pub(crate) models: Option<Vec<String>>,
     pub(crate) max_in_flight: Option<usize>,
+    /// Called over HTTP/2 (the `http2` module).
+    pub(crate) http2: bool,
     /// Its line in the keys file.
     pub(crate) line: usize,
 }
@@ -247,6 +251,7 @@ fn check_one(text: &str, spanned: &Spanned<UpstreamEntry>) -> Result<UpstreamSpe
         priority: entry.priority,
         models,
         max_in_flight,
+        http2: entry.http2.as_ref().is_some_and(|h| *h.get_ref()),
         line: refuse(text, Some(spanned.span()), String::new())
             .line
             .unwrap_or(0),
@@ -283,6 +288,10 @@ fn check_anthropic(refuser: &Refuser<'_>, entry: &UpstreamEntry) -> Result<(), R
 /// A Bedrock upstream needs a `region`, and takes no `key_env` (it signs with the AWS
 /// environment's credentials).
 fn check_bedrock(refuser: &Refuser<'_>, entry: &UpstreamEntry) -> Result<(), Refusal> {
+    if let Some(http2) = &entry.http2 {
+        let what = "http2 is for kind = \"anthropic\": Bedrock is called over HTTP/1.1";
+        return Err(refuser.fail(Some(http2.span()), what));
+    }
     if let Some(var) = &entry.key_env {
         let what = "key_env is for kind = \"anthropic\": Bedrock signs with the AWS \
                     credentials of the environment (AWS_ACCESS_KEY_ID, ...)";
@@ -366,10 +375,13 @@ pub(crate) struct Upstreams {
 }
 
 impl Upstreams {
-    /// `--upstream URL` with `key`: a pool of one, named `default`.
-    pub(crate) fn single(url: &Uri, key: &str) -> Result<Upstreams, String> {
-        let upstream = Upstream::new(client(), url, key)
+    /// `--upstream URL` with `key`, over HTTP/2 when `http2`: a pool of one, named `default`.
+    pub(crate) fn single(url: &Uri, key: &str, http2: bool) -> Result<Upstreams, String> {
+        let mut upstream = Upstream::new(client(), url, key)
             .map_err(|e| e.replace("the upstream key", "ANTHROPIC_API_KEY"))?;
+        if http2 {
+            upstream = upstream.http2();
+        }
         let pool = Pool::builder()
             .upstream(fairgate::pool::Upstream::new(
                 "default",
@@ -413,19 +425,7 @@ impl Upstreams {
             };
             let service = match spec.kind {
                 Kind::Anthropic => {
-                    let var = spec.key_env.as_deref().unwrap_or_default();
-                    let key = env(var)
-                        .filter(|key| !key.trim().is_empty())
-                        .ok_or_else(|| {
-                            refused(format!("key_env {var} is not set in the environment"))
-                        })?;
-                    let url = spec
-                        .url
-                        .as_deref()
-                        .and_then(base_url)
-                        .ok_or_else(|| refused("no url".into()))?;
-                    let upstream = Upstream::new(client.clone(), &url, key.trim())
-                        .map_err(|e| refused(e.replace("the upstream key", var)))?;
+                    let upstream = anthropic_upstream(spec, &client, &env).map_err(refused)?;
                     let member = anthropic_member(&upstream);
                     apis.push(Api {
                         name: spec.name.as_str().into(),
@@ -609,6 +609,30 @@ fn anthropic_member(upstream: &Upstream) -> Member {
     }))
 }
 
+/// The Anthropic upstream of `spec`, its key read with `env`, over `client` (or HTTP/2).
+fn anthropic_upstream(
+    spec: &UpstreamSpec,
+    client: &HttpClient,
+    env: impl Fn(&str) -> Option<String>,
+) -> Result<Upstream, String> {
+    let var = spec.key_env.as_deref().unwrap_or_default();
+    let key = env(var)
+        .filter(|key| !key.trim().is_empty())
+        .ok_or_else(|| format!("key_env {var} is not set in the environment"))?;
+    let url = spec
+        .url
+        .as_deref()
+        .and_then(base_url)
+        .ok_or_else(|| "no url".to_owned())?;
+    let upstream = Upstream::new(client.clone(), &url, key.trim())
+        .map_err(|e| e.replace("the upstream key", var))?;
+    Ok(if spec.http2 {
+        upstream.http2()
+    } else {
+        upstream
+    })
+}
+
 /// A Bedrock upstream as a member of the pool, and over streamed bodies.
 fn bedrock_member(client: &HttpClient, layer: &BedrockLayer) -> (Member, Streamed) {
     let client = client.clone();
@@ -657,6 +681,7 @@ mod tests {
 name = "primary"
 url = "https://api.anthropic.com"
 key_env = "ANTHROPIC_API_KEY"
+http2 = true
 
 [[upstreams]]
 name = "bedrock-east"
@@ -673,8 +698,9 @@ max_in_flight = 8
         let specs = parse_specs(TWO).unwrap();
         assert_eq!(specs.len(), 2);
         assert_eq!((specs[0].kind, specs[0].line), (Kind::Anthropic, 2));
+        assert!(specs[0].http2 && !specs[1].http2);
         assert_eq!(specs[1].kind, Kind::Bedrock);
-        assert_eq!(specs[1].line, 7);
+        assert_eq!(specs[1].line, 8);
         assert_eq!((specs[1].weight, specs[1].priority), (2, 1));
         assert_eq!(specs[1].max_in_flight, Some(8));
         // The same pool written elsewhere in the file.
@@ -735,6 +761,15 @@ max_in_flight = 8
                 .message
                 .contains("AWS credentials")
         );
+        let http2 =
+            "[[upstreams]]\nname = \"b\"\nkind = \"bedrock\"\nregion = \"r\"\nhttp2 = true\n";
+        let refusal = parse_specs(http2).unwrap_err();
+        assert!(
+            refusal.message.contains("http2 is for kind"),
+            "{}",
+            refusal.message
+        );
+        assert_eq!(refusal.line, Some(5));
     }
 
     #[test]
@@ -751,7 +786,7 @@ max_in_flight = 8
         let err = Upstreams::from_specs(path, &specs, only_key).err().unwrap();
         assert!(
             err.starts_with(
-                "--keys keys.toml line 7: [[upstreams]] `bedrock-east`: no AWS credentials"
+                "--keys keys.toml line 8: [[upstreams]] `bedrock-east`: no AWS credentials"
             ),
             "{err}"
         );
