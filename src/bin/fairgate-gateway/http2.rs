@@ -193,7 +193,7 @@ impl Http2 {
         Ok((send, stream))
     }
 
-    /// Connections open now (for tests and the status page).
+    /// Connections open now.
     #[cfg(test)]
     pub(crate) fn connections(&self) -> usize {
         self.inner.lock().open.len()
@@ -208,14 +208,15 @@ mod tests {
     use hyper::body::Incoming;
     use hyper_util::rt::TokioIo;
     use std::sync::atomic::{AtomicUsize, Ordering};
-    use tokio::sync::Semaphore;
+    use tokio::sync::{Notify, Semaphore};
 
     /// An h2c server on loopback whose answers wait for `release`; counts its connections
-    /// and the calls it holds.
+    /// and the calls it holds (`arrived` wakes whoever waits for a count).
     struct Server {
         url: Uri,
         connections: Arc<AtomicUsize>,
         holding: Arc<AtomicUsize>,
+        arrived: Arc<Notify>,
         release: Arc<Semaphore>,
     }
 
@@ -227,16 +228,19 @@ mod tests {
         let connections = Arc::new(AtomicUsize::new(0));
         let holding = Arc::new(AtomicUsize::new(0));
         let release = Arc::new(Semaphore::new(0));
+        let arrived = Arc::new(Notify::new());
         let (count, held, gate) = (connections.clone(), holding.clone(), release.clone());
+        let woken = arrived.clone();
         tokio::spawn(async move {
             while let Ok((tcp, _)) = listener.accept().await {
                 count.fetch_add(1, Ordering::SeqCst);
-                let (held, gate) = (held.clone(), gate.clone());
+                let (held, gate, woken) = (held.clone(), gate.clone(), woken.clone());
                 let service = hyper::service::service_fn(move |req: Request<Incoming>| {
-                    let (held, gate) = (held.clone(), gate.clone());
+                    let (held, gate, woken) = (held.clone(), gate.clone(), woken.clone());
                     async move {
                         assert_eq!(req.version(), http::Version::HTTP_2);
                         held.fetch_add(1, Ordering::SeqCst);
+                        woken.notify_waiters();
                         gate.acquire().await.unwrap().forget();
                         held.fetch_sub(1, Ordering::SeqCst);
                         Ok::<_, std::convert::Infallible>(Response::new(Full::new(
@@ -255,6 +259,7 @@ mod tests {
             url,
             connections,
             holding,
+            arrived,
             release,
         }
     }
@@ -275,10 +280,18 @@ mod tests {
             .unwrap()
     }
 
-    async fn until(what: impl Fn() -> bool) {
-        while !what() {
-            tokio::task::yield_now().await;
-            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    impl Server {
+        /// Waits until the server holds `calls` calls.
+        async fn holds(&self, calls: usize) {
+            loop {
+                let arrived = self.arrived.notified();
+                tokio::pin!(arrived);
+                arrived.as_mut().enable();
+                if self.holding.load(Ordering::SeqCst) == calls {
+                    return;
+                }
+                arrived.await;
+            }
         }
     }
 
@@ -296,7 +309,7 @@ mod tests {
                 })
             })
             .collect();
-        until(|| server.holding.load(Ordering::SeqCst) == calls).await;
+        server.holds(calls).await;
         // Every call on the wire at once, over two connections, not one per call.
         assert_eq!(server.connections.load(Ordering::SeqCst), 2);
         assert_eq!(upstream.connections(), 2);
@@ -326,7 +339,7 @@ mod tests {
                 })
             })
             .collect();
-        until(|| server.holding.load(Ordering::SeqCst) == calls).await;
+        server.holds(calls).await;
         assert_eq!(upstream.connections(), MAX_IDLE + 2);
         server.release.add_permits(calls);
         for answer in sent {
@@ -343,7 +356,7 @@ mod tests {
             let (upstream, req) = (upstream.clone(), call(&server.url));
             async move { upstream.send(req).await.map(|_| ()) }
         });
-        until(|| server.holding.load(Ordering::SeqCst) == 1).await;
+        server.holds(1).await;
         pending.abort();
         let _ = pending.await;
         let streams = upstream

@@ -21,7 +21,8 @@
 //! - `POST /v1/messages` goes through the pool: the body's `model` is the call's
 //!   [`Model`], an upstream set aside by its breaker takes no call until its probe, and a
 //!   call goes elsewhere only where its upstream provably did not run it (the library's
-//!   `pool` module). Every upstream shares one HTTP client.
+//!   `pool` module). The HTTP/1.1 upstreams share one HTTP client; one of `http2 = true`
+//!   has connections of its own (the `http2` module).
 //! - Message Batches go to Anthropic upstreams only (Bedrock has none): a create to the
 //!   first of the lowest `priority` not set aside, every later call of a batch to the
 //!   upstream that created it (the `batches` module records it with the owner).
