@@ -777,7 +777,8 @@ async fn python_sdk_backend_with_many_users() {
 
 /// The noisy neighbour through one service key on Redis, three gateways: end user A's 60
 /// calls spread over the three, then user B's one through the third. The fleet serves the
-/// service's users in one order: B waits for one call of A's to end, not for A's backlog.
+/// service's users in one order: B waits for one call of A's to end (two at most), not for
+/// A's backlog.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_gateways_on_redis_serve_one_services_users_in_one_order() {
     let _turn = crate::support::file_turn(module_path!());
@@ -844,8 +845,11 @@ async fn three_gateways_on_redis_serve_one_services_users_in_one_order() {
         mock.max_in_flight() <= GLOBAL,
         "the fleet kept the global cap"
     );
+    // B waits for the next slot to free (a call at most), or one call more when it came
+    // while a round of freed slots was being handed to A's queued calls (it was not in
+    // the order yet: 1 run in 15 here), then takes its call: never A's backlog (20 rounds).
     assert!(
-        took <= 2 * CALL + Duration::from_millis(300),
+        took <= 3 * CALL + Duration::from_millis(300),
         "B took {took:?} behind A's backlog"
     );
 }

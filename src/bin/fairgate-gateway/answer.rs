@@ -97,7 +97,9 @@ impl Pump {
             let held = if len == 0 {
                 None
             } else {
-                match self.hold(len).await {
+                // Boxed, as the wait at the end: the task's own future stays small (a
+                // held stream keeps it), the waits take room only while they run.
+                match Box::pin(self.hold(len)).await {
                     Some(held) => Some(held),
                     None => return self.cut("its buffer stayed full"),
                 }
@@ -110,7 +112,7 @@ impl Pump {
         // The upstream is done: give back the slot, the window permit, the body's bytes.
         drop(upstream);
         drop(upstream_held);
-        self.until_taken().await;
+        Box::pin(self.until_taken()).await;
     }
 
     /// `len` bytes of the buffer, waiting while the client takes frames; `None` when it
