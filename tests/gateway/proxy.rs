@@ -265,6 +265,22 @@ async fn a_guest_flood_is_overloaded_while_premium_calls_succeed() {
     assert!(metric_sum(&metrics, "claude_server_busy_total") >= overloaded as f64);
 }
 
+/// After a client left: its upstream call is cancelled within 1.5 s and its slot given
+/// back within 1 s more.
+async fn cancelled_and_freed(mock: &MockAnthropic, gateway: &Gateway) {
+    assert!(
+        eventually(Duration::from_millis(1_500), async || mock.in_flight() == 0).await,
+        "the upstream call was not cancelled"
+    );
+    assert!(
+        eventually(Duration::from_millis(1_000), async || {
+            gateway.slots_in_use().await == 0.0
+        })
+        .await,
+        "the slot was not given back"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_gone_mid_stream_cancels_the_upstream_call_and_frees_its_slot() {
     let _turn = crate::support::file_turn(module_path!());
@@ -287,22 +303,12 @@ async fn a_client_gone_mid_stream_cancels_the_upstream_call_and_frees_its_slot()
 
     let dropped = Instant::now();
     drop(response);
-    let gateway_ref = &gateway;
-    assert!(
-        eventually(Duration::from_millis(1_500), async || mock.in_flight() == 0).await,
-        "the upstream call was not cancelled"
-    );
-    assert!(
-        eventually(Duration::from_millis(1_000), async || {
-            gateway_ref.slots_in_use().await == 0.0
-        })
-        .await,
-        "the slot was not given back"
-    );
+    cancelled_and_freed(&mock, &gateway).await;
     assert!(
         dropped.elapsed() < Duration::from_millis(2_500),
         "freed before the stream would have ended"
     );
+    let gateway_ref = &gateway;
 
     // A client that gives up before the answer's head: its call is dropped too.
     let gave_up = reqwest::Client::new()
@@ -362,18 +368,7 @@ async fn over_http2_answers_arrive_whole_and_a_client_gone_cancels_its_call() {
     assert!(first.starts_with(b"event: message_start"));
     assert_eq!(mock.in_flight(), 1);
     drop(response);
-    let gateway_ref = &gateway;
-    assert!(
-        eventually(Duration::from_millis(1_500), async || mock.in_flight() == 0).await,
-        "the upstream call was not cancelled"
-    );
-    assert!(
-        eventually(Duration::from_millis(1_000), async || {
-            gateway_ref.slots_in_use().await == 0.0
-        })
-        .await,
-        "the slot was not given back"
-    );
+    cancelled_and_freed(&mock, &gateway).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
