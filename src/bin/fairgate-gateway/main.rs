@@ -866,6 +866,11 @@ impl Servers {
         stopped: tokio::sync::watch::Receiver<bool>,
         drain: Duration,
     ) -> Servers {
+        #[cfg(not(target_env = "msvc"))]
+        {
+            let conns = listeners.api_conns.clone();
+            tokio::spawn(allocator::follow_connections(move || conns.open()));
+        }
         let api = {
             let gw = gw.clone();
             tokio::spawn(server::serve(
