@@ -28,7 +28,7 @@ const DECAY_MS: isize = 1000;
 
 /// Open connections from which freed pages go back at once; below half of it they go back
 /// after [`DECAY_MS`] again.
-pub(crate) const MANY_CONNECTIONS: usize = 1_000;
+const MANY_CONNECTIONS: usize = 1_000;
 
 /// jemalloc's answer for an arena it has not made yet (`EFAULT`).
 const NOT_MADE: i32 = 14;
@@ -50,11 +50,7 @@ pub(crate) async fn follow_connections(open: impl Fn() -> usize) {
     loop {
         every.tick().await;
         let open = open();
-        let wanted = if at_once {
-            open >= MANY_CONNECTIONS / 2
-        } else {
-            open >= MANY_CONNECTIONS
-        };
+        let wanted = gives_back_at_once(open, at_once);
         if wanted != at_once {
             at_once = wanted;
             let decay_ms = if at_once { 0 } else { DECAY_MS };
@@ -66,6 +62,15 @@ pub(crate) async fn follow_connections(open: impl Fn() -> usize) {
                 Err(code) => warn!(code, "jemalloc refused a dirty_decay_ms"),
             }
         }
+    }
+}
+
+/// Whether freed pages go back at once with `open` connections, `now` whether they do.
+fn gives_back_at_once(open: usize, now: bool) -> bool {
+    if now {
+        open >= MANY_CONNECTIONS / 2
+    } else {
+        open >= MANY_CONNECTIONS
     }
 }
 
@@ -120,9 +125,38 @@ fn set_decay(name: &std::ffi::CStr, ms: isize) -> Result<(), i32> {
 mod tests {
     use super::*;
 
+    /// `dirty_decay_ms` of arena 0 (the main thread's).
+    fn arena_decay() -> isize {
+        let (mut value, mut size) = (-2isize, std::mem::size_of::<isize>());
+        // SAFETY: an `ssize_t` read into `value`, its size given.
+        let code = unsafe {
+            tikv_jemalloc_sys::mallctl(
+                c"arena.0.dirty_decay_ms".as_ptr(),
+                (&raw mut value).cast(),
+                &raw mut size,
+                std::ptr::null_mut(),
+                0,
+            )
+        };
+        assert_eq!(code, 0);
+        value
+    }
+
     #[test]
-    fn jemalloc_takes_the_decay_both_ways() {
-        assert_eq!(set_dirty_decay(0), Ok(()));
-        assert_eq!(set_dirty_decay(DECAY_MS), Ok(()));
+    fn every_arena_takes_the_decay_both_ways() {
+        set_dirty_decay(0).unwrap();
+        assert_eq!(arena_decay(), 0);
+        set_dirty_decay(DECAY_MS).unwrap();
+        assert_eq!(arena_decay(), DECAY_MS);
+    }
+
+    #[test]
+    fn at_once_from_many_connections_until_fewer_than_half() {
+        assert!(!gives_back_at_once(MANY_CONNECTIONS - 1, false));
+        assert!(gives_back_at_once(MANY_CONNECTIONS, false));
+        // Between the two it stays as it is, so a count around the mark does not flap.
+        assert!(gives_back_at_once(MANY_CONNECTIONS / 2, true));
+        assert!(!gives_back_at_once(MANY_CONNECTIONS / 2, false));
+        assert!(!gives_back_at_once(MANY_CONNECTIONS / 2 - 1, true));
     }
 }
