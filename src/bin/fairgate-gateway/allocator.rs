@@ -6,7 +6,7 @@
 //! second ([`follow_connections`]). Pages kept for reuse are handed out again already
 //! resident: a held stream's buffers that are never written (hyper's 8 KiB read buffer
 //! waiting for the client's next request, most of its write buffer) then count in full.
-//! Taken from pages given back, only what is written counts: 21.5 -> 17.6 KiB a stream
+//! Taken from pages given back, only what is written counts: 21.5 -> 18.0 KiB a stream
 //! (2,000 held over HTTP/2). It costs a page fault and a purge per buffer: about 13% of
 //! the calls a second at 32 calls at once (`examples/gateway_bench.rs`), so it is kept for
 //! when memory, not calls, is what runs out.
