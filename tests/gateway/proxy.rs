@@ -464,8 +464,9 @@ async fn two_gateways_on_redis_share_the_caps() {
 }
 
 /// The official Anthropic Python SDK, from a venv under `target/` (created and filled with
-/// `pip install anthropic` when missing). Skipped with a message when PyPI cannot be reached,
-/// unless `CI` is set: there it must run.
+/// `pip install anthropic` when missing), against a gateway whose upstream is HTTP/1.1 and
+/// one whose upstream is HTTP/2 (`--upstream-http2`). Skipped with a message when PyPI
+/// cannot be reached, unless `CI` is set: there it must run.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn python_sdk_against_the_gateway() {
     let _turn = crate::support::file_turn(module_path!());
@@ -473,16 +474,49 @@ async fn python_sdk_against_the_gateway() {
     let Some(python) = sdk_python() else {
         return;
     };
-    let mock = MockAnthropic::start();
-    mock.set_delay(Duration::from_millis(150));
-    mock.set_event_gap(Duration::from_millis(10));
-    // Batches' results_url names --public-url, which the SDK fetches itself.
-    let gateway = Gateway::start_with(
-        &mock.url(),
-        &keys_toml(4, 100, ""),
-        None,
-        &["--public-url", "http://127.0.0.1:{port}"],
-    );
+    for http2 in [false, true] {
+        let mock = MockAnthropic::start();
+        mock.set_delay(Duration::from_millis(150));
+        mock.set_event_gap(Duration::from_millis(10));
+        // Batches' results_url names --public-url, which the SDK fetches itself.
+        let mut flags = vec!["--public-url", "http://127.0.0.1:{port}"];
+        if http2 {
+            flags.push("--upstream-http2");
+        }
+        let gateway = Gateway::start_with(&mock.url(), &keys_toml(4, 100, ""), None, &flags);
+        let over = if http2 { "HTTP/2" } else { "HTTP/1.1" };
+        let (status, out, err) = sdk_script(&python, &gateway).await;
+        eprintln!("upstream over {over}:\n{out}{err}");
+        assert!(
+            status.success(),
+            "the SDK script failed over {over}:\n{out}\n{err}"
+        );
+        assert!(out.contains(" passed, 0 failed"), "{out}");
+        let requests = mock.requests();
+        let wanted = if http2 {
+            http::Version::HTTP_2
+        } else {
+            http::Version::HTTP_11
+        };
+        assert!(requests.iter().all(|request| request.version == wanted));
+        // The script sends `workspace_id` with the batch results: never forwarded.
+        for request in requests {
+            assert!(
+                request.headers.get("anthropic-workspace-id").is_none(),
+                "anthropic-workspace-id reached the upstream on {} {}",
+                request.method,
+                request.path
+            );
+        }
+    }
+}
+
+/// Runs `tests/python/sdk_gateway.py` with `python` against `gateway`: its exit status,
+/// stdout and stderr (at most 120 s).
+async fn sdk_script(
+    python: &std::path::Path,
+    gateway: &Gateway,
+) -> (std::process::ExitStatus, String, String) {
     let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/python/sdk_gateway.py");
     let mut child = tokio::process::Command::new(python)
         .arg(&script)
@@ -522,19 +556,7 @@ async fn python_sdk_against_the_gateway() {
             panic!("the SDK script took more than 120 s");
         }
     };
-    let status = status.unwrap();
-    eprintln!("{out}{err}");
-    assert!(status.success(), "the SDK script failed:\n{out}\n{err}");
-    assert!(out.contains(" passed, 0 failed"), "{out}");
-    // The script sends `workspace_id` with the batch results: never forwarded.
-    for request in mock.requests() {
-        assert!(
-            request.headers.get("anthropic-workspace-id").is_none(),
-            "anthropic-workspace-id reached the upstream on {} {}",
-            request.method,
-            request.path
-        );
-    }
+    (status.unwrap(), out, err)
 }
 
 /// A Python with the `anthropic` SDK installed, or `None` (with a message) when it cannot be
