@@ -229,19 +229,6 @@ async fn the_readmes_pool_calls_each_upstream_with_its_own_key_and_spills_past_m
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_upstream_killed_under_load_loses_no_call_and_its_calls_move_to_the_other() {
-    killed_under_load(false).await;
-}
-
-/// As over HTTP/1.1: calls on the killed upstream's connections end with it, and the
-/// next ones find it refusing connections.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn over_http2_an_upstream_killed_under_load_loses_no_call() {
-    killed_under_load(true).await;
-}
-
-/// Three clients call a pool of two upstreams (over HTTP/2 with `http2`); the first is
-/// killed between calls: no call is lost, and the second serves them.
-async fn killed_under_load(http2: bool) {
     let _turn = crate::support::file_turn(module_path!());
     let _serial = SERIAL.lock().await;
     let (first, second) = mocks();
@@ -249,8 +236,7 @@ async fn killed_under_load(http2: bool) {
     // refusing connections, as a stopped process does.
     first.set_close_connections(true);
     second.set_close_connections(true);
-    let extra = if http2 { "http2 = true" } else { "" };
-    let gateway = Gateway::start_pool(&pool_keys(&first, &second, [extra, extra]), &KEYS_ENV, &[]);
+    let gateway = Gateway::start_pool(&pool_keys(&first, &second, ["", ""]), &KEYS_ENV, &[]);
     let url = gateway.url();
     // Three clients call in a loop; the kill comes between two calls of each (a call in
     // flight at an upstream that dies may have run there, so it is not sent again: the
@@ -304,14 +290,7 @@ async fn killed_under_load(http2: bool) {
         answered.load(Ordering::SeqCst) - before
     );
     assert!(failures.is_empty(), "calls lost: {failures:?}");
-    let served = messages_at(&second);
-    assert!(served.len() >= 30);
-    let wanted = if http2 {
-        http::Version::HTTP_2
-    } else {
-        http::Version::HTTP_11
-    };
-    assert!(served.iter().all(|request| request.version == wanted));
+    assert!(messages_at(&second).len() >= 30);
     assert_eq!(second.refused_keys(), 0);
     let metrics = gateway.metrics().await;
     let moved = upstream_metric(&metrics, "gateway_upstream_moved_away_total", "first");
