@@ -76,21 +76,7 @@ fn gives_back_at_once(open: usize, now: bool) -> bool {
 
 /// Sets jemalloc's `dirty_decay_ms` on every arena it has, and on those it creates later.
 fn set_dirty_decay(ms: isize) -> Result<(), i32> {
-    let mut arenas: u32 = 0;
-    let mut size = std::mem::size_of::<u32>();
-    // SAFETY: `arenas.narenas` is an `unsigned`, read into `arenas` (its size given).
-    let code = unsafe {
-        tikv_jemalloc_sys::mallctl(
-            c"arenas.narenas".as_ptr(),
-            (&raw mut arenas).cast(),
-            &raw mut size,
-            std::ptr::null_mut(),
-            0,
-        )
-    };
-    if code != 0 {
-        return Err(code);
-    }
+    let arenas: u32 = read(c"arenas.narenas")?;
     set_decay(c"arenas.dirty_decay_ms", ms)?;
     for arena in 0..arenas {
         let Ok(name) = std::ffi::CString::new(format!("arena.{arena}.dirty_decay_ms")) else {
@@ -103,6 +89,23 @@ fn set_dirty_decay(ms: isize) -> Result<(), i32> {
         }
     }
     Ok(())
+}
+
+/// Reads the setting `name`, a `T` of its size (jemalloc refuses another size: `EINVAL`).
+fn read<T: Default>(name: &std::ffi::CStr) -> Result<T, i32> {
+    let (mut value, mut size) = (T::default(), std::mem::size_of::<T>());
+    // SAFETY: jemalloc writes at most `size` bytes into `value`, and none unless `size` is
+    // the setting's.
+    let code = unsafe {
+        tikv_jemalloc_sys::mallctl(
+            name.as_ptr(),
+            (&raw mut value).cast(),
+            &raw mut size,
+            std::ptr::null_mut(),
+            0,
+        )
+    };
+    if code == 0 { Ok(value) } else { Err(code) }
 }
 
 /// Sets the `ssize_t` setting `name` to `ms`.
@@ -125,29 +128,18 @@ fn set_decay(name: &std::ffi::CStr, ms: isize) -> Result<(), i32> {
 mod tests {
     use super::*;
 
-    /// `dirty_decay_ms` of arena 0 (the main thread's).
-    fn arena_decay() -> isize {
-        let (mut value, mut size) = (-2isize, std::mem::size_of::<isize>());
-        // SAFETY: an `ssize_t` read into `value`, its size given.
-        let code = unsafe {
-            tikv_jemalloc_sys::mallctl(
-                c"arena.0.dirty_decay_ms".as_ptr(),
-                (&raw mut value).cast(),
-                &raw mut size,
-                std::ptr::null_mut(),
-                0,
-            )
-        };
-        assert_eq!(code, 0);
-        value
-    }
-
     #[test]
     fn every_arena_takes_the_decay_both_ways() {
         set_dirty_decay(0).unwrap();
-        assert_eq!(arena_decay(), 0);
+        assert_eq!(read::<isize>(c"arena.0.dirty_decay_ms"), Ok(0));
         set_dirty_decay(DECAY_MS).unwrap();
-        assert_eq!(arena_decay(), DECAY_MS);
+        assert_eq!(read::<isize>(c"arena.0.dirty_decay_ms"), Ok(DECAY_MS));
+    }
+
+    #[test]
+    fn a_setting_read_at_another_size_is_refused() {
+        assert!(read::<u32>(c"arenas.narenas").is_ok_and(|n| n > 0));
+        assert_eq!(read::<u8>(c"arenas.narenas"), Err(22)); // EINVAL
     }
 
     #[test]
