@@ -872,6 +872,12 @@ async fn a_hundred_thousand_end_users_keep_the_gateway_bounded_once_quiet() {
     wave(&gateway, "warm", 10_000).await;
     let before = gateway.rss();
     wave(&gateway, "user", USERS).await;
+    // A slot is given back when the gateway has written an answer's last byte, a moment
+    // after its client read it: quiet is when nothing flies any more.
+    let quiet = eventually(Duration::from_secs(10), async || {
+        metric_sum(&gateway.metrics().await, "claude_slots_in_use") == 0.0
+    })
+    .await;
     let after = gateway.rss();
     let metrics = gateway.metrics().await;
     let per_user = after.saturating_sub(before) as f64 / USERS as f64;
@@ -881,6 +887,7 @@ async fn a_hundred_thousand_end_users_keep_the_gateway_bounded_once_quiet() {
         before as f64 / 1e6,
         after as f64 / 1e6,
     );
+    assert!(quiet, "slots still in use once every call was answered");
     assert_eq!(metric_sum(&metrics, "claude_queue_depth"), 0.0);
     assert_eq!(metric_sum(&metrics, "claude_slots_in_use"), 0.0);
     assert!(!metrics.contains("user-"), "an end user's id is a label");
@@ -905,7 +912,12 @@ async fn wave(gateway: &Gateway, prefix: &str, users: usize) {
                 .header("x-api-key", SERVICE_KEY)
                 .header("content-type", "application/json")
                 .body(body(&format!("{prefix}-{n}"), 0));
-            async move { request.send().await.map(|r| r.status().as_u16()) }
+            async move {
+                // Read to the end: an answer dropped unread closes its connection.
+                let response = request.send().await?;
+                let status = response.status().as_u16();
+                response.bytes().await.map(|_| status)
+            }
         })
         .buffer_unordered(64)
         .filter(|status| std::future::ready(matches!(status, Ok(200))))
