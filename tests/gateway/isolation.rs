@@ -396,11 +396,16 @@ async fn past_what_its_open_files_allow_every_call_is_answered_or_refused_with_a
         "{}",
         gateway.log_text()
     );
+    // One client for all (it keeps no connection idle, so each call opens its own): 600
+    // built at once would each take long enough to send its request that the gateway,
+    // at its cap, could close its connection as one silent for 250 ms.
+    let client = client();
     let calls: Vec<_> = (0..600)
         .map(|i| {
             let url = gateway.url();
+            let client = client.clone();
             tokio::spawn(async move {
-                let sent = client()
+                let sent = client
                     .post(format!("{url}/v1/messages"))
                     .header("x-api-key", format!("sk-many-{}", i % 8))
                     .header("content-type", "application/json")
