@@ -7,8 +7,9 @@
 //! (a trickled head, or a new connection that sends nothing) or that sent nothing for the
 //! keep-alive timeout after a request. At the cap, a new connection closes the oldest idle
 //! one, preferring one never served a request (so a flood of idle sockets cannot lock a
-//! client out, nor push a client's pooled connections out first); when none is idle, the
-//! new one is answered `529` with `retry-after` and closed (never left to time out). On
+//! client out, nor push a client's pooled connections out first); when none can be closed,
+//! the new one waits in the [`pen`] for its request's head, then is answered `529` with
+//! `retry-after` and closed (never left to time out). On
 //! shutdown idle connections close at once; the others finish their request (bounded by
 //! the drain time).
 //!
@@ -40,44 +41,18 @@ use tokio::time::Instant;
 use tracing::{debug, info, warn};
 
 use super::Body;
+use pen::Pen;
+
+mod pen;
 
 /// The largest request head (and read buffer) a connection holds: Anthropic's requests
 /// have small heads, and a trickled head costs at most this much.
 const MAX_HEAD: usize = 32 * 1024;
 
-/// The body of the answer to a connection refused at the cap.
-const AT_CAPACITY: &str = r#"{"type":"error","error":{"type":"overloaded_error","message":"the gateway has no connection free"}}"#;
-
-/// The whole answer to a connection refused at the cap, marked as the gateway's other own
-/// answers are (a `request-id`).
-fn at_capacity() -> Vec<u8> {
-    format!(
-        "HTTP/1.1 529 Overloaded\r\ncontent-type: application/json\r\nretry-after: 1\r\n\
-         request-id: {}\r\nconnection: close\r\ncontent-length: {}\r\n\r\n{AT_CAPACITY}",
-        super::own_answer::next_request_id(),
-        AT_CAPACITY.len()
-    )
-    .into_bytes()
-}
-
 /// How long a connection never served must have been open, and a served one idle, before
 /// a newcomer at the cap may close it: a client's request is read well within the first,
 /// and a pooled connection is reused well within the second.
 const EVICTABLE_AFTER: [Duration; 2] = [Duration::from_millis(250), Duration::from_secs(1)];
-
-/// Connections being refused at once at most (each a file for up to [`REFUSAL_HEAD_WAIT`]
-/// and [`REFUSAL_LINGER`]); past it the listener accepts no more until one is done.
-const MAX_REFUSING: usize = 256;
-
-/// How long a refused connection waits for its request's head before its answer (an HTTP
-/// client takes an answer that comes before its request for a broken connection); a
-/// socket that sends nothing in that time is closed unanswered.
-const REFUSAL_HEAD_WAIT: Duration = Duration::from_secs(1);
-
-/// How long a refused connection is kept after its answer, reading away what else its
-/// client sent, so that its close is a FIN after the answer and not a reset that could
-/// destroy it.
-const REFUSAL_LINGER: Duration = Duration::from_millis(500);
 
 /// How a listener treats its connections.
 #[derive(Clone, Copy, Debug)]
@@ -402,7 +377,7 @@ where
 {
     let mut tasks = JoinSet::new();
     let sweeper = tokio::spawn(sweep(table.clone()));
-    let refusing = Arc::new(tokio::sync::Semaphore::new(MAX_REFUSING));
+    let mut pen = Pen::new();
     let mut last_refusal_log: Option<Instant> = None;
     let for_connections = shutdown.clone();
     loop {
@@ -425,12 +400,8 @@ where
                     }
                     None => {
                         // Told, not left to time out: a client (or its SDK) retries after
-                        // the `retry-after`. While as many are being told as files allow,
-                        // the next ones wait in the listen backlog (a client's head comes
-                        // in ms; a silent socket holds its turn a second at most).
-                        if let Ok(turn) = refusing.clone().acquire_owned().await {
-                            tokio::spawn(refuse(tcp, turn));
-                        }
+                        // the `retry-after`.
+                        pen.enter(tcp).await;
                         refused(&table, &mut last_refusal_log);
                     }
                 },
@@ -448,40 +419,6 @@ where
     let cut = finish(tasks, drain).await;
     sweeper.abort();
     cut
-}
-
-/// Answers `tcp` [`at_capacity`] once its request's head has come (within
-/// [`REFUSAL_HEAD_WAIT`]), and closes it after reading away what else the client sent
-/// (within [`REFUSAL_LINGER`]); `_turn` bounds how many do so at once.
-async fn refuse(mut tcp: TcpStream, _turn: tokio::sync::OwnedSemaphorePermit) {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let mut sink = [0u8; 4096];
-    let mut head = Vec::new();
-    let head_came = tokio::time::timeout(REFUSAL_HEAD_WAIT, async {
-        while !head.windows(4).any(|w| w == b"\r\n\r\n") && head.len() < MAX_HEAD {
-            match tcp.read(&mut sink).await? {
-                0 => return Ok(false),
-                n => head.extend_from_slice(&sink[..n]),
-            }
-        }
-        Ok::<_, io::Error>(true)
-    });
-    if !matches!(head_came.await, Ok(Ok(true))) {
-        return;
-    }
-    let linger = async {
-        tcp.write_all(&at_capacity()).await?;
-        tcp.shutdown().await?;
-        let mut read = 0;
-        while read < 64 * 1024 {
-            match tcp.read(&mut sink).await? {
-                0 => break,
-                n => read += n,
-            }
-        }
-        Ok::<_, io::Error>(())
-    };
-    let _ = tokio::time::timeout(REFUSAL_LINGER, linger).await;
 }
 
 /// Closes what idles too long in `table`, every quarter second.
@@ -636,34 +573,4 @@ pub(crate) fn listen(addr: SocketAddr, backlog: u32) -> std::io::Result<tokio::n
     socket.set_reuseaddr(true)?;
     socket.bind(addr)?;
     socket.listen(backlog)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn the_answer_at_capacity_is_a_whole_http_response_with_its_own_request_id() {
-        let bytes = at_capacity();
-        let text = std::str::from_utf8(&bytes).unwrap();
-        let (head, body) = text.split_once("\r\n\r\n").unwrap();
-        assert!(head.starts_with("HTTP/1.1 529 "));
-        let length: usize = head
-            .lines()
-            .find_map(|line| line.strip_prefix("content-length: "))
-            .unwrap()
-            .parse()
-            .unwrap();
-        assert_eq!(length, body.len());
-        assert!(head.contains("\r\nretry-after: 1\r\n"));
-        let id = |text: &str| {
-            text.lines()
-                .find_map(|line| line.strip_prefix("request-id: "))
-                .map(str::to_owned)
-        };
-        let first = id(text).expect("a request-id");
-        assert!(first.starts_with("req_fairgate_"), "{first}");
-        let again = at_capacity();
-        assert_ne!(id(std::str::from_utf8(&again).unwrap()), Some(first));
-    }
 }
