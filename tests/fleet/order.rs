@@ -51,6 +51,7 @@ fn policy() -> SlotPolicy {
 #[derive(Clone)]
 struct Start {
     tenant: String,
+    worker: usize,
     at: Instant,
 }
 
@@ -237,6 +238,7 @@ impl Fleet {
                         }
                         up.starts.push(Start {
                             tenant: job.tenant().as_str().to_owned(),
+                            worker,
                             at: Instant::now(),
                         });
                         up.in_flight += 1;
@@ -574,6 +576,13 @@ async fn light_against_hog_paced(mut fleet: Fleet, redis: &Redis<'_>, workers: u
     let scripts =
         monitor.map(|(monitor, server)| crate::wakeups::scripts_in(&monitor.lines(server)));
     let served = fleet.served(from, MEASURE);
+    // Which worker started them: who was left out, should a tenant be.
+    let mut by_worker = std::collections::BTreeMap::new();
+    for start in fleet.starts() {
+        if start.at >= from && start.at < from + MEASURE {
+            *by_worker.entry((start.tenant, start.worker)).or_insert(0) += 1;
+        }
+    }
     let mut starts: Vec<Instant> = fleet.starts().iter().map(|s| s.at).collect();
     starts.sort();
     fleet.stop().await;
@@ -621,7 +630,7 @@ async fn light_against_hog_paced(mut fleet: Fleet, redis: &Redis<'_>, workers: u
     let share = light / (light + hog);
     assert!(
         share >= 0.45,
-        "light got {:.1}% of the calls",
+        "light got {:.1}% of the calls; started by (tenant, worker): {by_worker:?}",
         share * 100.0
     );
     assert!(
