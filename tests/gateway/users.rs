@@ -685,9 +685,11 @@ async fn two_services_share(mock: &MockAnthropic, gateways: &[Gateway]) -> usize
 
 /// The second write-up through the gateway with the official Python SDK: 8 client
 /// processes share one service key; 200 free users flood, 5 premium users chat (1 s
-/// upstream calls, the default caps). Every premium call is answered, premium p99 <= 2 s;
-/// free users get `529` with `retry-after` within their max wait; the upstream never sees
-/// more than the global cap.
+/// upstream calls, the default caps). Every premium call is answered, premium p99 <= 2 s
+/// and none waits more than 500 ms at the gateway (`x-fairgate-queued-ms`); free users get
+/// `529` with `retry-after` within their max wait; the upstream never sees more than the
+/// global cap. The processes make their clients before the flood starts: 200 SDK clients
+/// built on two cores during it took premium to 2.7 s, none of it at the gateway.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn python_sdk_backend_with_many_users() {
     let _turn = crate::support::file_turn(module_path!());
@@ -724,13 +726,24 @@ async fn python_sdk_backend_with_many_users() {
     assert!(output.status.success(), "the SDK script failed:\n{stderr}");
     let seen: Value = serde_json::from_slice(&output.stdout).expect("the script's JSON line");
 
-    let mut premium: Vec<f64> = Vec::new();
+    let (mut premium, mut queued): (Vec<f64>, Vec<u64>) = (Vec::new(), Vec::new());
     for call in seen["premium"].as_array().unwrap() {
         assert_eq!(call[0], "ok", "a premium call was not answered: {call}");
         assert_eq!(call[2], "premium", "{call}");
         premium.push(call[1].as_f64().unwrap());
+        queued.push(
+            call[3]
+                .as_u64()
+                .expect("x-fairgate-queued-ms on every answer"),
+        );
     }
+    assert!(
+        premium.len() >= 20,
+        "the premium users chatted: {}",
+        premium.len()
+    );
     premium.sort_by(f64::total_cmp);
+    queued.sort();
     let p =
         |q: f64| premium[((premium.len() as f64 * q).ceil() as usize).clamp(1, premium.len()) - 1];
     let (mut ok, mut busy, mut longest_busy) = (0, 0, 0.0f64);
@@ -749,20 +762,23 @@ async fn python_sdk_backend_with_many_users() {
     }
     println!(
         "Python SDK, 8 processes, one service key, 1 s calls: premium {} calls, p50 {:.2} s, \
-         p99 {:.2} s, max {:.2} s; free {ok} answered, {busy} got 529 (the longest after \
-         {longest_busy:.2} s); the upstream saw at most {} at once",
+         p99 {:.2} s, max {:.2} s (queued at the gateway: p50 {} ms, max {} ms); free {ok} \
+         answered, {busy} got 529 (the longest after {longest_busy:.2} s); the upstream saw at \
+         most {} at once",
         premium.len(),
         p(0.5),
         p(0.99),
         p(1.0),
+        queued[queued.len() / 2],
+        queued[queued.len() - 1],
         mock.max_in_flight()
     );
-    assert!(
-        premium.len() >= 20,
-        "the premium users chatted: {}",
-        premium.len()
-    );
     assert!(p(0.99) <= 2.0, "premium p99 {:.2} s", p(0.99));
+    let queued_max = queued[queued.len() - 1];
+    assert!(
+        queued_max <= 500,
+        "a premium call queued {queued_max} ms behind the flood"
+    );
     assert!(busy > 0, "a flood of 200 users on a cap of 15 refuses some");
     assert!(
         longest_busy <= FREE_MAX_WAIT + 1.5,

@@ -39,8 +39,11 @@ def ask(client, user, tier=None):
     )
 
 
-def free_user(user, until, out):
-    client = anthropic.Anthropic(base_url=URL, api_key=KEY, timeout=60.0, max_retries=0)
+def client():
+    return anthropic.Anthropic(base_url=URL, api_key=KEY, timeout=60.0, max_retries=0)
+
+
+def free_user(client, user, until, out):
     while time.monotonic() < until:
         started = time.monotonic()
         try:
@@ -54,34 +57,40 @@ def free_user(user, until, out):
             out.append(("connection", time.monotonic() - started, str(e)))
 
 
-def premium_user(user, start, until, out):
-    client = anthropic.Anthropic(base_url=URL, api_key=KEY, timeout=60.0, max_retries=0)
+def premium_user(client, user, start, until, out):
     time.sleep(max(0.0, start - time.monotonic()))
     while time.monotonic() < until:
         started = time.monotonic()
         try:
             raw = ask(client, user, tier="premium")
-            out.append(("ok", time.monotonic() - started, raw.headers.get("x-fairgate-tier")))
+            took = time.monotonic() - started
+            queued_ms = int(raw.headers.get("x-fairgate-queued-ms", "-1"))
+            out.append(("ok", took, raw.headers.get("x-fairgate-tier"), queued_ms))
         except anthropic.APIStatusError as e:
             out.append((e.status_code, time.monotonic() - started, None))
 
 
-def worker(index, queue):
+def worker(index, ready, queue):
     # This worker's share of the users: 25 free users, and premium user `index` (of 5).
+    free, premium = [], []
+    users = [(free_user, f"free-{u}") for u in range(index, FREE_USERS, PROCESSES)]
+    if index < PREMIUM_USERS:
+        users.append((premium_user, f"premium-{index}"))
+    # A backend's workers are up before its peak: every client is made (about 40 ms of CPU
+    # each) before any process sends, so that what is measured is the peak, not 200 clients
+    # being built on two cores.
+    clients = [client() for _ in users]
+    ready.wait()
     now = time.monotonic()
     until = now + SECONDS
-    free, premium = [], []
-    threads = [
-        threading.Thread(target=free_user, args=(f"free-{u}", until, free))
-        for u in range(index, FREE_USERS, PROCESSES)
-    ]
-    if index < PREMIUM_USERS:
-        # Chats start once the flood has filled the free tier.
-        threads.append(
-            threading.Thread(
-                target=premium_user, args=(f"premium-{index}", now + 2.0, until, premium)
-            )
-        )
+    threads = []
+    for (run, user), made in zip(users, clients):
+        if run is premium_user:
+            # Chats start once the flood has filled the free tier.
+            args = (made, user, now + 2.0, until, premium)
+        else:
+            args = (made, user, until, free)
+        threads.append(threading.Thread(target=run, args=args))
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -91,7 +100,10 @@ def worker(index, queue):
 
 if __name__ == "__main__":
     queue = multiprocessing.Queue()
-    processes = [multiprocessing.Process(target=worker, args=(i, queue)) for i in range(PROCESSES)]
+    ready = multiprocessing.Barrier(PROCESSES)
+    processes = [
+        multiprocessing.Process(target=worker, args=(i, ready, queue)) for i in range(PROCESSES)
+    ]
     for p in processes:
         p.start()
     results = [queue.get(timeout=SECONDS + 120) for _ in processes]
