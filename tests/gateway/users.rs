@@ -711,7 +711,7 @@ async fn python_sdk_backend_with_many_users() {
         .arg(&script)
         .env("GATEWAY_URL", gateway.url())
         .env("SERVICE_KEY", SERVICE_KEY)
-        .env("SECONDS", "16")
+        .env("SECONDS", "10")
         .env("FREE_MAX_WAIT", FREE_MAX_WAIT.to_string())
         .env_remove("ANTHROPIC_API_KEY")
         .env_remove("ANTHROPIC_BASE_URL")
