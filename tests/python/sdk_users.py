@@ -39,7 +39,7 @@ def ask(client, user, tier=None):
     )
 
 
-def client():
+def new_client():
     return anthropic.Anthropic(base_url=URL, api_key=KEY, timeout=60.0, max_retries=0)
 
 
@@ -79,8 +79,8 @@ def worker(index, ready, queue):
     # A backend's workers are up before its peak: every client is made (about 40 ms of CPU
     # each) before any process sends, so that what is measured is the peak, not 200 clients
     # being built on two cores.
-    clients = [client() for _ in users]
-    ready.wait()
+    clients = [new_client() for _ in users]
+    ready.wait(timeout=60)
     now = time.monotonic()
     until = now + SECONDS
     threads = []
