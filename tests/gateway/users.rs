@@ -689,7 +689,8 @@ async fn two_services_share(mock: &MockAnthropic, gateways: &[Gateway]) -> usize
 /// and none waits more than 500 ms at the gateway (`x-fairgate-queued-ms`); free users get
 /// `529` with `retry-after` within their max wait; the upstream never sees more than the
 /// global cap. The processes make their clients before the flood starts: 200 SDK clients
-/// built on two cores during it took premium to 2.7 s, none of it at the gateway.
+/// built on two cores during it took premium's slowest call to 2.1-2.7 s, most of it in
+/// the client.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn python_sdk_backend_with_many_users() {
     let _turn = crate::support::file_turn(module_path!());
