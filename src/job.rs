@@ -215,6 +215,16 @@ impl Job {
         self.priority = Some(priority);
     }
 
+    /// Records what the classifier counted toward the tenant's day.
+    pub(crate) fn set_budget_counted(&mut self, counts: crate::BudgetCounts, tokens: u64) {
+        self.handoff.budget_counted = Some((counts, tokens));
+    }
+
+    /// What the classifier counted toward the tenant's day; `None` when none ran.
+    pub(crate) fn budget_counted(&self) -> Option<(crate::BudgetCounts, u64)> {
+        self.handoff.budget_counted
+    }
+
     /// When the request entered the first fairgate layer; `None` before any layer saw it.
     ///
     /// Every layer's waits count from this one instant: a tier's max wait is end to end,
@@ -310,6 +320,9 @@ pub(crate) struct Handoff {
     /// A fair queue above dispatched it without a slot gate: a slot layer below that waits
     /// for its slot then loses the fair order (and says so once).
     fair_queued_ungated: bool,
+    /// What the classifier counted toward its tenant's daily budget, and in which unit:
+    /// the settler corrects the day by it.
+    budget_counted: Option<(crate::BudgetCounts, u64)>,
 }
 
 /// A request type that can carry a [`Job`].

@@ -122,7 +122,7 @@ pub mod trace;
 pub mod upstream;
 
 pub use crate::admission::busy::{Busy, WaitReason};
-pub use crate::admission::demotion::{DemotionPolicy, DemotionPolicyBuilder};
+pub use crate::admission::demotion::{BudgetCounts, DemotionPolicy, DemotionPolicyBuilder};
 pub use crate::admission::policy::{SlotPolicy, SlotPolicyBuilder, TierLimit};
 pub use crate::drr_fairness::layer::DrrFairnessLayer;
 pub use crate::drr_fairness::service::DrrFairness;

@@ -44,6 +44,23 @@ use crate::extract::Unidentified;
 /// What a caller is told to wait after [`QueueFull`]: the queue is full now, not for long.
 pub const QUEUE_FULL_RETRY_AFTER: Duration = Duration::from_secs(1);
 
+/// Whether `error` says the call never went upstream: a fairgate [`Rejection`], or no
+/// upstream of a pool with room ([`NoUpstream`](crate::pool::error::NoUpstream)), anywhere
+/// in its chain. Any other error may come after the call ran.
+pub(crate) fn not_sent(error: &(dyn std::error::Error + 'static)) -> bool {
+    if Rejection::from_error(error).is_some() {
+        return true;
+    }
+    let mut current = Some(error);
+    while let Some(error) = current {
+        if error.is::<crate::pool::error::NoUpstream>() {
+            return true;
+        }
+        current = error.source();
+    }
+    false
+}
+
 /// Why fairgate refused a request (nothing was sent upstream).
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]

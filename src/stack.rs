@@ -343,28 +343,60 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
-    async fn the_daily_count_takes_the_charge_and_the_settlement_brings_it_to_the_use() {
+    async fn the_daily_count_takes_the_input_and_the_settlement_brings_it_to_the_use() {
         let layer = FairgateLayer::new(Store::memory());
         let settler = layer.settler();
-        // 200 input tokens, up to 4,000 output tokens at 5 each: 20,200 counted at once.
+        // 200 input tokens, up to 4,000 output tokens at 5 each: 200 counted at once.
+        let job = Job::new("acme", Origin::UserAction)
+            .with_tier("pro")
+            .with_cost(200)
+            .with_output_cost(20_000);
+        let sent = call(&layer, job).await;
+        assert_eq!(tokens_today(&layer, "acme").await, 200);
+        // The answer used 180 input and 100 output tokens.
+        settler.settle_usage(&sent, 680, 180);
+        assert_eq!(tokens_today(&layer, "acme").await, 180);
+        // A call that used more than its estimate is counted up as well; one settled
+        // without its input keeps the estimate.
+        let sent = call(&layer, Job::new("acme", Origin::UserAction).with_cost(10)).await;
+        settler.settle_usage(&sent, 5_010, 5_000);
+        assert_eq!(tokens_today(&layer, "acme").await, 180 + 5_000);
+        let sent = call(&layer, Job::new("acme", Origin::UserAction).with_cost(10)).await;
+        settler.settle(&sent, 5_010);
+        assert_eq!(tokens_today(&layer, "acme").await, 180 + 5_000 + 10);
+    }
+
+    fn weighted() -> FairgateLayer {
+        let policy = crate::DemotionPolicy::builder()
+            .budget_counts(crate::BudgetCounts::Weighted)
+            .build()
+            .unwrap();
+        FairgateLayer::builder(Store::memory())
+            .demotion(policy)
+            .build()
+            .unwrap()
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_weighted_budget_takes_the_charge_and_the_settlement_brings_it_to_the_use() {
+        let layer = weighted();
+        let settler = layer.settler();
         let job = Job::new("acme", Origin::UserAction)
             .with_tier("pro")
             .with_cost(200)
             .with_output_cost(20_000);
         let sent = call(&layer, job).await;
         assert_eq!(tokens_today(&layer, "acme").await, 20_200);
-        // The answer used 180 input and 100 output tokens: 680.
         settler.settle(&sent, 680);
         assert_eq!(tokens_today(&layer, "acme").await, 680);
-        // A call that used more than its charge is counted up as well.
         let sent = call(&layer, Job::new("acme", Origin::UserAction).with_cost(10)).await;
-        settler.settle(&sent, 5_010);
+        settler.settle_usage(&sent, 5_010, 10);
         assert_eq!(tokens_today(&layer, "acme").await, 680 + 5_010);
     }
 
     #[tokio::test(start_paused = true)]
     async fn a_tenant_whose_answers_outgrow_its_estimate_is_demoted_by_the_settlement() {
-        let layer = FairgateLayer::new(Store::memory());
+        let layer = weighted();
         let settler = layer.settler();
         let job = || {
             Job::new("hog", Origin::UserAction)
@@ -378,13 +410,63 @@ mod tests {
         settler.settle(&sent, 320_010);
         let next = call(&layer, job()).await;
         assert_eq!(next.priority(), Some(crate::Priority::Batch), "demoted");
-        // A tenant whose estimate was too high is refunded, never below 0.
+        // A tenant whose estimate was too high is refunded, never below 0; an answer the
+        // upstream refused counts nothing.
         let light = call(
             &layer,
             Job::new("light", Origin::UserAction).with_cost(50_000),
         )
         .await;
-        settler.settle(&light, 0);
+        settler.settle_usage(&light, 0, 0);
         assert_eq!(tokens_today(&layer, "light").await, 0);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_call_fairgate_refuses_counts_nothing_toward_the_day() {
+        // One slot for the tier, and no wait: the second call is `Busy` at once.
+        let policy = crate::SlotPolicy::builder()
+            .global_max(1)
+            .tier("free", 1, std::time::Duration::ZERO)
+            .build()
+            .unwrap();
+        let layer = FairgateLayer::builder(Store::memory())
+            .slots(policy)
+            .build()
+            .unwrap();
+        let (release, held) = tokio::sync::oneshot::channel::<()>();
+        let held = std::sync::Arc::new(std::sync::Mutex::new(Some(held)));
+        let service = tower::ServiceBuilder::new()
+            .layer(layer.clone())
+            .service(service_fn(move |_req: http::Request<String>| {
+                let wait = held.lock().unwrap().take();
+                // The first call holds the slot until released; the others answer at once.
+                async move {
+                    if let Some(wait) = wait {
+                        let _ = wait.await;
+                    }
+                    Ok::<_, std::convert::Infallible>(http::Response::new(String::new()))
+                }
+            }));
+        let job = || {
+            let mut req = http::Request::new(String::new());
+            req.extensions_mut().insert(
+                Job::new("acme", Origin::UserAction)
+                    .with_tier("free")
+                    .with_cost(700),
+            );
+            req
+        };
+        let first = tokio::spawn(service.clone().oneshot(job()));
+        tokio::task::yield_now().await;
+        let refused = service.clone().oneshot(job()).await.unwrap_err();
+        assert!(refused.is::<crate::Busy>(), "{refused}");
+        assert_eq!(
+            tokens_today(&layer, "acme").await,
+            700,
+            "only the call that ran"
+        );
+        release.send(()).unwrap();
+        first.await.unwrap().unwrap();
+        assert_eq!(tokens_today(&layer, "acme").await, 700);
     }
 }

@@ -6,13 +6,19 @@ use crate::error::ConfigError;
 ///
 /// Demotion is congestion control, not punishment: a tenant with at least `throttle_limit`
 /// throttles (429s attributed to it) inside the store's throttle window, or whose tokens
-/// charged today (each job's [`charge`](crate::Job::charge): input plus output cost,
-/// corrected to the real usage by a [`Settler`](crate::drr_fairness::Settler)) exceed
-/// `budget_ratio` x its daily budget, is served as batch for
+/// counted today exceed `budget_ratio` x its daily budget, is served as batch for
 /// `demote_for`, then the demotion expires by itself. A tenant still over its budget is
 /// demoted again the next time it is checked after that: the budget resets with the UTC day.
 ///
-/// Defaults: 5 throttles, 1.5x a daily budget of 100,000 tokens,
+/// What a call counts toward the budget is [`BudgetCounts`]: by default its input tokens
+/// (the job's [`cost`](crate::Job::cost)), as the write-up's daily input-token budget does;
+/// or its whole weighted [`charge`](crate::Job::charge). Either is counted when the call is
+/// classified and corrected to the answer's usage by a
+/// [`Settler`](crate::drr_fairness::Settler); a call fairgate refused (`Busy`,
+/// `QueueFull`, no upstream with room) or one the upstream refused (settled at 0) counts
+/// nothing.
+///
+/// Defaults: 5 throttles, 1.5x a daily budget of 100,000 input tokens,
 /// 5 minutes. The throttle window (60 s) belongs to the [`Store`](crate::Store), because the
 /// layer that records throttles shares it.
 ///
@@ -36,6 +42,51 @@ pub struct DemotionPolicy {
     budget_permille: u64,
     default_daily_budget: u64,
     demote_for: Duration,
+    counts: BudgetCounts,
+}
+
+/// What a call counts toward its tenant's daily budget.
+///
+/// ```
+/// use fairgate::{BudgetCounts, DemotionPolicy, Job, Origin};
+///
+/// // 20 input tokens, and up to 200 output tokens weighing 5 input tokens each.
+/// let job = Job::new("acme", Origin::Scheduled).with_cost(20).with_output_cost(200 * 5);
+/// assert_eq!(BudgetCounts::InputTokens.of(&job), 20);
+/// assert_eq!(BudgetCounts::Weighted.of(&job), 1_020);
+/// let policy = DemotionPolicy::builder().budget_counts(BudgetCounts::Weighted).build()?;
+/// assert_eq!(policy.budget_counts(), BudgetCounts::Weighted);
+/// # Ok::<(), fairgate::ConfigError>(())
+/// ```
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum BudgetCounts {
+    /// The call's input tokens: its [`cost`](crate::Job::cost), settled to the answer's
+    /// `input_tokens` (the default, the write-up's daily input-token budget).
+    #[default]
+    InputTokens,
+    /// The call's whole [`charge`](crate::Job::charge) (input plus weighted output, as the
+    /// fair queue charges it), settled to the answer's weighted use.
+    Weighted,
+}
+
+impl BudgetCounts {
+    /// What `job` counts before its answer is known.
+    pub fn of(self, job: &crate::Job) -> u64 {
+        match self {
+            BudgetCounts::InputTokens => u64::from(job.cost()),
+            BudgetCounts::Weighted => job.charge(),
+        }
+    }
+
+    /// What a call counts once its answer said it used `input_tokens` of input and
+    /// `charge` in all (in the units of [`Job::charge`](crate::Job::charge)).
+    pub fn used(self, input_tokens: u64, charge: u64) -> u64 {
+        match self {
+            BudgetCounts::InputTokens => input_tokens,
+            BudgetCounts::Weighted => charge,
+        }
+    }
 }
 
 impl Default for DemotionPolicy {
@@ -45,6 +96,7 @@ impl Default for DemotionPolicy {
             budget_permille: 1500,
             default_daily_budget: 100_000,
             demote_for: Duration::from_secs(300),
+            counts: BudgetCounts::InputTokens,
         }
     }
 }
@@ -74,9 +126,15 @@ impl DemotionPolicy {
         self.budget_permille
     }
 
-    /// Daily token budget (of charged tokens) of a tenant with none set in the store.
+    /// Daily token budget (in the unit of [`budget_counts`](Self::budget_counts)) of a
+    /// tenant with none set in the store.
     pub fn default_daily_budget(&self) -> u64 {
         self.default_daily_budget
+    }
+
+    /// What a call counts toward the daily budget.
+    pub fn budget_counts(&self) -> BudgetCounts {
+        self.counts
     }
 
     /// How long a demotion lasts.
@@ -113,10 +171,16 @@ impl DemotionPolicyBuilder {
         self
     }
 
-    /// Daily token budget (of charged tokens) of tenants with none set in the store (at
-    /// least 1).
+    /// Daily token budget (in the unit of [`budget_counts`](Self::budget_counts)) of
+    /// tenants with none set in the store (at least 1).
     pub fn default_daily_budget(mut self, tokens: u64) -> Self {
         self.policy.default_daily_budget = tokens;
+        self
+    }
+
+    /// What a call counts toward the daily budget (default: its input tokens).
+    pub fn budget_counts(mut self, counts: BudgetCounts) -> Self {
+        self.policy.counts = counts;
         self
     }
 

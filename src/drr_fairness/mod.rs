@@ -101,18 +101,20 @@ use crate::Job;
 ///
 /// Get one from [`DrrFairnessLayer::settler`](crate::DrrFairnessLayer::settler), [`DrrFairness::settler`] or
 /// [`FairgateLayer::settler`](crate::FairgateLayer::settler); it is cheap to clone and
-/// shares the layer's state. Call [`settle`](Settler::settle) with the request's job (as it
-/// was sent, classified) and what the call really cost, in the units of the job's
-/// [`charge`](Job::charge) (e.g. the response's `usage.input_tokens` plus its
-/// `output_tokens` times the weight the job's output cost used). The difference to the
-/// charge
+/// shares the layer's state. Call [`settle_usage`](Settler::settle_usage) with the
+/// request's job (as it was sent, classified), what the call really cost in the units of
+/// the job's [`charge`](Job::charge) (e.g. the response's `usage.input_tokens` plus its
+/// `output_tokens` times the weight the job's output cost used), and its input tokens.
 ///
-/// - is charged to the tenant's deficit (it used more) or refunded (less), if the tenant
-///   still has requests waiting or in flight in that class. Refunds never bank more than
-///   one quantum x weight; charges never go below minus one maximum charge;
-/// - corrects the tenant's token count for the day in the [`Store`](crate::Store), which
-///   [`PriorityClassify`](crate::PriorityClassify) counted at the charge and checks
-///   against the daily budget (never below 0; batched off the request path on Redis).
+/// - The difference to the charge is charged to the tenant's deficit (it used more) or
+///   refunded (less), if the tenant still has requests waiting or in flight in that class.
+///   Refunds never bank more than one quantum x weight; charges never go below minus one
+///   maximum charge.
+/// - The tenant's count for the day, which [`PriorityClassify`](crate::PriorityClassify)
+///   took when it classified the job (in the [`BudgetCounts`](crate::BudgetCounts) of its
+///   policy), is brought to what the call used in that unit (never below 0; batched off
+///   the request path on Redis). A call the upstream refused (a `429` or `529`: it did not
+///   run) is settled at 0 and 0: it counts nothing.
 ///
 /// The served cost already recorded (for the fairness index) stays the estimate.
 ///
@@ -124,7 +126,7 @@ use crate::Job;
 /// // A short prompt that may write 4,000 output tokens, each weighing 5 input tokens.
 /// let job = Job::new("acme", Origin::Scheduled).with_cost(1_000).with_output_cost(4_000 * 5);
 /// // ... later, the response said 900 input tokens and 120 output tokens:
-/// settler.settle(&job, 900 + 120 * 5);
+/// settler.settle_usage(&job, 900 + 120 * 5, 900);
 /// ```
 #[derive(Clone)]
 pub struct Settler {
@@ -133,9 +135,17 @@ pub struct Settler {
 
 impl Settler {
     /// Settles `job` (as it was sent: same tenant, priority and charge) at `actual`, in the
-    /// units of [`Job::charge`].
+    /// units of [`Job::charge`], and its day at `input_tokens` when the budget counts input
+    /// tokens (the default) or at `actual` when it counts the weighted charge.
+    pub fn settle_usage(&self, job: &Job, actual: u64, input_tokens: u64) {
+        self.shared.settle(job, actual, Some(input_tokens));
+    }
+
+    /// Settles `job` at `actual` without its input tokens: the fair queue's deficit as
+    /// [`settle_usage`](Self::settle_usage) does, and the day only when the budget counts
+    /// the weighted charge (an input-token budget keeps the estimate).
     pub fn settle(&self, job: &Job, actual: u64) {
-        self.shared.settle(job, actual);
+        self.shared.settle(job, actual, None);
     }
 }
 

@@ -13,7 +13,7 @@ use crate::admission::WaitReason;
 use crate::error::{BoxError, MissingJob, PolledAfterCompletion};
 use crate::store::{Demotion, StoreFuture};
 use crate::trace::CallSpan;
-use crate::{JobRequest, Priority};
+use crate::{JobRequest, Priority, Store, TenantId};
 
 pin_project! {
     /// Response future of [`PriorityClassify`](crate::PriorityClassify): waits for the
@@ -28,6 +28,34 @@ pin_project! {
         priority: Option<Priority>,
         // Four bytes after `priority`: inside the padding the struct had.
         trace: CallSpan,
+        refund: Option<Refund>,
+    }
+}
+
+/// What the call counted toward its tenant's day, given back if it is refused before it
+/// runs (a fairgate rejection, or no upstream with room): only what ran is charged.
+pub(super) struct Refund {
+    store: Store,
+    tenant: TenantId,
+    tokens: u64,
+}
+
+impl Refund {
+    /// The refund of `tokens` counted for `tenant`, if any were.
+    pub(super) fn of(store: &Store, tenant: &TenantId, tokens: u64) -> Option<Refund> {
+        (tokens > 0).then(|| Refund {
+            store: store.clone(),
+            tenant: tenant.clone(),
+            tokens,
+        })
+    }
+
+    /// Gives the tokens back when `error` says the call never went upstream.
+    fn refused(self, error: &BoxError) {
+        if crate::reject::not_sent(&**error) {
+            let tokens = i64::try_from(self.tokens).unwrap_or(i64::MAX);
+            self.store.correct_tokens(&self.tenant, -tokens);
+        }
     }
 }
 
@@ -63,7 +91,14 @@ impl<F, S, Req> ResponseFuture<F, S, Req> {
             started: Instant::now(),
             priority: None,
             trace: CallSpan::default(),
+            refund: None,
         }
+    }
+
+    /// The same future, giving `refund` back if the call is refused before it runs.
+    pub(super) fn refund(mut self, refund: Option<Refund>) -> Self {
+        self.refund = refund;
+        self
     }
 
     pub(super) fn calling(fut: F, priority: Priority, started: Instant, trace: CallSpan) -> Self {
@@ -72,6 +107,7 @@ impl<F, S, Req> ResponseFuture<F, S, Req> {
             started,
             priority: Some(priority),
             trace,
+            refund: None,
         }
     }
 
@@ -96,6 +132,7 @@ impl<F, S, Req> ResponseFuture<F, S, Req> {
             started,
             priority: None,
             trace,
+            refund: None,
         }
     }
 }
@@ -142,6 +179,9 @@ where
                 }
                 StateProj::Calling { fut } => {
                     let output = ready!(fut.poll(cx)).map_err(Into::into);
+                    if let (Err(error), Some(refund)) = (&output, this.refund.take()) {
+                        refund.refused(error);
+                    }
                     if let Some(priority) = *this.priority {
                         let outcome = outcome_of(&output);
                         crate::metrics::request_latency(priority, outcome, this.started.elapsed());

@@ -5,7 +5,7 @@ use tokio::time::Instant;
 use tower_service::Service;
 
 use super::classifier::{Classifier, decide};
-use super::future::ResponseFuture;
+use super::future::{Refund, ResponseFuture};
 use super::{ClassifyRule, DefaultRule};
 use crate::JobRequest;
 use crate::error::BoxError;
@@ -82,15 +82,18 @@ where
         let by_rule = shared.rule.classify(job);
         // Checked before this job's tokens count, the same on every store: the job that
         // crosses the budget goes out as classified, the next one is demoted.
-        // The budget counts the whole charge (input and expected output); the metric, the
-        // input tokens.
-        let check = shared.store.check_demotion_then_add_tokens(
-            job.tenant(),
-            &shared.policy,
-            job.charge(),
-            now,
-        );
+        // The budget counts in the policy's unit (input tokens by default); the metric, the
+        // input tokens. What was counted rides on the job, for the settler, and in the
+        // future, to be given back if the call is refused before it runs.
+        let counts = shared.policy.budget_counts();
+        let counted = counts.of(job);
+        job.set_budget_counted(counts, counted);
+        let check =
+            shared
+                .store
+                .check_demotion_then_add_tokens(job.tenant(), &shared.policy, counted, now);
         crate::metrics::input_tokens(job.tenant(), u64::from(job.cost()));
+        let refund = Refund::of(&shared.store, job.tenant(), counted);
 
         // A traced call takes the path of a round trip whatever the store answered: the
         // future calls the inner service inside the call's trace. Apart, so the untraced
@@ -109,7 +112,7 @@ where
             Ok(demotion) => {
                 let priority = decide(job, by_rule, demotion);
                 let fut = self.inner.call(req);
-                ResponseFuture::calling(fut, priority, started, CallSpan::default())
+                ResponseFuture::calling(fut, priority, started, CallSpan::default()).refund(refund)
             }
             Err(check) => {
                 let trace = match traced {
@@ -121,6 +124,7 @@ where
                 let clone = self.inner.clone();
                 let inner = std::mem::replace(&mut self.inner, clone);
                 ResponseFuture::checking(check, inner, req, (by_rule, round_trip), started, trace)
+                    .refund(refund)
             }
         }
     }

@@ -13,10 +13,11 @@
 //! hands down; `gate.rs` answers the fair queue (`RateLimit for Rates`, the protocol of
 //! `crate::gate`) over `key_gate.rs`'s state, one entry per upstream key; `learned.rs`
 //! reads the rate-limit headers; `pacing.rs` runs a configured [`Pacing`]; `usage.rs`
-//! reads an answer's usage as its body streams. The GCRA arithmetic is `crate::gcra`,
+//! reads an answer's usage as its body streams, `encoded.rs` whatever its encoding. The GCRA arithmetic is `crate::gcra`,
 //! shared with the store. Nothing here imports the retry layer.
 
 mod core;
+mod encoded;
 mod feed;
 mod gate;
 mod key_gate;
@@ -25,6 +26,7 @@ mod pacing;
 mod usage;
 
 pub(crate) use self::core::{Ask, Learned, RateConfig, Rates, taken};
+pub use self::encoded::{MAX_DECODED, UsageReader};
 pub(crate) use self::feed::Answer;
 pub(crate) use self::learned::has_ratelimit_headers;
 pub use self::learned::{ByApiKey, ByApiKeyAndModel, ByModel, OneUpstream, UpstreamKey};

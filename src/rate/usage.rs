@@ -26,6 +26,7 @@ use bytes::Buf;
 use super::core::Rates;
 #[cfg(test)]
 use super::core::needs;
+use super::encoded::UsageReader;
 use crate::store::DIMS;
 
 /// The largest usage believed for one call; a larger value counts as this. The correction
@@ -219,7 +220,8 @@ impl UsageScanner<4> {
 /// A success's body being scanned for its usage, and the correction to report once it is
 /// known: when the body ends, or when it is dropped after a usage was seen.
 pub(crate) struct Usage {
-    scanner: UsageScanner<2>,
+    /// Decodes a compressed answer on the side (`encoded.rs`).
+    reader: UsageReader<2>,
     /// `None` once reported (or given up).
     report: Option<Report>,
 }
@@ -240,14 +242,15 @@ struct Report {
 impl Usage {
     /// The report of a call that needed `need` cells per dimension, of which learned pacing
     /// took `charged` and the fleet's token rate `fleet_tokens` input tokens.
+    /// `headers` are the answer's (its `content-encoding`).
     pub(crate) fn new(
         rates: Arc<Rates>,
-        key: Arc<str>,
+        (key, headers): (Arc<str>, &http::HeaderMap),
         (need, charged, fleet_tokens): ([u32; DIMS], [u32; DIMS], u32),
         limits: [u32; DIMS],
     ) -> Self {
         Usage {
-            scanner: UsageScanner::default(),
+            reader: UsageReader::new(headers),
             report: Some(Report {
                 rates,
                 key,
@@ -264,16 +267,10 @@ impl Usage {
         if self.report.is_none() {
             return;
         }
-        let mut slices = [std::io::IoSlice::new(&[]); 16];
-        let n = data.chunks_vectored(&mut slices);
-        let mut read = 0;
-        for slice in &slices[..n] {
-            self.scanner.feed(slice);
-            read += slice.len();
-        }
-        if read < data.remaining() {
-            // More pieces than one look shows: the bytes seen are no longer contiguous, so
-            // nothing read from here on could be trusted. No correction.
+        self.reader.feed(data);
+        if !self.reader.readable() {
+            // Nothing read from here on could be trusted (bytes that do not decode, or not
+            // contiguous): no correction.
             self.report = None;
         }
     }
@@ -281,7 +278,8 @@ impl Usage {
     /// The body ended (`ended`) or is going away: reports the correction, once, if a usage
     /// was seen. Only a complete answer's output count moves the key's expected output.
     pub(crate) fn finish(&mut self, ended: bool) {
-        if !self.scanner.saw_usage() {
+        let scanner = *self.reader.usage();
+        if !scanner.saw_usage() {
             return;
         }
         if let Some(report) = self.report.take() {
@@ -289,19 +287,15 @@ impl Usage {
                 report.need,
                 report.charged,
                 report.limits,
-                self.scanner.input_tokens(),
-                self.scanner.output_tokens(),
+                scanner.input_tokens(),
+                scanner.output_tokens(),
             );
-            let used = self
-                .scanner
-                .output_tokens()
-                .filter(|_| ended)
-                .map(|output| {
-                    let input = self.scanner.input_tokens().unwrap_or(report.need[1]);
-                    (input, output)
-                });
+            let used = scanner.output_tokens().filter(|_| ended).map(|output| {
+                let input = scanner.input_tokens().unwrap_or(report.need[1]);
+                (input, output)
+            });
             report.rates.correct_usage(&report.key, charge, used);
-            if let (true, Some(input)) = (report.fleet_tokens > 0, self.scanner.input_tokens()) {
+            if let (true, Some(input)) = (report.fleet_tokens > 0, scanner.input_tokens()) {
                 let beyond = i64::from(input) - i64::from(report.fleet_tokens);
                 report.rates.store.correct_fleet_tokens(beyond);
             }
@@ -432,7 +426,12 @@ mod tests {
         // 30 cells charged after the fact (31 used, 1 charged before).
         let need = needs(1, 1);
         let charged = [0, 0, 1, 0];
-        let mut usage = Usage::new(core.clone(), key.clone(), (need, charged, 0), limits);
+        let mut usage = Usage::new(
+            core.clone(),
+            (key.clone(), &http::HeaderMap::new()),
+            (need, charged, 0),
+            limits,
+        );
         usage.feed(&&body[..20]);
         usage.feed(&&body[20..]);
         usage.finish(true);
@@ -442,14 +441,24 @@ mod tests {
         assert_eq!(grant.wait, Duration::ZERO);
         // Dropped after the usage was seen, without an end: charged (27 more cells would
         // fit; 28 more do not).
-        let mut usage = Usage::new(core.clone(), key.clone(), (need, charged, 0), limits);
+        let mut usage = Usage::new(
+            core.clone(),
+            (key.clone(), &http::HeaderMap::new()),
+            (need, charged, 0),
+            limits,
+        );
         usage.feed(&&br#"{"output_tokens":29}"#[..]);
         drop(usage);
         let grant = core.store.pace_learned(&key, &ask(1)).into_ready().unwrap();
         assert!(grant.wait > Duration::ZERO, "{grant:?}");
         // No usage seen: nothing charged.
         tokio::time::advance(Duration::from_secs(120)).await;
-        let mut usage = Usage::new(core.clone(), key.clone(), (need, charged, 0), limits);
+        let mut usage = Usage::new(
+            core.clone(),
+            (key.clone(), &http::HeaderMap::new()),
+            (need, charged, 0),
+            limits,
+        );
         usage.feed(&&br#"{"type":"error"}"#[..]);
         usage.finish(true);
         drop(usage);

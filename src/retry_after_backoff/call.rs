@@ -455,7 +455,8 @@ impl<S, Req, C> Call<S, Req, C> {
             {
                 let core = self.shared.core.rate.clone();
                 let charge = (need, charged, fleet_tokens);
-                let usage = Usage::new(core, self.answered_key(), charge, limits);
+                let key = (self.answered_key(), response.headers());
+                let usage = Usage::new(core, key, charge, limits);
                 Then::Return(response.map(|body| body.scanned(usage)))
             }
             None => Then::Return(response),

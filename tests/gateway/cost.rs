@@ -219,17 +219,18 @@ fn demoted(gateway: &Gateway, tenant: &str) -> bool {
         .any(|line| line.contains("tenant demoted to batch") && line.contains(tenant))
 }
 
-/// The rule: the daily budget counts what a call costs, output included: with a budget of
-/// 1,500,000 (demoted past 1.5 times it), a dozen calls asking for 64,000 output tokens
-/// (320,000 each at weight 5) demote the hog, while 150 ordinary calls of the peer (about
-/// 10,700 each) do not demote it.
+/// The rule: with `budget_counts = "weighted"` the daily budget counts what a call costs,
+/// output included: with a budget of 1,500,000 (demoted past 1.5 times it), a dozen calls
+/// asking for 64,000 output tokens (320,000 each at weight 5) demote the hog, while 150
+/// ordinary calls of the peer (about 10,700 each) do not demote it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_daily_budget_demotes_the_hog_not_the_ordinary_tenant() {
     let _turn = crate::support::file_turn(module_path!());
     let _serial = SERIAL.lock().await;
     let mock = MockAnthropic::start();
     mock.set_output_pace(PACE);
-    let gateway = Gateway::start(&mock.url(), &keys(1_500_000), None);
+    let keys = keys(1_500_000).replace("[limits]", "[limits]\nbudget_counts = \"weighted\"");
+    let gateway = Gateway::start(&mock.url(), &keys, None);
     let send = |key: &'static str, body: String| {
         let url = format!("{}/v1/messages", gateway.url());
         async move {

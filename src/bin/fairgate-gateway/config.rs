@@ -150,6 +150,8 @@ struct Limits {
     retry_after_ms: Option<Spanned<u64>>,
     lease_ttl_ms: Option<Spanned<u64>>,
     daily_token_budget: Option<Spanned<u64>>,
+    /// What the daily budget counts: `"input"` (the default) or `"weighted"`.
+    budget_counts: Option<Spanned<String>>,
     demotion_ms: Option<Spanned<u64>>,
 }
 
@@ -653,6 +655,22 @@ fn demotion(text: &str, limits: &Limits) -> Result<DemotionPolicy, Refusal> {
     }
     if let Some(ms) = &limits.demotion_ms {
         demotion = demotion.demote_for(Duration::from_millis(*ms.get_ref()));
+    }
+    if let Some(counts) = &limits.budget_counts {
+        demotion = demotion.budget_counts(match counts.get_ref().as_str() {
+            "input" => fairgate::BudgetCounts::InputTokens,
+            "weighted" => fairgate::BudgetCounts::Weighted,
+            other => {
+                return Err(refuse(
+                    text,
+                    Some(counts.span()),
+                    format!(
+                        "[limits] budget_counts = \"{other}\": give \"input\" (input tokens, \
+                         the default) or \"weighted\" (the fair queue's charge)"
+                    ),
+                ));
+            }
+        });
     }
     let span = limits
         .daily_token_budget

@@ -17,12 +17,13 @@
 //!   the most the answer may use: a call asking for a long answer is charged for it before
 //!   it holds a slot, whatever the size of its prompt.
 //! - **On the answer**, its `usage` (a JSON message's, or a stream's `message_start` and
-//!   `message_delta` events, read as the bytes pass by the library's
-//!   [`UsageScanner`]) replaces the estimate:
+//!   `message_delta` events, read as the bytes pass by the library's [`UsageReader`],
+//!   which decodes a `gzip`, `deflate` or `br` answer on the side) replaces the estimate:
 //!   the difference is settled against the tenant's DRR deficit and its token count for the
-//!   day ([`Settler`]). An answer that ends with no usage
-//!   (an error) cost nothing and is settled at 0; one dropped before any usage keeps the
-//!   estimate.
+//!   day ([`Settler`]). An error answer (the upstream's `429` and `529` included) cost
+//!   nothing and is settled at 0. A success whose usage cannot be read (none in it, an
+//!   encoding that does not decode, or cut before it) ran: it keeps the estimate, and
+//!   `/usage` counts the estimate, marked so.
 //!
 //! The keys file's `[cost]` table sets the weights (all optional):
 //!
@@ -53,7 +54,7 @@ use std::task::{Context, Poll, ready};
 
 use bytes::Bytes;
 use fairgate::drr_fairness::Settler;
-use fairgate::rate::UsageScanner;
+use fairgate::rate::{UsageReader, UsageScanner};
 use fairgate::{BoxError, Job};
 use http::header::{self, HeaderMap};
 use http::{Response, StatusCode};
@@ -181,6 +182,7 @@ impl CostModel {
             input: u32::try_from(input).unwrap_or(u32::MAX),
             charge: to_tokens(charge),
             weight,
+            max_tokens,
             user: head.user(),
         })
     }
@@ -217,6 +219,8 @@ pub(crate) struct Estimate {
     charge: u64,
     /// The model's weight.
     weight: f64,
+    /// The body's `max_tokens`: the most output the call may use.
+    max_tokens: u64,
     /// The body's `metadata.user_id`, when it names one.
     user: Option<String>,
 }
@@ -365,6 +369,11 @@ impl<R: Read> Read for Capped<R> {
 /// The response of a call sent with `estimate`, its body settling the call's charge on its
 /// usage: the classified job the call went out with rides in the response's extensions
 /// (put there by the innermost service); without it, nothing is settled.
+///
+/// What ran is what is charged: an error answer (a `429` or `529` refusal of the upstream
+/// included) used nothing and is settled at 0 at once; a success is settled on the usage
+/// read from its body whatever its `content-encoding`, or at its estimate when that usage
+/// cannot be read (never 0).
 pub(crate) fn settling(
     mut response: Response<Body>,
     (settler, usage): (&Settler, &Usage),
@@ -374,6 +383,10 @@ pub(crate) fn settling(
     let Some(job) = response.extensions_mut().remove::<Job>() else {
         return response;
     };
+    if !response.status().is_success() {
+        settler.settle_usage(&job, 0, 0);
+        return response;
+    }
     let settle = Settle {
         settler: settler.clone(),
         usage: usage.clone(),
@@ -381,10 +394,11 @@ pub(crate) fn settling(
         job,
         estimate,
     };
+    let reader = UsageReader::new(response.headers());
     response.map(|inner| {
         http_body_util::BodyExt::boxed_unsync(Settling {
             inner,
-            usage: UsageScanner::default(),
+            usage: reader,
             settle: Some(settle),
         })
     })
@@ -399,6 +413,7 @@ fn billed(usage: &UsageScanner) -> Counts {
         cache_creation_input_tokens: count(usage.cache_creation_input_tokens()),
         cache_read_input_tokens: count(usage.cache_read_input_tokens()),
         calls: 1,
+        estimated_calls: 0,
     }
 }
 
@@ -412,32 +427,73 @@ struct Settle {
     estimate: Estimate,
 }
 
-/// A response body read for its usage as it passes, the call settled once: when it ends,
-/// or when it is dropped after a usage was seen.
+impl Settle {
+    /// Settles the call at its usage.
+    fn used(self, usage: &UsageScanner) {
+        let used = self.model.used(&self.estimate, usage);
+        let input = usage.input_tokens().unwrap_or(self.estimate.input);
+        self.settler.settle_usage(&self.job, used, u64::from(input));
+        self.usage.record(self.job.tenant().as_str(), billed(usage));
+    }
+
+    /// Settles a call that ran but whose usage could not be read at its estimate: the
+    /// body's input and `max_tokens` of output, counted and marked estimated.
+    fn estimated(self, why: &'static str) {
+        let input = u64::from(self.estimate.input);
+        self.settler
+            .settle_usage(&self.job, self.estimate.charge, input);
+        self.usage.record(
+            self.job.tenant().as_str(),
+            Counts {
+                input_tokens: input,
+                output_tokens: self.estimate.max_tokens,
+                estimated_calls: 1,
+                ..Counts::default()
+            },
+        );
+        metrics::counter!("gateway_usage_estimated_total", "reason" => why).increment(1);
+        unreadable_logged(why);
+    }
+}
+
+/// Logs, at most once a minute, that a call was counted at its estimate.
+fn unreadable_logged(why: &'static str) {
+    static LAST: std::sync::Mutex<Option<std::time::Instant>> = std::sync::Mutex::new(None);
+    let mut last = LAST.lock().unwrap_or_else(|e| e.into_inner());
+    let now = std::time::Instant::now();
+    if last.is_none_or(|at| now.saturating_duration_since(at) >= UNREADABLE_LOG_EVERY) {
+        *last = Some(now);
+        tracing::warn!(
+            reason = why,
+            "an answer's usage could not be read: the call is counted at its estimate \
+             (gateway_usage_estimated_total counts them; logged at most once a minute)"
+        );
+    }
+}
+
+/// How often the gateway says at most that an answer's usage could not be read.
+const UNREADABLE_LOG_EVERY: std::time::Duration = std::time::Duration::from_secs(60);
+
+/// A response body read for its usage as it passes (decoded on the side when compressed),
+/// the call settled once: when it ends, or when it is dropped.
 struct Settling {
     inner: Body,
-    usage: UsageScanner,
+    usage: UsageReader,
     settle: Option<Settle>,
 }
 
 impl Settling {
     fn finish(&mut self, ended: bool) {
-        if !ended && !self.usage.saw_usage() {
-            // Cut before any usage: what it used is unknown, the estimate stands.
+        let Some(settle) = self.settle.take() else {
             return;
-        }
-        if let Some(settle) = self.settle.take() {
-            let used = match self.usage.saw_usage() {
-                true => settle.model.used(&settle.estimate, &self.usage),
-                // Ended with no usage: an error answer, which used nothing.
-                false => 0,
-            };
-            settle.settler.settle(&settle.job, used);
-            if self.usage.saw_usage() {
-                settle
-                    .usage
-                    .record(settle.job.tenant().as_str(), billed(&self.usage));
-            }
+        };
+        let usage = self.usage.usage();
+        match (self.usage.unreadable_because(), usage.saw_usage(), ended) {
+            (Some(why), _, _) => settle.estimated(why),
+            (None, true, _) => settle.used(usage),
+            (None, false, true) => settle.estimated("no_usage"),
+            // Cut before any usage: it ran, and what it used is unknown.
+            (None, false, false) => settle.estimated("cut"),
         }
     }
 }
@@ -673,32 +729,54 @@ mod tests {
         assert_eq!(response.status(), StatusCode::BAD_REQUEST);
     }
 
-    /// A response of `chunks` through [`settling`], for a job of `tenant` charged
-    /// `estimate` (counted in the store as `PriorityClassify` would have).
-    fn answer(
+    /// An answer of `status`, `encoding` and `chunks` to a call of `tenant` estimated as
+    /// `estimate`, sent through the layers (classified and counted as the gateway's are),
+    /// through [`settling`].
+    async fn answer(
         (layer, usage): (&fairgate::FairgateLayer, &Usage),
         tenant: &str,
         estimate: Estimate,
-        chunks: &[&'static str],
+        (status, encoding, chunks): (u16, Option<&'static str>, Vec<Vec<u8>>),
     ) -> Response<Body> {
         use http_body_util::BodyExt;
-        let job = estimate.apply(Job::new(tenant, fairgate::Origin::UserAction));
-        layer
-            .store()
-            .add_tokens(&fairgate::TenantId::new(tenant), job.charge());
-        let frames: Vec<Result<Frame<Bytes>, BoxError>> = chunks
-            .iter()
-            .map(|c| Ok(Frame::data(Bytes::from_static(c.as_bytes()))))
-            .collect();
-        let body = http_body_util::StreamBody::new(futures_util::stream::iter(frames));
-        let mut response = Response::new(body.boxed_unsync());
-        response.extensions_mut().insert(job);
+        use tower::{Layer, ServiceExt};
+        let send = tower::service_fn(move |req: http::Request<()>| {
+            let chunks = chunks.clone();
+            async move {
+                let frames: Vec<Result<Frame<Bytes>, BoxError>> = chunks
+                    .into_iter()
+                    .map(|c| Ok(Frame::data(Bytes::from(c))))
+                    .collect();
+                let body = http_body_util::StreamBody::new(futures_util::stream::iter(frames));
+                let mut response = Response::new(body.boxed_unsync());
+                *response.status_mut() = StatusCode::from_u16(status).unwrap();
+                if let Some(encoding) = encoding {
+                    response
+                        .headers_mut()
+                        .insert(header::CONTENT_ENCODING, encoding.parse().unwrap());
+                }
+                // The job as the call went out, as the gateway's innermost service keeps it.
+                response
+                    .extensions_mut()
+                    .insert(req.extensions().get::<Job>().unwrap().clone());
+                Ok::<_, BoxError>(response)
+            }
+        });
+        let mut req = http::Request::new(());
+        req.extensions_mut()
+            .insert(estimate.apply(Job::new(tenant, fairgate::Origin::UserAction)));
+        let response = layer.layer(send).oneshot(req).await.unwrap();
+        let response = response.map(|body| body.map_err(Into::into).boxed_unsync());
         let model = Arc::new(CostModel::default());
         settling(response, (&layer.settler(), usage), &model, estimate)
     }
 
+    fn text(chunks: &[&str]) -> Vec<Vec<u8>> {
+        chunks.iter().map(|c| c.as_bytes().to_vec()).collect()
+    }
+
     #[tokio::test]
-    async fn the_answer_settles_the_days_count_once_its_usage_is_read() {
+    async fn what_ran_is_counted_once_its_usage_is_read_whatever_its_encoding() {
         use http_body_util::BodyExt;
         let layer = fairgate::FairgateLayer::new(fairgate::Store::memory());
         let usage = Usage::memory();
@@ -711,62 +789,71 @@ mod tests {
             let store = layer.0.store().clone();
             async move { store.tokens_today(&fairgate::TenantId::new(tenant)).await }
         };
-        // A stream split mid-field: 25 input and 40 output tokens, 225 charged.
+        // A stream split mid-field: 25 input and 40 output tokens; the day counts input.
+        let stream = text(&[
+            r#"data: {"usage":{"input_tokens":25,"output_to"#,
+            r#"kens":1}}"#,
+            r#"data: {"usage":{"output_tokens":40}}"#,
+        ]);
+        let response = answer(layer, "read", estimate.clone(), (200, None, stream.clone())).await;
+        response.into_body().collect().await.unwrap();
+        assert_eq!(today("read").await, 25);
+        // The same stream gzipped (as the API answers an SDK), in 5-byte frames.
+        let gz = gzip(&stream.concat())
+            .chunks(5)
+            .map(<[u8]>::to_vec)
+            .collect();
+        let response = answer(layer, "gzip", estimate.clone(), (200, Some("gzip"), gz)).await;
+        response.into_body().collect().await.unwrap();
+        assert_eq!(today("gzip").await, 25);
+        // The upstream's refusals used nothing.
+        for status in [429, 529] {
+            let body = text(&[r#"{"type":"error","error":{"type":"rate_limit_error"}}"#]);
+            let response = answer(layer, "refused", estimate.clone(), (status, None, body)).await;
+            response.into_body().collect().await.unwrap();
+            assert_eq!(today("refused").await, 0, "{status}");
+        }
+        // A success with no usage, one that does not decode, and one dropped before any
+        // usage ran: each counts its estimate, never 0.
         let response = answer(
             layer,
-            "read",
+            "no-usage",
             estimate.clone(),
-            &[
-                r#"data: {"usage":{"input_tokens":25,"output_to"#,
-                r#"kens":1}}"#,
-                r#"data: {"usage":{"output_tokens":40}}"#,
-            ],
-        );
+            (200, None, text(&["{}"])),
+        )
+        .await;
         response.into_body().collect().await.unwrap();
-        assert_eq!(today("read").await, 25 + 5 * 40);
-        // An error answer (no usage) used nothing.
-        let response = answer(layer, "refused", estimate.clone(), &[r#"{"type":"error"}"#]);
+        let corrupt = (200, Some("gzip"), text(&["not gzip at all"]));
+        let response = answer(layer, "corrupt", estimate.clone(), corrupt).await;
         response.into_body().collect().await.unwrap();
-        assert_eq!(today("refused").await, 0);
-        // Dropped before any usage: the estimate stands.
-        drop(answer(layer, "cut", estimate.clone(), &[]));
-        assert_eq!(today("cut").await, charge(&estimate));
-        // Only the call whose usage was read is billed, as its usage says.
+        drop(answer(layer, "cut", estimate.clone(), (200, None, vec![])).await);
+        for tenant in ["no-usage", "corrupt", "cut"] {
+            assert_eq!(today(tenant).await, u64::from(estimate.input), "{tenant}");
+        }
+        // Billed: the read calls as their usage says, the others at their estimate, marked
+        // so; the refused ones not at all.
         let billed = usage.rows(&Default::default()).await.unwrap();
-        assert_eq!(billed.len(), 1, "{billed:?}");
-        assert_eq!(billed[0].tenant, "read");
-        let read = billed[0].counts;
-        assert_eq!(
-            (read.input_tokens, read.output_tokens, read.calls),
-            (25, 40, 1)
-        );
-    }
-
-    #[test]
-    fn a_huge_max_tokens_saturates_and_a_bad_cost_table_is_refused() {
-        let model = CostModel::default();
-        let body = format!(r#"{{"max_tokens":{}}}"#, u64::MAX);
-        let estimate = model
-            .estimate(&headers(None), body.as_bytes(), MAX)
-            .unwrap();
-        assert_eq!(
-            charge(&estimate),
-            u64::from(u32::MAX) + u64::from(estimate.input)
-        );
-        for table in [
-            "output_weight = -1",
-            "cache_read_weight = nan",
-            "max_charge = 0",
-            "[models]\n\"\" = 2.0",
-            "[models]\n\"claude\" = 0.0",
-            "typo_weight = 1",
-        ] {
-            let parsed = toml::from_str::<CostTable>(table);
-            assert!(
-                parsed.is_err() || CostModel::from_table(&parsed.unwrap()).is_err(),
-                "{table}"
+        let row = |tenant: &str| billed.iter().find(|r| r.tenant == tenant).map(|r| r.counts);
+        for tenant in ["read", "gzip"] {
+            let read = row(tenant).unwrap();
+            assert_eq!(
+                (
+                    read.input_tokens,
+                    read.output_tokens,
+                    read.calls,
+                    read.estimated_calls
+                ),
+                (25, 40, 1, 0)
             );
         }
-        assert_eq!(CostModel::default().max_charge_quanta(5_000), 80);
+        assert_eq!(row("refused"), None);
+        for tenant in ["no-usage", "corrupt", "cut"] {
+            let guessed = row(tenant).unwrap();
+            assert_eq!(
+                (guessed.input_tokens, guessed.output_tokens, guessed.calls),
+                (u64::from(estimate.input), 64_000, 1)
+            );
+            assert_eq!(guessed.estimated_calls, 1);
+        }
     }
 }

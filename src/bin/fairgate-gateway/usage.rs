@@ -2,8 +2,9 @@
 //! calls, as the answers' `usage` said them (`GET /usage` on the admin listener).
 //!
 //! A call counts once its answer's usage is read (when its body ends, or is dropped after
-//! the usage passed): the same moment its charge is settled (`cost.rs`). An answer with no
-//! usage (an error) counts nothing.
+//! the usage passed), whatever its encoding: the same moment its charge is settled
+//! (`cost.rs`). A success whose usage cannot be read counts its estimate, marked so; an
+//! error answer (a refusal included) and a call the gateway refused count nothing.
 //!
 //! Without Redis the counts are this process's, and an end user's rows are kept for
 //! today and yesterday: older days keep their service's total (memory stays bounded with
@@ -15,7 +16,9 @@
 //!
 //! `GET /usage` answers a JSON object `{"usage":[row, ...]}` sorted by day then tenant, a
 //! row being `{"day":"2026-12-05","tenant":"team-a","input_tokens":..,"output_tokens":..,
-//! "cache_creation_input_tokens":..,"cache_read_input_tokens":..,"calls":..}`;
+//! "cache_creation_input_tokens":..,"cache_read_input_tokens":..,"calls":..,
+//! "estimated_calls":..}`; `estimated_calls` of the `calls` were counted at their estimate
+//! (an answer whose usage could not be read: the body's input, `max_tokens` of output);
 //! `?format=jsonl` answers the rows one a line. `?day=YYYY-MM-DD` keeps one day;
 //! `?tenant=NAME` keeps that tenant and its end users (`NAME/...`), so a service is billed
 //! with its users.
@@ -44,19 +47,30 @@ pub(crate) struct Counts {
     pub(crate) cache_creation_input_tokens: u64,
     pub(crate) cache_read_input_tokens: u64,
     pub(crate) calls: u64,
+    /// Of `calls`, those whose answer's usage could not be read: counted at their estimate
+    /// (the body's input, `max_tokens` of output).
+    pub(crate) estimated_calls: u64,
 }
 
 /// The counters as named in a Redis hash's fields.
-const COUNTERS: [&str; 5] = ["in", "out", "cache_write", "cache_read", "calls"];
+const COUNTERS: [&str; 6] = [
+    "in",
+    "out",
+    "cache_write",
+    "cache_read",
+    "calls",
+    "estimated",
+];
 
 impl Counts {
-    fn values(&self) -> [u64; 5] {
+    fn values(&self) -> [u64; 6] {
         [
             self.input_tokens,
             self.output_tokens,
             self.cache_creation_input_tokens,
             self.cache_read_input_tokens,
             self.calls,
+            self.estimated_calls,
         ]
     }
 
@@ -67,6 +81,7 @@ impl Counts {
             "cache_write" => &mut self.cache_creation_input_tokens,
             "cache_read" => &mut self.cache_read_input_tokens,
             "calls" => &mut self.calls,
+            "estimated" => &mut self.estimated_calls,
             _ => return None,
         })
     }
@@ -637,6 +652,7 @@ mod tests {
                 cache_creation_input_tokens: 0,
                 cache_read_input_tokens: 14,
                 calls: 2,
+                estimated_calls: 0,
             }
         );
         let lines = render(&rows, true);

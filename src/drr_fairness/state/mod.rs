@@ -699,7 +699,7 @@ impl FairQueue {
         });
     }
 
-    pub(super) fn settle(&self, job: &Job, actual: u64) {
+    pub(super) fn settle(&self, job: &Job, actual: u64, input_tokens: Option<u64>) {
         let (class, _, estimated) = self.classify(job);
         let mut state = self.lock();
         let group = self.slot_policy().map_or(0, |policy| {
@@ -711,8 +711,17 @@ impl FairQueue {
             .scheduler
             .settle(class, job.tenant(), estimated, actual);
         drop(state);
-        // The daily count took the charge when the job was classified: bring it to the use.
-        let diff = i128::from(actual) - i128::from(estimated);
+        // The classifier counted the job toward its day: bring the count to the use, in
+        // the unit it counted (nothing when no classifier ran, or the input is unknown).
+        let Some((counts, counted)) = job.budget_counted() else {
+            return;
+        };
+        let used = match (counts, input_tokens) {
+            (crate::BudgetCounts::Weighted, _) => actual,
+            (counts, Some(input)) => counts.used(input, actual),
+            (_, None) => return,
+        };
+        let diff = i128::from(used) - i128::from(counted);
         let diff = i64::try_from(diff).unwrap_or(if diff < 0 { i64::MIN } else { i64::MAX });
         if diff != 0 {
             self.store.correct_tokens(job.tenant(), diff);

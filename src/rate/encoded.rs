@@ -1,0 +1,342 @@
+//! Reading an answer's usage whatever its `content-encoding`.
+//!
+//! The Messages API compresses its answers (JSON and SSE alike) when the client asks, and
+//! the official SDKs ask (`Accept-Encoding: gzip, deflate`). A scanner fed the compressed
+//! bytes finds no usage, so [`UsageReader`] decodes on the side: the body's bytes pass on
+//! to the caller as the upstream sent them (no frame waits, nothing is re-encoded), and a
+//! copy runs through a pure-Rust decoder (`gzip`, `deflate`, `br`) into the
+//! [`UsageScanner`]. The decoder's state is boxed and exists only for a compressed answer;
+//! an `identity` answer is scanned as before, allocation-free.
+//!
+//! An answer whose usage cannot be trusted says so ([`UsageReader::readable`] is false): an
+//! encoding it does not know, bytes that do not decode, or more than [`MAX_DECODED`] bytes
+//! decoded (a decompression bomb costs at most that much work). The caller then counts its
+//! estimate, never 0.
+
+use std::io::Write;
+
+use bytes::Buf;
+use http::HeaderMap;
+use http::header::CONTENT_ENCODING;
+
+use super::usage::UsageScanner;
+
+/// The most bytes decoded from one answer; past it the answer is unreadable.
+pub const MAX_DECODED: u64 = 256 << 20;
+
+/// The decoder's output buffer (the decoded bytes go to the scanner in pieces of this).
+const BUFFER: usize = 8 << 10;
+
+/// Where decoded bytes go: the scanner, counted against [`MAX_DECODED`].
+#[derive(Debug, Default)]
+struct Sink<const FIELDS: usize> {
+    scanner: UsageScanner<FIELDS>,
+    decoded: u64,
+}
+
+impl<const FIELDS: usize> Write for Sink<FIELDS> {
+    fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+        self.decoded = self.decoded.saturating_add(bytes.len() as u64);
+        if self.decoded > MAX_DECODED {
+            return Err(std::io::Error::other("the answer decodes past the bound"));
+        }
+        self.scanner.feed(bytes);
+        Ok(bytes.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// The decoder an answer's encoding needs.
+enum Decoder<const FIELDS: usize> {
+    Identity(Sink<FIELDS>),
+    Gzip(Box<flate2::write::GzDecoder<Sink<FIELDS>>>),
+    /// `deflate` before its first byte: HTTP's `deflate` is zlib (RFC 9110), but some
+    /// servers send raw deflate, told apart by the first byte.
+    Deflate(Sink<FIELDS>),
+    Zlib(Box<flate2::write::ZlibDecoder<Sink<FIELDS>>>),
+    RawDeflate(Box<flate2::write::DeflateDecoder<Sink<FIELDS>>>),
+    Brotli(Box<brotli_decompressor::DecompressorWriter<Sink<FIELDS>>>),
+}
+
+impl<const FIELDS: usize> Decoder<FIELDS> {
+    fn sink(&self) -> &Sink<FIELDS> {
+        match self {
+            Decoder::Identity(sink) | Decoder::Deflate(sink) => sink,
+            Decoder::Gzip(d) => d.get_ref(),
+            Decoder::Zlib(d) => d.get_ref(),
+            Decoder::RawDeflate(d) => d.get_ref(),
+            Decoder::Brotli(d) => d.get_ref(),
+        }
+    }
+
+    /// Decodes `bytes` into the scanner, every decoded byte passed on before it returns.
+    fn write(&mut self, bytes: &[u8]) -> std::io::Result<()> {
+        if let Decoder::Deflate(sink) = self {
+            let Some(&first) = bytes.first() else {
+                return Ok(());
+            };
+            let sink = std::mem::take(sink);
+            // A zlib header's first byte: method 8 (deflate), a window of at most 32 KiB.
+            *self = match first & 0x0f == 8 && first >> 4 <= 7 {
+                true => Decoder::Zlib(Box::new(flate2::write::ZlibDecoder::new(sink))),
+                false => Decoder::RawDeflate(Box::new(flate2::write::DeflateDecoder::new(sink))),
+            };
+        }
+        match self {
+            Decoder::Identity(sink) => sink.write_all(bytes),
+            Decoder::Deflate(_) => Ok(()),
+            Decoder::Gzip(d) => d.write_all(bytes).and_then(|()| d.flush()),
+            Decoder::Zlib(d) => d.write_all(bytes).and_then(|()| d.flush()),
+            Decoder::RawDeflate(d) => d.write_all(bytes).and_then(|()| d.flush()),
+            Decoder::Brotli(d) => d.write_all(bytes).and_then(|()| d.flush()),
+        }
+    }
+}
+
+/// Finds an answer's token usage (as [`UsageScanner`] does) in its body's bytes as they
+/// pass, whatever its `content-encoding`: `identity`, `gzip`, `deflate` or `br`.
+///
+/// ```
+/// use std::io::Write;
+/// use fairgate::rate::UsageReader;
+///
+/// let answer = br#"{"usage":{"input_tokens":20,"output_tokens":512}}"#;
+/// let mut gzip = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
+/// gzip.write_all(answer).unwrap();
+/// let compressed = gzip.finish().unwrap();
+///
+/// let mut headers = http::HeaderMap::new();
+/// headers.insert("content-encoding", "gzip".parse().unwrap());
+/// let mut usage: UsageReader = UsageReader::new(&headers);
+/// for piece in compressed.chunks(7) {
+///     usage.feed(&piece[..]); // each frame as it passes
+/// }
+/// assert!(usage.readable());
+/// assert_eq!(usage.usage().input_tokens(), Some(20));
+/// assert_eq!(usage.usage().output_tokens(), Some(512));
+/// ```
+pub struct UsageReader<const FIELDS: usize = 4> {
+    decoder: Decoder<FIELDS>,
+    /// Why the usage cannot be trusted, once it cannot.
+    unreadable: Option<&'static str>,
+}
+
+impl<const FIELDS: usize> UsageReader<FIELDS> {
+    /// A reader for an answer with these headers (its `content-encoding`).
+    pub fn new(headers: &HeaderMap) -> Self {
+        let mut codings = headers
+            .get_all(CONTENT_ENCODING)
+            .iter()
+            .flat_map(|value| value.to_str().unwrap_or("?").split(','))
+            .map(|coding| coding.trim().to_ascii_lowercase())
+            .filter(|coding| !coding.is_empty() && coding != "identity");
+        let (first, second) = (codings.next(), codings.next());
+        let sink = Sink::default();
+        let (decoder, unreadable) = match (first.as_deref(), second) {
+            (None, _) => (Decoder::Identity(sink), None),
+            (Some(_), Some(_)) => (Decoder::Identity(sink), Some("more than one encoding")),
+            (Some("gzip" | "x-gzip"), None) => (
+                Decoder::Gzip(Box::new(flate2::write::GzDecoder::new(sink))),
+                None,
+            ),
+            (Some("deflate"), None) => (Decoder::Deflate(sink), None),
+            (Some("br"), None) => (
+                Decoder::Brotli(Box::new(brotli_decompressor::DecompressorWriter::new(
+                    sink, BUFFER,
+                ))),
+                None,
+            ),
+            (Some(_), None) => (Decoder::Identity(sink), Some("an unknown encoding")),
+        };
+        UsageReader {
+            decoder,
+            unreadable,
+        }
+    }
+
+    /// Reads the next bytes of the body (a data frame, in as many pieces as it has).
+    pub fn feed(&mut self, data: &impl Buf) {
+        if self.unreadable.is_some() {
+            return;
+        }
+        let mut slices = [std::io::IoSlice::new(&[]); 16];
+        let n = data.chunks_vectored(&mut slices);
+        let mut read = 0;
+        for slice in &slices[..n] {
+            if self.decoder.write(slice).is_err() {
+                self.unreadable = Some(match self.decoder.sink().decoded > MAX_DECODED {
+                    true => "decodes past the bound",
+                    false => "does not decode",
+                });
+                return;
+            }
+            read += slice.len();
+        }
+        if read < data.remaining() {
+            // More pieces than one look shows: what follows would not be contiguous.
+            self.unreadable = Some("a frame in too many pieces");
+        }
+    }
+
+    /// The usage read so far.
+    pub fn usage(&self) -> &UsageScanner<FIELDS> {
+        &self.decoder.sink().scanner
+    }
+
+    /// Whether every byte fed so far was read: false for an encoding it does not know,
+    /// bytes that do not decode, or an answer past [`MAX_DECODED`] decoded bytes. A usage
+    /// seen before that stays readable in [`usage`](Self::usage).
+    pub fn readable(&self) -> bool {
+        self.unreadable.is_none()
+    }
+
+    /// Why the usage cannot be trusted, if it cannot (for a log line).
+    pub fn unreadable_because(&self) -> Option<&'static str> {
+        self.unreadable
+    }
+}
+
+impl<const FIELDS: usize> std::fmt::Debug for UsageReader<FIELDS> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let encoding = match self.decoder {
+            Decoder::Identity(_) => "identity",
+            Decoder::Gzip(_) => "gzip",
+            Decoder::Deflate(_) | Decoder::Zlib(_) | Decoder::RawDeflate(_) => "deflate",
+            Decoder::Brotli(_) => "br",
+        };
+        f.debug_struct("UsageReader")
+            .field("encoding", &encoding)
+            .field("usage", self.usage())
+            .field("unreadable", &self.unreadable)
+            .finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MESSAGE: &[u8] = br#"{"id":"msg_1","usage":{"input_tokens":2000,"cache_read_input_tokens":30,"output_tokens":4000}}"#;
+
+    fn headers(encoding: &str) -> HeaderMap {
+        let mut headers = HeaderMap::new();
+        headers.insert(CONTENT_ENCODING, encoding.parse().unwrap());
+        headers
+    }
+
+    fn gzip(bytes: &[u8]) -> Vec<u8> {
+        let mut e = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::default());
+        e.write_all(bytes).unwrap();
+        e.finish().unwrap()
+    }
+
+    fn zlib(bytes: &[u8]) -> Vec<u8> {
+        let mut e = flate2::write::ZlibEncoder::new(Vec::new(), flate2::Compression::default());
+        e.write_all(bytes).unwrap();
+        e.finish().unwrap()
+    }
+
+    fn raw_deflate(bytes: &[u8]) -> Vec<u8> {
+        let mut e = flate2::write::DeflateEncoder::new(Vec::new(), flate2::Compression::best());
+        e.write_all(bytes).unwrap();
+        e.finish().unwrap()
+    }
+
+    fn read(encoding: &str, body: &[u8], piece: usize) -> UsageReader {
+        let mut reader = UsageReader::new(&headers(encoding));
+        for chunk in body.chunks(piece) {
+            reader.feed(&chunk);
+        }
+        reader
+    }
+
+    fn assert_message(reader: &UsageReader) {
+        assert!(reader.readable(), "{reader:?}");
+        assert_eq!(reader.usage().input_tokens(), Some(2000));
+        assert_eq!(reader.usage().output_tokens(), Some(4000));
+        assert_eq!(reader.usage().cache_read_input_tokens(), Some(30));
+    }
+
+    #[test]
+    fn gzip_zlib_and_raw_deflate_answers_are_read_in_pieces_of_any_size() {
+        for piece in [1, 2, 3, 7, 64, 4096] {
+            assert_message(&read("gzip", &gzip(MESSAGE), piece));
+            assert_message(&read("x-gzip", &gzip(MESSAGE), piece));
+            assert_message(&read("deflate", &zlib(MESSAGE), piece));
+            assert_message(&read("deflate", &raw_deflate(MESSAGE), piece));
+            assert_message(&read("identity", MESSAGE, piece));
+        }
+        assert_message(&read("GZIP ", &gzip(MESSAGE), 5));
+    }
+
+    #[test]
+    fn an_sse_stream_compressed_with_a_flush_per_event_is_read_event_by_event() {
+        let events = [
+            "event: message_start\ndata: {\"type\":\"message_start\",\"message\":{\"usage\":{\"input_tokens\":12,\"output_tokens\":1}}}\n\n",
+            "event: content_block_delta\ndata: {\"delta\":{\"text\":\"Hi\"}}\n\n",
+            "event: message_delta\ndata: {\"type\":\"message_delta\",\"usage\":{\"output_tokens\":77}}\n\n",
+        ];
+        let mut encoder = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
+        let mut reader: UsageReader = UsageReader::new(&headers("gzip"));
+        let mut sent = 0;
+        for (i, event) in events.iter().enumerate() {
+            encoder.write_all(event.as_bytes()).unwrap();
+            encoder.flush().unwrap();
+            let written = encoder.get_ref()[sent..].to_vec();
+            sent += written.len();
+            reader.feed(&&written[..]);
+            // What a flushed event says is read before the next event is sent.
+            if i == 0 {
+                assert_eq!(reader.usage().input_tokens(), Some(12));
+            }
+        }
+        assert_eq!(reader.usage().output_tokens(), Some(77));
+        assert!(reader.readable());
+    }
+
+    #[test]
+    fn a_brotli_answer_is_read() {
+        // `MESSAGE` as one uncompressed meta-block (ISLAST=0, MNIBBLES=4, ISUNCOMPRESSED=1),
+        // then an empty last meta-block: valid brotli any decoder must read.
+        let mut body = Vec::new();
+        let len = MESSAGE.len() - 1;
+        // WBITS=16 ('0'), ISLAST=0, MNIBBLES=4 ('00'), MLEN-1 in 16 bits, ISUNCOMPRESSED=1.
+        let bits: u64 = (len as u64) << 4 | 1 << 20;
+        body.extend_from_slice(&bits.to_le_bytes()[..3]);
+        body.extend_from_slice(MESSAGE);
+        // ISLAST=1, ISLASTEMPTY=1.
+        body.push(0b0000_0011);
+        for piece in [1, 5, 4096] {
+            assert_message(&read("br", &body, piece));
+        }
+    }
+
+    #[test]
+    fn an_unknown_encoding_or_corrupt_bytes_are_unreadable_never_a_panic() {
+        let reader = read("zstd", MESSAGE, 16);
+        assert!(!reader.readable());
+        assert_eq!(reader.usage().input_tokens(), None);
+        assert!(!read("gzip, br", MESSAGE, 16).readable());
+        assert!(!read("gzip", MESSAGE, 16).readable());
+        assert!(!read("br", b"\xff\xff\xff\xff garbage", 3).readable());
+        let mut cut = gzip(MESSAGE);
+        cut[15] ^= 0xff;
+        assert!(!read("gzip", &cut, 8).readable());
+    }
+
+    #[test]
+    fn a_decompression_bomb_stops_at_the_bound() {
+        let zeros = vec![b' '; 1 << 20];
+        let mut e = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::best());
+        for _ in 0..(MAX_DECODED >> 20) + 1 {
+            e.write_all(&zeros).unwrap();
+        }
+        let bomb = e.finish().unwrap();
+        assert!(bomb.len() < 1 << 20, "{} bytes", bomb.len());
+        let reader = read("gzip", &bomb, 64 << 10);
+        assert_eq!(reader.unreadable_because(), Some("decodes past the bound"));
+    }
+}
