@@ -27,6 +27,66 @@ pub const MAX_DECODED: u64 = 256 << 20;
 /// The decoder's output buffer (the decoded bytes go to the scanner in pieces of this).
 const BUFFER: usize = 8 << 10;
 
+/// The one encoding an answer's headers say it has.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Coding {
+    Identity,
+    Gzip,
+    Deflate,
+    Brotli,
+}
+
+impl Coding {
+    /// The encoding of an answer with these headers, or why it cannot be read.
+    fn of(headers: &HeaderMap) -> Result<Coding, &'static str> {
+        let mut codings = headers
+            .get_all(CONTENT_ENCODING)
+            .iter()
+            .flat_map(|value| value.to_str().unwrap_or("?").split(','))
+            .map(|coding| coding.trim().to_ascii_lowercase())
+            .filter(|coding| !coding.is_empty() && coding != "identity");
+        match (codings.next().as_deref(), codings.next()) {
+            (None, _) => Ok(Coding::Identity),
+            (Some(_), Some(_)) => Err("more than one encoding"),
+            (Some("gzip" | "x-gzip"), None) => Ok(Coding::Gzip),
+            (Some("deflate"), None) => Ok(Coding::Deflate),
+            (Some("br"), None) => Ok(Coding::Brotli),
+            (Some(_), None) => Err("an unknown encoding"),
+        }
+    }
+}
+
+/// A zlib header's first byte: method 8 (deflate), a window of at most 32 KiB. HTTP's
+/// `deflate` is zlib (RFC 9110), but some servers send raw deflate, told apart by it.
+fn is_zlib(first: u8) -> bool {
+    first & 0x0f == 8 && first >> 4 <= 7
+}
+
+/// The first `limit` decoded bytes of a body read whole (or its first part), by its
+/// headers' encoding: what decodes before an error or the end of `bytes`. An identity body
+/// is itself; one in an encoding it does not know is empty.
+pub(crate) fn decoded_prefix<'a>(
+    headers: &HeaderMap,
+    bytes: &'a [u8],
+    limit: usize,
+) -> std::borrow::Cow<'a, [u8]> {
+    use std::io::Read;
+    let reader: Box<dyn Read + 'a> = match Coding::of(headers) {
+        Ok(Coding::Identity) => return std::borrow::Cow::Borrowed(bytes),
+        Ok(Coding::Gzip) => Box::new(flate2::read::GzDecoder::new(bytes)),
+        Ok(Coding::Deflate) if bytes.first().copied().is_some_and(is_zlib) => {
+            Box::new(flate2::read::ZlibDecoder::new(bytes))
+        }
+        Ok(Coding::Deflate) => Box::new(flate2::read::DeflateDecoder::new(bytes)),
+        Ok(Coding::Brotli) => Box::new(brotli_decompressor::Decompressor::new(bytes, BUFFER)),
+        Err(_) => return std::borrow::Cow::Borrowed(&[]),
+    };
+    let mut out = Vec::new();
+    // What was read before an error stays in `out` (a cut body decodes as far as it goes).
+    let _ = reader.take(limit as u64).read_to_end(&mut out);
+    std::borrow::Cow::Owned(out)
+}
+
 /// Where decoded bytes go: the scanner, counted against [`MAX_DECODED`].
 #[derive(Debug, Default)]
 struct Sink<const FIELDS: usize> {
@@ -53,8 +113,7 @@ impl<const FIELDS: usize> Write for Sink<FIELDS> {
 enum Decoder<const FIELDS: usize> {
     Identity(Sink<FIELDS>),
     Gzip(Box<flate2::write::GzDecoder<Sink<FIELDS>>>),
-    /// `deflate` before its first byte: HTTP's `deflate` is zlib (RFC 9110), but some
-    /// servers send raw deflate, told apart by the first byte.
+    /// `deflate` before its first byte (see [`is_zlib`]).
     Deflate(Sink<FIELDS>),
     Zlib(Box<flate2::write::ZlibDecoder<Sink<FIELDS>>>),
     RawDeflate(Box<flate2::write::DeflateDecoder<Sink<FIELDS>>>),
@@ -79,8 +138,7 @@ impl<const FIELDS: usize> Decoder<FIELDS> {
                 return Ok(());
             };
             let sink = std::mem::take(sink);
-            // A zlib header's first byte: method 8 (deflate), a window of at most 32 KiB.
-            *self = match first & 0x0f == 8 && first >> 4 <= 7 {
+            *self = match is_zlib(first) {
                 true => Decoder::Zlib(Box::new(flate2::write::ZlibDecoder::new(sink))),
                 false => Decoder::RawDeflate(Box::new(flate2::write::DeflateDecoder::new(sink))),
             };
@@ -127,29 +185,21 @@ pub struct UsageReader<const FIELDS: usize = 4> {
 impl<const FIELDS: usize> UsageReader<FIELDS> {
     /// A reader for an answer with these headers (its `content-encoding`).
     pub fn new(headers: &HeaderMap) -> Self {
-        let mut codings = headers
-            .get_all(CONTENT_ENCODING)
-            .iter()
-            .flat_map(|value| value.to_str().unwrap_or("?").split(','))
-            .map(|coding| coding.trim().to_ascii_lowercase())
-            .filter(|coding| !coding.is_empty() && coding != "identity");
-        let (first, second) = (codings.next(), codings.next());
         let sink = Sink::default();
-        let (decoder, unreadable) = match (first.as_deref(), second) {
-            (None, _) => (Decoder::Identity(sink), None),
-            (Some(_), Some(_)) => (Decoder::Identity(sink), Some("more than one encoding")),
-            (Some("gzip" | "x-gzip"), None) => (
+        let (decoder, unreadable) = match Coding::of(headers) {
+            Ok(Coding::Identity) => (Decoder::Identity(sink), None),
+            Ok(Coding::Gzip) => (
                 Decoder::Gzip(Box::new(flate2::write::GzDecoder::new(sink))),
                 None,
             ),
-            (Some("deflate"), None) => (Decoder::Deflate(sink), None),
-            (Some("br"), None) => (
+            Ok(Coding::Deflate) => (Decoder::Deflate(sink), None),
+            Ok(Coding::Brotli) => (
                 Decoder::Brotli(Box::new(brotli_decompressor::DecompressorWriter::new(
                     sink, BUFFER,
                 ))),
                 None,
             ),
-            (Some(_), None) => (Decoder::Identity(sink), Some("an unknown encoding")),
+            Err(why) => (Decoder::Identity(sink), Some(why)),
         };
         UsageReader {
             decoder,
@@ -325,6 +375,29 @@ mod tests {
         let mut cut = gzip(MESSAGE);
         cut[15] ^= 0xff;
         assert!(!read("gzip", &cut, 8).readable());
+    }
+
+    #[test]
+    fn a_prefix_of_a_compressed_body_is_decoded_as_far_as_it_goes() {
+        let body = gzip(MESSAGE);
+        assert_eq!(&*decoded_prefix(&headers("gzip"), &body, 1 << 20), MESSAGE);
+        assert_eq!(
+            &*decoded_prefix(&headers("gzip"), &body, 10),
+            &MESSAGE[..10]
+        );
+        let cut = decoded_prefix(&headers("gzip"), &body[..body.len() - 12], 1 << 20);
+        assert!(MESSAGE.starts_with(&cut), "{cut:?}");
+        assert_eq!(
+            &*decoded_prefix(&headers("deflate"), &zlib(MESSAGE), 1 << 20),
+            MESSAGE
+        );
+        let raw = raw_deflate(MESSAGE);
+        assert_eq!(
+            &*decoded_prefix(&headers("deflate"), &raw, 1 << 20),
+            MESSAGE
+        );
+        assert_eq!(&*decoded_prefix(&HeaderMap::new(), MESSAGE, 4), MESSAGE);
+        assert!(decoded_prefix(&headers("zstd"), MESSAGE, 1 << 20).is_empty());
     }
 
     #[test]

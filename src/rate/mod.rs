@@ -26,6 +26,7 @@ mod pacing;
 mod usage;
 
 pub(crate) use self::core::{Ask, Learned, RateConfig, Rates, taken};
+pub(crate) use self::encoded::decoded_prefix;
 pub use self::encoded::{MAX_DECODED, UsageReader};
 pub(crate) use self::feed::Answer;
 pub(crate) use self::learned::has_ratelimit_headers;

@@ -609,7 +609,9 @@ impl<S, Req, C> Call<S, Req, C> {
         let (Some(head), Some(body)) = (head.take(), peeked.take()) else {
             return Poll::Ready(Step::fail(crate::error::PolledAfterCompletion));
         };
-        let spend_limit = decide::is_spend_limit_body(body.bytes());
+        // A compressed 429 (the SDKs ask for gzip) is judged on its decoded bytes.
+        let decoded = crate::rate::decoded_prefix(&head.headers, body.bytes(), policy.peek_limit);
+        let spend_limit = decide::is_spend_limit_body(&decoded);
         let response = http::Response::from_parts(head, ResponseBody::replay(body));
         if let Some(reason) = cut
             && !spend_limit

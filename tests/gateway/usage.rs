@@ -1,6 +1,6 @@
 //! `GET /usage` on the admin listener: what each tenant used per UTC day, as the answers'
-//! `usage` said it — in one process, as the official Python SDK reads it, and for a fleet
-//! of gateways on one Redis.
+//! `usage` said it, compressed or not — in one process, as the official Python SDK reads
+//! it at its defaults, and for a fleet of gateways on one Redis.
 
 use std::path::PathBuf;
 use std::process::Stdio;
@@ -140,6 +140,13 @@ async fn the_sdks_usage_is_what_usage_bills() {
     let n = |name: &str| told[name].as_u64().unwrap();
     let sdk = (n("input_tokens"), n("output_tokens"), n("calls"));
     assert_eq!(sdk.2, 3);
+    // The SDK at its defaults asked for gzip, so the upstream compressed every answer.
+    let calls = mock.requests();
+    assert_eq!(calls.len(), 3);
+    for call in calls {
+        let accepted = call.headers["accept-encoding"].to_str().unwrap();
+        assert!(accepted.contains("gzip"), "{accepted}");
+    }
     let billed = eventually(Duration::from_secs(5), async || {
         counts(
             &rows(&gateway, "?tenant=team-premium").await,
@@ -152,6 +159,96 @@ async fn the_sdks_usage_is_what_usage_bills() {
         "SDK {sdk:?}, /usage {:?}",
         usage(&gateway, "").await
     );
+}
+
+/// The rule: an answer the upstream compressed (the API compresses for a client that asks,
+/// and the official SDKs ask for gzip) is settled on its usage as any other, JSON and
+/// stream alike: `/usage` bills what the answers said, and the daily budget moves by their
+/// input tokens, not by the estimate (a 7,000-byte prompt is estimated at 2,000 tokens;
+/// the mock says it used 12).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_compressed_answer_is_billed_and_budgeted_on_its_usage() {
+    let _turn = crate::support::file_turn(module_path!());
+    let mock = MockAnthropic::start();
+    let gateway = start(&mock, None);
+    let prompt = "x".repeat(7_000);
+    let mut told = Vec::new();
+    for stream in [false, false, false, true, true, true] {
+        let body = format!(
+            r#"{{"model":"claude-mock-1","max_tokens":64,"stream":{stream},"messages":[{{"role":"user","content":"{prompt}"}}]}}"#
+        );
+        let estimate = (body.len() as u64 * 2).div_ceil(7);
+        let answer = client()
+            .post(format!("{}/v1/messages", gateway.url()))
+            .header("x-api-key", PREMIUM_KEY)
+            .header("content-type", "application/json")
+            .header("accept-encoding", "gzip, deflate")
+            .body(body)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(answer.status(), 200);
+        assert_eq!(
+            answer.headers()["content-encoding"],
+            "gzip",
+            "relayed as sent"
+        );
+        let left: u64 = answer.headers()["x-fairgate-budget-remaining"]
+            .to_str()
+            .unwrap()
+            .parse()
+            .unwrap();
+        told.push((left, estimate));
+        let bytes = answer.bytes().await.unwrap();
+        assert_eq!(bytes[..2], [0x1f, 0x8b], "a gzip stream reached the client");
+    }
+    // Each answer's header counts its own call at the estimate and those before it at
+    // their usage (12 input tokens each).
+    for (k, (left, estimate)) in told.iter().enumerate() {
+        assert_eq!(
+            *left,
+            100_000 - 12 * k as u64 - estimate,
+            "call {k}: {told:?}"
+        );
+    }
+    let billed = eventually(Duration::from_secs(5), async || {
+        let all = rows(&gateway, "").await;
+        counts(&all, "team-premium")
+            == (
+                3 * MESSAGE.0 + 3 * STREAM.0,
+                3 * MESSAGE.1 + 3 * STREAM.1,
+                6,
+            )
+    })
+    .await;
+    assert!(billed, "{:?}", usage(&gateway, "").await);
+    assert_eq!(rows(&gateway, "").await[0]["estimated_calls"], 0);
+}
+
+/// The rule: a success whose usage cannot be read is counted at its estimate, never 0:
+/// `/usage` bills the body's estimated input and its `max_tokens`, marked in
+/// `estimated_calls`; an error answer counts nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_answer_without_a_readable_usage_is_billed_its_estimate() {
+    let _turn = crate::support::file_turn(module_path!());
+    let mock = MockAnthropic::start();
+    let gateway = start(&mock, None);
+    let body = messages_body(false);
+    let estimate = (body.len() as u64 * 2).div_ceil(7);
+    // A success whose body carries no usage, then an error answer.
+    mock.push_reply(crate::support::anthropic::Reply::NoUsage);
+    call(&gateway, PREMIUM_KEY, false).await;
+    mock.push_reply(crate::support::anthropic::Reply::Invalid);
+    let refused = post_messages(&gateway, PREMIUM_KEY, false).await.unwrap();
+    assert_eq!(refused.status(), 400);
+    let error: Value = serde_json::from_slice(&refused.bytes().await.unwrap()).unwrap();
+    assert!(error["request_id"].is_string(), "{error}");
+    let billed = eventually(Duration::from_secs(5), async || {
+        counts(&rows(&gateway, "").await, "team-premium") == (estimate, 64, 1)
+    })
+    .await;
+    assert!(billed, "{:?}", usage(&gateway, "").await);
+    assert_eq!(rows(&gateway, "").await[0]["estimated_calls"], 1);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

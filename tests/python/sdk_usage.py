@@ -6,6 +6,10 @@ Run by `tests/gateway/usage.rs` (`the_sdks_usage_is_what_usage_bills`) with:
 
 Makes two messages.create calls and one messages.stream call, then prints one JSON line:
 the input and output tokens the SDK's `usage` objects said, summed, and the calls made.
+
+The client is the SDK at its defaults, as an application builds it: retries on, and its
+HTTP client's own `Accept-Encoding: gzip, deflate` (so the mock upstream compresses, as the
+API does, and the gateway must read the usage of compressed answers).
 """
 
 import json
@@ -16,8 +20,6 @@ import anthropic
 client = anthropic.Anthropic(
     base_url=os.environ["GATEWAY_URL"],
     api_key=os.environ["API_KEY"],
-    timeout=20.0,
-    max_retries=0,
 )
 request = dict(
     model="claude-mock-1",

@@ -11,7 +11,10 @@
 //! head; `x-mock-padding-bytes: N` makes a message answer's text N bytes long; SSE events are [`MockAnthropic::set_event_gap`] apart. Every answer carries
 //! `request-id: req_mock_<n>` and `anthropic-ratelimit-requests-limit: 1000000` (so high
 //! that learned pacing never binds: the tests and the bench measure the gateway); 429s
-//! carry `retry-after` and Anthropic's `rate_limit_error` body, 529s an `overloaded_error`.
+//! carry `retry-after` and Anthropic's `rate_limit_error` body, 529s an `overloaded_error`,
+//! each error body with its `request_id` as the API's. As the API does, every answer is
+//! compressed when the request accepts it (`Accept-Encoding: gzip` or `deflate`, as the
+//! official SDKs send): JSON and SSE alike, each chunk flushed as it goes.
 //!
 //! The Message Batches API (`/v1/messages/batches`: create, list with `limit`, `after_id`
 //! and `before_id`, retrieve, results as JSON lines, cancel, delete) over one workspace's
@@ -97,9 +100,12 @@ pub fn stream_body() -> String {
     stream_events().concat()
 }
 
-/// Anthropic's error body.
-pub fn error_json(kind: &str, message: &str) -> String {
-    format!(r#"{{"type":"error","error":{{"type":"{kind}","message":"{message}"}}}}"#)
+/// Anthropic's error body for the mock's `n`th call: its `request_id` beside the error, as
+/// the API puts it (the same id as the answer's `request-id` header).
+pub fn error_json(kind: &str, message: &str, n: u64) -> String {
+    format!(
+        r#"{{"type":"error","error":{{"type":"{kind}","message":"{message}"}},"request_id":"req_mock_{n}"}}"#
+    )
 }
 
 /// A scripted answer.
@@ -113,6 +119,10 @@ pub enum Reply {
     RateLimited { retry_after_secs: u64 },
     /// `529` `overloaded_error`.
     Overloaded,
+    /// `400` `invalid_request_error` (an answer no one retries).
+    Invalid,
+    /// `200` with a message that says no `usage`.
+    NoUsage,
 }
 
 /// One request the mock received.
@@ -394,17 +404,135 @@ impl Drop for InFlight {
     }
 }
 
-/// [`handle`], after the key check of [`MockAnthropic::require_key`]; its answer closes the
-/// connection when [`MockAnthropic::set_close_connections`] says so.
+/// [`handle`], after the key check of [`MockAnthropic::require_key`], compressed when the
+/// request accepts it (as the API compresses); its answer closes the connection when
+/// [`MockAnthropic::set_close_connections`] says so.
 async fn checked(State(inner): State<Arc<Inner>>, req: Request) -> Response {
+    let encoding = accepted_encoding(req.headers());
+    let response = answered(inner, req).await;
+    match encoding {
+        Some(encoding) => compressed(response, encoding),
+        None => response,
+    }
+}
+
+/// The encoding the API answers in when the request accepts it (the official SDKs send
+/// `Accept-Encoding: gzip, deflate`): gzip, else deflate.
+fn accepted_encoding(headers: &HeaderMap) -> Option<Encoding> {
+    let accepted: Vec<String> = headers
+        .get_all("accept-encoding")
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .map(|coding| {
+            coding
+                .split(';')
+                .next()
+                .unwrap_or("")
+                .trim()
+                .to_ascii_lowercase()
+        })
+        .collect();
+    let accepts = |name: &str| accepted.iter().any(|coding| coding == name);
+    match (accepts("gzip"), accepts("deflate")) {
+        (true, _) => Some(Encoding::Gzip),
+        (false, true) => Some(Encoding::Deflate),
+        (false, false) => None,
+    }
+}
+
+/// An encoding the mock compresses its answers in.
+#[derive(Clone, Copy, Debug)]
+enum Encoding {
+    Gzip,
+    Deflate,
+}
+
+/// A compressor of one answer: each chunk is compressed and flushed as it comes (an SSE
+/// event is never held back), then the stream is finished.
+enum Compressor {
+    Gzip(flate2::write::GzEncoder<Vec<u8>>),
+    Deflate(flate2::write::ZlibEncoder<Vec<u8>>),
+}
+
+impl Compressor {
+    fn new(encoding: Encoding) -> Compressor {
+        let level = flate2::Compression::fast();
+        match encoding {
+            Encoding::Gzip => Compressor::Gzip(flate2::write::GzEncoder::new(Vec::new(), level)),
+            Encoding::Deflate => {
+                Compressor::Deflate(flate2::write::ZlibEncoder::new(Vec::new(), level))
+            }
+        }
+    }
+
+    /// `chunk` compressed and flushed: what the client can decode of it at once.
+    fn push(&mut self, chunk: &[u8]) -> Bytes {
+        use std::io::Write;
+        let out = match self {
+            Compressor::Gzip(e) => {
+                e.write_all(chunk).and_then(|()| e.flush()).unwrap();
+                e.get_mut()
+            }
+            Compressor::Deflate(e) => {
+                e.write_all(chunk).and_then(|()| e.flush()).unwrap();
+                e.get_mut()
+            }
+        };
+        Bytes::from(std::mem::take(out))
+    }
+
+    fn finish(self) -> Bytes {
+        Bytes::from(match self {
+            Compressor::Gzip(e) => e.finish().unwrap(),
+            Compressor::Deflate(e) => e.finish().unwrap(),
+        })
+    }
+}
+
+/// `response` compressed in `encoding`, chunk by chunk, as the API compresses its JSON and
+/// SSE answers for a client that accepts it.
+fn compressed(response: Response, encoding: Encoding) -> Response {
+    use futures_util::StreamExt;
+    let (mut parts, body) = response.into_parts();
+    let name = match encoding {
+        Encoding::Gzip => "gzip",
+        Encoding::Deflate => "deflate",
+    };
+    parts
+        .headers
+        .insert("content-encoding", HeaderValue::from_static(name));
+    parts.headers.remove("content-length");
+    parts
+        .headers
+        .append("vary", HeaderValue::from_static("accept-encoding"));
+    let state = (body.into_data_stream(), Some(Compressor::new(encoding)));
+    let stream = futures_util::stream::unfold(state, |(mut chunks, compressor)| async move {
+        let mut compressor = compressor?;
+        match chunks.next().await {
+            Some(Ok(chunk)) => {
+                let out = compressor.push(&chunk);
+                Some((Ok(out), (chunks, Some(compressor))))
+            }
+            Some(Err(e)) => Some((Err(e), (chunks, None))),
+            None => Some((Ok(compressor.finish()), (chunks, None))),
+        }
+    });
+    Response::from_parts(parts, Body::from_stream(stream))
+}
+
+/// [`handle`] after the key check.
+async fn answered(inner: Arc<Inner>, req: Request) -> Response {
     let required = inner.required_key.lock().unwrap().clone();
     let sent = req.headers().get("x-api-key").and_then(|v| v.to_str().ok());
     let mut response = match required {
         Some(key) if sent != Some(key.as_str()) => {
             inner.refused_keys.fetch_add(1, Ordering::SeqCst);
+            // Refused before it counts as a call: request id 0.
             let mut response = Response::new(Body::from(error_json(
                 "authentication_error",
                 "invalid x-api-key",
+                0,
             )));
             *response.status_mut() = StatusCode::UNAUTHORIZED;
             response
@@ -483,7 +611,7 @@ async fn handle(State(inner): State<Arc<Inner>>, req: Request) -> Response {
     if path == "/v1/messages/batches" || path.starts_with("/v1/messages/batches/") {
         drop(guard);
         let (status, content_type, body) = batches(
-            &inner,
+            (&inner, n),
             &parts.method,
             path,
             parts.uri.query().unwrap_or(""),
@@ -521,15 +649,32 @@ async fn handle(State(inner): State<Arc<Inner>>, req: Request) -> Response {
                     Body::from(error_json(
                         "rate_limit_error",
                         "Number of request tokens has exceeded your per-minute rate limit",
+                        n,
                     )),
                     Some(retry_after_secs),
                 ),
                 Reply::Overloaded => (
                     StatusCode::from_u16(529).unwrap(),
                     "application/json",
-                    Body::from(error_json("overloaded_error", "Overloaded")),
+                    Body::from(error_json("overloaded_error", "Overloaded", n)),
                     None,
                 ),
+                Reply::Invalid => (
+                    StatusCode::BAD_REQUEST,
+                    "application/json",
+                    Body::from(error_json("invalid_request_error", "Invalid request", n)),
+                    None,
+                ),
+                Reply::NoUsage => {
+                    drop(guard);
+                    let json = MESSAGE_JSON
+                        .replace(r#","usage":{"input_tokens":12,"output_tokens":7}"#, "");
+                    let mut response = Response::new(Body::from(json));
+                    let headers = response.headers_mut();
+                    headers.insert("content-type", HeaderValue::from_static("application/json"));
+                    common_headers(headers, n);
+                    return response;
+                }
             }
         }
         (&Method::POST, "/v1/messages/count_tokens") => (
@@ -549,7 +694,7 @@ async fn handle(State(inner): State<Arc<Inner>>, req: Request) -> Response {
         _ => (
             StatusCode::NOT_FOUND,
             "application/json",
-            Body::from(error_json("not_found_error", "Not found")),
+            Body::from(error_json("not_found_error", "Not found", n)),
             None,
         ),
     };
@@ -689,7 +834,7 @@ pub fn normalise(path: &str) -> String {
 
 /// The Message Batches API over the mock's one workspace: `(status, content type, body)`.
 fn batches(
-    inner: &Inner,
+    (inner, n): (&Inner, u64),
     method: &Method,
     path: &str,
     query: &str,
@@ -700,7 +845,7 @@ fn batches(
         (
             StatusCode::NOT_FOUND,
             json,
-            error_json("not_found_error", "Not found"),
+            error_json("not_found_error", "Not found", n),
         )
     };
     let segments: Vec<&str> = path.trim_start_matches('/').split('/').collect();
@@ -716,7 +861,7 @@ fn batches(
                 return (
                     StatusCode::BAD_REQUEST,
                     json,
-                    error_json("invalid_request_error", "the body is not JSON"),
+                    error_json("invalid_request_error", "the body is not JSON", n),
                 );
             };
             let custom_ids: Vec<String> = request["requests"]

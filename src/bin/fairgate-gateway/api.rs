@@ -27,6 +27,7 @@ use bytes::Bytes;
 use fairgate::extract::{KeyTable, api_key};
 use fairgate::pool::Pool;
 use fairgate::pool::error::NoUpstream;
+use fairgate::rate::UsageReader;
 use fairgate::reject::{Style, render};
 use fairgate::{BoxError, FairgateLayer, Job, Store, TenantId};
 use futures_util::{FutureExt, StreamExt};
@@ -558,11 +559,14 @@ async fn messages(
             }
             // The slot, the window permit and the body's bytes come back at the upstream's
             // last byte; the claim at the client's.
+            let trace = trace.map(|trace| (trace, UsageReader::new(response.headers())));
             response.map(|body| {
                 let body = relay(body, permit, claim.clone(), gw.bodies.write, hangup);
                 let body = Holding::new(body, claim).boxed_unsync();
                 match trace {
-                    Some(trace) => Recording::new(body, status, trace).boxed_unsync(),
+                    Some((trace, usage)) => {
+                        Recording::new(body, (status, usage), trace).boxed_unsync()
+                    }
                     None => body,
                 }
             })
@@ -696,7 +700,7 @@ fn unread_response(
 fn failed(error: &BoxError, trace: Option<Trace>) -> Response<Body> {
     let response = rendered(error);
     if let Some(trace) = trace {
-        trace.finish(response.status().as_u16(), &Default::default());
+        trace.finish(response.status().as_u16(), (None, None));
     }
     if response.status() == StatusCode::BAD_GATEWAY {
         warn!(error = %error, "upstream call failed");

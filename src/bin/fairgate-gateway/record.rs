@@ -28,7 +28,8 @@
 //! and a line that finds the channel full is dropped and counted
 //! (`gateway_record_dropped_total`). The writer flushes whenever it has nothing waiting,
 //! so the file is current within moments. The answer's body passes through untouched; the
-//! usage is read from it as it passes by a scanner that keeps a few bytes of state.
+//! usage is read from it as it passes by the library's `UsageReader` (decoded on the side
+//! when the upstream compressed it).
 
 use std::fs::File;
 use std::io::{BufWriter, Read, Write};
@@ -38,6 +39,7 @@ use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 
 use bytes::Bytes;
+use fairgate::rate::UsageReader;
 use fairgate::{BoxError, Job, Origin};
 use http_body::{Frame, SizeHint};
 use sha2::{Digest, Sha256};
@@ -225,11 +227,11 @@ impl Trace {
     }
 
     /// Writes the call's line: it ended now, answered `status`, its usage as `usage` read.
-    pub(crate) fn finish(mut self, status: u16, usage: &UsageScan) {
+    pub(crate) fn finish(mut self, status: u16, usage: Told) {
         self.write(status, usage);
     }
 
-    fn write(&mut self, status: u16, usage: &UsageScan) {
+    fn write(&mut self, status: u16, (input, output): Told) {
         self.written = true;
         let now = Instant::now();
         let seen = self.probe.lock();
@@ -249,8 +251,8 @@ impl Trace {
             origin_name(job.origin()),
             or_null(job.sla().map(|d| d.as_millis() as u64)),
             job.cost(),
-            or_null(usage.input),
-            or_null(usage.output),
+            or_null(input),
+            or_null(output),
             or_null(seen.dispatched.map(ms)),
             ms(self.arrived),
         );
@@ -262,7 +264,7 @@ impl Trace {
 impl Drop for Trace {
     fn drop(&mut self) {
         if !self.written {
-            self.write(CLIENT_GONE, &UsageScan::default());
+            self.write(CLIENT_GONE, (None, None));
         }
     }
 }
@@ -306,140 +308,28 @@ pub(crate) fn json_string(text: &str) -> String {
     out
 }
 
-/// Reads `"input_tokens": N` and `"output_tokens": N` out of JSON (or SSE carrying JSON)
-/// as it passes, a byte at a time, keeping the last value of each: a stream's
-/// `message_delta` then overrides its `message_start`. Its state is a few bytes, whatever
-/// the body's length; a key inside a string value (escaped quotes) is not taken for one.
-#[derive(Debug, Default)]
-pub(crate) struct UsageScan {
-    pub(crate) input: Option<u64>,
-    pub(crate) output: Option<u64>,
-    state: Scan,
-    /// The current string's first bytes, and its length.
-    key: [u8; 16],
-    key_len: usize,
-}
-
-#[derive(Clone, Copy, Debug, Default, PartialEq)]
-enum Scan {
-    #[default]
-    Outside,
-    InString {
-        escaped: bool,
-    },
-    /// After a usage key, before its `:`.
-    AfterKey(Field),
-    /// After the `:`, before the number.
-    Colon(Field),
-    Number(Field, u64),
-}
-
-#[derive(Clone, Copy, Debug, PartialEq)]
-enum Field {
-    Input,
-    Output,
-}
-
-impl UsageScan {
-    pub(crate) fn feed(&mut self, bytes: &[u8]) {
-        for &b in bytes {
-            self.byte(b);
-        }
-    }
-
-    /// The body ended: a number at its very end counts.
-    pub(crate) fn end(&mut self) {
-        if let Scan::Number(field, n) = self.state {
-            self.set(field, n);
-        }
-        self.state = Scan::Outside;
-    }
-
-    fn set(&mut self, field: Field, n: u64) {
-        match field {
-            Field::Input => self.input = Some(n),
-            Field::Output => self.output = Some(n),
-        }
-    }
-
-    fn byte(&mut self, b: u8) {
-        match self.state {
-            Scan::Outside => {
-                if b == b'"' {
-                    self.state = Scan::InString { escaped: false };
-                    self.key_len = 0;
-                }
-            }
-            Scan::InString { escaped: true } => {
-                self.push(b);
-                self.state = Scan::InString { escaped: false };
-            }
-            Scan::InString { escaped: false } => match b {
-                b'\\' => {
-                    self.push(b);
-                    self.state = Scan::InString { escaped: true };
-                }
-                b'"' => {
-                    let key = &self.key[..self.key_len.min(self.key.len())];
-                    self.state = match (self.key_len <= self.key.len(), key) {
-                        (true, b"input_tokens") => Scan::AfterKey(Field::Input),
-                        (true, b"output_tokens") => Scan::AfterKey(Field::Output),
-                        _ => Scan::Outside,
-                    };
-                }
-                _ => self.push(b),
-            },
-            Scan::AfterKey(field) => match b {
-                b' ' | b'\t' | b'\r' | b'\n' => {}
-                b':' => self.state = Scan::Colon(field),
-                _ => self.again(b),
-            },
-            Scan::Colon(field) => match b {
-                b' ' | b'\t' | b'\r' | b'\n' => {}
-                b'0'..=b'9' => self.state = Scan::Number(field, u64::from(b - b'0')),
-                _ => self.again(b),
-            },
-            Scan::Number(field, n) => match b {
-                b'0'..=b'9' => {
-                    let n = n.saturating_mul(10).saturating_add(u64::from(b - b'0'));
-                    self.state = Scan::Number(field, n);
-                }
-                _ => {
-                    self.set(field, n);
-                    self.again(b);
-                }
-            },
-        }
-    }
-
-    /// `b` read again from outside any string.
-    fn again(&mut self, b: u8) {
-        self.state = Scan::Outside;
-        self.byte(b);
-    }
-
-    fn push(&mut self, b: u8) {
-        if let Some(slot) = self.key.get_mut(self.key_len) {
-            *slot = b;
-        }
-        self.key_len = self.key_len.saturating_add(1);
-    }
-}
+/// What an answer's usage said: its input and output tokens, if it said them.
+pub(crate) type Told = (Option<u64>, Option<u64>);
 
 /// The client's response body, passed through untouched while its usage is read; the
 /// call's line is written when it ends or is dropped (the client gone).
 pub(crate) struct Recording {
     inner: Body,
-    scan: UsageScan,
+    scan: UsageReader<2>,
     status: u16,
     trace: Option<Trace>,
 }
 
 impl Recording {
-    pub(crate) fn new(inner: Body, status: u16, trace: Trace) -> Recording {
+    /// `scan` reads the answer's usage (made from its headers: its `content-encoding`).
+    pub(crate) fn new(
+        inner: Body,
+        (status, scan): (u16, UsageReader<2>),
+        trace: Trace,
+    ) -> Recording {
         Recording {
             inner,
-            scan: UsageScan::default(),
+            scan,
             status,
             trace: Some(trace),
         }
@@ -447,8 +337,9 @@ impl Recording {
 
     fn finish(&mut self) {
         if let Some(trace) = self.trace.take() {
-            self.scan.end();
-            trace.finish(self.status, &self.scan);
+            let usage = self.scan.usage();
+            let told = (usage.input_tokens(), usage.output_tokens());
+            trace.finish(self.status, (told.0.map(u64::from), told.1.map(u64::from)));
         }
     }
 }
@@ -493,30 +384,6 @@ impl Drop for Recording {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn scanned(chunks: &[&str]) -> (Option<u64>, Option<u64>) {
-        let mut scan = UsageScan::default();
-        for chunk in chunks {
-            scan.feed(chunk.as_bytes());
-        }
-        scan.end();
-        (scan.input, scan.output)
-    }
-
-    #[test]
-    fn usage_is_read_from_a_json_answer_and_from_a_stream_split_anywhere() {
-        let json = r#"{"content":[{"type":"text","text":"x"}],"usage":{"cache_creation_input_tokens":99,"input_tokens":12,"output_tokens":7}}"#;
-        assert_eq!(scanned(&[json]), (Some(12), Some(7)));
-        for cut in 0..json.len() {
-            assert_eq!(scanned(&[&json[..cut], &json[cut..]]), (Some(12), Some(7)));
-        }
-        let stream = "event: message_start\ndata: {\"type\":\"message_start\",\"message\":{\"usage\":{\"input_tokens\":12,\"output_tokens\":1}}}\n\n\
-                      event: content_block_delta\ndata: {\"delta\":{\"text\":\"say \\\"output_tokens\\\": 5000\"}}\n\n\
-                      event: message_delta\ndata: {\"type\":\"message_delta\",\"usage\":{\"output_tokens\": 5}}\n\n";
-        assert_eq!(scanned(&[stream]), (Some(12), Some(5)));
-        assert_eq!(scanned(&["{\"output_tokens\":", "42"]), (None, Some(42)));
-        assert_eq!(scanned(&[r#"{"type":"error"}"#]), (None, None));
-    }
 
     #[test]
     fn a_line_that_finds_the_queue_full_is_dropped_and_counted() {
@@ -581,7 +448,7 @@ mod tests {
         trace
             .probe()
             .job(&Job::new("t", Origin::UserAction).with_tier("pro"));
-        trace.finish(200, &UsageScan::default());
+        trace.finish(200, (None, None));
         let line = queued.try_recv().unwrap();
         assert!(is_recording_line(&line), "{line}");
         for text in [
