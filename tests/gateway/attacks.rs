@@ -786,6 +786,45 @@ async fn metrics_health_and_status_are_on_the_admin_port_only() {
     );
 }
 
+/// The rule: the admin listener on loopback answers only requests that name it
+/// (`localhost`, `127.0.0.1`, `[::1]`, or a name of `--admin-host`): a page that rebinds its
+/// own name to 127.0.0.1 gets `421` for every route that names tenants; the probes answer
+/// any name.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_admin_listener_answers_only_its_own_host_names() {
+    let _turn = crate::support::file_turn(module_path!());
+    let _serial = SERIAL.lock().await;
+    let mock = MockAnthropic::start();
+    let extra = ["--admin-host", "gateway.internal"];
+    let gateway = Gateway::start_with(&mock.url(), &keys_toml(8, 200, ""), None, &extra);
+    let response = post_messages(&gateway, PREMIUM_KEY, false).await.unwrap();
+    assert_eq!(response.status(), 200);
+    response.bytes().await.unwrap();
+    let port = gateway
+        .admin_url()
+        .rsplit(':')
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap();
+    let get = async |path: &str, host: &str| {
+        let head = format!("GET {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n");
+        raw(port, &head, b"", Duration::from_secs(5)).await
+    };
+    for path in ["/usage", "/status", "/live", "/metrics", "/"] {
+        let (status, answer) = get(path, "attacker.example").await;
+        assert_eq!(status, 421, "{path}: {answer}");
+        assert!(!answer.contains("team-"), "{path}: {answer}");
+        assert_eq!(get(path, &format!("attacker.example:{port}")).await.0, 421);
+        for host in [format!("localhost:{port}"), "gateway.internal".to_owned()] {
+            assert_eq!(get(path, &host).await.0, 200, "{path} as {host}");
+        }
+    }
+    for probe in ["/healthz", "/readyz"] {
+        assert_eq!(get(probe, "attacker.example").await.0, 200, "{probe}");
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn at_the_cap_with_every_connection_busy_a_new_one_is_refused() {
     let _turn = crate::support::file_turn(module_path!());

@@ -15,6 +15,11 @@
 //!   flight and waiting per tier, `Busy` by reason, latency per class, top tenants, learned
 //!   limits and cooldown gates (see `dashboard.rs`).
 //!
+//! On a loopback address, every route but `/healthz` and `/readyz` answers `421` unless the
+//! request names the listener as `localhost`, `127.0.0.1` or `[::1]` (any port) or a name
+//! given with `--admin-host`: a web page the operator opens cannot read the tenants' names
+//! and usage by rebinding its own name to 127.0.0.1.
+//!
 //! With `--admin-token`, every route but `/healthz` and `/readyz` answers `401` unless the
 //! request carries `Authorization: Bearer <token>` (or `Basic` with the token as the
 //! password, which a browser sends for the live page and its `/live` once asked). The two
@@ -47,6 +52,58 @@ pub(crate) struct Admin {
     pub(crate) token: Option<AdminToken>,
     /// `--fleet-size`: the gateways a degraded store shares the caps with, at least.
     pub(crate) fleet_size: u32,
+    /// The host names a request may name, when the listener is on loopback.
+    pub(crate) hosts: Option<AdminHosts>,
+}
+
+/// The names the admin listener answers to when it listens on loopback: `localhost`,
+/// `127.0.0.1`, `[::1]` and those of `--admin-host`, with or without a port. A page on
+/// another site cannot read the tenants' names and usage by pointing its own name at
+/// 127.0.0.1 (DNS rebinding): its requests name that site.
+#[derive(Clone, Debug)]
+pub(crate) struct AdminHosts {
+    names: Vec<String>,
+}
+
+impl AdminHosts {
+    /// The loopback names and `extra`, for a listener on `addr`; `None` beyond loopback
+    /// (where `--admin-token` guards every route).
+    pub(crate) fn for_listener(addr: std::net::SocketAddr, extra: &[String]) -> Option<AdminHosts> {
+        addr.ip().to_canonical().is_loopback().then(|| AdminHosts {
+            names: ["localhost", "127.0.0.1", "[::1]"]
+                .into_iter()
+                .map(str::to_owned)
+                .chain(extra.iter().map(|name| name.trim().to_ascii_lowercase()))
+                .collect(),
+        })
+    }
+
+    /// Whether the request names one of the listener's hosts (its `Host`, or over HTTP/2
+    /// its `:authority`).
+    fn admits<B>(&self, req: &Request<B>) -> bool {
+        let named = req
+            .uri()
+            .authority()
+            .map(|authority| authority.as_str().to_owned())
+            .or_else(|| {
+                let host = req.headers().get(header::HOST)?;
+                host.to_str().ok().map(str::to_owned)
+            });
+        let Some(named) = named else {
+            return false;
+        };
+        let named = named.to_ascii_lowercase();
+        // The port, if any, is whatever the client used to reach the listener.
+        let host = match named.rsplit_once(':') {
+            Some((host, port))
+                if port.bytes().all(|b| b.is_ascii_digit()) && !host.ends_with(':') =>
+            {
+                host
+            }
+            _ => named.as_str(),
+        };
+        self.names.iter().any(|name| name == host)
+    }
 }
 
 /// The admin listener's bearer token (`--admin-token`), kept as its SHA-256; its `Debug`
@@ -178,6 +235,18 @@ fn text(status: StatusCode, content_type: &'static str, body: String) -> Respons
 
 pub(crate) async fn handle(admin: Arc<Admin>, req: Request<Incoming>) -> Response<Body> {
     let probe = matches!(req.uri().path(), "/healthz" | "/readyz");
+    if let Some(hosts) = &admin.hosts
+        && !probe
+        && !hosts.admits(&req)
+    {
+        metrics::counter!("gateway_admin_refusals_total", "reason" => "host").increment(1);
+        return error_response(
+            StatusCode::MISDIRECTED_REQUEST,
+            "invalid_request_error",
+            "this admin listener answers only to localhost, 127.0.0.1, [::1] and the names \
+             of --admin-host",
+        );
+    }
     if let Some(token) = &admin.token
         && !probe
         && !token.admits(req.headers())
@@ -350,6 +419,43 @@ mod tests {
         assert!(!token.admits(&headers("Basic !!!")));
         assert!(!token.admits(&headers("Basic b3Bz"))); // `ops`: no password
         assert_eq!(format!("{token:?}"), "AdminToken(..)");
+    }
+
+    #[test]
+    fn on_loopback_only_the_listeners_own_names_are_answered() {
+        let addr = "127.0.0.1:9464".parse().unwrap();
+        let hosts = AdminHosts::for_listener(addr, &["Gateway.Internal".to_owned()]).unwrap();
+        let named = |host: &str| {
+            let req = Request::get("/live")
+                .header(header::HOST, host)
+                .body(())
+                .unwrap();
+            hosts.admits(&req)
+        };
+        for host in [
+            "localhost",
+            "localhost:9464",
+            "127.0.0.1:1",
+            "[::1]:9464",
+            "[::1]",
+        ] {
+            assert!(named(host), "{host}");
+        }
+        assert!(named("gateway.internal:80"));
+        for host in [
+            "attacker.example",
+            "attacker.example:9464",
+            "localhost.attacker.example",
+        ] {
+            assert!(!named(host), "{host}");
+        }
+        assert!(!named("127.0.0.1.nip.io"));
+        let none = Request::get("/live").body(()).unwrap();
+        assert!(!hosts.admits(&none), "no Host");
+        let http2 = Request::get("http://localhost:9464/live").body(()).unwrap();
+        assert!(hosts.admits(&http2), ":authority");
+        let public = "0.0.0.0:9464".parse().unwrap();
+        assert!(AdminHosts::for_listener(public, &[]).is_none());
     }
 
     #[test]

@@ -133,6 +133,16 @@ pub(crate) struct Args {
           value_parser = admin::AdminToken::read)]
     admin_token: Option<admin::AdminToken>,
 
+    /// A host name the admin listener on loopback answers to, besides localhost, 127.0.0.1
+    /// and [::1] (repeat for more): other names get 421 (/healthz and /readyz answer any).
+    #[arg(
+        long,
+        env = "FAIRGATE_ADMIN_HOST",
+        value_name = "NAME",
+        value_delimiter = ','
+    )]
+    admin_host: Vec<String>,
+
     /// How many gateways share --redis: while Redis has not answered since start, each
     /// serves the caps divided by this (default 1: the whole caps, right for one gateway).
     #[arg(long, env = "FAIRGATE_FLEET_SIZE", value_name = "N", default_value_t = 1,
@@ -452,6 +462,7 @@ async fn run(mut args: Args) -> Result<(), String> {
         started: Instant::now(),
         token: args.admin_token.clone(),
         fleet_size: args.fleet_size,
+        hosts: admin::AdminHosts::for_listener(listeners.admin_addr, &args.admin_host),
     });
     let background = background(&gw, metrics);
     let mut servers = Servers::start(listeners, &gw, admin, stopped, args.drain_timeout);
