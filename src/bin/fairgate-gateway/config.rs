@@ -441,7 +441,7 @@ fn clients(
             entry.tenant.as_str(),
             entry.tier.as_str(),
             claims,
-            entry.users.then(|| user_secret.unwrap_or(&sha256)),
+            (entry.users, user_secret),
         );
         identities.insert(sha256, policy);
         keys.insert_sha256(sha256, entry.tenant.as_str(), entry.tier.as_str());

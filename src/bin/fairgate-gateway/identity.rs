@@ -5,12 +5,14 @@
 //! end users of its service: each call names its user, in the body's `metadata.user_id`
 //! (the Messages API's own field, which the SDKs send) or else in `x-fairgate-user`, and
 //! the user is a tenant inside the service's namespace: `service/` and 32 hex digits of an
-//! HMAC-SHA-256 of the user id. Two services never share a user, and logs, metrics and
-//! recordings never hold a user id in clear.
+//! HMAC-SHA-256 of the service's tenant name and the user id. Two services never share a
+//! user, and logs, metrics and recordings never hold a user id in clear.
 //!
-//! The HMAC key is the keys file's `user_secret` when it has one (a fleet shares its keys
-//! file, so every gateway names a user alike), else the service key's own SHA-256 (also in
-//! the shared file; rotating the key then renames its users, so their budgets start anew).
+//! The HMAC key is the keys file's `user_secret` (a fleet shares its keys file, so every
+//! gateway names a user alike; without one the key is empty and a user's name can be
+//! recomputed by whoever knows the id). The message starts with the service's tenant name,
+//! so one user id under two services gives two names no reader of `/usage` can link, and
+//! rotating a service's key renames no one (its budgets and usage rows go on).
 //!
 //! A call may claim a tier (`x-fairgate-tier`), an origin (`x-fairgate-origin`: `user`,
 //! `scheduled`, `batch`) and an SLA (`x-fairgate-sla`, seconds) only within what its key
@@ -28,9 +30,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use fairgate::{Job, Origin, TenantId, Tier};
+use hmac::{Hmac, Mac};
 use http::header::{HeaderMap, HeaderName, HeaderValue};
 use http::{Response, StatusCode};
-use sha2::{Digest, Sha256};
+use sha2::Sha256;
 
 use super::Body;
 use super::upstream::full;
@@ -100,9 +103,14 @@ pub(crate) struct KeyPolicy {
 }
 
 impl KeyPolicy {
-    /// The policy of a key for `tenant` on `tier`, naming end users hashed with `user_key`
-    /// when it acts for them.
-    pub(crate) fn new(tenant: &str, tier: &str, claims: Claims, user_key: Option<&[u8]>) -> Self {
+    /// The policy of a key for `tenant` on `tier`; when it acts for end users (`users`),
+    /// their ids are hashed with `secret` (the keys file's `user_secret`).
+    pub(crate) fn new(
+        tenant: &str,
+        tier: &str,
+        claims: Claims,
+        (users, secret): (bool, Option<&[u8]>),
+    ) -> Self {
         KeyPolicy {
             tenant: TenantId::new(tenant),
             prefix: format!("{tenant}/").into(),
@@ -110,7 +118,7 @@ impl KeyPolicy {
             origin: claims.origin,
             tiers: claims.tiers.iter().map(Tier::new).collect(),
             origins: claims.origins.into(),
-            users: user_key.map(UserHash::new),
+            users: users.then(|| UserHash::new(secret.unwrap_or_default(), tenant)),
         }
     }
 
@@ -234,35 +242,29 @@ fn user_of<'a>(headers: &'a HeaderMap, body_user: Option<&'a str>) -> Result<&'a
     }
 }
 
-/// HMAC-SHA-256 with one key, its two padded key blocks absorbed once (RFC 2104): a user
-/// id then costs two short hashes.
+/// HMAC-SHA-256 keyed by the `user_secret`, its key and the service's tenant name absorbed
+/// once: a user id then costs two short hashes.
 struct UserHash {
-    inner: Sha256,
-    outer: Sha256,
+    service: Hmac<Sha256>,
 }
 
 impl UserHash {
-    fn new(key: &[u8]) -> Self {
-        let mut block = [0u8; 64];
-        if key.len() > 64 {
-            block[..32].copy_from_slice(&Sha256::digest(key));
-        } else {
-            block[..key.len()].copy_from_slice(key);
-        }
-        let pad = |byte: u8| {
-            let mut padded = block;
-            padded.iter_mut().for_each(|b| *b ^= byte);
-            Sha256::new_with_prefix(padded)
-        };
-        UserHash {
-            inner: pad(0x36),
-            outer: pad(0x5c),
-        }
+    fn new(secret: &[u8], tenant: &str) -> Self {
+        // Any key length is taken (a long one is hashed first, RFC 2104).
+        let mut service = Hmac::<Sha256>::new_from_slice(secret).expect("HMAC takes any key");
+        // The name's length first: no tenant name and user id run into another pair.
+        service.update(&(tenant.len() as u64).to_be_bytes());
+        service.update(tenant.as_bytes());
+        UserHash { service }
     }
 
-    fn mac(&self, message: &[u8]) -> [u8; 32] {
-        let inner = self.inner.clone().chain_update(message).finalize();
-        self.outer.clone().chain_update(inner).finalize().into()
+    fn mac(&self, user: &[u8]) -> [u8; 32] {
+        self.service
+            .clone()
+            .chain_update(user)
+            .finalize()
+            .into_bytes()
+            .into()
     }
 
     /// `prefix` and the first 16 bytes of the user's MAC in hex.
@@ -349,12 +351,7 @@ mod tests {
             origins: origins.to_vec(),
             tiers: tiers.iter().map(|t| (*t).to_owned()).collect(),
         };
-        KeyPolicy::new(
-            "svc",
-            "free",
-            claims,
-            users.then_some(&b"secret-secret-16"[..]),
-        )
+        KeyPolicy::new("svc", "free", claims, (users, Some(b"secret-secret-16")))
     }
 
     fn headers(pairs: &[(&str, &str)]) -> HeaderMap {
@@ -373,12 +370,28 @@ mod tests {
     }
 
     #[test]
-    fn hmac_matches_rfc_4231_test_case_2() {
-        let mac = UserHash::new(b"Jefe").mac(b"what do ya want for nothing?");
-        let hex: String = mac.iter().map(|b| format!("{b:02x}")).collect();
+    fn a_users_name_is_the_hmac_of_the_services_name_and_the_id() {
+        let hash = UserHash::new(b"secret-secret-16", "svc");
+        let mut mac = Hmac::<Sha256>::new_from_slice(b"secret-secret-16").unwrap();
+        mac.update(&3u64.to_be_bytes());
+        mac.update(b"svcalice");
         assert_eq!(
-            hex,
-            "5bdcc146bf60754e6a042426089575c75a003f089d2739839dec58b964ec3843"
+            hash.mac(b"alice"),
+            <[u8; 32]>::from(mac.finalize().into_bytes())
+        );
+        // The same id under another service, with the same secret or none: another name.
+        assert_ne!(
+            hash.mac(b"alice"),
+            UserHash::new(b"secret-secret-16", "svc2").mac(b"alice")
+        );
+        assert_ne!(
+            UserHash::new(b"", "a").mac(b"x"),
+            UserHash::new(b"", "b").mac(b"x")
+        );
+        // The name's length keeps ("sv", "calice") apart from ("svc", "alice").
+        assert_ne!(
+            UserHash::new(b"", "sv").mac(b"calice"),
+            UserHash::new(b"", "svc").mac(b"alice")
         );
     }
 
@@ -394,7 +407,7 @@ mod tests {
         assert_eq!(alice.unwrap().tenant(), &tenant);
         let bob = policy.identify(&headers(&[("x-fairgate-user", "bob")]), Some(""));
         assert_ne!(bob.unwrap().tenant(), &tenant);
-        // Another service (another key) names the same user as another tenant.
+        // Another service names the same user as another tenant, with the same secret.
         let other = KeyPolicy::new(
             "other",
             "free",
@@ -403,7 +416,7 @@ mod tests {
                 origins: vec![],
                 tiers: vec![],
             },
-            Some(b"another-secret-16"),
+            (true, Some(b"secret-secret-16")),
         );
         let elsewhere = other.identify(&HeaderMap::new(), Some("alice")).unwrap();
         assert_ne!(&elsewhere.tenant().as_str()[6..], &tenant.as_str()[4..]);
