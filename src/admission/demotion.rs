@@ -52,8 +52,9 @@ pub struct DemotionPolicy {
 ///
 /// // 20 input tokens, and up to 200 output tokens weighing 5 input tokens each.
 /// let job = Job::new("acme", Origin::Scheduled).with_cost(20).with_output_cost(200 * 5);
-/// assert_eq!(BudgetCounts::InputTokens.of(&job), 20);
-/// assert_eq!(BudgetCounts::Weighted.of(&job), 1_020);
+/// let count = |counts: BudgetCounts| counts.count(job.cost().into(), job.charge());
+/// assert_eq!(count(BudgetCounts::InputTokens), 20);
+/// assert_eq!(count(BudgetCounts::Weighted), 1_020);
 /// let policy = DemotionPolicy::builder().budget_counts(BudgetCounts::Weighted).build()?;
 /// assert_eq!(policy.budget_counts(), BudgetCounts::Weighted);
 /// # Ok::<(), fairgate::ConfigError>(())
@@ -71,17 +72,10 @@ pub enum BudgetCounts {
 }
 
 impl BudgetCounts {
-    /// What `job` counts before its answer is known.
-    pub fn of(self, job: &crate::Job) -> u64 {
-        match self {
-            BudgetCounts::InputTokens => u64::from(job.cost()),
-            BudgetCounts::Weighted => job.charge(),
-        }
-    }
-
-    /// What a call counts once its answer said it used `input_tokens` of input and
-    /// `charge` in all (in the units of [`Job::charge`](crate::Job::charge)).
-    pub fn used(self, input_tokens: u64, charge: u64) -> u64 {
+    /// What a call of `input_tokens` input and `charge` in all (in the units of
+    /// [`Job::charge`](crate::Job::charge)) counts: estimated when it is classified, used
+    /// when its answer said.
+    pub fn count(self, input_tokens: u64, charge: u64) -> u64 {
         match self {
             BudgetCounts::InputTokens => input_tokens,
             BudgetCounts::Weighted => charge,

@@ -86,7 +86,7 @@ where
         // input tokens. What was counted rides on the job, for the settler, and in the
         // future, to be given back if the call is refused before it runs.
         let counts = shared.policy.budget_counts();
-        let counted = counts.of(job);
+        let counted = counts.count(u64::from(job.cost()), job.charge());
         job.set_budget_counted(counts, counted);
         let check =
             shared

@@ -24,7 +24,7 @@ use super::usage::UsageScanner;
 /// The most bytes decoded from one answer; past it the answer is unreadable.
 pub const MAX_DECODED: u64 = 256 << 20;
 
-/// The decoder's output buffer (the decoded bytes go to the scanner in pieces of this).
+/// The brotli decoder's buffer.
 const BUFFER: usize = 8 << 10;
 
 /// The one encoding an answer's headers say it has.
@@ -38,7 +38,7 @@ enum Coding {
 
 impl Coding {
     /// The encoding of an answer with these headers, or why it cannot be read.
-    fn of(headers: &HeaderMap) -> Result<Coding, &'static str> {
+    fn of(headers: &HeaderMap) -> Result<Coding, Unreadable> {
         let mut codings = headers
             .get_all(CONTENT_ENCODING)
             .iter()
@@ -47,11 +47,11 @@ impl Coding {
             .filter(|coding| !coding.is_empty() && coding != "identity");
         match (codings.next().as_deref(), codings.next()) {
             (None, _) => Ok(Coding::Identity),
-            (Some(_), Some(_)) => Err("more than one encoding"),
+            (Some(_), Some(_)) => Err(Unreadable::MoreThanOneEncoding),
             (Some("gzip" | "x-gzip"), None) => Ok(Coding::Gzip),
             (Some("deflate"), None) => Ok(Coding::Deflate),
             (Some("br"), None) => Ok(Coding::Brotli),
-            (Some(_), None) => Err("an unknown encoding"),
+            (Some(_), None) => Err(Unreadable::UnknownEncoding),
         }
     }
 }
@@ -109,21 +109,23 @@ impl<const FIELDS: usize> Write for Sink<FIELDS> {
     }
 }
 
-/// The decoder an answer's encoding needs.
+/// The decoder an answer's encoding needs (boxed by the reader: one allocation, for a
+/// compressed answer only).
+// The variants differ in size, and the enum is boxed whole: boxing each would allocate twice.
+#[allow(clippy::large_enum_variant)]
 enum Decoder<const FIELDS: usize> {
-    Identity(Sink<FIELDS>),
-    Gzip(Box<flate2::write::GzDecoder<Sink<FIELDS>>>),
+    Gzip(flate2::write::GzDecoder<Sink<FIELDS>>),
     /// `deflate` before its first byte (see [`is_zlib`]).
     Deflate(Sink<FIELDS>),
-    Zlib(Box<flate2::write::ZlibDecoder<Sink<FIELDS>>>),
-    RawDeflate(Box<flate2::write::DeflateDecoder<Sink<FIELDS>>>),
-    Brotli(Box<brotli_decompressor::DecompressorWriter<Sink<FIELDS>>>),
+    Zlib(flate2::write::ZlibDecoder<Sink<FIELDS>>),
+    RawDeflate(flate2::write::DeflateDecoder<Sink<FIELDS>>),
+    Brotli(brotli_decompressor::DecompressorWriter<Sink<FIELDS>>),
 }
 
 impl<const FIELDS: usize> Decoder<FIELDS> {
     fn sink(&self) -> &Sink<FIELDS> {
         match self {
-            Decoder::Identity(sink) | Decoder::Deflate(sink) => sink,
+            Decoder::Deflate(sink) => sink,
             Decoder::Gzip(d) => d.get_ref(),
             Decoder::Zlib(d) => d.get_ref(),
             Decoder::RawDeflate(d) => d.get_ref(),
@@ -139,12 +141,11 @@ impl<const FIELDS: usize> Decoder<FIELDS> {
             };
             let sink = std::mem::take(sink);
             *self = match is_zlib(first) {
-                true => Decoder::Zlib(Box::new(flate2::write::ZlibDecoder::new(sink))),
-                false => Decoder::RawDeflate(Box::new(flate2::write::DeflateDecoder::new(sink))),
+                true => Decoder::Zlib(flate2::write::ZlibDecoder::new(sink)),
+                false => Decoder::RawDeflate(flate2::write::DeflateDecoder::new(sink)),
             };
         }
         match self {
-            Decoder::Identity(sink) => sink.write_all(bytes),
             Decoder::Deflate(_) => Ok(()),
             Decoder::Gzip(d) => d.write_all(bytes).and_then(|()| d.flush()),
             Decoder::Zlib(d) => d.write_all(bytes).and_then(|()| d.flush()),
@@ -154,8 +155,39 @@ impl<const FIELDS: usize> Decoder<FIELDS> {
     }
 }
 
+/// Why an answer's usage cannot be trusted.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Unreadable {
+    UnknownEncoding,
+    MoreThanOneEncoding,
+    DoesNotDecode,
+    PastTheBound,
+    TooManyPieces,
+}
+
+impl Unreadable {
+    fn as_str(self) -> &'static str {
+        match self {
+            Unreadable::UnknownEncoding => "unknown_encoding",
+            Unreadable::MoreThanOneEncoding => "more_than_one_encoding",
+            Unreadable::DoesNotDecode => "does_not_decode",
+            Unreadable::PastTheBound => "past_the_bound",
+            Unreadable::TooManyPieces => "too_many_pieces",
+        }
+    }
+}
+
+/// Where a reader is: reading plain bytes, decoding, or given up (the usage seen kept).
+enum State<const FIELDS: usize> {
+    Plain(UsageScanner<FIELDS>),
+    Decoding(Box<Decoder<FIELDS>>),
+    Unreadable(UsageScanner<FIELDS>, Unreadable),
+}
+
 /// Finds an answer's token usage (as [`UsageScanner`] does) in its body's bytes as they
 /// pass, whatever its `content-encoding`: `identity`, `gzip`, `deflate` or `br`.
+///
+/// A plain answer costs the scanner alone; a compressed one allocates its decoder once.
 ///
 /// ```
 /// use std::io::Write;
@@ -177,90 +209,99 @@ impl<const FIELDS: usize> Decoder<FIELDS> {
 /// assert_eq!(usage.usage().output_tokens(), Some(512));
 /// ```
 pub struct UsageReader<const FIELDS: usize = 4> {
-    decoder: Decoder<FIELDS>,
-    /// Why the usage cannot be trusted, once it cannot.
-    unreadable: Option<&'static str>,
+    state: State<FIELDS>,
 }
 
 impl<const FIELDS: usize> UsageReader<FIELDS> {
     /// A reader for an answer with these headers (its `content-encoding`).
     pub fn new(headers: &HeaderMap) -> Self {
         let sink = Sink::default();
-        let (decoder, unreadable) = match Coding::of(headers) {
-            Ok(Coding::Identity) => (Decoder::Identity(sink), None),
-            Ok(Coding::Gzip) => (
-                Decoder::Gzip(Box::new(flate2::write::GzDecoder::new(sink))),
-                None,
-            ),
-            Ok(Coding::Deflate) => (Decoder::Deflate(sink), None),
-            Ok(Coding::Brotli) => (
-                Decoder::Brotli(Box::new(brotli_decompressor::DecompressorWriter::new(
-                    sink, BUFFER,
-                ))),
-                None,
-            ),
-            Err(why) => (Decoder::Identity(sink), Some(why)),
+        let decoder = match Coding::of(headers) {
+            Ok(Coding::Identity) => return Self::in_state(State::Plain(UsageScanner::default())),
+            Ok(Coding::Gzip) => Decoder::Gzip(flate2::write::GzDecoder::new(sink)),
+            Ok(Coding::Deflate) => Decoder::Deflate(sink),
+            Ok(Coding::Brotli) => {
+                Decoder::Brotli(brotli_decompressor::DecompressorWriter::new(sink, BUFFER))
+            }
+            Err(why) => return Self::in_state(State::Unreadable(UsageScanner::default(), why)),
         };
-        UsageReader {
-            decoder,
-            unreadable,
-        }
+        Self::in_state(State::Decoding(Box::new(decoder)))
+    }
+
+    fn in_state(state: State<FIELDS>) -> Self {
+        UsageReader { state }
     }
 
     /// Reads the next bytes of the body (a data frame, in as many pieces as it has).
     pub fn feed(&mut self, data: &impl Buf) {
-        if self.unreadable.is_some() {
-            return;
-        }
         let mut slices = [std::io::IoSlice::new(&[]); 16];
         let n = data.chunks_vectored(&mut slices);
         let mut read = 0;
         for slice in &slices[..n] {
-            if self.decoder.write(slice).is_err() {
-                self.unreadable = Some(match self.decoder.sink().decoded > MAX_DECODED {
-                    true => "decodes past the bound",
-                    false => "does not decode",
-                });
-                return;
+            match &mut self.state {
+                State::Plain(scanner) => scanner.feed(slice),
+                State::Decoding(decoder) => {
+                    if decoder.write(slice).is_err() {
+                        let sink = decoder.sink();
+                        let why = match sink.decoded > MAX_DECODED {
+                            true => Unreadable::PastTheBound,
+                            false => Unreadable::DoesNotDecode,
+                        };
+                        self.state = State::Unreadable(sink.scanner, why);
+                        return;
+                    }
+                }
+                State::Unreadable(..) => return,
             }
             read += slice.len();
         }
         if read < data.remaining() {
             // More pieces than one look shows: what follows would not be contiguous.
-            self.unreadable = Some("a frame in too many pieces");
+            self.state = State::Unreadable(*self.usage(), Unreadable::TooManyPieces);
         }
     }
 
     /// The usage read so far.
     pub fn usage(&self) -> &UsageScanner<FIELDS> {
-        &self.decoder.sink().scanner
+        match &self.state {
+            State::Plain(scanner) | State::Unreadable(scanner, _) => scanner,
+            State::Decoding(decoder) => &decoder.sink().scanner,
+        }
     }
 
     /// Whether every byte fed so far was read: false for an encoding it does not know,
     /// bytes that do not decode, or an answer past [`MAX_DECODED`] decoded bytes. A usage
     /// seen before that stays readable in [`usage`](Self::usage).
     pub fn readable(&self) -> bool {
-        self.unreadable.is_none()
+        !matches!(self.state, State::Unreadable(..))
     }
 
-    /// Why the usage cannot be trusted, if it cannot (for a log line).
+    /// Why the usage cannot be trusted, if it cannot, as a metric label would name it:
+    /// `unknown_encoding`, `more_than_one_encoding`, `does_not_decode`, `past_the_bound`,
+    /// `too_many_pieces`.
     pub fn unreadable_because(&self) -> Option<&'static str> {
-        self.unreadable
+        match self.state {
+            State::Unreadable(_, why) => Some(why.as_str()),
+            _ => None,
+        }
     }
 }
 
 impl<const FIELDS: usize> std::fmt::Debug for UsageReader<FIELDS> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let encoding = match self.decoder {
-            Decoder::Identity(_) => "identity",
-            Decoder::Gzip(_) => "gzip",
-            Decoder::Deflate(_) | Decoder::Zlib(_) | Decoder::RawDeflate(_) => "deflate",
-            Decoder::Brotli(_) => "br",
+        let encoding = match &self.state {
+            State::Plain(_) => "identity",
+            State::Decoding(decoder) => match **decoder {
+                Decoder::Gzip(_) => "gzip",
+                Decoder::Deflate(_) | Decoder::Zlib(_) | Decoder::RawDeflate(_) => "deflate",
+                Decoder::Brotli(_) => "br",
+            },
+            State::Unreadable(..) => "unreadable",
         };
         f.debug_struct("UsageReader")
             .field("encoding", &encoding)
             .field("usage", self.usage())
-            .field("unreadable", &self.unreadable)
+            .field("unreadable", &self.unreadable_because())
             .finish()
     }
 }
@@ -410,6 +451,6 @@ mod tests {
         let bomb = e.finish().unwrap();
         assert!(bomb.len() < 1 << 20, "{} bytes", bomb.len());
         let reader = read("gzip", &bomb, 64 << 10);
-        assert_eq!(reader.unreadable_because(), Some("decodes past the bound"));
+        assert_eq!(reader.unreadable_because(), Some("past_the_bound"));
     }
 }

@@ -13,10 +13,12 @@
 //! hands down; `gate.rs` answers the fair queue (`RateLimit for Rates`, the protocol of
 //! `crate::gate`) over `key_gate.rs`'s state, one entry per upstream key; `learned.rs`
 //! reads the rate-limit headers; `pacing.rs` runs a configured [`Pacing`]; `usage.rs`
-//! reads an answer's usage as its body streams, `encoded.rs` whatever its encoding. The GCRA arithmetic is `crate::gcra`,
+//! reads an answer's usage as its body streams, `encoded.rs` whatever its encoding, and
+//! `correction.rs` corrects learned pacing by it. The GCRA arithmetic is `crate::gcra`,
 //! shared with the store. Nothing here imports the retry layer.
 
 mod core;
+mod correction;
 mod encoded;
 mod feed;
 mod gate;
@@ -26,11 +28,11 @@ mod pacing;
 mod usage;
 
 pub(crate) use self::core::{Ask, Learned, RateConfig, Rates, taken};
+pub(crate) use self::correction::Usage;
 pub(crate) use self::encoded::decoded_prefix;
 pub use self::encoded::{MAX_DECODED, UsageReader};
 pub(crate) use self::feed::Answer;
 pub(crate) use self::learned::has_ratelimit_headers;
 pub use self::learned::{ByApiKey, ByApiKeyAndModel, ByModel, OneUpstream, UpstreamKey};
 pub use self::pacing::Pacing;
-pub(crate) use self::usage::Usage;
 pub use self::usage::UsageScanner;

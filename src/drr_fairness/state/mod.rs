@@ -718,7 +718,7 @@ impl FairQueue {
         };
         let used = match (counts, input_tokens) {
             (crate::BudgetCounts::Weighted, _) => actual,
-            (counts, Some(input)) => counts.used(input, actual),
+            (counts, Some(input)) => counts.count(input, actual),
             (_, None) => return,
         };
         let diff = i128::from(used) - i128::from(counted);
