@@ -17,7 +17,7 @@ pub(crate) enum Outcome {
     Answered,
     /// Not reached: connection refused, or no answer's head before the first-byte timeout.
     Unreachable,
-    /// `529`, `503` or `500`: reached, and failing.
+    /// `529`, `500`, `502`, `503` or `504`: reached, and failing.
     Failing,
 }
 

@@ -170,12 +170,15 @@ fn copy<B: Clone>(request: &http::Request<B>) -> http::Request<B> {
 }
 
 /// Tells the call's upstream's breaker what its answer said; whether the upstream provably
-/// did not run the call (refused, or overloaded: `529`, `503`).
+/// did not run the call (refused, or overloaded: `529`, which the API answers before it
+/// runs a call, and to which Bedrock's `ServiceUnavailableException` and
+/// `ModelNotReadyException` are mapped). A `500`, `502`, `503` or `504` may come after the
+/// call ran: it fails the upstream, and goes back to the caller as it is.
 fn tell<R>(at: &mut Dispatch, answer: &Result<http::Response<R>, BoxError>) -> bool {
     let (outcome, not_run) = match answer {
         Ok(response) => match response.status().as_u16() {
-            503 | 529 => (Outcome::Failing, true),
-            500 => (Outcome::Failing, false),
+            529 => (Outcome::Failing, true),
+            500 | 502..=504 => (Outcome::Failing, false),
             _ => (Outcome::Answered, false),
         },
         Err(error) if refused(error) => (Outcome::Unreachable, true),

@@ -13,15 +13,17 @@
 //!   `weight`.
 //! - **Setting aside** (a breaker per upstream): an upstream that cannot be reached
 //!   (connection refused, no answer's head within `first_byte_timeout`) is set aside at
-//!   once; one that answers `529`, `503` or `500` `trip_after` times in a row (default 3)
+//!   once; one that answers `529`, `500`, `502`, `503` or `504` `trip_after` times in a row (default 3)
 //!   too. Set aside, it takes no call until `probe_every` (default 1 s) has passed; then one
 //!   call probes it, and an answer brings it back. A `429` is the upstream's rate, not a
 //!   failure: it goes back to the caller (and to the retry layer above, which keeps that
 //!   upstream's cooldown).
 //! - **Sending again**: a call goes to another upstream only where the first provably did
-//!   not run it — the connection was refused, or it answered `529`/`503` (overloaded, the
-//!   call not run) before anything of the answer went back — since a call run twice may be
-//!   billed twice. Each upstream is tried at most once per call; a call is answered once.
+//!   not run it — the connection was refused, or it answered `529` (overloaded: the API
+//!   refuses before it runs a call; Bedrock's unavailable and not-ready answers are mapped
+//!   to it) before anything of the answer went back — since a call run twice may be billed
+//!   twice. A `500`, `502`, `503` or `504` may come after the call ran: it goes back to the
+//!   caller as it is. Each upstream is tried at most once per call; a call is answered once.
 //!   When no upstream has room, the call fails with [`NoUpstream`](error::NoUpstream),
 //!   saying when the first set aside may be probed.
 //!
@@ -161,7 +163,8 @@ impl<S> PoolBuilder<S> {
         self
     }
 
-    /// Failing answers (`529`, `503`, `500`) in a row that set an upstream aside (default 3).
+    /// Failing answers (`529`, `500`, `502`-`504`) in a row that set an upstream aside
+    /// (default 3).
     pub fn trip_after(mut self, n: u32) -> Self {
         self.trip_after = n;
         self

@@ -175,17 +175,23 @@ mod tests {
         let _ = core.store.pace_learned(&key, &ask(0)).into_ready();
         let limits = [0, 0, 60, 0];
         let body = br#"{"usage":{"input_tokens":3,"output_tokens":31}}"#;
-        // 30 cells charged after the fact (31 used, 1 charged before).
+        // 30 cells charged after the fact (31 used, 1 charged before), read from the answer
+        // as the API sends it to a client that asked for gzip.
         let need = needs(1, 1);
         let charged = [0, 0, 1, 0];
+        let mut gzip = http::HeaderMap::new();
+        gzip.insert(http::header::CONTENT_ENCODING, "gzip".parse().unwrap());
+        let mut encoder = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
+        std::io::Write::write_all(&mut encoder, body).unwrap();
+        let compressed = encoder.finish().unwrap();
         let mut usage = Usage::new(
             core.clone(),
-            (key.clone(), &http::HeaderMap::new()),
+            (key.clone(), &gzip),
             (need, charged, 0),
             limits,
         );
-        usage.feed(&&body[..20]);
-        usage.feed(&&body[20..]);
+        usage.feed(&&compressed[..20]);
+        usage.feed(&&compressed[20..]);
         usage.finish(true);
         drop(usage);
         // Once: 30 of 57 cells taken, a call of one cell goes at once (twice would be 60).

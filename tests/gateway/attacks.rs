@@ -1346,10 +1346,11 @@ async fn the_demotion_gauge_reads_the_truth_without_traffic() {
     let _turn = crate::support::file_turn(module_path!());
     let _serial = SERIAL.lock().await;
     let mock = MockAnthropic::start();
-    // About 32 tokens a call: a budget of 100 demotes past 150, at the sixth call.
+    // 12 input tokens a call (the mock's usage): a budget of 40 demotes past 60, once the
+    // sixth call counts.
     let keys = keys_toml(8, 200, "").replace(
         "lease_ttl_ms = 5000",
-        "lease_ttl_ms = 5000\ndaily_token_budget = 100",
+        "lease_ttl_ms = 5000\ndaily_token_budget = 40",
     );
     let gateway = Gateway::start(&mock.url(), &keys, None);
     for _ in 0..6 {

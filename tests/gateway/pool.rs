@@ -376,6 +376,59 @@ async fn an_overloaded_upstream_is_set_aside_and_the_other_serves_its_calls() {
     }
 }
 
+/// The rule: a call goes to another upstream only when it provably did not run at the
+/// first. A `500`, `502`, `503` or `504` may come after the call ran (both mocks answer it
+/// to a call asking for it): the client gets it as it is, and the call ran at one upstream
+/// only. (A `529`, refused before running, goes to the other: the overloaded test above.)
+/// On one gateway, or on Redis.
+async fn a_call_that_may_have_run_is_never_sent_again(redis: Option<&RedisServer>) {
+    let (first, second) = mocks();
+    let keys = pool_keys(&first, &second, ["", ""]);
+    let gateway = match redis {
+        Some(redis) => Gateway::start_pool_on(&redis.url(), &keys, &KEYS_ENV),
+        None => Gateway::start_pool(&keys, &KEYS_ENV, &[]),
+    };
+    let ran = || messages_at(&first).len() + messages_at(&second).len();
+    for (n, status) in ["500", "502", "503", "504"].into_iter().enumerate() {
+        let answer = client()
+            .post(format!("{}/v1/messages", gateway.url()))
+            .header("x-api-key", format!("sk-gw-t{}", 1 + n))
+            .header("content-type", "application/json")
+            .header("x-mock-reply", status)
+            .body(model_body("claude-x"))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(answer.status().as_str(), status, "as the upstream answered");
+        let body: Value = serde_json::from_slice(&answer.bytes().await.unwrap()).unwrap();
+        assert_eq!(body["error"]["type"], "api_error", "{body}");
+        assert_eq!(ran(), n + 1, "{status}: the call ran at one upstream only");
+    }
+    let metrics = gateway.metrics().await;
+    for upstream in ["first", "second"] {
+        assert_eq!(
+            upstream_metric(&metrics, "gateway_upstream_moved_away_total", upstream),
+            Some(0.0),
+            "{metrics}"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_that_may_have_run_is_never_sent_again_on_one_gateway() {
+    let _turn = crate::support::file_turn(module_path!());
+    let _serial = SERIAL.lock().await;
+    a_call_that_may_have_run_is_never_sent_again(None).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_that_may_have_run_is_never_sent_again_on_redis() {
+    let _turn = crate::support::file_turn(module_path!());
+    let _serial = SERIAL.lock().await;
+    let redis = RedisServer::start();
+    a_call_that_may_have_run_is_never_sent_again(Some(&redis)).await;
+}
+
 /// The live page as headless Chromium renders it (its script run), when Chromium is
 /// installed (`scripts/test` installs it; the `page` tests say when it is not).
 fn live_page(gateway: &Gateway) -> Option<String> {

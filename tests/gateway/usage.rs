@@ -251,6 +251,47 @@ async fn an_answer_without_a_readable_usage_is_billed_its_estimate() {
     assert_eq!(rows(&gateway, "").await[0]["estimated_calls"], 1);
 }
 
+/// The rule: only what ran is charged. A call the gateway refuses (`529` past its tier's
+/// wait) counts nothing toward its tenant's day: the next answer's budget header counts the
+/// call that ran (at its usage) and itself, not the refused one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_the_gateway_refuses_counts_nothing_toward_the_budget() {
+    let _turn = crate::support::file_turn(module_path!());
+    let mock = MockAnthropic::start();
+    // The guest tier: one slot, 200 ms of wait.
+    let gateway = start(&mock, None);
+    let url = gateway.url();
+    let estimate = (messages_body(false).len() as u64 * 2).div_ceil(7);
+    let holder = tokio::spawn(async move {
+        let held = [("x-mock-delay-ms", "1500")];
+        let answer = post_messages_at(&url, GUEST_KEY, &held, false)
+            .await
+            .unwrap();
+        assert_eq!(answer.status(), 200);
+        answer.bytes().await.unwrap();
+    });
+    assert!(
+        mock.wait_in_flight(1, Duration::from_secs(5)),
+        "the slot is held"
+    );
+    let refused = post_messages(&gateway, GUEST_KEY, false).await.unwrap();
+    assert_eq!(refused.status(), 529);
+    refused.bytes().await.unwrap();
+    holder.await.unwrap();
+    let answer = post_messages(&gateway, GUEST_KEY, false).await.unwrap();
+    assert_eq!(answer.status(), 200);
+    let left: u64 = answer.headers()["x-fairgate-budget-remaining"]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert_eq!(
+        left,
+        100_000 - MESSAGE.0 - estimate,
+        "the refused call counted"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_gateways_on_one_redis_each_answer_the_fleets_sum() {
     let _turn = crate::support::file_turn(module_path!());

@@ -474,12 +474,12 @@ async fn demotion_and_caps_are_per_end_user() {
     let _turn = crate::support::file_turn(module_path!());
     let _serial = SERIAL.lock().await;
     let mock = MockAnthropic::start();
-    // A budget of 1,000 tokens a day: demoted past 1,500. A call is charged its input and
-    // 5 x its `max_tokens` (64) when it goes, settled on the mock's usage (12 in, 7 out:
-    // 47) when it ends.
+    // A budget of 200 input tokens a day: demoted past 300. A call counts its estimated
+    // input (its body's bytes / 3.5) when it goes, settled on the mock's usage (12 input
+    // tokens) when it ends: the spender crosses after about 25 calls.
     let gateway = Gateway::start(
         &mock.url(),
-        &keys(4, Some(1), "daily_token_budget = 1000\ndemotion_ms = 60000"),
+        &keys(4, Some(1), "daily_token_budget = 200\ndemotion_ms = 60000"),
         None,
     );
     let post = |user: &'static str, padding: usize| {
@@ -509,15 +509,13 @@ async fn demotion_and_caps_are_per_end_user() {
         "critical",
         "the other user is not"
     );
-    // Its own budget: 1,000 tokens less this call's charge as it went (its body's bytes /
-    // 3.5, and 5 x 64).
+    // Its own budget: 200 tokens less this call's estimated input as it went (its body's
+    // bytes / 3.5).
     let left: u64 = header(&response, "x-fairgate-budget-remaining")
         .parse()
         .unwrap();
-    assert!(
-        (600..1000).contains(&left),
-        "thrifty has {left} tokens left"
-    );
+    let estimate = (body("thrifty", 5).len() as u64 * 2).div_ceil(7);
+    assert_eq!(left, 200 - estimate, "thrifty's own budget");
 
     // tenant_cap = 1 on `free`: four calls of one user and one of another, the mock slow.
     mock.set_delay(Duration::from_millis(300));

@@ -116,8 +116,8 @@ async fn an_upstream_that_refuses_is_set_aside_its_calls_go_to_the_other_and_it_
 }
 
 /// `529` (overloaded: not run) goes elsewhere, and `trip_after` of them in a row set the
-/// upstream aside; a `500` goes back to its caller (it may have run) and counts; a `429`
-/// goes back and does not count (it is the upstream's rate).
+/// upstream aside; a `500`, `502`, `503` or `504` goes back to its caller (it may have
+/// run) and counts; a `429` goes back and does not count (it is the upstream's rate).
 #[tokio::test(start_paused = true)]
 async fn overloaded_goes_elsewhere_a_server_error_and_a_429_go_back() {
     let (a, b) = (Mock::new(), Mock::new());
@@ -142,10 +142,16 @@ async fn overloaded_goes_elsewhere_a_server_error_and_a_429_go_back() {
         .upstream(Upstream::new("b", b.service()).priority(1))
         .build()
         .unwrap();
-    a.status.store(500, Ordering::SeqCst);
-    let response = pool.clone().oneshot(call("t")).await.unwrap();
-    assert_eq!(response.status(), 500, "a 500 may have run: not sent again");
-    assert_eq!(b.ran(), 0);
+    for status in [500, 502, 503, 504] {
+        a.status.store(status, Ordering::SeqCst);
+        let response = pool.clone().oneshot(call("t")).await.unwrap();
+        assert_eq!(response.status(), status, "it may have run: not sent again");
+        assert_eq!(b.ran(), 0, "{status}");
+        // Not three in a row of one upstream: the next call still goes to `a`.
+        a.status.store(200, Ordering::SeqCst);
+        let response = pool.clone().oneshot(call("t")).await.unwrap();
+        assert_eq!(response.status(), 200);
+    }
     a.status.store(429, Ordering::SeqCst);
     for _ in 0..10 {
         let response = pool.clone().oneshot(call("t")).await.unwrap();

@@ -3,7 +3,8 @@
 //!
 //! What it answers, for `POST /v1/messages` (the first that applies):
 //! 1. a reply pushed with [`MockAnthropic::push_reply`] (scripted, first in first out);
-//! 2. the request's `x-mock-reply` header: `message`, `stream`, `429`, `529`;
+//! 2. the request's `x-mock-reply` header: `message`, `stream`, `429`, `529`, or a server
+//!    error after the call ran (`500`, `502`, `503`, `504`);
 //! 3. `"stream": true` in the body: an SSE stream ([`stream_body`]), else a message
 //!    ([`MESSAGE_JSON`]).
 //!
@@ -121,6 +122,8 @@ pub enum Reply {
     Overloaded,
     /// `400` `invalid_request_error` (an answer no one retries).
     Invalid,
+    /// This server error (`500`, `502`, `503`, `504`) with `api_error`, after the call ran.
+    ServerError(u16),
     /// `200` with a message that says no `usage`.
     NoUsage,
 }
@@ -633,6 +636,9 @@ async fn handle(State(inner): State<Arc<Inner>>, req: Request) -> Response {
                     retry_after_secs: 1,
                 },
                 Some("529") => Reply::Overloaded,
+                Some(code @ ("500" | "502" | "503" | "504")) => {
+                    Reply::ServerError(code.parse().unwrap())
+                }
                 Some("message") => Reply::Message,
                 _ if wants_stream(&body) => Reply::Stream,
                 _ => Reply::Message,
@@ -663,6 +669,12 @@ async fn handle(State(inner): State<Arc<Inner>>, req: Request) -> Response {
                     StatusCode::BAD_REQUEST,
                     "application/json",
                     Body::from(error_json("invalid_request_error", "Invalid request", n)),
+                    None,
+                ),
+                Reply::ServerError(status) => (
+                    StatusCode::from_u16(status).unwrap(),
+                    "application/json",
+                    Body::from(error_json("api_error", "Internal server error", n)),
                     None,
                 ),
                 Reply::NoUsage => {
