@@ -156,22 +156,35 @@ impl fmt::Debug for Route {
     }
 }
 
+/// What the fair queue asks a rate gate about one call.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct RateAsk<'a> {
+    pub(crate) tenant: &'a TenantId,
+    /// The upstream key the call goes to.
+    pub(crate) key: &'a Arc<str>,
+    /// Its estimated input tokens.
+    pub(crate) cost: u32,
+    /// The request rate's cell is not the gate's: the call takes it with its slot, in the
+    /// fleet's order (see [`fleet_cells`](RateLimit::fleet_cells)).
+    pub(crate) fleet_cells: bool,
+    /// Since when the call has waited in the fair queue (its arrival there).
+    pub(crate) waiting_since: Instant,
+}
+
+impl<'a> RateAsk<'a> {
+    /// The same ask, of another key.
+    pub(crate) fn to(self, key: &'a Arc<str>) -> RateAsk<'a> {
+        RateAsk { key, ..self }
+    }
+}
+
 /// The rate of upstream keys, as the fair queue consults it. Implemented by the rate of a
 /// retry layer's keys (`crate::rate`: the learned limits, pacing, cooldown gate and probe).
 pub(crate) trait RateLimit: Send + Sync + 'static {
     /// The key of a request that names none.
     fn default_key(&self) -> Arc<str>;
-    /// Whether a call of `tenant` of `cost` input tokens to `key` may go now; takes its
-    /// cells if so.
-    /// With `fleet_cells`, the request rate's cell is not the gate's: the call takes it
-    /// with its slot, in the fleet's order (see [`fleet_cells`](RateLimit::fleet_cells)).
-    fn check(
-        self: Arc<Self>,
-        tenant: &TenantId,
-        key: &Arc<str>,
-        cost: u32,
-        fleet_cells: bool,
-    ) -> Verdict;
+    /// Whether the call `ask` describes may go now; takes its cells if so.
+    fn check(self: Arc<Self>, ask: &RateAsk<'_>) -> Verdict;
     /// The request rate of `key` as cells the fleet's order can hand out with the slots:
     /// a configured shared [`Pacing`](crate::rate::Pacing)'s request limit
     /// or the learned one (the slower of the two), for the gate's own upstream key (`None`

@@ -8,7 +8,7 @@ use std::time::Duration;
 use tokio::time::Instant;
 use tower::{Layer, ServiceExt, service_fn};
 
-use crate::gate::{RateGate, RateLimit, Receipt, Verdict, WaitReason};
+use crate::gate::{RateAsk, RateGate, RateLimit, Receipt, Verdict, WaitReason};
 use crate::store::DIMS;
 use crate::{DrrFairnessLayer, Job, Origin, Priority, Store};
 
@@ -31,13 +31,8 @@ impl RateLimit for Scripted {
         Arc::from("k")
     }
 
-    fn check(
-        self: Arc<Self>,
-        _tenant: &crate::TenantId,
-        key: &Arc<str>,
-        _cost: u32,
-        _fleet_cells: bool,
-    ) -> Verdict {
+    fn check(self: Arc<Self>, ask: &RateAsk<'_>) -> Verdict {
+        let key = ask.key;
         if let Some(at) = *self.closed_until.lock().unwrap()
             && Instant::now() < at
         {

@@ -1,9 +1,8 @@
 //! Which upstream of a pool a call goes to, without IO: among those that take calls now,
 //! serve the call's model and have room, one set aside whose probe is due (so an upstream
-//! that is back returns to the pool within a probe interval, whoever calls); else the one
-//! that holds the tenant's prompt cache (the one it went to last) while it has room; else,
-//! in the first priority that has one with room, the one with the most room for its
-//! weight.
+//! that is back returns to the pool within a probe interval, whoever calls); else, in the
+//! first priority that has one with room, the one that holds the tenant's prompt cache
+//! (the one it went to last), else the one with the most room for its weight.
 
 /// An upstream as the choice sees it now.
 #[derive(Clone, Copy, Debug)]
@@ -41,7 +40,7 @@ pub(crate) fn choose(candidates: &[Candidate], affinity: Option<usize>) -> Optio
 }
 
 /// The upstreams with room, the one a call should go to first: one whose probe is due,
-/// then the tenant's own, then by priority and, within one, from the least loaded for its
+/// then by priority and, within one, the tenant's own, then from the least loaded for its
 /// weight (the first added first among equals). A rate gate over the pool goes down it to
 /// the first whose rate lets the call go now.
 pub(crate) fn preference(candidates: &[Candidate], affinity: Option<usize>) -> Vec<usize> {
@@ -56,9 +55,10 @@ pub(crate) fn preference(candidates: &[Candidate], affinity: Option<usize>) -> V
             (true, true) => std::cmp::Ordering::Equal,
             (true, false) => std::cmp::Ordering::Less,
             (false, true) => std::cmp::Ordering::Greater,
-            (false, false) => (affinity == Some(b))
-                .cmp(&(affinity == Some(a)))
-                .then_with(|| ca.priority.cmp(&cb.priority))
+            (false, false) => ca
+                .priority
+                .cmp(&cb.priority)
+                .then_with(|| (affinity == Some(b)).cmp(&(affinity == Some(a))))
                 .then_with(|| ca.load().total_cmp(&cb.load())),
         }
     });
@@ -106,6 +106,20 @@ mod tests {
     }
 
     #[test]
+    fn the_tenants_upstream_of_a_later_priority_does_not_pass_the_primary() {
+        let second = Candidate {
+            priority: 1,
+            ..open(0)
+        };
+        assert_eq!(choose(&[open(3), second], Some(1)), Some(0));
+        assert_eq!(
+            choose(&[open(4), second], Some(1)),
+            Some(1),
+            "the primary is full"
+        );
+    }
+
+    #[test]
     fn a_due_probe_goes_before_the_tenants_upstream() {
         let due = Candidate {
             probe_due: true,
@@ -126,8 +140,8 @@ mod tests {
     }
 
     proptest! {
-        /// The preference holds every upstream with room once and nothing else, and past
-        /// the tenant's own it goes by priority, then by load.
+        /// The preference holds every upstream with room once and nothing else, by
+        /// priority, and within one the tenant's own first, then by load.
         #[test]
         fn the_preference_is_every_upstream_with_room_from_the_choice_on(
             pool in proptest::collection::vec(
@@ -148,10 +162,15 @@ mod tests {
             sorted.sort_unstable();
             with_room.sort_unstable();
             prop_assert_eq!(sorted, with_room);
-            let rest: Vec<usize> = order.iter().copied().filter(|&i| Some(i) != affinity).collect();
-            for pair in rest.windows(2) {
+            for pair in order.windows(2) {
                 let (a, b) = (&pool[pair[0]], &pool[pair[1]]);
-                prop_assert!(a.priority < b.priority || a.priority == b.priority && a.load() <= b.load());
+                prop_assert!(a.priority <= b.priority, "by priority first");
+                if a.priority == b.priority {
+                    prop_assert!(Some(pair[1]) != affinity, "the tenant's own first in its priority");
+                    if Some(pair[0]) != affinity {
+                        prop_assert!(a.load() <= b.load());
+                    }
+                }
             }
         }
 

@@ -85,8 +85,12 @@ impl Dispatch {
     /// The call goes elsewhere: it counted as moved away from here. Under a fair queue's
     /// gate, the upstream's rate closes for a probe interval, for the fleet, as a single
     /// upstream's does after a `529`: the calls go to the others, then one probe.
-    pub(super) fn moved_away(&self) {
-        self.state.moved_away.fetch_add(1, Ordering::Relaxed);
+    pub(super) fn moved_away(&self, overloaded: bool) {
+        let counts = &self.state.counts;
+        counts.moved_away.fetch_add(1, Ordering::Relaxed);
+        if overloaded {
+            counts.overloaded.fetch_add(1, Ordering::Relaxed);
+        }
         let probe_every = lock(&self.state.breaker).probe_every();
         self.state.room.set_aside(self.member, probe_every);
     }
@@ -169,20 +173,28 @@ fn copy<B: Clone>(request: &http::Request<B>) -> http::Request<B> {
     copy
 }
 
-/// Tells the call's upstream's breaker what its answer said; whether the upstream provably
-/// did not run the call (refused, or overloaded: `529`, which the API answers before it
-/// runs a call, and to which Bedrock's `ServiceUnavailableException` and
-/// `ModelNotReadyException` are mapped). A `500`, `502`, `503` or `504` may come after the
-/// call ran: it fails the upstream, and goes back to the caller as it is.
-fn tell<R>(at: &mut Dispatch, answer: &Result<http::Response<R>, BoxError>) -> bool {
+/// Why an upstream provably did not run a call.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum NotRun {
+    /// Its connection was refused.
+    Refused,
+    /// It answered `529`, which the API answers before it runs a call (Bedrock's
+    /// `ServiceUnavailableException` and `ModelNotReadyException` are mapped to it).
+    Overloaded,
+}
+
+/// Tells the call's upstream's breaker what its answer said; why the upstream provably did
+/// not run the call, if it did not. A `500`, `502`, `503` or `504` may come after the call
+/// ran: it fails the upstream, and goes back to the caller as it is.
+fn tell<R>(at: &mut Dispatch, answer: &Result<http::Response<R>, BoxError>) -> Option<NotRun> {
     let (outcome, not_run) = match answer {
         Ok(response) => match response.status().as_u16() {
-            529 => (Outcome::Failing, true),
-            500 | 502..=504 => (Outcome::Failing, false),
-            _ => (Outcome::Answered, false),
+            529 => (Outcome::Failing, Some(NotRun::Overloaded)),
+            500 | 502..=504 => (Outcome::Failing, None),
+            _ => (Outcome::Answered, None),
         },
-        Err(error) if refused(error) => (Outcome::Unreachable, true),
-        Err(_) => (Outcome::Failing, false),
+        Err(error) if refused(error) => (Outcome::Unreachable, Some(NotRun::Refused)),
+        Err(_) => (Outcome::Failing, None),
     };
     at.answered(outcome);
     not_run
@@ -264,16 +276,17 @@ where
             let not_run = tell(&mut at, &answer);
             // Elsewhere only with another upstream's place already taken: otherwise the
             // caller gets this answer as it is (a 529 and its retry-after, say).
-            if not_run
+            if let Some(why) = not_run
                 && let Ok(next) =
                     this.shared
                         .pick(*this.tried, this.tenant.as_ref(), this.model.as_deref())
             {
-                at.moved_away();
+                at.moved_away(why == NotRun::Overloaded);
                 *this.next = Some(next);
                 continue;
             }
             *this.spare = None;
+            at.state.counts.served.fetch_add(1, Ordering::Relaxed);
             return Poll::Ready(match answer {
                 Ok(response) => {
                     let in_flight = at.in_flight.take().expect("held until answered");

@@ -11,6 +11,7 @@
 //! call held by one upstream's rate goes at the next free cell of any.
 
 use std::fmt;
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -19,8 +20,7 @@ use tokio::time::Instant;
 use super::Members;
 use super::choose::preference;
 use super::future::Dispatch;
-use crate::TenantId;
-use crate::gate::{RateGate, RateLimit, Receipt, Route, Verdict, WaitReason};
+use crate::gate::{RateAsk, RateGate, RateLimit, Receipt, Route, Verdict, WaitReason};
 use crate::hash::HashMap;
 use crate::store::{DIMS, FleetCells};
 use crate::sync::lock;
@@ -128,45 +128,50 @@ impl RateLimit for PoolRate {
         self.rates.default_key()
     }
 
-    fn check(
-        self: Arc<Self>,
-        tenant: &TenantId,
-        key: &Arc<str>,
-        cost: u32,
-        _fleet_cells: bool,
-    ) -> Verdict {
+    fn check(self: Arc<Self>, ask: &RateAsk<'_>) -> Verdict {
         let now = Instant::now();
         let pool = &self.pool;
         let candidates = pool.candidates(now, 0, None);
-        let affinity = lock(&pool.affinity).get(tenant).copied();
-        let keys = self.keys_of(key);
+        let affinity = lock(&pool.affinity).get(ask.tenant).copied();
+        let keys = self.keys_of(ask.key);
+        let order = preference(&candidates, affinity);
+        // Priority is a preference: until the call has waited `spill_after` in the fair
+        // queue, only the first priority with room may take it (a due probe aside).
+        let first = (order.iter())
+            .find(|&&m| !candidates[m].probe_due)
+            .map(|&m| candidates[m].priority);
+        let spill_at = ask.waiting_since + pool.spill_after;
+        // The pool's first priority: a call that goes to a later one spilled (counted).
+        let top = candidates.iter().map(|c| c.priority).min();
         let mut held: Option<Verdict> = None;
-        for member in preference(&candidates, affinity) {
+        for member in order {
+            let candidate = &candidates[member];
+            let waits_for_first = !candidate.probe_due && Some(candidate.priority) != first;
+            if waits_for_first && now < spill_at {
+                held = sooner(held, Verdict::Until(spill_at, WaitReason::Rate));
+                break;
+            }
             let member_key = &keys[member];
-            match self.rates.clone().check(tenant, member_key, cost, false) {
+            match self.rates.clone().check(&ask.to(member_key)) {
                 Verdict::Go(taken) => {
                     // Its place, taken now: the fair queue may dispatch more in this pass
                     // than the upstream has room for. Lost meanwhile, the cells go back.
                     let Some(place) = pool.take(member, now) else {
                         continue;
                     };
-                    pool.remember(tenant, member);
+                    if !candidate.probe_due && Some(candidate.priority) != top {
+                        pool.members[member]
+                            .counts
+                            .spilled
+                            .fetch_add(1, Ordering::Relaxed);
+                    }
+                    pool.remember(ask.tenant, member);
                     let mut receipt = taken.unwrap_or_else(|| Receipt::nothing(member_key, now));
                     let route = Route::new(pool.id, Box::new(place), keys.clone(), member);
                     receipt.route = Some(Arc::new(route));
                     return Verdict::Go(Some(receipt));
                 }
-                Verdict::Until(at, reason) => {
-                    held = Some(match held {
-                        Some(Verdict::Until(known, r)) if known <= at => Verdict::Until(known, r),
-                        _ => Verdict::Until(at, reason),
-                    });
-                }
-                Verdict::Notified(reason) => {
-                    if held.is_none() {
-                        held = Some(Verdict::Notified(reason));
-                    }
-                }
+                verdict => held = sooner(held, verdict),
             }
         }
         // An upstream set aside may take a call at its probe, whatever holds the others;
@@ -203,6 +208,21 @@ impl RateLimit for PoolRate {
     fn changed(&self) -> Arc<tokio::sync::Notify> {
         self.rates.changed()
     }
+}
+
+/// The sooner of two holds: the earlier time, else a time over a notification, else the
+/// first held.
+fn sooner(held: Option<Verdict>, verdict: Verdict) -> Option<Verdict> {
+    Some(match (held, verdict) {
+        (None, verdict) => verdict,
+        (Some(Verdict::Until(known, r)), Verdict::Until(at, _)) if known <= at => {
+            Verdict::Until(known, r)
+        }
+        (Some(Verdict::Until(..) | Verdict::Notified(_)), Verdict::Until(at, reason)) => {
+            Verdict::Until(at, reason)
+        }
+        (Some(held), _) => held,
+    })
 }
 
 impl Receipt {
@@ -247,7 +267,8 @@ mod tests {
             Arc::from("k")
         }
 
-        fn check(self: Arc<Self>, _: &TenantId, key: &Arc<str>, _: u32, _: bool) -> Verdict {
+        fn check(self: Arc<Self>, ask: &RateAsk<'_>) -> Verdict {
+            let key = ask.key;
             lock(&self.asked).push(key.clone());
             match lock(&self.held).get(key) {
                 Some(Verdict::Until(at, reason)) => Verdict::Until(*at, *reason),
@@ -267,11 +288,18 @@ mod tests {
         }
     }
 
-    /// A pool of `caps` (one upstream each, named `u0`, `u1`, ...) and the gate over it.
+    /// A pool of `caps` (one upstream each, named `u0`, `u1`, ..., all of priority 0) and
+    /// the gate over it.
     fn gate(caps: &[usize]) -> (Pool<()>, Arc<Scripted>, Arc<dyn RateLimit>) {
+        prioritised(&caps.iter().map(|cap| (*cap, 0)).collect::<Vec<_>>())
+    }
+
+    /// A pool of `(cap, priority)` upstreams and the gate over it.
+    fn prioritised(upstreams: &[(usize, u32)]) -> (Pool<()>, Arc<Scripted>, Arc<dyn RateLimit>) {
         let mut builder = Pool::builder();
-        for (i, cap) in caps.iter().enumerate() {
-            builder = builder.upstream(Upstream::new(format!("u{i}"), ()).max_in_flight(*cap));
+        for (i, (cap, priority)) in upstreams.iter().enumerate() {
+            let upstream = Upstream::new(format!("u{i}"), ()).max_in_flight(*cap);
+            builder = builder.upstream(upstream.priority(*priority));
         }
         let pool = builder.build().unwrap();
         let rates = Arc::new(Scripted::default());
@@ -281,8 +309,19 @@ mod tests {
     }
 
     fn check(gate: &Arc<dyn RateLimit>) -> Verdict {
-        gate.clone()
-            .check(&TenantId::from("t"), &Arc::from("k"), 1, false)
+        waited(gate, Duration::ZERO)
+    }
+
+    /// The gate's word on a call that has waited `wait` in the fair queue.
+    fn waited(gate: &Arc<dyn RateLimit>, wait: Duration) -> Verdict {
+        let (tenant, key) = (crate::TenantId::from("t"), Arc::from("k"));
+        gate.clone().check(&RateAsk {
+            tenant: &tenant,
+            key: &key,
+            cost: 1,
+            fleet_cells: false,
+            waiting_since: Instant::now() - wait,
+        })
     }
 
     /// The upstream a `Go` routed to, its place kept in `places`.
@@ -314,6 +353,51 @@ mod tests {
         // A place dropped unused goes back.
         places.clear();
         assert!(pool.upstreams().iter().all(|u| u.in_flight == 0));
+    }
+
+    #[test]
+    fn a_later_priority_takes_a_call_the_first_holds_only_past_spill_after() {
+        let (pool, rates, gate) = prioritised(&[(4, 0), (4, 1)]);
+        let later = Instant::now() + Duration::from_secs(5);
+        rates.hold("k@u0", Verdict::Until(later, WaitReason::Rate));
+        // Held by the primary's rate: the call waits for it, up to `spill_after` (1 s).
+        let Verdict::Until(at, WaitReason::Rate) = check(&gate) else {
+            panic!("held for the primary");
+        };
+        let spill = at.saturating_duration_since(Instant::now());
+        assert!(spill <= Duration::from_secs(1) && spill > Duration::from_millis(900));
+        assert!(
+            !lock(&rates.asked).iter().any(|k| &**k == "k@u1"),
+            "never asked"
+        );
+        let Verdict::Until(at, _) = waited(&gate, Duration::from_millis(600)) else {
+            panic!("still held");
+        };
+        assert!(at.saturating_duration_since(Instant::now()) <= Duration::from_millis(400));
+        // Waited past it: the second takes it, counted as spilled to it.
+        let mut places = Vec::new();
+        assert_eq!(
+            &*went(waited(&gate, Duration::from_secs(1)), &mut places),
+            "k@u1"
+        );
+        assert_eq!(pool.upstreams()[1].spilled, 1);
+        // The primary's rate opens sooner than the spill: that is the wait.
+        let soon = Instant::now() + Duration::from_millis(100);
+        rates.hold("k@u0", Verdict::Until(soon, WaitReason::Rate));
+        let Verdict::Until(at, _) = check(&gate) else {
+            panic!("held for the primary");
+        };
+        assert_eq!(at, soon);
+    }
+
+    #[test]
+    fn a_full_or_set_aside_primary_spills_at_once() {
+        let (pool, _rates, gate) = prioritised(&[(1, 0), (4, 1)]);
+        let mut places = Vec::new();
+        assert_eq!(&*went(check(&gate), &mut places), "k@u0");
+        // Full: the next goes to the second at once.
+        assert_eq!(&*went(check(&gate), &mut places), "k@u1");
+        assert_eq!(pool.upstreams()[1].spilled, 1);
     }
 
     #[test]

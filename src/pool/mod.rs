@@ -10,7 +10,9 @@
 //!   room (below their `max_in_flight`), one set aside whose probe is due; else the one its
 //!   tenant's last call went to while that one has room (its prompt cache is there); else,
 //!   in the first `priority` with room, the one with the fewest calls in flight for its
-//!   `weight`.
+//!   `weight`. Priority is a preference: under a fair queue's gate, a call held by the
+//!   first priority's rate waits for it up to `spill_after` (default 1 s) before a later
+//!   priority takes it; the tenant's own upstream is preferred within its priority only.
 //! - **Setting aside** (a breaker per upstream): an upstream that cannot be reached
 //!   (connection refused, no answer's head within `first_byte_timeout`) is set aside at
 //!   once; one that answers `529`, `500`, `502`, `503` or `504` `trip_after` times in a row (default 3)
@@ -154,6 +156,7 @@ pub struct PoolBuilder<S> {
     trip_after: u32,
     probe_every: Duration,
     first_byte_timeout: Option<Duration>,
+    spill_after: Duration,
 }
 
 impl<S> PoolBuilder<S> {
@@ -173,6 +176,15 @@ impl<S> PoolBuilder<S> {
     /// How long an upstream set aside waits for its probe (default 1 s).
     pub fn probe_every(mut self, every: Duration) -> Self {
         self.probe_every = every;
+        self
+    }
+
+    /// Under a fair queue's gate, how long a call waits in the fair queue for the first
+    /// priority with room before a later priority may take it (default 1 s). An upstream
+    /// set aside, full or not serving the call's model has no room: the call goes past it
+    /// at once; one whose rate holds the call keeps it this long.
+    pub fn spill_after(mut self, wait: Duration) -> Self {
+        self.spill_after = wait;
         self
     }
 
@@ -210,6 +222,9 @@ impl<S> PoolBuilder<S> {
                 "trip_after and probe_every must be more than zero",
             ));
         }
+        if self.spill_after > Duration::from_secs(3_600) {
+            return Err(ConfigError::new("spill_after must be at most an hour"));
+        }
         let room = Arc::new(Room::default());
         let (services, members): (Vec<S>, Vec<_>) = self
             .upstreams
@@ -223,7 +238,7 @@ impl<S> PoolBuilder<S> {
                     max_in_flight: upstream.max_in_flight,
                     breaker: Mutex::new(Breaker::new(self.trip_after, self.probe_every)),
                     in_flight: AtomicUsize::new(0),
-                    moved_away: AtomicU64::new(0),
+                    counts: Counts::default(),
                     room: room.clone(),
                 };
                 (upstream.service, Arc::new(member))
@@ -236,6 +251,7 @@ impl<S> PoolBuilder<S> {
                 members,
                 affinity: Mutex::new(HashMap::default()),
                 first_byte_timeout: self.first_byte_timeout,
+                spill_after: self.spill_after,
                 room,
             }),
         })
@@ -279,8 +295,15 @@ pub struct UpstreamState {
     pub in_flight: usize,
     /// Set aside by its breaker (a probe may be out).
     pub set_aside: bool,
-    /// Calls sent elsewhere after it refused or was overloaded.
+    /// Calls it answered (whatever the answer: it ran them, or may have).
+    pub served: u64,
+    /// Calls sent elsewhere after it refused or was overloaded ...
     pub moved_away: u64,
+    /// ... of which after a `529` (the rest: its connection refused).
+    pub moved_away_overloaded: u64,
+    /// Calls it took past an earlier priority (the earlier ones full, set aside, or holding
+    /// the call longer than [`spill_after`](PoolBuilder::spill_after)).
+    pub spilled: u64,
     /// Under a fair queue's gate ([`Pool::gate`]): the limits learned from its answers,
     /// per minute (0: not learned, or no gate).
     pub limits: RateLimits,
@@ -310,7 +333,14 @@ impl<S> Pool<S> {
             trip_after: 3,
             probe_every: Duration::from_secs(1),
             first_byte_timeout: None,
+            spill_after: Duration::from_secs(1),
         }
+    }
+
+    /// How long a call waits for the first priority with room (see
+    /// [`PoolBuilder::spill_after`]).
+    pub fn spill_after(&self) -> Duration {
+        self.shared.spill_after
     }
 
     /// The pool as a fair queue's rate gate sees it: each upstream's room and rate, for
@@ -335,7 +365,10 @@ impl<S> Pool<S> {
                     name: m.name.clone(),
                     in_flight: m.in_flight(),
                     set_aside: lock(&m.breaker).is_open(),
-                    moved_away: m.moved_away.load(Ordering::Relaxed),
+                    served: m.counts.served.load(Ordering::Relaxed),
+                    moved_away: m.counts.moved_away.load(Ordering::Relaxed),
+                    moved_away_overloaded: m.counts.overloaded.load(Ordering::Relaxed),
+                    spilled: m.counts.spilled.load(Ordering::Relaxed),
                     limits: RateLimits {
                         requests: limits[0],
                         input_tokens: limits[1],
@@ -356,6 +389,8 @@ struct Members {
     /// The upstream each tenant's last call went to: its prompt cache is there.
     affinity: Mutex<HashMap<TenantId, usize>>,
     first_byte_timeout: Option<Duration>,
+    /// How long a call waits for the first priority with room (see `PoolBuilder`).
+    spill_after: Duration,
     room: Arc<Room>,
 }
 
@@ -374,8 +409,17 @@ struct MemberState {
     max_in_flight: Option<usize>,
     breaker: Mutex<Breaker>,
     in_flight: AtomicUsize,
-    moved_away: AtomicU64,
+    counts: Counts,
     room: Arc<Room>,
+}
+
+/// What an upstream did with the calls sent to it (see [`UpstreamState`]).
+#[derive(Default)]
+struct Counts {
+    served: AtomicU64,
+    moved_away: AtomicU64,
+    overloaded: AtomicU64,
+    spilled: AtomicU64,
 }
 
 impl MemberState {

@@ -16,7 +16,7 @@ use tokio::time::Instant;
 use super::core::{Learned, Rates, taken};
 use super::key_gate::{KeyGate, Ready};
 use super::pacing::Pacing;
-use crate::gate::{RateLimit, Receipt, Verdict, WaitReason};
+use crate::gate::{RateAsk, RateLimit, Receipt, Verdict, WaitReason};
 use crate::store::{DIMS, FleetCells, PaceGrant};
 
 impl Rates {
@@ -332,13 +332,13 @@ impl RateLimit for Rates {
         }
     }
 
-    fn check(
-        self: Arc<Self>,
-        _tenant: &crate::TenantId,
-        key: &Arc<str>,
-        cost: u32,
-        fleet_cells: bool,
-    ) -> Verdict {
+    fn check(self: Arc<Self>, ask: &RateAsk<'_>) -> Verdict {
+        let RateAsk {
+            key,
+            cost,
+            fleet_cells,
+            ..
+        } = *ask;
         if self.nothing_to_take(key) {
             return Verdict::Go(None);
         }
@@ -461,6 +461,24 @@ mod tests {
         let _ = store.pace_learned(KEY, &ask).into_ready();
     }
 
+    /// The gate's word on a call of 10 input tokens to `key`.
+    fn check(gate: &Arc<dyn RateLimit>, key: &Arc<str>) -> Verdict {
+        ask(gate, key, 10, false)
+    }
+
+    /// The gate's word on a call of `cost` input tokens to `key`, its request cell the
+    /// fleet's (`fleet_cells`) or not.
+    fn ask(gate: &Arc<dyn RateLimit>, key: &Arc<str>, cost: u32, fleet_cells: bool) -> Verdict {
+        let tenant = t();
+        gate.clone().check(&RateAsk {
+            tenant: &tenant,
+            key,
+            cost,
+            fleet_cells,
+            waiting_since: Instant::now(),
+        })
+    }
+
     fn go(verdict: Verdict) -> Box<Receipt> {
         match verdict {
             Verdict::Go(Some(receipt)) => receipt,
@@ -475,23 +493,23 @@ mod tests {
         let store = Store::memory();
         learn(&store, 60);
         let (gate, key) = gate(&store);
-        let mut first = go(gate.clone().check(&t(), &key, 10, false));
+        let mut first = go(check(&gate, &key));
         first.mark_used();
         assert!(!first.probe);
         assert_eq!(first.charged[0], 1, "a request cell taken");
         // The next call's cells are reserved for whoever goes next, not for an asker.
-        let Verdict::Until(at, WaitReason::Rate) = gate.clone().check(&t(), &key, 10, false) else {
+        let Verdict::Until(at, WaitReason::Rate) = check(&gate, &key) else {
             panic!("the second call of a 60 RPM key goes at once");
         };
         let interval = at.saturating_duration_since(Instant::now());
         assert!(interval > Duration::from_millis(1_000) && interval < Duration::from_millis(1_100));
         // Asking again changes nothing: one reservation ahead, not one per asker.
-        let Verdict::Until(again, _) = gate.clone().check(&t(), &key, 10, false) else {
+        let Verdict::Until(again, _) = check(&gate, &key) else {
             panic!("held");
         };
         assert_eq!(again, at);
         tokio::time::sleep_until(at).await;
-        go(gate.clone().check(&t(), &key, 10, false)).mark_used();
+        go(check(&gate, &key)).mark_used();
     }
 
     #[tokio::test(start_paused = true)]
@@ -500,8 +518,8 @@ mod tests {
         learn(&store, 60);
         let (gate, key) = gate(&store);
         // Taken for a call that then left (its caller went away before it went upstream).
-        drop(go(gate.clone().check(&t(), &key, 10, false)));
-        let mut next = go(gate.clone().check(&t(), &key, 10, false));
+        drop(go(check(&gate, &key)));
+        let mut next = go(check(&gate, &key));
         assert_eq!(next.charged[0], 1);
         next.mark_used();
     }
@@ -511,28 +529,26 @@ mod tests {
         let store = Store::memory();
         learn(&store, 60);
         let (gate, key) = gate(&store);
-        go(gate.clone().check(&t(), &key, 10, false)).mark_used();
-        let Verdict::Until(due, WaitReason::Rate) = gate.clone().check(&t(), &key, 10, false)
-        else {
+        go(check(&gate, &key)).mark_used();
+        let Verdict::Until(due, WaitReason::Rate) = check(&gate, &key) else {
             panic!("the second call of a 60 RPM key waits");
         };
         // Its caller is held elsewhere (a full tier) and comes 3 s after its cells were due:
         // its call reaches the provider then, so the one after it waits a whole interval
         // from then, not from the cells' old time.
         tokio::time::sleep_until(due + Duration::from_secs(3)).await;
-        let mut late = go(gate.clone().check(&t(), &key, 10, false));
+        let mut late = go(check(&gate, &key));
         late.mark_used();
         let sent = Instant::now();
-        let Verdict::Until(next, WaitReason::Rate) = gate.clone().check(&t(), &key, 10, false)
-        else {
+        let Verdict::Until(next, WaitReason::Rate) = check(&gate, &key) else {
             panic!("the call after a late one goes at once");
         };
         let interval = next.saturating_duration_since(sent);
         assert!(interval > Duration::from_millis(1_000), "{interval:?}");
         // A timer's lateness is not a caller's wait: cells taken just after their time keep it.
         tokio::time::sleep_until(next + Duration::from_millis(5)).await;
-        go(gate.clone().check(&t(), &key, 10, false)).mark_used();
-        let Verdict::Until(after, _) = gate.clone().check(&t(), &key, 10, false) else {
+        go(check(&gate, &key)).mark_used();
+        let Verdict::Until(after, _) = check(&gate, &key) else {
             panic!("held");
         };
         assert!(after.saturating_duration_since(next) > Duration::from_millis(1_000));
@@ -543,16 +559,16 @@ mod tests {
     async fn slow_start_holds_the_rest_while_the_first_call_is_out_for_at_most_its_bound() {
         let store = Store::memory();
         let (gate, key) = gate(&store);
-        let mut probe = go(gate.clone().check(&t(), &key, 10, false));
+        let mut probe = go(check(&gate, &key));
         assert!(probe.probe, "the first call to a cold key is its probe");
         probe.mark_used();
         assert!(matches!(
-            gate.clone().check(&t(), &key, 10, false),
+            check(&gate, &key),
             Verdict::Notified(WaitReason::Rate)
         ));
         // The first answer is slow: past `slow_start_max` the rest go (nothing to take).
         tokio::time::advance(Duration::from_millis(500)).await;
-        let mut after = go(gate.clone().check(&t(), &key, 10, false));
+        let mut after = go(check(&gate, &key));
         assert!(!after.probe);
         assert_eq!(after.charged, [0; DIMS]);
         after.mark_used();
@@ -564,13 +580,13 @@ mod tests {
         let store = Store::memory();
         let (gate, key) = gate(&store);
         let started = Instant::now();
-        let probe = go(gate.clone().check(&t(), &key, 10, false));
+        let probe = go(check(&gate, &key));
         assert!(probe.probe);
         drop(probe);
         // Not held for its answer (none comes): the store's lease of the lost probe holds
         // the rest until slow start's bound (500 ms), before the lease (1 s) runs out.
         let next = loop {
-            match gate.clone().check(&t(), &key, 10, false) {
+            match check(&gate, &key) {
                 Verdict::Go(receipt) => break receipt,
                 Verdict::Until(at, WaitReason::Rate) => tokio::time::sleep_until(at).await,
                 Verdict::Until(_, reason) | Verdict::Notified(reason) => {
@@ -594,8 +610,7 @@ mod tests {
         let _ = store
             .extend_cooldown(KEY, Duration::from_secs(2))
             .into_ready();
-        let Verdict::Until(at, WaitReason::Cooldown) = gate.clone().check(&t(), &key, 10, false)
-        else {
+        let Verdict::Until(at, WaitReason::Cooldown) = check(&gate, &key) else {
             panic!("a closed gate holds the call");
         };
         let wait = at.saturating_duration_since(Instant::now());
@@ -613,7 +628,7 @@ mod tests {
             Some(FleetCells::FROM_THE_FLEET),
             "nothing learned here yet: the cells another worker names"
         );
-        go(fast.clone().check(&t(), &key, 10, false)).mark_used();
+        go(ask(&fast, &key, 10, false)).mark_used();
         // 95% of 3,000 a minute: a cell every 21,052 us, five to a cell of 105 ms.
         assert_eq!(
             fast.fleet_cells(&key),
@@ -628,16 +643,16 @@ mod tests {
         let store = Store::memory();
         learn(&store, 60);
         let (slow, key) = gate(&store);
-        go(slow.clone().check(&t(), &key, 10, true)).mark_used();
+        go(ask(&slow, &key, 10, true)).mark_used();
         let cells = slow.fleet_cells(&key).expect("learned");
         assert_eq!(
             (cells.count, cells.span),
             (1, Duration::from_micros(1_052_631))
         );
-        go(slow.clone().check(&t(), &key, 10, true)).mark_used();
+        go(ask(&slow, &key, 10, true)).mark_used();
         // They took nothing of the request bucket; on its own the gate paces them.
-        go(slow.clone().check(&t(), &key, 10, false)).mark_used();
-        let Verdict::Until(..) = slow.clone().check(&t(), &key, 10, false) else {
+        go(ask(&slow, &key, 10, false)).mark_used();
+        let Verdict::Until(..) = ask(&slow, &key, 10, false) else {
             panic!("the learned request limit holds the call");
         };
     }
@@ -647,7 +662,7 @@ mod tests {
         let store = Store::memory();
         learn_limits(&store, [3_000, 600, 0, 0]);
         let (gate, key) = gate(&store);
-        go(gate.clone().check(&t(), &key, 10, false)).mark_used();
+        go(check(&gate, &key)).mark_used();
         // 95% of 600 a minute: a token every 105,263 us, 900 ms of them at once (8).
         let cells = gate.fleet_cells(&key).expect("learned");
         assert_eq!(cells.tokens, Some(crate::gcra::Gcra::new(105_263, 8)));
@@ -655,13 +670,13 @@ mod tests {
         // The fleet orders the tokens: calls of 100 go back to back here, far past the
         // learned bucket (570)...
         for _ in 0..10 {
-            go(gate.clone().check(&t(), &key, 100, true)).mark_used();
+            go(ask(&gate, &key, 100, true)).mark_used();
         }
         // ...which they took nothing of: on its own the gate holds the sixth of 100.
         for _ in 0..5 {
-            go(gate.clone().check(&t(), &key, 100, false)).mark_used();
+            go(ask(&gate, &key, 100, false)).mark_used();
         }
-        let Verdict::Until(_, WaitReason::Rate) = gate.clone().check(&t(), &key, 100, false) else {
+        let Verdict::Until(_, WaitReason::Rate) = ask(&gate, &key, 100, false) else {
             panic!("the learned input-token limit holds the call");
         };
     }
@@ -699,25 +714,23 @@ mod tests {
         assert_eq!(gate.fleet_cells(&Arc::from("another key")), None);
         // Both limits are the fleet's: calls of 40 tokens go back to back here.
         for _ in 0..5 {
-            go(gate.clone().check(&t(), &key, 40, true)).mark_used();
+            go(ask(&gate, &key, 40, true)).mark_used();
         }
         // On its own the gate paces both: the second call waits for the request limit...
         let store = Store::memory();
         learn(&store, 6_000);
         let (alone, key) = paced_gate(&store);
-        go(alone.clone().check(&t(), &key, 40, false)).mark_used();
-        let Verdict::Until(at, WaitReason::Rate) = alone.clone().check(&t(), &key, 40, false)
-        else {
+        go(ask(&alone, &key, 40, false)).mark_used();
+        let Verdict::Until(at, WaitReason::Rate) = ask(&alone, &key, 40, false) else {
             panic!("the second call of a 60 RPM key waits");
         };
         assert!(at.saturating_duration_since(Instant::now()) > Duration::from_millis(900));
         // ...and the third, a second later, for the tokens (100 a minute: 80 taken, 17
         // more after the 2 s gone, 10 s).
         tokio::time::advance(Duration::from_secs(1)).await;
-        go(alone.clone().check(&t(), &key, 40, false)).mark_used();
+        go(ask(&alone, &key, 40, false)).mark_used();
         tokio::time::advance(Duration::from_secs(1)).await;
-        let Verdict::Until(at, WaitReason::Rate) = alone.clone().check(&t(), &key, 40, false)
-        else {
+        let Verdict::Until(at, WaitReason::Rate) = ask(&alone, &key, 40, false) else {
             panic!("the token limit holds the third call");
         };
         let wait = at.saturating_duration_since(Instant::now());

@@ -102,11 +102,18 @@ fn messages_at(mock: &MockAnthropic) -> Vec<crate::support::anthropic::Recorded>
         .collect()
 }
 
-/// The value of `name{upstream="<upstream>"}` in Prometheus text.
+/// The value of `name{upstream="<upstream>",...}` in Prometheus text, summed over its
+/// other labels.
 fn upstream_metric(text: &str, name: &str, upstream: &str) -> Option<f64> {
-    let prefix = format!("{name}{{upstream=\"{upstream}\"}} ");
+    let label = format!("upstream=\"{upstream}\"");
     text.lines()
-        .find_map(|line| line.strip_prefix(&prefix)?.trim().parse().ok())
+        .filter(|line| line.starts_with(&format!("{name}{{")))
+        .filter(|line| {
+            line.split_once('}')
+                .is_some_and(|(labels, _)| labels.contains(&label))
+        })
+        .filter_map(|line| line.rsplit_once(' ')?.1.trim().parse::<f64>().ok())
+        .fold(None, |sum, n| Some(sum.unwrap_or(0.0) + n))
 }
 
 /// The README's keys file with a pool (its section "A pool of upstreams"), its two base

@@ -145,7 +145,11 @@ async fn overloaded_goes_elsewhere_a_server_error_and_a_429_go_back() {
     for status in [500, 502, 503, 504] {
         a.status.store(status, Ordering::SeqCst);
         let response = pool.clone().oneshot(call("t")).await.unwrap();
-        assert_eq!(u32::from(response.status().as_u16()), status, "it may have run");
+        assert_eq!(
+            u32::from(response.status().as_u16()),
+            status,
+            "it may have run"
+        );
         assert_eq!(b.ran(), 0, "{status}");
         // Not three in a row of one upstream: the next call still goes to `a`.
         a.status.store(200, Ordering::SeqCst);

@@ -39,12 +39,14 @@ struct Rig {
 }
 
 impl Rig {
-    /// `FairgateLayer` (the jitter seeded) with the pool's gate, over a pool of `upstreams`.
-    fn new(upstreams: Vec<RateLimited>) -> Rig {
+    /// `FairgateLayer` (the jitter seeded) with the pool's gate, over a pool of `upstreams`
+    /// of these `priorities` (all 0 when empty).
+    fn new(upstreams: Vec<RateLimited>, priorities: &[u32]) -> Rig {
         let mut builder = Pool::builder();
         for (i, upstream) in upstreams.iter().enumerate() {
             let service: Svc = BoxCloneSyncService::new(upstream.service());
-            builder = builder.upstream(Upstream::new(format!("u{i}"), service));
+            let priority = priorities.get(i).copied().unwrap_or(0);
+            builder = builder.upstream(Upstream::new(format!("u{i}"), service).priority(priority));
         }
         Rig::over(upstreams, builder.build().unwrap())
     }
@@ -74,12 +76,19 @@ impl Rig {
     /// start is over, each one's limits learned); then the records and the clock start
     /// afresh.
     async fn warm(upstreams: Vec<RateLimited>) -> Rig {
-        let mut rig = Rig::new(upstreams);
+        Rig::warm_prioritised(upstreams, &[]).await
+    }
+
+    /// As [`warm`](Rig::warm), the upstreams of these `priorities`.
+    async fn warm_prioritised(upstreams: Vec<RateLimited>, priorities: &[u32]) -> Rig {
+        let mut rig = Rig::new(upstreams, priorities);
         for _ in 0..20 {
             if rig.upstreams.iter().all(|u| u.served() > 0) {
                 break;
             }
-            let warm: Vec<_> = (0..rig.upstreams.len())
+            // Four a round for each: a later priority's share spills to it past the first's
+            // slow start and rate.
+            let warm: Vec<_> = (0..4 * rig.upstreams.len())
                 .map(|_| rig.send(Duration::ZERO, user("warm-up", "premium")))
                 .collect();
             for warm in joined(warm).await {
@@ -169,6 +178,52 @@ async fn two_upstreams_of_60_a_minute_serve_at_least_108_a_minute_with_no_429() 
     assert!(state.iter().all(|u| u.in_flight == 0), "{state:?}");
     // Each upstream's own limit, learned from its own headers.
     assert!(state.iter().all(|u| u.limits.requests == 60), "{state:?}");
+}
+
+/// The rule: priority is a preference. Four tenants sending 1.5 calls a second together
+/// (two at once every 1.33 s), within the first upstream's 120 a minute: the second
+/// priority serves none, though the first's rate holds one of each pair for a moment (it
+/// served 30 of 60 when such a call went there at once). Then a burst past the first's
+/// rate: calls held longer than `spill_after` (1 s) go to the second, counted as spilled.
+#[tokio::test(start_paused = true)]
+async fn a_later_priority_takes_only_what_the_first_holds_past_spill_after() {
+    let upstreams = vec![
+        RateLimited::new(120, ms(300)),
+        RateLimited::new(120, ms(300)),
+    ];
+    let rig = Rig::warm_prioritised(upstreams, &[0, 1]).await;
+    let spilled_before = rig.pool.upstreams()[1].spilled;
+    let calls: Vec<_> = (0..46u64)
+        .map(|i| rig.send(ms(i / 2 * 1_333), user(&format!("t{}", i % 4), "premium")))
+        .collect();
+    let outcomes = joined(calls).await;
+    assert_eq!(count(&outcomes, Outcome::ok), 46);
+    let each: Vec<usize> = rig.upstreams.iter().map(|u| u.calls().len()).collect();
+    println!("within the first's rate: calls at each upstream {each:?}");
+    assert_eq!(
+        each,
+        [46, 0],
+        "the second priority took calls the first had room for"
+    );
+    // Six calls a second for 10 s: the first serves its 2 a second, the rest spill.
+    let start = Duration::from_secs(31);
+    let burst: Vec<_> = (0..60u64)
+        .map(|i| rig.send(start + ms(i * 167), user(&format!("t{}", i % 4), "premium")))
+        .collect();
+    let outcomes = joined(burst).await;
+    assert_eq!(count(&outcomes, Outcome::ok), 60);
+    let second = rig.upstreams[1].calls().len();
+    let spilled = rig.pool.upstreams()[1].spilled - spilled_before;
+    println!("a burst of 6 a second: {second} at the second, {spilled} spilled");
+    assert!(
+        second >= 10,
+        "the second took {second} of a burst past the first's rate"
+    );
+    assert_eq!(
+        spilled as usize, second,
+        "every call of the second spilled to it"
+    );
+    assert_eq!(rig.throttled(), 0);
 }
 
 #[tokio::test(start_paused = true)]

@@ -62,6 +62,17 @@ struct KeysFile {
     /// The upstreams (the `upstreams` module); none: `--upstream`.
     #[serde(default)]
     upstreams: Vec<Spanned<UpstreamEntry>>,
+    /// How the pool of `[[upstreams]]` shares calls out.
+    #[serde(default)]
+    pool: PoolTable,
+}
+
+/// The keys file's `[pool]`.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct PoolTable {
+    /// How long a call waits for the first priority with room (default 1000).
+    spill_after_ms: Option<Spanned<u64>>,
 }
 
 #[derive(Deserialize)]
@@ -194,6 +205,8 @@ pub(crate) struct Config {
     pub(crate) cost: std::sync::Arc<CostModel>,
     /// The `[[upstreams]]`, checked (their keys are read at start); empty: `--upstream`.
     pub(crate) upstreams: Vec<UpstreamSpec>,
+    /// `[pool] spill_after_ms`: how long a call waits for the first priority with room.
+    pub(crate) spill_after: Duration,
 }
 
 /// Reads and checks the keys file at `path`.
@@ -291,6 +304,17 @@ pub(crate) fn parse(text: &str) -> Result<Config, Refusal> {
     let demotion = demotion(text, limits)?;
     let cost = CostModel::from_table(&file.cost).map_err(|e| refuse(text, None, e))?;
     let upstreams = super::upstreams::check(text, &file.upstreams)?;
+    let spill_after = match &file.pool.spill_after_ms {
+        Some(ms) if *ms.get_ref() > 3_600_000 => {
+            return Err(refuse(
+                text,
+                Some(ms.span()),
+                "[pool] spill_after_ms: give at most 3600000 (an hour)".into(),
+            ));
+        }
+        Some(ms) => Duration::from_millis(*ms.get_ref()),
+        None => Duration::from_secs(1),
+    };
     Ok(Config {
         keys: clients.keys,
         policy,
@@ -301,6 +325,7 @@ pub(crate) fn parse(text: &str) -> Result<Config, Refusal> {
         identities: clients.identities,
         cost: std::sync::Arc::new(cost),
         upstreams,
+        spill_after,
     })
 }
 
@@ -818,6 +843,27 @@ origins = [\"user\", \"scheduled\", \"batch\"]
             .identify(&headers, Some("u1"))
             .unwrap();
         assert_ne!(job.tenant(), job2.tenant());
+    }
+
+    #[test]
+    fn the_pools_spill_wait_and_the_budgets_unit_are_read_and_checked() {
+        let config = parse(SERVICE).unwrap();
+        assert_eq!(config.spill_after, Duration::from_secs(1));
+        assert_eq!(
+            config.demotion.budget_counts(),
+            fairgate::BudgetCounts::InputTokens
+        );
+        let set = format!("{SERVICE}\n[pool]\nspill_after_ms = 250\n");
+        assert_eq!(parse(&set).unwrap().spill_after, Duration::from_millis(250));
+        let long = format!("{SERVICE}\n[pool]\nspill_after_ms = 3600001\n");
+        assert!(refused(&long).message.contains("spill_after_ms"));
+        let weighted = format!("{SERVICE}\n[limits]\nbudget_counts = \"weighted\"\n");
+        assert_eq!(
+            parse(&weighted).unwrap().demotion.budget_counts(),
+            fairgate::BudgetCounts::Weighted
+        );
+        let other = weighted.replace("\"weighted\"", "\"output\"");
+        assert!(refused(&other).message.contains("budget_counts"));
     }
 
     #[test]

@@ -389,9 +389,12 @@ async fn reload(gw: &Gateway, args: &Args) {
         let store = current.store.clone();
         let keys = config.keys.len();
         let tenants = config.tenants.len();
-        if !upstreams::same_pool(gw.upstreams.specs(), &config.upstreams) {
-            let why = "[[upstreams]] changed: the pool is built at start, so restart the \
-                       gateway to change its upstreams";
+        let spill_after = current.pool.spill_after();
+        if !upstreams::same_pool(gw.upstreams.specs(), &config.upstreams)
+            || !config.upstreams.is_empty() && spill_after != config.spill_after
+        {
+            let why = "[[upstreams]] changed (or [pool]): the pool is built at start, so \
+                       restart the gateway to change them";
             return Err(why.to_owned());
         }
         // The same pool: its breakers, counts and tenants' upstreams carry on.
@@ -579,7 +582,8 @@ fn open_upstreams(args: &Args, config: &config::Config) -> Result<Upstreams, Str
             Upstreams::single(url, key.trim(), args.upstream_http2)
         }
         (None, false) => {
-            Upstreams::from_specs(&args.keys, &config.upstreams, |var| std::env::var(var).ok())
+            let specs = (&config.upstreams[..], config.spill_after);
+            Upstreams::from_specs(&args.keys, specs, |var| std::env::var(var).ok())
         }
     }
 }

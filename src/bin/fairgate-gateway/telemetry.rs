@@ -7,7 +7,7 @@ use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 use super::config::Config;
 
 /// The gateway's own metrics: name, kind and `# HELP`.
-const GATEWAY_METRICS: [(&str, MetricKind, &str); 19] = [
+const GATEWAY_METRICS: [(&str, MetricKind, &str); 21] = [
     (
         "gateway_connections_open",
         MetricKind::Gauge,
@@ -96,7 +96,17 @@ const GATEWAY_METRICS: [(&str, MetricKind, &str); 19] = [
     (
         "gateway_upstream_moved_away_total",
         MetricKind::Counter,
-        "Calls sent to another upstream after this one refused or was overloaded, by upstream.",
+        "Calls sent to another upstream after this one did not run them, by upstream and reason (refused: its connection; overloaded: a 529).",
+    ),
+    (
+        "gateway_upstream_served_total",
+        MetricKind::Counter,
+        "Calls an upstream of the pool answered, by upstream.",
+    ),
+    (
+        "gateway_upstream_spilled_total",
+        MetricKind::Counter,
+        "Calls an upstream took past an earlier priority (full, set aside, or holding the call past [pool] spill_after_ms), by upstream.",
     ),
     (
         "gateway_upstream_none_total",

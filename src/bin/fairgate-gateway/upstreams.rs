@@ -38,6 +38,7 @@
 
 use std::path::Path;
 use std::sync::Arc;
+use std::time::Duration;
 
 use bytes::Bytes;
 use fairgate::BoxError;
@@ -409,11 +410,11 @@ impl Upstreams {
     /// line, when a key or the AWS credentials are missing.
     pub(crate) fn from_specs(
         path: &Path,
-        specs: &[UpstreamSpec],
+        (specs, spill_after): (&[UpstreamSpec], Duration),
         env: impl Fn(&str) -> Option<String>,
     ) -> Result<Upstreams, String> {
         let client = client();
-        let mut builder = Pool::builder();
+        let mut builder = Pool::builder().spill_after(spill_after);
         let (mut apis, mut kinds, mut bedrock) = (Vec::new(), Vec::new(), None);
         for (index, spec) in specs.iter().enumerate() {
             let refused = |what: String| {
@@ -535,8 +536,9 @@ impl Upstreams {
             .collect()
     }
 
-    /// Publishes each upstream's calls in flight, whether it is set aside and the calls
-    /// moved away from it (read at scrape time).
+    /// Publishes each upstream's calls in flight, whether it is set aside, the calls it
+    /// served, those moved away from it (by why) and those spilled to it past an earlier
+    /// priority (read at scrape time).
     pub(crate) fn publish(&self) {
         for state in self.pool.upstreams() {
             let name = state.name.to_string();
@@ -544,8 +546,18 @@ impl Upstreams {
                 .set(state.in_flight as f64);
             metrics::gauge!("gateway_upstream_set_aside", "upstream" => name.clone())
                 .set(if state.set_aside { 1.0 } else { 0.0 });
-            metrics::counter!("gateway_upstream_moved_away_total", "upstream" => name)
-                .absolute(state.moved_away);
+            metrics::counter!("gateway_upstream_served_total", "upstream" => name.clone())
+                .absolute(state.served);
+            metrics::counter!("gateway_upstream_spilled_total", "upstream" => name.clone())
+                .absolute(state.spilled);
+            let refused = state.moved_away - state.moved_away_overloaded;
+            for (reason, n) in [
+                ("refused", refused),
+                ("overloaded", state.moved_away_overloaded),
+            ] {
+                metrics::counter!("gateway_upstream_moved_away_total", "upstream" => name.clone(), "reason" => reason)
+                    .absolute(n);
+            }
         }
     }
 
@@ -560,7 +572,10 @@ impl Upstreams {
                     "kind": kind.as_str(),
                     "in_flight": state.in_flight,
                     "set_aside": state.set_aside,
+                    "served": state.served,
                     "moved_away": state.moved_away,
+                    "moved_away_overloaded": state.moved_away_overloaded,
+                    "spilled": state.spilled,
                 })
             })
             .collect();
@@ -664,6 +679,8 @@ fn bedrock_member(client: &HttpClient, layer: &BedrockLayer) -> (Member, Streame
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    const SPILL: Duration = Duration::from_secs(1);
 
     fn parse_specs(text: &str) -> Result<Vec<UpstreamSpec>, Refusal> {
         #[derive(Deserialize)]
@@ -777,21 +794,25 @@ max_in_flight = 8
     fn a_missing_key_or_aws_credentials_name_the_upstream_and_its_line() {
         let path = Path::new("keys.toml");
         let specs = parse_specs(TWO).unwrap();
-        let err = Upstreams::from_specs(path, &specs, |_| None).err().unwrap();
+        let err = Upstreams::from_specs(path, (&specs, SPILL), |_| None)
+            .err()
+            .unwrap();
         assert_eq!(
             err,
             "--keys keys.toml line 2: [[upstreams]] `primary`: key_env ANTHROPIC_API_KEY is \
              not set in the environment"
         );
         let only_key = |var: &str| (var == "ANTHROPIC_API_KEY").then(|| "sk-ant-1".to_owned());
-        let err = Upstreams::from_specs(path, &specs, only_key).err().unwrap();
+        let err = Upstreams::from_specs(path, (&specs, SPILL), only_key)
+            .err()
+            .unwrap();
         assert!(
             err.starts_with(
                 "--keys keys.toml line 8: [[upstreams]] `bedrock-east`: no AWS credentials"
             ),
             "{err}"
         );
-        let pool = Upstreams::from_specs(path, &specs[..1], only_key).unwrap();
+        let pool = Upstreams::from_specs(path, (&specs[..1], SPILL), only_key).unwrap();
         assert_eq!(pool.api().map(|api| &*api.name), Some("primary"));
         assert!(pool.api_named(Some("bedrock-east")).is_none());
         assert_eq!(pool.api_named(None).map(|api| &*api.name), Some("primary"));
@@ -832,7 +853,7 @@ max_in_flight = 8
             "AWS_SECRET_ACCESS_KEY" => Some("secret".to_owned()),
             _ => None,
         };
-        let upstreams = Upstreams::from_specs(Path::new("k.toml"), &specs, env).unwrap();
+        let upstreams = Upstreams::from_specs(Path::new("k.toml"), (&specs, SPILL), env).unwrap();
         assert!(upstreams.api().is_none(), "Bedrock takes no batches");
         let body = r#"{"model":"claude-sonnet-4-5","max_tokens":8,"messages":[]}"#;
         let mut req = Request::post("http://gateway/v1/messages")

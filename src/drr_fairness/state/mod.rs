@@ -14,7 +14,7 @@ use super::fairness::FairnessWindow;
 use super::scheduler::SchedulerConfig;
 use crate::admission::TierLimit;
 use crate::error::ConfigError;
-use crate::gate::{RateGate, SlotGate, Taken, Verdict, WaitReason};
+use crate::gate::{RateAsk, RateGate, SlotGate, Taken, Verdict, WaitReason};
 use crate::store::{FleetCells, SlotLease, SlotLimits, SlotRefusal, StoreFuture};
 use crate::{Job, Priority, Store, TenantId, Tier};
 
@@ -312,7 +312,8 @@ impl FairQueue {
             let receipt = match room {
                 true => {
                     let group = place.group;
-                    self.rate_now(&mut state, group, tenant, key, job.cost(), &mut after)
+                    let ask = (tenant, key, job.cost(), arrived);
+                    self.rate_now(&mut state, group, ask, &mut after)
                 }
                 false => None,
             };
@@ -425,13 +426,12 @@ impl FairQueue {
     /// The rate gate's word on a request that could go at once: `None` without a rate gate,
     /// `Some(Some(go))` when it may go (with what it took, and the cells its acquire takes),
     /// `Some(None)` when the gate holds it (it queues, and the queue waits for the gate).
+    /// `ask`: the call's tenant, upstream key, estimated input tokens and since when it waits.
     fn rate_now(
         &self,
         state: &mut Queues,
         group: usize,
-        tenant: &TenantId,
-        key: Option<&Arc<str>>,
-        cost: u32,
+        (tenant, key, cost, waiting_since): (&TenantId, Option<&Arc<str>>, u32, Instant),
         after: &mut AfterUnlock,
     ) -> Option<Option<RateGo>> {
         let rate = self.rate.as_ref()?;
@@ -448,7 +448,13 @@ impl FairQueue {
         // The gate leaves the request limit to the cells only where this worker names them.
         let fleet_cells = cells.is_some_and(|c| c.names_a_limit());
         Some(
-            match rate.inner.clone().check(tenant, key, cost, fleet_cells) {
+            match rate.inner.clone().check(&RateAsk {
+                tenant,
+                key,
+                cost,
+                fleet_cells,
+                waiting_since,
+            }) {
                 Verdict::Go(mut taken) => {
                     // The acquire takes the call's cost from the token rate this worker names:
                     // its usage corrects it. (A worker naming none, whose acquire takes the
@@ -520,8 +526,8 @@ impl FairQueue {
         }
         let g = &state.groups[group];
         let head = g.scheduler.peek_tenant(class, tenant).ok_or(())?;
-        let (key, cost) = (head.key.clone(), head.cost);
-        match self.rate_now(state, group, tenant, key.as_ref(), cost, after) {
+        let (key, cost, arrived) = (head.key.clone(), head.cost, head.arrived);
+        match self.rate_now(state, group, (tenant, key.as_ref(), cost, arrived), after) {
             Some(Some(receipt)) => Ok(Some((tenant.clone(), receipt))),
             _ => Err(()),
         }
