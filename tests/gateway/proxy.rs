@@ -391,6 +391,44 @@ async fn an_upstream_429_is_retried_after_its_retry_after() {
     assert_eq!(mock.calls(), 2, "the 429, then the retry");
 }
 
+/// The rule: a stream its upstream cuts mid-way ends as the API ends a stream it cannot
+/// finish: the events sent so far, then an `error` event, then the body's end (no broken
+/// chunked body); a client that asked for gzip gets the stream uncompressed (the gateway
+/// asks the upstream for identity on streams, so it can add the event).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_cut_by_its_upstream_ends_with_an_error_event() {
+    let _turn = crate::support::file_turn(module_path!());
+    let _serial = SERIAL.lock().await;
+    let mock = MockAnthropic::start();
+    let gateway = Gateway::start(&mock.url(), &keys_toml(8, 200, ""), None);
+    let response = client()
+        .post(format!("{}/v1/messages", gateway.url()))
+        .header("x-api-key", PREMIUM_KEY)
+        .header("content-type", "application/json")
+        .header("accept-encoding", "gzip, deflate")
+        .header("x-mock-reply", "stream-cut")
+        .body(messages_body(true))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 200);
+    assert!(response.headers().get("content-encoding").is_none());
+    let text = response.text().await.expect("a whole body, not a cut one");
+    let events: Vec<&str> = text.split("\n\n").filter(|e| !e.is_empty()).collect();
+    assert_eq!(events.len(), 4, "{text}");
+    assert!(events[0].starts_with("event: message_start"), "{text}");
+    assert!(events[3].starts_with("event: error\ndata: "), "{text}");
+    let error: serde_json::Value =
+        serde_json::from_str(events[3].trim_start_matches("event: error\ndata: ")).unwrap();
+    assert_eq!(error["error"]["type"], "api_error", "{error}");
+    let asked = mock.last_request().unwrap();
+    assert_eq!(asked.headers["accept-encoding"], "identity");
+    assert_eq!(
+        metric_sum(&gateway.metrics().await, "gateway_streams_cut_total"),
+        1.0
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_lets_a_stream_finish_then_the_gateway_exits() {
     let _turn = crate::support::file_turn(module_path!());

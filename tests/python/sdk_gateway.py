@@ -75,6 +75,24 @@ check("messages.stream deltas", "".join(deltas) == STREAM_TEXT, repr(deltas))
 check("messages.stream final message", final.content[0].text == STREAM_TEXT, repr(final))
 check("messages.stream stop reason", final.stop_reason == "end_turn", repr(final))
 
+# A stream its upstream cuts mid-way ends with the API's error event: the SDK at its
+# defaults (retries on, gzip accepted) raises an API error, not a connection error.
+sdk_default = anthropic.Anthropic(base_url=URL, api_key=PREMIUM)
+try:
+    with sdk_default.messages.stream(
+        model="claude-mock-1",
+        max_tokens=64,
+        messages=[{"role": "user", "content": "Hello"}],
+        extra_headers={"x-mock-reply": "stream-cut"},
+    ) as stream:
+        for _ in stream.text_stream:
+            pass
+    check("a cut stream raises", False, "it ended as if whole")
+except anthropic.APIConnectionError as e:
+    check("a cut stream raises an API error", False, repr(e))
+except anthropic.APIStatusError as e:
+    check("a cut stream raises an API error", e.body["error"]["type"] == "api_error", repr(e.body))
+
 # Other /v1 paths are forwarded.
 count = client.messages.count_tokens(
     model="claude-mock-1", messages=[{"role": "user", "content": "Hello"}]

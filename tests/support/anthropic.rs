@@ -3,8 +3,9 @@
 //!
 //! What it answers, for `POST /v1/messages` (the first that applies):
 //! 1. a reply pushed with [`MockAnthropic::push_reply`] (scripted, first in first out);
-//! 2. the request's `x-mock-reply` header: `message`, `stream`, `429`, `529`, or a server
-//!    error after the call ran (`500`, `502`, `503`, `504`);
+//! 2. the request's `x-mock-reply` header: `message`, `stream`, `stream-cut` (its
+//!    connection cut after three events), `429`, `529`, or a server error after the call
+//!    ran (`500`, `502`, `503`, `504`);
 //! 3. `"stream": true` in the body: an SSE stream ([`stream_body`]), else a message
 //!    ([`MESSAGE_JSON`]).
 //!
@@ -126,6 +127,8 @@ pub enum Reply {
     ServerError(u16),
     /// `200` with a message that says no `usage`.
     NoUsage,
+    /// `200` SSE whose connection is cut after its first three events (the upstream died).
+    StreamCut,
 }
 
 /// One request the mock received.
@@ -640,6 +643,7 @@ async fn handle(State(inner): State<Arc<Inner>>, req: Request) -> Response {
                     Reply::ServerError(code.parse().unwrap())
                 }
                 Some("message") => Reply::Message,
+                Some("stream-cut") => Reply::StreamCut,
                 _ if wants_stream(&body) => Reply::Stream,
                 _ => Reply::Message,
             });
@@ -648,6 +652,22 @@ async fn handle(State(inner): State<Arc<Inner>>, req: Request) -> Response {
                 Reply::Stream => {
                     let gap = Duration::from_millis(inner.event_gap_ms.load(Ordering::Relaxed));
                     return sse(n, guard, gap);
+                }
+                Reply::StreamCut => {
+                    let mut response = sse(n, guard, Duration::ZERO);
+                    use futures_util::StreamExt;
+                    let events: Vec<Result<Bytes, std::io::Error>> = stream_events()[..3]
+                        .iter()
+                        .map(|event| Ok(Bytes::from(event.clone())))
+                        .collect();
+                    // The events go out first (a moment passes), then the connection dies.
+                    let cut = futures_util::stream::once(async {
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                        Err(std::io::Error::other("the upstream died"))
+                    });
+                    let stream = futures_util::stream::iter(events).chain(cut);
+                    *response.body_mut() = Body::from_stream(stream);
+                    return response;
                 }
                 Reply::RateLimited { retry_after_secs } => (
                     StatusCode::TOO_MANY_REQUESTS,

@@ -504,7 +504,7 @@ async fn messages(
     req: Request<Incoming>,
     claim: Arc<Claim>,
 ) -> Response<Body> {
-    let (parts, mut body) = req.into_parts();
+    let (mut parts, mut body) = req.into_parts();
     let hangup = parts.extensions.get::<Hangup>().cloned();
     let declared = declared_length(&parts.headers);
     let (bytes, permit) = match buffer(gw, &mut body, declared, &claim).await {
@@ -524,6 +524,14 @@ async fn messages(
         Ok(job) => estimate.apply(job),
         Err(refused) => return refused.response(),
     };
+    if estimate.stream() {
+        // A stream is asked for uncompressed (a client that accepts gzip accepts that
+        // too): cut by its upstream, it can then end with an error event as the API's do.
+        parts.headers.insert(
+            header::ACCEPT_ENCODING,
+            HeaderValue::from_static("identity"),
+        );
+    }
     let tenant = job.tenant().clone();
     let model = gw.upstreams.model(&bytes);
     let mut req = Request::from_parts(parts, Full::new(bytes));
@@ -545,6 +553,7 @@ async fn messages(
                 estimate,
             );
             let status = response.status().as_u16();
+            let sse = is_plain_sse(response.headers());
             debug!(
                 status = response.status().as_u16(),
                 bytes = size,
@@ -561,6 +570,10 @@ async fn messages(
             // last byte; the claim at the client's.
             let trace = trace.map(|trace| (trace, UsageReader::new(response.headers())));
             response.map(|body| {
+                let body = match sse {
+                    true => super::answer::sse_ends_with_an_error_event(body),
+                    false => body,
+                };
                 let body = relay(body, permit, claim.clone(), gw.bodies.write, hangup);
                 let body = Holding::new(body, claim).boxed_unsync();
                 match trace {
@@ -616,6 +629,18 @@ impl Applied {
 /// demotion check of the tenant, with this gateway's own calls since (`Store::budget_left`).
 fn budget_left(live: &Live, tenant: &TenantId) -> Option<u64> {
     live.store.budget_left(tenant, &live.config.demotion)
+}
+
+/// Whether an answer is an uncompressed SSE stream (an error event can be added to it).
+fn is_plain_sse(headers: &http::HeaderMap) -> bool {
+    let sse = headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.trim_start().starts_with("text/event-stream"));
+    let plain = headers
+        .get(header::CONTENT_ENCODING)
+        .is_none_or(|v| v.as_bytes().eq_ignore_ascii_case(b"identity"));
+    sse && plain
 }
 
 /// The body's length as its `Content-Length` declares it, if it does.

@@ -184,6 +184,7 @@ impl CostModel {
             weight,
             max_tokens,
             user: head.user(),
+            stream: head.stream == Some(serde_json::Value::Bool(true)),
         })
     }
 
@@ -223,12 +224,19 @@ pub(crate) struct Estimate {
     max_tokens: u64,
     /// The body's `metadata.user_id`, when it names one.
     user: Option<String>,
+    /// The body asks for a stream (`"stream": true`).
+    stream: bool,
 }
 
 impl Estimate {
     /// The end user the body names in `metadata.user_id`.
     pub(crate) fn user(&self) -> Option<&str> {
         self.user.as_deref()
+    }
+
+    /// Whether the body asks for a stream.
+    pub(crate) fn stream(&self) -> bool {
+        self.stream
     }
 
     /// `job` charged this estimate: its input tokens, and the rest of the charge as its
@@ -281,6 +289,9 @@ struct Head {
     /// the decoded body, so a compressed body names its user too).
     #[serde(default)]
     metadata: Option<serde_json::Value>,
+    /// Only `true` asks for a stream (anything else is the upstream's to judge).
+    #[serde(default)]
+    stream: Option<serde_json::Value>,
 }
 
 impl Head {

@@ -7,7 +7,7 @@ use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 use super::config::Config;
 
 /// The gateway's own metrics: name, kind and `# HELP`.
-const GATEWAY_METRICS: [(&str, MetricKind, &str); 21] = [
+const GATEWAY_METRICS: [(&str, MetricKind, &str); 22] = [
     (
         "gateway_connections_open",
         MetricKind::Gauge,
@@ -97,6 +97,11 @@ const GATEWAY_METRICS: [(&str, MetricKind, &str); 21] = [
         "gateway_upstream_moved_away_total",
         MetricKind::Counter,
         "Calls sent to another upstream after this one did not run them, by upstream and reason (refused: its connection; overloaded: a 529).",
+    ),
+    (
+        "gateway_streams_cut_total",
+        MetricKind::Counter,
+        "SSE answers whose upstream failed mid-stream, ended for the client with an error event.",
     ),
     (
         "gateway_upstream_served_total",
@@ -201,6 +206,7 @@ fn publish_zeros() {
         "gateway_record_dropped_total",
         "gateway_batch_book_failures_total",
         "gateway_upstream_none_total",
+        "gateway_streams_cut_total",
     ] {
         metrics::counter!(name).increment(0);
     }
