@@ -552,40 +552,69 @@ async fn messages(
                 &live.config.cost,
                 estimate,
             );
-            let status = response.status().as_u16();
-            let sse = is_plain_sse(response.headers());
             debug!(
                 status = response.status().as_u16(),
                 bytes = size,
                 ms = started.elapsed().as_millis() as u64,
                 "POST /v1/messages"
             );
-            let mut response = response;
-            if let Some(left) = budget_left(&live, &tenant) {
-                response
-                    .headers_mut()
-                    .insert("x-fairgate-budget-remaining", HeaderValue::from(left));
-            }
-            // The slot, the window permit and the body's bytes come back at the upstream's
-            // last byte; the claim at the client's.
-            let trace = trace.map(|trace| (trace, UsageReader::new(response.headers())));
-            response.map(|body| {
-                let body = match sse {
-                    true => super::answer::sse_ends_with_an_error_event(body),
-                    false => body,
-                };
-                let body = relay(body, permit, claim.clone(), gw.bodies.write, hangup);
-                let body = Holding::new(body, claim).boxed_unsync();
-                match trace {
-                    Some((trace, usage)) => {
-                        Recording::new(body, (status, usage), trace).boxed_unsync()
-                    }
-                    None => body,
-                }
-            })
+            let relayed = Relayed {
+                permit,
+                claim,
+                hangup,
+                trace,
+            };
+            to_client(gw, (&live, &tenant), response, relayed)
         }
         Err(error) => failed(&error, trace),
     }
+}
+
+/// What the relay of an answer to its client holds and needs.
+struct Relayed {
+    /// The request body's bytes, given back at the upstream's last byte.
+    permit: Held,
+    claim: Arc<Claim>,
+    hangup: Option<Hangup>,
+    trace: Option<Trace>,
+}
+
+/// The answer as the client gets it: the tenant's budget left told; an SSE stream its
+/// upstream cuts ended with an error event; relayed through the holder's buffer (the slot,
+/// the window permit and the body's bytes come back at the upstream's last byte, the claim
+/// at the client's); recorded with `--record`.
+fn to_client(
+    gw: &Gateway,
+    (live, tenant): (&Live, &TenantId),
+    mut response: Response<Body>,
+    relayed: Relayed,
+) -> Response<Body> {
+    let status = response.status().as_u16();
+    let sse = is_plain_sse(response.headers());
+    if let Some(left) = budget_left(live, tenant) {
+        response
+            .headers_mut()
+            .insert("x-fairgate-budget-remaining", HeaderValue::from(left));
+    }
+    let Relayed {
+        permit,
+        claim,
+        hangup,
+        trace,
+    } = relayed;
+    let trace = trace.map(|trace| (trace, UsageReader::new(response.headers())));
+    response.map(|body| {
+        let body = match sse {
+            true => super::answer::sse_ends_with_an_error_event(body),
+            false => body,
+        };
+        let body = relay(body, permit, claim.clone(), gw.bodies.write, hangup);
+        let body = Holding::new(body, claim).boxed_unsync();
+        match trace {
+            Some((trace, usage)) => Recording::new(body, (status, usage), trace).boxed_unsync(),
+            None => body,
+        }
+    })
 }
 
 /// What a call was given, told to the client on its answer (`x-fairgate-tier`,

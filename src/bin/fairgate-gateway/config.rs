@@ -304,17 +304,7 @@ pub(crate) fn parse(text: &str) -> Result<Config, Refusal> {
     let demotion = demotion(text, limits)?;
     let cost = CostModel::from_table(&file.cost).map_err(|e| refuse(text, None, e))?;
     let upstreams = super::upstreams::check(text, &file.upstreams)?;
-    let spill_after = match &file.pool.spill_after_ms {
-        Some(ms) if *ms.get_ref() > 3_600_000 => {
-            return Err(refuse(
-                text,
-                Some(ms.span()),
-                "[pool] spill_after_ms: give at most 3600000 (an hour)".into(),
-            ));
-        }
-        Some(ms) => Duration::from_millis(*ms.get_ref()),
-        None => Duration::from_secs(1),
-    };
+    let spill_after = spill_after(text, &file.pool)?;
     Ok(Config {
         keys: clients.keys,
         policy,
@@ -327,6 +317,19 @@ pub(crate) fn parse(text: &str) -> Result<Config, Refusal> {
         upstreams,
         spill_after,
     })
+}
+
+/// `[pool] spill_after_ms` (default 1 s), refused past an hour.
+fn spill_after(text: &str, pool: &PoolTable) -> Result<Duration, Refusal> {
+    match &pool.spill_after_ms {
+        Some(ms) if *ms.get_ref() > 3_600_000 => Err(refuse(
+            text,
+            Some(ms.span()),
+            "[pool] spill_after_ms: give at most 3600000 (an hour)".into(),
+        )),
+        Some(ms) => Ok(Duration::from_millis(*ms.get_ref())),
+        None => Ok(Duration::from_secs(1)),
+    }
 }
 
 /// The `user_secret`, refused when shorter than 16 bytes.
