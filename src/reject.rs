@@ -15,7 +15,11 @@
 //!
 //! Every answer that says when to come back carries `retry-after` in whole seconds (rounded
 //! up) and `retry-after-ms`, which the official Anthropic SDKs honour; the Anthropic body is
-//! `{"type":"error","error":{"type":...,"message":...}}`, as the API's own errors.
+//! `{"type":"error","error":{"type":...,"message":...}}`, as the API's own errors (for
+//! `Busy` with the write-up's `"code":"SERVER_BUSY","retry_after":5` beside it). `Busy`
+//! also carries `x-should-retry: false` (the SDKs then do not retry: the request already
+//! waited its tier's max wait), or `true` for a tier that says so
+//! ([`SlotPolicyBuilder::retry`](crate::SlotPolicyBuilder::retry)).
 //!
 //! ```
 //! use fairgate::reject::{Rejection, Style, render};
@@ -138,17 +142,27 @@ impl Rejection {
                     None => format!(r#"{{"code":"{code}","message":{}}}"#, json_string(&message)),
                 }
             }
-            Style::Anthropic => {
-                let kind = match self {
-                    Rejection::Busy(_) => "overloaded_error",
-                    Rejection::QueueFull(_) => "rate_limit_error",
-                    Rejection::Unidentified(_) => "authentication_error",
-                    Rejection::MissingJob(_) => "api_error",
-                };
-                anthropic_body(kind, &message)
-            }
+            Style::Anthropic => match self {
+                // The write-up's fields beside the API's error shape.
+                Rejection::Busy(busy) => format!(
+                    r#"{{"type":"error","error":{{"type":"overloaded_error","message":{}}},"code":"SERVER_BUSY","retry_after":{}}}"#,
+                    json_string(&message),
+                    busy.retry_after_secs()
+                ),
+                Rejection::QueueFull(_) => anthropic_body("rate_limit_error", &message),
+                Rejection::Unidentified(_) => anthropic_body("authentication_error", &message),
+                Rejection::MissingJob(_) => anthropic_body("api_error", &message),
+            },
         };
-        respond(self.status(style), body, self.retry_after())
+        let mut response = respond(self.status(style), body, self.retry_after());
+        if let Rejection::Busy(busy) = self {
+            // The official SDKs retry a 529 unless told not to: a request that already
+            // waited its tier's max wait is told not to, unless its tier says otherwise.
+            let retry =
+                HeaderValue::from_static(if busy.should_retry() { "true" } else { "false" });
+            response.headers_mut().insert("x-should-retry", retry);
+        }
+        response
     }
 }
 
@@ -275,7 +289,35 @@ mod tests {
         assert!(anthropic.body().starts_with(
             r#"{"type":"error","error":{"type":"overloaded_error","message":"server busy"#
         ));
+        assert!(
+            anthropic
+                .body()
+                .ends_with(r#""},"code":"SERVER_BUSY","retry_after":5}"#),
+            "{}",
+            anthropic.body()
+        );
         assert_eq!(anthropic.headers()["retry-after"], "5");
+    }
+
+    #[test]
+    fn busy_says_not_to_retry_unless_its_tier_says_so() {
+        for (retry, told) in [(false, "false"), (true, "true")] {
+            let err: BoxError = busy().retrying(retry).into();
+            for style in [Style::Reference, Style::Anthropic] {
+                assert_eq!(render(&err, style).headers()["x-should-retry"], told);
+            }
+        }
+        let policy = crate::SlotPolicy::builder()
+            .retry("guest", true)
+            .build()
+            .unwrap();
+        assert!(policy.limit(Some(&Tier::new("guest"))).1.retry);
+        assert!(
+            crate::SlotPolicy::builder()
+                .retry("gold", true)
+                .build()
+                .is_err()
+        );
     }
 
     #[test]

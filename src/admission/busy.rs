@@ -10,7 +10,8 @@ use crate::Tier;
 /// upstream's cooldown gate, or (answered at once) the shared store, away.
 ///
 /// With feature `axum` it converts into a response: `503 Service Unavailable`, a
-/// `Retry-After` header in whole seconds (rounded up) and the body
+/// `Retry-After` header in whole seconds (rounded up), `x-should-retry` (see
+/// [`should_retry`](Busy::should_retry)) and the body
 /// `{"code":"SERVER_BUSY","retry_after":5}`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Busy {
@@ -18,6 +19,7 @@ pub struct Busy {
     waited: Duration,
     retry_after: Duration,
     reason: WaitReason,
+    retry: bool,
 }
 
 impl Busy {
@@ -28,7 +30,22 @@ impl Busy {
             waited,
             retry_after,
             reason: WaitReason::Slot,
+            retry: false,
         }
+    }
+
+    /// The same answer, saying whether the caller should retry it (its tier's
+    /// [`retry`](crate::TierLimit::retry)).
+    pub(crate) fn retrying(mut self, retry: bool) -> Self {
+        self.retry = retry;
+        self
+    }
+
+    /// Whether the caller should retry (its tier's [`retry`](crate::TierLimit::retry),
+    /// default `false`: the request already waited its max wait). Rendered as
+    /// `x-should-retry`, which the official SDKs honour.
+    pub fn should_retry(&self) -> bool {
+        self.retry
     }
 
     /// The same answer, for a request that waited for `reason`.
@@ -105,6 +122,10 @@ impl axum::response::IntoResponse for Busy {
             [
                 (http::header::RETRY_AFTER, secs.to_string()),
                 (http::header::CONTENT_TYPE, "application/json".to_owned()),
+                (
+                    http::HeaderName::from_static("x-should-retry"),
+                    self.retry.to_string(),
+                ),
             ],
             body,
         )

@@ -15,6 +15,9 @@ pub struct TierLimit {
     /// Most slots one tenant of this tier holds at once, across every worker (`None`: no
     /// cap of its own; see [`SlotPolicyBuilder::tenant_cap`]).
     pub tenant_cap: Option<u32>,
+    /// Whether callers should retry this tier's [`Busy`](crate::Busy) (default `false`: the
+    /// request already waited its max wait; see [`SlotPolicyBuilder::retry`]).
+    pub retry: bool,
 }
 
 /// Global and per-tier caps, how long each tier waits, and how leases behave.
@@ -56,6 +59,7 @@ impl Default for SlotPolicy {
             cap,
             max_wait: Duration::from_secs(secs),
             tenant_cap: None,
+            retry: false,
         };
         SlotPolicy {
             global_max: 30,
@@ -82,6 +86,7 @@ impl SlotPolicy {
         SlotPolicyBuilder {
             policy: SlotPolicy::default(),
             tenant_caps: HashMap::default(),
+            retries: HashMap::default(),
         }
     }
 
@@ -106,6 +111,7 @@ impl SlotPolicy {
                 cap: 1,
                 max_wait: Duration::ZERO,
                 tenant_cap: None,
+                retry: false,
             });
         (self.default_tier.clone(), limit, tier.is_none())
     }
@@ -134,6 +140,8 @@ pub struct SlotPolicyBuilder {
     policy: SlotPolicy,
     /// Applied by `build`, so `tier` and `tenant_cap` may come in either order.
     tenant_caps: HashMap<Tier, u32>,
+    /// Applied by `build`, as `tenant_caps`.
+    retries: HashMap<Tier, bool>,
 }
 
 impl SlotPolicyBuilder {
@@ -145,15 +153,39 @@ impl SlotPolicyBuilder {
 
     /// Adds a tier or replaces one: its cap (at least 1) and how long it waits.
     pub fn tier(mut self, name: impl Into<Tier>, cap: u32, max_wait: Duration) -> Self {
-        let tenant_cap = None; // set by `build` from `tenant_cap`
+        // `tenant_cap` and `retry` are set by `build` from their own calls.
         self.policy.tiers.insert(
             name.into(),
             TierLimit {
                 cap,
                 max_wait,
-                tenant_cap,
+                tenant_cap: None,
+                retry: false,
             },
         );
+        self
+    }
+
+    /// Whether callers should retry tier `name`'s [`Busy`](crate::Busy) (default `false`).
+    ///
+    /// A `Busy` comes after the request waited its tier's max wait (or was rejected early
+    /// because it would have): a client that retries it, as the official SDKs retry a
+    /// `529`, makes its user wait that long again. So by default a `Busy` says not to
+    /// ([`Busy::should_retry`](crate::Busy::should_retry); rendered as
+    /// `x-should-retry: false`, which the SDKs honour). A tier whose callers are programs
+    /// that should come back later may say `true`. Refused by [`build`](Self::build) for a
+    /// tier that is not configured.
+    ///
+    /// ```
+    /// use fairgate::SlotPolicy;
+    ///
+    /// let policy = SlotPolicy::builder().retry("pro", true).build()?;
+    /// assert!(policy.limit(Some(&"pro".into())).1.retry);
+    /// assert!(!policy.limit(Some(&"free".into())).1.retry);
+    /// # Ok::<(), fairgate::ConfigError>(())
+    /// ```
+    pub fn retry(mut self, name: impl Into<Tier>, retry: bool) -> Self {
+        self.retries.insert(name.into(), retry);
         self
     }
 
@@ -246,6 +278,14 @@ impl SlotPolicyBuilder {
     /// means \"forever\".
     pub fn build(self) -> Result<SlotPolicy, ConfigError> {
         let mut policy = self.policy;
+        for (tier, retry) in self.retries {
+            let Some(limit) = policy.tiers.get_mut(&tier) else {
+                return Err(ConfigError::new(format!(
+                    "retry for tier {tier}, which has no slot limit configured"
+                )));
+            };
+            limit.retry = retry;
+        }
         for (tier, slots) in self.tenant_caps {
             if slots == 0 {
                 return Err(ConfigError::new(format!(

@@ -202,7 +202,7 @@ enum State<const FIELDS: usize> {
 /// headers.insert("content-encoding", "gzip".parse().unwrap());
 /// let mut usage: UsageReader = UsageReader::new(&headers);
 /// for piece in compressed.chunks(7) {
-///     usage.feed(&piece[..]); // each frame as it passes
+///     usage.feed(&piece); // each frame as it passes
 /// }
 /// assert!(usage.readable());
 /// assert_eq!(usage.usage().input_tokens(), Some(20));

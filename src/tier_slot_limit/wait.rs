@@ -214,7 +214,10 @@ impl SlotLimiter {
         metrics::server_busy(&tier, reason);
         let waited = started.elapsed();
         crate::trace::waited(reason, waited);
-        Busy::new(tier, waited, self.policy.retry_after).because(reason)
+        let retry = self.policy.limit(Some(&tier)).1.retry;
+        Busy::new(tier, waited, self.policy.retry_after)
+            .because(reason)
+            .retrying(retry)
     }
 
     /// Early rejection: requests of this tier already wait here, and the wait this one can

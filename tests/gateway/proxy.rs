@@ -521,7 +521,11 @@ async fn python_sdk_against_the_gateway() {
         if http2 {
             flags.push("--upstream-http2");
         }
-        let gateway = Gateway::start_with(&mock.url(), &keys_toml(4, 100, ""), None, &flags);
+        // The guest tier's refusals may be retried (the SDK's retries then see a flood
+        // through); the free tier's (one slot, 100 ms of wait) say not to.
+        let keys = keys_toml(4, 100, FREE_TIER)
+            .replace("name = \"guest\"", "name = \"guest\"\nretry = true");
+        let gateway = Gateway::start_with(&mock.url(), &keys, None, &flags);
         let over = if http2 { "HTTP/2" } else { "HTTP/1.1" };
         let (status, out, err) = sdk_script(&python, &gateway).await;
         eprintln!("upstream over {over}:\n{out}{err}");
@@ -530,6 +534,22 @@ async fn python_sdk_against_the_gateway() {
             "the SDK script failed over {over}:\n{out}\n{err}"
         );
         assert!(out.contains(" passed, 0 failed"), "{out}");
+        // Every free call the SDK saw refused was refused once: it did not retry them.
+        let refused: f64 = out
+            .lines()
+            .find_map(|line| line.strip_prefix("free refused ")?.trim().parse().ok())
+            .expect("the script says how many free calls were refused");
+        let metrics = gateway.metrics().await;
+        let busy: f64 = metrics
+            .lines()
+            .filter(|l| l.starts_with("claude_server_busy_total{") && l.contains("tier=\"free\""))
+            .filter_map(|l| l.rsplit_once(' ')?.1.parse::<f64>().ok())
+            .sum();
+        assert!(refused >= 1.0, "{out}");
+        assert_eq!(
+            busy, refused,
+            "the gateway refused {busy} free calls, the SDK saw {refused}"
+        );
         let requests = mock.requests();
         let wanted = if http2 {
             http::Version::HTTP_2
@@ -549,6 +569,19 @@ async fn python_sdk_against_the_gateway() {
     }
 }
 
+/// A free key on a tier of one slot and 100 ms of wait, whose refusals say not to retry.
+const FREE_TIER: &str = r#"
+[[keys]]
+key = "sk-gw-free-1"
+tenant = "team-free"
+tier = "free"
+
+[[tiers]]
+name = "free"
+cap = 1
+max_wait_ms = 100
+"#;
+
 /// Runs `tests/python/sdk_gateway.py` with `python` against `gateway`: its exit status,
 /// stdout and stderr (at most 120 s).
 async fn sdk_script(
@@ -561,6 +594,7 @@ async fn sdk_script(
         .env("GATEWAY_URL", gateway.url())
         .env("PREMIUM_KEY", PREMIUM_KEY)
         .env("GUEST_KEY", GUEST_KEY)
+        .env("FREE_KEY", "sk-gw-free-1")
         .env("STREAM_TEXT", STREAM_TEXT.concat())
         .env("MESSAGE_TEXT", "Hello from the mock upstream.")
         .env_remove("ANTHROPIC_API_KEY")

@@ -3,7 +3,9 @@
 Run by `tests/gateway/proxy.rs` (`python_sdk_against_the_gateway`) with:
   GATEWAY_URL     the gateway, e.g. http://127.0.0.1:PORT
   PREMIUM_KEY     a premium client key of the gateway's keys file
-  GUEST_KEY       a guest client key (guest: 1 slot, a short max wait, a short retry-after)
+  GUEST_KEY       a guest client key (guest: 1 slot, a short max wait, a short retry-after,
+                  its refusals retried)
+  FREE_KEY        a free client key (free: 1 slot, 100 ms of wait, its refusals final)
   STREAM_TEXT     the text the mock streams
   MESSAGE_TEXT    the text of the mock's non-streaming answer
 
@@ -21,6 +23,7 @@ import anthropic
 URL = os.environ["GATEWAY_URL"]
 PREMIUM = os.environ["PREMIUM_KEY"]
 GUEST = os.environ["GUEST_KEY"]
+FREE = os.environ["FREE_KEY"]
 STREAM_TEXT = os.environ["STREAM_TEXT"]
 MESSAGE_TEXT = os.environ["MESSAGE_TEXT"]
 
@@ -162,11 +165,15 @@ except anthropic.AuthenticationError as e:
 
 # A flood from the guest key: the gateway answers 529 with retry-after to the calls past the
 # guest's one slot; with retries the SDK waits as told and every call succeeds.
-def flood(n, max_retries):
+def flood(n, max_retries, key=GUEST):
     results = [None] * n
-    guest = anthropic.Anthropic(
-        base_url=URL, api_key=GUEST, timeout=30.0, max_retries=max_retries
-    )
+    if max_retries is None:
+        # The SDK at its defaults (2 retries).
+        guest = anthropic.Anthropic(base_url=URL, api_key=key)
+    else:
+        guest = anthropic.Anthropic(
+            base_url=URL, api_key=key, timeout=30.0, max_retries=max_retries
+        )
 
     def one(i):
         try:
@@ -205,5 +212,25 @@ for e in refused:
     break
 others = [r for r in results if not isinstance(r, (anthropic.types.Message, anthropic.APIStatusError))]
 check("no other failure", not others, repr(others))
+
+# A flood on the free tier, whose refusals are final: the SDK at its defaults does not
+# retry them (x-should-retry: false), so its user is told at once; the body has the
+# write-up's fields and the request_id of the answer's header.
+results = flood(5, max_retries=None, key=FREE)
+refused = [r for r in results if isinstance(r, anthropic.APIStatusError)]
+check("a free flood is refused in part", len(refused) >= 1, repr(results))
+for e in refused:
+    check("refused as overloaded (529)", e.status_code == 529, repr(e))
+    check("told not to retry", e.response.headers.get("x-should-retry") == "false")
+    body = e.body if isinstance(e.body, dict) else {}
+    check("SERVER_BUSY beside the error", body.get("code") == "SERVER_BUSY", repr(body))
+    check("retry_after in the body", isinstance(body.get("retry_after"), int), repr(body))
+    check(
+        "the request_id of the answer",
+        body.get("request_id") == e.response.headers.get("request-id"),
+        repr(body),
+    )
+    break
+print(f"free refused {len(refused)}", flush=True)
 
 print(f"{passed} passed, 0 failed", flush=True)

@@ -36,12 +36,23 @@ async fn workers(
     upstreams: &[Svc],
     pool: impl Fn(fairgate::pool::PoolBuilder<Svc>) -> fairgate::pool::PoolBuilder<Svc>,
 ) -> Vec<Stack> {
+    workers_prioritised(url, (upstreams, &[]), pool).await
+}
+
+/// [`workers`], the upstreams of these priorities (0 where none is given).
+async fn workers_prioritised(
+    url: &str,
+    (upstreams, priorities): (&[Svc], &[u32]),
+    pool: impl Fn(fairgate::pool::PoolBuilder<Svc>) -> fairgate::pool::PoolBuilder<Svc>,
+) -> Vec<Stack> {
     let mut stacks: Vec<Stack> = Vec::new();
     for worker in 0..2u64 {
         let store = Store::redis(url).await.expect("a store");
         let mut builder = Pool::builder();
         for (i, upstream) in upstreams.iter().enumerate() {
-            builder = builder.upstream(Upstream::new(format!("u{i}"), upstream.clone()));
+            let priority = priorities.get(i).copied().unwrap_or(0);
+            let upstream = Upstream::new(format!("u{i}"), upstream.clone()).priority(priority);
+            builder = builder.upstream(upstream);
         }
         let pool = pool(builder).build().unwrap();
         let fairgate = FairgateLayer::builder(store)
@@ -141,6 +152,80 @@ async fn two_workers_over_two_upstreams_serve_at_least_1_8_times_one_with_no_429
         started.iter().all(|n| *n <= 50),
         "an upstream over its rate: {started:?}"
     );
+    assert_eq!(throttled, 0, "429s from the upstreams");
+}
+
+/// The rule: priority is a preference for the fleet. Two workers sending 6 calls a second
+/// in pairs (one from each at once), within the first upstream's rate: the second
+/// priority serves none; a burst of 30 a second past the first's 10 spills to it the calls
+/// the first's rate holds past `spill_after`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_workers_prefer_the_first_priority_and_spill_only_past_its_rate() {
+    let _serial = SERIAL.lock().await;
+    let server = RedisServer::start();
+    let upstreams = [
+        RateLimited::new(RPM, Duration::from_millis(50)),
+        RateLimited::new(RPM, Duration::from_millis(50)),
+    ];
+    let services = services(&upstreams);
+    let stacks = workers_prioritised(&server.url(), (&services, &[0, 1]), |pool| pool).await;
+    let ids = Arc::new(AtomicU64::new(0));
+    let send = |w: usize, at: Instant, tenant: String| {
+        let stack = stacks[w].clone();
+        let id = ids.fetch_add(1, Ordering::Relaxed);
+        send_at(stack, id, at, user(&tenant, "premium"))
+    };
+    // Warm-up, one call at a time from each worker: the first's limits learned by the fleet.
+    for w in [0, 1, 0, 1] {
+        assert!(
+            send(w, Instant::now(), "warm-up".into())
+                .await
+                .unwrap()
+                .ok()
+        );
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    upstreams.iter().for_each(RateLimited::forget);
+    let start = Instant::now();
+    let pairs: Vec<_> = (0..18u64)
+        .map(|i| {
+            let at = start + Duration::from_millis(i / 2 * 333);
+            send((i % 2) as usize, at, format!("t{}", i % 4))
+        })
+        .collect();
+    let outcomes = joined(pairs).await;
+    assert_eq!(
+        count(&outcomes, Outcome::ok),
+        18,
+        "{}",
+        busy_reasons(&outcomes)
+    );
+    let each: Vec<usize> = upstreams.iter().map(|u| u.calls().len()).collect();
+    println!("within the first's rate: calls at each upstream {each:?}");
+    assert_eq!(
+        each,
+        [18, 0],
+        "the second priority took calls the first had room for"
+    );
+    let start = Instant::now();
+    let burst: Vec<_> = (0..60u64)
+        .map(|i| {
+            let at = start + Duration::from_millis(i * 33);
+            send((i % 2) as usize, at, format!("t{}", i % 4))
+        })
+        .collect();
+    let outcomes = joined(burst).await;
+    let second = upstreams[1].calls().len();
+    println!(
+        "a burst of 30 a second: {} served, {second} at the second (busy: {})",
+        count(&outcomes, Outcome::ok),
+        busy_reasons(&outcomes)
+    );
+    assert!(
+        second >= 5,
+        "the second took {second} of a burst past the first's rate"
+    );
+    let throttled: usize = upstreams.iter().map(RateLimited::throttled).sum();
     assert_eq!(throttled, 0, "429s from the upstreams");
 }
 

@@ -52,7 +52,6 @@ use super::identity::KeyPolicy;
 use super::record::{Probe, Recorder, Recording, Trace};
 use super::routes::{Route, route};
 use super::server::{Hangup, Holding, stopped};
-use super::upstream::full;
 use super::upstreams::{Member, Upstreams};
 use super::usage::Usage;
 
@@ -248,17 +247,11 @@ impl Gateway {
     }
 }
 
-/// Anthropic's error shape for the gateway's own refusals.
+/// Anthropic's error shape for the gateway's own refusals, with their `request_id`.
 pub(crate) fn error_response(status: StatusCode, kind: &str, message: &str) -> Response<Body> {
     // Escaped as JSON: a message may quote what the client sent.
     let body = serde_json::json!({"type": "error", "error": {"type": kind, "message": message}});
-    let mut response = Response::new(full(body.to_string()));
-    *response.status_mut() = status;
-    response.headers_mut().insert(
-        header::CONTENT_TYPE,
-        HeaderValue::from_static("application/json"),
-    );
-    super::own_answer::mark(response)
+    super::own_answer::error_answer(status, http::HeaderMap::new(), body)
 }
 
 fn with_retry_after(mut response: Response<Body>, wait: Duration) -> Response<Body> {
@@ -297,7 +290,10 @@ fn rendered(error: &BoxError) -> Response<Body> {
             .insert("retry-after-ms", HeaderValue::from(ms));
         return response;
     }
-    super::own_answer::mark(render(error, Style::Anthropic).map(full))
+    // The library's rendering, its `request_id` added as the API's errors carry one.
+    let (parts, body) = render(error, Style::Anthropic).into_parts();
+    let body = serde_json::from_str(&body).unwrap_or_else(|_| serde_json::json!({}));
+    super::own_answer::error_answer(parts.status, parts.headers, body)
 }
 
 /// The pool's `NoUpstream` in `error` or its sources.

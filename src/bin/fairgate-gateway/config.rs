@@ -174,6 +174,9 @@ struct TierEntry {
     max_wait_ms: Spanned<u64>,
     /// The slots one tenant (one end user of a service key) of the tier holds at once.
     tenant_cap: Option<Spanned<u32>>,
+    /// Whether clients should retry the tier's refusals (default false: they waited).
+    #[serde(default)]
+    retry: bool,
 }
 
 impl fmt::Debug for KeyEntry {
@@ -279,6 +282,7 @@ pub(crate) fn parse(text: &str) -> Result<Config, Refusal> {
         let tier = check_tier(text, entry, &mut configured)?;
         let wait = Duration::from_millis(*tier.max_wait_ms.get_ref());
         builder = builder.tier(tier.name.as_str(), tier.cap, wait);
+        builder = builder.retry(tier.name.as_str(), tier.retry);
         if let Some(cap) = &tier.tenant_cap {
             builder = builder.tenant_cap(tier.name.as_str(), *cap.get_ref());
         }
@@ -912,6 +916,15 @@ origins = [\"user\", \"scheduled\", \"batch\"]
         let short = refused(&format!("user_secret = \"short\"\n{SERVICE}"));
         assert_eq!(short.line, Some(1));
         assert!(!short.message.contains("\"short\""), "{}", short.message);
+    }
+
+    #[test]
+    fn a_tiers_refusals_say_not_to_retry_unless_it_says_retry() {
+        let tiers = "[[tiers]]\nname = \"free\"\ncap = 15\nmax_wait_ms = 1000\n\
+                     [[tiers]]\nname = \"batchy\"\ncap = 2\nmax_wait_ms = 1000\nretry = true\n";
+        let config = parse(&format!("{SERVICE}{tiers}")).unwrap();
+        assert!(!config.policy.limit(Some(&"free".into())).1.retry);
+        assert!(config.policy.limit(Some(&"batchy".into())).1.retry);
     }
 
     #[test]

@@ -5,10 +5,38 @@ use http::{HeaderValue, Response};
 
 use super::Body;
 
-/// Marks an answer of the gateway's own as Anthropic's are: a `request-id` to quote in a
-/// report, and a reason phrase on `529` (hyper knows none for it: the line would end bare).
+/// An answer of the gateway's own with an error `body` (Anthropic's shape, and whatever
+/// else it holds): its `request_id` put in the body, as the API puts it, and in the
+/// `request-id` header ([`mark`]).
+pub(crate) fn error_answer(
+    status: http::StatusCode,
+    headers: http::HeaderMap,
+    mut body: serde_json::Value,
+) -> Response<Body> {
+    let id = next_request_id();
+    if let Some(fields) = body.as_object_mut() {
+        fields.insert("request_id".into(), serde_json::Value::String(id.clone()));
+    }
+    let mut response = Response::new(super::upstream::full(body.to_string()));
+    *response.status_mut() = status;
+    *response.headers_mut() = headers;
+    response.headers_mut().insert(
+        http::header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    if let Ok(id) = HeaderValue::from_str(&id) {
+        response.headers_mut().insert("request-id", id);
+    }
+    mark(response)
+}
+
+/// Marks an answer of the gateway's own as Anthropic marks its answers: a `request-id` to
+/// quote in a report (kept if it has one), and a reason phrase on `529` (hyper knows none
+/// for it: the line would end bare).
 pub(crate) fn mark(mut response: Response<Body>) -> Response<Body> {
-    if let Ok(id) = HeaderValue::from_str(&next_request_id()) {
+    if !response.headers().contains_key("request-id")
+        && let Ok(id) = HeaderValue::from_str(&next_request_id())
+    {
         response.headers_mut().insert("request-id", id);
     }
     if response.status().as_u16() == 529 {

@@ -173,13 +173,14 @@ impl Ticket {
             // Its max wait passed while it waited: out of the queue, `Busy`.
             self.shared = None;
             AfterUnlock::default().run(&shared, Some((self.class, depth)));
-            let (tier, _) = self.patience.clone().unwrap_or_else(|| {
+            let (tier, limit) = self.patience.clone().unwrap_or_else(|| {
                 (
                     Tier::new(""),
                     TierLimit {
                         cap: 0,
                         max_wait: Duration::ZERO,
                         tenant_cap: None,
+                        retry: false,
                     },
                 )
             });
@@ -189,7 +190,9 @@ impl Ticket {
                 .map_or(Duration::from_secs(5), |p| p.retry_after());
             let waited = self.arrived.elapsed();
             crate::trace::waited(reason, waited);
-            let busy = Busy::new(tier, waited, retry_after).because(reason);
+            let busy = Busy::new(tier, waited, retry_after)
+                .because(reason)
+                .retrying(limit.retry);
             return Poll::Ready(Err(busy));
         }
         // Only this ticket removes its own entry, so a missing entry was popped: the

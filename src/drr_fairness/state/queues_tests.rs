@@ -29,6 +29,7 @@ fn limit() -> TierLimit {
         cap: 10,
         max_wait: Duration::from_secs(10),
         tenant_cap: None,
+        retry: false,
     }
 }
 
