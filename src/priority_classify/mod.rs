@@ -11,10 +11,11 @@
 //!   for. The check and the demotion are one atomic step in the [`Store`](crate::Store), so
 //!   every worker agrees; each worker reuses an answer for a short while (the store's cache
 //!   TTL), so a busy tenant costs no Redis round trip per request;
-//! - each admitted job's [`charge`](crate::Job::charge) (its estimated input tokens plus
-//!   the output it may produce, in input tokens) is added to its tenant's total for the
-//!   UTC day; a [`Settler`](crate::drr_fairness::Settler) later corrects the total to the
-//!   answer's real usage.
+//! - each job counts toward its tenant's total for the UTC day in the policy's
+//!   [`BudgetCounts`](crate::BudgetCounts): its estimated input tokens (the default), or
+//!   its whole [`charge`](crate::Job::charge); a [`Settler`](crate::drr_fairness::Settler)
+//!   later corrects the total to the answer's real usage, and a call refused before it
+//!   runs (`Busy`, `QueueFull`, no upstream with room) gives its count back.
 //!
 //! It is meant to be the outermost layer: it records `claude_request_latency_seconds` per
 //! priority from its `call` to the response. A request with no `Job` fails with
@@ -44,7 +45,7 @@
 //! ```
 //!
 //! # Cancel safety
-//! - **Dropping the response future**: the job's charge was added to its tenant's day in
+//! - **Dropping the response future**: the job's count was added to its tenant's day in
 //!   `call` and stays (as for a call whose answer never said its usage); the inner future is
 //!   dropped with it, and each layer below gives back what it held (see theirs).
 //! - **Dropping or keeping a response**: nothing of this layer is held by a response; the

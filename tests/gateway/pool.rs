@@ -360,6 +360,16 @@ async fn an_overloaded_upstream_is_set_aside_and_the_other_serves_its_calls() {
         upstream_metric(&metrics, "gateway_upstream_moved_away_total", "first"),
         Some(overloaded as f64)
     );
+    assert!(
+        metrics.contains(&format!(
+            "gateway_upstream_moved_away_total{{upstream=\"first\",reason=\"overloaded\"}} {overloaded}"
+        )),
+        "{metrics}"
+    );
+    assert_eq!(
+        upstream_metric(&metrics, "gateway_upstream_served_total", "second"),
+        Some(sent as f64)
+    );
     promtool_lint(&metrics);
     let status: Value = serde_json::from_str(&gateway.admin("/status").await).unwrap();
     assert_eq!(status["upstreams"][0]["set_aside"], true, "{status}");
@@ -380,6 +390,15 @@ async fn an_overloaded_upstream_is_set_aside_and_the_other_serves_its_calls() {
             "{first_row}"
         );
         assert!(second_row.contains("taking calls"), "{second_row}");
+        // Its 529s are the reason they moved; the second served every call.
+        assert!(
+            first_row.contains(&format!(r#"class="n overloaded">{overloaded}<"#)),
+            "{first_row}"
+        );
+        assert!(
+            second_row.contains(&format!(r#"class="n served">{sent}<"#)),
+            "{second_row}"
+        );
     }
 }
 

@@ -251,7 +251,7 @@ impl Gateway {
 pub(crate) fn error_response(status: StatusCode, kind: &str, message: &str) -> Response<Body> {
     // Escaped as JSON: a message may quote what the client sent.
     let body = serde_json::json!({"type": "error", "error": {"type": kind, "message": message}});
-    super::own_answer::error_answer(status, http::HeaderMap::new(), body)
+    super::own_answer::error_answer(status, http::HeaderMap::new(), &body.to_string())
 }
 
 fn with_retry_after(mut response: Response<Body>, wait: Duration) -> Response<Body> {
@@ -292,8 +292,7 @@ fn rendered(error: &BoxError) -> Response<Body> {
     }
     // The library's rendering, its `request_id` added as the API's errors carry one.
     let (parts, body) = render(error, Style::Anthropic).into_parts();
-    let body = serde_json::from_str(&body).unwrap_or_else(|_| serde_json::json!({}));
-    super::own_answer::error_answer(parts.status, parts.headers, body)
+    super::own_answer::error_answer(parts.status, parts.headers, &body)
 }
 
 /// The pool's `NoUpstream` in `error` or its sources.

@@ -11,13 +11,18 @@ use super::Body;
 pub(crate) fn error_answer(
     status: http::StatusCode,
     headers: http::HeaderMap,
-    mut body: serde_json::Value,
+    body: &str,
 ) -> Response<Body> {
     let id = next_request_id();
-    if let Some(fields) = body.as_object_mut() {
-        fields.insert("request_id".into(), serde_json::Value::String(id.clone()));
-    }
-    let mut response = Response::new(super::upstream::full(body.to_string()));
+    // After the object's other fields, in their order (`"type"` first, as the API's).
+    let body = match body.trim_end().strip_suffix('}') {
+        Some(open) if open.trim_start().starts_with('{') => {
+            let comma = if open.trim() == "{" { "" } else { "," };
+            format!(r#"{open}{comma}"request_id":"{id}"}}"#)
+        }
+        _ => body.to_owned(),
+    };
+    let mut response = Response::new(super::upstream::full(body));
     *response.status_mut() = status;
     *response.headers_mut() = headers;
     response.headers_mut().insert(
@@ -71,6 +76,26 @@ fn request_id(n: u64) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_error_body_gets_the_request_id_of_its_header_last() {
+        let answer = error_answer(
+            http::StatusCode::UNAUTHORIZED,
+            http::HeaderMap::new(),
+            r#"{"type":"error","error":{"type":"authentication_error","message":"x"}}"#,
+        );
+        let id = answer.headers()["request-id"].to_str().unwrap().to_owned();
+        let body = futures_util::FutureExt::now_or_never(http_body_util::BodyExt::collect(
+            answer.into_body(),
+        ))
+        .unwrap()
+        .unwrap()
+        .to_bytes();
+        let expected = format!(
+            r#"{{"type":"error","error":{{"type":"authentication_error","message":"x"}},"request_id":"{id}"}}"#
+        );
+        assert_eq!(String::from_utf8_lossy(&body), expected);
+    }
 
     #[test]
     fn request_ids_never_repeat_and_do_not_count_up() {
