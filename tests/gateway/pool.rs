@@ -403,41 +403,76 @@ async fn an_overloaded_upstream_is_set_aside_and_the_other_serves_its_calls() {
 }
 
 /// The rule: a call goes to another upstream only when it provably did not run at the
-/// first. A `500`, `502`, `503` or `504` may come after the call ran (both mocks answer it
-/// to a call asking for it): the client gets it as it is, and the call ran at one upstream
-/// only. (A `529`, refused before running, goes to the other: the overloaded test above.)
-/// On one gateway, or on Redis.
+/// first. A `529` (the API refuses before it runs a call) is served by the other, counted
+/// as moved away for being overloaded. A `500`, `502`, `503` or `504`, or a connection
+/// dropped after the request was sent, may come after the call ran (both mocks answer so
+/// a call asking for it): the client gets it as it is (`502` for the hang-up), and the
+/// call ran at one upstream only. (A `429` goes back to the retry layer: `rate::`.) On one
+/// gateway, or on Redis.
 async fn a_call_that_may_have_run_is_never_sent_again(redis: Option<&RedisServer>) {
     let (first, second) = mocks();
-    let keys = pool_keys(&first, &second, ["", ""]);
+    // The second is the fallback: a call goes to the first, or to the second only once the
+    // first refused it (or held it past `spill_after`).
+    let keys = pool_keys(&first, &second, ["", "priority = 1"]);
     let gateway = match redis {
         Some(redis) => Gateway::start_pool_on(&redis.url(), &keys, &KEYS_ENV),
         None => Gateway::start_pool(&keys, &KEYS_ENV, &[]),
     };
-    let ran = || messages_at(&first).len() + messages_at(&second).len();
-    for (n, status) in ["500", "502", "503", "504"].into_iter().enumerate() {
+    // The first refuses the first call it gets: that call is served by the second.
+    first.push_reply(Reply::Overloaded);
+    let mut sent = 0;
+    while messages_at(&first).is_empty() {
+        assert!(sent < 20, "the first upstream got none of {sent} calls");
+        let key = format!("sk-gw-t{}", 1 + sent % 4);
+        let (answered, _, body) = post(&gateway.url(), &key, &model_body("claude-x")).await;
+        assert_eq!(answered, 200, "a 529 is served by the other: {body}");
+        sent += 1;
+    }
+    assert_eq!(messages_at(&first).len(), 1);
+    assert_eq!(
+        messages_at(&second).len(),
+        sent,
+        "every call ran at the second"
+    );
+    let metrics = gateway.metrics().await;
+    let overloaded =
+        "gateway_upstream_moved_away_total{upstream=\"first\",reason=\"overloaded\"} 1";
+    assert!(metrics.contains(overloaded), "{metrics}");
+    let ran = || messages_at(&first).len() + messages_at(&second).len() - 1 - sent;
+    for (n, status) in ["500", "502", "503", "504", "hang-up"]
+        .into_iter()
+        .enumerate()
+    {
         let answer = client()
             .post(format!("{}/v1/messages", gateway.url()))
-            .header("x-api-key", format!("sk-gw-t{}", 1 + n))
+            .header("x-api-key", format!("sk-gw-t{}", 1 + n % 4))
             .header("content-type", "application/json")
             .header("x-mock-reply", status)
             .body(model_body("claude-x"))
             .send()
             .await
             .unwrap();
-        assert_eq!(answer.status().as_str(), status, "as the upstream answered");
+        let expected = if status == "hang-up" { "502" } else { status };
+        assert_eq!(
+            answer.status().as_str(),
+            expected,
+            "as the upstream answered"
+        );
         let body: Value = serde_json::from_slice(&answer.bytes().await.unwrap()).unwrap();
         assert_eq!(body["error"]["type"], "api_error", "{body}");
         assert_eq!(ran(), n + 1, "{status}: the call ran at one upstream only");
     }
     let metrics = gateway.metrics().await;
-    for upstream in ["first", "second"] {
-        assert_eq!(
-            upstream_metric(&metrics, "gateway_upstream_moved_away_total", upstream),
-            Some(0.0),
-            "{metrics}"
-        );
-    }
+    assert_eq!(
+        upstream_metric(&metrics, "gateway_upstream_moved_away_total", "first"),
+        Some(1.0),
+        "only the 529 moved: {metrics}"
+    );
+    assert_eq!(
+        upstream_metric(&metrics, "gateway_upstream_moved_away_total", "second"),
+        Some(0.0),
+        "{metrics}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -4,8 +4,8 @@
 //! What it answers, for `POST /v1/messages` (the first that applies):
 //! 1. a reply pushed with [`MockAnthropic::push_reply`] (scripted, first in first out);
 //! 2. the request's `x-mock-reply` header: `message`, `stream`, `stream-cut` (its
-//!    connection cut after three events), `429`, `529`, or a server error after the call
-//!    ran (`500`, `502`, `503`, `504`);
+//!    connection cut after three events), `hang-up` (the connection dropped unanswered),
+//!    `429`, `529`, or a server error after the call ran (`500`, `502`, `503`, `504`);
 //! 3. `"stream": true` in the body: an SSE stream ([`stream_body`]), else a message
 //!    ([`MESSAGE_JSON`]).
 //!
@@ -129,6 +129,9 @@ pub enum Reply {
     NoUsage,
     /// `200` SSE whose connection is cut after its first three events (the upstream died).
     StreamCut,
+    /// No answer at all: the connection is dropped after the request was read (the
+    /// upstream died while it ran the call).
+    HangUp,
 }
 
 /// One request the mock received.
@@ -644,6 +647,7 @@ async fn handle(State(inner): State<Arc<Inner>>, req: Request) -> Response {
                 }
                 Some("message") => Reply::Message,
                 Some("stream-cut") => Reply::StreamCut,
+                Some("hang-up") => Reply::HangUp,
                 _ if wants_stream(&body) => Reply::Stream,
                 _ => Reply::Message,
             });
@@ -652,6 +656,11 @@ async fn handle(State(inner): State<Arc<Inner>>, req: Request) -> Response {
                 Reply::Stream => {
                     let gap = Duration::from_millis(inner.event_gap_ms.load(Ordering::Relaxed));
                     return sse(n, guard, gap);
+                }
+                Reply::HangUp => {
+                    // Unwinding ends the connection's task: the socket closes unanswered.
+                    drop(guard);
+                    std::panic::resume_unwind(Box::new("the mock upstream hangs up, as asked"));
                 }
                 Reply::StreamCut => {
                     let mut response = sse(n, guard, Duration::ZERO);
