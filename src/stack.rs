@@ -422,6 +422,69 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
+    async fn each_class_waits_its_own_wait_and_a_chat_tiers_never_refuses_batch() {
+        use std::time::Duration;
+        // One slot, 1 s of wait for the tier's user actions; the first call holds the slot
+        // for 60 s.
+        let policy = crate::SlotPolicy::builder()
+            .global_max(1)
+            .tier("free", 1, Duration::from_secs(1))
+            .build()
+            .unwrap();
+        let layer = FairgateLayer::builder(Store::memory())
+            .slots(policy)
+            .build()
+            .unwrap();
+        let calls = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let service = tower::ServiceBuilder::new()
+            .layer(layer)
+            .service(service_fn(move |_req: http::Request<String>| {
+                let first = calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst) == 0;
+                async move {
+                    if first {
+                        tokio::time::sleep(Duration::from_secs(60)).await;
+                    }
+                    Ok::<_, std::convert::Infallible>(http::Response::new(String::new()))
+                }
+            }));
+        let send = |job: Job| {
+            let mut req = http::Request::new(String::new());
+            req.extensions_mut().insert(job.with_tier("free"));
+            let call = service.clone().oneshot(req);
+            tokio::spawn(async move {
+                let started = tokio::time::Instant::now();
+                let answer = call.await.map(|_| ()).map_err(|e| e.is::<crate::Busy>());
+                (answer, started.elapsed())
+            })
+        };
+        let holder = send(Job::new("holder", Origin::UserAction));
+        tokio::task::yield_now().await;
+        let user = send(Job::new("user", Origin::UserAction));
+        let scheduled = send(Job::new("cron", Origin::Scheduled).with_sla(Duration::from_secs(10)));
+        let batch = send(Job::new("nightly", Origin::BatchJob));
+        let secs = |d: Duration| d.as_secs();
+        let (answer, waited) = user.await.unwrap();
+        assert_eq!(
+            (answer, secs(waited)),
+            (Err(true), 1),
+            "a user action: the tier's wait"
+        );
+        let (answer, waited) = scheduled.await.unwrap();
+        assert_eq!(
+            (answer, secs(waited)),
+            (Err(true), 10),
+            "scheduled: its SLA"
+        );
+        let (answer, waited) = batch.await.unwrap();
+        assert_eq!(
+            (answer, secs(waited)),
+            (Ok(()), 60),
+            "batch: served when the slot frees"
+        );
+        assert!(holder.await.unwrap().0.is_ok());
+    }
+
+    #[tokio::test(start_paused = true)]
     async fn a_call_fairgate_refuses_counts_nothing_toward_the_day() {
         // One slot for the tier, and no wait: the second call is `Busy` at once.
         let policy = crate::SlotPolicy::builder()

@@ -18,6 +18,70 @@ pub struct TierLimit {
     /// Whether callers should retry this tier's [`Busy`](crate::Busy) (default `false`: the
     /// request already waited its max wait; see [`SlotPolicyBuilder::retry`]).
     pub retry: bool,
+    /// How long standard (scheduled) work of this tier waits (`None`, the default: up to its
+    /// SLA, at most an hour; see [`SlotPolicyBuilder::standard_max_wait`]).
+    pub standard_max_wait: Option<Duration>,
+    /// How long batch work of this tier waits (default 120 s, the write-up's batch SLO; see
+    /// [`SlotPolicyBuilder::batch_max_wait`]).
+    pub batch_max_wait: Duration,
+}
+
+/// The most a standard request's SLA makes it wait.
+const SLA_WAIT_MAX: Duration = Duration::from_secs(3_600);
+
+/// How long batch work waits unless its tier says otherwise.
+pub(crate) const BATCH_MAX_WAIT: Duration = Duration::from_secs(120);
+
+impl TierLimit {
+    /// A tier of `cap` slots whose user actions wait `max_wait`, with the other defaults.
+    pub(crate) fn new(cap: u32, max_wait: Duration) -> TierLimit {
+        TierLimit {
+            cap,
+            max_wait,
+            tenant_cap: None,
+            retry: false,
+            standard_max_wait: None,
+            batch_max_wait: BATCH_MAX_WAIT,
+        }
+    }
+
+    /// How long a request of `class` (`None`: not classified yet) with `sla` waits for its
+    /// turn: its class's wait. A critical request (a user action) waits the tier's
+    /// [`max_wait`](Self::max_wait); a standard one its tier's
+    /// [`standard_max_wait`](Self::standard_max_wait), else up to its SLA (at most an hour);
+    /// a batch one [`batch_max_wait`](Self::batch_max_wait): a chat tier's short wait never
+    /// refuses batch work. One not classified yet waits the tier's `max_wait`.
+    ///
+    /// ```
+    /// use fairgate::{Priority, SlotPolicy};
+    /// use std::time::Duration;
+    ///
+    /// let (_, free, _) = SlotPolicy::default().limit(Some(&"free".into()));
+    /// let hour = Duration::from_secs(3_600);
+    /// assert_eq!(free.max_wait_for(Some(Priority::Critical), None), Duration::from_secs(12));
+    /// assert_eq!(free.max_wait_for(Some(Priority::Standard), Some(Duration::from_secs(60))), Duration::from_secs(60));
+    /// assert_eq!(free.max_wait_for(Some(Priority::Standard), Some(2 * hour)), hour);
+    /// assert_eq!(free.max_wait_for(Some(Priority::Batch), None), Duration::from_secs(120));
+    /// ```
+    pub fn max_wait_for(&self, class: Option<crate::Priority>, sla: Option<Duration>) -> Duration {
+        match class {
+            Some(crate::Priority::Batch) => self.batch_max_wait,
+            Some(crate::Priority::Standard) => self
+                .standard_max_wait
+                .unwrap_or_else(|| sla.map_or(self.max_wait, |sla| sla.min(SLA_WAIT_MAX))),
+            _ => self.max_wait,
+        }
+    }
+
+    /// This limit with its `max_wait` the one a request of `class` with `sla` waits.
+    pub(crate) fn for_class(
+        mut self,
+        class: Option<crate::Priority>,
+        sla: Option<Duration>,
+    ) -> Self {
+        self.max_wait = self.max_wait_for(class, sla);
+        self
+    }
 }
 
 /// Global and per-tier caps, how long each tier waits, and how leases behave.
@@ -55,12 +119,7 @@ pub struct SlotPolicy {
 
 impl Default for SlotPolicy {
     fn default() -> Self {
-        let tier = |cap, secs| TierLimit {
-            cap,
-            max_wait: Duration::from_secs(secs),
-            tenant_cap: None,
-            retry: false,
-        };
+        let tier = |cap, secs| TierLimit::new(cap, Duration::from_secs(secs));
         SlotPolicy {
             global_max: 30,
             tiers: HashMap::from_iter([
@@ -87,6 +146,7 @@ impl SlotPolicy {
             policy: SlotPolicy::default(),
             tenant_caps: HashMap::default(),
             retries: HashMap::default(),
+            class_waits: HashMap::default(),
         }
     }
 
@@ -107,12 +167,7 @@ impl SlotPolicy {
             .tiers
             .get(&self.default_tier)
             .copied()
-            .unwrap_or(TierLimit {
-                cap: 1,
-                max_wait: Duration::ZERO,
-                tenant_cap: None,
-                retry: false,
-            });
+            .unwrap_or(TierLimit::new(1, Duration::ZERO));
         (self.default_tier.clone(), limit, tier.is_none())
     }
 
@@ -142,6 +197,8 @@ pub struct SlotPolicyBuilder {
     tenant_caps: HashMap<Tier, u32>,
     /// Applied by `build`, as `tenant_caps`.
     retries: HashMap<Tier, bool>,
+    /// Standard and batch waits per tier, applied by `build`.
+    class_waits: HashMap<Tier, (Option<Duration>, Option<Duration>)>,
 }
 
 impl SlotPolicyBuilder {
@@ -153,16 +210,36 @@ impl SlotPolicyBuilder {
 
     /// Adds a tier or replaces one: its cap (at least 1) and how long it waits.
     pub fn tier(mut self, name: impl Into<Tier>, cap: u32, max_wait: Duration) -> Self {
-        // `tenant_cap` and `retry` are set by `build` from their own calls.
-        self.policy.tiers.insert(
-            name.into(),
-            TierLimit {
-                cap,
-                max_wait,
-                tenant_cap: None,
-                retry: false,
-            },
-        );
+        // The rest is set by `build` from their own calls.
+        self.policy
+            .tiers
+            .insert(name.into(), TierLimit::new(cap, max_wait));
+        self
+    }
+
+    /// How long standard (scheduled) work of tier `name` waits, whatever its SLA (default:
+    /// up to its SLA, at most an hour). See [`TierLimit::max_wait_for`].
+    pub fn standard_max_wait(mut self, name: impl Into<Tier>, wait: Duration) -> Self {
+        self.class_waits.entry(name.into()).or_default().0 = Some(wait);
+        self
+    }
+
+    /// How long batch work of tier `name` waits (default 120 s, the write-up's batch SLO):
+    /// a chat tier's short wait never refuses batch work. See [`TierLimit::max_wait_for`].
+    ///
+    /// ```
+    /// use fairgate::SlotPolicy;
+    /// use std::time::Duration;
+    ///
+    /// let policy = SlotPolicy::builder()
+    ///     .batch_max_wait("free", Duration::from_secs(600))
+    ///     .build()?;
+    /// assert_eq!(policy.limit(Some(&"free".into())).1.batch_max_wait, Duration::from_secs(600));
+    /// assert_eq!(policy.limit(Some(&"pro".into())).1.batch_max_wait, Duration::from_secs(120));
+    /// # Ok::<(), fairgate::ConfigError>(())
+    /// ```
+    pub fn batch_max_wait(mut self, name: impl Into<Tier>, wait: Duration) -> Self {
+        self.class_waits.entry(name.into()).or_default().1 = Some(wait);
         self
     }
 
@@ -278,6 +355,15 @@ impl SlotPolicyBuilder {
     /// means \"forever\".
     pub fn build(self) -> Result<SlotPolicy, ConfigError> {
         let mut policy = self.policy;
+        for (tier, (standard, batch)) in self.class_waits {
+            let Some(limit) = policy.tiers.get_mut(&tier) else {
+                return Err(ConfigError::new(format!(
+                    "a class's wait for tier {tier}, which has no slot limit configured"
+                )));
+            };
+            limit.standard_max_wait = standard.or(limit.standard_max_wait);
+            limit.batch_max_wait = batch.unwrap_or(limit.batch_max_wait);
+        }
         for (tier, retry) in self.retries {
             let Some(limit) = policy.tiers.get_mut(&tier) else {
                 return Err(ConfigError::new(format!(

@@ -111,7 +111,7 @@ impl Patience {
     pub(super) fn new(policy: &crate::SlotPolicy, job: &crate::Job, arrived: Instant) -> Self {
         let (tier, limit, _) = policy.limit(job.tier());
         Patience {
-            deadline: crate::time::after(arrived, limit.max_wait),
+            deadline: crate::time::after(arrived, limit.max_wait_for(job.priority(), job.sla())),
             arrived,
             tier,
             retry_after: policy.retry_after(),

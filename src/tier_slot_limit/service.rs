@@ -92,6 +92,8 @@ where
         job.mark_slot_held_by(&shared.gate);
         let started = job.arrival();
         let (tier, limit, state) = shared.resolve(job.tier());
+        // It waits its class's wait (a batch job longer than the tier's user actions).
+        let limit = limit.for_class(job.priority(), job.sla());
 
         // A tier that caps tenants: the request first takes its place in its tenant's line.
         let tenant = limit.tenant_cap.map(|_| job.tenant().clone());

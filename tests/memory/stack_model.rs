@@ -66,7 +66,13 @@ impl Limits {
     fn policy(&self) -> SlotPolicy {
         let mut builder = SlotPolicy::builder().global_max(self.global).seed(7);
         for (t, tier) in TIERS.iter().enumerate() {
-            builder = builder.tier(*tier, self.caps[t], self.max_waits[t]);
+            // Every class of a tier waits the tier's wait here: the model checks the caps and
+            // each request's end against one wait (the class waits: `tier_slot_limit::`).
+            let wait = self.max_waits[t];
+            builder = builder
+                .tier(*tier, self.caps[t], wait)
+                .standard_max_wait(*tier, wait)
+                .batch_max_wait(*tier, wait);
         }
         builder.build().expect("a valid policy")
     }

@@ -177,6 +177,28 @@ struct TierEntry {
     /// Whether clients should retry the tier's refusals (default false: they waited).
     #[serde(default)]
     retry: bool,
+    /// How long its standard (scheduled) work waits (default: up to its SLA, an hour at most).
+    standard_max_wait_ms: Option<Spanned<u64>>,
+    /// How long its batch work waits (default 120000, the write-up's batch SLO).
+    batch_max_wait_ms: Option<Spanned<u64>>,
+}
+
+impl TierEntry {
+    /// The tier's options besides its cap and wait, given to `builder`.
+    fn options(&self, mut builder: SlotPolicyBuilder) -> SlotPolicyBuilder {
+        let name = self.name.as_str();
+        builder = builder.retry(name, self.retry);
+        if let Some(cap) = &self.tenant_cap {
+            builder = builder.tenant_cap(name, *cap.get_ref());
+        }
+        if let Some(ms) = &self.standard_max_wait_ms {
+            builder = builder.standard_max_wait(name, Duration::from_millis(*ms.get_ref()));
+        }
+        if let Some(ms) = &self.batch_max_wait_ms {
+            builder = builder.batch_max_wait(name, Duration::from_millis(*ms.get_ref()));
+        }
+        builder
+    }
 }
 
 impl fmt::Debug for KeyEntry {
@@ -281,11 +303,7 @@ pub(crate) fn parse(text: &str) -> Result<Config, Refusal> {
     for entry in &file.tiers {
         let tier = check_tier(text, entry, &mut configured)?;
         let wait = Duration::from_millis(*tier.max_wait_ms.get_ref());
-        builder = builder.tier(tier.name.as_str(), tier.cap, wait);
-        builder = builder.retry(tier.name.as_str(), tier.retry);
-        if let Some(cap) = &tier.tenant_cap {
-            builder = builder.tenant_cap(tier.name.as_str(), *cap.get_ref());
-        }
+        builder = tier.options(builder.tier(tier.name.as_str(), tier.cap, wait));
         if !tiers.contains(&tier.name) {
             tiers.push(tier.name.clone());
         }
@@ -431,16 +449,23 @@ fn check_tier<'a>(
             ),
         ));
     }
-    let wait = *tier.max_wait_ms.get_ref();
-    if wait > MAX_WAIT_MS {
-        return Err(refuse(
-            text,
-            Some(tier.max_wait_ms.span()),
-            format!(
-                "[[tiers]] `{}`: max_wait_ms = {wait}: give at most {MAX_WAIT_MS} (an hour)",
-                tier.name
-            ),
-        ));
+    let waits = [
+        ("max_wait_ms", Some(&tier.max_wait_ms)),
+        ("standard_max_wait_ms", tier.standard_max_wait_ms.as_ref()),
+        ("batch_max_wait_ms", tier.batch_max_wait_ms.as_ref()),
+    ];
+    for (field, wait) in waits {
+        if let Some(wait) = wait.filter(|wait| *wait.get_ref() > MAX_WAIT_MS) {
+            return Err(refuse(
+                text,
+                Some(wait.span()),
+                format!(
+                    "[[tiers]] `{}`: {field} = {}: give at most {MAX_WAIT_MS} (an hour)",
+                    tier.name,
+                    wait.get_ref()
+                ),
+            ));
+        }
     }
     Ok(tier)
 }
@@ -916,6 +941,28 @@ origins = [\"user\", \"scheduled\", \"batch\"]
         let short = refused(&format!("user_secret = \"short\"\n{SERVICE}"));
         assert_eq!(short.line, Some(1));
         assert!(!short.message.contains("\"short\""), "{}", short.message);
+    }
+
+    #[test]
+    fn a_tiers_class_waits_are_the_policys_and_past_an_hour_refused() {
+        let tiers = "[[tiers]]\nname = \"free\"\ncap = 15\nmax_wait_ms = 12000\n\
+                     standard_max_wait_ms = 6000\nbatch_max_wait_ms = 600000\n";
+        let config = parse(&format!("{SERVICE}{tiers}")).unwrap();
+        let (_, free, _) = config.policy.limit(Some(&"free".into()));
+        assert_eq!(free.standard_max_wait, Some(Duration::from_secs(6)));
+        assert_eq!(free.batch_max_wait, Duration::from_secs(600));
+        let (_, pro, _) = config.policy.limit(Some(&"pro".into()));
+        assert_eq!(
+            (pro.standard_max_wait, pro.batch_max_wait),
+            (None, Duration::from_secs(120))
+        );
+        let long = tiers.replace("600000", "3600001");
+        let refusal = refused(&format!("{SERVICE}{long}"));
+        assert!(
+            refusal.message.contains("batch_max_wait_ms = 3600001"),
+            "{}",
+            refusal.message
+        );
     }
 
     #[test]

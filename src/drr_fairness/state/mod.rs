@@ -274,9 +274,10 @@ impl FairQueue {
             .filter(|_| !self.fleet_keeps_groups())
             .map(|name| (tier.clone(), name.clone()));
         let group = state.group_for(&tier, limit, named, &self.config)?;
+        // It waits its class's wait (a batch job longer than the tier's user actions).
         Ok(Placement {
             group,
-            patience: Some((tier, limit)),
+            patience: Some((tier, limit.for_class(job.priority(), job.sla()))),
         })
     }
 

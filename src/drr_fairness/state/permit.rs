@@ -173,17 +173,10 @@ impl Ticket {
             // Its max wait passed while it waited: out of the queue, `Busy`.
             self.shared = None;
             AfterUnlock::default().run(&shared, Some((self.class, depth)));
-            let (tier, limit) = self.patience.clone().unwrap_or_else(|| {
-                (
-                    Tier::new(""),
-                    TierLimit {
-                        cap: 0,
-                        max_wait: Duration::ZERO,
-                        tenant_cap: None,
-                        retry: false,
-                    },
-                )
-            });
+            let (tier, limit) = self
+                .patience
+                .clone()
+                .unwrap_or_else(|| (Tier::new(""), TierLimit::new(0, Duration::ZERO)));
             crate::metrics::server_busy(&tier, reason);
             let retry_after = shared
                 .slot_policy()

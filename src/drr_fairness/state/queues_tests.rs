@@ -25,12 +25,7 @@ fn queues() -> Queues {
 }
 
 fn limit() -> TierLimit {
-    TierLimit {
-        cap: 10,
-        max_wait: Duration::from_secs(10),
-        tenant_cap: None,
-        retry: false,
-    }
+    TierLimit::new(10, Duration::from_secs(10))
 }
 
 /// The group of `tier` (and `service`, a group of its own beside the tier's others).
