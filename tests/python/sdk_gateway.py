@@ -13,6 +13,7 @@ Prints one line per check and `N passed, 0 failed` at the end; exits non-zero on
 failure. Bounded: every client has a timeout, the flood is a few calls.
 """
 
+import asyncio
 import os
 import sys
 import threading
@@ -65,6 +66,22 @@ check(
     (raw.headers.get("request-id") or "").startswith("req_mock_"),
     dict(raw.headers),
 )
+check("with_raw_response reads x-fairgate-class", raw.headers.get("x-fairgate-class") == "critical")
+check("raw.parse", raw.parse().content[0].text == MESSAGE_TEXT)
+
+
+# The async client, as docs/python.md shows it: the call and the parse both awaited.
+async def async_raw():
+    aclient = anthropic.AsyncAnthropic(base_url=URL, api_key=PREMIUM, timeout=20.0, max_retries=0)
+    raw = await aclient.messages.with_raw_response.create(
+        model="claude-mock-1", max_tokens=64, messages=[{"role": "user", "content": "Hi"}]
+    )
+    return raw.headers.get("x-fairgate-budget-remaining"), await raw.parse()
+
+
+left, parsed = asyncio.run(async_raw())
+check("async with_raw_response reads the budget left", (left or "").isdigit(), repr(left))
+check("async raw.parse", parsed.content[0].text == MESSAGE_TEXT, repr(parsed))
 
 # messages.stream: the SDK assembles the events the gateway forwarded.
 deltas = []
