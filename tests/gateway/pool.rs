@@ -443,13 +443,9 @@ async fn a_call_that_may_have_run_is_never_sent_again(redis: Option<&RedisServer
         .into_iter()
         .enumerate()
     {
-        let answer = client()
-            .post(format!("{}/v1/messages", gateway.url()))
-            .header("x-api-key", format!("sk-gw-t{}", 1 + n % 4))
-            .header("content-type", "application/json")
-            .header("x-mock-reply", status)
-            .body(model_body("claude-x"))
-            .send()
+        let key = format!("sk-gw-t{}", 1 + n % 4);
+        let asked = [("x-mock-reply", status)];
+        let answer = post_messages_at(&gateway.url(), &key, &asked, false)
             .await
             .unwrap();
         let expected = if status == "hang-up" { "502" } else { status };

@@ -401,14 +401,11 @@ async fn a_stream_cut_by_its_upstream_ends_with_an_error_event() {
     let _serial = SERIAL.lock().await;
     let mock = MockAnthropic::start();
     let gateway = Gateway::start(&mock.url(), &keys_toml(8, 200, ""), None);
-    let response = client()
-        .post(format!("{}/v1/messages", gateway.url()))
-        .header("x-api-key", PREMIUM_KEY)
-        .header("content-type", "application/json")
-        .header("accept-encoding", "gzip, deflate")
-        .header("x-mock-reply", "stream-cut")
-        .body(messages_body(true))
-        .send()
+    let asked = [
+        ("accept-encoding", "gzip, deflate"),
+        ("x-mock-reply", "stream-cut"),
+    ];
+    let response = post_messages_at(&gateway.url(), PREMIUM_KEY, &asked, true)
         .await
         .unwrap();
     assert_eq!(response.status(), 200);
