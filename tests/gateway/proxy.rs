@@ -391,10 +391,11 @@ async fn an_upstream_429_is_retried_after_its_retry_after() {
     assert_eq!(mock.calls(), 2, "the 429, then the retry");
 }
 
-/// The rule: a stream its upstream cuts mid-way ends as the API ends a stream it cannot
-/// finish: the events sent so far, then an `error` event, then the body's end (no broken
-/// chunked body); a client that asked for gzip gets the stream uncompressed (the gateway
-/// asks the upstream for identity on streams, so it can add the event).
+/// The rule: a stream its upstream cuts mid-way (inside an event) ends as the API ends a
+/// stream it cannot finish: the whole events sent so far, never half of one, then an
+/// `error` event, then the body's end (no broken chunked body); a client that asked for
+/// gzip gets the stream uncompressed (the gateway asks the upstream for identity on
+/// streams, so it can add the event).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stream_cut_by_its_upstream_ends_with_an_error_event() {
     let _turn = crate::support::file_turn(module_path!());

@@ -4,7 +4,7 @@
 //! What it answers, for `POST /v1/messages` (the first that applies):
 //! 1. a reply pushed with [`MockAnthropic::push_reply`] (scripted, first in first out);
 //! 2. the request's `x-mock-reply` header: `message`, `stream`, `stream-cut` (its
-//!    connection cut after three events), `hang-up` (the connection dropped unanswered),
+//!    connection cut inside the fourth event), `hang-up` (the connection dropped unanswered),
 //!    `429`, `529`, or a server error after the call ran (`500`, `502`, `503`, `504`);
 //! 3. `"stream": true` in the body: an SSE stream ([`stream_body`]), else a message
 //!    ([`MESSAGE_JSON`]).
@@ -127,7 +127,8 @@ pub enum Reply {
     ServerError(u16),
     /// `200` with a message that says no `usage`.
     NoUsage,
-    /// `200` SSE whose connection is cut after its first three events (the upstream died).
+    /// `200` SSE whose connection is cut after its first three events and half of the
+    /// fourth (the upstream died).
     StreamCut,
     /// No answer at all: the connection is dropped after the request was read (the
     /// upstream died while it ran the call).
@@ -665,9 +666,15 @@ async fn handle(State(inner): State<Arc<Inner>>, req: Request) -> Response {
                 Reply::StreamCut => {
                     let mut response = sse(n, guard, Duration::ZERO);
                     use futures_util::StreamExt;
-                    let events: Vec<Result<Bytes, std::io::Error>> = stream_events()[..3]
+                    // Three events, then the first bytes of a fourth: the connection dies
+                    // inside it.
+                    let events: Vec<Result<Bytes, std::io::Error>> = stream_events()[..4]
                         .iter()
-                        .map(|event| Ok(Bytes::from(event.clone())))
+                        .enumerate()
+                        .map(|(i, event)| match i {
+                            3 => Ok(Bytes::from(event[..event.len() / 2].to_owned())),
+                            _ => Ok(Bytes::from(event.clone())),
+                        })
                         .collect();
                     // The events go out first (a moment passes), then the connection dies.
                     let cut = futures_util::stream::once(async {

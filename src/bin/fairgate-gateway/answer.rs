@@ -30,61 +30,6 @@ use super::Body;
 use super::holders::{Claim, Held};
 use super::server::Hangup;
 
-/// An SSE answer whose upstream fails mid-stream (its connection cut) ends as the API ends
-/// a stream it cannot finish: an `error` event (`api_error`), then the end of the body, so
-/// the official SDKs raise an API error rather than a transport error. The event is plain
-/// text: the gateway asks the upstream for an uncompressed stream (`api.rs`).
-pub(crate) fn sse_ends_with_an_error_event(upstream: Body) -> Body {
-    SseEnding {
-        inner: upstream,
-        ended: false,
-    }
-    .boxed_unsync()
-}
-
-/// The event an SSE answer cut by its upstream ends with.
-const CUT_EVENT: &str = "event: error\ndata: {\"type\":\"error\",\"error\":{\"type\":\"api_error\",\
-                         \"message\":\"the upstream's stream was cut before its end\"}}\n\n";
-
-struct SseEnding {
-    inner: Body,
-    ended: bool,
-}
-
-impl http_body::Body for SseEnding {
-    type Data = Bytes;
-    type Error = BoxError;
-
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
-        if self.ended {
-            return Poll::Ready(None);
-        }
-        match Pin::new(&mut self.inner).poll_frame(cx) {
-            Poll::Ready(Some(Err(error))) => {
-                debug!(error = %error, "an upstream's stream was cut: ended with an error event");
-                metrics::counter!("gateway_streams_cut_total").increment(1);
-                self.ended = true;
-                Poll::Ready(Some(Ok(Frame::data(Bytes::from_static(
-                    CUT_EVENT.as_bytes(),
-                )))))
-            }
-            polled => polled,
-        }
-    }
-
-    fn is_end_stream(&self) -> bool {
-        self.ended || self.inner.is_end_stream()
-    }
-
-    fn size_hint(&self) -> SizeHint {
-        // The error event may come on top of what the upstream said.
-        SizeHint::default()
-    }
-}
-
 /// A frame on its way to the client, with the buffer bytes it holds. Boxed: the channel
 /// allocates room for 32 at a time, which unboxed is 3.7 KiB a stream.
 type Queued = Box<(Result<Frame<Bytes>, BoxError>, Option<Held>)>;

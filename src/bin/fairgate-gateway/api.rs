@@ -600,7 +600,7 @@ fn to_client(
     let trace = trace.map(|trace| (trace, UsageReader::new(response.headers())));
     response.map(|body| {
         let body = match sse {
-            true => super::answer::sse_ends_with_an_error_event(body),
+            true => super::cut_stream::ended_as_the_api_ends(body),
             false => body,
         };
         let body = relay(body, permit, claim.clone(), gw.bodies.write, hangup);

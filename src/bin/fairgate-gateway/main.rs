@@ -21,6 +21,7 @@
 //! - `holders`: what each key holder may hold at once (requests, body and answer bytes);
 //! - `own_answer`: the gateway's own answers marked (`request-id`, `529 Overloaded`);
 //! - `answer`: answers relayed through a bounded buffer, the slot free at the upstream's end;
+//! - `cut_stream`: a stream its upstream cuts ends with the API's error event;
 //! - `server`: connections (cap, header / body / keep-alive timeouts, drain);
 //! - `admin`: `/metrics`, `/healthz`, `/readyz`, `/status` on the admin listener (its token);
 //! - `dashboard`: the admin listener's live page (`/`) and its numbers (`/live`);
@@ -39,6 +40,7 @@ mod auth;
 mod batches;
 mod config;
 mod cost;
+mod cut_stream;
 mod dashboard;
 mod flights;
 mod holders;
