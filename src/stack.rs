@@ -421,20 +421,14 @@ mod tests {
         assert_eq!(tokens_today(&layer, "light").await, 0);
     }
 
-    #[tokio::test(start_paused = true)]
-    async fn each_class_waits_its_own_wait_and_a_chat_tiers_never_refuses_batch() {
+    /// Through `layer` (tier `free`: 1 s of wait for user actions), a first call held for
+    /// `hold`, then a user action, scheduled work with a 10 s SLA and batch work: how each
+    /// ended (`Err(true)`: `Busy`) and after how many whole seconds.
+    async fn class_waits(
+        layer: FairgateLayer,
+        hold: std::time::Duration,
+    ) -> [(Result<(), bool>, u64); 3] {
         use std::time::Duration;
-        // One slot, 1 s of wait for the tier's user actions; the first call holds the slot
-        // for 60 s.
-        let policy = crate::SlotPolicy::builder()
-            .global_max(1)
-            .tier("free", 1, Duration::from_secs(1))
-            .build()
-            .unwrap();
-        let layer = FairgateLayer::builder(Store::memory())
-            .slots(policy)
-            .build()
-            .unwrap();
         let calls = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
         let service = tower::ServiceBuilder::new()
             .layer(layer)
@@ -442,7 +436,7 @@ mod tests {
                 let first = calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst) == 0;
                 async move {
                     if first {
-                        tokio::time::sleep(Duration::from_secs(60)).await;
+                        tokio::time::sleep(hold).await;
                     }
                     Ok::<_, std::convert::Infallible>(http::Response::new(String::new()))
                 }
@@ -454,34 +448,71 @@ mod tests {
             tokio::spawn(async move {
                 let started = tokio::time::Instant::now();
                 let answer = call.await.map(|_| ()).map_err(|e| e.is::<crate::Busy>());
-                (answer, started.elapsed())
+                (answer, started.elapsed().as_secs())
             })
         };
-        let holder = send(Job::new("holder", Origin::UserAction));
+        let first = send(Job::new("first", Origin::UserAction));
         tokio::task::yield_now().await;
-        let user = send(Job::new("user", Origin::UserAction));
-        let scheduled = send(Job::new("cron", Origin::Scheduled).with_sla(Duration::from_secs(10)));
-        let batch = send(Job::new("nightly", Origin::BatchJob));
-        let secs = |d: Duration| d.as_secs();
-        let (answer, waited) = user.await.unwrap();
+        let waits = [
+            send(Job::new("user", Origin::UserAction)),
+            send(Job::new("cron", Origin::Scheduled).with_sla(Duration::from_secs(10))),
+            send(Job::new("nightly", Origin::BatchJob)),
+        ];
+        let mut ends = [(Ok(()), 0); 3];
+        for (end, wait) in ends.iter_mut().zip(waits) {
+            *end = wait.await.unwrap();
+        }
+        assert!(first.await.unwrap().0.is_ok());
+        ends
+    }
+
+    /// A user action is `Busy` at its tier's wait (1 s), scheduled work at its SLA (10 s),
+    /// and batch work is served at 60 s, within its 120 s: before, all three were refused
+    /// at 1 s.
+    const CLASS_ENDS: [(Result<(), bool>, u64); 3] =
+        [(Err(true), 1), (Err(true), 10), (Ok(()), 60)];
+
+    #[tokio::test(start_paused = true)]
+    async fn each_class_waits_its_own_wait_where_the_slots_bind() {
+        use std::time::Duration;
+        // One slot, held 60 s by the first call.
+        let policy = crate::SlotPolicy::builder()
+            .global_max(1)
+            .tier("free", 1, Duration::from_secs(1))
+            .build()
+            .unwrap();
+        let layer = FairgateLayer::builder(Store::memory())
+            .slots(policy)
+            .build()
+            .unwrap();
         assert_eq!(
-            (answer, secs(waited)),
-            (Err(true), 1),
-            "a user action: the tier's wait"
+            class_waits(layer, Duration::from_secs(60)).await,
+            CLASS_ENDS
         );
-        let (answer, waited) = scheduled.await.unwrap();
-        assert_eq!(
-            (answer, secs(waited)),
-            (Err(true), 10),
-            "scheduled: its SLA"
-        );
-        let (answer, waited) = batch.await.unwrap();
-        assert_eq!(
-            (answer, secs(waited)),
-            (Ok(()), 60),
-            "batch: served when the slot frees"
-        );
-        assert!(holder.await.unwrap().0.is_ok());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn each_class_waits_its_own_wait_where_the_rate_binds() {
+        use std::time::Duration;
+        // Slots to spare; one request a minute, the first call's cell taken at once.
+        let policy = crate::SlotPolicy::builder()
+            .tier("free", 10, Duration::from_secs(1))
+            .build()
+            .unwrap();
+        let pacing = crate::rate::Pacing::new()
+            .requests_per_minute(1)
+            .request_burst(1);
+        let backoff = crate::BackoffPolicy::builder()
+            .pacing(pacing)
+            .seed(1)
+            .build()
+            .unwrap();
+        let layer = FairgateLayer::builder(Store::memory())
+            .slots(policy)
+            .backoff(backoff)
+            .build()
+            .unwrap();
+        assert_eq!(class_waits(layer, Duration::ZERO).await, CLASS_ENDS);
     }
 
     #[tokio::test(start_paused = true)]
