@@ -10,8 +10,9 @@
 //!   origin and SLA, never from a caller's label; runaway tenants demoted to batch for a
 //!   while.
 //! - [`DrrFairness`]: at most N requests in flight, and when the window is full the waiting
-//!   ones go out in a fair order — Deficit Round Robin across tenants (paid tiers weigh
-//!   more), weighted across priorities — instead of first come, first served.
+//!   ones go out in a fair order — one call per turn across tenants (start-time fair
+//!   queuing on their tokens; paid tiers weigh more), weighted across priorities — instead
+//!   of first come, first served.
 //! - [`TierSlotLimit`]: a global cap on calls in flight plus a cap per tier, shared by every
 //!   worker through the store; free tiers fail fast with [`Busy`], paid ones wait longer.
 //! - [`RetryAfterBackoff`]: retries "try later" answers by the server's `retry-after` with

@@ -26,7 +26,7 @@ pub struct DrrFairnessLayer {
 
 impl DrrFairnessLayer {
     /// At most `max_in_flight` requests in flight below the layer, with the defaults:
-    /// quantum 5,000 tokens, one request charged at most 4 quanta, class weights
+    /// one request charged at most 4 quanta of 5,000 tokens, class weights
     /// critical:standard:batch = 270:25:5 by smooth weighted round robin, tiers `pro` and
     /// `premium` weighing 3 and the rest 1, no queue limits, a 60 s fairness window.
     ///
@@ -53,7 +53,7 @@ impl DrrFairnessLayer {
         }
     }
 
-    /// A handle to settle requests' real usage against their tenants' deficits; see
+    /// A handle to settle requests' real usage against their tenants' place in the order; see
     /// [`Settler`].
     pub fn settler(&self) -> Settler {
         Settler {
@@ -168,8 +168,8 @@ impl DrrFairnessBuilder {
         self
     }
 
-    /// Credit in tokens a tenant of weight 1 gets per round (default 5,000: about one
-    /// typical request, so a visit is short and a newcomer waits little).
+    /// The unit of [`max_charge_quanta`](Self::max_charge_quanta), in tokens (default
+    /// 5,000). Turns are one call each whatever it is.
     pub fn quantum(mut self, tokens: u64) -> Self {
         self.config.quantum = tokens;
         self
@@ -210,7 +210,7 @@ impl DrrFairnessBuilder {
         self
     }
 
-    /// The DRR weight of a tier (default `pro` and `premium` 3).
+    /// The weight of a tier in the fair order (default `pro` and `premium` 3).
     pub fn tier_weight(mut self, tier: impl Into<Tier>, weight: u32) -> Self {
         self.weights.by_tier.insert(tier.into(), weight);
         self

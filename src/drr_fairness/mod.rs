@@ -8,10 +8,13 @@
 //!   100%, so the others never starve) and standard:batch share the rest 25:5, by a
 //!   deterministic smooth weighted round robin (a seeded random draw by weight is an
 //!   option);
-//! - **inside a priority**, Deficit Round Robin over tenants: a quantum of 5,000 estimated
-//!   tokens times the tier's weight (`pro` and `premium` weigh 3), a newcomer served before
-//!   the backlogged (fq_codel's DRR++), no credit banked by idle time, one request charged
-//!   at most 4 quanta; every dispatch is charged, also one that went out at once;
+//! - **inside a priority**, start-time fair queuing, one call per turn: across groups
+//!   ([`Job::with_group`]: a service key's end users together take one share), then across
+//!   the tenants of a group, in proportion to the tier's weight (`pro` and `premium` weigh
+//!   3); a tenant that starts waiting goes within one turn of everyone waiting, no credit
+//!   banked by idle time or by coming and going, one request charged at most 20,000
+//!   tokens (4 quanta of 5,000); every dispatch is charged, also one that went out at
+//!   once, and settled at what it really took;
 //! - **the permit travels with the request**: held until the response future completes,
 //!   and for an `http::Response<B>` until its body ends, fails or is dropped; dropping a
 //!   waiting future takes the request out of the queue.
@@ -97,7 +100,8 @@ pub use self::state::Permit;
 use self::state::FairQueue;
 use crate::Job;
 
-/// Settles requests' real usage against their tenants' deficits and daily budgets.
+/// Settles requests' real usage against their tenants' place in the fair order and daily
+/// budgets.
 ///
 /// Get one from [`DrrFairnessLayer::settler`](crate::DrrFairnessLayer::settler), [`DrrFairness::settler`] or
 /// [`FairgateLayer::settler`](crate::FairgateLayer::settler); it is cheap to clone and
@@ -106,10 +110,11 @@ use crate::Job;
 /// the job's [`charge`](Job::charge) (e.g. the response's `usage.input_tokens` plus its
 /// `output_tokens` times the weight the job's output cost used), and its input tokens.
 ///
-/// - The difference to the charge is charged to the tenant's deficit (it used more) or
-///   refunded (less), if the tenant still has requests waiting or in flight in that class.
-///   Refunds never bank more than one quantum x weight; charges never go below minus one
-///   maximum charge.
+/// - The difference to the charge moves the tenant (and its group) later in the fair order
+///   (it used more) or earlier (less), if the tenant still has requests waiting or in
+///   flight in that class: the order counts what tenants really used. A refund never moves
+///   it before the order's current turn; a charge never more than one largest charge past
+///   it.
 /// - The tenant's count for the day, which [`PriorityClassify`](crate::PriorityClassify)
 ///   took when it classified the job (in the [`BudgetCounts`](crate::BudgetCounts) of its
 ///   policy), is brought to what the call used in that unit (never below 0; batched off
@@ -141,7 +146,7 @@ impl Settler {
         self.shared.settle(job, actual, Some(input_tokens));
     }
 
-    /// Settles `job` at `actual` without its input tokens: the fair queue's deficit as
+    /// Settles `job` at `actual` without its input tokens: the fair order as
     /// [`settle_usage`](Self::settle_usage) does, and the day only when the budget counts
     /// the weighted charge (an input-token budget keeps the estimate).
     pub fn settle(&self, job: &Job, actual: u64) {

@@ -12,8 +12,8 @@ use crate::error::{BoxError, MissingJob};
 use crate::guarded::Ahead;
 use crate::{JobRequest, Priority};
 
-/// A concurrency limiter that dispatches waiting requests in fair order (Deficit Round
-/// Robin across tenants, weighted across priorities); see the
+/// A concurrency limiter that dispatches waiting requests in fair order (start-time fair
+/// queuing across groups and tenants, weighted across priorities); see the
 /// [module docs](crate::drr_fairness).
 ///
 /// # Clone

@@ -45,6 +45,8 @@ mod kinds;
 mod order_differential;
 #[cfg(test)]
 mod order_model;
+#[cfg(test)]
+mod order_scheduler;
 mod pacing;
 #[cfg(test)]
 mod pacing_differential;

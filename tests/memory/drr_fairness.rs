@@ -253,10 +253,10 @@ async fn paid_tier_tenant_is_served_three_to_one_against_free() {
     tokio::time::sleep(Duration::from_millis(85_500)).await;
     let calls = upstream.calls();
     // Both backlogged the whole time. The first call went out at once (room, nobody
-    // waiting) and was charged like the rest, so the free tenant goes twice before the
-    // rounds settle into free, pro, pro, pro; 80 calls from there.
+    // waiting) and was charged like the rest, so the free tenant goes next, then the
+    // turns are three pro calls to each free one, one call per turn; 80 calls from there.
     let order: String = calls.iter().map(|c| &c.tenant[..1]).collect();
-    assert!(order.starts_with("pffppfpppfppp"), "{order}");
+    assert!(order.starts_with("pfpppfpppfppp"), "{order}");
     let window = &calls[5..85];
     let paid = window.iter().filter(|c| c.tenant == "paid").count();
     let free = window.len() - paid;

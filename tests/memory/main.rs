@@ -22,6 +22,7 @@ mod adapters;
 mod dashboard;
 mod drr_fairness;
 mod learned_pacing;
+mod one_turn;
 mod pool;
 mod pool_rate;
 mod priority_classify;

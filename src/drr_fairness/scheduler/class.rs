@@ -1,136 +1,94 @@
-//! Deficit Round Robin inside one priority class: the class's tenants, their `new` and `old`
-//! lists (DRR++), their deficits and FIFOs of waiting items.
+//! Start-time fair queuing inside one priority class, at two levels: the class's groups
+//! (a key: a service with its end users, or a team; a tenant that names no group is a group
+//! of its own), then the tenants of each group, one call per turn at both.
 
-use std::hash::BuildHasher;
-
-use hashbrown::HashTable;
-
-use super::slab::{Entries, Entry, MAX_SLOTS, NONE};
+use super::order::{Members, Named, Order, Place, Ties, VTime, step};
+use super::slab::{Entries, Entry, NONE};
 use super::{Pick, RETAINED_CAPACITY};
 use crate::TenantId;
-use crate::hash::Seeded;
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) enum ListKind {
-    New,
-    Old,
-}
-
-#[derive(Clone, Copy, Debug)]
-pub(super) struct TenantList {
-    pub(super) head: u32,
-    pub(super) tail: u32,
-}
-
-impl TenantList {
-    pub(super) const EMPTY: TenantList = TenantList {
-        head: NONE,
-        tail: NONE,
-    };
-}
-
-/// `u32` links, and an `Option<ListKind>` whose spare values give
-/// `Option<Tenant>` its discriminant: 56 bytes on a 64-bit target.
+/// A tenant of the class: its FIFO of waiting items and its place in its group's order.
 #[derive(Debug)]
 pub(super) struct Tenant {
-    pub(super) deficit: i64,
     pub(super) id: TenantId,
+    /// Waiting: its start tag in its group's order (`tie` its tie there). Otherwise the
+    /// finish of its last call: where it starts when it comes back, unless the group's
+    /// virtual time is later.
+    pub(super) tag: VTime,
+    pub(super) tie: u64,
+    /// The slot of its group.
+    pub(super) group: u32,
     pub(super) weight: u32,
-    /// FIFO of this tenant's entries in this class. Empty only while the
-    /// tenant waits on `old` to be found empty in its turn (DRR++), or while
-    /// it is parked.
+    /// FIFO of this tenant's entries in this class.
     pub(super) head: u32,
     pub(super) tail: u32,
     pub(super) len: u32,
-    /// Dispatched items not yet [completed](Scheduler::complete).
+    /// Dispatched items not yet [completed](super::Scheduler::complete).
     pub(super) in_flight: u32,
-    /// Position in the class's `new` or `old` list. A tenant on `new` always
-    /// has waiting items.
-    pub(super) prev: u32,
-    pub(super) next: u32,
-    /// `None`: parked, on neither list (nothing waiting, items in flight).
-    pub(super) list: Option<ListKind>,
+}
+
+impl Tenant {
+    fn place(&self, slot: u32) -> Place {
+        (self.tag, self.tie, slot)
+    }
+}
+
+impl Named for Tenant {
+    fn name(&self) -> &TenantId {
+        &self.id
+    }
+}
+
+/// A group of the class: its place in the class's order, and the order of its tenants.
+#[derive(Debug)]
+pub(super) struct Group {
+    pub(super) id: TenantId,
+    /// As a tenant's: its start tag while some tenant of it waits, else its last finish.
+    pub(super) tag: VTime,
+    pub(super) tie: u64,
+    pub(super) tenants: Order,
+    /// Its tenants the class knows (waiting, in flight, or remembered idle).
+    pub(super) known: u32,
+    /// Its dispatched items not yet completed.
+    pub(super) in_flight: u32,
+}
+
+impl Group {
+    fn place(&self, slot: u32) -> Place {
+        (self.tag, self.tie, slot)
+    }
+
+    pub(super) fn waits(&self) -> bool {
+        !self.tenants.waiting.is_empty()
+    }
+}
+
+impl Named for Group {
+    fn name(&self) -> &TenantId {
+        &self.id
+    }
 }
 
 #[cfg(test)]
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(super) enum Visit {
-    TopUp(TenantId),
     Dispatch(TenantId),
-    /// Found empty at the head of `old`: state freed.
     Forget(TenantId),
-}
-
-/// Tenant name -> slot in its class's tenant slab. A bucket holds only the
-/// `u32` slot (a `HashMap<TenantId, u32>` bucket is 24 bytes), so the index
-/// of 100,000 tenants stays within a core's L2 cache; names are compared
-/// through the slab. Each operation hashes a name once (SipHash with random
-/// keys, as `HashMap`: tenant names come from callers).
-#[derive(Debug, Default)]
-pub(super) struct TenantIndex {
-    slots: HashTable<u32>,
-    hasher: Seeded,
-}
-
-impl TenantIndex {
-    fn hash(&self, id: &TenantId) -> u64 {
-        self.hasher.hash_one(id)
-    }
-
-    fn find(&self, hash: u64, id: &TenantId, tenants: &[Option<Tenant>]) -> Option<u32> {
-        self.slots
-            .find(hash, |&t| {
-                Self::id_at(tenants, t).is_some_and(|x| x.same(id))
-            })
-            .copied()
-    }
-
-    fn insert(&mut self, hash: u64, t: u32, tenants: &[Option<Tenant>]) {
-        let hasher = &self.hasher;
-        self.slots.insert_unique(hash, t, |&x| {
-            Self::id_at(tenants, x).map_or(0, |id| hasher.hash_one(id))
-        });
-    }
-
-    fn remove(&mut self, hash: u64, t: u32) {
-        if let Ok(entry) = self.slots.find_entry(hash, |&x| x == t) {
-            entry.remove();
-        }
-    }
-
-    #[cfg(test)]
-    pub(super) fn len(&self) -> usize {
-        self.slots.len()
-    }
-
-    fn clear(&mut self) {
-        self.slots.clear();
-        // Empty: the rehash function is never called.
-        self.slots.shrink_to(RETAINED_CAPACITY, |_| 0);
-    }
-
-    fn id_at(tenants: &[Option<Tenant>], t: u32) -> Option<&TenantId> {
-        tenants.get(t as usize)?.as_ref().map(|x| &x.id)
-    }
 }
 
 #[derive(Debug)]
 pub(super) struct Class {
-    pub(super) index: TenantIndex,
-    pub(super) tenants: Vec<Option<Tenant>>,
-    pub(super) free: Vec<u32>,
-    /// [`MAX_SLOTS`], lowered by tests.
-    pub(super) limit: usize,
-    pub(super) new: TenantList,
-    pub(super) old: TenantList,
+    pub(super) groups: Members<Group>,
+    pub(super) tenants: Members<Tenant>,
+    /// The groups' order.
+    pub(super) order: Order,
+    pub(super) ties: Ties,
     /// Waiting items.
     pub(super) len: usize,
-    /// Listed tenants with at least one waiting item.
+    /// Tenants with at least one waiting item.
     pub(super) busy: usize,
-    /// Tenants with nothing waiting but items in flight, on neither list.
-    pub(super) parked: usize,
-    /// Tenant slab length above which a drain compacts it
-    /// ([`RETAINED_CAPACITY`], lowered by tests).
+    /// Slab length above which a drain compacts the slabs ([`RETAINED_CAPACITY`], lowered
+    /// by tests).
     pub(super) compact_above: usize,
     #[cfg(test)]
     pub(super) trace: Vec<Visit>,
@@ -139,179 +97,159 @@ pub(super) struct Class {
 impl Class {
     pub(super) fn new() -> Self {
         Class {
-            index: TenantIndex::default(),
-            tenants: Vec::new(),
-            free: Vec::new(),
-            limit: MAX_SLOTS,
-            new: TenantList::EMPTY,
-            old: TenantList::EMPTY,
+            groups: Members::new(),
+            tenants: Members::new(),
+            order: Order::default(),
+            ties: Ties::default(),
             len: 0,
             busy: 0,
-            parked: 0,
             compact_above: RETAINED_CAPACITY,
             #[cfg(test)]
             trace: Vec::new(),
         }
     }
 
-    /// The hash of `id` for this class's index, and its slot if it is known.
-    pub(super) fn lookup(&self, id: &TenantId) -> (u64, Option<u32>) {
-        let hash = self.index.hash(id);
-        (hash, self.index.find(hash, id, &self.tenants))
+    pub(super) fn lookup(&self, id: &TenantId) -> Option<u32> {
+        self.tenants.find(id)
     }
 
     pub(super) fn tenant(&self, t: u32) -> Option<&Tenant> {
-        self.tenants.get(t as usize)?.as_ref()
+        self.tenants.get(t)
     }
 
-    pub(super) fn tenant_mut(&mut self, t: u32) -> Option<&mut Tenant> {
-        self.tenants.get_mut(t as usize)?.as_mut()
+    /// Whether [`Class::known`] will find room for `tenant` of `group`.
+    pub(super) fn has_room(&self, tenant: &TenantId, group: &TenantId) -> bool {
+        self.tenants.find(tenant).is_some()
+            || (self.tenants.has_room()
+                && (self.groups.has_room() || self.groups.find(group).is_some()))
     }
 
-    /// Whether [`Class::activate`] will find a slot.
-    pub(super) fn has_room(&self) -> bool {
-        !self.free.is_empty() || self.tenants.len() < self.limit
-    }
-
-    fn list_mut(&mut self, kind: ListKind) -> &mut TenantList {
-        match kind {
-            ListKind::New => &mut self.new,
-            ListKind::Old => &mut self.old,
+    /// The slot of `tenant`, made (in `group`, made too if new) if the class does not know
+    /// it; a known tenant stays in the group it joined. `None` if a slab is full.
+    pub(super) fn known(&mut self, tenant: TenantId, group: &TenantId, weight: u32) -> Option<u32> {
+        if let Some(t) = self.tenants.find(&tenant) {
+            return Some(t);
         }
-    }
-
-    fn link_back(&mut self, kind: ListKind, t: u32) {
-        let tail = self.list_mut(kind).tail;
-        if let Some(tenant) = self.tenant_mut(t) {
-            tenant.list = Some(kind);
-            tenant.prev = tail;
-            tenant.next = NONE;
-        }
-        match self.tenant_mut(tail) {
-            Some(prev) => prev.next = t,
-            None => self.list_mut(kind).head = t,
-        }
-        self.list_mut(kind).tail = t;
-    }
-
-    /// Takes `t` off its list (a parked tenant is on none).
-    fn unlink(&mut self, t: u32) {
-        let Some(tenant) = self.tenant_mut(t) else {
-            return;
+        let g = match self.groups.find(group) {
+            Some(g) => g,
+            None => self.groups.insert(Group {
+                id: group.clone(),
+                tag: self.order.vtime,
+                tie: 0,
+                tenants: Order::default(),
+                known: 0,
+                in_flight: 0,
+            })?,
         };
-        let Some(kind) = tenant.list else {
-            return;
-        };
-        let (prev, next) = (tenant.prev, tenant.next);
-        tenant.prev = NONE;
-        tenant.next = NONE;
-        match self.tenant_mut(prev) {
-            Some(p) => p.next = next,
-            None => self.list_mut(kind).head = next,
-        }
-        match self.tenant_mut(next) {
-            Some(n) => n.prev = prev,
-            None => self.list_mut(kind).tail = prev,
-        }
-    }
-
-    /// A tenant the class does not know gets a waiting item: back of `new`,
-    /// one quantum × weight. `None` if the tenant slab is full.
-    pub(super) fn activate(
-        &mut self,
-        hash: u64,
-        id: TenantId,
-        weight: u32,
-        grant: i64,
-    ) -> Option<u32> {
-        let t = self.insert(hash, id, weight, grant)?;
-        self.link_back(ListKind::New, t);
-        Some(t)
-    }
-
-    /// A new tenant state (`hash` is its id's), on no list yet. `None` if the
-    /// tenant slab is full.
-    pub(super) fn insert(
-        &mut self,
-        hash: u64,
-        id: TenantId,
-        weight: u32,
-        deficit: i64,
-    ) -> Option<u32> {
-        let tenant = Tenant {
-            deficit,
-            id,
+        let start = self.groups.get(g)?.tenants.vtime;
+        let t = self.tenants.insert(Tenant {
+            id: tenant,
+            tag: start,
+            tie: 0,
+            group: g,
             weight,
             head: NONE,
             tail: NONE,
             len: 0,
             in_flight: 0,
-            prev: NONE,
-            next: NONE,
-            list: None,
-        };
-        let t = match self.free.pop() {
-            Some(t) if (t as usize) < self.tenants.len() => {
-                self.tenants[t as usize] = Some(tenant);
-                t
+        });
+        match (t, self.groups.get_mut(g)) {
+            (Some(t), Some(group)) => {
+                group.known += 1;
+                Some(t)
             }
             _ => {
-                let t = u32::try_from(self.tenants.len())
-                    .ok()
-                    .filter(|_| self.tenants.len() < self.limit)?;
-                self.tenants.push(Some(tenant));
-                t
+                // The tenant slab is full: a group made for it goes again.
+                self.rest_group(g);
+                None
             }
-        };
-        self.index.insert(hash, t, &self.tenants);
-        Some(t)
-    }
-
-    /// The tenant was found empty at the head of `old` while items of it are
-    /// in flight: off the lists, credit forfeited (debt kept), until it gets
-    /// a waiting item (back of `old`) or its last item completes (forgotten).
-    fn park(&mut self, t: u32) {
-        self.unlink(t);
-        if let Some(tenant) = self.tenant_mut(t) {
-            tenant.list = None;
-            tenant.deficit = tenant.deficit.min(0);
-            self.parked += 1;
         }
     }
 
-    /// A parked tenant gets a waiting item: back of `old`, deficit kept.
-    pub(super) fn unpark(&mut self, t: u32) {
-        if self.tenant(t).is_some_and(|x| x.list.is_none()) {
-            self.parked = self.parked.saturating_sub(1);
-            self.link_back(ListKind::Old, t);
+    /// Tenant `t` was made for a call that did not go in after all: forgotten again.
+    pub(super) fn unused(&mut self, t: u32) {
+        let g = self.tenants.get(t).map(|tenant| tenant.group);
+        self.rest_tenant(t);
+        if let Some(g) = g {
+            self.rest_group(g);
         }
     }
 
-    /// The tenant was found empty at the head of `old` with nothing in
-    /// flight, or its last item completed while parked: forget it, deficit
-    /// included. `hash` is its id's, if the caller has it.
-    fn release(&mut self, t: u32, hash: Option<u64>) {
-        self.unlink(t);
-        let Some(tenant) = self.tenants.get_mut(t as usize).and_then(Option::take) else {
+    /// Takes tenant `t` and its group out of the idle records: work of it starts.
+    fn wake(&mut self, t: u32) {
+        let Some(tenant) = self.tenants.get(t) else {
             return;
         };
-        self.free.push(t);
-        let hash = hash.unwrap_or_else(|| self.index.hash(&tenant.id));
-        self.index.remove(hash, t);
-        #[cfg(test)]
-        self.trace.push(Visit::Forget(tenant.id));
+        let (g, tag, idle) = (
+            tenant.group,
+            tenant.tag,
+            tenant.len == 0 && tenant.in_flight == 0,
+        );
+        let Some(group) = self.groups.get_mut(g) else {
+            return;
+        };
+        if idle {
+            group.tenants.idle.remove(&(tag, t));
+        }
+        if !group.waits() && group.in_flight == 0 {
+            self.order.idle.remove(&(group.tag, g));
+        }
     }
 
-    /// Unlinks `entry`, already taken out of the slab from `index`, from its
-    /// tenant's FIFO. Taking the head does not touch its successor (whose
-    /// `prev` goes stale; a head's `prev` is never read). A tenant this
-    /// empties stays listed with its deficit (DRR++): one on `new` moves to
-    /// the back of `old`, one on `old` keeps its place until [`Class::pop`]
-    /// finds it empty there.
-    pub(super) fn detach<T>(&mut self, entries: &mut Entries<T>, index: u32, entry: &Entry<T>) {
+    /// Tenant `t` got its first waiting item: it takes its place in its group's order at
+    /// its finish or the group's virtual time, whichever is later, and its group likewise
+    /// in the class's (no credit for the time it had nothing waiting, no extra round).
+    fn starts_waiting(&mut self, t: u32) {
+        let Some(tenant) = self.tenants.get(t) else {
+            return;
+        };
+        let (g, tag) = (tenant.group, tenant.tag);
+        let tie = self.ties.next(&tenant.id);
+        let Some(group) = self.groups.get_mut(g) else {
+            return;
+        };
+        if !group.waits() {
+            group.tie = self.ties.next(&group.id);
+            group.tag = self.order.enter(g, group.tag, group.tie);
+        }
+        let start = group.tenants.enter(t, tag, tie);
+        self.busy += 1;
+        if let Some(tenant) = self.tenants.get_mut(t) {
+            (tenant.tag, tenant.tie) = (start, tie);
+        }
+    }
+
+    /// Appends `entry` (already stored at `index`) to tenant `t`'s FIFO.
+    pub(super) fn append<T>(&mut self, entries: &mut Entries<T>, t: u32, index: u32, weight: u32) {
+        self.wake(t);
+        let Some(tenant) = self.tenants.get_mut(t) else {
+            return;
+        };
+        let (prev, was_empty) = (tenant.tail, tenant.len == 0);
+        tenant.weight = weight;
+        tenant.tail = index;
+        tenant.len += 1;
+        if was_empty {
+            tenant.head = index;
+        } else if let Some(last) = entries.get_mut(prev) {
+            last.next = index;
+        }
+        if let Some(entry) = entries.get_mut(index) {
+            entry.prev = prev;
+        }
+        self.len += 1;
+        if was_empty {
+            self.starts_waiting(t);
+        }
+    }
+
+    /// Unlinks `entry`, already taken out of the slab from `index`, from its tenant's
+    /// FIFO. Taking the head does not touch its successor (whose `prev` goes stale; a
+    /// head's `prev` is never read). Returns whether the tenant has nothing left waiting.
+    fn unlink<T>(&mut self, entries: &mut Entries<T>, index: u32, entry: &Entry<T>) -> bool {
         self.len = self.len.saturating_sub(1);
-        let Some(tenant) = self.tenant_mut(entry.tenant) else {
-            return;
+        let Some(tenant) = self.tenants.get_mut(entry.tenant) else {
+            return false;
         };
         let was_head = tenant.head == index;
         if was_head {
@@ -325,196 +263,371 @@ impl Class {
             next.prev = entry.prev;
         }
         tenant.len = tenant.len.saturating_sub(1);
-        if tenant.len > 0 {
+        tenant.len == 0
+    }
+
+    /// Takes out a waiting entry whose waiter went away. A tenant it empties leaves the
+    /// order keeping its start tag as its finish: it was not served, and comes back there.
+    pub(super) fn remove<T>(&mut self, entries: &mut Entries<T>, index: u32, entry: &Entry<T>) {
+        if !self.unlink(entries, index, entry) {
             return;
         }
-        let on_new = tenant.list == Some(ListKind::New);
+        let t = entry.tenant;
+        let Some(tenant) = self.tenants.get(t) else {
+            return;
+        };
+        let (g, place) = (tenant.group, tenant.place(t));
         self.busy = self.busy.saturating_sub(1);
-        if on_new {
-            self.unlink(entry.tenant);
-            self.link_back(ListKind::Old, entry.tenant);
+        let Some(group) = self.groups.get_mut(g) else {
+            return;
+        };
+        group.tenants.waiting.remove(&place);
+        if !group.waits() {
+            self.order.waiting.remove(&group.place(g));
         }
+        self.rest_tenant(t);
+        self.rest_group(g);
+        self.after_leaving();
     }
 
-    /// A tenant on `new` was served one request: it goes to the back of `new`. Newcomers
-    /// take turns one request at a time while their first grant lasts, so a tenant that
-    /// dumps many small requests holds a newcomer behind one of them, not behind a whole
-    /// quantum of them; its service is still bounded by its one grant.
-    pub(super) fn newcomer_served(&mut self, t: u32) {
-        if self
-            .tenant(t)
-            .is_some_and(|tenant| tenant.list == Some(ListKind::New))
-        {
-            self.unlink(t);
-            self.link_back(ListKind::New, t);
+    /// The tenant whose turn it is, asking `decide` about each waiting tenant in turn (by
+    /// group, then inside it): see [`Pick`]. A skipped tenant keeps its place; `None` when
+    /// `decide` stops, or skipped every waiting tenant.
+    fn turn(&self, mut decide: impl FnMut(&TenantId, usize) -> Pick) -> Option<u32> {
+        for &(_, _, g) in &self.order.waiting {
+            let Some(group) = self.groups.get(g) else {
+                continue;
+            };
+            for &(_, _, t) in &group.tenants.waiting {
+                let Some(tenant) = self.tenants.get(t) else {
+                    continue;
+                };
+                match decide(&tenant.id, tenant.len as usize) {
+                    Pick::Take => return Some(t),
+                    Pick::Stop => return None,
+                    Pick::Skip => {}
+                }
+            }
         }
+        None
     }
 
-    /// DRR++ dispatch inside the class. Each loop iteration either returns,
-    /// forgets or parks an empty tenant (each at most once), or tops up one tenant by
-    /// at least 1 while no cost exceeds max_charge, so the loop ends (bounds
-    /// in `ARCHITECTURE.md`, "Cost of an operation").
-    pub(super) fn pop<T>(
-        &mut self,
-        entries: &mut Entries<T>,
-        quantum: i64,
-    ) -> Option<(T, TenantId, i64)> {
-        self.pop_where(entries, quantum, |_| Pick::Take)
+    /// The next item in fair order, or `None` if nothing waits.
+    pub(super) fn pop<T>(&mut self, entries: &mut Entries<T>) -> Option<(T, TenantId, i64)> {
+        self.pop_where(entries, |_, _| Pick::Take)
     }
 
-    /// [`Class::pop`], asking `decide` about each tenant whose turn comes
-    /// (its deficit covers its head): see [`Pick`]. A skip moves the tenant
-    /// to the back of `old` with its deficit and no grant, and is the only
-    /// other kind of iteration: tenants with waiting items all skipped in a
-    /// row (no top-up between) end the loop with `None`.
+    /// [`Class::pop`], asking `decide` about each tenant whose turn comes: see [`Pick`].
+    /// A pop that skips is O(skipped tenants) more than a plain one.
     pub(super) fn pop_where<T>(
         &mut self,
         entries: &mut Entries<T>,
-        quantum: i64,
-        mut decide: impl FnMut(&TenantId) -> Pick,
+        decide: impl FnMut(&TenantId, usize) -> Pick,
     ) -> Option<(T, TenantId, i64)> {
-        let mut skipped = 0;
-        loop {
-            let t = if self.new.head == NONE {
-                self.old.head
-            } else {
-                self.new.head
-            };
-            let tenant = self.tenant_mut(t)?;
-            let head = tenant.head;
-            if head == NONE {
-                // Empty: on `old` (its turn came) it is forgotten, or parked
-                // while items of it are in flight. `detach` never leaves an
-                // empty tenant on `new`; were one there, it would move to
-                // `old` as RFC 8290 says.
-                if tenant.list == Some(ListKind::New) {
-                    self.unlink(t);
-                    self.link_back(ListKind::Old, t);
-                } else if tenant.in_flight > 0 {
-                    self.park(t);
-                } else {
-                    self.release(t, None);
-                }
-                continue;
+        let t = self.turn(decide)?;
+        self.serve(entries, t)
+    }
+
+    /// Serves the head item of tenant `t`, in its turn or out of it: the tenant and its
+    /// group each move on by the item's cost over the tenant's weight, the virtual times
+    /// to the start of the head of their order.
+    pub(super) fn serve<T>(
+        &mut self,
+        entries: &mut Entries<T>,
+        t: u32,
+    ) -> Option<(T, TenantId, i64)> {
+        let tenant = self.tenants.get(t)?;
+        let (g, head, place, weight) = (tenant.group, tenant.head, tenant.place(t), tenant.weight);
+        let tie = self.ties.next(&tenant.id);
+        let cost = entries.get(head)?.cost;
+        let entry = entries.take_at(head)?;
+        let emptied = self.unlink(entries, head, &entry);
+        let moved = step(cost, weight);
+        let group = self.groups.get_mut(g)?;
+        group.tenants.serve(&place);
+        group.in_flight += 1;
+        let finish = place.0.saturating_add(moved);
+        group.tenants.handed(finish);
+        let tag = match emptied {
+            true => finish,
+            false => group.tenants.enter(t, finish, tie),
+        };
+        let group_place = group.place(g);
+        self.order.serve(&group_place);
+        let group_finish = group_place.0.saturating_add(moved);
+        self.order.handed(group_finish);
+        group.tag = match group.waits() {
+            true => {
+                group.tie = self.ties.next(&group.id);
+                self.order.enter(g, group_finish, group.tie)
             }
-            let cost = entries.get(head)?.cost;
-            if tenant.deficit < cost {
-                let grant = quantum.saturating_mul(i64::from(tenant.weight));
-                tenant.deficit = tenant.deficit.saturating_add(grant);
-                #[cfg(test)]
-                let visited = tenant.id.clone();
-                #[cfg(test)]
-                self.trace.push(Visit::TopUp(visited));
-                self.unlink(t);
-                self.link_back(ListKind::Old, t);
-                skipped = 0;
-                continue;
-            }
-            match decide(&tenant.id) {
-                Pick::Take => {}
-                Pick::Stop => return None,
-                Pick::Skip => {
-                    skipped += 1;
-                    if skipped >= self.busy {
-                        return None;
-                    }
-                    self.unlink(t);
-                    self.link_back(ListKind::Old, t);
-                    continue;
-                }
-            }
-            let tenant = self.tenant_mut(t)?;
-            // deficit >= cost >= 1, so this cannot overflow.
-            tenant.deficit -= cost;
-            tenant.in_flight = tenant.in_flight.saturating_add(1);
-            let id = tenant.id.clone();
-            let entry = entries.take_at(head)?;
-            self.detach(entries, head, &entry);
-            self.newcomer_served(t);
-            #[cfg(test)]
-            self.trace.push(Visit::Dispatch(id.clone()));
-            return Some((entry.item, id, cost));
+            false => group_finish,
+        };
+        let tenant = self.tenants.get_mut(t)?;
+        tenant.in_flight += 1;
+        (tenant.tag, tenant.tie) = (tag, tie);
+        let id = tenant.id.clone();
+        if emptied {
+            self.busy = self.busy.saturating_sub(1);
+        }
+        #[cfg(test)]
+        self.trace.push(Visit::Dispatch(id.clone()));
+        self.forget_reached(g);
+        if self.len == 0 {
+            self.drained();
+        }
+        Some((entry.item, id, cost))
+    }
+
+    /// Charges a call of tenant `t` that went out without waiting: as served, without
+    /// moving any virtual time, and never more than one largest call ahead of its order's
+    /// virtual time.
+    pub(super) fn charge_direct(&mut self, t: u32, cost: i64, max_charge: i64) {
+        self.wake(t);
+        let Some(tenant) = self.tenants.get_mut(t) else {
+            return;
+        };
+        tenant.in_flight += 1;
+        let (g, weight) = (tenant.group, tenant.weight);
+        if let Some(group) = self.groups.get_mut(g) {
+            group.in_flight += 1;
+        }
+        self.correct(t, cost, max_charge, weight);
+    }
+
+    /// A settled call of tenant `t` took `delta` tokens more (or, negative, fewer) than it
+    /// was charged: the tenant and its group move by that over the tenant's weight, never
+    /// before their order's virtual time nor more than one largest call ahead of it.
+    pub(super) fn settle(&mut self, t: u32, delta: i64, max_charge: i64) {
+        if let Some(tenant) = self.tenants.get(t)
+            && delta != 0
+        {
+            self.correct(t, delta, max_charge, tenant.weight);
         }
     }
 
-    /// A dispatched item of `id` completed. A parked tenant whose last item
-    /// this was is forgotten.
-    pub(super) fn complete(&mut self, id: &TenantId) {
-        let (hash, Some(t)) = self.lookup(id) else {
+    fn correct(&mut self, t: u32, delta: i64, max_charge: i64, weight: u32) {
+        let magnitude = i64::try_from(delta.unsigned_abs()).unwrap_or(i64::MAX);
+        let Ok(moved) = i128::try_from(step(magnitude, weight)) else {
             return;
         };
-        let Some(tenant) = self.tenant_mut(t) else {
+        let signed = if delta < 0 { -moved } else { moved };
+        let ceiling = step(max_charge, weight);
+        let Some(g) = self.tenants.get(t).map(|tenant| tenant.group) else {
+            return;
+        };
+        self.correct_tenant(t, signed, ceiling);
+        self.correct_group(g, signed, ceiling);
+    }
+
+    /// Moves tenant `t`'s tag by `delta`, keeping its place in its group's order (or its
+    /// record as idle) in step.
+    fn correct_tenant(&mut self, t: u32, delta: i128, ceiling: VTime) {
+        let Some(tenant) = self.tenants.get(t) else {
+            return;
+        };
+        let (g, place, len, in_flight) =
+            (tenant.group, tenant.place(t), tenant.len, tenant.in_flight);
+        let Some(group) = self.groups.get_mut(g) else {
+            return;
+        };
+        let order = &mut group.tenants;
+        let tag = order.corrected(place.0, delta, ceiling);
+        order.handed(tag);
+        if len > 0 {
+            order.waiting.remove(&place);
+            order.waiting.insert((tag, place.1, t));
+        } else if in_flight == 0 && order.idle.remove(&(place.0, t)) {
+            order.idle.insert((tag, t));
+        }
+        if let Some(tenant) = self.tenants.get_mut(t) {
+            tenant.tag = tag;
+        }
+    }
+
+    /// [`Class::correct_tenant`] for group `g` in the class's order.
+    fn correct_group(&mut self, g: u32, delta: i128, ceiling: VTime) {
+        let Some(group) = self.groups.get_mut(g) else {
+            return;
+        };
+        let place = group.place(g);
+        let tag = self.order.corrected(place.0, delta, ceiling);
+        self.order.handed(tag);
+        if group.waits() {
+            self.order.waiting.remove(&place);
+            self.order.waiting.insert((tag, place.1, g));
+        } else if group.in_flight == 0 && self.order.idle.remove(&(place.0, g)) {
+            self.order.idle.insert((tag, g));
+        }
+        group.tag = tag;
+    }
+
+    /// A dispatched item of tenant `t` completed.
+    pub(super) fn complete(&mut self, t: u32) {
+        let Some(tenant) = self.tenants.get_mut(t) else {
             return;
         };
         tenant.in_flight = tenant.in_flight.saturating_sub(1);
-        if tenant.in_flight > 0 || tenant.list.is_some() {
-            return;
+        let g = tenant.group;
+        if let Some(group) = self.groups.get_mut(g) {
+            group.in_flight = group.in_flight.saturating_sub(1);
         }
-        self.parked = self.parked.saturating_sub(1);
-        if self.len == 0 && self.parked == 0 {
-            // The last tenant the class knew: free everything at once.
-            self.reset();
-        } else {
-            self.release(t, Some(hash));
+        self.rest_tenant(t);
+        if self.len == 0 {
+            self.forget_idle();
         }
     }
 
-    /// Called when the class has nothing waiting: every tenant still listed
-    /// is empty (on `old`). Each is parked if items of it are in flight,
-    /// else forgotten at once (a drained class has no backlogged tenant a
-    /// returning one could overtake).
+    /// Tenant `t` may have nothing waiting or in flight: then it is remembered as idle if
+    /// it finished ahead of its group's virtual time while others of the group wait, else
+    /// forgotten; its group likewise.
+    fn rest_tenant(&mut self, t: u32) {
+        let Some(tenant) = self.tenants.get(t) else {
+            return;
+        };
+        if tenant.len > 0 || tenant.in_flight > 0 {
+            return;
+        }
+        let (g, tag) = (tenant.group, tenant.tag);
+        let Some(group) = self.groups.get_mut(g) else {
+            return;
+        };
+        if group.waits() && tag > group.tenants.vtime {
+            group.tenants.idle.insert((tag, t));
+            return;
+        }
+        self.forget_tenant(t);
+        self.rest_group(g);
+    }
+
+    /// Group `g` may have no tenant waiting: then the tenants it remembered as idle are
+    /// forgotten (nobody of it waits to be overtaken), and with no tenant left it is itself
+    /// remembered as idle if it finished ahead of the class's virtual time while other
+    /// groups wait, else forgotten.
+    fn rest_group(&mut self, g: u32) {
+        let Some(group) = self.groups.get_mut(g) else {
+            return;
+        };
+        if group.waits() {
+            return;
+        }
+        group.tenants.restart();
+        let idle: Vec<u32> = std::mem::take(&mut group.tenants.idle)
+            .into_iter()
+            .map(|(_, t)| t)
+            .collect();
+        for t in idle {
+            self.forget_tenant(t);
+        }
+        let Some(group) = self.groups.get(g) else {
+            return;
+        };
+        if group.known > 0 {
+            return;
+        }
+        if !self.order.waiting.is_empty() && group.tag > self.order.vtime {
+            self.order.idle.insert((group.tag, g));
+        } else {
+            self.forget_group(g);
+        }
+    }
+
+    fn forget_tenant(&mut self, t: u32) {
+        let Some(tenant) = self.tenants.remove(t) else {
+            return;
+        };
+        if let Some(group) = self.groups.get_mut(tenant.group) {
+            group.known = group.known.saturating_sub(1);
+        }
+        #[cfg(test)]
+        self.trace.push(Visit::Forget(tenant.id));
+    }
+
+    /// After a call was served in group `g`: the idle tenants of `g`, and the idle groups,
+    /// that the virtual times reached are forgotten.
+    fn forget_reached(&mut self, g: u32) {
+        while let Some(t) = self
+            .groups
+            .get_mut(g)
+            .and_then(|group| group.tenants.expired())
+        {
+            self.forget_tenant(t);
+        }
+        self.rest_group(g);
+        self.forget_expired_groups();
+    }
+
+    /// The idle groups the class's virtual time reached are forgotten.
+    fn forget_expired_groups(&mut self) {
+        while let Some(g) = self.order.expired() {
+            self.forget_group(g);
+        }
+    }
+
+    /// Forgets group `g` if no tenant of it is known.
+    fn forget_group(&mut self, g: u32) {
+        if self.groups.get(g).is_some_and(|group| group.known == 0) {
+            self.groups.remove(g);
+        }
+    }
+
+    /// A tenant left the order without being served (its last waiting item went away).
+    fn after_leaving(&mut self) {
+        self.forget_expired_groups();
+        if self.len == 0 {
+            self.drained();
+        }
+    }
+
+    /// Called when the class has nothing waiting. The groups remembered idle are
+    /// remembered until a call ends with nothing waiting (as the fleet's order forgets a
+    /// tier's when a release finds nobody waiting in it), or at once if no call is in
+    /// flight.
     pub(super) fn drained(&mut self) {
         self.busy = 0;
-        for list in [self.new, self.old] {
-            let mut cursor = list.head;
-            while let Some(tenant) = self.tenant(cursor) {
-                let (t, next, in_flight) = (cursor, tenant.next, tenant.in_flight);
-                if in_flight > 0 {
-                    self.park(t);
-                } else {
-                    self.release(t, None);
-                }
-                cursor = next;
-            }
+        if self.tenants.len() == 0 {
+            self.forget_idle();
         }
-        if self.parked == 0 {
+    }
+
+    /// Nothing waits: the idle groups are forgotten (nobody waits to be overtaken), and
+    /// the memory goes back.
+    fn forget_idle(&mut self) {
+        self.order.restart();
+        for (_, g) in std::mem::take(&mut self.order.idle) {
+            self.forget_group(g);
+        }
+        if self.tenants.len() == 0 && self.groups.len() == 0 {
             self.reset();
-        } else if self.tenants.len() > self.compact_above
-            && self.free.len() >= self.tenants.len() / 2
+        } else if self.tenants.sparse(self.compact_above) || self.groups.sparse(self.compact_above)
         {
             self.compact();
         }
     }
 
-    /// Called when nothing waits and the parked tenants are the only ones
-    /// left: moves them into a fresh, small slab and index, so a class that
-    /// once knew many tenants gives the memory back even while some requests
-    /// are in flight. No entry or list refers to a tenant slot then. The scan
-    /// is paid for by the at least `RETAINED_CAPACITY / 2` tenants forgotten
-    /// since the slab last had this size.
+    /// Called when nothing waits and the tenants in flight are the only ones left: moves
+    /// them and their groups into fresh, small slabs, so a class that once knew many
+    /// tenants gives the memory back even while some calls are in flight. No entry or
+    /// order refers to a slot then (the groups' orders hold nothing waiting or idle).
     fn compact(&mut self) {
-        let parked: Vec<Tenant> = self.tenants.drain(..).flatten().collect();
-        self.reset();
-        for tenant in parked {
-            let hash = self.index.hash(&tenant.id);
-            let Ok(t) = u32::try_from(self.tenants.len()) else {
-                // Unreachable: fewer parked tenants than slots before.
-                break;
-            };
-            self.tenants.push(Some(tenant));
-            self.index.insert(hash, t, &self.tenants);
+        let groups = self.groups.drain();
+        let tenants = self.tenants.drain();
+        let mut moved = std::collections::HashMap::with_capacity(groups.len());
+        for (old, group) in groups {
+            if let Some(new) = self.groups.insert(group) {
+                moved.insert(old, new);
+            }
+        }
+        for (_, mut tenant) in tenants {
+            tenant.group = moved.get(&tenant.group).copied().unwrap_or(NONE);
+            self.tenants.insert(tenant);
         }
     }
 
-    /// Frees every tenant slot and the index: nothing waits, and nothing is
-    /// in flight (or [`Class::compact`] puts the parked tenants back).
+    /// Frees every slot and both orders: nothing waits, and nothing is in flight.
     fn reset(&mut self) {
-        self.index.clear();
-        self.new = TenantList::EMPTY;
-        self.old = TenantList::EMPTY;
+        self.groups.clear();
         self.tenants.clear();
-        self.free.clear();
-        self.tenants.shrink_to(RETAINED_CAPACITY);
-        self.free.shrink_to(RETAINED_CAPACITY);
+        self.order = Order::default();
     }
 }

@@ -1,4 +1,4 @@
-//! What a scheduler is configured with: the deficit quantum, the largest charge, the
+//! What a scheduler is configured with: the largest charge (in quanta), the
 //! classes' weights and how the next class is chosen, the queue limits.
 
 use super::CLASSES;
@@ -67,7 +67,7 @@ pub enum ClassSelection {
 /// [`Scheduler::new`](super::Scheduler::new)).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct SchedulerConfig {
-    /// Credit (in tokens) a tenant of weight 1 receives per round. At least 1.
+    /// The unit of `max_charge_quanta`, in tokens. At least 1.
     pub quantum: u64,
     /// Charged cost is capped at `quantum × max_charge_quanta`. At least 1.
     pub max_charge_quanta: u32,

@@ -1,9 +1,9 @@
-//! The Deficit Round Robin core of the `DrrFairness` layer, sans IO: [`Scheduler`] holds the
+//! The fair order of the `DrrFairness` layer, sans IO: [`Scheduler`] holds the
 //! waiting requests and says which goes next; its documentation gives the rules.
 //!
 //! The files: `config` (what a scheduler is configured with), `class` (the order inside a
-//! class), `picker` (the choice between classes), `slab` (where waiting items live), `jain`
-//! (the fairness index).
+//! class), `order` (start-time fair queuing's pieces), `picker` (the choice between
+//! classes), `slab` (where waiting items live), `jain` (the fairness index).
 
 use std::fmt;
 
@@ -13,6 +13,7 @@ use crate::{Priority, TenantId};
 mod class;
 mod config;
 mod jain;
+mod order;
 mod picker;
 mod slab;
 #[cfg(test)]
@@ -108,11 +109,11 @@ pub struct Dispatched<T> {
     pub cost: u64,
 }
 
-/// The Deficit Round Robin core of the [`DrrFairness`](crate::DrrFairness) layer: a pure
-/// data structure (no IO, no clocks, no async) that holds waiting requests and says which
-/// goes next. The layer keeps one per tier group: it pushes requests in, pops the next to
-/// dispatch, removes those whose waiter went away, charges those that went out without
-/// waiting, and reports each dispatch's completion and real cost.
+/// The fair order of the [`DrrFairness`](crate::DrrFairness) layer: a pure data structure
+/// (no IO, no clocks, no async) that holds waiting requests and says which goes next. The
+/// layer keeps one per tier group: it pushes requests in, pops the next to dispatch,
+/// removes those whose waiter went away, charges those that went out without waiting, and
+/// reports each dispatch's completion and real cost.
 ///
 /// The rules it keeps (the reasoning and the bounds' proofs are in `ARCHITECTURE.md`,
 /// "The fair queue's scheduler"):
@@ -121,32 +122,35 @@ pub struct Dispatched<T> {
 ///   by default nginx's smooth weighted round robin: with weights 270/25/5 and every class
 ///   backlogged, critical gets 90% and batch never waits more than 60 dispatches. A class
 ///   that empties banks no credit.
-/// - **Inside a class**, Deficit Round Robin over tenants with fq_codel's `new`/`old`
-///   lists (RFC 8290 §4.2): a newcomer gets one grant of `quantum × weight` and takes turns
-///   one request at a time while it lasts; a request is charged `min(max(cost, 1),
+/// - **Inside a class**, start-time fair queuing, one call per turn, at two levels: the
+///   groups (a tenant is a group of its own unless the layer names its group), then the
+///   tenants of each group. The one with the least start tag goes next and moves on by its
+///   call's cost over its weight, so backlogged tenants are served in proportion to their
+///   weights, interleaved call by call; a request is charged `min(max(cost, 1),
 ///   max_charge)`, so one giant prompt cannot stall its class.
-/// - **A tenant is forgotten only in its turn**: one whose queue empties keeps its place
-///   and deficit until the head of `old` finds it empty, so light tenants that keep
-///   re-arriving cannot starve a backlogged one.
+/// - **A tenant that starts waiting starts at the virtual time** (the start of the call
+///   last served), or at its own last finish if later: a newcomer, or one back after its
+///   calls finished, goes within one turn of everyone waiting, and nobody banks credit
+///   for the time it was away, nor gains by coming and going.
 /// - **Every dispatch is charged**, queued ([`Scheduler::pop`]) or not
 ///   ([`Scheduler::dispatch_direct`]), and counted in flight until
-///   [`Scheduler::complete`]; a tenant with work in flight is no newcomer.
-/// - **Bounded work**: `push`, `remove`, `settle`, `dispatch_direct` and `complete` are
-///   O(1), `pop` amortised O(`max_charge_quanta`) whatever the number of tenants. At most
-///   `u32::MAX - 1` waiting items, and as many tenants per class: beyond, a push is
-///   refused with [`Rejected::ClassFull`], never a panic. A [`Key`] never matches another
-///   item, even after its slot is reused.
+///   [`Scheduler::complete`]; [`Scheduler::settle`] moves the tenant by what the call
+///   really took.
+/// - **Bounded work**: `push`, `remove`, `settle`, `dispatch_direct`, `complete` and `pop`
+///   are O(log n) in the tenants waiting. At most `u32::MAX - 1` waiting items, and as
+///   many tenants per class: beyond, a push is refused with [`Rejected::ClassFull`], never
+///   a panic. A [`Key`] never matches another item, even after its slot is reused.
 ///
 /// ```
 /// use fairgate::drr_fairness::{Scheduler, SchedulerConfig};
 /// use fairgate::{Priority, TenantId};
 ///
 /// let mut queue = Scheduler::new(SchedulerConfig::default()).unwrap();
-/// // Tenant a queues three requests of one quantum each, then b queues one.
+/// // Tenant a queues three requests, then b queues one.
 /// for n in 1..=3 {
-///     queue.push(Priority::Standard, TenantId::new("a"), 1, 5_000, format!("a{n}")).unwrap();
+///     queue.push(Priority::Standard, TenantId::new("a"), 1, 1_000, format!("a{n}")).unwrap();
 /// }
-/// queue.push(Priority::Standard, TenantId::new("b"), 1, 5_000, "b1".to_owned()).unwrap();
+/// queue.push(Priority::Standard, TenantId::new("b"), 1, 1_000, "b1".to_owned()).unwrap();
 /// // b goes second, not fourth.
 /// let order: Vec<String> = std::iter::from_fn(|| queue.pop()).map(|d| d.item).collect();
 /// assert_eq!(order, ["a1", "b1", "a2", "a3"]);
@@ -154,7 +158,6 @@ pub struct Dispatched<T> {
 #[derive(Debug)]
 pub struct Scheduler<T> {
     config: SchedulerConfig,
-    quantum: i64,
     max_charge: i64,
     entries: Entries<T>,
     classes: [Class; 3],
@@ -168,13 +171,22 @@ impl<T> Scheduler<T> {
         config.validate()?;
         Ok(Scheduler {
             picker: ClassPicker::new(&config),
-            quantum: clamp_i64(config.quantum),
             max_charge: clamp_i64(config.max_charge()),
             config,
             entries: Entries::new(),
             classes: [Class::new(), Class::new(), Class::new()],
             len: 0,
         })
+    }
+
+    /// Breaks ties of start tags by `rank` of the names (monotone in name order) instead of
+    /// first come, first served: as the fleet's sorted sets do, for the test that holds
+    /// this order to the fleet's.
+    #[cfg(test)]
+    pub(crate) fn tie_by_name(&mut self, rank: fn(&TenantId) -> u64) {
+        for class in &mut self.classes {
+            class.ties.by_name = Some(rank);
+        }
     }
 
     /// The configuration in force.
@@ -187,11 +199,11 @@ impl<T> Scheduler<T> {
         clamp_i64(cost.max(1)).min(self.max_charge)
     }
 
-    /// Queues `item` for `tenant` in `class`. `weight` is the tenant's tier
-    /// weight (0 is treated as 1; the latest push's weight applies to later
-    /// top-ups); `cost` the estimated tokens (0 is treated as 1). A queue
-    /// limit, or the scheduler's capacity (see [`Scheduler`]), refuses the
-    /// incoming item and hands it back unchanged.
+    /// Queues `item` for `tenant` in `class`, the tenant a group of its own. `weight` is
+    /// the tenant's tier weight (0 is treated as 1; the latest push's weight applies to
+    /// later calls); `cost` the estimated tokens (0 is treated as 1). A queue limit, or the
+    /// scheduler's capacity (see [`Scheduler`]), refuses the incoming item and hands it
+    /// back unchanged.
     pub fn push(
         &mut self,
         class: Priority,
@@ -200,14 +212,27 @@ impl<T> Scheduler<T> {
         cost: u64,
         item: T,
     ) -> Result<Key, Rejected<T>> {
-        let ci = class_index(class);
+        self.push_in(class, None, tenant, weight, cost, item)
+    }
+
+    /// [`Scheduler::push`] for a tenant of `group` (`None`: a group of its own): groups
+    /// take turns first, then the group's tenants. A tenant the class knows stays in the
+    /// group it joined.
+    pub(crate) fn push_in(
+        &mut self,
+        class: Priority,
+        group: Option<&TenantId>,
+        tenant: TenantId,
+        weight: u32,
+        cost: u64,
+        item: T,
+    ) -> Result<Key, Rejected<T>> {
         let weight = weight.max(1);
         let cost = self.charge(cost);
-        let grant = self.quantum.saturating_mul(i64::from(weight));
         let (max_per_tenant, max_per_class) =
             (self.config.max_per_tenant, self.config.max_per_class);
-        let queue = &mut self.classes[ci];
-        let (hash, existing) = queue.lookup(&tenant);
+        let queue = &mut self.classes[class_index(class)];
+        let existing = queue.lookup(&tenant);
         if let (Some(limit), Some(t)) = (max_per_tenant, existing)
             && queue.tenant(t).is_some_and(|x| x.len as usize >= limit)
         {
@@ -216,50 +241,33 @@ impl<T> Scheduler<T> {
         if max_per_class.is_some_and(|limit| queue.len >= limit) {
             return Err(Rejected::ClassFull(item));
         }
-        // Slab capacity (about 4.3 billion entries, resp. known tenants of a
+        let group = group.unwrap_or(&tenant).clone();
+        // Slab capacity (about 4.3 billion entries, resp. known tenants or groups of a
         // class): refused like a full class, checked before any change.
-        if !self.entries.has_room() || (existing.is_none() && !queue.has_room()) {
+        if !self.entries.has_room() || !queue.has_room(&tenant, &group) {
             return Err(Rejected::ClassFull(item));
         }
-        // A listed tenant, even an empty one waiting on `old` for its turn,
-        // keeps its place and deficit: no fresh grant, no move to `new`. A
-        // parked one (items in flight) joins the back of `old` with its debt.
-        let t = match existing.or_else(|| queue.activate(hash, tenant, weight, grant)) {
-            Some(t) => t,
+        let Some(t) = queue.known(tenant, &group, weight) else {
             // Unreachable: room was checked above.
-            None => return Err(Rejected::ClassFull(item)),
-        };
-        queue.unpark(t);
-        let Some(owner) = queue.tenant_mut(t) else {
-            // Unreachable: `t` was just found or created.
             return Err(Rejected::ClassFull(item));
         };
-        let prev = owner.tail;
         let key = match self.entries.insert(Entry {
             item,
             generation: 0,
             cost,
             tenant: t,
-            prev,
+            prev: NONE,
             next: NONE,
             class,
         }) {
             Ok(key) => key,
-            // Unreachable: room was checked above. A tenant activated for
-            // this push is on `new` with nothing waiting; `pop` moves it on.
-            Err(item) => return Err(Rejected::ClassFull(item)),
+            Err(item) => {
+                // Unreachable: room was checked above.
+                queue.unused(t);
+                return Err(Rejected::ClassFull(item));
+            }
         };
-        let was_empty = owner.len == 0;
-        owner.weight = weight;
-        owner.tail = key.index;
-        owner.len += 1;
-        if was_empty {
-            owner.head = key.index;
-        } else if let Some(last) = self.entries.get_mut(prev) {
-            last.next = key.index;
-        }
-        queue.len += 1;
-        queue.busy += usize::from(was_empty);
+        queue.append(&mut self.entries, t, key.index, weight);
         self.len += 1;
         Ok(key)
     }
@@ -271,83 +279,67 @@ impl<T> Scheduler<T> {
         self.pop_class(class)
     }
 
-    /// Takes the next item of `class` in DRR order, bypassing the choice
-    /// between classes (for a caller that makes that choice itself, over
-    /// several schedulers), or `None` if nothing of `class` is waiting.
+    /// Takes the next item of `class` in fair order, bypassing the choice between classes
+    /// (for a caller that makes that choice itself, over several schedulers), or `None` if
+    /// nothing of `class` is waiting.
     pub(crate) fn pop_class(&mut self, class: Priority) -> Option<Dispatched<T>> {
         let ci = class_index(class);
-        let (item, tenant, cost) = self.classes[ci].pop(&mut self.entries, self.quantum)?;
+        let (item, tenant, cost) = self.classes[ci].pop(&mut self.entries)?;
         Some(self.dispatched(ci, item, tenant, cost))
     }
 
-    /// [`Scheduler::pop_class`], letting `decide` pass over (or stop at) the
-    /// tenant whose turn came: for a caller that can serve only some tenants
-    /// now (one at its own cap of calls in flight, say). A skipped tenant
-    /// loses its turn in this round, not its deficit. `None` when `decide`
-    /// stops, or when it skipped every tenant with waiting items in a row
-    /// (so a pop that can serve nobody ends). A pop that skips is O(skipped
-    /// tenants) more than a plain one.
+    /// [`Scheduler::pop_class`], letting `decide` pass over (or stop at) the tenant whose
+    /// turn came, told its number of waiting items in the class: for a caller that can
+    /// serve only some tenants now (one at its own cap of calls in flight, say). A skipped tenant keeps its place: it goes first once it may.
+    /// `None` when `decide` stops, or when it skipped every tenant with waiting items (so a
+    /// pop that can serve nobody ends). A pop that skips is O(skipped tenants) more than a
+    /// plain one.
     pub(crate) fn pop_class_where(
         &mut self,
         class: Priority,
-        decide: impl FnMut(&TenantId) -> Pick,
+        decide: impl FnMut(&TenantId, usize) -> Pick,
     ) -> Option<Dispatched<T>> {
         let ci = class_index(class);
-        let (item, tenant, cost) =
-            self.classes[ci].pop_where(&mut self.entries, self.quantum, decide)?;
+        let (item, tenant, cost) = self.classes[ci].pop_where(&mut self.entries, decide)?;
         Some(self.dispatched(ci, item, tenant, cost))
     }
 
-    /// Takes the next waiting item of `tenant` in `class`, whatever its
-    /// place in the round: for an item a caller chose earlier (with a
-    /// [`Pick::Stop`]) and can only now serve. Charged to the tenant's
-    /// deficit as a pop is (floored at `-max_charge`, as for
-    /// [`Scheduler::dispatch_direct`]), and counted in flight until
-    /// [`Scheduler::complete`]. `None` if nothing of `tenant` waits in
-    /// `class`.
+    /// Takes the next waiting item of `tenant` in `class`, whatever its place in the
+    /// order: for an item a caller chose earlier (with a [`Pick::Stop`]) and can only now
+    /// serve. Charged as a pop is, and counted in flight until [`Scheduler::complete`].
+    /// `None` if nothing of `tenant` waits in `class`.
     pub(crate) fn pop_tenant(
         &mut self,
         class: Priority,
         tenant: &TenantId,
     ) -> Option<Dispatched<T>> {
         let ci = class_index(class);
-        let floor = self.max_charge.saturating_neg();
         let queue = &mut self.classes[ci];
-        let (_, Some(t)) = queue.lookup(tenant) else {
+        let t = queue.lookup(tenant)?;
+        if queue.tenant(t)?.len == 0 {
             return None;
-        };
-        let head = queue.tenant(t)?.head;
-        let cost = self.entries.get(head)?.cost;
-        let owner = queue.tenant_mut(t)?;
-        owner.deficit = owner.deficit.saturating_sub(cost).max(floor);
-        owner.in_flight = owner.in_flight.saturating_add(1);
-        let id = owner.id.clone();
-        let entry = self.entries.take_at(head)?;
-        queue.detach(&mut self.entries, head, &entry);
-        queue.newcomer_served(t);
-        Some(self.dispatched(ci, entry.item, id, cost))
+        }
+        let (item, id, cost) = queue.serve(&mut self.entries, t)?;
+        Some(self.dispatched(ci, item, id, cost))
     }
 
     /// The next waiting item of `tenant` in `class` (the one [`Scheduler::pop_tenant`]
     /// would take), without taking it.
     pub(crate) fn peek_tenant(&self, class: Priority, tenant: &TenantId) -> Option<&T> {
         let queue = &self.classes[class_index(class)];
-        let (_, Some(t)) = queue.lookup(tenant) else {
-            return None;
-        };
-        let head = queue.tenant(t)?.head;
+        let head = queue.tenant(queue.lookup(tenant)?)?.head;
         self.entries.get(head).map(|entry| &entry.item)
     }
 
-    /// Charges a request that went out without waiting in the queue (there
-    /// was room and nothing waited) to its tenant, and counts it in flight
-    /// until [`Scheduler::complete`]: a tenant the class does not know
-    /// starts from a deficit of 0, so it ends in debt and, if it queues
-    /// while that request is in flight, it joins `old`, not `new`. Returns
-    /// the charged cost. The deficit never goes below `-max_charge`.
+    /// Charges a request that went out without waiting in the queue (there was room and
+    /// nothing waited) to its tenant, a group of its own, and counts it in flight until
+    /// [`Scheduler::complete`]: its next call starts that much later in the order (a
+    /// tenant the class does not know starts from the virtual time, so a newcomer queued
+    /// next goes before it), never more than one largest charge later. Returns the charged
+    /// cost.
     ///
-    /// `None` if the class is at its tenant capacity (see [`Scheduler`]):
-    /// then nothing is recorded, and the request must not be completed.
+    /// `None` if the class is at its tenant capacity (see [`Scheduler`]): then nothing is
+    /// recorded, and the request must not be completed.
     pub fn dispatch_direct(
         &mut self,
         class: Priority,
@@ -355,30 +347,44 @@ impl<T> Scheduler<T> {
         weight: u32,
         cost: u64,
     ) -> Option<u64> {
+        self.dispatch_direct_in(class, None, tenant, weight, cost)
+    }
+
+    /// [`Scheduler::dispatch_direct`] for a tenant of `group` (as [`Scheduler::push_in`]).
+    pub(crate) fn dispatch_direct_in(
+        &mut self,
+        class: Priority,
+        group: Option<&TenantId>,
+        tenant: TenantId,
+        weight: u32,
+        cost: u64,
+    ) -> Option<u64> {
         let weight = weight.max(1);
         let cost = self.charge(cost);
-        let floor = self.max_charge.saturating_neg();
+        let max_charge = self.max_charge;
         let queue = &mut self.classes[class_index(class)];
-        let t = match queue.lookup(&tenant) {
-            (_, Some(t)) => Some(t),
-            (hash, None) => queue
-                .insert(hash, tenant, weight, 0)
-                .inspect(|_| queue.parked += 1),
-        };
-        let owner = t.and_then(|t| queue.tenant_mut(t))?;
-        owner.weight = weight;
-        owner.deficit = owner.deficit.saturating_sub(cost).max(floor);
-        owner.in_flight = owner.in_flight.saturating_add(1);
+        let group = group.unwrap_or(&tenant).clone();
+        if !queue.has_room(&tenant, &group) {
+            return None;
+        }
+        let t = queue.known(tenant, &group, weight)?;
+        if let Some(known) = queue.tenants.get_mut(t) {
+            known.weight = weight;
+        }
+        queue.charge_direct(t, cost, max_charge);
         Some(cost.unsigned_abs())
     }
 
     /// A request of `tenant` in `class`, dispatched by [`Scheduler::pop`] or
-    /// [`Scheduler::dispatch_direct`], completed. A tenant is remembered, with
-    /// its deficit, while it has items waiting or in flight, so every
-    /// dispatch and settlement reaches it; each dispatch must be completed
-    /// exactly once, or its tenant stays in memory.
+    /// [`Scheduler::dispatch_direct`], completed. A tenant is remembered while it has
+    /// items waiting or in flight (so every dispatch and settlement reaches it), and while
+    /// it finished ahead of its group's virtual time with others waiting; each dispatch
+    /// must be completed exactly once, or its tenant stays in memory.
     pub fn complete(&mut self, class: Priority, tenant: &TenantId) {
-        self.classes[class_index(class)].complete(tenant);
+        let queue = &mut self.classes[class_index(class)];
+        if let Some(t) = queue.lookup(tenant) {
+            queue.complete(t);
+        }
     }
 
     /// Takes out a still-waiting item (its waiter went away). `None` if the
@@ -387,7 +393,7 @@ impl<T> Scheduler<T> {
         let entry = self.entries.take(key)?;
         let ci = class_index(entry.class);
         let queue = self.classes.get_mut(ci)?;
-        queue.detach(&mut self.entries, key.index, &entry);
+        queue.remove(&mut self.entries, key.index, &entry);
         self.removed(ci);
         Some(entry.item)
     }
@@ -410,33 +416,18 @@ impl<T> Scheduler<T> {
             .map(|entry| &mut entry.item)
     }
 
-    /// Settles a dispatched request once its real usage is known: charges
-    /// (`actual > estimated`) or refunds the difference of the charged costs
-    /// to the tenant's deficit, if `class` still knows the tenant (items
-    /// waiting or in flight, or emptied less than a round ago; see
-    /// [`Scheduler`]). Refunds never lift the deficit above one `quantum × weight`, nor
-    /// a parked tenant's above 0 (it banks no credit); charges never push it
-    /// below `-max_charge`. Forgotten tenants are ignored.
+    /// Settles a dispatched request once its real usage is known: the difference of the
+    /// charged costs moves the tenant's (and its group's) place in the order, as if it had
+    /// been charged what it used, if `class` still knows the tenant. A refund never moves
+    /// it before the order's virtual time (no credit to bank: it never stretches the turn
+    /// in progress nor goes before a newcomer), a charge never more than one largest
+    /// charge past it. Forgotten tenants are ignored.
     pub fn settle(&mut self, class: Priority, tenant: &TenantId, estimated: u64, actual: u64) {
-        let (estimated, actual) = (self.charge(estimated), self.charge(actual));
-        let (quantum, floor) = (self.quantum, self.max_charge.saturating_neg());
+        let delta = self.charge(actual) - self.charge(estimated);
+        let max_charge = self.max_charge;
         let queue = &mut self.classes[class_index(class)];
-        let (_, Some(t)) = queue.lookup(tenant) else {
-            return;
-        };
-        let Some(tenant) = queue.tenant_mut(t) else {
-            return;
-        };
-        if actual > estimated {
-            tenant.deficit = tenant.deficit.saturating_sub(actual - estimated).max(floor);
-        } else {
-            let cap = match tenant.list {
-                Some(_) => quantum.saturating_mul(i64::from(tenant.weight)),
-                None => 0,
-            };
-            if tenant.deficit < cap {
-                tenant.deficit = tenant.deficit.saturating_add(estimated - actual).min(cap);
-            }
+        if let Some(t) = queue.lookup(tenant) {
+            queue.settle(t, delta, max_charge);
         }
     }
 
@@ -458,10 +449,10 @@ impl<T> Scheduler<T> {
     /// Number of `tenant`'s waiting items in `class`.
     pub fn tenant_len(&self, class: Priority, tenant: &TenantId) -> usize {
         let queue = &self.classes[class_index(class)];
-        match queue.lookup(tenant) {
-            (_, Some(t)) => queue.tenant(t).map_or(0, |t| t.len as usize),
-            _ => 0,
-        }
+        queue
+            .lookup(tenant)
+            .and_then(|t| queue.tenant(t))
+            .map_or(0, |t| t.len as usize)
     }
 
     /// The tenants with waiting items in `class`, in no particular order.
@@ -469,14 +460,11 @@ impl<T> Scheduler<T> {
         self.classes[class_index(class)]
             .tenants
             .iter()
-            .flatten()
-            .filter(|t| t.len > 0)
-            .map(|t| &t.id)
+            .filter(|(_, t)| t.len > 0)
+            .map(|(_, t)| &t.id)
     }
 
-    /// Number of tenants with waiting items in `class`. A tenant that emptied
-    /// less than a round ago is still listed (with its deficit, see
-    /// [`Scheduler`]) but is not counted: it has nothing waiting.
+    /// Number of tenants with waiting items in `class`.
     pub fn active_tenants(&self, class: Priority) -> usize {
         self.classes[class_index(class)].busy
     }
@@ -495,10 +483,7 @@ impl<T> Scheduler<T> {
     /// An item of class `ci` left the queue.
     fn removed(&mut self, ci: usize) {
         self.len = self.len.saturating_sub(1);
-        if let Some(queue) = self.classes.get_mut(ci)
-            && queue.len == 0
-        {
-            queue.drained();
+        if self.classes.get(ci).is_some_and(|queue| queue.len == 0) {
             // A class that empties banks no round-robin credit.
             self.picker.forget(CLASSES[ci]);
         }

@@ -121,6 +121,7 @@ impl Entry<'_> {
             group: self.group,
             class: self.class,
             tenant: self.job.tenant().clone(),
+            named: self.job.group().cloned(),
             weight: self.weight,
             cost: self.cost,
         }
@@ -483,7 +484,7 @@ impl FairQueue {
     }
 
     /// The rate gate's word on the request whose turn it is in `class` of `group` (its
-    /// tenant by DRR, passing over tenants held at their cap): `Ok` with its tenant and what
+    /// tenant in fair order, passing over tenants held at their cap): `Ok` with its tenant and what
     /// it took when it may go (`None` without a rate gate), `Err` when the gate holds it,
     /// or nobody of the group may go now.
     fn rate_turn(
@@ -583,7 +584,7 @@ impl FairQueue {
     /// Dispatches waiting requests in fair order while the window has room: first what the
     /// fleet's order owes (`dispatch_flows`), then the class by weighted round robin among
     /// the classes with a request that may go, the group (tier) by start-time fair queuing,
-    /// the tenant by DRR. A gated group's request goes only with its slot (`take_slot`).
+    /// the tenant in fair order. A gated group's request goes only with its slot (`take_slot`).
     /// A group (in a class) whose waiting tenants are all held is `stuck` until the next
     /// dispatch.
     fn dispatch(self: &Arc<Self>, state: &mut Queues, after: &mut AfterUnlock) {

@@ -26,7 +26,7 @@ use crate::rng::Rng;
 use crate::store::{SlotLease, SlotWake, flow_name};
 use crate::{Priority, TenantId, Tier};
 
-/// Tier name -> DRR weight.
+/// Tier name -> weight in the fair order.
 #[derive(Clone, Debug)]
 pub(in crate::drr_fairness) struct TierWeights {
     pub(in crate::drr_fairness) by_tier: HashMap<Tier, u32>,
@@ -71,7 +71,7 @@ pub(super) struct Waiter {
 }
 
 /// The requests of one tier under the store's slot policy (or, group 0, of every request no
-/// slot gates), with their own DRR scheduler: a full tier blocks its group only.
+/// slot gates), with their own scheduler: a full tier blocks its group only.
 pub(super) struct Group {
     pub(super) scheduler: Scheduler<Waiter>,
     /// `None` for group 0: no slot to take.
@@ -100,12 +100,12 @@ pub(super) struct TierSlots {
     /// granted.
     pub(super) at_once: usize,
     /// A tier that caps tenants: tenants whose last acquire was refused for their own cap,
-    /// passed over in DRR order (the rest of the group goes on) until a slot may have come
+    /// passed over in fair order (the rest of the group goes on) until a slot may have come
     /// free. Always empty otherwise.
     pub(super) held_tenants: HashSet<TenantId>,
     /// A tier that caps tenants, any tier under a rate gate, or the fleet's order: tenants
     /// an acquire is under way for (Redis), passed over meanwhile so the acquires sent
-    /// together are for different tenants, in DRR order.
+    /// together are for different tenants, in fair order.
     pub(super) acquiring_for: HashMap<TenantId, usize>,
     /// The fleet's order (Redis): wake-ups for a tenant's next call of a class, each to be
     /// answered by an acquire for that call, oldest first.
@@ -313,6 +313,9 @@ pub(super) struct Arrival {
     pub(super) group: usize,
     pub(super) class: Priority,
     pub(super) tenant: TenantId,
+    /// The group the job names ([`Job::with_group`](crate::Job::with_group)): its tenants
+    /// take one turn together in the scheduler's order.
+    pub(super) named: Option<TenantId>,
     pub(super) weight: u32,
     pub(super) cost: u64,
 }
@@ -391,6 +394,7 @@ impl Queues {
             group,
             class,
             tenant,
+            named,
             weight,
             cost,
         } = arrival;
@@ -404,7 +408,7 @@ impl Queues {
         let was_idle = g.scheduler.class_len(class) == 0;
         let key = g
             .scheduler
-            .push(class, tenant.clone(), weight, cost, waiter)
+            .push_in(class, named.as_ref(), tenant.clone(), weight, cost, waiter)
             .map_err(|rejected| {
                 let tenant_limit = matches!(rejected, Rejected::TenantFull(_));
                 QueueFull::new(class, tenant.clone(), tenant_limit)
@@ -626,14 +630,18 @@ impl Queues {
             group,
             class,
             ref tenant,
+            ref named,
             weight,
             cost,
         } = *arrival;
         self.in_flight += 1;
-        let charged =
-            self.groups[group]
-                .scheduler
-                .dispatch_direct(class, tenant.clone(), weight, cost);
+        let charged = self.groups[group].scheduler.dispatch_direct_in(
+            class,
+            named.as_ref(),
+            tenant.clone(),
+            weight,
+            cost,
+        );
         let recorded = charged.unwrap_or_else(|| max_charge.min(cost.max(1)));
         after.index = self.fairness.record(tenant, weight, recorded, false, now);
         after
@@ -644,7 +652,7 @@ impl Queues {
 }
 
 impl Group {
-    /// The tenant whose DRR turn it is in `class`, passing over (to the back of the round)
+    /// The tenant whose turn it is in `class`, passing over (keeping their places)
     /// tenants held at their cap or with an acquire under way; `None` if every waiting
     /// tenant is one of those.
     pub(super) fn next_tenant(&mut self, class: Priority) -> Option<TenantId> {
@@ -654,7 +662,7 @@ impl Group {
         let slots = slots.as_ref();
         let mut next = None;
         // Never `Take`: nothing is popped here.
-        let _ = scheduler.pop_class_where(class, |tenant| {
+        let _ = scheduler.pop_class_where(class, |tenant, _| {
             if slots.is_some_and(|slots| {
                 slots.held_tenants.contains(tenant) || slots.acquiring_for.contains_key(tenant)
             }) {

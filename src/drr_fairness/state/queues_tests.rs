@@ -56,6 +56,7 @@ fn push(q: &mut Queues, group: usize, class: Priority, tenant: &str, weight: u32
             group,
             class,
             tenant: TenantId::new(tenant),
+            named: None,
             weight,
             cost: COST,
         };
@@ -370,6 +371,7 @@ fn a_queue_limit_refuses_the_newcomer_and_keeps_the_queue() {
         group: g,
         class: Priority::Standard,
         tenant: TenantId::new("b"),
+        named: None,
         weight: 3,
         cost: COST,
     };

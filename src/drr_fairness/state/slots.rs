@@ -249,7 +249,7 @@ impl FairQueue {
                 if let Some(slots) = g.slots.as_mut() {
                     slots.acquiring += 1;
                     // Passed over meanwhile, so the acquires sent together go to different
-                    // tenants in DRR order.
+                    // tenants in fair order.
                     if let Some(tenant) = &target {
                         *slots.acquiring_for.entry(tenant.clone()).or_default() += 1;
                     }

@@ -1,7 +1,7 @@
 //! The scheduler's tests: helpers and invariants here, the properties, the choice between
 //! classes and the order inside a class in their own files.
 
-use super::class::{ListKind, Tenant, Visit};
+use super::class::{Tenant, Visit};
 use super::slab::NONE;
 use super::*;
 
@@ -34,10 +34,10 @@ fn round_robin(tenants: &[&str], each: usize) -> Scheduler<(String, usize)> {
 }
 
 #[test]
-fn skipped_tenant_loses_its_turn_not_its_place_in_the_queue() {
+fn a_skipped_tenant_keeps_its_place_and_goes_first_once_it_may() {
     let mut s = round_robin(&["a", "b", "c"], 2);
     let order: Vec<String> = std::iter::from_fn(|| {
-        s.pop_class_where(Priority::Standard, |t| match t.as_str() {
+        s.pop_class_where(Priority::Standard, |t, _| match t.as_str() {
             "a" => Pick::Skip,
             _ => Pick::Take,
         })
@@ -48,7 +48,7 @@ fn skipped_tenant_loses_its_turn_not_its_place_in_the_queue() {
     // Only the skipped tenant is left, and a pop that can serve nobody ends.
     assert_eq!(s.len(), 2);
     assert!(
-        s.pop_class_where(Priority::Standard, |_| Pick::Skip)
+        s.pop_class_where(Priority::Standard, |_, _| Pick::Skip)
             .is_none()
     );
     // Its items come out in order once it may go.
@@ -60,7 +60,7 @@ fn skipped_tenant_loses_its_turn_not_its_place_in_the_queue() {
 fn stop_leaves_the_tenant_first_and_pop_tenant_serves_it() {
     let mut s = round_robin(&["a", "b"], 2);
     let mut first = None;
-    let none = s.pop_class_where(Priority::Standard, |t| {
+    let none = s.pop_class_where(Priority::Standard, |t, _| {
         first = Some(t.clone());
         Pick::Stop
     });
@@ -79,35 +79,31 @@ fn stop_leaves_the_tenant_first_and_pop_tenant_serves_it() {
 }
 
 impl<T> Scheduler<T> {
-    fn deficit_of(&self, class: Priority, tenant: &TenantId) -> Option<i64> {
-        let queue = &self.classes[class_index(class)];
-        let t = queue.lookup(tenant).1?;
-        queue.tenant(t).map(|x| x.deficit)
-    }
-
     fn take_trace(&mut self, class: Priority) -> Vec<Visit> {
         std::mem::take(&mut self.classes[class_index(class)].trace)
     }
 
-    /// The list `tenant` is on in `class`, `None` if it is not listed.
-    fn list_of(&self, class: Priority, tenant: &TenantId) -> Option<ListKind> {
-        let queue = &self.classes[class_index(class)];
-        queue.tenant(queue.lookup(tenant).1?)?.list
-    }
-
     fn in_flight_of(&self, class: Priority, tenant: &TenantId) -> Option<u32> {
         let queue = &self.classes[class_index(class)];
-        queue.tenant(queue.lookup(tenant).1?).map(|x| x.in_flight)
+        queue.tenant(queue.lookup(tenant)?).map(|x| x.in_flight)
     }
 
-    /// Whether `tenant` is known in `class` but on no list (parked).
-    fn is_parked(&self, class: Priority, tenant: &TenantId) -> bool {
+    /// `tenant`'s group's tag in the class's order (for a tenant of no group, its own
+    /// place between the class's tenants), if the class knows the group.
+    fn group_tag_of(&self, class: Priority, group: &TenantId) -> Option<f64> {
         let queue = &self.classes[class_index(class)];
-        queue
-            .lookup(tenant)
-            .1
-            .and_then(|t| queue.tenant(t))
-            .is_some_and(|x| x.list.is_none())
+        Some(tokens(queue.groups.get(queue.groups.find(group)?)?.tag))
+    }
+
+    /// The virtual time of the class's order of groups, in tokens.
+    fn class_vtime(&self, class: Priority) -> f64 {
+        tokens(self.classes[class_index(class)].order.vtime)
+    }
+
+    /// Whether the class remembers `tenant`, or the group of that name.
+    fn knows(&self, class: Priority, tenant: &TenantId) -> bool {
+        let queue = &self.classes[class_index(class)];
+        queue.lookup(tenant).is_some() || queue.groups.find(tenant).is_some()
     }
 
     /// Pops and completes at once, as if every request finished instantly.
@@ -117,72 +113,107 @@ impl<T> Scheduler<T> {
         Some(d)
     }
 
-    /// Internal consistency: lists, slabs and counts agree.
+    /// Internal consistency: orders, slabs and counts agree.
     fn check_invariants(&self) {
         let mut total = 0;
         for (class, queue) in self.classes.iter().enumerate() {
-            let (mut seen, mut busy, mut items) = (0, 0, 0);
-            for (kind, list) in [(ListKind::New, queue.new), (ListKind::Old, queue.old)] {
-                let mut cursor = list.head;
-                let mut prev = NONE;
-                while cursor != NONE {
-                    let t = cursor;
-                    let tenant = queue.tenant(t).expect("listed tenant exists");
-                    assert_eq!(tenant.prev, prev);
-                    assert_eq!(tenant.list, Some(kind));
-                    assert!(
-                        tenant.len > 0 || kind == ListKind::Old,
-                        "only `old` holds empty tenants"
-                    );
-                    busy += usize::from(tenant.len > 0);
-                    assert_eq!(queue.lookup(&tenant.id).1, Some(t));
-                    let (mut e, mut last) = (tenant.head, NONE);
-                    let mut count = 0;
-                    while e != NONE {
-                        let entry = self.entries.get(e).expect("entry exists");
-                        assert_eq!(entry.tenant, t);
-                        assert_eq!(entry.class, CLASSES[class]);
-                        if e != tenant.head {
-                            // A head's `prev` may be stale; no other's.
-                            assert_eq!(entry.prev, last);
-                        }
-                        count += 1;
-                        last = e;
-                        e = entry.next;
+            let (mut busy, mut items) = (0, 0);
+            for (t, tenant) in queue.tenants.iter() {
+                assert_eq!(queue.lookup(&tenant.id), Some(t));
+                let group = queue.groups.get(tenant.group).expect("its group is known");
+                let order = &group.tenants;
+                let (mut e, mut last, mut count) = (tenant.head, NONE, 0);
+                while e != NONE {
+                    let entry = self.entries.get(e).expect("entry exists");
+                    assert_eq!(entry.tenant, t);
+                    assert_eq!(entry.class, CLASSES[class]);
+                    if e != tenant.head {
+                        // A head's `prev` may be stale; no other's.
+                        assert_eq!(entry.prev, last);
                     }
-                    assert_eq!(tenant.tail, last);
-                    assert_eq!(count, tenant.len as usize);
-                    items += count;
-                    seen += 1;
-                    prev = cursor;
-                    cursor = tenant.next;
+                    count += 1;
+                    last = e;
+                    e = entry.next;
                 }
-                assert_eq!(list.tail, prev);
+                assert_eq!(tenant.tail, last);
+                assert_eq!(count, tenant.len as usize);
+                items += count;
+                if tenant.len > 0 {
+                    busy += 1;
+                    assert!(order.waiting.contains(&(tenant.tag, tenant.tie, t)));
+                    assert!(
+                        tenant.tag >= order.vtime,
+                        "nobody waits before the virtual time"
+                    );
+                } else if tenant.in_flight == 0 {
+                    assert!(
+                        order.idle.contains(&(tenant.tag, t)),
+                        "a tenant with nothing waiting or in flight is remembered idle"
+                    );
+                    assert!(tenant.tag > order.vtime);
+                }
             }
-            let parked: Vec<&Tenant> = queue
-                .tenants
-                .iter()
-                .flatten()
-                .filter(|x| x.list.is_none())
-                .collect();
-            for tenant in &parked {
-                assert_eq!(tenant.len, 0, "a parked tenant has nothing waiting");
-                assert!(tenant.in_flight > 0, "a parked tenant has work in flight");
-                assert!(tenant.deficit <= 0, "a parked tenant banks no credit");
+            for (g, group) in queue.groups.iter() {
+                let members: Vec<&Tenant> = queue
+                    .tenants
+                    .iter()
+                    .filter(|(_, t)| t.group == g)
+                    .map(|(_, t)| t)
+                    .collect();
+                assert_eq!(group.known as usize, members.len());
+                let in_flight: u32 = members.iter().map(|t| t.in_flight).sum();
+                assert_eq!(group.in_flight, in_flight);
+                let waiting = members.iter().filter(|t| t.len > 0).count();
+                assert_eq!(group.tenants.waiting.len(), waiting);
+                assert_eq!(
+                    group.tenants.idle.len(),
+                    members
+                        .iter()
+                        .filter(|t| t.len == 0 && t.in_flight == 0)
+                        .count()
+                );
+                if group.waits() {
+                    assert!(queue.order.waiting.contains(&(group.tag, group.tie, g)));
+                    assert!(group.tag >= queue.order.vtime);
+                } else {
+                    assert!(
+                        group.tenants.idle.is_empty(),
+                        "a group that waits not remembers no idle tenant"
+                    );
+                    if group.known == 0 {
+                        assert!(queue.order.idle.contains(&(group.tag, g)));
+                        assert!(group.tag > queue.order.vtime);
+                    }
+                }
             }
-            assert_eq!(parked.len(), queue.parked);
-            assert_eq!(seen + parked.len(), queue.index.len());
-            assert_eq!(seen + parked.len(), queue.tenants.iter().flatten().count());
+            let waiting_groups = queue.groups.iter().filter(|(_, g)| g.waits()).count();
+            assert_eq!(queue.order.waiting.len(), waiting_groups);
+            assert_eq!(
+                queue.order.idle.len(),
+                queue
+                    .groups
+                    .iter()
+                    .filter(|(_, g)| !g.waits() && g.known == 0)
+                    .count()
+            );
             assert_eq!(busy, queue.busy);
             assert_eq!(items, queue.len);
-            if queue.len == 0 {
-                assert_eq!(seen, 0, "a drained class lists nobody");
+            if queue.len == 0 && queue.tenants.len() == 0 {
+                assert!(
+                    queue.order.idle.is_empty(),
+                    "a class with nothing waiting or in flight remembers nobody idle"
+                );
             }
             total += items;
         }
         assert_eq!(total, self.len);
         assert_eq!(self.entries.slots.iter().flatten().count(), self.len);
     }
+}
+
+/// A virtual time in tokens per unit of weight.
+fn tokens(vtime: super::order::VTime) -> f64 {
+    vtime as f64 / f64::from(1u32 << 31) / 2.0
 }
 
 fn tenant_number(id: &TenantId) -> usize {
