@@ -289,3 +289,151 @@ async fn three_gateways_over_a_pool_of_two_upstreams_serve_twice_the_rate_with_n
         "{total} calls in 4 s: not 1.8 times one upstream's 40"
     );
 }
+
+/// Three gateways on one Redis over a pool of two upstreams of 600 requests a minute (the
+/// rate binds, not the slots): in one tier, a service key whose 50 end users each keep a
+/// call waiting and a plain key that keeps 9 waiting. The plain key is one share of the
+/// tier beside the service, whose users share the other: about half the calls each, as in
+/// one process. Before, each gateway's order ranked the plain key as one more end user
+/// (0.07 of the calls), and with that fixed, sent one slot acquire at a time for it beside
+/// one for each end user (0.25-0.42).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn under_the_rate_a_plain_key_is_one_share_beside_a_service_key_on_three_gateways() {
+    let _turn = crate::support::file_turn(module_path!());
+    let redis = crate::support::RedisServer::start();
+    let upstreams = [Upstream::start(), Upstream::start()];
+    let keys = format!(
+        r#"
+[[keys]]
+key = "{SERVICE}"
+tenant = "companion-app"
+users = true
+tier = "premium"
+
+[[keys]]
+key = "{PREMIUM_KEY}"
+tenant = "team-premium"
+tier = "premium"
+
+[limits]
+global_max = 30
+retry_after_ms = 300
+
+[[tiers]]
+name = "premium"
+cap = 30
+max_wait_ms = 60000
+
+[[upstreams]]
+name = "first"
+url = "{}"
+key_env = "FIRST_KEY"
+
+[[upstreams]]
+name = "second"
+url = "{}"
+key_env = "SECOND_KEY"
+"#,
+        upstreams[0].url, upstreams[1].url
+    );
+    const SERVICE: &str = "sk-svc-companion";
+    let env = [
+        ("FIRST_KEY", "sk-ant-first"),
+        ("SECOND_KEY", "sk-ant-second"),
+    ];
+    let gateways: Vec<Gateway> = (0..3)
+        .map(|_| Gateway::start_pool_on(&redis.url(), &keys, &env))
+        .collect();
+    // Warm-up calls, four at once through each gateway so the least loaded upstream takes
+    // some: both upstreams' limits are learned before the load (an upstream met cold
+    // answers 429s until its limit is learned, and those count against the tenant whose
+    // call met them: the plain key, one tenant, was then demoted in some runs).
+    for gateway in &gateways {
+        let warm: Vec<_> = (0..4)
+            .map(|_| tokio::spawn(call(gateway.url(), PREMIUM_KEY, "warm-up")))
+            .collect();
+        for call in warm {
+            assert_eq!(call.await.unwrap(), 200);
+        }
+    }
+    for upstream in &upstreams {
+        assert!(
+            upstream.calls().iter().any(|c| c.who == "warm-up"),
+            "each upstream answered a warm-up call"
+        );
+    }
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    // Callers that send again as soon as they are answered, spread over the gateways: 50
+    // end users of the service, 9 of the plain key (3 at each gateway, so it has calls
+    // waiting at each: each gateway orders its own calls while the rate binds). The
+    // upstream is told which gateway each came through.
+    let stop = Instant::now() + Duration::from_secs(12);
+    let loop_on = move |url: String, key: &'static str, who: &'static str, user: Option<String>| {
+        tokio::spawn(async move {
+            let metadata = user.map_or(String::new(), |user| {
+                format!(r#""metadata":{{"user_id":"{user}"}},"#)
+            });
+            let body = format!(
+                r#"{{"model":"claude-mock-1","max_tokens":64,{metadata}"messages":[{{"role":"user","content":"Hello"}}]}}"#
+            );
+            while Instant::now() < stop {
+                let _ = client()
+                    .post(format!("{url}/v1/messages"))
+                    .header("x-api-key", key)
+                    .header("anthropic-version", "2023-06-01")
+                    .header("content-type", "application/json")
+                    .header("x-test-who", who)
+                    .body(body.clone())
+                    .send()
+                    .await;
+            }
+        })
+    };
+    const SERVICE_AT: [&str; 3] = ["service@0", "service@1", "service@2"];
+    const PLAIN_AT: [&str; 3] = ["plain@0", "plain@1", "plain@2"];
+    let mut callers: Vec<_> = (0..50)
+        .map(|u| {
+            let user = Some(format!("user-{u}"));
+            loop_on(gateways[u % 3].url(), SERVICE, SERVICE_AT[u % 3], user)
+        })
+        .collect();
+    callers
+        .extend((0..9).map(|i| loop_on(gateways[i % 3].url(), PREMIUM_KEY, PLAIN_AT[i % 3], None)));
+    // Measured from 3 s on, once every caller waits.
+    let from = Instant::now() + Duration::from_secs(3);
+    for caller in callers {
+        caller.await.unwrap();
+    }
+    let to = stop - Duration::from_millis(500);
+    let count = |who: &str| -> usize {
+        let served = |c: &&Started| c.who.starts_with(who) && c.status == 200;
+        let within = |c: &&Started| c.at >= from && c.at < to;
+        upstreams
+            .iter()
+            .map(|u| u.calls().iter().filter(served).filter(within).count())
+            .sum()
+    };
+    let (plain, service) = (count("plain"), count("service"));
+    let at: Vec<(usize, usize)> = (0..3)
+        .map(|g| (count(PLAIN_AT[g]), count(SERVICE_AT[g])))
+        .collect();
+    let share = plain as f64 / (plain + service).max(1) as f64;
+    let throttled: usize = upstreams
+        .iter()
+        .map(|u| u.calls().iter().filter(|c| c.status == 429).count())
+        .sum();
+    println!(
+        "three gateways, the rate binding: plain key {plain} calls, service key (50 users) \
+         {service}: the plain key's share {share:.2} (per gateway, plain and service: {at:?}); \
+         429s {throttled}"
+    );
+    assert!(
+        plain + service >= 100,
+        "the rate served {plain} + {service} calls"
+    );
+    // About 170 calls: a share of 0.5 stays within 0.35-0.65 but one time in 10,000.
+    assert!(
+        (0.35..=0.65).contains(&share),
+        "the plain key got {share:.2} of the tier (plain {plain}, service {service})"
+    );
+}

@@ -653,8 +653,10 @@ impl Queues {
 
 impl Group {
     /// The tenant whose turn it is in `class`, passing over (keeping their places)
-    /// tenants held at their cap or with an acquire under way; `None` if every waiting
-    /// tenant is one of those.
+    /// tenants held at their cap or with an acquire under way for each of their calls
+    /// waiting; `None` if every waiting tenant is one of those. A tenant with more calls
+    /// waiting than acquires under way stays in turn: a key that is one tenant gets its
+    /// share of the acquires sent together beside a key of many end users, each with one.
     pub(super) fn next_tenant(&mut self, class: Priority) -> Option<TenantId> {
         let Group {
             scheduler, slots, ..
@@ -662,9 +664,13 @@ impl Group {
         let slots = slots.as_ref();
         let mut next = None;
         // Never `Take`: nothing is popped here.
-        let _ = scheduler.pop_class_where(class, |tenant, _| {
+        let _ = scheduler.pop_class_where(class, |tenant, waiting| {
             if slots.is_some_and(|slots| {
-                slots.held_tenants.contains(tenant) || slots.acquiring_for.contains_key(tenant)
+                slots.held_tenants.contains(tenant)
+                    || slots
+                        .acquiring_for
+                        .get(tenant)
+                        .is_some_and(|&under_way| under_way >= waiting)
             }) {
                 Pick::Skip
             } else {
