@@ -31,5 +31,6 @@ mod proxy;
 mod rate;
 mod record;
 mod traces;
+mod turns;
 mod usage;
 mod users;
