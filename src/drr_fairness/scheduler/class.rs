@@ -2,9 +2,9 @@
 //! (a key: a service with its end users, or a team; a tenant that names no group is a group
 //! of its own), then the tenants of each group, one call per turn at both.
 
+use super::RETAINED_CAPACITY;
 use super::order::{Members, Named, Order, Place, Ties, VTime, step};
 use super::slab::{Entries, Entry, NONE};
-use super::{Pick, RETAINED_CAPACITY};
 use crate::TenantId;
 
 /// A tenant of the class: its FIFO of waiting items and its place in its group's order.
@@ -59,7 +59,7 @@ impl Group {
     }
 
     pub(super) fn waits(&self) -> bool {
-        !self.tenants.waiting.is_empty()
+        self.tenants.waits()
     }
 }
 
@@ -67,6 +67,20 @@ impl Named for Group {
     fn name(&self) -> &TenantId {
         &self.id
     }
+}
+
+/// Whether the tenant in `place`'s slot waits at that very place (else the entry is stale).
+fn tenant_waits_at(tenants: &Members<Tenant>, place: &Place) -> bool {
+    tenants
+        .get(place.2)
+        .is_some_and(|t| t.len > 0 && t.tag == place.0 && t.tie == place.1)
+}
+
+/// Whether the group in `place`'s slot waits at that very place.
+fn group_waits_at(groups: &Members<Group>, place: &Place) -> bool {
+    groups
+        .get(place.2)
+        .is_some_and(|g| g.waits() && g.tag == place.0 && g.tie == place.1)
 }
 
 #[cfg(test)]
@@ -117,23 +131,25 @@ impl Class {
         self.tenants.get(t)
     }
 
-    /// Whether [`Class::known`] will find room for `tenant` of `group`.
-    pub(super) fn has_room(&self, tenant: &TenantId, group: &TenantId) -> bool {
-        self.tenants.find(tenant).is_some()
-            || (self.tenants.has_room()
-                && (self.groups.has_room() || self.groups.find(group).is_some()))
+    /// Whether [`Class::make`] will find room for a tenant of `group` (`None`: its own).
+    pub(super) fn has_room_for(&self, tenant: &TenantId, group: Option<&TenantId>) -> bool {
+        self.tenants.has_room()
+            && (self.groups.has_room() || self.groups.find(group.unwrap_or(tenant)).is_some())
     }
 
-    /// The slot of `tenant`, made (in `group`, made too if new) if the class does not know
-    /// it; a known tenant stays in the group it joined. `None` if a slab is full.
-    pub(super) fn known(&mut self, tenant: TenantId, group: &TenantId, weight: u32) -> Option<u32> {
-        if let Some(t) = self.tenants.find(&tenant) {
-            return Some(t);
-        }
-        let g = match self.groups.find(group) {
+    /// The slot of a tenant the class does not know, made in `group` (`None`: a group of
+    /// its own; made too if new). `None` if a slab is full.
+    pub(super) fn make(
+        &mut self,
+        tenant: TenantId,
+        group: Option<&TenantId>,
+        weight: u32,
+    ) -> Option<u32> {
+        let name = group.unwrap_or(&tenant);
+        let g = match self.groups.find(name) {
             Some(g) => g,
             None => self.groups.insert(Group {
-                id: group.clone(),
+                id: name.clone(),
                 tag: self.order.vtime,
                 tie: 0,
                 tenants: Order::default(),
@@ -281,31 +297,30 @@ impl Class {
         let Some(group) = self.groups.get_mut(g) else {
             return;
         };
-        group.tenants.waiting.remove(&place);
+        let _ = place;
+        group.tenants.leave();
         if !group.waits() {
-            self.order.waiting.remove(&group.place(g));
+            self.order.leave();
         }
         self.rest_tenant(t);
         self.rest_group(g);
         self.after_leaving();
     }
 
-    /// The tenant whose turn it is, asking `decide` about each waiting tenant in turn (by
-    /// group, then inside it): see [`Pick`]. A skipped tenant keeps its place; `None` when
-    /// `decide` stops, or skipped every waiting tenant.
-    fn turn(&self, mut decide: impl FnMut(&TenantId, usize) -> Pick) -> Option<u32> {
-        for &(_, _, g) in &self.order.waiting {
+    /// The tenant whose turn it is, passing over (by group, then inside it) those `skip`
+    /// says, who keep their places; `None` if it skipped every waiting tenant.
+    pub(super) fn turn(&self, mut skip: impl FnMut(&TenantId, usize) -> bool) -> Option<&TenantId> {
+        let (groups, tenants) = (&self.groups, &self.tenants);
+        for (_, _, g) in self.order.in_order(|p| group_waits_at(groups, p)) {
             let Some(group) = self.groups.get(g) else {
                 continue;
             };
-            for &(_, _, t) in &group.tenants.waiting {
+            for (_, _, t) in group.tenants.in_order(|p| tenant_waits_at(tenants, p)) {
                 let Some(tenant) = self.tenants.get(t) else {
                     continue;
                 };
-                match decide(&tenant.id, tenant.len as usize) {
-                    Pick::Take => return Some(t),
-                    Pick::Stop => return None,
-                    Pick::Skip => {}
+                if !skip(&tenant.id, tenant.len as usize) {
+                    return Some(&tenant.id);
                 }
             }
         }
@@ -314,17 +329,11 @@ impl Class {
 
     /// The next item in fair order, or `None` if nothing waits.
     pub(super) fn pop<T>(&mut self, entries: &mut Entries<T>) -> Option<(T, TenantId, i64)> {
-        self.pop_where(entries, |_, _| Pick::Take)
-    }
-
-    /// [`Class::pop`], asking `decide` about each tenant whose turn comes: see [`Pick`].
-    /// A pop that skips is O(skipped tenants) more than a plain one.
-    pub(super) fn pop_where<T>(
-        &mut self,
-        entries: &mut Entries<T>,
-        decide: impl FnMut(&TenantId, usize) -> Pick,
-    ) -> Option<(T, TenantId, i64)> {
-        let t = self.turn(decide)?;
+        let groups = &self.groups;
+        let (_, _, g) = self.order.head(|p| group_waits_at(groups, p))?;
+        let tenants = &self.tenants;
+        let group = self.groups.get_mut(g)?;
+        let (_, _, t) = group.tenants.head(|p| tenant_waits_at(tenants, p))?;
         self.serve(entries, t)
     }
 
@@ -340,11 +349,17 @@ impl Class {
         let (g, head, place, weight) = (tenant.group, tenant.head, tenant.place(t), tenant.weight);
         let tie = self.ties.next(&tenant.id);
         let cost = entries.get(head)?.cost;
+        // The heads of both orders, before anything moves: the virtual times go there.
+        let groups = &self.groups;
+        let class_head = self.order.head(|p| group_waits_at(groups, p))?;
+        let tenants = &self.tenants;
+        let tenant_head =
+            (self.groups.get_mut(g)?.tenants).head(|p| tenant_waits_at(tenants, p))?;
         let entry = entries.take_at(head)?;
         let emptied = self.unlink(entries, head, &entry);
         let moved = step(cost, weight);
         let group = self.groups.get_mut(g)?;
-        group.tenants.serve(&place);
+        group.tenants.serve(&place, &tenant_head);
         group.in_flight += 1;
         let finish = place.0.saturating_add(moved);
         group.tenants.handed(finish);
@@ -353,7 +368,7 @@ impl Class {
             false => group.tenants.enter(t, finish, tie),
         };
         let group_place = group.place(g);
-        self.order.serve(&group_place);
+        self.order.serve(&group_place, &class_head);
         let group_finish = group_place.0.saturating_add(moved);
         self.order.handed(group_finish);
         group.tag = match group.waits() {
@@ -372,6 +387,7 @@ impl Class {
         }
         #[cfg(test)]
         self.trace.push(Visit::Dispatch(id.clone()));
+        self.compact_orders(g);
         self.forget_reached(g);
         if self.len == 0 {
             self.drained();
@@ -418,6 +434,7 @@ impl Class {
         };
         self.correct_tenant(t, signed, ceiling);
         self.correct_group(g, signed, ceiling);
+        self.compact_orders(g);
     }
 
     /// Moves tenant `t`'s tag by `delta`, keeping its place in its group's order (or its
@@ -434,10 +451,9 @@ impl Class {
         let order = &mut group.tenants;
         let tag = order.corrected(place.0, delta, ceiling);
         order.handed(tag);
-        if len > 0 {
-            order.waiting.remove(&place);
-            order.waiting.insert((tag, place.1, t));
-        } else if in_flight == 0 && order.idle.remove(&(place.0, t)) {
+        if len > 0 && tag != place.0 {
+            order.moved((tag, place.1, t));
+        } else if len == 0 && in_flight == 0 && order.idle.remove(&(place.0, t)) {
             order.idle.insert((tag, t));
         }
         if let Some(tenant) = self.tenants.get_mut(t) {
@@ -454,8 +470,9 @@ impl Class {
         let tag = self.order.corrected(place.0, delta, ceiling);
         self.order.handed(tag);
         if group.waits() {
-            self.order.waiting.remove(&place);
-            self.order.waiting.insert((tag, place.1, g));
+            if tag != place.0 {
+                self.order.moved((tag, place.1, g));
+            }
         } else if group.in_flight == 0 && self.order.idle.remove(&(place.0, g)) {
             self.order.idle.insert((tag, g));
         }
@@ -476,6 +493,17 @@ impl Class {
         if self.len == 0 {
             self.forget_idle();
         }
+    }
+
+    /// Drops the stale entries of group `g`'s order and of the class's, if they outnumber
+    /// the live ones.
+    fn compact_orders(&mut self, g: u32) {
+        let tenants = &self.tenants;
+        if let Some(group) = self.groups.get_mut(g) {
+            group.tenants.compact(|p| tenant_waits_at(tenants, p));
+        }
+        let groups = &self.groups;
+        self.order.compact(|p| group_waits_at(groups, p));
     }
 
     /// Tenant `t` may have nothing waiting or in flight: then it is remembered as idle if
@@ -512,6 +540,7 @@ impl Class {
             return;
         }
         group.tenants.restart();
+        group.tenants.clear_stale();
         let idle: Vec<u32> = std::mem::take(&mut group.tenants.idle)
             .into_iter()
             .map(|(_, t)| t)
@@ -525,7 +554,7 @@ impl Class {
         if group.known > 0 {
             return;
         }
-        if !self.order.waiting.is_empty() && group.tag > self.order.vtime {
+        if self.order.waits() && group.tag > self.order.vtime {
             self.order.idle.insert((group.tag, g));
         } else {
             self.forget_group(g);
@@ -594,6 +623,7 @@ impl Class {
     /// the memory goes back.
     fn forget_idle(&mut self) {
         self.order.restart();
+        self.order.clear_stale();
         for (_, g) in std::mem::take(&mut self.order.idle) {
             self.forget_group(g);
         }
@@ -613,7 +643,8 @@ impl Class {
         let groups = self.groups.drain();
         let tenants = self.tenants.drain();
         let mut moved = std::collections::HashMap::with_capacity(groups.len());
-        for (old, group) in groups {
+        for (old, mut group) in groups {
+            group.tenants.clear_stale();
             if let Some(new) = self.groups.insert(group) {
                 moved.insert(old, new);
             }

@@ -74,19 +74,6 @@ impl<T> fmt::Display for Rejected<T> {
 
 impl<T: fmt::Debug> std::error::Error for Rejected<T> {}
 
-/// What [`Scheduler::pop_class_where`] does with the tenant whose turn came.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Pick {
-    /// Dispatch its head item.
-    Take,
-    /// Pass it over this time: it goes to the back of the round with its
-    /// deficit (no grant), and the next tenant's turn comes.
-    Skip,
-    /// Dispatch nothing now, and leave it first in line (in its turn, its
-    /// deficit covering its head): the next pop starts with it.
-    Stop,
-}
-
 /// Handle of a waiting item, for [`Scheduler::remove`]. Never matches a
 /// different item, even after its slot is reused.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -241,13 +228,14 @@ impl<T> Scheduler<T> {
         if max_per_class.is_some_and(|limit| queue.len >= limit) {
             return Err(Rejected::ClassFull(item));
         }
-        let group = group.unwrap_or(&tenant).clone();
         // Slab capacity (about 4.3 billion entries, resp. known tenants or groups of a
         // class): refused like a full class, checked before any change.
-        if !self.entries.has_room() || !queue.has_room(&tenant, &group) {
+        if !self.entries.has_room()
+            || (existing.is_none() && !queue.has_room_for(&tenant, group))
+        {
             return Err(Rejected::ClassFull(item));
         }
-        let Some(t) = queue.known(tenant, &group, weight) else {
+        let Some(t) = existing.or_else(|| queue.make(tenant, group, weight)) else {
             // Unreachable: room was checked above.
             return Err(Rejected::ClassFull(item));
         };
@@ -288,25 +276,22 @@ impl<T> Scheduler<T> {
         Some(self.dispatched(ci, item, tenant, cost))
     }
 
-    /// [`Scheduler::pop_class`], letting `decide` pass over (or stop at) the tenant whose
-    /// turn came, told its number of waiting items in the class: for a caller that can
-    /// serve only some tenants now (one at its own cap of calls in flight, say). A skipped tenant keeps its place: it goes first once it may.
-    /// `None` when `decide` stops, or when it skipped every tenant with waiting items (so a
-    /// pop that can serve nobody ends). A pop that skips is O(skipped tenants) more than a
-    /// plain one.
-    pub(crate) fn pop_class_where(
-        &mut self,
+    /// The tenant whose turn it is in `class`, passing over those `skip` says (told each
+    /// tenant's number of waiting items in the class), who keep their places: for a caller
+    /// that can serve only some tenants now (one at its own cap of calls in flight, say),
+    /// and serves the one chosen later with [`Scheduler::pop_tenant`]. `None` if it skipped
+    /// every tenant waiting. O(log n) a tenant skipped.
+    pub(crate) fn next_where(
+        &self,
         class: Priority,
-        decide: impl FnMut(&TenantId, usize) -> Pick,
-    ) -> Option<Dispatched<T>> {
-        let ci = class_index(class);
-        let (item, tenant, cost) = self.classes[ci].pop_where(&mut self.entries, decide)?;
-        Some(self.dispatched(ci, item, tenant, cost))
+        skip: impl FnMut(&TenantId, usize) -> bool,
+    ) -> Option<&TenantId> {
+        self.classes[class_index(class)].turn(skip)
     }
 
     /// Takes the next waiting item of `tenant` in `class`, whatever its place in the
-    /// order: for an item a caller chose earlier (with a [`Pick::Stop`]) and can only now
-    /// serve. Charged as a pop is, and counted in flight until [`Scheduler::complete`].
+    /// order: for an item a caller chose earlier ([`Scheduler::next_where`]) and can only
+    /// now serve. Charged as a pop is, and counted in flight until [`Scheduler::complete`].
     /// `None` if nothing of `tenant` waits in `class`.
     pub(crate) fn pop_tenant(
         &mut self,
@@ -363,11 +348,11 @@ impl<T> Scheduler<T> {
         let cost = self.charge(cost);
         let max_charge = self.max_charge;
         let queue = &mut self.classes[class_index(class)];
-        let group = group.unwrap_or(&tenant).clone();
-        if !queue.has_room(&tenant, &group) {
-            return None;
-        }
-        let t = queue.known(tenant, &group, weight)?;
+        let t = match queue.lookup(&tenant) {
+            Some(t) => t,
+            None if queue.has_room_for(&tenant, group) => queue.make(tenant, group, weight)?,
+            None => return None,
+        };
         if let Some(known) = queue.tenants.get_mut(t) {
             known.weight = weight;
         }

@@ -2,7 +2,8 @@
 //! members waiting by start tag, and those that wait no more but finished ahead of it), and
 //! the slab of named members a level orders (a class's groups, or its tenants).
 
-use std::collections::BTreeSet;
+use std::cmp::Reverse;
+use std::collections::{BTreeSet, BinaryHeap};
 use std::hash::BuildHasher;
 
 use hashbrown::HashTable;
@@ -18,7 +19,12 @@ pub(super) type VTime = u128;
 
 /// What serving a call of `cost` tokens moves a member of `weight` on by.
 pub(super) fn step(cost: i64, weight: u32) -> VTime {
-    (VTime::from(cost.max(1).unsigned_abs()) << 32) / VTime::from(weight.max(1))
+    let scaled = VTime::from(cost.max(1).unsigned_abs()) << 32;
+    // Most tenants weigh 1: no 128-bit division for them.
+    match weight {
+        0 | 1 => scaled,
+        w => scaled / VTime::from(w),
+    }
 }
 
 /// A waiting member's place: (start tag, tie, slot). The tie is the order the members
@@ -52,12 +58,22 @@ impl Ties {
 
 /// One level of start-time fair queuing (Goyal, Vin & Cheng 1996): the member with the least
 /// start tag goes next, and is charged its call's cost over its weight.
+///
+/// The waiting members' places are a binary min-heap whose entries go stale instead of
+/// being taken out: a member that stops waiting, or whose tag is corrected, leaves its old
+/// entry behind, and an entry counts only while its member is waiting at that very place
+/// (`valid`, which the caller answers from its members). Stale entries are dropped as they
+/// reach the top, or all at once when they outnumber the live ones. So a place costs a
+/// push and a pop, without allocating, and a newcomer (its tag the largest, as a rule)
+/// settles at the bottom at once.
 #[derive(Debug, Default)]
 pub(super) struct Order {
     /// The start tag of the last call served in order: nobody waits before it, and a member
     /// that starts waiting starts here, or at its own finish if later.
     pub(super) vtime: VTime,
-    pub(super) waiting: BTreeSet<Place>,
+    heap: Vec<Place>,
+    /// Members waiting.
+    live: usize,
     /// (finish, slot) of the members with nothing waiting or in flight that finished ahead
     /// of `vtime`: remembered until `vtime` reaches them, so coming back does not rewind
     /// them (a member that keeps coming and going cannot push in front of those waiting).
@@ -67,21 +83,80 @@ pub(super) struct Order {
 }
 
 impl Order {
+    /// Whether a member waits.
+    pub(super) fn waits(&self) -> bool {
+        self.live > 0
+    }
+
     /// `slot`, which finished at `finish`, starts waiting with `tie`: its start tag.
     pub(super) fn enter(&mut self, slot: u32, finish: VTime, tie: u64) -> VTime {
         let start = finish.max(self.vtime);
-        self.waiting.insert((start, tie, slot));
+        self.push((start, tie, slot));
+        self.live += 1;
         start
     }
 
-    /// A call of the member at `place` is served: it leaves the waiting set, and the
-    /// virtual time moves to the head's start (the member's own, in order; a member served
-    /// out of order does not move it past others still waiting).
-    pub(super) fn serve(&mut self, place: &Place) {
-        if let Some((head, _, _)) = self.waiting.first() {
-            self.vtime = self.vtime.max(*head.min(&place.0));
+    /// A waiting member's tag was corrected to `place`: its old entry goes stale.
+    pub(super) fn moved(&mut self, place: Place) {
+        self.push(place);
+    }
+
+    /// A waiting member stops waiting without being served: its entry goes stale.
+    pub(super) fn leave(&mut self) {
+        self.live = self.live.saturating_sub(1);
+    }
+
+    /// The waiting member with the least place, dropping the stale entries above it.
+    pub(super) fn head(&mut self, valid: impl Fn(&Place) -> bool) -> Option<Place> {
+        while let Some(top) = self.heap.first() {
+            if valid(top) {
+                return Some(*top);
+            }
+            self.pop_top();
         }
-        self.waiting.remove(place);
+        None
+    }
+
+    /// A call of the member at `place` is served (`head`: the least place waiting): it
+    /// stops waiting there, and the virtual time moves to the head's start (the member's
+    /// own, in order; a member served out of order does not move it past others waiting).
+    pub(super) fn serve(&mut self, place: &Place, head: &Place) {
+        self.vtime = self.vtime.max(head.0.min(place.0));
+        self.live = self.live.saturating_sub(1);
+        if self.heap.first() == Some(place) {
+            self.pop_top();
+        }
+    }
+
+    /// The waiting members in order, least place first (stale entries passed over): a walk
+    /// of the heap from its root, O(log k) a member for the first k.
+    pub(super) fn in_order<F: Fn(&Place) -> bool>(&self, valid: F) -> InOrder<'_, F> {
+        let mut frontier = BinaryHeap::new();
+        if let Some(&top) = self.heap.first() {
+            frontier.push(Reverse((top, 0)));
+        }
+        InOrder {
+            heap: &self.heap,
+            frontier,
+            valid,
+        }
+    }
+
+    /// Drops every stale entry when they outnumber the live ones (so the heap stays within
+    /// a constant factor of the members waiting).
+    pub(super) fn compact(&mut self, valid: impl Fn(&Place) -> bool) {
+        if self.heap.len() <= 2 * self.live + 16 {
+            return;
+        }
+        self.heap.retain(|p| valid(p));
+        self.heap.sort_unstable();
+    }
+
+    /// Nothing waits here: the entries left are all stale.
+    pub(super) fn clear_stale(&mut self) {
+        if self.live == 0 {
+            self.heap.clear();
+        }
     }
 
     /// A member's tag became `tag` (it was served, or corrected).
@@ -116,6 +191,80 @@ impl Order {
         } else {
             tag.saturating_add(moved)
                 .min(self.vtime.saturating_add(ceiling).max(tag))
+        }
+    }
+
+    #[cfg(test)]
+    pub(super) fn live(&self) -> usize {
+        self.live
+    }
+
+    #[cfg(test)]
+    pub(super) fn holds(&self, place: &Place) -> bool {
+        self.heap.contains(place)
+    }
+
+    fn push(&mut self, place: Place) {
+        self.heap.push(place);
+        let mut i = self.heap.len() - 1;
+        while i > 0 {
+            let parent = (i - 1) / 2;
+            if self.heap[parent] <= self.heap[i] {
+                break;
+            }
+            self.heap.swap(parent, i);
+            i = parent;
+        }
+    }
+
+    fn pop_top(&mut self) {
+        let Some(last) = self.heap.pop() else {
+            return;
+        };
+        if self.heap.is_empty() {
+            return;
+        }
+        self.heap[0] = last;
+        let (mut i, len) = (0, self.heap.len());
+        loop {
+            let (left, right) = (2 * i + 1, 2 * i + 2);
+            let mut least = i;
+            if left < len && self.heap[left] < self.heap[least] {
+                least = left;
+            }
+            if right < len && self.heap[right] < self.heap[least] {
+                least = right;
+            }
+            if least == i {
+                break;
+            }
+            self.heap.swap(i, least);
+            i = least;
+        }
+    }
+}
+
+/// The waiting members of an [`Order`] in order: see [`Order::in_order`].
+pub(super) struct InOrder<'a, F> {
+    heap: &'a [Place],
+    frontier: BinaryHeap<Reverse<(Place, usize)>>,
+    valid: F,
+}
+
+impl<F: Fn(&Place) -> bool> Iterator for InOrder<'_, F> {
+    type Item = Place;
+
+    fn next(&mut self) -> Option<Place> {
+        loop {
+            let Reverse((place, i)) = self.frontier.pop()?;
+            for child in [2 * i + 1, 2 * i + 2] {
+                if let Some(&below) = self.heap.get(child) {
+                    self.frontier.push(Reverse((below, child)));
+                }
+            }
+            if (self.valid)(&place) {
+                return Some(place);
+            }
         }
     }
 }

@@ -16,7 +16,7 @@ use crate::admission::TierLimit;
 use crate::drr_fairness::error::QueueFull;
 use crate::drr_fairness::fairness::FairnessWindow;
 use crate::drr_fairness::scheduler::{
-    ClassPicker, Dispatched, Key, Pick, Rejected, Scheduler, SchedulerConfig,
+    ClassPicker, Dispatched, Key, Rejected, Scheduler, SchedulerConfig,
 };
 use crate::error::ConfigError;
 use crate::gate::Taken;
@@ -657,28 +657,19 @@ impl Group {
     /// waiting; `None` if every waiting tenant is one of those. A tenant with more calls
     /// waiting than acquires under way stays in turn: a key that is one tenant gets its
     /// share of the acquires sent together beside a key of many end users, each with one.
-    pub(super) fn next_tenant(&mut self, class: Priority) -> Option<TenantId> {
-        let Group {
-            scheduler, slots, ..
-        } = self;
-        let slots = slots.as_ref();
-        let mut next = None;
-        // Never `Take`: nothing is popped here.
-        let _ = scheduler.pop_class_where(class, |tenant, waiting| {
-            if slots.is_some_and(|slots| {
-                slots.held_tenants.contains(tenant)
-                    || slots
-                        .acquiring_for
-                        .get(tenant)
-                        .is_some_and(|&under_way| under_way >= waiting)
-            }) {
-                Pick::Skip
-            } else {
-                next = Some(tenant.clone());
-                Pick::Stop
-            }
-        });
-        next
+    pub(super) fn next_tenant(&self, class: Priority) -> Option<TenantId> {
+        let slots = self.slots.as_ref();
+        self.scheduler
+            .next_where(class, |tenant, waiting| {
+                slots.is_some_and(|slots| {
+                    slots.held_tenants.contains(tenant)
+                        || slots
+                            .acquiring_for
+                            .get(tenant)
+                            .is_some_and(|&under_way| under_way >= waiting)
+                })
+            })
+            .cloned()
     }
 
     /// A full tier with calls waiting here but nothing that will wake them — no flow

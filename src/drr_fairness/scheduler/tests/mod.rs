@@ -37,39 +37,38 @@ fn round_robin(tenants: &[&str], each: usize) -> Scheduler<(String, usize)> {
 fn a_skipped_tenant_keeps_its_place_and_goes_first_once_it_may() {
     let mut s = round_robin(&["a", "b", "c"], 2);
     let order: Vec<String> = std::iter::from_fn(|| {
-        s.pop_class_where(Priority::Standard, |t, _| match t.as_str() {
-            "a" => Pick::Skip,
-            _ => Pick::Take,
-        })
-        .map(|d| d.tenant.as_str().to_owned())
+        let next = s
+            .next_where(Priority::Standard, |t, _| t.as_str() == "a")?
+            .clone();
+        s.pop_tenant(Priority::Standard, &next)
+            .map(|d| d.tenant.as_str().to_owned())
     })
     .collect();
     assert_eq!(order, ["b", "c", "b", "c"]);
-    // Only the skipped tenant is left, and a pop that can serve nobody ends.
+    // Only the skipped tenant is left, and a turn that can serve nobody ends.
     assert_eq!(s.len(), 2);
-    assert!(
-        s.pop_class_where(Priority::Standard, |_, _| Pick::Skip)
-            .is_none()
-    );
+    assert!(s.next_where(Priority::Standard, |_, _| true).is_none());
     // Its items come out in order once it may go.
     let next = s.pop_class(Priority::Standard).unwrap();
     assert_eq!((next.tenant, next.item.1), (tid("a"), 0));
 }
 
 #[test]
-fn stop_leaves_the_tenant_first_and_pop_tenant_serves_it() {
+fn the_next_tenant_is_told_its_waiting_items_and_pop_tenant_serves_it() {
     let mut s = round_robin(&["a", "b"], 2);
-    let mut first = None;
-    let none = s.pop_class_where(Priority::Standard, |t, _| {
-        first = Some(t.clone());
-        Pick::Stop
-    });
-    assert!(none.is_none());
+    let mut told = Vec::new();
+    let first = s
+        .next_where(Priority::Standard, |t, waiting| {
+            told.push((t.clone(), waiting));
+            false
+        })
+        .cloned();
     assert_eq!(first, Some(tid("a")));
-    assert_eq!(s.len(), 4);
+    assert_eq!(told, [(tid("a"), 2)]);
+    assert_eq!(s.len(), 4, "nothing taken");
     let served = s.pop_tenant(Priority::Standard, &tid("a")).unwrap();
     assert_eq!((served.tenant.clone(), served.item.1), (tid("a"), 0));
-    // The round goes on as if `a` had been popped.
+    // The order goes on as if `a` had been popped.
     let next = s.pop_class(Priority::Standard).unwrap();
     assert_eq!(next.tenant, tid("b"));
     assert!(s.pop_tenant(Priority::Batch, &tid("a")).is_none());
@@ -140,7 +139,7 @@ impl<T> Scheduler<T> {
                 items += count;
                 if tenant.len > 0 {
                     busy += 1;
-                    assert!(order.waiting.contains(&(tenant.tag, tenant.tie, t)));
+                    assert!(order.holds(&(tenant.tag, tenant.tie, t)));
                     assert!(
                         tenant.tag >= order.vtime,
                         "nobody waits before the virtual time"
@@ -164,7 +163,7 @@ impl<T> Scheduler<T> {
                 let in_flight: u32 = members.iter().map(|t| t.in_flight).sum();
                 assert_eq!(group.in_flight, in_flight);
                 let waiting = members.iter().filter(|t| t.len > 0).count();
-                assert_eq!(group.tenants.waiting.len(), waiting);
+                assert_eq!(group.tenants.live(), waiting);
                 assert_eq!(
                     group.tenants.idle.len(),
                     members
@@ -173,7 +172,7 @@ impl<T> Scheduler<T> {
                         .count()
                 );
                 if group.waits() {
-                    assert!(queue.order.waiting.contains(&(group.tag, group.tie, g)));
+                    assert!(queue.order.holds(&(group.tag, group.tie, g)));
                     assert!(group.tag >= queue.order.vtime);
                 } else {
                     assert!(
@@ -187,7 +186,7 @@ impl<T> Scheduler<T> {
                 }
             }
             let waiting_groups = queue.groups.iter().filter(|(_, g)| g.waits()).count();
-            assert_eq!(queue.order.waiting.len(), waiting_groups);
+            assert_eq!(queue.order.live(), waiting_groups);
             assert_eq!(
                 queue.order.idle.len(),
                 queue

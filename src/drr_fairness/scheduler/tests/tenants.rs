@@ -346,7 +346,7 @@ fn removed_entries_leave_no_tenant_state() {
     for class in CLASSES {
         let queue = &s.classes[class_index(class)];
         assert_eq!(queue.tenants.len() + queue.groups.len(), 0);
-        assert!(queue.order.waiting.is_empty() && queue.order.idle.is_empty());
+        assert!(!queue.order.waits() && queue.order.idle.is_empty());
     }
     assert!(s.entries.slots.is_empty());
     assert!(s.pop().is_none());
