@@ -96,6 +96,7 @@ pub(super) struct Class {
     pub(super) tenants: Members<Tenant>,
     /// The groups' order.
     pub(super) order: Order,
+    /// The ties of the places handed out, at both levels.
     pub(super) ties: Ties,
     /// Waiting items.
     pub(super) len: usize,
@@ -292,12 +293,11 @@ impl Class {
         let Some(tenant) = self.tenants.get(t) else {
             return;
         };
-        let (g, place) = (tenant.group, tenant.place(t));
+        let g = tenant.group;
         self.busy = self.busy.saturating_sub(1);
         let Some(group) = self.groups.get_mut(g) else {
             return;
         };
-        let _ = place;
         group.tenants.leave();
         if !group.waits() {
             self.order.leave();

@@ -230,9 +230,7 @@ impl<T> Scheduler<T> {
         }
         // Slab capacity (about 4.3 billion entries, resp. known tenants or groups of a
         // class): refused like a full class, checked before any change.
-        if !self.entries.has_room()
-            || (existing.is_none() && !queue.has_room_for(&tenant, group))
-        {
+        if !self.entries.has_room() || (existing.is_none() && !queue.has_room_for(&tenant, group)) {
             return Err(Rejected::ClassFull(item));
         }
         let Some(t) = existing.or_else(|| queue.make(tenant, group, weight)) else {
