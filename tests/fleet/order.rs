@@ -152,8 +152,17 @@ impl Redis<'_> {
 
 /// One call of `tenant` in `tier`, costing [`COST`].
 fn call_of(tenant: &str, tier: &str, origin: Origin) -> http::Request<()> {
+    call_in(tenant, None, tier, origin)
+}
+
+/// [`call_of`] for a tenant of `group` (a key's end user).
+fn call_in(tenant: &str, group: Option<&str>, tier: &str, origin: Origin) -> http::Request<()> {
     let mut req = http::Request::new(());
     let job = Job::new(tenant, origin).with_tier(tier);
+    let job = match group {
+        Some(group) => job.with_group(group),
+        None => job,
+    };
     req.extensions_mut().insert(job.with_cost(COST));
     req
 }
@@ -323,13 +332,26 @@ impl Fleet {
     /// `n` callers on `worker`, each sending calls of `tenant` one after another until the
     /// fleet stops.
     fn callers(&mut self, worker: usize, n: usize, tenant: &str, tier: &str, origin: Origin) {
+        self.callers_in(worker, n, (tenant, None), tier, origin);
+    }
+
+    /// [`Fleet::callers`] for a tenant of a group (`(tenant, Some(group))`).
+    fn callers_in(
+        &mut self,
+        worker: usize,
+        n: usize,
+        (tenant, group): (&str, Option<&str>),
+        tier: &str,
+        origin: Origin,
+    ) {
         for _ in 0..n {
             let service = self.workers[worker].clone();
             let stop = self.stop.clone();
             let (tenant, tier) = (tenant.to_owned(), tier.to_owned());
+            let group = group.map(str::to_owned);
             self.callers.push(tokio::spawn(async move {
                 while !stop.load(Ordering::Relaxed) {
-                    let req = call_of(&tenant, &tier, origin);
+                    let req = call_in(&tenant, group.as_deref(), &tier, origin);
                     if service.clone().oneshot(req).await.is_err() {
                         // Refused (`Busy`): a client waits a moment before it tries again.
                         tokio::time::sleep(Duration::from_millis(20)).await;
@@ -460,6 +482,60 @@ async fn light_against_hog(redis: Redis<'_>, workers: usize) {
         share * 100.0
     );
     assert!(index >= 0.99, "Jain's index {index:.3}");
+}
+
+/// A plain key (one tenant, 4 callers on each worker) beside a service key of 50 end users
+/// (`Job::with_group`, 3 callers each, spread over the workers), one tier: the fleet's
+/// order goes across keys first, so the plain key gets half the calls. The same callers
+/// with no group give the plain key one tenant's share of 51 (11 of 571 calls).
+async fn plain_key_beside_a_service(redis: Redis<'_>, workers: usize) {
+    let _serial = SERIAL.lock().await;
+    let mut fleet = Fleet::start(&redis, workers).await;
+    for w in 0..workers {
+        fleet.callers(w, 4, "plain", "pro", Origin::UserAction);
+    }
+    for user in 0..50 {
+        let name = format!("service/user-{user}");
+        let of = (name.as_str(), Some("service"));
+        fleet.callers_in(user % workers, 3, of, "pro", Origin::UserAction);
+    }
+    tokio::time::sleep(WARM_UP).await;
+    let from = Instant::now();
+    tokio::time::sleep(MEASURE).await;
+    let served = fleet.served(from, MEASURE);
+    fleet.stop().await;
+    let plain = served.get("plain").copied().unwrap_or(0) as f64;
+    let service: f64 = served
+        .iter()
+        .filter(|(tenant, _)| tenant.starts_with("service/"))
+        .map(|(_, n)| *n as f64)
+        .sum();
+    let share = plain / (plain + service);
+    println!(
+        "{workers} workers: plain key {plain}, service key (50 users) {service} calls: the plain \
+         key's share {:.1}%",
+        share * 100.0
+    );
+    assert!(
+        (0.4..=0.6).contains(&share),
+        "the plain key got {:.1}% of the calls",
+        share * 100.0
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "long: bash scripts/test --long"]
+async fn a_plain_key_is_one_share_beside_a_50_user_service_key_on_four_workers() {
+    let _turn = crate::support::file_turn(module_path!());
+    let server = RedisServer::start();
+    plain_key_beside_a_service(Redis::Node(&server), 4).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "long: bash scripts/test --long"]
+async fn a_plain_key_is_one_share_beside_a_50_user_service_key_on_the_cluster() {
+    let _turn = crate::support::file_turn(module_path!());
+    plain_key_beside_a_service(Redis::Cluster(RedisCluster::shared()), 4).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -306,6 +306,20 @@ impl<T> Scheduler<T> {
         Some(self.dispatched(ci, item, id, cost))
     }
 
+    /// Places `tenant` in `class` as if its next call of `cost` tokens were served (`on`),
+    /// or takes that back (`!on`): for a caller that sends for that call's slot and hears
+    /// later, so the calls it asks for meanwhile go to others in fair order. A reservation
+    /// is taken back before the call is served ([`Scheduler::pop_tenant`] charges it then)
+    /// or when it goes back to waiting; moves are clamped as a settlement's.
+    pub(crate) fn reserve(&mut self, class: Priority, tenant: &TenantId, cost: u64, on: bool) {
+        let cost = self.charge(cost);
+        let max_charge = self.max_charge;
+        let queue = &mut self.classes[class_index(class)];
+        if let Some(t) = queue.lookup(tenant) {
+            queue.settle(t, if on { cost } else { -cost }, max_charge);
+        }
+    }
+
     /// The next waiting item of `tenant` in `class` (the one [`Scheduler::pop_tenant`]
     /// would take), without taking it.
     pub(crate) fn peek_tenant(&self, class: Priority, tenant: &TenantId) -> Option<&T> {

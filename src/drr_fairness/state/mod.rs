@@ -65,6 +65,8 @@ struct Sent {
     /// The tenant whose request the slot goes to (a tier that caps tenants, a rate gate,
     /// or the fleet's order), passed over by the next acquires until the answer.
     target: Option<TenantId>,
+    /// What `target` was charged ahead in the order while the acquire is under way.
+    reserved: u64,
     /// More requests of its flow (of the group, outside the fleet's order) waited behind
     /// it: granted the last room, this worker stayed queued for a wake-up (Redis).
     more: bool,

@@ -655,8 +655,9 @@ impl Group {
     /// The tenant whose turn it is in `class`, passing over (keeping their places)
     /// tenants held at their cap or with an acquire under way for each of their calls
     /// waiting; `None` if every waiting tenant is one of those. A tenant with more calls
-    /// waiting than acquires under way stays in turn: a key that is one tenant gets its
-    /// share of the acquires sent together beside a key of many end users, each with one.
+    /// waiting than acquires under way stays in turn, placed as if served for each
+    /// (`Scheduler::reserve`): a key that is one tenant gets its share of the acquires sent
+    /// together beside a key of many end users, and no more than a tenant's share.
     pub(super) fn next_tenant(&self, class: Priority) -> Option<TenantId> {
         let slots = self.slots.as_ref();
         self.scheduler

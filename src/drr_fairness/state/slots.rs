@@ -223,6 +223,7 @@ impl FairQueue {
         let tenant = target.clone().filter(|_| slots.limit.tenant_cap.is_some());
         let queue = self.slot_queue(g, slots, class, target.as_ref(), cells);
         let more = queue.waiting > 1;
+        let reserved = queue.cost;
         let limits = SlotLimits::of(gate.policy(), slots.limit);
         let acquire = gate.acquire(&slots.tier, tenant.as_ref(), limits, Some(queue));
         match acquire.into_ready() {
@@ -248,10 +249,11 @@ impl FairQueue {
                 let g = &mut state.groups[group];
                 if let Some(slots) = g.slots.as_mut() {
                     slots.acquiring += 1;
-                    // Passed over meanwhile, so the acquires sent together go to different
-                    // tenants in fair order.
+                    // Counted, and placed in the order as if served meanwhile, so the
+                    // acquires sent together go to tenants in fair order.
                     if let Some(tenant) = &target {
                         *slots.acquiring_for.entry(tenant.clone()).or_default() += 1;
+                        g.scheduler.reserve(class, tenant, reserved, true);
                     }
                 }
                 let ci = class as usize;
@@ -264,6 +266,7 @@ impl FairQueue {
                         ahead,
                         tenant,
                         target,
+                        reserved,
                         more,
                         rate,
                     },
@@ -284,10 +287,15 @@ impl FairQueue {
         answer: Result<SlotLease, SlotRefusal>,
     ) {
         let fleet = self.fleet();
+        let mut state = self.lock();
+        let g = &mut state.groups[sent.group];
         if let Some(target) = &sent.target
-            && let Some(slots) = self.lock().groups[sent.group].slots.as_mut()
+            && let Some(slots) = g.slots.as_mut()
         {
             Self::answered_tenant(slots, target);
+            // Its reservation goes: the call is served now (charged then) or waits again.
+            g.scheduler
+                .reserve(sent.class, target, sent.reserved, false);
             let flow = (sent.class, target.clone());
             match &answer {
                 Err(SlotRefusal::Full | SlotRefusal::Rate) if fleet => {
@@ -302,6 +310,7 @@ impl FairQueue {
                 Err(_) => {}
             }
         }
+        drop(state);
         match (answer, sent.tenant.take()) {
             (Err(SlotRefusal::TenantCap), Some(tenant)) => {
                 let Sent {
