@@ -306,8 +306,9 @@ async fn three_gateways_over_a_pool_of_two_upstreams_serve_twice_the_rate_with_n
 /// one process. Before, each gateway's order ranked the plain key as one more end user
 /// (0.07 of the calls), and with that fixed, sent one slot acquire at a time for it beside
 /// one for each end user (0.25-0.42); now a tenant an acquire is under way for is placed
-/// in the order as if served meanwhile (0.53-0.54).
+/// in the order as if served meanwhile (0.53-0.56).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "long: bash scripts/test --long"]
 async fn under_the_rate_a_plain_key_is_one_share_beside_a_service_key_on_three_gateways() {
     let _turn = crate::support::file_turn(module_path!());
     let redis = crate::support::RedisServer::start();
