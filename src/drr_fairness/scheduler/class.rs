@@ -132,20 +132,27 @@ impl Class {
         self.tenants.get(t)
     }
 
-    /// Whether [`Class::make`] will find room for a tenant of `group` (`None`: its own).
-    pub(super) fn has_room_for(&self, tenant: &TenantId, group: Option<&TenantId>) -> bool {
-        self.tenants.has_room()
-            && (self.groups.has_room() || self.groups.find(group.unwrap_or(tenant)).is_some())
-    }
-
-    /// The slot of a tenant the class does not know, made in `group` (`None`: a group of
-    /// its own; made too if new). `None` if a slab is full.
-    pub(super) fn make(
+    /// The slot of `tenant` (`known`, when the caller looked it up), made in `group`
+    /// (`None`: a group of its own; made too if new) if the class does not know it. `None`
+    /// if a slab is full: then nothing is made.
+    pub(super) fn find_or_make(
         &mut self,
+        known: Option<u32>,
         tenant: TenantId,
         group: Option<&TenantId>,
         weight: u32,
     ) -> Option<u32> {
+        if known.is_some() {
+            return known;
+        }
+        let room = self.tenants.has_room()
+            && (self.groups.has_room() || self.groups.find(group.unwrap_or(&tenant)).is_some());
+        room.then(|| self.make(tenant, group, weight)).flatten()
+    }
+
+    /// The slot of a tenant the class does not know, made in `group` (`None`: a group of
+    /// its own; made too if new). `None` if a slab is full.
+    fn make(&mut self, tenant: TenantId, group: Option<&TenantId>, weight: u32) -> Option<u32> {
         let name = group.unwrap_or(&tenant);
         let g = match self.groups.find(name) {
             Some(g) => g,

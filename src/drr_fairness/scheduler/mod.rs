@@ -229,12 +229,11 @@ impl<T> Scheduler<T> {
             return Err(Rejected::ClassFull(item));
         }
         // Slab capacity (about 4.3 billion entries, resp. known tenants or groups of a
-        // class): refused like a full class, checked before any change.
-        if !self.entries.has_room() || (existing.is_none() && !queue.has_room_for(&tenant, group)) {
+        // class): refused like a full class, before any change.
+        if !self.entries.has_room() {
             return Err(Rejected::ClassFull(item));
         }
-        let Some(t) = existing.or_else(|| queue.make(tenant, group, weight)) else {
-            // Unreachable: room was checked above.
+        let Some(t) = queue.find_or_make(existing, tenant, group, weight) else {
             return Err(Rejected::ClassFull(item));
         };
         let key = match self.entries.insert(Entry {
@@ -360,11 +359,8 @@ impl<T> Scheduler<T> {
         let cost = self.charge(cost);
         let max_charge = self.max_charge;
         let queue = &mut self.classes[class_index(class)];
-        let t = match queue.lookup(&tenant) {
-            Some(t) => t,
-            None if queue.has_room_for(&tenant, group) => queue.make(tenant, group, weight)?,
-            None => return None,
-        };
+        let known = queue.lookup(&tenant);
+        let t = queue.find_or_make(known, tenant, group, weight)?;
         if let Some(known) = queue.tenants.get_mut(t) {
             known.weight = weight;
         }

@@ -117,13 +117,13 @@ struct Entry<'a> {
     group: usize,
 }
 
-impl Entry<'_> {
-    fn arrival(&self) -> Arrival {
+impl<'a> Entry<'a> {
+    fn arrival(&self) -> Arrival<'a> {
         Arrival {
             group: self.group,
             class: self.class,
             tenant: self.job.tenant().clone(),
-            named: self.job.group().cloned(),
+            named: self.job.group(),
             weight: self.weight,
             cost: self.cost,
         }

@@ -309,13 +309,13 @@ pub(super) struct Handout {
 }
 
 /// A request joining the queue, as the shell classified it.
-pub(super) struct Arrival {
+pub(super) struct Arrival<'a> {
     pub(super) group: usize,
     pub(super) class: Priority,
     pub(super) tenant: TenantId,
     /// The group the job names ([`Job::with_group`](crate::Job::with_group)): its tenants
     /// take one turn together in the scheduler's order.
-    pub(super) named: Option<TenantId>,
+    pub(super) named: Option<&'a TenantId>,
     pub(super) weight: u32,
     pub(super) cost: u64,
 }
@@ -385,7 +385,7 @@ impl Queues {
     /// anywhere.
     pub(super) fn push(
         &mut self,
-        arrival: Arrival,
+        arrival: Arrival<'_>,
         mut waiter: Waiter,
         max_per_class: Option<usize>,
         fleet: bool,
@@ -408,7 +408,7 @@ impl Queues {
         let was_idle = g.scheduler.class_len(class) == 0;
         let key = g
             .scheduler
-            .push_in(class, named.as_ref(), tenant.clone(), weight, cost, waiter)
+            .push_in(class, named, tenant.clone(), weight, cost, waiter)
             .map_err(|rejected| {
                 let tenant_limit = matches!(rejected, Rejected::TenantFull(_));
                 QueueFull::new(class, tenant.clone(), tenant_limit)
@@ -621,7 +621,7 @@ impl Queues {
     /// and not charged) and the cost recorded.
     pub(super) fn dispatch_now(
         &mut self,
-        arrival: &Arrival,
+        arrival: &Arrival<'_>,
         max_charge: u64,
         now: Instant,
         after: &mut AfterUnlock,
@@ -630,14 +630,14 @@ impl Queues {
             group,
             class,
             ref tenant,
-            ref named,
+            named,
             weight,
             cost,
         } = *arrival;
         self.in_flight += 1;
         let charged = self.groups[group].scheduler.dispatch_direct_in(
             class,
-            named.as_ref(),
+            named,
             tenant.clone(),
             weight,
             cost,
