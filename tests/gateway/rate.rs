@@ -134,15 +134,48 @@ async fn answer(state: &Mutex<Bucket>, headers: &http::HeaderMap) -> axum::respo
         .unwrap()
 }
 
-/// Sends one call with `key`, marked `who` for the upstream's record: its status.
-async fn call(url: String, key: &'static str, who: &'static str) -> u16 {
+/// A `POST /v1/messages` with `key`, marked `who` for the upstream's record, for the end
+/// user `user` when given (`metadata.user_id`).
+fn messages(url: &str, key: &str, who: &str, user: Option<&str>) -> reqwest::RequestBuilder {
+    let metadata = user.map_or(String::new(), |user| {
+        format!(r#""metadata":{{"user_id":"{user}"}},"#)
+    });
     client()
         .post(format!("{url}/v1/messages"))
         .header("x-api-key", key)
         .header("anthropic-version", "2023-06-01")
         .header("content-type", "application/json")
         .header("x-test-who", who)
-        .body(messages_body(false))
+        .body(format!(
+            r#"{{"model":"claude-mock-1","max_tokens":64,{metadata}"messages":[{{"role":"user","content":"Hello"}}]}}"#
+        ))
+}
+
+/// The keys file's lines of a pool of `upstreams`, their keys in `POOL_ENV`.
+fn pool_toml(upstreams: &[Upstream; 2]) -> String {
+    format!(
+        "[[upstreams]]\nname = \"first\"\nurl = \"{}\"\nkey_env = \"FIRST_KEY\"\n\n\
+         [[upstreams]]\nname = \"second\"\nurl = \"{}\"\nkey_env = \"SECOND_KEY\"\n",
+        upstreams[0].url, upstreams[1].url
+    )
+}
+
+/// The pool's upstream keys, as the gateways' environment.
+const POOL_ENV: [(&str, &str); 2] = [
+    ("FIRST_KEY", "sk-ant-first"),
+    ("SECOND_KEY", "sk-ant-second"),
+];
+
+/// Three gateways on `redis` with the keys file `keys` (holding a [`pool_toml`]).
+fn three_gateways(redis: &crate::support::RedisServer, keys: &str) -> Vec<Gateway> {
+    (0..3)
+        .map(|_| Gateway::start_pool_on(&redis.url(), keys, &POOL_ENV))
+        .collect()
+}
+
+/// Sends one call with `key`, marked `who` for the upstream's record: its status.
+async fn call(url: String, key: &'static str, who: &'static str) -> u16 {
+    messages(&url, key, who, None)
         .send()
         .await
         .map(|r| r.status().as_u16())
@@ -219,22 +252,7 @@ async fn three_gateways_over_a_pool_of_two_upstreams_serve_twice_the_rate_with_n
     let _turn = crate::support::file_turn(module_path!());
     let redis = crate::support::RedisServer::start();
     let upstreams = [Upstream::start(), Upstream::start()];
-    let keys = keys_toml(
-        30,
-        200,
-        &format!(
-            "[[upstreams]]\nname = \"first\"\nurl = \"{}\"\nkey_env = \"FIRST_KEY\"\n\n\
-             [[upstreams]]\nname = \"second\"\nurl = \"{}\"\nkey_env = \"SECOND_KEY\"\n",
-            upstreams[0].url, upstreams[1].url
-        ),
-    );
-    let env = [
-        ("FIRST_KEY", "sk-ant-first"),
-        ("SECOND_KEY", "sk-ant-second"),
-    ];
-    let gateways: Vec<Gateway> = (0..3)
-        .map(|_| Gateway::start_pool_on(&redis.url(), &keys, &env))
-        .collect();
+    let gateways = three_gateways(&redis, &keys_toml(30, 200, &pool_toml(&upstreams)));
     // One call through each gateway: up, and the first upstream's limit learned. The
     // second is learned under the load, once one tenant's calls spill past the first (they
     // stay on the upstream that holds its prompt cache while that one can take them).
@@ -335,26 +353,11 @@ name = "premium"
 cap = 30
 max_wait_ms = 60000
 
-[[upstreams]]
-name = "first"
-url = "{}"
-key_env = "FIRST_KEY"
-
-[[upstreams]]
-name = "second"
-url = "{}"
-key_env = "SECOND_KEY"
-"#,
-        upstreams[0].url, upstreams[1].url
+{}"#,
+        pool_toml(&upstreams)
     );
     const SERVICE: &str = "sk-svc-companion";
-    let env = [
-        ("FIRST_KEY", "sk-ant-first"),
-        ("SECOND_KEY", "sk-ant-second"),
-    ];
-    let gateways: Vec<Gateway> = (0..3)
-        .map(|_| Gateway::start_pool_on(&redis.url(), &keys, &env))
-        .collect();
+    let gateways = three_gateways(&redis, &keys);
     // Warm-up calls, four at once through each gateway so the least loaded upstream takes
     // some: both upstreams' limits are learned before the load (an upstream met cold
     // answers 429s until its limit is learned, and those count against the tenant whose
@@ -381,22 +384,8 @@ key_env = "SECOND_KEY"
     let stop = Instant::now() + Duration::from_secs(12);
     let loop_on = move |url: String, key: &'static str, who: &'static str, user: Option<String>| {
         tokio::spawn(async move {
-            let metadata = user.map_or(String::new(), |user| {
-                format!(r#""metadata":{{"user_id":"{user}"}},"#)
-            });
-            let body = format!(
-                r#"{{"model":"claude-mock-1","max_tokens":64,{metadata}"messages":[{{"role":"user","content":"Hello"}}]}}"#
-            );
             while Instant::now() < stop {
-                let _ = client()
-                    .post(format!("{url}/v1/messages"))
-                    .header("x-api-key", key)
-                    .header("anthropic-version", "2023-06-01")
-                    .header("content-type", "application/json")
-                    .header("x-test-who", who)
-                    .body(body.clone())
-                    .send()
-                    .await;
+                let _ = messages(&url, key, who, user.as_deref()).send().await;
             }
         })
     };
@@ -483,15 +472,7 @@ max_wait_ms = 120000
     let send = move |user: String| {
         let url = url.clone();
         async move {
-            let answer = client()
-                .post(format!("{url}/v1/messages"))
-                .header("x-api-key", SERVICE)
-                .header("anthropic-version", "2023-06-01")
-                .header("content-type", "application/json")
-                .header("x-test-who", "light")
-                .body(format!(
-                    r#"{{"model":"claude-mock-1","max_tokens":64,"metadata":{{"user_id":"{user}"}},"messages":[{{"role":"user","content":"Hello"}}]}}"#
-                ))
+            let answer = messages(&url, SERVICE, "light", Some(&user))
                 .send()
                 .await
                 .expect("the gateway answers");
