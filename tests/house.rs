@@ -1,9 +1,10 @@
 //! House rules on the crate's own source, read as text: no source file over
 //! [`MAX_FILE_LINES`] lines of code and no function longer than [`MAX_FN_LINES`] lines
-//! outside tests, no import cycle between the library's top-level modules, and none between
-//! the modules of one folder.
+//! outside tests, no import cycle between a crate's top-level modules, and none between the
+//! modules of one folder.
 //!
-//! The source is walked from `src/lib.rs` and each `src/bin/*` root along `mod` declarations,
+//! The source of every crate of the workspace is walked from its root (`src/lib.rs`,
+//! `gateway/src/lib.rs`, each program's `main.rs`) along `mod` declarations,
 //! leaving out items under `#[cfg(test)]` and modules named `tests`. Comments, strings and
 //! character literals are blanked before anything is looked at, so a brace or a `crate::` in
 //! them counts for nothing. A function's length runs from its `fn` line to the line of its
@@ -12,7 +13,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt::Write as _;
 use std::fs;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 /// The longest function body the house allows, in lines.
 const MAX_FN_LINES: usize = 80;
@@ -66,28 +67,27 @@ fn no_function_is_longer_than_80_lines() {
 
 #[test]
 fn top_level_modules_import_no_cycle() {
-    let files: Vec<SourceFile> = crate_files()
-        .into_iter()
-        .filter(|f| f.krate == "lib")
-        .collect();
-    let reexports = root_reexports(&files);
-    // edges[from][to] = where `from` names `to` first.
-    let mut edges: BTreeMap<String, BTreeMap<String, String>> = BTreeMap::new();
-    for file in &files {
-        let Some(from) = file.module.first() else {
-            continue;
-        };
-        for (target, line) in crate_references(file, &reexports) {
-            if &target != from {
-                edges
-                    .entry(from.clone())
-                    .or_default()
-                    .entry(target)
-                    .or_insert_with(|| format!("{}:{line}", file.path));
+    let mut report = String::new();
+    for (krate, files) in by_crate(crate_files()) {
+        let reexports = root_reexports(&files);
+        // edges[from][to] = where `from` names `to` first.
+        let mut edges: BTreeMap<String, BTreeMap<String, String>> = BTreeMap::new();
+        for file in &files {
+            let Some(from) = file.module.first() else {
+                continue;
+            };
+            for (target, line) in crate_references(file, &reexports) {
+                if &target != from {
+                    edges
+                        .entry(from.clone())
+                        .or_default()
+                        .entry(target)
+                        .or_insert_with(|| format!("{}:{line}", file.path));
+                }
             }
         }
+        report += &cycles_report(&krate, &edges);
     }
-    let report = cycles_report("crate", &edges);
     assert!(
         report.is_empty(),
         "import cycles between top-level modules:\n{report}"
@@ -96,18 +96,25 @@ fn top_level_modules_import_no_cycle() {
 
 #[test]
 fn sibling_modules_import_no_cycle() {
-    let files: Vec<SourceFile> = crate_files()
-        .into_iter()
-        .filter(|f| f.krate == "lib")
-        .collect();
-    let report: String = sibling_edges(&files)
-        .iter()
-        .map(|(parent, edges)| cycles_report(&format!("crate::{parent}"), edges))
-        .collect();
+    let mut report = String::new();
+    for (krate, files) in by_crate(crate_files()) {
+        for (parent, edges) in sibling_edges(&files) {
+            report += &cycles_report(&format!("{krate}::{parent}"), &edges);
+        }
+    }
     assert!(
         report.is_empty(),
         "import cycles between the modules of one folder:\n{report}"
     );
+}
+
+/// The files of each crate (a library and a program are two), by crate.
+fn by_crate(files: Vec<SourceFile>) -> BTreeMap<String, Vec<SourceFile>> {
+    let mut crates: BTreeMap<String, Vec<SourceFile>> = BTreeMap::new();
+    for file in files {
+        crates.entry(file.krate.clone()).or_default().push(file);
+    }
+    crates
 }
 
 /// The cycles among the modules of `parent` (`edges[from][to]`: where `from` names `to`
@@ -401,24 +408,22 @@ fn pub_words(code: &str) -> Vec<(String, String)> {
     found
 }
 
-/// Every non-test source file of the library and the binaries.
+/// The crates of the workspace: a name for each (as the reports say it) and its root file.
+const CRATES: [(&str, &str); 6] = [
+    ("lib", "src/lib.rs"),
+    ("fairgate_gateway", "gateway/src/lib.rs"),
+    ("fairgate-gateway (bin)", "gateway/src/main.rs"),
+    ("fairgate_simulator", "simulator/src/lib.rs"),
+    ("fairgate-simulate (bin)", "simulator/src/main.rs"),
+    ("fairgate-quickstart (bin)", "quickstart/src/main.rs"),
+];
+
+/// Every non-test source file of every crate of the workspace.
 fn crate_files() -> Vec<SourceFile> {
-    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     let mut files = Vec::new();
-    walk(&src.join("lib.rs"), "lib", Vec::new(), &mut files);
-    let Ok(bins) = fs::read_dir(src.join("bin")) else {
-        return files;
-    };
-    let mut bins: Vec<PathBuf> = bins.map(|e| e.expect("readable src/bin").path()).collect();
-    bins.sort();
-    for bin in bins {
-        let (name, root) = if bin.is_dir() {
-            (bin.file_name(), bin.join("main.rs"))
-        } else {
-            (bin.file_stem(), bin.clone())
-        };
-        let name = name.expect("named").to_string_lossy().into_owned();
-        walk(&root, &name, Vec::new(), &mut files);
+    for (krate, path) in CRATES {
+        walk(&root.join(path), krate, Vec::new(), &mut files);
     }
     files
 }

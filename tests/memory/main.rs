@@ -1,5 +1,5 @@
 //! The tests on the in-memory store: each layer alone, the whole stack, the stack under a
-//! provider's rate, its model-based check, the simulator and the adapters.
+//! provider's rate, its model-based check and the adapters.
 //!
 //! Most run in tokio's paused time. Those that run in real time (the adapters and the
 //! tonic stack on loopback sockets, and the few that repeat a rule on a throwaway Redis)
@@ -11,13 +11,6 @@
 #[path = "../support/mod.rs"]
 mod support;
 
-// The simulator's engine, shared by `simulate` and `replay` (the example's own modules).
-#[path = "../../examples/simulate/engine.rs"]
-mod engine;
-// The simulator's picture, checked for the series each scenario claims.
-#[path = "../../examples/simulate/svg.rs"]
-mod svg;
-
 mod adapters;
 mod dashboard;
 mod drr_fairness;
@@ -26,10 +19,7 @@ mod one_turn;
 mod pool;
 mod pool_rate;
 mod priority_classify;
-mod quickstart;
-mod replay;
 mod retry_after_backoff;
-mod simulate;
 mod stack;
 mod stack_model;
 mod stack_rate;

@@ -11,8 +11,6 @@ use std::time::{Duration, Instant};
 use fairgate::Job;
 
 pub mod anthropic;
-#[cfg(feature = "gateway")]
-pub mod gateway;
 pub mod rate_limited;
 #[cfg(feature = "redis")]
 mod target;
