@@ -1,32 +1,25 @@
-//! The small encodings Bedrock needs, each a few lines and tested against its standard's
-//! vectors: HMAC-SHA256 (RFC 2104 over `sha2`), hex, CRC32 (the IEEE polynomial the AWS
-//! event stream uses, as zlib does), base64 decoding (RFC 4648, standard alphabet) and the
-//! URI encoding of AWS Signature Version 4.
-//!
-//! Written here rather than taken from crates: together they are shorter than the
-//! dependency list they would add, and each is checked below against published values.
+//! The encodings Bedrock needs, from the crates made for them (`hmac`, `crc32fast`,
+//! `base64`, over `sha2`), and the two that are AWS's own: lowercase hex and the URI
+//! encoding of Signature Version 4. Each is checked below against its standard's vectors.
 
+use base64::Engine as _;
+use base64::engine::DecodePaddingMode;
+use base64::engine::general_purpose::{GeneralPurpose, GeneralPurposeConfig, STANDARD};
+use hmac::{Hmac, Mac};
 use sha2::{Digest, Sha256};
+
+/// Standard base64 (RFC 4648 §4) that decodes with or without its `=` padding.
+const PADDING_OPTIONAL: GeneralPurpose = GeneralPurpose::new(
+    &base64::alphabet::STANDARD,
+    GeneralPurposeConfig::new().with_decode_padding_mode(DecodePaddingMode::Indifferent),
+);
 
 /// HMAC-SHA256 of `message` under `key` (RFC 2104).
 pub(crate) fn hmac_sha256(key: &[u8], message: &[u8]) -> [u8; 32] {
-    const BLOCK: usize = 64;
-    let mut block = [0u8; BLOCK];
-    if key.len() > BLOCK {
-        block[..32].copy_from_slice(&Sha256::digest(key));
-    } else {
-        block[..key.len()].copy_from_slice(key);
-    }
-    let pad = |byte: u8| block.map(|k| k ^ byte);
-    let inner = Sha256::new()
-        .chain_update(pad(0x36))
-        .chain_update(message)
-        .finalize();
-    Sha256::new()
-        .chain_update(pad(0x5c))
-        .chain_update(inner)
-        .finalize()
-        .into()
+    let mut mac =
+        <Hmac<Sha256> as Mac>::new_from_slice(key).expect("HMAC takes a key of any length");
+    mac.update(message);
+    mac.finalize().into_bytes().into()
 }
 
 /// SHA-256 of `data`, in lowercase hex.
@@ -45,60 +38,14 @@ pub(crate) fn hex(bytes: &[u8]) -> String {
     out
 }
 
-/// The CRC32 lookup table of the reflected IEEE polynomial `0xEDB88320`.
-const CRC_TABLE: [u32; 256] = {
-    let mut table = [0u32; 256];
-    let mut i = 0;
-    while i < 256 {
-        let mut c = i as u32;
-        let mut k = 0;
-        while k < 8 {
-            c = if c & 1 == 1 {
-                0xEDB8_8320 ^ (c >> 1)
-            } else {
-                c >> 1
-            };
-            k += 1;
-        }
-        table[i] = c;
-        i += 1;
-    }
-    table
-};
-
 /// CRC32 (IEEE, as zlib's `crc32`) of `data`.
 pub(crate) fn crc32(data: &[u8]) -> u32 {
-    !data.iter().fold(!0u32, |c, &b| {
-        CRC_TABLE[usize::from((c as u8) ^ b)] ^ (c >> 8)
-    })
+    crc32fast::hash(data)
 }
 
 /// Decodes standard base64 (RFC 4648 §4, `=` padding optional); `None` on any other byte.
 pub(crate) fn base64_decode(text: &str) -> Option<Vec<u8>> {
-    let value = |c: u8| -> Option<u32> {
-        Some(u32::from(match c {
-            b'A'..=b'Z' => c - b'A',
-            b'a'..=b'z' => c - b'a' + 26,
-            b'0'..=b'9' => c - b'0' + 52,
-            b'+' => 62,
-            b'/' => 63,
-            _ => return None,
-        }))
-    };
-    let text = text.trim_end_matches('=').as_bytes();
-    if text.len() % 4 == 1 {
-        return None;
-    }
-    let mut out = Vec::with_capacity(text.len() * 3 / 4);
-    for chunk in text.chunks(4) {
-        let mut acc = 0u32;
-        for (i, &c) in chunk.iter().enumerate() {
-            acc |= value(c)? << (18 - 6 * i);
-        }
-        let bytes = acc.to_be_bytes();
-        out.extend_from_slice(&bytes[1..chunk.len()]);
-    }
-    Some(out)
+    PADDING_OPTIONAL.decode(text).ok()
 }
 
 /// Percent-encodes every byte of `text` except the unreserved ones (`A-Z a-z 0-9 - _ . ~`),
@@ -118,21 +65,7 @@ pub(crate) fn uri_encode(text: &str, keep_slash: bool) -> String {
 
 /// Standard base64 with padding (RFC 4648 §4).
 pub(crate) fn base64_encode(data: &[u8]) -> String {
-    const ABC: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
-    let mut out = String::new();
-    for group in data.chunks(3) {
-        let mut n = [0u8; 3];
-        n[..group.len()].copy_from_slice(group);
-        let v = u32::from_be_bytes([0, n[0], n[1], n[2]]);
-        for i in 0..4 {
-            out.push(if i <= group.len() {
-                char::from(ABC[(v >> (18 - 6 * i) & 63) as usize])
-            } else {
-                '='
-            });
-        }
-    }
-    out
+    STANDARD.encode(data)
 }
 
 #[cfg(test)]
