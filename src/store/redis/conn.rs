@@ -248,8 +248,13 @@ fn tls_provider(nodes: &[ConnectionInfo]) {
         .iter()
         .any(|node| matches!(node.addr(), redis::ConnectionAddr::TcpTls { .. }));
     if tls && rustls::crypto::CryptoProvider::get_default().is_none() {
+        // ring on purpose: it builds with no C toolchain. rustls deprecates it for want of
+        // post-quantum key exchange; an application that wants that installs aws-lc-rs's
+        // provider before opening the store, and that choice stays.
+        #[allow(deprecated)]
+        let ring = rustls::crypto::ring::default_provider();
         // Err only when another thread installed one meanwhile: that one is used.
-        let _ = rustls::crypto::ring::default_provider().install_default();
+        let _ = ring.install_default();
     }
 }
 
