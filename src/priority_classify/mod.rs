@@ -14,7 +14,8 @@
 //!   configuration (`DemotionPolicy::builder()`). The check and the demotion are one
 //!   atomic step in the [`Store`](crate::Store) (one Lua script on Redis), so every worker
 //!   agrees;
-//! - off the hot path: each worker reuses a demotion check for the store's cache TTL (1 s),
+//! - off the hot path: each worker reuses a demotion check for the store's cache TTL (1 s,
+//!   `cache_ttl`),
 //!   and token counts are batched and flushed in the background every 250 ms, so a busy
 //!   tenant costs no Redis round trip per request;
 //! - each job counts toward its tenant's total for the UTC day in the policy's
