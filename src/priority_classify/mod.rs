@@ -15,9 +15,8 @@
 //!   atomic step in the [`Store`](crate::Store) (one Lua script on Redis), so every worker
 //!   agrees;
 //! - off the hot path: each worker reuses a demotion check for the store's cache TTL (1 s,
-//!   `cache_ttl`),
-//!   and token counts are batched and flushed in the background every 250 ms, so a busy
-//!   tenant costs no Redis round trip per request;
+//!   `cache_ttl`), and token counts are batched and flushed in the background every
+//!   250 ms, so a busy tenant costs no Redis round trip per request;
 //! - each job counts toward its tenant's total for the UTC day in the policy's
 //!   [`BudgetCounts`](crate::BudgetCounts): its estimated input tokens (the default), or
 //!   its whole [`charge`](crate::Job::charge); a [`Settler`](crate::drr_fairness::Settler)

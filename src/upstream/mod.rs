@@ -29,7 +29,8 @@
 //! Credentials and region come from the builder or the standard AWS environment
 //! (`AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`, `AWS_SESSION_TOKEN`, `AWS_REGION` or
 //! `AWS_DEFAULT_REGION`); missing ones are an [`AwsConfigError`] when the layer is built.
-//! Both kinds answer in the same body type, so one [pool](crate::pool) can hold both (boxed).
+//! Both kinds answer in the same body type, so one [pool](crate::pool) can hold both
+//! (boxed).
 //!
 //! `POST /v1/messages/count_tokens` goes to Bedrock's `count-tokens` (the invoke body,
 //! base64 in `{"input":{"invokeModel":{"body":…}}}`, under the model id without an inference
