@@ -145,8 +145,13 @@ pub use crate::store::handle::{
 pub use crate::tier_slot_limit::layer::TierSlotLimitLayer;
 pub use crate::tier_slot_limit::service::TierSlotLimit;
 
-/// The README's Rust blocks, compiled (and the runnable ones run) as doc-tests: each is a
-/// whole program, as a reader copies it. They use every optional feature.
+/// The Rust blocks of the README and of the guide's pages that have some (`docs/`),
+/// compiled (and the runnable ones run) as doc-tests: each is a whole program, as a reader
+/// copies it (`scripts/doc-blocks` also builds each as a crate of its own, with the
+/// dependencies its page gives). They use every optional feature.
 #[cfg(all(doctest, feature = "full"))]
 #[doc = include_str!("../README.md")]
+#[doc = include_str!("../docs/integrations.md")]
+#[doc = include_str!("../docs/store.md")]
+#[doc = include_str!("../docs/upstreams.md")]
 pub struct ReadmeDoctests;

@@ -11,29 +11,69 @@
 //! - **inside a priority**, start-time fair queuing, one call per turn: across groups
 //!   ([`Job::with_group`]: a service key's end users together take one share), then across
 //!   the tenants of a group, in proportion to the tier's weight (`pro` and `premium` weigh
-//!   3); a tenant that starts waiting goes within one turn of everyone waiting, no credit
-//!   banked by idle time or by coming and going, one request charged at most 20,000
-//!   tokens (4 quanta of 5,000); every dispatch is charged, also one that went out at
-//!   once, and settled at what it really took;
+//!   3); a tenant that starts waiting starts at the order's current turn and goes within
+//!   one turn of everyone waiting, no credit banked by idle time; one that comes back
+//!   before the order reached its last call's end comes back there, so light tenants that
+//!   keep re-arriving cannot starve a backlogged one; one request is charged at most
+//!   20,000 tokens (4 quanta of 5,000). A tier's share is its weight's whatever its number
+//!   of tenants waiting, and its tenants share it alike, so a flood of many free users
+//!   cannot outweigh the paying ones;
+//! - **every dispatch is charged**, also one that went out at once because the window had
+//!   room: a tenant that filled the window while nobody else waited queues behind the
+//!   newcomers when others arrive. A tenant is remembered while it has requests waiting or
+//!   in flight (at most `max_in_flight` of the latter), or until the order reaches the end
+//!   of its last call;
 //! - **the permit travels with the request**: held until the response future completes,
 //!   and for an `http::Response<B>` until its body ends, fails or is dropped; dropping a
 //!   waiting future takes the request out of the queue.
 //!
 //! A request without a [`Job`] fails with [`MissingJob`](crate::MissingJob); one refused by
-//! an optional queue limit with [`QueueFull`](error::QueueFull) (the incoming request is
-//! the one refused). Handed a slot gate or a rate gate
+//! an optional queue limit, per tenant or per class, with [`QueueFull`](error::QueueFull)
+//! (the incoming request, the newest, is the one refused). Handed a slot gate or a rate gate
 //! ([`DrrFairnessBuilder::slot_gate`], [`DrrFairnessBuilder::rate_gate`]), it dispatches a
 //! request only with its tier slot and its rate cells, and tells it [`Busy`](crate::Busy)
 //! at its tier's max wait; the window is then this worker's own ceiling on calls in flight:
-//! set it at least to the share of the global cap this worker should be able to use. Real
-//! usage, once known, is settled through a [`Settler`]. The scheduler is a sans-IO core,
-//! public as [`Scheduler`]. `ARCHITECTURE.md` follows a request through this layer.
+//! set it at least to the share of the global cap this worker should be able to use (the
+//! whole global cap for a single worker). Real usage, once known, is settled through a
+//! [`Settler`]: `layer.settler().settle(&job, actual_tokens)` corrects the tenant's place;
+//! the tenant is remembered while that request is in flight, so a settlement made when the
+//! response arrives always counts. The scheduler is a sans-IO core, public as
+//! [`Scheduler`]. `ARCHITECTURE.md` follows a request through this layer.
 //!
 //! Metrics: [`QUEUE_DEPTH`](crate::metrics::QUEUE_DEPTH) (`claude_queue_depth{priority}`)
 //! and [`FAIRNESS_INDEX`](crate::metrics::FAIRNESS_INDEX)
 //! (`claude_drr_fairness_index`: Jain's index over the weight-normalised cost served to the
 //! tenants backlogged in the last 60 s). Every dispatch adds its cost to the tenant's served
-//! cost in the [`Store`](crate::Store), so the index spans every worker.
+//! cost in the [`Store`](crate::Store), so the index spans every worker: on Redis each
+//! worker sends what it dispatched with its served counts once a second, in one script
+//! call, and reads the fleet's index back, the same on every worker.
+//!
+//! # Across a fleet
+//! Workers on one Redis, each with the recommended stack, hand out the slots in one fair
+//! order for the whole fleet, not one per worker. A worker queues each *flow* it holds
+//! calls of (a tenant's calls of one priority in one tier), and a freed slot anywhere goes
+//! to the priority picked by fair queuing on the class weights, then to the tier in it by
+//! fair queuing on the cost over the tier's weight, then to the tenant by start-time fair
+//! queuing on the cost in tokens (a tenant that starts waiting starts at its tier's virtual
+//! time, so it goes next; a tie between tiers goes to the heavier tier), then to the worker
+//! queued longest for that tenant. The wake-up names the tenant, and that worker sends that
+//! tenant's next call.
+//!
+//! Where the provider's request limit binds instead of the slots (learned from the
+//! answers' `anthropic-ratelimit-requests-*` headers, or a configured
+//! [`Pacing::shared`](crate::rate::Pacing::shared) request limit, for the layer's own
+//! upstream key), its *cells* go in the same order, and so does an output-token or combined
+//! token limit (learned or configured), as a bound on the calls at the average call (the
+//! answers' usage; a configured pacing's expected output). A call takes its cell with its
+//! slot in the acquire, a call with no cell left queues as for a full tier, and each freed
+//! cell is handed out by a release, as a freed slot is. An input-token limit, learned
+//! (`anthropic-ratelimit-input-tokens-*`) or configured, goes in the same order too, as a
+//! token rate in the wait book: a release promises the flow the order picks only once that
+//! flow's next call's cost in tokens conforms, and takes the tokens dated from then. While
+//! Redis is away each worker keeps its own order, as in one process, and paces its share
+//! of the rate. Nothing of the fleet's order stays in Redis once nothing waits. The
+//! guide's page on the store (`docs/store.md`) has what was measured, and its known limits
+//! page (`docs/limits.md`) which rates the fleet orders and how.
 //!
 //! # Clone
 //! The window and the queues are created once, in [`DrrFairnessLayer::new`](crate::DrrFairnessLayer::new); every clone of

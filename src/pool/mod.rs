@@ -29,15 +29,41 @@
 //!   When no upstream has room, the call fails with [`NoUpstream`](error::NoUpstream),
 //!   saying when the first set aside may be probed.
 //!
+//! - **Models**: `models` keeps an upstream to some models, read from a request's
+//!   [`Model`] extension (the gateway sets it from the body's `model`).
+//!
 //! A call counts as in flight at its upstream until its response body ends (the count moves
-//! into the body, as the limiting layers' permits do).
+//! into the body, as the limiting layers' permits do). [`Pool::upstreams`] reads, for each
+//! upstream, its calls in flight, whether it is set aside, the calls it served, those moved
+//! away (after a `529`, or its connection refused) and those spilled to it past an earlier
+//! priority.
 //!
 //! **Under the fair queue**, give the stack the pool's [`gate`](Pool::gate)
 //! ([`FairgateBuilder::pool`](crate::FairgateBuilder::pool)): the head of the fair order
 //! then goes to an upstream that has room now — not set aside, below its cap, and its own
 //! rate (learned limits, pacing, cooldown after a `429`, slow start, probe) lets it go —
 //! and the pool sends it there, so the pool's rate is the sum of its upstreams' and the
-//! order across tenants is one across the pool (see [`PoolGate`]).
+//! order across tenants is one across the pool (see [`PoolGate`]). Each upstream's rate is
+//! kept under the upstream key `{key}@{upstream}`, and a call held by one upstream's rate
+//! goes at the next free cell of any. The gate goes down the pool's choice (a due probe,
+//! the tenant's own upstream, then priority and load) and asks each upstream's rate in
+//! turn; the first that lets the call go takes its cells, and the call's place at that
+//! upstream is taken at once (so a pass of the fair queue never sends an upstream more than
+//! its `max_in_flight`) and handed to the pool with the request.
+//!
+//! **Set aside for the fleet.** Under the gate, an upstream the breaker sets aside has its
+//! rate's gate closed for the probe interval in the store's cooldown: on Redis every worker
+//! passes over it at once (pub/sub), and after the interval one probe for the fleet brings
+//! it back. A pool used without the gate keeps its breaker per worker.
+//!
+//! **Limits of the gate.** On Redis each upstream's rate is paced by its own gate through
+//! the store, not handed out in the fleet's order with the slots as a single upstream's is
+//! (the order across workers is each worker's). The gate does not know a call's model, so
+//! an upstream given `models` may be chosen for a call it does not serve: the pool then
+//! sends it to another with room, outside that one's rate. A call moved to another upstream
+//! after a refusal or a `529` goes outside the second one's rate too, and closes the first
+//! one's rate for a probe interval, as a `529` does a single upstream's (then one call
+//! probes it).
 //!
 //! ```
 //! use fairgate::pool::{Pool, Upstream};

@@ -6,11 +6,17 @@
 //!
 //! - the rule ([`DefaultRule`], or any [`ClassifyRule`] or closure): a user action is
 //!   critical; no SLA, or an SLA of at least 24 h, is batch; anything else is standard;
-//! - demotion ([`DemotionPolicy`]): a tenant with at least 5 throttles in the last 60 s, or
-//!   more than 1.5x its daily token budget today, is batch for 5 minutes whatever it asked
-//!   for. The check and the demotion are one atomic step in the [`Store`](crate::Store), so
-//!   every worker agrees; each worker reuses an answer for a short while (the store's cache
-//!   TTL), so a busy tenant costs no Redis round trip per request;
+//! - demotion ([`DemotionPolicy`]): a tenant with at least 5 throttles (429s attributed to
+//!   it) in the last 60 s, or more than 1.5x its daily token budget today (100,000 tokens
+//!   by default; a budget per tenant with
+//!   [`Store::set_daily_budget`](crate::Store::set_daily_budget)), is batch for 5 minutes
+//!   whatever it asked for, then the demotion expires by itself. Every threshold is
+//!   configuration (`DemotionPolicy::builder()`). The check and the demotion are one
+//!   atomic step in the [`Store`](crate::Store) (one Lua script on Redis), so every worker
+//!   agrees;
+//! - off the hot path: each worker reuses a demotion check for the store's cache TTL (1 s,
+//!   `cache_ttl`), and token counts are batched and flushed in the background every
+//!   250 ms, so a busy tenant costs no Redis round trip per request;
 //! - each job counts toward its tenant's total for the UTC day in the policy's
 //!   [`BudgetCounts`](crate::BudgetCounts): its estimated input tokens (the default), or
 //!   its whole [`charge`](crate::Job::charge); a [`Settler`](crate::drr_fairness::Settler)
@@ -20,6 +26,11 @@
 //! It is meant to be the outermost layer: it records `claude_request_latency_seconds` per
 //! priority from its `call` to the response. A request with no `Job` fails with
 //! [`MissingJob`](crate::MissingJob).
+//!
+//! Metrics: `claude_request_latency_seconds{priority}`, `claude_demoted_tenants`,
+//! `claude_input_tokens_total{tenant_id}` (tenant labels capped, 1,000 by default) and
+//! `claude_store_degraded`. Tracing events: `tenant.demoted`, `queue.redis_unavailable`
+//! (once per outage) and `queue.redis_recovered`.
 //!
 //! ```
 //! use fairgate::{Job, Origin, Priority, PriorityClassifyLayer, Store};

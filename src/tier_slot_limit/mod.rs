@@ -4,23 +4,67 @@
 //! `global_max` calls at once across all tiers, and at most each tier's cap for that tier.
 //! A tier's cap below the global one is how paying tiers keep room under a free-tier flood:
 //! with the defaults (global 30; `premium` 30, `pro` 20, `free` 15, `guest` 5), 500 guests
-//! hold at most 5 slots and 25 stay usable by everyone else.
+//! hold at most 5 slots and 25 stay usable by everyone else. Unknown tiers count as `guest`
+//! (logged once as `tier.unknown`).
 //!
 //! When no slot is free, a request waits — free tiers briefly, paid ones longer (`free` 12 s,
-//! `guest` 8 s, `pro` 45 s, `premium` 60 s) — and then fails fast with [`Busy`] (which says
-//! when to retry) instead of holding its caller forever. Local waiters of a tier are served
-//! in arrival order; a release in this process wakes them at once, a release elsewhere is
-//! announced through Redis pub/sub, and a jittered poll is the safety net.
+//! `guest` 8 s, `pro` 45 s, `premium` 60 s) — and then fails fast with
+//! [`Busy { tier, waited, retry_after }`](Busy) (retry after 5 s by default) instead of
+//! holding its caller forever. With feature `axum`, `Busy` is a response: `503`, a
+//! `Retry-After` header and the body `{"code":"SERVER_BUSY","retry_after":5}`. Waiting past
+//! 3 s logs `queue.slow_wait`, and the waiter keeps its place in its tier's line through the
+//! warning. Optional early rejection (`SlotPolicyBuilder::early_reject`) fails at once when
+//! the expected wait already exceeds the max.
+//!
+//! Waiters of a tier get slots in arrival order (under the fair queue, in its order). In
+//! process (the memory store) a release wakes them at once. On Redis a refused call queues
+//! its worker in the call's flow (its tenant and priority in the tier; this layer alone
+//! queues one flow per tier) in the same acquire script, and each release wakes **one**
+//! queued worker of the whole fleet, on that worker's own pub/sub channel, in the fleet's
+//! fair order (priority, tier, tenant: see [`drr_fairness`](crate::drr_fairness)), within a
+//! flow the worker queued longest, which goes to the back while more of its calls wait (it
+//! queues with their number). The slot is promised to it for a second, so nobody else takes
+//! it meanwhile; a worker with no call of that flow left to send, or whose call waits for
+//! the provider's rate, passes it on at once (after 50 ms if nothing answers). So the Redis
+//! work per request stays at about one acquire and one release however many workers wait
+//! (`BENCHMARKS.md`, "Redis commands per request under contention"). A jittered poll
+//! (100 ms in process, 1 s on Redis) is the safety net. A worker that has not said it is
+//! alive for 1.5 s (crashed, or cut off from Redis) is not woken, and its entries in the
+//! wait queues are dropped within a worker TTL and a heartbeat.
 //!
 //! On the Redis store a slot is a *lease*, not a counter: a member of a sorted set scored by
 //! its expiry, taken by one Lua script that drops expired leases and checks both caps, and
 //! renewed by a heartbeat while its call runs. A crashed worker's slots therefore come back
-//! within one lease TTL (30 s), however busy the others are. When Redis is unreachable the
-//! layer keeps serving in process: for one lease TTL exactly the slots this worker held at
-//! the fault, per tier (a call of a tier it held nothing of is answered [`Busy`]
-//! at once, reason [`WaitReason::Store`](crate::WaitReason::Store), so the client can try
-//! another worker); then, by the store's [`OutagePolicy`](crate::OutagePolicy), its share
-//! of the caps (the caps divided by the workers last seen alive) or nothing.
+//! within one lease TTL (30 s), however busy the others are, and a streamed answer keeps
+//! its slot.
+//!
+//! # While Redis is unreachable
+//! - **For one lease TTL** a worker keeps to *exactly the slots it held* when Redis went
+//!   away, per tier and in all (and per tenant, with a tenant cap), at full speed: a call of
+//!   its own that ends frees its slot for its next call of that tier, in fair order. That
+//!   is sound whether Redis died or only this worker is cut off from it: all the fleet's
+//!   calls were within the caps at the fault, and Redis counts every lease until it expires
+//!   (a lease is reused only while a call of the worker's usual length would end before it
+//!   expires).
+//! - **A call it cannot admit soundly** (a tier it held nothing of; any call at a worker
+//!   that was idle) is answered *at once* with [`Busy`] whose reason is
+//!   [`WaitReason::Store`](crate::WaitReason::Store) (the store answers
+//!   `SlotRefusal::Store`; the gateway answers `529` with `retry-after`, so the client's
+//!   retry reaches another worker), never after its tier's max wait.
+//! - **Past one lease TTL** a worker cannot tell a dead Redis from a partition that cut off
+//!   only itself, and the others may have been given its expired leases: the store's
+//!   [`OutagePolicy`](crate::OutagePolicy) (`StoreBuilder::after_outage`) decides.
+//!   `OutagePolicy::Share` (the default) serves the caps divided by the workers last seen
+//!   alive: a dead Redis costs nothing more and the caps hold; a partition runs over them by
+//!   at most the cut-off workers' shares. `OutagePolicy::Refuse` answers every call `Busy`
+//!   (reason `store`) until Redis is back: the caps hold under any fault, and an outage
+//!   longer than a lease TTL stops every worker. The default is `Share` because a dead,
+//!   restarting or failing-over Redis is the common fault and a partition of one worker the
+//!   rare one, and because refusing everything would turn a Redis outage of a minute into a
+//!   gateway outage; choose `Refuse` when the caps are a hard contract.
+//! - A worker that never reached Redis (down at start) keeps to its share of the fleet it
+//!   was told about (`StoreBuilder::expected_workers`) whatever the policy. Crash recovery
+//!   is unchanged: a killed worker's slots come back within one lease TTL.
 //!
 //! Below a [`DrrFairness`](crate::DrrFairness) handed this layer's
 //! [`gate`](crate::TierSlotLimitLayer::gate), the fair queue takes each request's slot when it
@@ -30,6 +74,45 @@
 //!
 //! For an `http::Response<B>` the slot moves into the body and is given back when the body
 //! ends, fails or is dropped: a streamed answer keeps its slot until its last byte.
+//!
+//! Metrics: `claude_slots_in_use{tier}`, `claude_slot_wait_seconds{tier}`,
+//! `claude_server_busy_total{tier,reason}` (`reason`: `slot`, `rate`, `cooldown`, `store`)
+//! and `claude_slots_fallback_total{tier}`.
+//!
+//! # Per-tenant caps
+//! A tier can also cap the calls one tenant holds at once, across every worker, so a
+//! tenant sending to every worker cannot take its whole tier (LiteLLM's per-key
+//! `max_parallel_requests`, fleet-wide). Off by default; per tier:
+//!
+//! ```
+//! use fairgate::SlotPolicy;
+//! use std::time::Duration;
+//!
+//! # fn main() -> Result<(), fairgate::BoxError> {
+//! let policy = SlotPolicy::builder()
+//!     .tier("pro", 20, Duration::from_secs(45))
+//!     .tenant_cap("pro", 4) // no pro tenant holds more than 4 of the 20
+//!     .build()?;
+//! # let _ = policy;
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! - The tenant's count is checked in the same step as the global and tier caps: on Redis
+//!   in the same acquire script, against a lease set of the tenant (under the `{slots}` hash
+//!   tag, the tenant name escaped into the key) with the same expiries, renewals and
+//!   resyncs as the tier's, so a crashed worker's tenant leases come back within one lease
+//!   TTL too. While Redis is away each worker keeps to its share of the tenant cap as of
+//!   the other caps.
+//! - Over its cap a tenant's request waits — apart, without holding up the other tenants
+//!   of its tier — and fails with `Busy` at its tier's max wait, as for a full tier. Under a
+//!   fair queue the slot is taken for the tenant whose turn it is, passing over a tenant at
+//!   its cap until one of its calls (or any call) ends.
+//! - `0` is a configuration error; a cap at or above the tier's cap is no cap. With no cap
+//!   nothing is counted per tenant. The store says why an acquire was refused
+//!   ([`Store::try_acquire_slot_for`](crate::Store::try_acquire_slot_for) answers
+//!   `SlotRefusal::Full` or `SlotRefusal::TenantCap`). Tenant caps on Redis are not woken
+//!   one by one: their waiters poll every 100 ms.
 //!
 //! ```
 //! use fairgate::{Busy, Job, Origin, SlotPolicy, Store, TierSlotLimitLayer};

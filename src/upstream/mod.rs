@@ -13,7 +13,9 @@
 //!   `/invoke-with-response-stream` when the body says `"stream": true`. The body goes
 //!   without `model` and `stream`, with `"anthropic_version": "bedrock-2023-05-31"` (and an
 //!   `anthropic-beta` header as its `anthropic_beta` list); the model id comes from a
-//!   [`ModelMap`] (the Messages API's names to Bedrock's ids; an id or ARN passes as it is);
+//!   [`ModelMap`] (the Messages API's names to Bedrock's ids, the current Claude models by
+//!   default; `inference_profile("us")` for the cross-region inference profiles the newer
+//!   models need; an id or ARN passes as it is);
 //!   the request is signed with AWS Signature Version 4 (service `bedrock`), and the
 //!   caller's Anthropic headers (`x-api-key`, `anthropic-version`) stay behind. The answers
 //!   come back in the Messages API's shape: a message as Bedrock sends it (it is already
@@ -23,6 +25,12 @@
 //!   `529 overloaded_error`, `ValidationException` `400 invalid_request_error`, an exception
 //!   inside a stream an `error` event), so the crate's other layers, and the Anthropic SDKs,
 //!   read them as they read Anthropic's.
+//!
+//! Credentials and region come from the builder or the standard AWS environment
+//! (`AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`, `AWS_SESSION_TOKEN`, `AWS_REGION` or
+//! `AWS_DEFAULT_REGION`); missing ones are an [`AwsConfigError`] when the layer is built.
+//! Both kinds answer in the same body type, so one [pool](crate::pool) can hold both
+//! (boxed).
 //!
 //! `POST /v1/messages/count_tokens` goes to Bedrock's `count-tokens` (the invoke body,
 //! base64 in `{"input":{"invokeModel":{"body":…}}}`, under the model id without an inference
