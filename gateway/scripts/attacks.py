@@ -1,5 +1,5 @@
 """The attacks of `tests/gateway/attacks.rs`, as one script that prints a figure per attack,
-so a gateway binary can be measured before and after a change (the README's table).
+so a gateway binary can be measured before and after a change (`docs/gateway/attacks.md`).
 
     cargo build --release -p fairgate-gateway
     python3 gateway/scripts/attacks.py target/release/fairgate-gateway

@@ -25,7 +25,7 @@ use serde::Deserialize;
 use crate::engine::{Answer, Call, Drr, Policy, Run, TIERS, Upstream, percentile, run};
 use crate::scenarios::Outcome;
 
-/// One line of a recording (the format is in the README).
+/// One line of a recording (the format is in `docs/simulator.md`).
 #[derive(Clone, Debug, Deserialize)]
 pub struct Recorded {
     pub at_ms: u64,

@@ -81,11 +81,11 @@ tier_weights = { premium = 4, free = 1 }
     assert!(replay::policy("[limits]\nglobal_cap = 3\n").is_err());
 }
 
-/// Every policy block of the README (a ```toml block without `[[keys]]`) is one the
-/// simulator's `--policy` reads.
+/// Every policy block of the guide's simulator page (a ```toml block without `[[keys]]`)
+/// is one the simulator's `--policy` reads.
 #[test]
-fn every_policy_file_in_the_readme_is_read_by_the_replay() {
-    let readme = include_str!("../../README.md");
+fn every_policy_file_in_the_guide_is_read_by_the_replay() {
+    let readme = include_str!("../../docs/simulator.md");
     let mut checked = 0;
     for block in readme.split("```toml\n").skip(1) {
         let text = &block[..block.find("```").expect("a closed block")];
@@ -93,9 +93,9 @@ fn every_policy_file_in_the_readme_is_read_by_the_replay() {
             continue; // a keys file: the gateway's own check reads it (config.rs)
         }
         if let Err(error) = replay::policy(text) {
-            panic!("README policy refused: {error}\n{text}");
+            panic!("docs/simulator.md: policy refused: {error}\n{text}");
         }
         checked += 1;
     }
-    assert!(checked > 0, "no policy block found in the README");
+    assert!(checked > 0, "no policy block found in docs/simulator.md");
 }

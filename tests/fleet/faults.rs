@@ -881,7 +881,7 @@ fn partition(policy: &str) -> (Vec<(&'static str, u32, u64, u64)>, String) {
 /// Past the lease TTL the cut-off worker refuses: the caps hold (0 ms over in every run
 /// so far). Asserted with a margin: a call longer than the worker's usual one, admitted on
 /// a lease about to expire, may outlive it by a few tens of milliseconds while another
-/// worker is given its slot (see the README's known limits).
+/// worker is given its slot (see the known limits, `docs/limits.md`).
 #[test]
 #[ignore = "long: bash scripts/test --long"]
 fn a_partitioned_worker_that_refuses_after_the_lease_ttl_keeps_the_caps() {

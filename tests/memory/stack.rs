@@ -1,8 +1,8 @@
-//! The four layers stacked as the README recommends — PriorityClassify, RetryAfterBackoff,
-//! DrrFairness(32), TierSlotLimit(default caps) — keep every promise end to end: each
-//! scenario counts what matters at a mock upstream (calls in flight, per tier, who went
-//! when), in tokio's paused time, on the memory store. The Redis versions of the first two
-//! rows are in `tests/redis/stack_redis.rs`.
+//! The four layers stacked as the guide recommends (`docs/stack.md`) — PriorityClassify,
+//! RetryAfterBackoff, DrrFairness(32), TierSlotLimit(default caps) — keep every promise end
+//! to end: each scenario counts what matters at a mock upstream (calls in flight, per tier,
+//! who went when), in tokio's paused time, on the memory store. The Redis versions of the
+//! first two rows are in `tests/redis/stack_redis.rs`.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -122,7 +122,7 @@ impl Upstream {
     }
 }
 
-/// The README's stack over `upstream`, with demotion off (these tests are about admission).
+/// The guide's stack over `upstream`, with demotion off (these tests are about admission).
 struct Rig {
     store: Store,
     retry: RetryAfterBackoffLayer,

@@ -994,13 +994,29 @@ origins = [\"user\", \"scheduled\", \"batch\"]
 mod readme {
     use super::parse;
 
-    /// The keys files the README shows: its ```toml blocks and the heredoc of its install
-    /// block (`cat > keys.toml <<'EOF'`), each with its first line in the README.
-    fn readme_keys_files() -> Vec<(usize, String)> {
-        let readme = include_str!("../../../README.md");
+    /// The pages that show keys files: the README and the operator's guide.
+    const PAGES: [(&str, &str); 4] = [
+        ("README.md", include_str!("../../../README.md")),
+        (
+            "docs/gateway/keys.md",
+            include_str!("../../../docs/gateway/keys.md"),
+        ),
+        (
+            "docs/gateway/service-keys.md",
+            include_str!("../../../docs/gateway/service-keys.md"),
+        ),
+        (
+            "docs/gateway/upstreams.md",
+            include_str!("../../../docs/gateway/upstreams.md"),
+        ),
+    ];
+
+    /// The keys files `page` shows: its ```toml blocks and the heredocs of its install
+    /// blocks (`cat > keys.toml <<'EOF'`), each with its first line.
+    fn keys_files(page: &str) -> Vec<(usize, String)> {
         let mut files = Vec::new();
         let mut current: Option<(usize, String, &str)> = None;
-        for (n, line) in readme.lines().enumerate() {
+        for (n, line) in page.lines().enumerate() {
             match &mut current {
                 None if line == "```toml" => current = Some((n + 2, String::new(), "```")),
                 None if line.starts_with("cat > ") && line.ends_with("<<'EOF'") => {
@@ -1021,18 +1037,21 @@ mod readme {
     }
 
     #[test]
-    fn every_keys_file_in_the_readme_passes_the_gateways_check() {
-        let files = readme_keys_files();
-        assert!(!files.is_empty(), "no keys file found in the README");
-        // A ```toml block without `[[keys]]` is a simulator policy (the simulator's
-        // `tests/replay.rs` checks those): the gateway refuses its `[drr]`.
-        for (line, text) in files
-            .into_iter()
-            .filter(|(_, text)| text.contains("[[keys]]"))
-        {
-            if let Err(refusal) = parse(&text) {
-                panic!("README.md line {line}: the keys file is refused: {refusal:?}\n{text}");
+    fn every_keys_file_the_docs_show_passes_the_gateways_check() {
+        for (name, page) in PAGES {
+            let mut checked = 0;
+            // A ```toml block without `[[keys]]` is a `[dependencies]` block or a simulator
+            // policy (the simulator's `tests/replay.rs` checks those).
+            for (line, text) in keys_files(page)
+                .into_iter()
+                .filter(|(_, text)| text.contains("[[keys]]"))
+            {
+                if let Err(refusal) = parse(&text) {
+                    panic!("{name} line {line}: the keys file is refused: {refusal:?}\n{text}");
+                }
+                checked += 1;
             }
+            assert!(checked > 0, "no keys file found in {name}");
         }
     }
 }

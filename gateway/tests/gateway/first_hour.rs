@@ -116,9 +116,10 @@ async fn log_format_json_writes_one_json_object_a_line() {
 /// The histograms the crate publishes: each must be a Prometheus histogram with buckets.
 const HISTOGRAMS: [&str; 4] = fairgate::metrics::HISTOGRAMS;
 
-/// The metric names the README writes (`claude_*`, `gateway_*` in backticks).
+/// The metric names the guide writes (`claude_*`, `gateway_*` in backticks, in
+/// `docs/observability.md`).
 fn readme_metric_names() -> Vec<String> {
-    let readme = include_str!("../../../README.md");
+    let readme = include_str!("../../../docs/observability.md");
     let mut names: Vec<String> = readme
         .split('`')
         .skip(1)

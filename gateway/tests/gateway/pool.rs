@@ -116,14 +116,10 @@ fn upstream_metric(text: &str, name: &str, upstream: &str) -> Option<f64> {
         .fold(None, |sum, n| Some(sum.unwrap_or(0.0) + n))
 }
 
-/// The README's keys file with a pool (its section "A pool of upstreams"), its two base
-/// URLs replaced by `urls`.
+/// The guide's keys file with a pool (the first of `docs/gateway/upstreams.md`), its two
+/// base URLs replaced by `urls`.
 fn readme_pool_keys(urls: [&str; 2]) -> String {
-    let readme = include_str!("../../../README.md");
-    let section = readme
-        .split("\n## A pool of upstreams\n")
-        .nth(1)
-        .expect("the README's section \"A pool of upstreams\"");
+    let section = include_str!("../../../docs/gateway/upstreams.md");
     let block = section
         .split("```toml\n")
         .nth(1)

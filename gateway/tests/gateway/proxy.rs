@@ -1,7 +1,8 @@
 //! The Anthropic-compatible gateway (`fairgate-gateway`) end to end: the program runs as a
-//! real process (started as its README says, on free loopback ports), in front of the mock Anthropic upstream (`support/anthropic.rs`), and
-//! is driven by a real HTTP client and by the official Anthropic Python SDK. The attacks
-//! on it are in `attacks.rs`.
+//! real process (started as `docs/gateway/running.md` says, on free loopback ports), in
+//! front of the mock Anthropic upstream (`support/anthropic.rs`), and is driven by a real
+//! HTTP client and by the official Anthropic Python SDK. The attacks on it are in
+//! `attacks.rs`.
 //!
 //! Every process is stopped by its pid when its guard drops, also when a test panics. The
 //! tests run one at a time (two cores; the flood and disconnect checks are timed).

@@ -35,7 +35,7 @@
 //!
 //! A worker knows how many workers there are from its heartbeat (once a second) and from
 //! every acquire's answer; one that joined within the last second may be unknown to a
-//! worker that sent no acquire since (README, Known limits).
+//! worker that sent no acquire since (`docs/limits.md`).
 //!
 //! Otherwise while restricted (Redis away and never synced, or alone; settling after a new
 //! epoch) a worker keeps to its share: the caps divided by the workers it knows of (the

@@ -1,5 +1,5 @@
-//! The gateway program (`fairgate-gateway`) as a real process for tests: started as its
-//! README says on free loopback ports (API and admin), SIGKILLed by its pid when dropped,
+//! The gateway program (`fairgate-gateway`) as a real process for tests: started as
+//! `docs/gateway/running.md` says, on free loopback ports (API and admin), SIGKILLed by its pid when dropped,
 //! its log printed when a test fails.
 #![allow(dead_code, unreachable_pub)]
 
