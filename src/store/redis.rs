@@ -936,7 +936,7 @@ impl RedisStore {
                     let unsent = pending.get(&tenant).copied().unwrap_or(0);
                     let read = budgets::BudgetRead {
                         used: tokens.saturating_add_signed(unsent),
-                        budget,
+                        budget: budgets::from_lua(budget),
                         day_left: Duration::from_secs(day_left),
                         demoted_for: Duration::from_millis(left_ms),
                     };

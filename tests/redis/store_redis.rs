@@ -60,6 +60,7 @@ on_node_and_cluster!(
     a_settlements_correction_moves_the_days_count_both_ways_never_below_zero,
     the_budget_left_comes_with_the_demotion_check_and_costs_no_round_trip,
     the_tenants_served_most_are_the_fleets_in_one_ranking,
+    a_tenant_without_a_budget_is_checked_on_redis_as_any_other,
 );
 
 async fn a_demotion_through_one_worker_holds_on_another_within_the_cache_time(target: Target) {
@@ -289,6 +290,30 @@ async fn the_budget_left_comes_with_the_demotion_check_and_costs_no_round_trip(t
         "degraded: {}",
         store.is_degraded()
     );
+}
+
+/// A budget past what a Lua script counts exactly (none: `u64::MAX`, by the policy or set
+/// for the tenant) is checked as none: no demotion, no error, the store stays on Redis.
+/// (Redis answers such a number as `i64::MIN`, which the client refuses as a reply.)
+async fn a_tenant_without_a_budget_is_checked_on_redis_as_any_other(target: Target) {
+    let redis = target.start().await;
+    let store = worker(&redis).await;
+    let unlimited = DemotionPolicy::builder()
+        .default_daily_budget(u64::MAX)
+        .build()
+        .unwrap();
+    let (a, b) = (TenantId::new("svc/a"), TenantId::new("svc/b"));
+    store.set_daily_budget(&b, Some(u64::MAX)).await.unwrap();
+    store.add_tokens(&a, 1_000_000);
+    store.add_tokens(&b, 1_000_000);
+    store.flush().await;
+    for (tenant, policy) in [(&a, &unlimited), (&b, &DemotionPolicy::default())] {
+        assert!(!store.check_demotion(tenant, policy).await.is_demoted());
+        assert!(!store.is_degraded(), "{tenant}: the check's answer is read");
+        // As the memory store counts it: none, less what was used.
+        let left = Some(u64::MAX - 1_000_000);
+        assert_eq!(store.budget_left(tenant, policy), left, "{tenant}");
+    }
 }
 
 /// The tenants served most are the fleet's: every worker's sends add up in one ranking,

@@ -22,6 +22,19 @@ use crate::store::swept::{SHARDS, Sweeper, SweptTable, TenantHasher};
 /// that the check its classification made still holds when its answer is told.
 const SEEN_FOR: Duration = Duration::from_secs(300);
 
+/// The largest budget the demotion script answers exactly (its numbers are doubles); a
+/// budget it answers at or past it is none at all.
+const LUA_EXACT: u64 = 1 << 53;
+
+/// A budget as the demotion script answered it: at or past [`LUA_EXACT`], none (u64::MAX).
+pub(super) fn from_lua(budget: u64) -> u64 {
+    if budget >= LUA_EXACT {
+        u64::MAX
+    } else {
+        budget
+    }
+}
+
 /// One tenant's budget as Redis told it, plus this worker's counts since.
 #[derive(Debug, Clone, Copy)]
 struct Seen {

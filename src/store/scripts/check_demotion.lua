@@ -14,6 +14,11 @@ if tonumber(redis.call('HGET', KEYS[2], 'day')) == math.floor(seconds / 86400) t
   tokens = tonumber(redis.call('HGET', KEYS[2], 'n')) or 0
 end
 local budget = tonumber(redis.call('GET', KEYS[3])) or tonumber(ARGV[4])
+-- Lua's numbers are doubles, and Redis turns a reply past a 64-bit integer into its least
+-- value: a budget past 2^53 (none, as a rule: u64::MAX) is answered as 2^53.
+if budget > 9007199254740992 then
+  budget = 9007199254740992
+end
 local left = redis.call('PTTL', KEYS[4])
 if left > 0 then
   return {left, 0, tokens, budget, day_left}
