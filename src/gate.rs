@@ -269,13 +269,24 @@ pub struct SlotGate {
 struct SlotCaps {
     store: Store,
     policy: SlotPolicy,
+    /// The slow waits of the slot layer and of the fair queue, folded per tier.
+    slow_waits: crate::admission::SlowWaits,
 }
 
 impl SlotGate {
     pub(crate) fn new(store: Store, policy: SlotPolicy) -> Self {
         SlotGate {
-            inner: Arc::new(SlotCaps { store, policy }),
+            inner: Arc::new(SlotCaps {
+                store,
+                policy,
+                slow_waits: crate::admission::SlowWaits::default(),
+            }),
         }
+    }
+
+    /// Where the waits for these slots log `queue.slow_wait`, folded per tier.
+    pub(crate) fn slow_waits(&self) -> &crate::admission::SlowWaits {
+        &self.inner.slow_waits
     }
 
     /// The store the slots are counted in.

@@ -308,7 +308,9 @@ impl SlotPolicyBuilder {
         self
     }
 
-    /// Waiting longer than this logs `queue.slow_wait` (default 3 s).
+    /// Waiting longer than this logs `queue.slow_wait` (default 3 s), at most one line per
+    /// tier per 10 s: the first of a window, with the count and the longest of the waits
+    /// folded in the window before it (`folded_before`, `folded_longest_secs`).
     pub fn slow_wait(mut self, after: Duration) -> Self {
         self.policy.slow_wait = after;
         self

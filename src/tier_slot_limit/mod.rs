@@ -12,8 +12,9 @@
 //! [`Busy { tier, waited, retry_after }`](Busy) (retry after 5 s by default) instead of
 //! holding its caller forever. With feature `axum`, `Busy` is a response: `503`, a
 //! `Retry-After` header and the body `{"code":"SERVER_BUSY","retry_after":5}`. Waiting past
-//! 3 s logs `queue.slow_wait`, and the waiter keeps its place in its tier's line through the
-//! warning. Optional early rejection (`SlotPolicyBuilder::early_reject`) fails at once when
+//! 3 s logs `queue.slow_wait` (at most one line per tier per 10 s: the first slow wait of a
+//! window, with how many more the window before it folded and the longest of them), and the
+//! waiter keeps its place in its tier's line through the warning. Optional early rejection (`SlotPolicyBuilder::early_reject`) fails at once when
 //! the expected wait already exceeds the max.
 //!
 //! Waiters of a tier get slots in arrival order (under the fair queue, in its order). In

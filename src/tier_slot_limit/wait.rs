@@ -430,7 +430,11 @@ struct Waiter {
 impl Waiter {
     fn new(wait: SlotWait) -> Self {
         let deadline = crate::time::after(wait.started, wait.limit.max_wait);
-        let slow = SlowWait::new(wait.started, wait.shared.policy.slow_wait);
+        let slow = SlowWait::new(
+            wait.started,
+            wait.shared.policy.slow_wait,
+            wait.shared.gate.slow_waits().clone(),
+        );
         let limits = wait.shared.limits(wait.limit);
         wait.state.waiting.fetch_add(1, Ordering::Relaxed);
         Waiter {

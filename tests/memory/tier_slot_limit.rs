@@ -375,6 +375,34 @@ async fn free_gives_up_at_12_s_guest_at_8_s_premium_waits_and_gets_a_slot_freed_
     assert_eq!(events.count("queue.slow_wait"), 3);
 }
 
+/// A flood of slow waits in one tier is one `queue.slow_wait` line per 10 s, not one per
+/// request; another tier logs its own, and the next window logs again.
+#[tokio::test(start_paused = true)]
+async fn slow_waits_are_one_line_per_tier_per_ten_seconds() {
+    let (events, _guard) = EventCounter::install();
+    let service =
+        TierSlotLimitLayer::new(Store::memory(), SlotPolicy::default()).layer(instant_upstream());
+    let releases = fill_all_slots(&service).await;
+    let wait = |tier: &'static str| {
+        let service = service.clone();
+        tokio::spawn(async move { service.oneshot(request(job(tier))).await.map(drop) })
+    };
+    // 40 premium calls and 1 pro call wait past the 3 s mark, all within a second.
+    let mut waiting: Vec<_> = (0..40).map(|_| wait("premium")).collect();
+    waiting.push(wait("pro"));
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    assert_eq!(events.count("queue.slow_wait"), 2, "one line per tier");
+    // The next window: one more premium wait past the mark is logged at once.
+    tokio::time::sleep(Duration::from_secs(7)).await;
+    waiting.push(wait("premium"));
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    assert_eq!(events.count("queue.slow_wait"), 3);
+    drop(releases);
+    for call in waiting {
+        let _ = call.await.unwrap();
+    }
+}
+
 /// The tenants of the calls an upstream saw, in the order they started.
 type CallLog = Arc<Mutex<Vec<String>>>;
 

@@ -190,6 +190,13 @@ impl FairQueue {
         self.slots.as_ref().map(SlotGate::policy)
     }
 
+    /// Where a slot-gated wait logs `queue.slow_wait`: the slot layer's folds, shared.
+    fn slow_waits(&self) -> crate::admission::SlowWaits {
+        self.slots
+            .as_ref()
+            .map_or_else(Default::default, |gate| gate.slow_waits().clone())
+    }
+
     /// Whether the slot gate's store orders the fleet's waiting calls itself (Redis): a
     /// job's group is then a level of that order, not a group here.
     fn fleet_keeps_groups(&self) -> bool {

@@ -224,7 +224,7 @@ impl Ticket {
         let arrived = self.arrived;
         let slow = self.slow.get_or_insert_with(|| {
             let after = shared.slot_policy().map_or(Duration::MAX, |p| p.slow_wait);
-            SlowWait::new(arrived, after)
+            SlowWait::new(arrived, after, shared.slow_waits())
         });
         loop {
             let now = Instant::now();
