@@ -35,10 +35,15 @@ pub(crate) fn error_answer(
     mark(response)
 }
 
+/// On an answer of the gateway's own (not the upstream's): its refusals are logged.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Own;
+
 /// Marks an answer of the gateway's own as Anthropic marks its answers: a `request-id` to
 /// quote in a report (kept if it has one), and a reason phrase on `529` (hyper knows none
 /// for it: the line would end bare).
 pub(crate) fn mark(mut response: Response<Body>) -> Response<Body> {
+    response.extensions_mut().insert(Own);
     if !response.headers().contains_key("request-id")
         && let Ok(id) = HeaderValue::from_str(&next_request_id())
     {

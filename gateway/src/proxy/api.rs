@@ -52,6 +52,7 @@ use crate::ledger::usage::Usage;
 use crate::own_answer::error_response;
 use crate::proxy::answer::relay;
 use crate::proxy::batches::{Batches, Owner};
+use crate::proxy::refusals::{self, Refused};
 use crate::proxy::routes::{Route, route};
 use crate::proxy::upstreams::{Member, Upstreams};
 use crate::server::{Hangup, Holding, stopped};
@@ -308,6 +309,18 @@ pub(crate) async fn handle(
     req: Request<Incoming>,
 ) -> Response<Body> {
     let route = route(req.method(), req.uri().path());
+    let response = answer(gw, peer, req, route).await;
+    refusals::log(route.name(), &response);
+    response
+}
+
+/// The answer to `req` on `route`.
+async fn answer(
+    gw: Arc<Gateway>,
+    peer: IpAddr,
+    req: Request<Incoming>,
+    route: Route,
+) -> Response<Body> {
     match route {
         Route::NotCanonical => {
             return closing(error_response(
@@ -522,6 +535,7 @@ async fn messages(
         );
     }
     let tenant = job.tenant().clone();
+    let tier = job.tier().cloned();
     let model = gw.upstreams.model(&bytes);
     let mut req = Request::from_parts(parts, Full::new(bytes));
     req.extensions_mut().insert(job);
@@ -555,7 +569,19 @@ async fn messages(
             };
             to_client(gw, (&live, &tenant), response, relayed)
         }
-        Err(error) => failed(&error, trace),
+        Err(error) => {
+            let mut response = failed(&error, trace);
+            let tier = match error.downcast_ref::<fairgate::Busy>() {
+                Some(busy) => Some(busy.tier().clone()),
+                None => tier,
+            };
+            response.extensions_mut().insert(Refused {
+                tenant,
+                tier,
+                reason: error.to_string(),
+            });
+            response
+        }
     }
 }
 
@@ -745,10 +771,9 @@ fn failed(error: &BoxError, trace: Option<Trace>) -> Response<Body> {
     if let Some(trace) = trace {
         trace.finish(response.status().as_u16(), (None, None));
     }
+    // A refusal is logged with its request id where the answer leaves (`refusals`).
     if response.status() == StatusCode::BAD_GATEWAY {
         warn!(error = %error, "upstream call failed");
-    } else {
-        info!(status = response.status().as_u16(), reason = %error, "refused");
     }
     response
 }

@@ -11,6 +11,7 @@ pub(crate) mod api;
 pub(crate) mod batches;
 pub(crate) mod cut_stream;
 pub(crate) mod http2;
+pub(crate) mod refusals;
 pub(crate) mod routes;
 pub(crate) mod upstream;
 pub(crate) mod upstreams;

@@ -74,6 +74,19 @@ pub(crate) enum BatchRoute {
     Delete,
 }
 
+impl Route {
+    /// The route's name in logs.
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            Route::Messages => "messages",
+            Route::Batch(_) => "batches",
+            Route::Forward => "forward",
+            Route::NotFound => "not_found",
+            Route::NotCanonical => "not_canonical",
+        }
+    }
+}
+
 /// Whether `path` is in the canonical form described in the module docs.
 pub(crate) fn is_canonical(path: &str) -> bool {
     let Some(rest) = path.strip_prefix('/') else {

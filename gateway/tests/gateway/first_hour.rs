@@ -357,6 +357,30 @@ async fn the_gateways_own_answers_carry_a_request_id_and_529_its_reason_phrase()
     assert!(id.starts_with("req_fairgate_"), "{id}");
     mock.set_delay(Duration::ZERO);
     assert_eq!(first.await.unwrap().unwrap(), 200);
+
+    // Each refusal is one log line with the id its client was told; a refusal of the stack
+    // names the tenant, the tier and the reason.
+    let log = std::fs::read_to_string(&gateway.log).unwrap();
+    let line = |id: &str| {
+        let lines: Vec<&str> = log.lines().filter(|l| l.contains(id)).collect();
+        assert_eq!(lines.len(), 1, "one line for {id}:\n{log}");
+        lines[0].to_owned()
+    };
+    for (id, status) in ids.iter().zip(["401", "401", "404"]) {
+        let line = line(id);
+        assert!(line.contains("refused") && line.contains(status), "{line}");
+    }
+    let line = line(id);
+    for part in [
+        "refused",
+        "529",
+        "messages",
+        "team-guest",
+        "tier=\"guest\"",
+        "server busy",
+    ] {
+        assert!(line.contains(part), "{part} missing: {line}");
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
