@@ -25,6 +25,8 @@
 //! a key of the wrong type is refused by a message of our own, not serde's, which would
 //! quote the value).
 
+pub(crate) mod upstreams;
+
 use std::collections::{BTreeMap, HashSet};
 use std::fmt;
 use std::path::Path;
@@ -37,7 +39,6 @@ use toml::Spanned;
 
 use crate::admission::cost::{CostModel, CostTable};
 use crate::admission::identity::{Claims, Identities, KeyPolicy, origin_name, parse_origin};
-pub(crate) mod upstreams;
 
 use self::upstreams::{UpstreamEntry, UpstreamSpec};
 
