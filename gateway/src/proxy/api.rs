@@ -569,20 +569,29 @@ async fn messages(
             };
             to_client(gw, (&live, &tenant), response, relayed)
         }
-        Err(error) => {
-            let mut response = failed(&error, trace);
-            let tier = match error.downcast_ref::<fairgate::Busy>() {
-                Some(busy) => Some(busy.tier().clone()),
-                None => tier,
-            };
-            response.extensions_mut().insert(Refused {
-                tenant,
-                tier,
-                reason: error.to_string(),
-            });
-            response
-        }
+        Err(error) => refused_by_stack(&error, trace, tenant, tier),
     }
+}
+
+/// The answer to a call the stack refused (or the upstream failed), marked with who it
+/// was for and why, for its log line (`refusals`).
+fn refused_by_stack(
+    error: &BoxError,
+    trace: Option<Trace>,
+    tenant: TenantId,
+    tier: Option<fairgate::Tier>,
+) -> Response<Body> {
+    let mut response = failed(error, trace);
+    let tier = match error.downcast_ref::<fairgate::Busy>() {
+        Some(busy) => Some(busy.tier().clone()),
+        None => tier,
+    };
+    response.extensions_mut().insert(Refused {
+        tenant,
+        tier,
+        reason: error.to_string(),
+    });
+    response
 }
 
 /// What the relay of an answer to its client holds and needs.
