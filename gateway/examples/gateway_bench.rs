@@ -23,8 +23,11 @@
 
 #[path = "../../tests/support/anthropic.rs"]
 mod anthropic;
+#[path = "gateway_bench/cost.rs"]
+mod cost;
 
 use std::net::TcpListener;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -61,28 +64,41 @@ fn free_port() -> u16 {
         .port()
 }
 
-fn start_gateway(upstream: &str, redis: Option<&str>) -> (Gateway, String) {
-    // The program is built beside the examples' folder: target/release/fairgate-gateway.
+/// The program built beside the examples' folder: target/release/fairgate-gateway.
+fn sibling_binary() -> PathBuf {
     let exe = std::env::current_exe().unwrap();
-    let binary = exe
-        .parent()
-        .and_then(std::path::Path::parent)
+    exe.parent()
+        .and_then(Path::parent)
         .expect("target/release/examples")
-        .join("fairgate-gateway");
+        .join("fairgate-gateway")
+}
+
+/// Starts the gateway program `binary` in front of `upstream` (caps high enough never to
+/// refuse), and waits for its API port. Its keys file has the service key when `users`
+/// (a build older than service keys refuses it).
+fn start_gateway(
+    binary: &Path,
+    upstream: &str,
+    redis: Option<&str>,
+    users: bool,
+) -> (Gateway, String) {
     assert!(
         binary.exists(),
         "{} missing: cargo build --release -p fairgate-gateway --bin fairgate-gateway",
         binary.display()
     );
     let keys = std::env::temp_dir().join(format!("gateway-bench-{}.toml", std::process::id()));
+    let service = format!(
+        "[[keys]]\nkey = \"{SERVICE_KEY}\"\ntenant = \"bench-service\"\nusers = true\n\
+         tier = \"premium\"\n\n"
+    );
     std::fs::write(
         &keys,
         format!(
-            "[[keys]]\nkey = \"{KEY}\"\ntenant = \"bench\"\ntier = \"premium\"\n\n\
-             [[keys]]\nkey = \"{SERVICE_KEY}\"\ntenant = \"bench-service\"\nusers = true\n\
-             tier = \"premium\"\n\n\
+            "[[keys]]\nkey = \"{KEY}\"\ntenant = \"bench\"\ntier = \"premium\"\n\n{}\
              [limits]\nglobal_max = 512\ndaily_token_budget = 1000000000\n\n\
-             [[tiers]]\nname = \"premium\"\ncap = 512\nmax_wait_ms = 60000\n"
+             [[tiers]]\nname = \"premium\"\ncap = 512\nmax_wait_ms = 60000\n",
+            if users { service.as_str() } else { "" }
         ),
     )
     .unwrap();
@@ -105,10 +121,12 @@ fn start_gateway(upstream: &str, redis: Option<&str>) -> (Gateway, String) {
     if let Some(url) = redis {
         cmd.args(["--redis", url]);
     }
-    let gateway = Gateway(cmd.spawn().expect("start the gateway"));
+    let mut gateway = Gateway(cmd.spawn().expect("start the gateway"));
     let url = format!("http://127.0.0.1:{port}");
     let deadline = Instant::now() + Duration::from_secs(20);
     while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+        let exited = gateway.0.try_wait().expect("the gateway's state");
+        assert!(exited.is_none(), "the gateway stopped: {exited:?}");
         assert!(Instant::now() < deadline, "the gateway did not start");
         std::thread::sleep(Duration::from_millis(20));
     }
@@ -223,23 +241,57 @@ fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1_000.0
 }
 
-#[tokio::main(flavor = "multi_thread", worker_threads = 1)]
-async fn main() {
+/// The command line: `--name value` pairs, and `--cost` and `--no-users` alone.
+#[derive(Default)]
+struct Flags {
+    requests: Option<usize>,
+    concurrency: Option<usize>,
+    redis: Option<String>,
+    rounds: Option<usize>,
+    cost: bool,
+    no_users: bool,
+    gateway: Option<PathBuf>,
+    baseline: Option<PathBuf>,
+    seed: Option<u64>,
+}
+
+fn flags() -> Flags {
+    let mut flags = Flags::default();
     let mut args = std::env::args().skip(1);
-    let (mut requests, mut concurrency, mut redis, mut rounds) = (None, 32usize, None, 5usize);
     while let Some(arg) = args.next() {
+        if arg == "--cost" || arg == "--no-users" {
+            flags.cost |= arg == "--cost";
+            flags.no_users |= arg == "--no-users";
+            continue;
+        }
         let value = args.next().unwrap_or_else(|| panic!("{arg} needs a value"));
+        let number = |what: &str| value.parse::<usize>().expect(what);
         match arg.as_str() {
-            "--requests" => requests = Some(value.parse::<usize>().expect("--requests N")),
-            "--concurrency" => concurrency = value.parse().expect("--concurrency C"),
-            "--redis" => redis = Some(value),
-            "--rounds" => rounds = value.parse::<usize>().expect("--rounds R").max(1),
+            "--requests" => flags.requests = Some(number("--requests N")),
+            "--concurrency" => flags.concurrency = Some(number("--concurrency C")),
+            "--rounds" => flags.rounds = Some(number("--rounds R").max(1)),
+            "--redis" => flags.redis = Some(value),
+            "--gateway" => flags.gateway = Some(value.into()),
+            "--baseline" => flags.baseline = Some(value.into()),
+            "--seed" => flags.seed = Some(value.parse().expect("--seed S")),
             other => panic!("unknown argument {other}"),
         }
     }
+    flags
+}
+
+#[tokio::main(flavor = "multi_thread", worker_threads = 1)]
+async fn main() {
+    let flags = flags();
+    if flags.cost {
+        return cost::main(flags).await;
+    }
+    let (requests, concurrency) = (flags.requests, flags.concurrency.unwrap_or(32));
+    let (redis, rounds) = (flags.redis, flags.rounds.unwrap_or(5));
+    let binary = flags.gateway.unwrap_or_else(sibling_binary);
     let mock = anthropic::MockAnthropic::start();
     mock.set_event_gap(Duration::ZERO);
-    let (_gateway, gateway) = start_gateway(&mock.url(), redis.as_deref());
+    let (_gateway, gateway) = start_gateway(&binary, &mock.url(), redis.as_deref(), true);
     let direct = mock.url();
     println!(
         "gateway overhead ({} store), loopback, release; mock: no delay, SSE back to back; median of {rounds} rounds",
