@@ -56,26 +56,31 @@ struct Figures {
     cpu_per_1000: f64,
     peak_mib: f64,
     idle_start_mib: f64,
+    /// Of which anonymous (`RssAnon`): the rest is the program's own code and libraries
+    /// mapped, which varies with how their files sit in the page cache.
+    idle_anon_mib: f64,
     idle_after_mib: f64,
     per_second: f64,
     p99_ms: f64,
 }
 
 impl Figures {
-    const NAMES: [&str; 6] = [
+    const NAMES: [&str; 7] = [
         "CPU s per 1,000 calls",
         "peak RSS MiB (VmHWM)",
         "idle RSS MiB at start",
+        "of which anonymous (RssAnon)",
         "idle RSS MiB after the load",
         "calls/s",
         "p99 ms",
     ];
 
-    fn values(&self) -> [f64; 6] {
+    fn values(&self) -> [f64; 7] {
         [
             self.cpu_per_1000,
             self.peak_mib,
             self.idle_start_mib,
+            self.idle_anon_mib,
             self.idle_after_mib,
             self.per_second,
             self.p99_ms,
@@ -171,7 +176,7 @@ async fn round(binary: &Path, upstream: &str, plan: &Plan, concurrency: usize) -
     let (gateway, url) = start_gateway(binary, upstream, None, users);
     let pid = gateway.0.id();
     tokio::time::sleep(SETTLE).await;
-    let idle_start_mib = status_mib(pid, "VmRSS");
+    let (idle_start_mib, idle_anon_mib) = (status_mib(pid, "VmRSS"), status_mib(pid, "RssAnon"));
     let cpu = cpu_seconds(pid, ticks);
     let (per_second, p99_ms) = load(&url, plan, concurrency).await;
     let cpu = cpu_seconds(pid, ticks) - cpu;
@@ -181,6 +186,7 @@ async fn round(binary: &Path, upstream: &str, plan: &Plan, concurrency: usize) -
         cpu_per_1000: cpu * 1_000.0 / plan.len() as f64,
         peak_mib,
         idle_start_mib,
+        idle_anon_mib,
         idle_after_mib: status_mib(pid, "VmRSS"),
         per_second,
         p99_ms,
@@ -209,7 +215,7 @@ fn median(mut values: Vec<f64>) -> f64 {
 }
 
 fn print(rounds: &[Vec<Figures>], binaries: &[PathBuf], flags: &Flags, requests: usize) {
-    let medians: Vec<[f64; 6]> = rounds
+    let medians: Vec<[f64; 7]> = rounds
         .iter()
         .map(|runs| std::array::from_fn(|i| median(runs.iter().map(|f| f.values()[i]).collect())))
         .collect();
@@ -262,14 +268,16 @@ pub(crate) async fn main(flags: Flags) {
             let figures = round(&binaries[n], &mock.url(), &plan, concurrency).await;
             let v = figures.values();
             eprintln!(
-                "round {r} {}: cpu {:.3} s/1000, peak {:.1}, idle {:.1} / {:.1} MiB, {:.0} calls/s, p99 {:.1} ms",
+                "round {r} {}: cpu {:.3} s/1000, peak {:.1}, idle {:.1} ({:.1} anon) / {:.1} MiB, \
+                 {:.0} calls/s, p99 {:.1} ms",
                 ["this build", "baseline"][n],
                 v[0],
                 v[1],
                 v[2],
                 v[3],
                 v[4],
-                v[5]
+                v[5],
+                v[6]
             );
             rounds[n].push(figures);
         }
