@@ -198,7 +198,7 @@ fn plan(rng: &mut Rng, requests: usize, users: bool) -> Plan {
     (0..requests)
         .map(|_| {
             let draw = rng.next();
-            let user = (users && draw % 4 == 0).then(|| (draw >> 8) as usize % USERS);
+            let user = (users && draw.is_multiple_of(4)).then_some((draw >> 8) as usize % USERS);
             (draw >> 2 & 1 == 1, user)
         })
         .collect()
