@@ -3,9 +3,13 @@
 //! loopback. Bounded in count and time; run by hand, in release:
 //!
 //! ```sh
-//! cargo build --release -p fairgate-gateway --bin fairgate-gateway --example gateway_bench
+//! cargo build --release -p fairgate-gateway --bin fairgate-gateway
+//! cargo build --release -p fairgate-gateway --example gateway_bench
 //! target/release/examples/gateway_bench [--requests N] [--concurrency C] [--redis URL]
 //! ```
+//!
+//! Two commands: the program built with the example in one takes the dev-dependencies'
+//! features (tokio's `full` and `test-util`), and is not the binary users install.
 //!
 //! It starts the mock upstream (`tests/support/anthropic.rs`, no delay, SSE events sent back
 //! to back) in this process and the gateway binary built beside this one as a child process
