@@ -995,7 +995,8 @@ pub fn example_binary(name: &str) -> std::path::PathBuf {
     let path = profile.join("examples").join(name);
     assert!(
         path.exists(),
-        "{} missing: run the tests with --all-features",
+        "{} missing: the workspace's tests build it (`bash scripts/test`, or `cargo test \
+         --workspace --all-features`); `-p fairgate-gateway` alone does not",
         path.display()
     );
     path
